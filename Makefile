@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test ui bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m pipelines.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+ui: $(STAMP)
+	mkdir -p .dagster_home
+	DAGSTER_HOME=$(CURDIR)/.dagster_home $(VENV)/bin/dagster dev -w workspace.yaml
+
+bench: $(STAMP)
+	$(PY) benchmarks/save_restore.py --size-mb 256
+
+clean:
+	rm -rf $(VENV) .demo .bench .pytest_cache

@@ -1,0 +1,1 @@
+"""Dagster layer: assets (filled in by the lifecycle issue)."""

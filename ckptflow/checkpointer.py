@@ -1,0 +1,297 @@
+"""``Checkpointer``: the API training code calls on every rank.
+
+Saves go through torch.distributed.checkpoint into a content-addressed store; restores
+pick the newest checkpoint that verifies, load it into staging buffers, and only touch
+the live model once every rank has loaded the same step cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from collections.abc import MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from ckptflow import catalog
+from ckptflow import format as fmt
+from ckptflow.catalog import CheckpointInfo, VerifyReport
+from ckptflow.chunks import ChunkStore
+from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec
+from ckptflow.distributed import Group
+from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, NoValidCheckpointError
+from ckptflow.policies import SavePolicy
+from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, to_state_dicts, unflatten
+from ckptflow.store import Store, open_store
+
+log = logging.getLogger("ckptflow")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    kind: str
+    info: CheckpointInfo | None  # on the coordinator rank; None elsewhere
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    step: int
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # newest first
+    metadata: dict = field(default_factory=dict)
+    rng_restored: bool = False
+
+
+class SaveHandle:
+    """An async save in flight. ``wait()`` returns its ``SaveResult`` or raises its error."""
+
+    def __init__(self, future: Future, writer: CheckpointWriter, blocked_s: float):
+        self._future, self._writer = future, writer
+        self.step, self.kind = writer.spec.step, writer.spec.kind
+        self.blocked_s = blocked_s  # how long the caller was held (host copy of tensors)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        with _dcp_call():
+            self._future.result(timeout)
+        manifest = self._writer.manifest
+        return SaveResult(self.step, self.kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: str | Store,
+        run: str,
+        *,
+        policy: SavePolicy | None = None,
+        chunk_bytes: int = 8 << 20,
+        codec: str = "raw",
+        threads: int | None = None,
+        process_group: Any = None,
+        restore_rng: bool = True,
+        progress: Progress | None = None,
+    ):
+        self.store = open_store(root)
+        self.run = fmt.validate_run(run)
+        self.policy = policy
+        self.chunk_bytes, self.codec, self.progress = int(chunk_bytes), codec, progress
+        self.restore_rng = restore_rng
+        self.chunks = ChunkStore(self.store)
+        self.pool = ThreadPoolExecutor(threads or min(32, 4 * (os.cpu_count() or 1)), thread_name_prefix="ckptflow")
+        self.group = Group(process_group)
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        self._pending: SaveHandle | None = None
+        self._superseded: set[int] = set()
+
+    # ---- save -------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: MutableMapping[str, Any],
+        *,
+        metadata: dict | None = None,
+        kind: str | None = None,
+        blocking: bool = True,
+    ) -> SaveResult | SaveHandle | None:
+        """Write a checkpoint of ``state`` at ``step``.
+
+        ``kind`` defaults to the policy's choice (``None`` from the policy: nothing is
+        written and None is returned) or "full" without a policy. With
+        ``blocking=False`` the caller is held only while tensors are copied to host
+        memory; the returned handle's ``wait()`` gives the result.
+        """
+        fmt.validate_step(step)
+        if kind is None:
+            kind = self.policy.kind_for(step) if self.policy else "full"
+            if kind is None:
+                return None
+        if kind not in ("full", "incremental"):
+            raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
+        self.wait()
+        started = time.perf_counter()
+        self._clear_step(step)
+        base = self._latest_step_before(step)
+        if base is None:
+            kind = "full"
+        skeleton, tensors = flatten(to_state_dicts(state))
+        spec = SaveSpec(
+            run=self.run, step=step, kind=kind, base_step=base, skeleton=skeleton,
+            rng=capture_rng(), metadata=dict(metadata or {}), world_size=self.group.world_size,
+            chunk_bytes=self.chunk_bytes, codec=self.codec,
+        )
+        writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
+        kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
+        if blocking:
+            with _dcp_call():
+                dcp.save(tensors, **kwargs)
+            manifest = writer.manifest
+            return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
+        with _dcp_call():
+            future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)
+        self._pending = SaveHandle(future, writer, time.perf_counter() - started)
+        return self._pending
+
+    def wait(self) -> SaveResult | None:
+        """Block until the async save in flight (if any) is committed."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending else None
+
+    def _latest_step_before(self, step: int) -> int | None:
+        if self.group.rank == 0:
+            older = [s for s in catalog.list_steps(self.store, self.run) if s < step and s not in self._superseded]
+            latest = older[-1] if older else None
+        else:
+            latest = None
+        return self.group.broadcast(latest)
+
+    def _clear_step(self, step: int) -> None:
+        """Refuse to overwrite a good commit; move aside one that restore rejected."""
+        if self.group.rank != 0 or not self.store.exists(fmt.manifest_key(self.run, step)):
+            return
+        try:
+            catalog.read_manifest(self.store, self.run, step)
+            valid = step not in self._superseded
+        except ManifestError:
+            valid = False
+        if valid:
+            raise CheckpointExistsError(
+                f"step {step} of run {self.run!r} is already committed in {self.store.url}; "
+                "save under a new step, or delete that checkpoint first (retention / `ckptflow gc`)"
+            )
+        key = fmt.manifest_key(self.run, step)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        self.store.put_if_absent(fmt.quarantine_key(self.run, step, stamp), self.store.get(key))
+        self.store.delete(key)
+        log.warning("moved the rejected manifest of step %d aside to %s", step, fmt.quarantine_key(self.run, step, stamp))
+
+    # ---- restore ----------------------------------------------------------------------
+    def restore(self, state: MutableMapping[str, Any], *, step: int | None = None) -> RestoreResult:
+        """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
+
+        Every candidate is verified while it loads; a failure on any rank records the
+        reason and moves all ranks to the next older candidate together. ``step=``
+        never falls back: an invalid checkpoint raises ``NoValidCheckpointError``.
+        """
+        self.wait()
+        if step is not None:
+            fmt.validate_step(step)
+            candidates = [step]
+        else:
+            candidates = self.group.broadcast(
+                sorted(catalog.list_steps(self.store, self.run), reverse=True) if self.group.rank == 0 else None
+            )
+        live_skeleton, live = flatten(to_state_dicts(state))
+        skipped: list[tuple[int, str]] = []
+        for cand in candidates:
+            outcome = self._try_load(cand, live)
+            failures = [f for f in self.group.all_gather(outcome[0]) if f]
+            if not failures:
+                manifest, record, staged = outcome[1]
+                load_state_dicts(state, unflatten(record["state"], staged))
+                rng_ok = False
+                if self.restore_rng and record.get("rng") and record["rank"] == self.group.rank:
+                    restore_rng(record["rng"])
+                    rng_ok = True
+                self._superseded = {s for s, _ in skipped}
+                return RestoreResult(cand, skipped, manifest.get("metadata") or {}, rng_ok)
+            reason = "; ".join(dict.fromkeys(failures))
+            log.warning("skipping checkpoint %s step %d: %s", self.run, cand, reason)
+            skipped.append((cand, reason))
+        where = f"run {self.run!r} in {self.store.url}"
+        if step is not None:
+            raise NoValidCheckpointError(f"checkpoint step {step} of {where} cannot be restored: {skipped[0][1]}", skipped)
+        detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "no checkpoints at all"
+        raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
+
+    def _try_load(self, step: int, live: dict[str, torch.Tensor]) -> tuple[str | None, Any]:
+        """(failure reason or None, (manifest, rank record, staged tensors))."""
+        try:
+            manifest, _ = catalog.read_manifest(self.store, self.run, step)
+            saved_ranks = manifest["world_size"]
+            rank = self.group.rank if self.group.rank < saved_ranks else 0
+            record = catalog.read_rank_record(self.store, self.run, step, rank)
+        except CkptflowError as e:
+            return self._gathered_failure(str(e)), None
+        missing = set(live) - set(manifest["dcp"]["tensors"])
+        extra = set(manifest["dcp"]["tensors"]) - set(live)
+        if missing or extra:
+            return self._gathered_failure(
+                f"state does not match the checkpoint (missing from checkpoint: {sorted(missing)[:5]}, "
+                f"not in current state: {sorted(extra)[:5]})"
+            ), None
+        if self._gathered_failure(None):
+            return "another rank could not read this checkpoint's records", None
+        staged = {k: torch.empty_like(t) if _is_dtensor(t) else torch.empty(t.shape, dtype=t.dtype) for k, t in live.items()}
+        reader = CheckpointReader(self.chunks, manifest, self.pool, self.progress)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(staged, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
+        except Exception as e:  # DCP wraps per-rank errors in CheckpointException
+            return _root_cause(e), None
+        return None, (manifest, record, staged)
+
+    def _gathered_failure(self, reason: str | None) -> str | None:
+        """Agree across ranks before any collective load starts (else one rank would hang)."""
+        failures = [f for f in self.group.all_gather(reason) if f]
+        return "; ".join(dict.fromkeys(failures)) or None
+
+    # ---- inspection -------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        return catalog.list_checkpoints(self.store, self.run)
+
+    def verify(self, step: int) -> VerifyReport:
+        return catalog.verify_checkpoint(self.store, self.run, fmt.validate_step(step), self.pool, self.progress)
+
+    def close(self) -> None:
+        self.wait()
+        self._stager.close()
+        self.pool.shutdown()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _dcp_call():
+    """Silence DCP's single-process notice; surface our own error instead of DCP's wrapper."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            yield
+        except Exception as e:
+            failures = getattr(e, "failures", None)
+            if isinstance(failures, dict) and len(failures) == 1:
+                (cause,) = failures.values()
+                if isinstance(cause, CkptflowError):
+                    raise cause from e
+            raise
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _root_cause(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {_root_cause(x)}" for r, x in sorted(failures.items()))
+    tb = getattr(e, "args", ())
+    if isinstance(e, CkptflowError) or not tb:
+        return str(e) or type(e).__name__
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,93 @@
+"""Content-addressed chunk I/O over any ``Store``.
+
+Chunks are immutable and named by the sha256 of their raw bytes, so identical data
+(a frozen embedding, a tensor shared by two runs) is stored once, and every read can
+be checked against its own name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from ckptflow import codecs
+from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
+from ckptflow.format import chunk_key
+from ckptflow.store.base import Store
+
+
+@dataclass(frozen=True)
+class ChunkWrite:
+    digest: str
+    raw_bytes: int
+    stored_bytes: int  # encoded size in the store, header included
+    written: bool  # False when the chunk was already in the store and left alone
+
+
+def sha256(raw: memoryview | bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+class ChunkStore:
+    """Put and get verified chunks. Thread-safe; callers parallelise across chunks."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def put(
+        self,
+        raw: memoryview,
+        *,
+        digest: str | None = None,
+        codec: str = "raw",
+        itemsize: int = 1,
+        rewrite: bool = False,
+    ) -> ChunkWrite:
+        """Store ``raw``. ``rewrite`` replaces an existing copy instead of trusting it."""
+        digest = digest or sha256(raw)
+        key = chunk_key(digest)
+        if not rewrite:
+            try:
+                existing = self.store.stat(key)
+            except ObjectNotFoundError:
+                pass
+            else:
+                self.store.touch(key)  # restart GC's grace period: this save now uses it
+                return ChunkWrite(digest, len(raw), existing.size, False)
+        parts = codecs.encode(raw, codec, itemsize)
+        size = sum(len(p) for p in parts)
+        if rewrite:
+            self.store.replace(key, parts)
+            return ChunkWrite(digest, len(raw), size, True)
+        written = self.store.put_if_absent(key, parts)
+        return ChunkWrite(digest, len(raw), size, written)
+
+    def get(self, digest: str, expected_size: int | None = None) -> memoryview:
+        """Raw bytes of a chunk, verified against its address."""
+        key = chunk_key(digest)
+        try:
+            blob = self.store.get(key)
+        except ObjectNotFoundError:
+            raise CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}") from None
+        try:
+            raw = codecs.decode(blob)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
+        if expected_size is not None and len(raw) != expected_size:
+            raise CorruptChunkError(
+                f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {expected_size}"
+            )
+        actual = sha256(raw)
+        if actual != digest:
+            raise CorruptChunkError(
+                f"chunk {self.store.url}/{key} does not match its address (content hashes to {actual[:16]}…)"
+            )
+        return raw
+
+    def reencode(self, digest: str, codec: str, itemsize: int = 1, level: int = 3) -> tuple[int, int]:
+        """Verify then rewrite a chunk with another codec; (bytes before, bytes after)."""
+        before = self.store.stat(chunk_key(digest)).size
+        raw = self.get(digest)
+        parts = codecs.encode(raw, codec, itemsize, level)
+        self.store.replace(chunk_key(digest), parts)
+        return before, sum(len(p) for p in parts)

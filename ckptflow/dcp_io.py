@@ -1,0 +1,251 @@
+"""torch.distributed.checkpoint ``StorageWriter`` / ``StorageReader`` over a ckptflow store.
+
+DCP does the planning (replicated-tensor dedup, resharding on load, async staging);
+these classes only move bytes: each rank splits its write items into content-addressed
+chunks, hashes and writes them from a thread pool, writes its rank record, and the
+coordinator commits the manifest last. The reader verifies every chunk it reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.futures
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from ckptflow import format as fmt
+from ckptflow.chunks import ChunkStore, ChunkWrite
+from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_json, metadata_to_json
+from ckptflow.errors import CheckpointExistsError, UnsupportedStateError
+
+Progress = Callable[[int], None]
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+@dataclass
+class SaveSpec:
+    """Everything one rank's writer needs beyond the tensors DCP hands it."""
+
+    run: str
+    step: int
+    kind: str  # "full" rewrites every chunk; "incremental" trusts chunks already stored
+    base_step: int | None
+    skeleton: Any
+    rng: dict | None
+    metadata: dict
+    world_size: int
+    chunk_bytes: int = 8 << 20
+    codec: str = "raw"
+    created_at: float = field(default_factory=time.time)
+
+
+def _done(value: Any) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class CheckpointWriter(StorageWriter):
+    def __init__(self, chunks: ChunkStore, spec: SaveSpec, pool: ThreadPoolExecutor, progress: Progress | None = None):
+        super().__init__()
+        self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
+        self.rank = 0
+        self.is_coordinator = True
+        self.manifest: dict | None = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
+
+    def _put(self, piece: memoryview, itemsize: int) -> ChunkWrite:
+        write = self.chunks.put(piece, codec=self.spec.codec, itemsize=itemsize, rewrite=self.spec.kind == "full")
+        if self.progress:
+            self.progress(len(piece))
+        return write
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
+        pending = []
+        step = self.spec.chunk_bytes
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                raise UnsupportedStateError(f"{item.index.fqn!r} is not a tensor; ckptflow never pickles state")
+            tensor = planner.resolve_data(item)
+            raw = _bytes_view(tensor)
+            futures = [
+                self.pool.submit(self._put, raw[off : off + step], tensor.element_size())
+                for off in range(0, len(raw), step)
+            ]
+            pending.append((item, tensor, raw, futures))
+        results = []
+        for item, tensor, raw, futures in pending:
+            writes = [f.result() for f in futures]
+            data = {
+                "dtype": dtype_name(tensor.dtype),
+                "shape": list(tensor.shape),
+                "chunks": [[w.digest, w.raw_bytes] for w in writes],
+                "_writes": [[w.stored_bytes, w.written] for w in writes],
+            }
+            results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data))
+        self._write_rank_record(results)
+        return _done(results)
+
+    def _write_rank_record(self, results: list[WriteResult]) -> None:
+        spec = self.spec
+        record = {
+            "format_version": fmt.FORMAT_VERSION,
+            "run": spec.run,
+            "step": spec.step,
+            "rank": self.rank,
+            "world_size": spec.world_size,
+            "state": spec.skeleton,
+            "rng": spec.rng,
+            "items": len(results),
+        }
+        self.chunks.store.replace(fmt.rank_key(spec.run, spec.step, self.rank), fmt.seal(record))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        spec = self.spec
+        storage: dict[MetadataIndex, dict] = {}
+        chunk_sizes: dict[str, int] = {}
+        stored: dict[str, int] = {}
+        written_digests: set[str] = set()
+        written_bytes = logical = 0
+        for rank_results in results:
+            for wr in rank_results:
+                data = dict(wr.storage_data)
+                writes = data.pop("_writes")
+                storage[wr.index] = data
+                logical += wr.size_in_bytes
+                for (digest, raw_len), (size, was_written) in zip(data["chunks"], writes):
+                    chunk_sizes[digest] = raw_len
+                    stored[digest] = size
+                    if was_written and digest not in written_digests:
+                        written_digests.add(digest)
+                        written_bytes += raw_len
+        manifest = {
+            "format_version": fmt.FORMAT_VERSION,
+            "run": spec.run,
+            "step": spec.step,
+            "kind": spec.kind,
+            "base_step": spec.base_step,
+            "created_at": spec.created_at,
+            "committed_at": time.time(),
+            "world_size": spec.world_size,
+            "codec": spec.codec,
+            "metadata": spec.metadata,
+            "dcp": metadata_to_json(metadata, storage),
+            "chunks": dict(sorted(chunk_sizes.items())),
+            "stats": {
+                "logical_bytes": logical,
+                "unique_bytes": sum(chunk_sizes.values()),
+                "stored_bytes": sum(stored.values()),
+                "chunks": len(chunk_sizes),
+                "chunks_written": len(written_digests),
+                "bytes_written": written_bytes,
+            },
+        }
+        key = fmt.manifest_key(spec.run, spec.step)
+        if not self.chunks.store.put_if_absent(key, fmt.seal(manifest)):
+            raise CheckpointExistsError(
+                f"step {spec.step} of run {spec.run!r} was committed by another writer while this save ran "
+                f"({self.chunks.store.url}/{key}); this save's data is unreferenced and GC will reclaim it"
+            )
+        self.manifest = manifest
+
+
+class CheckpointReader(StorageReader):
+    """Reads one committed checkpoint; every chunk is verified against its address."""
+
+    def __init__(self, chunks: ChunkStore, manifest: dict, pool: ThreadPoolExecutor, progress: Progress | None = None):
+        super().__init__()
+        self.chunks, self.manifest, self.pool, self.progress = chunks, manifest, pool, progress
+        self.metadata, self.storage = metadata_from_json(manifest["dcp"])
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _fetch_into(self, dst, offset: int, digest: str, size: int) -> None:
+        raw = self.chunks.get(digest, expected_size=size)
+        dst[offset : offset + size] = raw
+        if self.progress:
+            self.progress(size)
+
+    def _load_item(self, index: MetadataIndex) -> tuple[torch.Tensor, list[Future]]:
+        data = self.storage[index]
+        dtype = dtype_from_name(data["dtype"])
+        tensor = torch.empty(data["shape"], dtype=dtype)
+        dst = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else None
+        futures, offset = [], 0
+        for digest, size in data["chunks"]:
+            futures.append(self.pool.submit(self._fetch_into, dst, offset, digest, size))
+            offset += size
+        return tensor, futures
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        by_storage: dict[MetadataIndex, list] = defaultdict(list)
+        for req in plan.items:
+            by_storage[req.storage_index].append(req)
+        loading = [(self._load_item(index), reqs) for index, reqs in by_storage.items()]
+        try:
+            for (tensor, futures), reqs in loading:
+                for f in futures:
+                    f.result()
+                for req in reqs:
+                    src = tensor
+                    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                        src = src.narrow(dim, start, length)
+                    target = planner.resolve_tensor(req).detach()
+                    target.copy_(src)
+                    planner.commit_tensor(req, target)
+        finally:
+            for (_, futures), _ in loading:
+                for f in futures:
+                    f.cancel()
+        return _done(None)

@@ -1,0 +1,44 @@
+"""Every error ckptflow raises on purpose derives from ``CkptflowError``.
+
+Messages say what went wrong, where (store URL, run, step, key) and what to do,
+so an operator can act on a log line without reading the source.
+"""
+
+
+class CkptflowError(Exception):
+    """Base class for all ckptflow errors."""
+
+
+class InvalidNameError(CkptflowError, ValueError):
+    """A run name, step or store key that could escape the store root or break keys."""
+
+
+class ObjectNotFoundError(CkptflowError, KeyError):
+    """A key that the store does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class CorruptChunkError(CkptflowError):
+    """A chunk whose bytes do not match its content address or whose header is unreadable."""
+
+
+class ManifestError(CkptflowError):
+    """A manifest or rank record that is missing, unparsable or fails its checksum."""
+
+
+class CheckpointExistsError(CkptflowError):
+    """A save to a step that already has a valid commit record."""
+
+
+class NoValidCheckpointError(CkptflowError):
+    """Restore found nothing it could load; ``skipped`` says why for each candidate."""
+
+    def __init__(self, message: str, skipped: list[tuple[int, str]] | None = None):
+        super().__init__(message)
+        self.skipped = skipped or []
+
+
+class UnsupportedStateError(CkptflowError, TypeError):
+    """A state value that cannot be stored without pickle."""

@@ -1,0 +1,31 @@
+"""Pure policy decisions: no storage, no clocks, trivially testable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Which kind of checkpoint (if any) to write at a step.
+
+    Full checkpoints rewrite every chunk and so never depend on bytes written earlier;
+    incremental ones write only chunks whose content the store does not hold yet.
+    Both restore on their own.
+    """
+
+    full_every: int = 1000
+    incremental_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.full_every <= 0:
+            raise ValueError(f"full_every must be positive, got {self.full_every}")
+        if self.incremental_every is not None and self.incremental_every <= 0:
+            raise ValueError(f"incremental_every must be positive or None, got {self.incremental_every}")
+
+    def kind_for(self, step: int) -> str | None:
+        if step % self.full_every == 0:
+            return "full"
+        if self.incremental_every and step % self.incremental_every == 0:
+            return "incremental"
+        return None

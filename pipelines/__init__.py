@@ -1,0 +1,1 @@
+"""Dagster layer: pipelines (filled in by the lifecycle issue)."""

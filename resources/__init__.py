@@ -1,0 +1,1 @@
+"""Dagster layer: resources (filled in by the lifecycle issue)."""

@@ -1,0 +1,1 @@
+"""Dagster layer: sensors (filled in by the lifecycle issue)."""
