@@ -13,6 +13,7 @@ from typing import Any
 
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
+from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.errors import CkptflowError, ManifestError, ObjectNotFoundError
 from ckptflow.store.base import Store
 
@@ -82,15 +83,67 @@ def read_manifest(store: Store, run: str, step: int) -> tuple[dict, str]:
     except ObjectNotFoundError:
         raise ManifestError(f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)") from None
     manifest = fmt.unseal(blob, f"manifest {store.url}/{key}")
-    for name in ("run", "step", "kind", "stats", "dcp", "chunks", "world_size", "created_at"):
-        if name not in manifest:
-            raise ManifestError(f"manifest {store.url}/{key} lacks field {name!r}; it is malformed")
+    _check_shape(manifest, f"manifest {store.url}/{key}")
     if manifest["run"] != run or manifest["step"] != step:
         raise ManifestError(
             f"manifest {store.url}/{key} describes run {manifest['run']!r} step {manifest['step']}, "
             f"not run {run!r} step {step}: it was copied to the wrong place"
         )
     return manifest, fmt.digest_of(blob)
+
+
+_FIELDS: dict[str, Any] = {
+    "run": str, "step": int, "kind": str, "stats": dict, "dcp": dict, "chunks": dict,
+    "world_size": int, "created_at": (int, float),
+}
+_STATS = ("logical_bytes", "stored_bytes", "chunks", "bytes_written")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_shape(manifest: dict, where: str) -> None:
+    """A sealed manifest can still be malformed (a buggy or foreign writer): check the
+    structure everything downstream indexes into, so readers get a ``ManifestError``
+    (skip / report) instead of a KeyError or TypeError deep inside restore, verify or list."""
+
+    def bad(what: str) -> ManifestError:
+        return ManifestError(f"{where} {what}; it is malformed")
+
+    def check_dtype(name: str) -> None:
+        try:
+            dtype_from_name(name)
+        except ManifestError as e:
+            raise ManifestError(f"{where}: {e}") from None
+
+    for name, types in _FIELDS.items():
+        if name not in manifest:
+            raise bad(f"lacks field {name!r}")
+        value = manifest[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise bad(f"has field {name!r} of type {type(value).__name__}")
+    if manifest["world_size"] < 1:
+        raise bad(f"has world_size {manifest['world_size']}")
+    if not all(_is_int(manifest["stats"].get(k)) for k in _STATS):
+        raise bad(f"has stats without all of {list(_STATS)}")
+    chunks = manifest["chunks"]
+    if not all(_is_int(size) and size >= 0 for size in chunks.values()):
+        raise bad("has a chunk size that is not a non-negative integer")
+    dcp = manifest["dcp"]
+    if not isinstance(dcp.get("tensors"), dict) or not isinstance(dcp.get("items"), list):
+        raise bad("has a DCP index without 'tensors' and 'items'")
+    for fqn, tensor in dcp["tensors"].items():
+        if not isinstance(tensor, dict) or not isinstance(tensor.get("dtype"), str) or not isinstance(tensor.get("chunks"), list):
+            raise bad(f"has a DCP index entry {fqn!r} without dtype and chunks")
+        check_dtype(tensor["dtype"])
+    for item in dcp["items"]:
+        if not isinstance(item, dict) or not isinstance(item.get("chunks"), list) or not isinstance(item.get("dtype"), str):
+            raise bad("has a DCP storage item without chunks or dtype")
+        check_dtype(item["dtype"])
+        for ref in item["chunks"]:
+            if not (isinstance(ref, list) and len(ref) == 2 and isinstance(ref[0], str) and ref[0] in chunks and chunks[ref[0]] == ref[1]):
+                raise bad(f"has item {item.get('fqn')!r} referencing a chunk missing from its chunk list")
 
 
 def read_rank_record(store: Store, run: str, step: int, rank: int) -> dict:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow import catalog
@@ -33,6 +34,8 @@ from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, 
 from ckptflow.store import Store, open_store
 
 log = logging.getLogger("ckptflow")
+# Single-process use (no process group) is a supported mode here, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,19 @@ class SaveHandle:
         self._future, self._writer = future, writer
         self.step, self.kind = writer.spec.step, writer.spec.kind
         self.blocked_s = blocked_s  # how long the caller was held (host copy of tensors)
+        self.error_reported = False
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        with _dcp_call():
-            self._future.result(timeout)
+        try:
+            with _dcp_call():
+                self._future.result(timeout)
+        except BaseException:
+            if self._future.done():  # the save's own failure (not a wait timeout): reported now,
+                self.error_reported = True  # so Checkpointer.wait() must not raise it again
+            raise
         manifest = self._writer.manifest
         return SaveResult(self.step, self.kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
 
@@ -121,8 +130,7 @@ class Checkpointer:
             raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
         self.wait()
         started = time.perf_counter()
-        self._clear_step(step)
-        base = self._latest_step_before(step)
+        base = self._prepare_step(step)
         if base is None:
             kind = "full"
         skeleton, tensors = flatten(to_state_dicts(state))
@@ -146,19 +154,30 @@ class Checkpointer:
     def wait(self) -> SaveResult | None:
         """Block until the async save in flight (if any) is committed."""
         pending, self._pending = self._pending, None
-        return pending.wait() if pending else None
+        if pending is None or pending.error_reported:
+            return None  # a failure already raised by the handle's own wait() is not raised again
+        return pending.wait()
 
-    def _latest_step_before(self, step: int) -> int | None:
+    def _prepare_step(self, step: int) -> int | None:
+        """Rank 0 checks the step is free and finds the base step; every rank gets the
+        same answer or raises the same error (a lone raise would hang the others)."""
+        base: int | None = None
+        error: CkptflowError | None = None
         if self.group.rank == 0:
-            older = [s for s in catalog.list_steps(self.store, self.run) if s < step and s not in self._superseded]
-            latest = older[-1] if older else None
-        else:
-            latest = None
-        return self.group.broadcast(latest)
+            try:
+                self._clear_step(step)
+                older = [s for s in catalog.list_steps(self.store, self.run) if s < step and s not in self._superseded]
+                base = older[-1] if older else None
+            except CkptflowError as e:
+                error = e
+        base, error = self.group.broadcast((base, error))
+        if error is not None:
+            raise error
+        return base
 
     def _clear_step(self, step: int) -> None:
         """Refuse to overwrite a good commit; move aside one that restore rejected."""
-        if self.group.rank != 0 or not self.store.exists(fmt.manifest_key(self.run, step)):
+        if not self.store.exists(fmt.manifest_key(self.run, step)):
             return
         try:
             catalog.read_manifest(self.store, self.run, step)
@@ -236,11 +255,11 @@ class Checkpointer:
         staged = {k: torch.empty_like(t) if _is_dtensor(t) else torch.empty(t.shape, dtype=t.dtype) for k, t in live.items()}
         reader = CheckpointReader(self.chunks, manifest, self.pool, self.progress)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(staged, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
-        except Exception as e:  # DCP wraps per-rank errors in CheckpointException
+            dcp.load(staged, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             return _root_cause(e), None
+        if reader.failure:
+            return reader.failure, None
         return None, (manifest, record, staged)
 
     def _gathered_failure(self, reason: str | None) -> str | None:
@@ -269,28 +288,31 @@ class Checkpointer:
 
 @contextlib.contextmanager
 def _dcp_call():
-    """Silence DCP's single-process notice; surface our own error instead of DCP's wrapper."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            yield
-        except Exception as e:
-            failures = getattr(e, "failures", None)
-            if isinstance(failures, dict) and len(failures) == 1:
-                (cause,) = failures.values()
-                if isinstance(cause, CkptflowError):
-                    raise cause from e
-            raise
+    """Surface our own error instead of DCP's multi-rank wrapper when there is one cause."""
+    try:
+        yield
+    except CheckpointException as e:
+        # DCP's failures map rank -> (exception, traceback summary); CheckpointException is
+        # a BaseException, so re-raise the cause (an Exception) where there is exactly one.
+        causes = [_unwrap(c) for c in e.failures.values()]
+        if len(causes) == 1 and isinstance(causes[0], Exception):
+            raise causes[0] from None
+        raise
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def _unwrap(failure: Any) -> BaseException:
+    """DCP stores each rank's failure as ``(exception, StackSummary)``."""
+    return failure[0] if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException) else failure
+
+
 def _root_cause(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
     if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {r}: {_root_cause(x)}" for r, x in sorted(failures.items()))
+        return "; ".join(f"rank {r}: {_root_cause(_unwrap(x))}" for r, x in sorted(failures.items()))
     tb = getattr(e, "args", ())
     if isinstance(e, CkptflowError) or not tb:
         return str(e) or type(e).__name__

@@ -68,7 +68,7 @@ class ChunkStore:
         try:
             blob = self.store.get(key)
         except ObjectNotFoundError:
-            raise CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}") from None
+            raise self._missing(digest, key) from None
         try:
             raw = codecs.decode(blob)
         except CorruptChunkError as e:
@@ -77,12 +77,39 @@ class ChunkStore:
             raise CorruptChunkError(
                 f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {expected_size}"
             )
+        self._verify(digest, key, raw)
+        return raw
+
+    def get_into(self, digest: str, out: memoryview) -> None:
+        """Fill ``out`` (exactly the chunk's raw size) with the chunk's verified raw bytes.
+
+        A raw chunk on a store that can scatter-read (``get_into``) lands directly in
+        ``out``: no intermediate buffer and no copy. Anything else (an encoded chunk,
+        a store without it, a size that does not match) goes through ``get``.
+        """
+        out = memoryview(out).cast("B")
+        key = chunk_key(digest)
+        read_into = getattr(self.store, "get_into", None)
+        if read_into is not None:
+            header = bytearray(codecs.HEADER.size)
+            try:
+                size = read_into(key, [header, out])
+            except ObjectNotFoundError:
+                raise self._missing(digest, key) from None
+            if size == len(header) + len(out) and codecs.raw_length(header) == len(out):
+                self._verify(digest, key, out)
+                return
+        out[:] = self.get(digest, expected_size=len(out))
+
+    def _missing(self, digest: str, key: str) -> CorruptChunkError:
+        return CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}")
+
+    def _verify(self, digest: str, key: str, raw: memoryview | bytes) -> None:
         actual = sha256(raw)
         if actual != digest:
             raise CorruptChunkError(
                 f"chunk {self.store.url}/{key} does not match its address (content hashes to {actual[:16]}…)"
             )
-        return raw
 
     def reencode(self, digest: str, codec: str, itemsize: int = 1, level: int = 3) -> tuple[int, int]:
         """Verify then rewrite a chunk with another codec; (bytes before, bytes after)."""

@@ -55,6 +55,14 @@ def header_codec(blob: bytes) -> str:
     return CODEC_NAMES.get(blob[4], f"unknown({blob[4]})")
 
 
+def raw_length(header: bytes | bytearray | memoryview) -> int | None:
+    """The payload length a raw-codec header announces; None for any other header."""
+    if len(header) < HEADER.size:
+        return None
+    magic, codec, _itemsize, raw_len = HEADER.unpack_from(header)
+    return raw_len if magic == MAGIC and codec == RAW else None
+
+
 def decode(blob: bytes) -> memoryview:
     """The raw bytes of an encoded chunk; ``CorruptChunkError`` if the framing is broken."""
     if len(blob) < HEADER.size:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore, ChunkWrite
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_json, metadata_to_json
-from ckptflow.errors import CheckpointExistsError, UnsupportedStateError
+from ckptflow.errors import CheckpointExistsError, CkptflowError, CorruptChunkError, UnsupportedStateError
 
 Progress = Callable[[int], None]
 
@@ -191,6 +191,7 @@ class CheckpointReader(StorageReader):
         super().__init__()
         self.chunks, self.manifest, self.pool, self.progress = chunks, manifest, pool, progress
         self.metadata, self.storage = metadata_from_json(manifest["dcp"])
+        self.failure: str | None = None  # why this rank's read failed; the caller agrees across ranks
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -211,41 +212,73 @@ class CheckpointReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _fetch_into(self, dst, offset: int, digest: str, size: int) -> None:
-        raw = self.chunks.get(digest, expected_size=size)
-        dst[offset : offset + size] = raw
+    def _fetch_into(self, dst: memoryview, digest: str) -> None:
+        self.chunks.get_into(digest, dst)
         if self.progress:
-            self.progress(size)
+            self.progress(len(dst))
 
-    def _load_item(self, index: MetadataIndex) -> tuple[torch.Tensor, list[Future]]:
-        data = self.storage[index]
-        dtype = dtype_from_name(data["dtype"])
-        tensor = torch.empty(data["shape"], dtype=dtype)
-        dst = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else None
+    def _start_reads(self, index: MetadataIndex, buffer: torch.Tensor) -> list[Future]:
+        """Read stored item ``index`` into ``buffer`` (contiguous CPU, its dtype and shape)."""
+        raw = _writable_bytes(buffer)
+        chunks = self.storage[index]["chunks"]
+        if sum(size for _, size in chunks) != len(raw):
+            raise CorruptChunkError(
+                f"{index.fqn!r}: the manifest's chunks hold {sum(size for _, size in chunks)} bytes, "
+                f"its shape and dtype need {len(raw)}"
+            )
         futures, offset = [], 0
-        for digest, size in data["chunks"]:
-            futures.append(self.pool.submit(self._fetch_into, dst, offset, digest, size))
+        for digest, size in chunks:
+            futures.append(self.pool.submit(self._fetch_into, raw[offset : offset + size], digest))
             offset += size
-        return tensor, futures
+        return futures
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         by_storage: dict[MetadataIndex, list] = defaultdict(list)
         for req in plan.items:
             by_storage[req.storage_index].append(req)
-        loading = [(self._load_item(index), reqs) for index, reqs in by_storage.items()]
+        loading: list[tuple[list, list[torch.Tensor], torch.Tensor, list[Future]]] = []
         try:
-            for (tensor, futures), reqs in loading:
+            for index, reqs in by_storage.items():
+                data = self.storage[index]
+                targets = [planner.resolve_tensor(req).detach() for req in reqs]
+                if len(reqs) == 1 and _whole_item_target(data, reqs[0], targets[0]):
+                    buffer = targets[0]  # chunks land in place: no staging tensor, no copy
+                else:  # resharding or a dtype/layout change: read the item, then copy slices
+                    buffer = torch.empty(data["shape"], dtype=dtype_from_name(data["dtype"]))
+                loading.append((reqs, targets, buffer, self._start_reads(index, buffer)))
+            for reqs, targets, buffer, futures in loading:
                 for f in futures:
                     f.result()
-                for req in reqs:
-                    src = tensor
-                    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                        src = src.narrow(dim, start, length)
-                    target = planner.resolve_tensor(req).detach()
-                    target.copy_(src)
+                for req, target in zip(reqs, targets):
+                    if target is not buffer:
+                        src = buffer
+                        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                            src = src.narrow(dim, start, length)
+                        target.copy_(src)
                     planner.commit_tensor(req, target)
         finally:
-            for (_, futures), _ in loading:
-                for f in futures:
-                    f.cancel()
+            # on failure, stop queued reads and let running ones finish, so nothing
+            # writes into the caller's tensors after this returns
+            pending = [f for _, _, _, futures in loading for f in futures]
+            for f in pending:
+                f.cancel()
+            wait(pending)
         return _done(None)
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as writable bytes (no copy)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _whole_item_target(data: dict, req: Any, target: torch.Tensor) -> bool:
+    """Whether ``req`` reads the whole stored item into a tensor laid out exactly like it."""
+    return (
+        type(target) is torch.Tensor
+        and target.device.type == "cpu"
+        and target.dtype == dtype_from_name(data["dtype"])
+        and list(target.shape) == list(data["shape"])
+        and target.is_contiguous()
+        and list(req.lengths) == list(data["shape"])
+        and not any(req.storage_offsets)
+    )

@@ -8,6 +8,7 @@ written (or touched) its chunks but not yet committed the manifest that marks th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptflow import catalog
@@ -45,8 +46,18 @@ def parse_duration(text: str | float | int) -> float:
         raise ValueError(f"duration {text!r} is not understood; use e.g. 30s, 15m, 1h or 7d") from None
 
 
-def gc(store: Store | str, grace: str | float = "1h", *, dry_run: bool = False, now: float | None = None) -> GCReport:
-    """Delete unreferenced chunks, orphaned rank records and temp files older than ``grace``."""
+def gc(
+    store: Store | str,
+    grace: str | float = "1h",
+    *,
+    dry_run: bool = False,
+    now: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> GCReport:
+    """Delete unreferenced chunks, orphaned rank records and temp files older than ``grace``.
+
+    ``progress`` is called with each deleted object's size (not on a dry run).
+    """
     store = open_store(store)
     cutoff = (now if now is not None else time.time()) - parse_duration(grace)
     report = GCReport(dry_run=dry_run)
@@ -77,6 +88,10 @@ def gc(store: Store | str, grace: str | float = "1h", *, dry_run: bool = False, 
     if not dry_run:
         for info in doomed:
             store.delete(info.key)
+            if progress:
+                progress(info.size)
         for info in temps:
             store.delete_temp(info.key)
+            if progress:
+                progress(info.size)
     return report

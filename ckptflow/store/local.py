@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from ckptflow.errors import ObjectNotFoundError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
@@ -58,6 +58,37 @@ class LocalStore(Store):
                 return f.read()
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+
+    def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> int:
+        """Scatter-read the object into ``buffers`` (in order) and return its size.
+
+        The buffers are filled only when the object's size equals their total size;
+        otherwise they are left alone and the caller falls back to ``get``. This lets
+        a reader that knows what to expect land bytes straight in their final place.
+        """
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        try:
+            size = os.fstat(fd).st_size
+            views = [memoryview(b).cast("B") for b in buffers]
+            views = [v for v in views if len(v)]
+            if size != sum(len(v) for v in views):
+                return size
+            done = 0
+            while views:
+                n = os.readv(fd, views)
+                if n == 0:  # truncated under us: report what was there
+                    return done
+                done += n
+                while views and n >= len(views[0]):
+                    n -= len(views.pop(0))
+                if n:
+                    views[0] = views[0][n:]
+            return size
+        finally:
+            os.close(fd)
 
     def put_if_absent(self, key: str, data: Buffers) -> bool:
         path = self._path(key)

