@@ -146,13 +146,25 @@ def _check_shape(manifest: dict, where: str) -> None:
                 raise bad(f"has item {item.get('fqn')!r} referencing a chunk missing from its chunk list")
 
 
-def read_rank_record(store: Store, run: str, step: int, rank: int) -> dict:
-    key = fmt.rank_key(run, step, rank)
+def read_rank_record(store: Store, manifest: dict, rank: int) -> dict:
+    """The rank record ``manifest`` committed for ``rank``, verified to belong to it."""
+    key = fmt.rank_key(manifest["run"], manifest["step"], rank)
     try:
         blob = store.get(key)
     except ObjectNotFoundError:
         raise ManifestError(f"rank record {store.url}/{key} is missing") from None
-    return fmt.unseal(blob, f"rank record {store.url}/{key}")
+    record = fmt.unseal(blob, f"rank record {store.url}/{key}")
+    if record.get("save_id") != manifest.get("save_id") or record.get("rank") != rank:
+        raise ManifestError(
+            f"rank record {store.url}/{key} belongs to another save attempt of this step "
+            f"(save {record.get('save_id')!r}, manifest names {manifest.get('save_id')!r}): "
+            "two writers saved the same step at once, so this checkpoint cannot be trusted"
+        )
+    return record
+
+
+def rank_record_keys(manifest: dict) -> list[str]:
+    return [fmt.rank_key(manifest["run"], manifest["step"], r) for r in range(manifest["world_size"])]
 
 
 def list_checkpoints(store: Store, run: str) -> list[CheckpointInfo]:
@@ -182,7 +194,7 @@ def verify_checkpoint(
         return VerifyReport(step=step, ok=False, problems=[str(e)])
     for rank in range(manifest["world_size"]):
         try:
-            read_rank_record(store, run, step, rank)
+            read_rank_record(store, manifest, rank)
         except ManifestError as e:
             report.problems.append(str(e))
     chunks = ChunkStore(store)

@@ -7,11 +7,10 @@ the live model once every rank has loaded the same step cleanly.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-import warnings
+import uuid
 from collections.abc import MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.chunks import ChunkStore
-from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec
+from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec, describe_failure, own_errors
 from ckptflow.distributed import Group
 from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, NoValidCheckpointError
 from ckptflow.policies import SavePolicy
@@ -34,8 +33,6 @@ from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, 
 from ckptflow.store import Store, open_store
 
 log = logging.getLogger("ckptflow")
-# Single-process use (no process group) is a supported mode here, not a mistake.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         try:
-            with _dcp_call():
+            with own_errors():
                 self._future.result(timeout)
         except BaseException:
             if self._future.done():  # the save's own failure (not a wait timeout): reported now,
@@ -130,23 +127,23 @@ class Checkpointer:
             raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
         self.wait()
         started = time.perf_counter()
-        base = self._prepare_step(step)
+        base, save_id = self._prepare_step(step)
         if base is None:
             kind = "full"
         skeleton, tensors = flatten(to_state_dicts(state))
         spec = SaveSpec(
             run=self.run, step=step, kind=kind, base_step=base, skeleton=skeleton,
-            rng=capture_rng(), metadata=dict(metadata or {}), world_size=self.group.world_size,
+            rng=capture_rng(), metadata=dict(metadata or {}), world_size=self.group.world_size, save_id=save_id,
             chunk_bytes=self.chunk_bytes, codec=self.codec,
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
         if blocking:
-            with _dcp_call():
+            with own_errors():
                 dcp.save(tensors, **kwargs)
             manifest = writer.manifest
             return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
-        with _dcp_call():
+        with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
         return self._pending
@@ -158,22 +155,28 @@ class Checkpointer:
             return None  # a failure already raised by the handle's own wait() is not raised again
         return pending.wait()
 
-    def _prepare_step(self, step: int) -> int | None:
-        """Rank 0 checks the step is free and finds the base step; every rank gets the
-        same answer or raises the same error (a lone raise would hang the others)."""
+    def _prepare_step(self, step: int) -> tuple[int | None, str]:
+        """Rank 0 checks the step is free, finds the base step and names the attempt;
+        every rank gets the same answer or raises the same error (a lone raise would
+        hang the others in DCP's collectives)."""
         base: int | None = None
         error: CkptflowError | None = None
         if self.group.rank == 0:
             try:
                 self._clear_step(step)
-                older = [s for s in catalog.list_steps(self.store, self.run) if s < step and s not in self._superseded]
-                base = older[-1] if older else None
+                base = self._newest_committed_before(step)
             except CkptflowError as e:
                 error = e
-        base, error = self.group.broadcast((base, error))
+        base, error, save_id = self.group.broadcast((base, error, uuid.uuid4().hex))
         if error is not None:
             raise error
-        return base
+        return base, save_id
+
+    def _newest_committed_before(self, step: int) -> int | None:
+        for older in reversed(catalog.list_steps(self.store, self.run)):
+            if older < step and older not in self._superseded and self.store.exists(fmt.manifest_key(self.run, older)):
+                return older
+        return None
 
     def _clear_step(self, step: int) -> None:
         """Refuse to overwrite a good commit; move aside one that restore rejected."""
@@ -240,8 +243,9 @@ class Checkpointer:
             manifest, _ = catalog.read_manifest(self.store, self.run, step)
             saved_ranks = manifest["world_size"]
             rank = self.group.rank if self.group.rank < saved_ranks else 0
-            record = catalog.read_rank_record(self.store, self.run, step, rank)
-        except CkptflowError as e:
+            record = catalog.read_rank_record(self.store, manifest, rank)
+            reader = CheckpointReader(self.chunks, manifest, self.pool, self.progress)
+        except (CkptflowError, OSError) as e:
             return self._gathered_failure(str(e)), None
         missing = set(live) - set(manifest["dcp"]["tensors"])
         extra = set(manifest["dcp"]["tensors"]) - set(live)
@@ -253,13 +257,10 @@ class Checkpointer:
         if self._gathered_failure(None):
             return "another rank could not read this checkpoint's records", None
         staged = {k: torch.empty_like(t) if _is_dtensor(t) else torch.empty(t.shape, dtype=t.dtype) for k, t in live.items()}
-        reader = CheckpointReader(self.chunks, manifest, self.pool, self.progress)
         try:
             dcp.load(staged, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            return _root_cause(e), None
-        if reader.failure:
-            return reader.failure, None
+            return describe_failure(e), None
         return None, (manifest, record, staged)
 
     def _gathered_failure(self, reason: str | None) -> str | None:
@@ -286,34 +287,5 @@ class Checkpointer:
         self.close()
 
 
-@contextlib.contextmanager
-def _dcp_call():
-    """Surface our own error instead of DCP's multi-rank wrapper when there is one cause."""
-    try:
-        yield
-    except CheckpointException as e:
-        # DCP's failures map rank -> (exception, traceback summary); CheckpointException is
-        # a BaseException, so re-raise the cause (an Exception) where there is exactly one.
-        causes = [_unwrap(c) for c in e.failures.values()]
-        if len(causes) == 1 and isinstance(causes[0], Exception):
-            raise causes[0] from None
-        raise
-
-
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
-
-
-def _unwrap(failure: Any) -> BaseException:
-    """DCP stores each rank's failure as ``(exception, StackSummary)``."""
-    return failure[0] if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException) else failure
-
-
-def _root_cause(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {r}: {_root_cause(_unwrap(x))}" for r, x in sorted(failures.items()))
-    tb = getattr(e, "args", ())
-    if isinstance(e, CkptflowError) or not tb:
-        return str(e) or type(e).__name__
-    return f"{type(e).__name__}: {e}"

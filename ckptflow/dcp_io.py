@@ -8,7 +8,9 @@ coordinator commits the manifest last. The reader verifies every chunk it reads.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.futures
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -25,8 +28,42 @@ from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore, ChunkWrite
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_json, metadata_to_json
 from ckptflow.errors import CheckpointExistsError, CkptflowError, CorruptChunkError, UnsupportedStateError
+from ckptflow.leases import save_lease
 
 Progress = Callable[[int], None]
+
+# Single-process use (no process group) is a supported mode here, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextlib.contextmanager
+def own_errors():
+    """Re-raise our own error from inside DCP's ``CheckpointException`` when it has one cause.
+
+    DCP wraps every rank's failure as ``rank -> (exception, traceback)`` in an exception
+    that derives from ``BaseException``, which ``except Exception`` would not catch.
+    """
+    try:
+        yield
+    except CheckpointException as e:
+        causes = [_unwrap(c) for c in e.failures.values()]
+        if len(causes) == 1 and isinstance(causes[0], Exception):
+            raise causes[0] from None
+        raise
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line naming each failing rank's cause, for restore's ``skipped`` reasons."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {describe_failure(_unwrap(x))}" for r, x in sorted(failures.items()))
+    if isinstance(e, CkptflowError) or not e.args:
+        return str(e) or type(e).__name__
+    return f"{type(e).__name__}: {e}"
+
+
+def _unwrap(failure: Any) -> BaseException:
+    return failure[0] if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException) else failure
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -49,6 +86,7 @@ class SaveSpec:
     rng: dict | None
     metadata: dict
     world_size: int
+    save_id: str  # one id per save attempt, shared by all ranks; ties rank records to their manifest
     chunk_bytes: int = 8 << 20
     codec: str = "raw"
     created_at: float = field(default_factory=time.time)
@@ -95,30 +133,38 @@ class CheckpointWriter(StorageWriter):
         return write
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
-        pending = []
-        step = self.spec.chunk_bytes
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                raise UnsupportedStateError(f"{item.index.fqn!r} is not a tensor; ckptflow never pickles state")
-            tensor = planner.resolve_data(item)
-            raw = _bytes_view(tensor)
-            futures = [
-                self.pool.submit(self._put, raw[off : off + step], tensor.element_size())
-                for off in range(0, len(raw), step)
-            ]
-            pending.append((item, tensor, raw, futures))
-        results = []
-        for item, tensor, raw, futures in pending:
-            writes = [f.result() for f in futures]
-            data = {
-                "dtype": dtype_name(tensor.dtype),
-                "shape": list(tensor.shape),
-                "chunks": [[w.digest, w.raw_bytes] for w in writes],
-                "_writes": [[w.stored_bytes, w.written] for w in writes],
-            }
-            results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data))
+        with save_lease(self.chunks.store):
+            pending: list[tuple[Any, torch.Tensor, memoryview, list[Future]]] = []
+            try:
+                for item in plan.items:
+                    if item.type == WriteItemType.BYTE_IO:
+                        raise UnsupportedStateError(f"{item.index.fqn!r} is not a tensor; ckptflow never pickles state")
+                    tensor = planner.resolve_data(item)
+                    raw = _bytes_view(tensor)
+                    futures = [
+                        self.pool.submit(self._put, raw[off : off + self.spec.chunk_bytes], tensor.element_size())
+                        for off in range(0, len(raw), self.spec.chunk_bytes)
+                    ]
+                    pending.append((item, tensor, raw, futures))
+                results = [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
+            finally:  # on failure: no chunk write may outlive the lease
+                queued = [f for *_, futures in pending for f in futures]
+                for f in queued:
+                    f.cancel()
+                wait(queued)
         self._write_rank_record(results)
         return _done(results)
+
+    @staticmethod
+    def _result(item: Any, tensor: torch.Tensor, raw: memoryview, futures: list[Future]) -> WriteResult:
+        writes = [f.result() for f in futures]
+        data = {
+            "dtype": dtype_name(tensor.dtype),
+            "shape": list(tensor.shape),
+            "chunks": [[w.digest, w.raw_bytes] for w in writes],
+            "_writes": [[w.stored_bytes, w.written] for w in writes],
+        }
+        return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data)
 
     def _write_rank_record(self, results: list[WriteResult]) -> None:
         spec = self.spec
@@ -128,6 +174,7 @@ class CheckpointWriter(StorageWriter):
             "step": spec.step,
             "rank": self.rank,
             "world_size": spec.world_size,
+            "save_id": spec.save_id,
             "state": spec.skeleton,
             "rng": spec.rng,
             "items": len(results),
@@ -158,6 +205,7 @@ class CheckpointWriter(StorageWriter):
             "run": spec.run,
             "step": spec.step,
             "kind": spec.kind,
+            "save_id": spec.save_id,
             "base_step": spec.base_step,
             "created_at": spec.created_at,
             "committed_at": time.time(),
@@ -191,7 +239,6 @@ class CheckpointReader(StorageReader):
         super().__init__()
         self.chunks, self.manifest, self.pool, self.progress = chunks, manifest, pool, progress
         self.metadata, self.storage = metadata_from_json(manifest["dcp"])
-        self.failure: str | None = None  # why this rank's read failed; the caller agrees across ranks
 
     def reset(self, checkpoint_id=None) -> None:
         pass

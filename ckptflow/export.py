@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import os
 import uuid
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import save_file
 
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
-from ckptflow.dcp_io import CheckpointReader
+from ckptflow.dcp_io import CheckpointReader, own_errors
 from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.errors import CkptflowError, NoValidCheckpointError
 from ckptflow.store import Store, open_store
@@ -72,33 +70,12 @@ def load_tensors(
     full = {n: torch.empty(index[n]["size"], dtype=dtype_from_name(index[n]["dtype"])) for n in names}
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-export") as pool:
         reader = CheckpointReader(ChunkStore(store), manifest, pool, progress)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # DCP's "running without a process group"
-            try:
+        try:
+            with own_errors():
                 dcp.load(full, storage_reader=reader, no_dist=True)
-            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-                cause = _ckptflow_cause(e)
-                if cause is None:
-                    raise
-                raise CkptflowError(f"run {run!r} step {step} cannot be exported: {cause}") from None
-    if reader.failure:  # the reader reports a bad chunk here instead of raising through DCP
-        raise CkptflowError(f"run {run!r} step {step} cannot be exported: {reader.failure}")
+        except CkptflowError as e:
+            raise CkptflowError(f"run {run!r} step {step} cannot be exported: {e}") from None
     return {n[len(prefix):]: t for n, t in full.items()}, manifest, digest
-
-
-def _ckptflow_cause(e: object) -> CkptflowError | None:
-    """Our own error inside DCP's wrapper (``failures``: rank -> (exception, traceback))."""
-    if isinstance(e, tuple) and e:
-        e = e[0]
-    if isinstance(e, CkptflowError):
-        return e
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict):
-        for cause in failures.values():
-            found = _ckptflow_cause(cause)
-            if found is not None:
-                return found
-    return None
 
 
 def newest_verified_step(

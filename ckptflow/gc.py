@@ -1,22 +1,27 @@
 """Garbage collection: mark from every live manifest, sweep what nothing references.
 
 A chunk is deleted only if no committed manifest references it AND it is older than
-the grace period. The grace period must exceed the slowest save: a save in flight has
-written (or touched) its chunks but not yet committed the manifest that marks them.
+the grace period. The grace period must exceed the slowest save: a save that has
+written (or touched) its chunks has not yet committed the manifest that marks them.
+Saves that are writing chunks right now hold leases (see ``leases``); GC takes a lock
+and waits for them, so a chunk is never deleted while a save is deciding to reuse it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptflow import catalog
 from ckptflow import format as fmt
-from ckptflow.errors import ManifestError
-from ckptflow.store.base import Store
-from ckptflow.store.local import LocalStore
+from ckptflow.errors import ManifestError, ObjectNotFoundError
+from ckptflow.leases import LEASES, gc_lock, live_leases, wait_for_leases
 from ckptflow.store import open_store
+from ckptflow.store.base import ObjectInfo, Store
+from ckptflow.store.local import LocalStore
 
 
 @dataclass
@@ -26,6 +31,7 @@ class GCReport:
     kept_chunks: int = 0
     live_manifests: int = 0
     unreadable_manifests: list[str] = field(default_factory=list)
+    skipped: str | None = None  # why nothing was swept, when nothing could safely be
 
     @property
     def bytes(self) -> int:
@@ -46,46 +52,84 @@ def parse_duration(text: str | float | int) -> float:
         raise ValueError(f"duration {text!r} is not understood; use e.g. 30s, 15m, 1h or 7d") from None
 
 
+def _salvage_chunks(store: Store, key: str) -> set[str] | None:
+    """Chunks an unverifiable manifest names, if its JSON still says; None if it cannot."""
+    try:
+        chunks = json.loads(store.get(key)).get("chunks")
+    except (ValueError, AttributeError, ObjectNotFoundError):
+        return None
+    return set(chunks) if isinstance(chunks, dict) and all(isinstance(d, str) for d in chunks) else None
+
+
+def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] | None:
+    """Referenced chunks, and step files no manifest owns; None if marking is unsafe."""
+    live: set[str] = set()
+    loose: list[ObjectInfo] = []
+    for run in catalog.list_runs(store):
+        for step in catalog.list_steps(store, run):
+            key = fmt.manifest_key(run, step)
+            try:
+                manifest, _ = catalog.read_manifest(store, run, step)
+            except ManifestError as e:
+                if not store.exists(key):
+                    loose.extend(store.list(fmt.step_prefix(run, step)))
+                    continue
+                report.unreadable_manifests.append(str(e))
+                salvaged = _salvage_chunks(store, key)
+                if salvaged is None:
+                    return None
+                live |= salvaged  # an unverifiable manifest might still be repaired: keep its data
+                continue
+            report.live_manifests += 1
+            live |= catalog.referenced_chunks(manifest)
+            own = set(catalog.rank_record_keys(manifest)) | {key}
+            loose.extend(info for info in store.list(fmt.step_prefix(run, step)) if info.key not in own)
+    return live, loose
+
+
 def gc(
     store: Store | str,
     grace: str | float = "1h",
     *,
     dry_run: bool = False,
     now: float | None = None,
+    wait: float = 60.0,
     progress: Callable[[int], None] | None = None,
 ) -> GCReport:
-    """Delete unreferenced chunks, orphaned rank records and temp files older than ``grace``.
+    """Delete unreferenced chunks, stray rank records and temp files older than ``grace``.
 
-    ``progress`` is called with each deleted object's size (not on a dry run).
+    Waits up to ``wait`` seconds for saves in flight to finish writing chunks; if they
+    do not, nothing is swept and ``report.skipped`` says why. ``progress`` is called
+    with each deleted object's size (not on a dry run).
     """
     store = open_store(store)
     cutoff = (now if now is not None else time.time()) - parse_duration(grace)
     report = GCReport(dry_run=dry_run)
-    live: set[str] = set()
-    orphans = []
-    for run in catalog.list_runs(store):
-        for step in catalog.list_steps(store, run):
-            try:
-                manifest, _ = catalog.read_manifest(store, run, step)
-            except ManifestError as e:
-                if store.exists(fmt.manifest_key(run, step)):
-                    report.unreadable_manifests.append(str(e))
-                else:
-                    orphans.extend(store.list(fmt.step_prefix(run, step)))
-                continue
-            report.live_manifests += 1
-            live.update(catalog.referenced_chunks(manifest))
-    doomed = [info for info in orphans if info.mtime < cutoff]
-    for info in store.list("chunks/"):
-        digest = info.key.rsplit("/", 1)[-1]
-        if digest in live or info.mtime >= cutoff:
-            report.kept_chunks += 1
-        else:
-            doomed.append(info)
-    report.deleted = [(info.key, info.size) for info in doomed]
-    temps = list(store.stale_temp_files(cutoff)) if isinstance(store, LocalStore) else []
-    report.deleted += [(info.key, info.size) for info in temps]
-    if not dry_run:
+    with contextlib.nullcontext() if dry_run else gc_lock(store):
+        busy = live_leases(store, cutoff) if dry_run else wait_for_leases(store, cutoff, wait)
+        if busy:
+            report.skipped = f"{len(busy)} save(s) are writing chunks ({busy[0].key}, …); run gc again when they finish"
+            if not dry_run:
+                return report
+        marked = _mark(store, report)
+        if marked is None:
+            report.skipped = (
+                "a manifest is unreadable and names no chunks, so GC cannot tell what is garbage: "
+                + report.unreadable_manifests[-1]
+                + " — inspect it, then delete it (or restore it from a copy) and run gc again"
+            )
+            return report
+        live, loose = marked
+        doomed = [info for info in loose + list(store.list(LEASES)) if info.mtime < cutoff]
+        for info in store.list("chunks/"):
+            if info.key.rsplit("/", 1)[-1] in live or info.mtime >= cutoff:
+                report.kept_chunks += 1
+            else:
+                doomed.append(info)
+        temps = list(store.stale_temp_files(cutoff)) if isinstance(store, LocalStore) else []
+        report.deleted = [(info.key, info.size) for info in doomed + temps]
+        if dry_run:
+            return report
         for info in doomed:
             store.delete(info.key)
             if progress:

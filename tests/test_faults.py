@@ -259,7 +259,10 @@ def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
     for step in committed_steps(root):
         assert ck.verify(step).ok
     assert not [key for key, _ in report.deleted if key.endswith("manifest.json")]
-    assert all(key.startswith("chunks/") or "/ranks/" in key or "/.tmp-" in key for key, _ in report.deleted)
+    assert all(
+        key.startswith(("chunks/", "locks/leases/")) or "/ranks/" in key or "/.tmp-" in key
+        for key, _ in report.deleted
+    )
     ck.close()
     shutil.rmtree(root)  # a few hundred MB; pytest keeps old temp dirs around
 
@@ -412,12 +415,13 @@ def test_gc_removes_stale_temp_files_only(tmp_path):
         assert ck.verify(1).ok
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known race: gc decides from one listing which chunks are old and unreferenced, then "
-    "deletes them; a save that dedups one of them in between (stat + touch) commits a "
-    "checkpoint whose chunk gc then deletes. The grace period does not cover this window."
-))
 def test_gc_sweep_racing_a_deduplicating_save(tmp_path):
+    """GC lists a chunk as garbage; a save of the same content starts before GC deletes it.
+
+    Without the lease/lock handshake the save would reuse the chunk (stat + touch) and
+    commit a checkpoint whose chunk GC then deletes. With it, the save waits for the
+    sweep and writes the chunks again, so its checkpoint verifies.
+    """
     root = tmp_path / "store"
     inner = open_store(str(root))
     with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
@@ -432,16 +436,24 @@ def test_gc_sweep_racing_a_deduplicating_save(tmp_path):
     swept: list = []
     sweeper = threading.Thread(target=lambda: swept.append(gc(gc_view, grace="1h")))
     sweeper.start()
+    saved: list = []
     try:
         assert pause.reached.wait(30)
-        # The same content is saved again while the sweep runs: every chunk is deduplicated.
-        with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-            info = ck.save(2, make_state(1), kind="incremental").info
-        assert info.bytes_written == 0
+        saver = threading.Thread(target=lambda: saved.append(
+            Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4).save(2, make_state(1), kind="incremental")
+        ))
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive(), "the save must wait while GC holds its lock"
     finally:
         pause.release()
         sweeper.join(30)
-    assert swept
+    saver.join(30)
+    assert swept and swept[0].deleted, "the sweep deleted step 1's chunks"
+    assert saved and saved[0].info.bytes_written > 0, "the save rewrote the chunks GC deleted"
     with Checkpointer(inner, run=RUN) as ck:
         report = ck.verify(2)
-    assert report.ok, report.problems  # fails today: the sweep deleted chunks step 2 uses
+        assert report.ok, report.problems
+        state = blank_state()
+        assert ck.restore(state).step == 2
+    assert state_tag(state) == 1

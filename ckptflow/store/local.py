@@ -12,6 +12,7 @@ import errno
 import os
 import uuid
 from collections.abc import Iterator, Sequence
+from stat import S_ISDIR
 
 from ckptflow.errors import ObjectNotFoundError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
@@ -33,9 +34,16 @@ class LocalStore(Store):
         return path
 
     def _write_temp(self, directory: str, data: Buffers) -> str:
-        os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
+        for attempt in range(3):
+            os.makedirs(directory, exist_ok=True)
+            try:
+                f = open(tmp, "wb")
+                break
+            except FileNotFoundError:  # a concurrent delete pruned the empty directory
+                if attempt == 2:
+                    raise
+        with f:
             for part in as_buffers(data):
                 f.write(part)
             f.flush()
@@ -56,7 +64,7 @@ class LocalStore(Store):
         try:
             with open(self._path(key), "rb") as f:
                 return f.read()
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> int:
@@ -163,16 +171,28 @@ class LocalStore(Store):
                 continue
 
     def delete(self, key: str) -> None:
+        """Remove the file, then the directories it leaves empty (up to the root), so a
+        deleted checkpoint's step directory does not linger as an empty candidate."""
+        path = self._path(key)
         try:
-            os.unlink(self._path(key))
+            os.unlink(path)
         except FileNotFoundError:
             pass
+        parent = os.path.dirname(path)
+        while parent != self.root:
+            try:
+                os.rmdir(parent)
+            except OSError:  # not empty (or already gone): stop
+                break
+            parent = os.path.dirname(parent)
 
     def stat(self, key: str) -> ObjectInfo:
         try:
             st = os.stat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        if S_ISDIR(st.st_mode):
+            raise ObjectNotFoundError(f"{self.url}/{key} is a directory, not an object")
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def touch(self, key: str) -> None:
