@@ -2,7 +2,8 @@
 
 Each command is a thin wrapper over a library function (catalog, export, stats, gc),
 so scripts, the Dagster layer and humans get the same answers. Exit codes are part of
-the interface: 0 success, 1 "verify found problems", 2 an error the user can act on
+the interface: 0 success, 1 "verify found problems" or "gc could not safely sweep",
+2 an error the user can act on
 (bad arguments, unknown run, unreadable checkpoint), always as one line on stderr.
 """
 
@@ -272,9 +273,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     store = _open(args.root)
     with _progress("gc") as progress:
-        report = gc(store, args.grace, dry_run=args.dry_run, progress=progress)
+        report = gc(store, args.grace, dry_run=args.dry_run, wait=args.wait, progress=progress)
     for problem in report.unreadable_manifests:
-        _warn(f"{problem}; chunks only it references are not protected from GC")
+        _warn(f"{problem}; GC keeps the chunks its JSON still names")
+    if report.skipped:
+        print(f"{PROG}: gc swept nothing: {report.skipped}", file=sys.stderr)
+        return 1
     verb = "would delete" if args.dry_run else "deleted"
     print(
         f"{verb} {len(report.deleted)} object(s) ({human_bytes(report.bytes)}); "
@@ -325,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", required=True, type=_duration,
                    help="only delete objects older than this (e.g. 1h); must exceed the slowest save")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument("--wait", type=_duration, default=60.0,
+                   help="how long to wait for saves that are writing chunks (default 60s); exit 1 if they do not finish")
     p.add_argument("-v", "--verbose", action="store_true", help="list every key")
     p.set_defaults(func=cmd_gc)
     return parser

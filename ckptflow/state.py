@@ -71,13 +71,34 @@ def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any])
             set_model_state_dict(value, loaded[name])
         elif isinstance(value, torch.optim.Optimizer):
             set_optimizer_state_dict(_owner(value, modules, name), value, loaded[name])
-        elif isinstance(value, torch.Tensor):
-            with torch.no_grad():
-                value.copy_(loaded[name])
-        elif _is_stateful(value):
+        elif _is_stateful(value) and not isinstance(value, torch.Tensor):
             value.load_state_dict(loaded[name])
         else:
-            state[name] = loaded[name]
+            state[name] = merge_into(value, loaded[name])
+
+
+def merge_into(live: Any, loaded: Any) -> Any:
+    """``loaded``, written into ``live``'s own tensors and containers where shapes allow.
+
+    Whoever holds a reference to a tensor or dict in the state sees the restored values,
+    as with ``load_state_dict``; anything that cannot be updated in place is replaced.
+    """
+    if isinstance(live, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        if live.shape == loaded.shape and live.dtype == loaded.dtype:
+            with torch.no_grad():
+                live.copy_(loaded)
+            return live
+        return loaded
+    if isinstance(live, MutableMapping) and isinstance(loaded, Mapping):
+        for key in [k for k in live if k not in loaded]:
+            del live[key]
+        for key, value in loaded.items():
+            live[key] = merge_into(live.get(key), value)
+        return live
+    if isinstance(live, list) and isinstance(loaded, list) and len(live) == len(loaded):
+        live[:] = [merge_into(a, b) for a, b in zip(live, loaded)]
+        return live
+    return loaded
 
 
 def flatten(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -25,14 +25,12 @@ from ckptflow.store.base import Store
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
-@dataclass(frozen=True)
-class RunStats:
-    run: str
-    checkpoints: int
-    logical_bytes: int  # summed over checkpoints
-    unique_bytes: int  # raw bytes of the distinct chunks the run's checkpoints reference
-    stored_bytes: int  # on-disk size of those chunk files
-    missing_chunks: int = 0  # referenced but absent from the store (verify will fail)
+class _Ratios:
+    """Dedup = logical / unique bytes; compression = unique / stored bytes."""
+
+    logical_bytes: int
+    unique_bytes: int
+    stored_bytes: int
 
     @property
     def dedup_ratio(self) -> float | None:
@@ -41,6 +39,16 @@ class RunStats:
     @property
     def compression_ratio(self) -> float | None:
         return _ratio(self.unique_bytes, self.stored_bytes)
+
+
+@dataclass(frozen=True)
+class RunStats(_Ratios):
+    run: str
+    checkpoints: int
+    logical_bytes: int  # summed over checkpoints
+    unique_bytes: int  # raw bytes of the distinct chunks the run's checkpoints reference
+    stored_bytes: int  # on-disk size of those chunk files
+    missing_chunks: int = 0  # referenced but absent from the store (verify will fail)
 
     def as_dict(self) -> dict:
         return {
@@ -52,7 +60,7 @@ class RunStats:
 
 
 @dataclass(frozen=True)
-class StoreStats:
+class StoreStats(_Ratios):
     """Per-run numbers plus the whole store, where dedup across runs shows up."""
 
     runs: list[RunStats]
@@ -65,14 +73,6 @@ class StoreStats:
     unreferenced_chunks: int  # referenced by no readable manifest (GC candidates once old)
     unreferenced_bytes: int
     unreadable_manifests: list[str] = field(default_factory=list)
-
-    @property
-    def dedup_ratio(self) -> float | None:
-        return _ratio(self.logical_bytes, self.unique_bytes)
-
-    @property
-    def compression_ratio(self) -> float | None:
-        return _ratio(self.unique_bytes, self.stored_bytes)
 
     def as_dict(self) -> dict:
         return {

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,25 @@ def test_gc_deletes_unreferenced_chunks(store, capsys):
     assert not any(chunk_path(root, d).exists() for d in doomed)
     assert all(chunk_path(root, d).exists() for d in chunks_of(root, RUN, 20))
     assert run_cli(capsys, "verify", root, "--run", RUN, "--all")[0] == 0
+
+
+def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
+    root, _, _ = store
+    doomed = set(chunks_of(root, RUN, 10)) - set(chunks_of(root, RUN, 20))
+    (Path(root) / fmt.manifest_key(RUN, 10)).unlink()
+    hours_ago = time.time() - 7200
+    for path in Path(root).rglob("*"):
+        os.utime(path, (hours_ago, hours_ago))
+    lease = Path(root) / "locks" / "leases" / "live-save.json"  # a save writing chunks now
+    lease.parent.mkdir(parents=True)
+    lease.write_text("{}")
+    code, _, err = run_cli(capsys, "gc", root, "--grace", "1h", "--wait", "0")
+    assert code == 1 and "save(s) are writing chunks" in err
+    assert all(chunk_path(root, d).exists() for d in doomed)
+    assert not (Path(root) / "locks" / "gc.json").exists(), "gc released its lock"
+    lease.unlink()
+    assert run_cli(capsys, "gc", root, "--grace", "1h", "--wait", "0")[0] == 0
+    assert not any(chunk_path(root, d).exists() for d in doomed)
 
 
 # ---- errors ------------------------------------------------------------------------------
