@@ -299,8 +299,7 @@ class Bench:
         return Checkpointer(str(root), "bench", threads=self.threads, chunk_bytes=self.chunk_bytes)
 
     def _restore(self, ck: Checkpointer, expected: StateDict, method: str) -> float:
-        # ckptflow replaces a plain dict entry with the restored dict (it fills an
-        # nn.Module in place); either way the restored values end up in ``live``.
+        # ckptflow fills the tensors of ``live`` in place, as dcp.load does.
         live = {"model": self.target}
         clear(self.target)
         clock = Clock().start()

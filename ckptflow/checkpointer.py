@@ -202,9 +202,12 @@ class Checkpointer:
     def restore(self, state: MutableMapping[str, Any], *, step: int | None = None) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
 
-        Every candidate is verified while it loads; a failure on any rank records the
-        reason and moves all ranks to the next older candidate together. ``step=``
-        never falls back: an invalid checkpoint raises ``NoValidCheckpointError``.
+        Every chunk a candidate needs is verified on every rank before any tensor in
+        ``state`` is written; a failure on any rank records the reason and moves all
+        ranks to the next older candidate together, leaving ``state`` untouched.
+        (Only a chunk file that vanishes or fails between that check and the copy a
+        moment later can leave tensors half-written; restore then falls back as well.)
+        ``step=`` never falls back: an invalid checkpoint raises ``NoValidCheckpointError``.
         """
         self.wait()
         if step is not None:
@@ -214,14 +217,14 @@ class Checkpointer:
             candidates = self.group.broadcast(
                 sorted(catalog.list_steps(self.store, self.run), reverse=True) if self.group.rank == 0 else None
             )
-        live_skeleton, live = flatten(to_state_dicts(state))
+        _, live = flatten(to_state_dicts(state))
         skipped: list[tuple[int, str]] = []
         for cand in candidates:
             outcome = self._try_load(cand, live)
             failures = [f for f in self.group.all_gather(outcome[0]) if f]
             if not failures:
-                manifest, record, staged = outcome[1]
-                load_state_dicts(state, unflatten(record["state"], staged))
+                manifest, record, loaded = outcome[1]
+                load_state_dicts(state, unflatten(record["state"], loaded))
                 rng_ok = False
                 if self.restore_rng and record.get("rng") and record["rank"] == self.group.rank:
                     restore_rng(record["rng"])
@@ -238,13 +241,13 @@ class Checkpointer:
         raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
 
     def _try_load(self, step: int, live: dict[str, torch.Tensor]) -> tuple[str | None, Any]:
-        """(failure reason or None, (manifest, rank record, staged tensors))."""
+        """(failure reason or None, (manifest, rank record, the loaded live tensors))."""
         try:
             manifest, _ = catalog.read_manifest(self.store, self.run, step)
             saved_ranks = manifest["world_size"]
             rank = self.group.rank if self.group.rank < saved_ranks else 0
             record = catalog.read_rank_record(self.store, manifest, rank)
-            reader = CheckpointReader(self.chunks, manifest, self.pool, self.progress)
+            reader = CheckpointReader(self.chunks, manifest, self.pool, self.progress, agree=self._gathered_failure)
         except (CkptflowError, OSError) as e:
             return self._gathered_failure(str(e)), None
         missing = set(live) - set(manifest["dcp"]["tensors"])
@@ -256,12 +259,11 @@ class Checkpointer:
             ), None
         if self._gathered_failure(None):
             return "another rank could not read this checkpoint's records", None
-        staged = {k: torch.empty_like(t) if _is_dtensor(t) else torch.empty(t.shape, dtype=t.dtype) for k, t in live.items()}
         try:
-            dcp.load(staged, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
+            dcp.load(live, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             return describe_failure(e), None
-        return None, (manifest, record, staged)
+        return None, (manifest, record, live)
 
     def _gathered_failure(self, reason: str | None) -> str | None:
         """Agree across ranks before any collective load starts (else one rank would hang)."""
@@ -285,7 +287,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"

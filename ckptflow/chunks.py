@@ -8,12 +8,23 @@ be checked against its own name.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 
 from ckptflow import codecs
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
 from ckptflow.format import chunk_key
 from ckptflow.store.base import Store
+
+
+@dataclass(frozen=True)
+class CheckedChunk:
+    """A chunk that passed verification: its bytes, or the version of the file holding them."""
+
+    digest: str
+    size: int
+    version: tuple | None = None
+    data: memoryview | None = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,7 @@ class ChunkStore:
 
     def __init__(self, store: Store):
         self.store = store
+        self._local = threading.local()  # per-thread scratch buffers for ``check``
 
     def put(
         self,
@@ -80,26 +92,46 @@ class ChunkStore:
         self._verify(digest, key, raw)
         return raw
 
-    def get_into(self, digest: str, out: memoryview) -> None:
-        """Fill ``out`` (exactly the chunk's raw size) with the chunk's verified raw bytes.
+    def check(self, digest: str, size: int) -> "CheckedChunk":
+        """Verify a chunk before anything is written from it (restore's first pass).
 
-        A raw chunk on a store that can scatter-read (``get_into``) lands directly in
-        ``out``: no intermediate buffer and no copy. Anything else (an encoded chunk,
-        a store without it, a size that does not match) goes through ``get``.
+        A raw chunk on a store that can re-read cheaply (local files: ``get_into``) is
+        read into a reused per-thread buffer, hashed, and only its file version kept;
+        anything else keeps the verified bytes, so the second pass never fetches twice.
         """
-        out = memoryview(out).cast("B")
         key = chunk_key(digest)
         read_into = getattr(self.store, "get_into", None)
         if read_into is not None:
+            scratch = self._scratch(size)
             header = bytearray(codecs.HEADER.size)
             try:
-                size = read_into(key, [header, out])
+                got, version = read_into(key, [header, scratch])
             except ObjectNotFoundError:
                 raise self._missing(digest, key) from None
-            if size == len(header) + len(out) and codecs.raw_length(header) == len(out):
-                self._verify(digest, key, out)
-                return
-        out[:] = self.get(digest, expected_size=len(out))
+            if got == len(header) + size and codecs.raw_length(header) == size:
+                self._verify(digest, key, scratch)
+                return CheckedChunk(digest, size, version=version)
+        return CheckedChunk(digest, size, data=self.get(digest, expected_size=size))
+
+    def read_checked(self, checked: "CheckedChunk", out: memoryview) -> None:
+        """Fill ``out`` with a chunk ``check`` verified; re-verify if the file changed since."""
+        out = memoryview(out).cast("B")
+        if checked.data is not None:
+            out[:] = checked.data
+            return
+        header = bytearray(codecs.HEADER.size)
+        try:
+            got, version = self.store.get_into(chunk_key(checked.digest), [header, out])
+        except ObjectNotFoundError:
+            raise self._missing(checked.digest, chunk_key(checked.digest)) from None
+        if version != checked.version or got != len(header) + len(out) or codecs.raw_length(header) != len(out):
+            out[:] = self.get(checked.digest, expected_size=len(out))  # replaced since: verify again
+
+    def _scratch(self, size: int) -> memoryview:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.scratch = bytearray(size)
+        return memoryview(buf)[:size]
 
     def _missing(self, digest: str, key: str) -> CorruptChunkError:
         return CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}")

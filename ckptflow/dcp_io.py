@@ -9,6 +9,7 @@ coordinator commits the manifest last. The reader verifies every chunk it reads.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from ckptflow import format as fmt
-from ckptflow.chunks import ChunkStore, ChunkWrite
+from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_json, metadata_to_json
 from ckptflow.errors import CheckpointExistsError, CkptflowError, CorruptChunkError, UnsupportedStateError
 from ckptflow.leases import save_lease
@@ -233,11 +234,27 @@ class CheckpointWriter(StorageWriter):
 
 
 class CheckpointReader(StorageReader):
-    """Reads one committed checkpoint; every chunk is verified against its address."""
+    """Reads one committed checkpoint in two passes, so a bad checkpoint touches nothing.
 
-    def __init__(self, chunks: ChunkStore, manifest: dict, pool: ThreadPoolExecutor, progress: Progress | None = None):
+    Pass one verifies every chunk this rank needs against its address; ``agree`` then
+    combines every rank's verdict (a collective: all ranks call ``read_data``). Only if
+    all ranks verified cleanly does pass two write into the destination tensors, straight
+    from the page cache for local raw chunks, re-verifying any chunk whose file changed
+    in between. So restore needs no second copy of the model in host memory, and a
+    rejected checkpoint leaves the caller's tensors as they were.
+    """
+
+    def __init__(
+        self,
+        chunks: ChunkStore,
+        manifest: dict,
+        pool: ThreadPoolExecutor,
+        progress: Progress | None = None,
+        agree: Callable[[str | None], str | None] | None = None,
+    ):
         super().__init__()
         self.chunks, self.manifest, self.pool, self.progress = chunks, manifest, pool, progress
+        self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_json(manifest["dcp"])
 
     def reset(self, checkpoint_id=None) -> None:
@@ -259,40 +276,55 @@ class CheckpointReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _fetch_into(self, dst: memoryview, digest: str) -> None:
-        self.chunks.get_into(digest, dst)
+    def _check(self, digest: str, size: int) -> CheckedChunk:
+        checked = self.chunks.check(digest, size)
         if self.progress:
-            self.progress(len(dst))
+            self.progress(size)
+        return checked
 
-    def _start_reads(self, index: MetadataIndex, buffer: torch.Tensor) -> list[Future]:
-        """Read stored item ``index`` into ``buffer`` (contiguous CPU, its dtype and shape)."""
-        raw = _writable_bytes(buffer)
-        chunks = self.storage[index]["chunks"]
-        if sum(size for _, size in chunks) != len(raw):
-            raise CorruptChunkError(
-                f"{index.fqn!r}: the manifest's chunks hold {sum(size for _, size in chunks)} bytes, "
-                f"its shape and dtype need {len(raw)}"
-            )
-        futures, offset = [], 0
-        for digest, size in chunks:
-            futures.append(self.pool.submit(self._fetch_into, raw[offset : offset + size], digest))
-            offset += size
-        return futures
+    def _verify_all(self, indexes: list[MetadataIndex]) -> tuple[dict[str, CheckedChunk], str | None]:
+        needed: dict[str, int] = {}
+        for index in indexes:
+            data = self.storage[index]
+            needed.update(data["chunks"])
+            expected = dtype_from_name(data["dtype"]).itemsize * math.prod(data["shape"])
+            if sum(size for _, size in data["chunks"]) != expected:
+                return {}, f"{index.fqn!r}: the manifest's chunks do not add up to its shape and dtype"
+        futures = {digest: self.pool.submit(self._check, digest, size) for digest, size in needed.items()}
+        try:
+            return {digest: f.result() for digest, f in futures.items()}, None
+        except CkptflowError as e:
+            return {}, str(e)
+        finally:
+            for f in futures.values():
+                f.cancel()
+            wait(list(futures.values()))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         by_storage: dict[MetadataIndex, list] = defaultdict(list)
         for req in plan.items:
             by_storage[req.storage_index].append(req)
-        loading: list[tuple[list, list[torch.Tensor], torch.Tensor, list[Future]]] = []
+        try:
+            checked, failure = self._verify_all(list(by_storage))
+        except Exception as e:  # never skip ``agree``: the other ranks wait in it
+            checked, failure = {}, describe_failure(e)
+        failure = self.agree(failure)
+        if failure:
+            raise CorruptChunkError(failure)
+        loading = []
         try:
             for index, reqs in by_storage.items():
                 data = self.storage[index]
                 targets = [planner.resolve_tensor(req).detach() for req in reqs]
                 if len(reqs) == 1 and _whole_item_target(data, reqs[0], targets[0]):
                     buffer = targets[0]  # chunks land in place: no staging tensor, no copy
-                else:  # resharding or a dtype/layout change: read the item, then copy slices
+                else:  # resharding, another device or dtype: read the item, then copy slices
                     buffer = torch.empty(data["shape"], dtype=dtype_from_name(data["dtype"]))
-                loading.append((reqs, targets, buffer, self._start_reads(index, buffer)))
+                raw, offset, futures = _writable_bytes(buffer), 0, []
+                for digest, size in data["chunks"]:
+                    futures.append(self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size]))
+                    offset += size
+                loading.append((reqs, targets, buffer, futures))
             for reqs, targets, buffer, futures in loading:
                 for f in futures:
                     f.result()
@@ -303,10 +335,8 @@ class CheckpointReader(StorageReader):
                             src = src.narrow(dim, start, length)
                         target.copy_(src)
                     planner.commit_tensor(req, target)
-        finally:
-            # on failure, stop queued reads and let running ones finish, so nothing
-            # writes into the caller's tensors after this returns
-            pending = [f for _, _, _, futures in loading for f in futures]
+        finally:  # on failure: no read may write into the caller's tensors after this returns
+            pending = [f for *_, futures in loading for f in futures]
             for f in pending:
                 f.cancel()
             wait(pending)

@@ -85,8 +85,9 @@ def merge_into(live: Any, loaded: Any) -> Any:
     """
     if isinstance(live, torch.Tensor) and isinstance(loaded, torch.Tensor):
         if live.shape == loaded.shape and live.dtype == loaded.dtype:
-            with torch.no_grad():
-                live.copy_(loaded)
+            if live.data_ptr() != loaded.data_ptr():  # restore usually loads in place already
+                with torch.no_grad():
+                    live.copy_(loaded)
             return live
         return loaded
     if isinstance(live, MutableMapping) and isinstance(loaded, Mapping):

@@ -67,34 +67,37 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
-    def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> int:
-        """Scatter-read the object into ``buffers`` (in order) and return its size.
+    def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> tuple[int, tuple]:
+        """Scatter-read the object into ``buffers`` (in order): (its size, its version).
 
         The buffers are filled only when the object's size equals their total size;
-        otherwise they are left alone and the caller falls back to ``get``. This lets
-        a reader that knows what to expect land bytes straight in their final place.
+        otherwise they are left alone and the caller falls back to ``get``. The version
+        (device, inode, size, mtime) names the file actually read: an atomic replace or
+        an in-place write changes it, so a caller can tell whether a re-read returns
+        the bytes it verified before.
         """
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             views = [memoryview(b).cast("B") for b in buffers]
             views = [v for v in views if len(v)]
-            if size != sum(len(v) for v in views):
-                return size
+            if st.st_size != sum(len(v) for v in views):
+                return st.st_size, version
             done = 0
             while views:
                 n = os.readv(fd, views)
                 if n == 0:  # truncated under us: report what was there
-                    return done
+                    return done, version
                 done += n
                 while views and n >= len(views[0]):
                     n -= len(views.pop(0))
                 if n:
                     views[0] = views[0][n:]
-            return size
+            return st.st_size, version
         finally:
             os.close(fd)
 

@@ -1,0 +1,229 @@
+"""Retention: which checkpoints to keep and why. Pure: no store, no clock, no Dagster.
+
+Modelled on Orbax's preservation policies: each rule says which checkpoints it
+*preserves* (with a reason); rules compose by union; anything no rule preserves is
+expired. Keeping the decision pure means the dry-run asset, the retention job and the
+tests all compute exactly the same plan from the same inputs, and applying it (delete
+manifests, then GC) is a separate, boring step.
+
+Checkpoints are named by ``(run, step)``: steps repeat across runs, so a step alone is
+ambiguous in a store that holds several runs. Rules that rank checkpoints (newest,
+best-K) rank within each run.
+
+Never-delete rules (``KeepPinned``, ``KeepAliased``, ``KeepNewestValid``) are part of
+``default_policy`` and additionally enforced by ``plan`` itself, so a custom policy
+cannot expire a pinned, published or aliased checkpoint by forgetting a rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+DAY = 86400.0
+Ref = tuple[str, int]  # (run, step)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What retention needs to know of one checkpoint (``CheckpointInfo`` plus verdicts)."""
+
+    run: str
+    step: int
+    kind: str  # "full" | "incremental"
+    created_at: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    valid: bool | None = True  # None: not validated yet (treated as valid for "newest valid")
+
+    @property
+    def ref(self) -> Ref:
+        return (self.run, self.step)
+
+    @classmethod
+    def from_info(cls, info: Any, *, valid: bool | None = True, metrics: Mapping[str, Any] | None = None) -> "Candidate":
+        """From a ``CheckpointInfo``; ``metrics`` (e.g. evaluation results) override the trainer's."""
+        merged = {k: v for k, v in (info.metadata or {}).items() if _is_number(v)}
+        merged.update({k: v for k, v in (metrics or {}).items() if _is_number(v)})
+        return cls(info.run, info.step, info.kind, info.created_at, merged, valid)
+
+
+@dataclass(frozen=True)
+class Context:
+    now: float
+    pinned: frozenset[Ref] = frozenset()
+    aliased: Mapping[Ref, Sequence[str]] = field(default_factory=dict)  # ref -> alias names
+
+
+class RetentionPolicy(Protocol):
+    """A rule: the checkpoints it preserves, each with a human-readable reason."""
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]: ...
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _by_run(checkpoints: Iterable[Candidate]) -> dict[str, list[Candidate]]:
+    runs: dict[str, list[Candidate]] = defaultdict(list)
+    for c in checkpoints:
+        runs[c.run].append(c)
+    return runs
+
+
+@dataclass(frozen=True)
+class KeepRecent:
+    """Everything younger than ``days``: recent history is what a resume or an
+    investigation of a fresh regression needs, whatever its kind or validity."""
+
+    days: float = 7
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        return {c.ref: f"younger than {self.days:g} days" for c in checkpoints if ctx.now - c.created_at < self.days * DAY}
+
+
+@dataclass(frozen=True)
+class KeepFullWithin:
+    """Full checkpoints younger than ``days``: they restore without depending on bytes
+    written by older saves, so they are the cheap long-range history."""
+
+    days: float = 30
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        return {
+            c.ref: f"full checkpoint younger than {self.days:g} days"
+            for c in checkpoints
+            if c.kind == "full" and c.valid is not False and ctx.now - c.created_at < self.days * DAY
+        }
+
+
+@dataclass(frozen=True)
+class KeepBestK:
+    """The ``k`` best valid checkpoints of each run by ``metric`` (``mode`` "min" or "max"):
+    the candidates for deployment, kept however old they are."""
+
+    metric: str
+    k: int = 3
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        out = {}
+        sign = 1 if self.mode == "min" else -1
+        for cands in _by_run(checkpoints).values():
+            scored = [c for c in cands if c.valid is not False and _is_number(c.metrics.get(self.metric))]
+            scored.sort(key=lambda c: (sign * c.metrics[self.metric], -c.step))
+            for rank, c in enumerate(scored[: self.k], 1):
+                out[c.ref] = f"best {rank} of {len(scored)} by {self.mode} {self.metric} ({c.metrics[self.metric]:.4g})"
+        return out
+
+
+@dataclass(frozen=True)
+class KeepNewestValid:
+    """The newest checkpoint of each run that is not known to be invalid: the one a
+    resume would load. Deleting it would lose training progress."""
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        out = {}
+        for cands in _by_run(checkpoints).values():
+            valid = [c for c in cands if c.valid is not False]
+            if valid:
+                out[max(valid, key=lambda c: c.step).ref] = "newest valid checkpoint of its run"
+        return out
+
+
+@dataclass(frozen=True)
+class KeepPinned:
+    """Pinned or published checkpoints, forever: someone promised they stay."""
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        return {c.ref: "pinned / published" for c in checkpoints if c.ref in ctx.pinned}
+
+
+@dataclass(frozen=True)
+class KeepAliased:
+    """Anything a model alias (latest, stable, fallback) points to: a rollback target
+    must still exist when it is needed."""
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        return {
+            c.ref: "model alias " + ", ".join(sorted(ctx.aliased[c.ref]))
+            for c in checkpoints
+            if c.ref in ctx.aliased
+        }
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Union of rules: a checkpoint is kept if any rule preserves it (all reasons kept)."""
+
+    rules: tuple[RetentionPolicy, ...]
+
+    def preserve_all(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, list[str]]:
+        out: dict[Ref, list[str]] = defaultdict(list)
+        for rule in self.rules:
+            for ref, reason in rule.preserve(checkpoints, ctx).items():
+                out[ref].append(reason)
+        return dict(out)
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        return {ref: "; ".join(reasons) for ref, reasons in self.preserve_all(checkpoints, ctx).items()}
+
+
+NEVER_DELETE: tuple[RetentionPolicy, ...] = (KeepPinned(), KeepAliased(), KeepNewestValid())
+
+
+def default_policy(
+    recent_days: float = 7, full_days: float = 30, best_k: int = 3, metric: str = "val_loss", mode: str = "min"
+) -> AnyOf:
+    """The policy of the lifecycle issue: recent, full-within, best K, and never-delete rules."""
+    rules: list[RetentionPolicy] = [KeepRecent(recent_days), KeepFullWithin(full_days)]
+    if best_k > 0:
+        rules.append(KeepBestK(metric, best_k, mode))
+    return AnyOf((*rules, *NEVER_DELETE))
+
+
+@dataclass
+class RetentionPlan:
+    keep: dict[Ref, list[str]]
+    delete: dict[Ref, str]
+
+    def verdict(self, ref: Ref) -> str:
+        if ref in self.keep:
+            return "keep: " + "; ".join(self.keep[ref])
+        if ref in self.delete:
+            return "delete: " + self.delete[ref]
+        return "unknown"
+
+
+def plan(
+    checkpoints: Sequence[Candidate],
+    now: float,
+    pinned: Iterable[Ref] = (),
+    aliased: Mapping[Ref, Sequence[str]] | None = None,
+    policy: RetentionPolicy | None = None,
+) -> RetentionPlan:
+    """Split ``checkpoints`` into keep (with every reason) and delete (with why).
+
+    The never-delete rules are always applied on top of ``policy``.
+    """
+    ctx = Context(now=now, pinned=frozenset(pinned), aliased=dict(aliased or {}))
+    policy = policy or default_policy()
+    rules = policy.rules if isinstance(policy, AnyOf) else (policy,)
+    rules = (*rules, *(r for r in NEVER_DELETE if r not in rules))
+    keep = AnyOf(tuple(rules)).preserve_all(checkpoints, ctx)
+    delete = {}
+    for c in sorted(checkpoints, key=lambda c: c.ref):
+        if c.ref not in keep:
+            age = (now - c.created_at) / DAY
+            status = "invalid, " if c.valid is False else ""
+            delete[c.ref] = f"{status}{c.kind}, {age:.1f} days old: no retention rule keeps it"
+    return RetentionPlan(keep=dict(sorted(keep.items())), delete=delete)
