@@ -319,7 +319,8 @@ class CheckpointReader(StorageReader):
                 if len(reqs) == 1 and _whole_item_target(data, reqs[0], targets[0]):
                     buffer = targets[0]  # chunks land in place: no staging tensor, no copy
                 else:  # resharding, another device or dtype: read the item, then copy slices
-                    buffer = torch.empty(data["shape"], dtype=dtype_from_name(data["dtype"]))
+                    to_gpu = any(t.device.type == "cuda" for t in targets)
+                    buffer = torch.empty(data["shape"], dtype=dtype_from_name(data["dtype"]), pin_memory=to_gpu)
                 raw, offset, futures = _writable_bytes(buffer), 0, []
                 for digest, size in data["chunks"]:
                     futures.append(self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size]))
@@ -333,7 +334,10 @@ class CheckpointReader(StorageReader):
                         src = buffer
                         for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                             src = src.narrow(dim, start, length)
-                        target.copy_(src)
+                        target.copy_(src, non_blocking=buffer.is_pinned())
+                if buffer.is_pinned():
+                    torch.cuda.current_stream().synchronize()  # copies done before commit and reuse
+                for req, target in zip(reqs, targets):
                     planner.commit_tensor(req, target)
         finally:  # on failure: no read may write into the caller's tensors after this returns
             pending = [f for *_, futures in loading for f in futures]
