@@ -57,7 +57,10 @@ def describe_failure(e: BaseException) -> str:
     """One line naming each failing rank's cause, for restore's ``skipped`` reasons."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {r}: {describe_failure(_unwrap(x))}" for r, x in sorted(failures.items()))
+        causes = {r: describe_failure(_unwrap(x)) for r, x in sorted(failures.items())}
+        if len(set(causes.values())) == 1:  # e.g. a verdict every rank agreed on
+            return next(iter(causes.values()))
+        return "; ".join(f"rank {r}: {cause}" for r, cause in causes.items())
     if isinstance(e, CkptflowError) or not e.args:
         return str(e) or type(e).__name__
     return f"{type(e).__name__}: {e}"
