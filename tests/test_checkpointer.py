@@ -1,12 +1,15 @@
-"""Checkpointer: save / restore round trips, RNG, async saves, incremental saves, dedup,
-policies and the errors the public API promises."""
+"""Checkpointer, save side: round trips, listing, async saves, incremental saves, dedup
+across runs, save policies, saving to an already committed step, and stored metadata.
+
+Restore-side behaviour (RNG, explicit step vs fallback, mismatched or unsupported state)
+is in test_restore.py; shared helpers are in ckpt_helpers.py and conftest.py (``make_ck``).
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
-import random
 
 import numpy as np
 import pytest
@@ -14,65 +17,15 @@ import torch
 
 from ckptflow import (
     CheckpointExistsError,
-    Checkpointer,
-    NoValidCheckpointError,
     SavePolicy,
-    UnsupportedStateError,
     gc,
 )
 from ckptflow import catalog
-from ckptflow import format as fmt
 from ckptflow.store import open_store
+from ckpt_helpers import assert_state_equals, manifest_path, snapshot
 
 
 # ---- helpers ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def make_ck(ckpt_store_dir):
-    """Factory for Checkpointers on the test's store; all are closed at teardown."""
-    made = []
-
-    def make(run="r", root=None, **kwargs):
-        ck = Checkpointer(root or ckpt_store_dir, run=run, **kwargs)
-        made.append(ck)
-        return ck
-
-    yield make
-    for ck in made:
-        ck.close()
-
-
-def snapshot(state: dict) -> dict:
-    return {
-        "model": {k: v.detach().clone() for k, v in state["model"].state_dict().items()},
-        "optim": copy.deepcopy(state["optim"].state_dict()),
-        "sched": copy.deepcopy(state["sched"].state_dict()),
-        "extra": copy.deepcopy(state["extra"]),
-    }
-
-
-def assert_state_equals(state: dict, snap: dict) -> None:
-    model_sd = state["model"].state_dict()
-    assert model_sd.keys() == snap["model"].keys()
-    for k, v in snap["model"].items():
-        assert torch.equal(model_sd[k], v), f"model tensor {k} differs"
-
-    optim_sd = state["optim"].state_dict()
-    assert optim_sd["param_groups"] == snap["optim"]["param_groups"]
-    assert optim_sd["state"].keys() == snap["optim"]["state"].keys()
-    assert snap["optim"]["state"], "the snapshot should hold real AdamW state"
-    for pid, pstate in snap["optim"]["state"].items():
-        assert set(optim_sd["state"][pid]) == set(pstate)
-        for name, val in pstate.items():
-            got = optim_sd["state"][pid][name]
-            if isinstance(val, torch.Tensor):
-                assert torch.equal(torch.as_tensor(got), val), f"optim state {pid}.{name} differs"
-            else:
-                assert got == val, f"optim state {pid}.{name} differs"
-
-    assert state["sched"].state_dict() == snap["sched"]
-    assert state["extra"] == snap["extra"]
 
 
 def chunk_files(root: str) -> dict[str, int]:
@@ -86,11 +39,6 @@ def chunk_files(root: str) -> dict[str, int]:
             path = os.path.join(dirpath, name)
             out[os.path.relpath(path, root)] = os.path.getsize(path)
     return out
-
-
-def manifest_path(root: str, run: str, step: int) -> str:
-    return os.path.join(root, *fmt.manifest_key(run, step).split("/"))
-
 
 def read_stats(root: str, run: str, step: int) -> dict:
     manifest, _ = catalog.read_manifest(open_store(root), run, step)
@@ -187,55 +135,6 @@ def test_list_reports_committed_checkpoints(make_ck, tiny_state_factory, tiny_tr
     assert [i.metadata for i in infos] == [{"step": 5}, {"step": 10}, {"step": 15}]
     assert all(i.run == "r" and i.digest for i in infos)
     assert infos[0].base_step is None and infos[1].base_step == 5 and infos[2].base_step == 10
-
-
-# ---- RNG ----------------------------------------------------------------------------------
-
-
-def _draws():
-    return torch.rand(5), random.random(), np.random.rand(3)
-
-
-def test_rng_streams_continue_exactly_after_restore(make_ck, tiny_state_factory, tiny_train_step):
-    state = tiny_state_factory()
-    torch.manual_seed(11)
-    random.seed(11)
-    np.random.seed(11)
-    tiny_train_step(state, 2)
-    random.random()
-    np.random.rand(2)
-
-    ck = make_ck()
-    ck.save(2, state)
-    # the uninterrupted run's next draws
-    t_exp, py_exp, np_exp = _draws()
-
-    # the "crashed" process goes on and its RNG state diverges
-    tiny_train_step(state, 3)
-    random.seed(999)
-    np.random.seed(999)
-    t_other, py_other, np_other = _draws()
-    assert not torch.equal(t_other, t_exp) and py_other != py_exp  # sanity: the streams did move
-
-    result = ck.restore(state)
-    assert result.step == 2 and result.rng_restored
-    t_got, py_got, np_got = _draws()
-    assert torch.equal(t_got, t_exp)
-    assert py_got == py_exp
-    np.testing.assert_array_equal(np_got, np_exp)
-
-
-def test_restore_rng_false_leaves_rng_alone(make_ck, tiny_state_factory):
-    state = tiny_state_factory()
-    torch.manual_seed(1)
-    make_ck().save(1, state)
-    expected_next = torch.rand(3)
-    torch.manual_seed(2)
-    expected_other = torch.get_rng_state()
-    result = make_ck(restore_rng=False).restore(state)
-    assert result.rng_restored is False
-    assert torch.equal(torch.get_rng_state(), expected_other)
-    assert not torch.equal(torch.rand(3), expected_next)
 
 
 # ---- async save ---------------------------------------------------------------------------
@@ -467,82 +366,6 @@ def test_save_to_committed_step_raises_and_changes_nothing(
     result = ck.restore(state)
     assert result.step == 4 and result.metadata == {"v": 1}
     assert_state_equals(state, snap)
-
-
-def test_restore_exact_step_never_falls_back(make_ck, ckpt_store_dir, tiny_state_factory, tiny_train_step):
-    state = tiny_state_factory()
-    ck = make_ck()
-    ck.save(1, state)
-    tiny_train_step(state)
-    ck.save(2, state)
-    m1, _ = catalog.read_manifest(open_store(ckpt_store_dir), "r", 1)
-    m2, _ = catalog.read_manifest(open_store(ckpt_store_dir), "r", 2)
-    only_2 = sorted(set(m2["chunks"]) - set(m1["chunks"]))
-    assert only_2
-    path = os.path.join(ckpt_store_dir, *fmt.chunk_key(only_2[0]).split("/"))
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
-
-    tiny_train_step(state, 2)
-    live = snapshot(state)
-    with pytest.raises(NoValidCheckpointError) as err:
-        ck.restore(state, step=2)
-    assert [s for s, _ in err.value.skipped] == [2]
-    assert only_2[0] in err.value.skipped[0][1]
-    assert_state_equals(state, live)  # the live state was not touched
-
-    with pytest.raises(NoValidCheckpointError) as err:
-        ck.restore(state, step=99)  # never saved
-    assert [s for s, _ in err.value.skipped] == [99]
-    assert_state_equals(state, live)
-
-    # without step=, restore falls back to step 1
-    assert ck.restore(state).step == 1
-
-
-def test_restore_with_no_checkpoint_raises(make_ck, tiny_state_factory):
-    with pytest.raises(NoValidCheckpointError, match="no checkpoints at all"):
-        make_ck().restore(tiny_state_factory())
-
-
-@pytest.mark.parametrize(
-    "extra, path",
-    [
-        ({1, 2}, "extra"),
-        (object(), "extra"),
-        ({"cfg": {"items": [1, 2, {3}]}}, "extra.cfg.items.2"),
-        ({"fn": len}, "extra.fn"),
-    ],
-)
-def test_unsupported_state_value_names_its_path(make_ck, ckpt_store_dir, tiny_state_factory, extra, path):
-    state = tiny_state_factory()
-    state["extra"] = extra
-    ck = make_ck()
-    with pytest.raises(UnsupportedStateError) as err:
-        ck.save(1, state)
-    assert repr(path) in str(err.value)
-    assert ck.list() == []
-    assert not os.path.exists(manifest_path(ckpt_store_dir, "r", 1))
-
-
-def test_unsupported_state_key_is_rejected(make_ck, tiny_state_factory):
-    state = tiny_state_factory()
-    state["a.b"] = 1
-    with pytest.raises(UnsupportedStateError, match="a.b"):
-        make_ck().save(1, state)
-
-
-def test_restore_into_mismatched_state_is_skipped_with_reason(make_ck, tiny_state_factory):
-    state = tiny_state_factory()
-    ck = make_ck()
-    ck.save(1, state)
-    other = {"model": torch.nn.Linear(3, 3)}
-    with pytest.raises(NoValidCheckpointError, match="does not match") as err:
-        ck.restore(other)
-    assert [s for s, _ in err.value.skipped] == [1]
 
 
 def test_metadata_is_stored_as_json(make_ck, ckpt_store_dir, tiny_state_factory):

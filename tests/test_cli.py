@@ -1,103 +1,43 @@
-"""The ``ckptflow`` command line, end to end over real checkpoints in a temp store.
+"""The ``ckptflow`` command line, inspection commands: ``ls``, ``verify`` and ``stats``, end
+to end over real checkpoints in a temp store, plus one test that runs the installed console
+script to prove the entry point works.
 
-Commands run in-process through ``main([...])`` (exit status returned, output
-captured); one test runs the installed console script to prove the entry point works.
+Commands run in-process through ``main([...])`` (exit status returned, output captured).
+``export``, ``gc`` and argument errors are in test_cli_export_gc.py; the shared helpers are
+in cli_helpers.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
-from torch import nn
 
 from ckptflow import Checkpointer
 from ckptflow import format as fmt
-from ckptflow.catalog import read_manifest
-from ckptflow.cli import human_bytes, main
-from ckptflow.state import flatten, to_state_dicts
-from ckptflow.store import open_store
-
-RUN = "alpha"
-
-
-def make_state(seed: int = 0, *, optimizer: bool = True) -> dict:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    state: dict = {"model": model}
-    if optimizer:
-        state["optim"] = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return state
-
-
-def train(state: dict, steps: int = 2) -> None:
-    model, optim = state["model"], state["optim"]
-    for _ in range(steps):
-        loss = model(torch.randn(4, 8)).pow(2).mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-
-
-def tensor_bytes(state: dict) -> int:
-    """What a manifest's logical_bytes must be for ``state``: every tensor's bytes."""
-    _, tensors = flatten(to_state_dicts(state))
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def chunks_of(root: str, run: str, step: int) -> dict[str, int]:
-    return read_manifest(open_store(root), run, step)[0]["chunks"]
-
-
-def chunk_path(root: str, digest: str) -> Path:
-    return Path(root) / fmt.chunk_key(digest)
-
-
-def tensor_chunk(root: str, run: str, step: int, fqn: str) -> str:
-    manifest, _ = read_manifest(open_store(root), run, step)
-    (item,) = [i for i in manifest["dcp"]["items"] if i["fqn"] == fqn]
-    return item["chunks"][0][0]
-
-
-def flip_last_byte(path: Path) -> None:
-    blob = bytearray(path.read_bytes())
-    blob[-1] ^= 0xFF
-    path.write_bytes(bytes(blob))
-
-
-def all_files(root: str) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
+from ckptflow.cli import human_bytes
+from cli_helpers import (
+    RUN,
+    chunk_path,
+    chunks_of,
+    flip_last_byte,
+    make_state,
+    make_store,
+    run_cli,
+    tensor_bytes,
+    tensor_chunk,
+)
 
 
 @pytest.fixture
 def store(tmp_path):
     """Run ``alpha`` with steps 10 and 20 (training in between); model snapshots and sizes."""
-    root = str(tmp_path / "store")
-    state = make_state()
-    snaps, sizes = {}, {}
-    with Checkpointer(root, RUN) as ckpt:
-        for step, loss in ((10, 0.5), (20, 0.25)):
-            train(state)
-            ckpt.save(step, state, metadata={"loss": loss})
-            snaps[step] = {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
-            sizes[step] = tensor_bytes(state)
-    return root, snaps, sizes
+    return make_store(tmp_path)
 
 
 # ---- ls ----------------------------------------------------------------------------------
@@ -200,55 +140,6 @@ def test_verify_all_reports_uncommitted_steps(store, capsys):
     assert code == 0
 
 
-# ---- export ------------------------------------------------------------------------------
-def test_export_is_exact(store, tmp_path, capsys):
-    root, snaps, _ = store
-    out_file = tmp_path / "model.safetensors"
-    code, out, _ = run_cli(capsys, "export", root, "--run", RUN, "--step", "10", "--out", out_file)
-    assert code == 0 and "step 10" in out
-    loaded = load_file(str(out_file))
-    assert loaded.keys() == snaps[10].keys()
-    for name, tensor in snaps[10].items():
-        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
-    with safe_open(str(out_file), "pt") as f:
-        meta = f.metadata()
-    assert meta["ckptflow.run"] == RUN and meta["ckptflow.step"] == "10"
-    assert meta["ckptflow.manifest_digest"] == read_manifest(open_store(root), RUN, 10)[1]
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
-
-
-def test_export_default_latest_and_bf16(store, tmp_path, capsys):
-    root, snaps, _ = store
-    out_file = tmp_path / "model-bf16.safetensors"
-    code, out, _ = run_cli(capsys, "export", root, "--run", RUN, "--out", out_file, "--dtype", "bf16")
-    assert code == 0 and "step 20" in out
-    loaded = load_file(str(out_file))
-    assert loaded.keys() == snaps[20].keys()
-    for name, tensor in snaps[20].items():
-        assert loaded[name].dtype == torch.bfloat16
-        assert torch.equal(loaded[name], tensor.to(torch.bfloat16)), name
-
-
-def test_export_default_skips_checkpoint_that_does_not_verify(store, tmp_path, capsys):
-    root, snaps, _ = store
-    flip_last_byte(chunk_path(root, tensor_chunk(root, RUN, 20, "optim.state.0.weight.exp_avg")))
-    out_file = tmp_path / "m.safetensors"
-    code, out, err = run_cli(capsys, "export", root, "--run", RUN, "--out", out_file)
-    assert code == 0 and "step 10" in out
-    assert f"run {RUN} step 20 does not verify" in err
-    loaded = load_file(str(out_file))
-    assert all(torch.equal(loaded[k], v) for k, v in snaps[10].items())
-
-
-def test_export_of_corrupt_step_fails_cleanly(store, tmp_path, capsys):
-    root, _, _ = store
-    flip_last_byte(chunk_path(root, tensor_chunk(root, RUN, 20, "model.0.bias")))
-    out_file = tmp_path / "m.safetensors"
-    code, _, err = run_cli(capsys, "export", root, "--run", RUN, "--step", "20", "--out", out_file)
-    assert code == 2 and err.startswith("ckptflow: error:") and "does not match its address" in err
-    assert not out_file.exists() and list(tmp_path.glob("m.safetensors*")) == []
-
-
 # ---- stats -------------------------------------------------------------------------------
 def test_stats_dedup_across_runs(tmp_path, capsys):
     root = str(tmp_path / "store")
@@ -294,84 +185,6 @@ def test_stats_compression_and_unreferenced(tmp_path, capsys):
     assert doc["store"]["unreferenced_chunks"] == 1 and doc["store"]["unreferenced_bytes"] > 0
 
 
-# ---- gc ----------------------------------------------------------------------------------
-def test_gc_dry_run_deletes_nothing(store, capsys):
-    root, _, _ = store
-    doomed = set(chunks_of(root, RUN, 10)) - set(chunks_of(root, RUN, 20))
-    (Path(root) / fmt.manifest_key(RUN, 10)).unlink()
-    before = all_files(root)
-    code, out, _ = run_cli(capsys, "gc", root, "--grace", "0s", "--dry-run", "-v")
-    assert code == 0 and all_files(root) == before
-    assert out.startswith(f"would delete {len(doomed) + 1} object(s)")  # + step 10's rank record
-    listed = {line.split()[0] for line in out.splitlines()[1:]}
-    assert {fmt.chunk_key(d) for d in doomed} | {fmt.rank_key(RUN, 10, 0)} == listed
-
-
-def test_gc_deletes_unreferenced_chunks(store, capsys):
-    root, _, _ = store
-    doomed = set(chunks_of(root, RUN, 10)) - set(chunks_of(root, RUN, 20))
-    (Path(root) / fmt.manifest_key(RUN, 10)).unlink()
-    assert doomed
-    code, out, _ = run_cli(capsys, "gc", root, "--grace", "1h")
-    assert code == 0 and out.startswith("deleted 0 object(s)")  # everything is younger than 1h
-    code, out, _ = run_cli(capsys, "gc", root, "--grace", "0")
-    assert code == 0 and out.startswith(f"deleted {len(doomed) + 1} object(s)")
-    assert not any(chunk_path(root, d).exists() for d in doomed)
-    assert all(chunk_path(root, d).exists() for d in chunks_of(root, RUN, 20))
-    assert run_cli(capsys, "verify", root, "--run", RUN, "--all")[0] == 0
-
-
-def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
-    root, _, _ = store
-    doomed = set(chunks_of(root, RUN, 10)) - set(chunks_of(root, RUN, 20))
-    (Path(root) / fmt.manifest_key(RUN, 10)).unlink()
-    hours_ago = time.time() - 7200
-    for path in Path(root).rglob("*"):
-        os.utime(path, (hours_ago, hours_ago))
-    lease = Path(root) / "locks" / "leases" / "live-save.json"  # a save writing chunks now
-    lease.parent.mkdir(parents=True)
-    lease.write_text("{}")
-    code, _, err = run_cli(capsys, "gc", root, "--grace", "1h", "--wait", "0")
-    assert code == 1 and "save(s) are writing chunks" in err
-    assert all(chunk_path(root, d).exists() for d in doomed)
-    assert not (Path(root) / "locks" / "gc.json").exists(), "gc released its lock"
-    lease.unlink()
-    assert run_cli(capsys, "gc", root, "--grace", "1h", "--wait", "0")[0] == 0
-    assert not any(chunk_path(root, d).exists() for d in doomed)
-
-
-# ---- errors ------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "argv, expect",
-    [
-        (["verify", "{root}", "--run", "../etc"], "is not allowed"),
-        (["verify", "{root}", "--run", "nope"], "no run 'nope'"),
-        (["ls", "{root}", "--run", "nope"], "no run 'nope'"),
-        (["export", "{root}", "--run", "nope", "--out", "{tmp}/m.st"], "no run 'nope'"),
-        (["verify", "{root}/missing", "--run", RUN], "does not exist"),
-        (["verify", "{root}", "--run", RUN, "--step", "7"], "has no step 7"),
-        (["verify", "{root}", "--run", RUN, "--step", "10", "--all"], "not allowed with argument"),
-        (["verify", "{root}"], "--run"),
-        (["gc", "{root}", "--grace", "soon"], "not understood"),
-        (["gc", "{root}", "--grace=-1h"], "negative"),
-        (["gc", "{root}"], "--grace"),
-        (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--key", "ema"], "no tensors under 'ema.'"),
-        (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--step", "15"], "never committed"),
-        (["export", "{root}", "--run", RUN, "--out", "{tmp}/no/dir/m.st"], "does not exist"),
-        (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--dtype", "int8"], "invalid choice"),
-        (["frobnicate"], "invalid choice"),
-        ([], "required"),
-    ],
-)
-def test_errors_are_one_line_and_exit_2(store, tmp_path, capsys, argv, expect):
-    root, _, _ = store
-    code, out, err = run_cli(capsys, *[a.format(root=root, tmp=tmp_path) for a in argv])
-    assert code == 2
-    assert err.startswith("ckptflow: error: ") and err.count("\n") == 1, err
-    assert expect in err and "Traceback" not in err
-    assert not (Path(root) / "missing").exists()  # inspecting never creates a store
-
-
 # ---- installed console script ------------------------------------------------------------
 def _console_script() -> str:
     candidate = Path(sys.executable).parent / "ckptflow"
@@ -391,56 +204,3 @@ def test_console_script(store):
     proc = subprocess.run([exe, "verify", root, "--run", RUN, "--all"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout.startswith(f"run {RUN} step 10: ")
     assert "%|" not in proc.stderr and "Traceback" not in proc.stderr  # a pipe: no progress bar
-
-
-# ---- sharded checkpoint ------------------------------------------------------------------
-SHARDED_SAVE = textwrap.dedent(
-    """
-    import sys
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from safetensors.torch import save_file
-
-    from ckptflow import Checkpointer
-
-    def worker(rank, root, init):
-        dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        w, b = torch.randn(10, 6), torch.randn(6)
-        state = {"model": {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": b}}
-        with Checkpointer(root, "sharded") as ckpt:
-            ckpt.save(3, state)
-        if rank == 0:
-            save_file({"w": w, "b": b}, root + "/../expected.safetensors")
-        dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        mp.spawn(worker, args=(sys.argv[1], sys.argv[2]), nprocs=2)
-    """
-)
-
-
-def test_export_consolidates_two_shards(tmp_path, capsys):
-    root = tmp_path / "store"
-    root.mkdir()
-    script = tmp_path / "save_sharded.py"
-    script.write_text(SHARDED_SAVE)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(root), str(tmp_path / "pg-init")],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest, _ = read_manifest(open_store(str(root)), "sharded", 3)
-    assert manifest["world_size"] == 2 and len(manifest["dcp"]["tensors"]["model.w"]["chunks"]) == 2
-    out_file = tmp_path / "m.safetensors"
-    code, _, err = run_cli(capsys, "export", root, "--run", "sharded", "--out", out_file)
-    assert code == 0, err
-    expected = load_file(str(tmp_path / "expected.safetensors"))
-    loaded = load_file(str(out_file))
-    assert loaded.keys() == {"w", "b"}
-    assert torch.equal(loaded["w"], expected["w"]) and torch.equal(loaded["b"], expected["b"])

@@ -1,0 +1,90 @@
+"""Results and report for benchmarks/save_restore.py: one median ``Row`` per method, the
+Markdown table (each figure also as a ratio to torch.save), and the performance-floor
+checks (ckptflow within ``FLOOR`` x of DCP).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from _states import MiB
+
+FLOOR = 1.5  # ckptflow must stay within this factor of DCP (see the floor checks)
+ASYNC = "ckptflow save (full, async)"
+
+
+# ---- results ----------------------------------------------------------------------------
+@dataclass
+class Row:
+    method: str
+    blocked_s: float | None
+    total_s: float | None
+    bytes: int | None
+    restore_s: float | None
+    save_cpu_s: float | None  # CPU seconds the process spent on the save, all threads
+    note: str = ""
+
+
+Sample = dict[str, float]  # blocked, total, bytes, restore, cpu (any may be missing)
+
+
+def median_row(method: str, note: str, samples: list[Sample]) -> Row:
+    def med(key: str) -> float | None:
+        vals = [s[key] for s in samples if s.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    nbytes = med("bytes")
+    return Row(method, med("blocked"), med("total"), None if nbytes is None else int(nbytes),
+               med("restore"), med("cpu"), note)
+
+
+# ---- report -----------------------------------------------------------------------------
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MiB:.1f} MiB"
+
+
+def table(rows: list[Row]) -> str:
+    base = rows[0]
+    header = ["method", "blocked s", "x torch", "total s", "x torch", "bytes on disk", "x torch",
+              "restore s", "x torch", "save cpu s", "note"]
+    body = [[r.method, _secs(r.blocked_s), _ratio(r.blocked_s, base.blocked_s), _secs(r.total_s),
+             _ratio(r.total_s, base.total_s), _mib(r.bytes), _ratio(r.bytes, base.bytes),
+             _secs(r.restore_s), _ratio(r.restore_s, base.restore_s), _secs(r.save_cpu_s), r.note]
+            for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    left = {0, len(header) - 1}
+
+    def fmt(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" if i not in left else "-" * (w + 2)
+                          for i, w in enumerate(widths)) + "|"
+    return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
+
+
+def floor_checks(rows: list[Row]) -> list[dict]:
+    by = {r.method: r for r in rows}
+    specs = [
+        ("ckptflow sync full total vs DCP FileSystemWriter total",
+         by["ckptflow save (full) / restore"].total_s, by["DCP FileSystemWriter / dcp.load"].total_s),
+        ("ckptflow async blocked vs DCP async_save blocked",
+         by[ASYNC].blocked_s, by["DCP async_save"].blocked_s),
+        ("ckptflow restore vs DCP load",
+         by["ckptflow save (full) / restore"].restore_s, by["DCP FileSystemWriter / dcp.load"].restore_s),
+    ]
+    checks = []
+    for name, ours, theirs in specs:
+        ratio = ours / theirs if ours is not None and theirs else float("inf")
+        checks.append({"check": name, "ckptflow_s": ours, "dcp_s": theirs, "ratio": ratio,
+                       "limit": FLOOR, "pass": ratio <= FLOOR})
+    return checks

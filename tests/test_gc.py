@@ -1,0 +1,233 @@
+"""GC safety: after retention GC deletes exactly the unreferenced chunks; the grace period
+protects (and grace=0 destroys) a save in flight; only stale temp files go; a sweep racing
+a deduplicating save is serialised by the lease/lock handshake.
+
+Uses tests/faulty_store.py (FaultyStore) to pause a save just before its commit record, or
+a GC sweep just before it deletes. Crash and SIGKILL tests are in test_faults.py; the tagged
+states both files use are in fault_helpers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from ckptflow import Checkpointer, gc, open_store
+from ckptflow import format as fmt
+from fault_helpers import CHUNK, RUN, blank_state, make_state, state_tag
+from faulty_store import FaultyStore
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def chunk_keys(root: Path) -> dict[str, int]:
+    return {info.key: info.size for info in open_store(str(root)).list("chunks/")}
+
+
+def all_files(root: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            st = os.stat(path)
+            out[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def manifest_chunks(root: Path, step: int) -> set[str]:
+    blob = (root / fmt.manifest_key(RUN, step)).read_bytes()
+    return {fmt.chunk_key(d) for d in json.loads(blob)["chunks"]}
+
+
+# ---- GC safety -----------------------------------------------------------------------------
+def test_gc_after_retention_deletes_exactly_the_unreferenced_chunks(tmp_path):
+    root = tmp_path / "store"
+    store = open_store(str(root))
+    with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+        for step in range(1, 6):
+            ck.save(step, make_state(step), kind="full" if step % 2 else "incremental")
+    for step in (1, 2, 4):  # what a retention policy would expire
+        store.delete(fmt.manifest_key(RUN, step))
+
+    live = manifest_chunks(root, 3) | manifest_chunks(root, 5)
+    chunks_before = chunk_keys(root)
+    orphans = {
+        info.key: info.size for s in (1, 2, 4) for info in store.list(fmt.step_prefix(RUN, s))
+    }
+    assert set(orphans) == {fmt.rank_key(RUN, s, 0) for s in (1, 2, 4)}
+    expected = {k: size for k, size in chunks_before.items() if k not in live} | orphans
+    assert expected and live <= set(chunks_before)
+    # The tensor shared by every step is referenced by the kept ones and must survive.
+    assert manifest_chunks(root, 3) & manifest_chunks(root, 5)
+
+    now = time.time() + 5  # every object is older than a zero grace period
+    files_before = all_files(root)
+    dry = gc(store, grace=0, dry_run=True, now=now)
+    assert dry.dry_run and dict(dry.deleted) == expected
+    assert len(dry.deleted) == len(expected)
+    assert dry.bytes == sum(expected.values())
+    assert dry.live_manifests == 2 and not dry.unreadable_manifests
+    assert all_files(root) == files_before, "a dry run changed the store"
+
+    real = gc(store, grace=0, now=now)
+    assert sorted(real.deleted) == sorted(dry.deleted) and real.bytes == dry.bytes
+    assert set(chunk_keys(root)) == live
+    assert not any(store.exists(k) for k in orphans)
+
+    ck = Checkpointer(store, run=RUN, restore_rng=False)
+    for step in (3, 5):
+        assert ck.verify(step).ok
+        state = blank_state()
+        assert ck.restore(state, step=step).step == step and state_tag(state) == step
+    state = blank_state()
+    result = ck.restore(state)
+    assert result.step == 5 and state_tag(state) == 5
+    ck.close()
+    assert gc(store, grace=0, now=now).deleted == []
+
+
+def _paused_save_with_concurrent_gc(root: Path, grace) -> tuple:
+    """Save step 2 but hold it just before its commit record while GC runs; resume it."""
+    inner = open_store(str(root))
+    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+        ck.save(1, make_state(1))
+    fs = FaultyStore(inner)
+    pause = fs.pause_before("put_if_absent", lambda key: key == fmt.manifest_key(RUN, 2))
+    ck = Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4)
+    outcome: list = []
+
+    def save() -> None:
+        try:
+            outcome.append(ck.save(2, make_state(2), kind="incremental"))
+        except BaseException as e:  # reported to the test thread below
+            outcome.append(e)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    try:
+        assert pause.reached.wait(30), "the save never reached its commit"
+        assert not inner.exists(fmt.manifest_key(RUN, 2))
+        # A GC that starts while the save is in flight (a moment after its chunks landed).
+        report = gc(inner, grace=grace, now=time.time() + 2)
+    finally:
+        pause.release()
+        saver.join(30)
+    assert not saver.is_alive()
+    (saved,) = outcome
+    assert not isinstance(saved, BaseException), saved
+    ck.close()
+    return report, saved
+
+
+def test_gc_with_zero_grace_destroys_an_in_flight_save(tmp_path):
+    root = tmp_path / "store"
+    report, saved = _paused_save_with_concurrent_gc(root, grace=0)
+    new_chunks = manifest_chunks(root, 2) - manifest_chunks(root, 1)
+    assert new_chunks
+    deleted = {key for key, _ in report.deleted}
+    # The in-flight save's new chunks and rank record looked like garbage and were swept.
+    assert deleted == new_chunks | {fmt.rank_key(RUN, 2, 0)}
+    assert saved.step == 2 and saved.info is not None  # the writer did not notice
+    ck = Checkpointer(str(root), run=RUN, restore_rng=False)
+    report2 = ck.verify(2)
+    assert not report2.ok  # grace=0 is unsafe: a committed checkpoint lost its data
+    assert sum("missing" in p for p in report2.problems) == len(new_chunks) + 1
+    assert ck.verify(1).ok
+    state = blank_state()
+    result = ck.restore(state)
+    assert result.step == 1 and [s for s, _ in result.skipped] == [2] and state_tag(state) == 1
+    ck.close()
+
+
+def test_gc_grace_period_protects_an_in_flight_save(tmp_path):
+    root = tmp_path / "store"
+    chunks_seen: dict = {}
+    report, saved = _paused_save_with_concurrent_gc(root, grace="1h")
+    assert report.deleted == [] and report.bytes == 0
+    assert report.live_manifests == 1
+    ck = Checkpointer(str(root), run=RUN, restore_rng=False)
+    assert ck.verify(2).ok and ck.verify(1).ok
+    state = blank_state()
+    assert ck.restore(state).step == 2 and state_tag(state) == 2
+    chunks_seen.update(chunk_keys(root))
+    assert manifest_chunks(root, 1) | manifest_chunks(root, 2) == set(chunks_seen)
+    ck.close()
+
+
+def test_gc_removes_stale_temp_files_only(tmp_path):
+    root = tmp_path / "store"
+    store = open_store(str(root))
+    with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+        ck.save(1, make_state(1))
+    digest = next(iter(manifest_chunks(root, 1)))
+    chunk_dir = root / os.path.dirname(digest)
+    step_dir = root / os.path.dirname(fmt.manifest_key(RUN, 1))
+    old = time.time() - 2 * 3600
+    stale = {
+        chunk_dir / ".tmp-deadbeef": b"x" * 10,
+        step_dir / ".tmp-cafebabe": b"y" * 20,
+        chunk_dir / (os.path.basename(digest) + ".claim"): b"",
+    }
+    fresh = {chunk_dir / ".tmp-fresh0001": b"z" * 30}
+    for path, data in {**stale, **fresh}.items():
+        path.write_bytes(data)
+    for path in stale:
+        os.utime(path, (old, old))
+
+    expected = {os.path.relpath(p, root): len(data) for p, data in stale.items()}
+    dry = gc(store, grace="1h", dry_run=True)
+    assert dict(dry.deleted) == expected and dry.bytes == 30
+    assert all(p.exists() for p in {**stale, **fresh})
+
+    report = gc(store, grace="1h")
+    assert dict(report.deleted) == expected
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in fresh)  # may belong to a write in progress
+    with Checkpointer(store, run=RUN) as ck:
+        assert ck.verify(1).ok
+
+
+def test_gc_sweep_racing_a_deduplicating_save(tmp_path):
+    """GC lists a chunk as garbage; a save of the same content starts before GC deletes it.
+
+    Without the lease/lock handshake the save would reuse the chunk (stat + touch) and
+    commit a checkpoint whose chunk GC then deletes. With it, the save waits for the
+    sweep and writes the chunks again, so its checkpoint verifies.
+    """
+    root = tmp_path / "store"
+    inner = open_store(str(root))
+    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+        ck.save(1, make_state(1))
+    inner.delete(fmt.manifest_key(RUN, 1))  # retention expired step 1: its chunks are garbage
+    old = time.time() - 7200
+    for path in root.rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+    gc_view = FaultyStore(inner)
+    pause = gc_view.pause_before("delete", lambda key: key.startswith("chunks/"))
+    swept: list = []
+    sweeper = threading.Thread(target=lambda: swept.append(gc(gc_view, grace="1h")))
+    sweeper.start()
+    saved: list = []
+    try:
+        assert pause.reached.wait(30)
+        saver = threading.Thread(target=lambda: saved.append(
+            Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4).save(2, make_state(1), kind="incremental")
+        ))
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive(), "the save must wait while GC holds its lock"
+    finally:
+        pause.release()
+        sweeper.join(30)
+    saver.join(30)
+    assert swept and swept[0].deleted, "the sweep deleted step 1's chunks"
+    assert saved and saved[0].info.bytes_written > 0, "the save rewrote the chunks GC deleted"
+    with Checkpointer(inner, run=RUN) as ck:
+        report = ck.verify(2)
+        assert report.ok, report.problems
+        state = blank_state()
+        assert ck.restore(state).step == 2
+    assert state_tag(state) == 1
