@@ -24,7 +24,9 @@ ui: $(STAMP)
 	DAGSTER_HOME=$(CURDIR)/.dagster_home $(VENV)/bin/dagster dev -w workspace.yaml
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/save_restore.py --size-mb 256
+	$(PY) benchmarks/save_restore.py --real
 
 clean:
 	rm -rf $(VENV) .demo .bench .pytest_cache

@@ -208,8 +208,8 @@ class Bench:
             total, cpu = clock.lap(), clock.cpu_used()
         return dict(blocked=blocked, total=total, cpu=cpu, bytes=disk_usage(path))
 
-    def _checkpointer(self, root: Path) -> Checkpointer:
-        return Checkpointer(str(root), "bench", threads=self.threads, chunk_bytes=self.chunk_bytes)
+    def _checkpointer(self, root: Path, codec: str = "raw") -> Checkpointer:
+        return Checkpointer(str(root), "bench", threads=self.threads, chunk_bytes=self.chunk_bytes, codec=codec)
 
     def _restore(self, ck: Checkpointer, expected: StateDict, method: str) -> float:
         # ckptflow fills the tensors of ``live`` in place, as dcp.load does.
@@ -221,16 +221,19 @@ class Bench:
         check_equal(expected, live["model"], method)
         return elapsed
 
-    def ckptflow_sync(self, _round: int) -> Sample:
+    def ckptflow_sync(self, _round: int, codec: str = "raw") -> Sample:
         root = fresh(self.work / "ckptflow")
-        with self._checkpointer(root) as ck:
+        with self._checkpointer(root, codec) as ck:
             before = disk_usage(root)
             clock = Clock().start()
             ck.save(1, {"model": self.state}, kind="full")
             save, cpu = clock.lap(), clock.cpu_used()
             nbytes = disk_usage(root) - before
             return dict(blocked=save, total=save, cpu=cpu, bytes=nbytes,
-                        restore=self._restore(ck, self.state, "ckptflow"))
+                        restore=self._restore(ck, self.state, f"ckptflow {codec}"))
+
+    def ckptflow_zstd(self, round_: int) -> Sample:
+        return self.ckptflow_sync(round_, codec="zstd")
 
     def ckptflow_async(self, _round: int) -> Sample:
         root = fresh(self.work / "ckptflow_async")
@@ -280,6 +283,7 @@ class Bench:
             ("ckptflow save (full) / restore", f"fsync, {self.chunk_bytes / MiB:g} MiB chunks", self.ckptflow_sync),
             (ASYNC, "", self.ckptflow_async),
             ("ckptflow save (incremental)", self._incremental_note(), self.ckptflow_incremental),
+            ("ckptflow save (full, zstd)", "archive codec: byte-grouped zstd-3", self.ckptflow_zstd),
         ]
         samples: dict[str, list[Sample]] = {name: [] for name, _, _ in methods}
         try:
