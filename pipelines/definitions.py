@@ -1,6 +1,66 @@
-"""The one Dagster code location. The lifecycle (assets, sensors, jobs) lands here next;
-until then it is an empty but loadable location so `make ui` works."""
+"""The one Dagster code location: assets, checks, sensors, jobs, schedules, resources.
 
-from dagster import Definitions
+Resources are chosen per deployment by ``CKPTFLOW_DEPLOYMENT``:
 
-defs = Definitions()
+* ``local`` (default): the hot store is ``CKPTFLOW_STORE`` or ``<repo>/.demo/store``
+  (what `make demo` writes), the archive ``CKPTFLOW_ARCHIVE`` or ``<repo>/.demo/archive``;
+* ``production``: ``CKPTFLOW_STORE`` and ``CKPTFLOW_ARCHIVE`` are required (read by
+  Dagster at run time through ``EnvVar``, so they never appear in run config); the S3
+  archive through dagster-aws ``S3Resource`` lands with the S3 backend (issue 4).
+
+``CKPTFLOW_EVALUATOR`` overrides the evaluator import path (``module:function``).
+"""
+
+import os
+
+from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus, Definitions, EnvVar
+
+from assets import ALL_ASSETS, ALL_CHECKS
+from pipelines.jobs import promotion_job, retention_job, retention_schedule, rollback_job, scrub_job, scrub_schedule
+from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource
+from resources.evaluator import DEFAULT_EVALUATOR
+from resources.store import default_archive_url, default_store_url
+from sensors import failure_sensor, landing_sensor, validation_job
+
+
+def resources_for(deployment: str, store: str | None = None, archive: str | None = None) -> dict:
+    """Resources of a deployment; ``store`` / ``archive`` override the local defaults."""
+    evaluator = EvaluatorResource(function=os.environ.get("CKPTFLOW_EVALUATOR", DEFAULT_EVALUATOR))
+    if deployment == "local":
+        store, archive = store or default_store_url(), archive or default_archive_url()
+        return {
+            "store": CheckpointStoreResource(url=store), "archive": ArchiveResource(url=archive),
+            "registry": RegistryResource(url=store), "evaluator": evaluator,
+        }
+    if deployment == "production":
+        return {
+            "store": CheckpointStoreResource(url=EnvVar("CKPTFLOW_STORE")),
+            "archive": ArchiveResource(url=EnvVar("CKPTFLOW_ARCHIVE")),
+            "registry": RegistryResource(url=EnvVar("CKPTFLOW_STORE")), "evaluator": evaluator,
+        }
+    raise ValueError(f"CKPTFLOW_DEPLOYMENT={deployment!r} is not one of 'local', 'production'")
+
+
+# Downstream per-checkpoint assets (evaluation, compression, archival) follow their
+# AutomationConditions; this sensor evaluates them and is on by default.
+automation_sensor = AutomationConditionSensorDefinition(
+    "lifecycle_automation",
+    target=AssetSelection.all(),
+    default_status=DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=30,
+)
+
+
+def build_definitions(deployment: str | None = None, store: str | None = None, archive: str | None = None) -> Definitions:
+    return Definitions(
+        assets=ALL_ASSETS,
+        asset_checks=ALL_CHECKS,
+        jobs=[validation_job, retention_job, scrub_job, promotion_job, rollback_job],
+        schedules=[scrub_schedule, retention_schedule],
+        sensors=[landing_sensor, failure_sensor, automation_sensor],
+        resources=resources_for(deployment or os.environ.get("CKPTFLOW_DEPLOYMENT", "local"), store, archive),
+    )
+
+
+defs = build_definitions()
+__all__ = ["automation_sensor", "build_definitions", "defs", "resources_for"]

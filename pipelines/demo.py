@@ -3,7 +3,8 @@
 Shows the library end to end on CPU in well under a minute: full and async
 incremental saves, a simulated crash and restore (weights, optimizer, scheduler, RNG,
 data position), a checkpoint corrupted on purpose that restore skips and verify
-reports, and the store's dedup figures. The Dagster lifecycle builds on this store.
+reports, and the store's dedup figures. Then it drives the Dagster lifecycle over the store
+in-process (pipelines/lifecycle_demo.py) and prints its summary; `make ui` shows the same.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -23,6 +25,8 @@ from ckptflow.catalog import list_checkpoints
 
 VOCAB, SEQ, DIM = 32, 32, 64
 DEMO_STORE = ".demo/store"
+DEMO_ARCHIVE = ".demo/archive"
+DEMO_DAGSTER_HOME = ".dagster_home"
 
 
 class TinyLM(nn.Module):
@@ -108,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default="tinylm-demo")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--crash-at", type=int, default=75)
+    parser.add_argument("--archive", default=os.environ.get("CKPTFLOW_ARCHIVE"),
+                        help=f"archive tier URL (default {DEMO_ARCHIVE} for the demo store, else <store>-archive)")
+    parser.add_argument("--dagster-home", help=f"Dagster instance directory for the lifecycle (default {DEMO_DAGSTER_HOME}, "
+                        "what `make ui` reads, for the demo store, else <store>-dagster_home); the default one is reset first")
+    parser.add_argument("--no-lifecycle", action="store_true", help="skip the Dagster lifecycle part")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="  [%(name)s] %(message)s")
     shutil.rmtree(args.store if args.store == DEMO_STORE else os.path.join(args.store, "runs", args.run), ignore_errors=True)
@@ -153,9 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {i.step:>5} {i.kind:<11} {i.metadata.get('train_loss', float('nan')):>10.3f} {i.bytes_written / 1e6:>10.2f}")
     report = gc(args.store, grace="1h", dry_run=True)
     print(f"== gc dry run: {len(report.deleted)} objects ({report.bytes} bytes) unreferenced and past grace")
+    status = 0
+    if not args.no_lifecycle:
+        warnings.filterwarnings("ignore", message=r".* is currently in (beta|preview)")  # Dagster API maturity notes
+        from pipelines.lifecycle_demo import run_lifecycle  # Dagster only when asked for
+
+        default = args.store == DEMO_STORE
+        archive = args.archive or (DEMO_ARCHIVE if default else args.store.rstrip("/") + "-archive")
+        home = args.dagster_home or (DEMO_DAGSTER_HOME if default else args.store.rstrip("/") + "-dagster_home")
+        fresh = default and not args.archive and not args.dagster_home
+        status = run_lifecycle(os.path.abspath(args.store), os.path.abspath(archive), os.path.abspath(home), fresh)
     print(f"== demo finished in {time.perf_counter() - t0:.1f} s; try: .venv/bin/ckptflow ls {args.store} "
           f"and .venv/bin/ckptflow verify {args.store} --run {args.run} --all")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -1,1 +1,6 @@
-"""Dagster layer: sensors (filled in by the lifecycle issue)."""
+"""Dagster layer: the landing sensor and the run-failure sensor."""
+
+from sensors.failures import failure_sensor
+from sensors.landing import landing_sensor, new_checkpoints, validation_job
+
+__all__ = ["failure_sensor", "landing_sensor", "new_checkpoints", "validation_job"]

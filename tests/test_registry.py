@@ -1,5 +1,7 @@
 """Model registry: create-only versions with lineage, alias moves, promotion, rollback."""
 
+import json
+
 import pytest
 
 from ckptflow.registry import Registry, RegistryError, describe
@@ -34,7 +36,8 @@ def test_register_versions_create_only_with_lineage_and_latest(tmp_path):
 def test_racing_register_takes_the_next_number(tmp_path):
     r = reg(tmp_path)
     register(r, 10)
-    r.store.put_if_absent(r.version_key("tinylm", 2), register(Registry(open_store(str(tmp_path / "other"))), 99).to_json().__repr__().encode())
+    other = {**r.get("tinylm", 1).to_json(), "version": 2, "step": 99}
+    r.store.put_if_absent(r.version_key("tinylm", 2), json.dumps(other).encode())
     # version 2 is taken behind the registry's back (its listing raced): register skips to 3
     r.versions = lambda model: [r.get(model, 1)]  # simulate the stale listing
     assert register(r, 20).version == 3

@@ -1,0 +1,163 @@
+"""Per-checkpoint assets: the registered checkpoint, its blocking integrity check,
+evaluation, compression and archival. Each body is a few lines over the library.
+
+Flow. The landing sensor adds a partition and requests ``checkpoint`` (with its
+integrity check) for it. Everything downstream follows by declarative automation:
+``AutomationCondition.eager()`` AND "every blocking check of my dependencies passed",
+so a corrupt checkpoint stops at its check and is never evaluated, compressed or
+archived. We chose automation conditions over materialization sensors because the
+gating on blocking checks, in-progress and missing dependencies is built in and shows
+in the UI's automation view per partition.
+
+Backfills: every partitioned asset carries ``BackfillPolicy.multi_run(1)``: one run per
+checkpoint, so each partition gets its own metadata (which is what Dagster plots
+across partitions) and the runs spread over the run queue's concurrency.
+
+Verdicts are also written to the store as lifecycle records (``ckptflow.lifecycle``),
+so the inventory and retention read them without querying Dagster's event log.
+"""
+
+from dagster import (
+    AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, AutomationCondition,
+    BackfillPolicy, Config, Failure, MaterializeResult, MetadataValue, asset, asset_check,
+)
+
+from assets.partitions import checkpoints_partitions, parse_checkpoint_key
+from ckptflow import catalog, lifecycle
+from ckptflow import format as fmt
+from ckptflow.errors import ManifestError
+from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource
+
+GROUP = "checkpoints"
+BACKFILL = BackfillPolicy.multi_run(max_partitions_per_run=1)
+DOWNSTREAM = (AutomationCondition.eager() & AutomationCondition.all_deps_blocking_checks_passed()).with_label(
+    "eager, once the checkpoint's integrity check passed"
+)
+_COMMON = dict(partitions_def=checkpoints_partitions, group_name=GROUP, backfill_policy=BACKFILL, kinds={"ckptflow"})
+
+
+def _metric_values(metrics: dict) -> dict:
+    return {k: MetadataValue.float(float(v)) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@asset(**_COMMON)
+def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource) -> MaterializeResult:
+    """A committed checkpoint (its manifest). Never fails on a bad manifest: the blocking
+    integrity check is the one gate, so a corrupt checkpoint shows as a failed check."""
+    run, step = parse_checkpoint_key(context.partition_key)
+    try:
+        manifest, digest = catalog.read_manifest(store.open(), run, step)
+    except ManifestError as e:
+        return MaterializeResult(metadata={"run": run, "step": step, "manifest_error": str(e)})
+    info = catalog.CheckpointInfo.from_manifest(manifest, digest)
+    return MaterializeResult(
+        metadata={
+            "run": run, "step": MetadataValue.int(step), "kind": info.kind, "world_size": info.world_size,
+            "logical_bytes": MetadataValue.int(info.logical_bytes), "stored_bytes": MetadataValue.int(info.stored_bytes),
+            "chunks": MetadataValue.int(info.chunks), "base_step": info.base_step if info.base_step is not None else -1,
+            "created_at": MetadataValue.timestamp(info.created_at), "manifest_digest": digest,
+            **{f"trainer/{k}": v for k, v in _metric_values(info.metadata).items()},
+        },
+    )
+
+
+@asset_check(asset=checkpoint, blocking=True, partitions_def=checkpoints_partitions)
+def integrity(context: AssetCheckExecutionContext, store: CheckpointStoreResource) -> AssetCheckResult:
+    """Manifest checksum, every rank record, every chunk present and matching its hash.
+    Blocking: nothing downstream runs on a checkpoint that fails it."""
+    run, step = parse_checkpoint_key(context.partition_key)
+    record = lifecycle.validate(store.open(), run, step)
+    return AssetCheckResult(
+        passed=bool(record["ok"]),
+        severity=AssetCheckSeverity.ERROR,
+        metadata={
+            "chunks_checked": record["chunks_checked"], "bytes_checked": record["bytes_checked"],
+            "problems": MetadataValue.md("\n".join(f"- {p}" for p in record["problems"]) or "none"),
+        },
+    )
+
+
+class EvaluationConfig(Config):
+    """Which metrics define "better" and "overfitting"."""
+
+    val_metric: str = "val_loss"
+    train_metric: str = "train_loss"
+
+
+def _previous_evaluation(store, run: str, step: int, limit: int = 50) -> tuple[int, dict] | None:
+    """The nearest older checkpoint of the run that has an evaluation record."""
+    older = [s for s in catalog.list_steps(store, run) if s < step][-limit:]
+    for prev in reversed(older):
+        record = lifecycle.read_record(store, run, prev, "evaluation")
+        if record is not None:
+            return prev, record
+    return None
+
+
+@asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
+def evaluation(
+    context: AssetExecutionContext, config: EvaluationConfig, store: CheckpointStoreResource, evaluator: EvaluatorResource
+) -> MaterializeResult:
+    """Evaluator metrics as numeric metadata (plotted across partitions), the change
+    against the previous checkpoint, and an overfitting flag (validation loss up while
+    training loss went down)."""
+    run, step = parse_checkpoint_key(context.partition_key)
+    hot = store.open()
+    manifest, digest = catalog.read_manifest(hot, run, step)
+    metrics = evaluator.evaluate(hot, run, step, {"run": run, "step": step, "partition_key": context.partition_key})
+    train = (manifest.get("metadata") or {}).get(config.train_metric)
+    previous = _previous_evaluation(hot, run, step)
+    extra: dict = {"previous_step": previous[0] if previous else -1}
+    overfitting = False
+    if previous and config.val_metric in metrics and config.val_metric in previous[1]["metrics"]:
+        delta = previous[1]["metrics"][config.val_metric] - metrics[config.val_metric]
+        extra[f"improvement/{config.val_metric}"] = MetadataValue.float(delta)
+        prev_train = previous[1].get("train")
+        overfitting = delta < 0 and train is not None and prev_train is not None and train < prev_train
+    lifecycle.write_record(hot, run, step, "evaluation", {
+        "metrics": metrics, "train": train, "overfitting": overfitting, "previous_step": extra["previous_step"],
+        "evaluator": evaluator.function, "manifest_digest": digest,
+    })
+    if overfitting:
+        context.log.warning(f"{context.partition_key}: {config.val_metric} rose while {config.train_metric} fell")
+    return MaterializeResult(metadata={
+        **_metric_values(metrics), **({config.train_metric: MetadataValue.float(float(train))} if train is not None else {}),
+        **extra, "overfitting": overfitting, "evaluator": evaluator.function,
+    })
+
+
+@asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
+def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -> MaterializeResult:
+    """Re-encode the checkpoint's chunks with byte-grouped zstd. Chunk addresses hash the
+    raw bytes, so nothing that references them changes; every chunk is verified first."""
+    run, step = parse_checkpoint_key(context.partition_key)
+    hot = store.open()
+    report = lifecycle.compress(hot, run, step)
+    lifecycle.write_record(hot, run, step, "compression", {
+        "chunks": report.chunks, "reencoded": report.reencoded, "bytes_before": report.bytes_before,
+        "bytes_after": report.bytes_after, "ratio": report.ratio,
+    })
+    return MaterializeResult(metadata={
+        "chunks": report.chunks, "reencoded": report.reencoded, "bytes_before": MetadataValue.int(report.bytes_before),
+        "bytes_after": MetadataValue.int(report.bytes_after), "ratio": MetadataValue.float(report.ratio or 1.0),
+    })
+
+
+@asset(deps=[compressed], automation_condition=DOWNSTREAM, **_COMMON)
+def archived(context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveResource) -> MaterializeResult:
+    """Copy to the archive tier with the same commit protocol, then verify it there.
+    After compression, so the archive holds the smaller encoding."""
+    run, step = parse_checkpoint_key(context.partition_key)
+    hot, arc = store.open(), archive.open()
+    report = lifecycle.archive(hot, arc, run, step)
+    lifecycle.write_record(hot, run, step, "archive", {
+        "url": arc.url, "ok": report.ok, "chunks_copied": report.chunks_copied, "chunks_present": report.chunks_present,
+        "bytes_copied": report.bytes_copied, "problems": report.problems[:20],
+    })
+    if not report.ok:
+        raise Failure(f"archive copy of {context.partition_key} in {arc.url} does not verify", metadata={
+            "problems": MetadataValue.md("\n".join(f"- {p}" for p in report.problems[:20]))})
+    return MaterializeResult(metadata={
+        "archive": arc.url, "manifest_key": fmt.manifest_key(run, step), "chunks_copied": report.chunks_copied,
+        "chunks_already_there": report.chunks_present, "bytes_copied": MetadataValue.int(report.bytes_copied), "verified": True,
+    })

@@ -1,0 +1,89 @@
+"""Unpartitioned views over every checkpoint: the inventory and the retention dry run.
+
+Both are snapshots of the store (plus lifecycle records and the registry), refreshed on
+a cron tick rather than ``eager()``: with partitioned parents, eager would wait for
+*every* partition of evaluation/archival to exist, and a corrupt checkpoint's never
+do, so the inventory would stop updating exactly when it matters.
+"""
+
+import time
+
+import pandas as pd
+from dagster import AutomationCondition, Config, MetadataValue, Output, asset
+
+from assets.checkpoints import archived, checkpoint, compressed, evaluation
+from assets.partitions import parse_checkpoint_key
+from ckptflow import inventory, stats
+from ckptflow.retention import RetentionPlan, default_policy
+from resources import ArchiveResource, CheckpointStoreResource, RegistryResource
+
+GROUP = "inventory"
+REFRESH = (AutomationCondition.cron_tick_passed("*/10 * * * *") & ~AutomationCondition.in_progress()).with_label(
+    "every 10 minutes"
+)
+
+
+class RetentionConfig(Config):
+    """The retention policy; shared by the dry-run asset and the retention job."""
+
+    recent_days: float = 7
+    full_days: float = 30
+    best_k: int = 3
+    metric: str = "val_loss"
+    mode: str = "min"
+    pinned: list[str] = []  # partition keys kept forever, besides every published model version's source
+    gc_grace: str = "1h"
+
+
+def compute_plan(config: RetentionConfig, entries: list[inventory.Entry], registry: RegistryResource) -> RetentionPlan:
+    reg = registry.open()
+    pinned = reg.pinned() | {parse_checkpoint_key(k) for k in config.pinned}
+    policy = default_policy(config.recent_days, config.full_days, config.best_k, config.metric, config.mode)
+    return inventory.retention_plan(entries, time.time(), pinned, reg.aliased(), policy)
+
+
+def markdown(df: pd.DataFrame, limit: int = 200) -> MetadataValue:
+    text = df.head(limit).to_markdown(index=False) if len(df) else "(empty)"
+    if len(df) > limit:
+        text += f"\n\n… {len(df) - limit} more rows"
+    return MetadataValue.md(text)
+
+
+@asset(group_name=GROUP, deps=[checkpoint, evaluation, compressed, archived], automation_condition=REFRESH, kinds={"pandas"})
+def checkpoint_inventory(
+    store: CheckpointStoreResource, archive: ArchiveResource, registry: RegistryResource
+) -> Output[pd.DataFrame]:
+    """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
+    last recorded failure and the retention verdict. Also bytes per tier."""
+    hot, arc = store.open(), archive.open()
+    entries = inventory.collect(hot, arc)
+    plan = compute_plan(RetentionConfig(), entries, registry)
+    df = pd.DataFrame(inventory.rows(entries, plan))
+    hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
+    counts = df["validation"].value_counts().to_dict() if len(df) else {}
+    return Output(df, metadata={
+        "checkpoints": len(df),
+        "validation_passed": counts.get("passed", 0), "validation_failed": counts.get("failed", 0),
+        "hot_stored_bytes": MetadataValue.int(hot_stats.stored_bytes),
+        "archive_stored_bytes": MetadataValue.int(arc_stats.stored_bytes),
+        "hot_dedup_ratio": MetadataValue.float(hot_stats.dedup_ratio or 1.0),
+        "hot_compression_ratio": MetadataValue.float(hot_stats.compression_ratio or 1.0),
+        "to_delete": len(plan.delete),
+        "table": markdown(df),
+    })
+
+
+@asset(group_name=GROUP, deps=[checkpoint, evaluation], automation_condition=REFRESH, kinds={"pandas"})
+def retention_plan(
+    config: RetentionConfig, store: CheckpointStoreResource, registry: RegistryResource
+) -> Output[pd.DataFrame]:
+    """Dry run of the retention policy: what would be deleted and why, what is kept and
+    by which rules. The retention job recomputes the plan when it runs, so this view
+    can never make it delete something newly pinned or aliased."""
+    entries = inventory.collect(store.open())
+    plan = compute_plan(config, entries, registry)
+    df = pd.DataFrame(
+        [{"run": r, "step": s, "action": "keep", "why": "; ".join(why)} for (r, s), why in plan.keep.items()]
+        + [{"run": r, "step": s, "action": "delete", "why": why} for (r, s), why in plan.delete.items()]
+    )
+    return Output(df, metadata={"keep": len(plan.keep), "delete": len(plan.delete), "plan": markdown(df)})

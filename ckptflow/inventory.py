@@ -1,0 +1,123 @@
+"""One row per checkpoint across tiers, with every lifecycle verdict and the retention plan.
+
+A library function (not a Dagster asset body) so the inventory asset, the retention
+job, the demo summary and any script agree on what exists, what is valid and what
+retention would do. Reads each manifest once and lists lifecycle records once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckptflow import catalog, lifecycle
+from ckptflow import format as fmt
+from ckptflow.errors import ManifestError
+from ckptflow.retention import Candidate, RetentionPlan, RetentionPolicy, plan
+from ckptflow.store.base import Store
+
+
+@dataclass
+class Entry:
+    run: str
+    step: int
+    kind: str = "?"
+    created_at: float = 0.0
+    tiers: list[str] = field(default_factory=list)
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    chunks: int = 0
+    world_size: int = 0
+    digest: str = ""
+    manifest_error: str = ""
+    records: dict[str, dict] = field(default_factory=dict)  # lifecycle records by kind
+    trainer_metadata: dict = field(default_factory=dict)
+
+    @property
+    def ref(self) -> tuple[str, int]:
+        return (self.run, self.step)
+
+    @property
+    def validation(self) -> str:
+        """passed / failed / not checked (an unreadable manifest is failed)."""
+        if self.manifest_error:
+            return "failed"
+        record = self.records.get("validation")
+        if record is None:
+            return "not checked"
+        return "passed" if record.get("ok") else "failed"
+
+    @property
+    def valid(self) -> bool | None:
+        return {"passed": True, "failed": False}.get(self.validation)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        merged = {k: v for k, v in self.trainer_metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        merged.update((self.records.get("evaluation") or {}).get("metrics") or {})
+        return merged
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.run, self.step, self.kind, self.created_at, self.metrics, self.valid)
+
+
+def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> None:
+    for run in catalog.list_runs(store):
+        for step in catalog.list_steps(store, run):
+            if not store.exists(fmt.manifest_key(run, step)):
+                continue  # in flight or crashed before commit: not a checkpoint
+            entry = entries.setdefault((run, step), Entry(run, step))
+            entry.tiers.append(tier)
+            if entry.digest or (entry.manifest_error and tier != "hot"):
+                continue
+            try:
+                manifest, digest = catalog.read_manifest(store, run, step)
+            except ManifestError as e:
+                entry.manifest_error = entry.manifest_error or str(e)
+                continue
+            info = catalog.CheckpointInfo.from_manifest(manifest, digest)
+            entry.manifest_error = ""
+            entry.kind, entry.created_at, entry.digest = info.kind, info.created_at, digest
+            entry.logical_bytes, entry.stored_bytes, entry.chunks = info.logical_bytes, info.stored_bytes, info.chunks
+            entry.world_size, entry.trainer_metadata = info.world_size, dict(info.metadata)
+
+
+def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
+    """Every committed checkpoint in the hot store and (if given) the archive, by (run, step)."""
+    entries: dict[tuple[str, int], Entry] = {}
+    _scan(hot, "hot", entries)
+    if archive is not None:
+        _scan(archive, "archive", entries)
+    for ref, records in lifecycle.all_records(hot).items():
+        if ref in entries:
+            entries[ref].records = records
+    return [entries[k] for k in sorted(entries)]
+
+
+def retention_plan(
+    entries: list[Entry], now: float, pinned=(), aliased=None, policy: RetentionPolicy | None = None
+) -> RetentionPlan:
+    """The plan for the hot tier (archive-only checkpoints are not retention's to delete)."""
+    return plan([e.candidate() for e in entries if "hot" in e.tiers], now, pinned, aliased, policy)
+
+
+def rows(entries: list[Entry], retention: RetentionPlan | None = None) -> list[dict]:
+    """Flat rows for a table: identity, tiers, bytes, status, metrics, verdict."""
+    out = []
+    for e in entries:
+        compression = e.records.get("compression") or {}
+        failure = e.records.get("failure") or {}
+        row = {
+            "run": e.run, "step": e.step, "kind": e.kind, "tiers": ",".join(e.tiers),
+            "logical_bytes": e.logical_bytes,
+            "stored_bytes": compression.get("bytes_after", e.stored_bytes),
+            "compression_ratio": compression.get("ratio"),
+            "validation": e.validation,
+            "problem": (e.manifest_error or "; ".join((e.records.get("validation") or {}).get("problems", [])))[:200],
+            "last_failure": failure.get("message", "")[:200],
+            "overfitting": (e.records.get("evaluation") or {}).get("overfitting"),
+        }
+        row.update({f"metric.{k}": v for k, v in sorted(e.metrics.items())})
+        if retention is not None:
+            row["retention"] = retention.verdict(e.ref) if "hot" in e.tiers else "archive only"
+        out.append(row)
+    return out

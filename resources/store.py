@@ -1,0 +1,60 @@
+"""Store-backed resources: the hot checkpoint store, the archive tier, the model registry.
+
+Each is configured by one URL so the same code runs against a local directory in a
+test, the demo store under the repo, or (with issue 4's backend) ``s3://bucket/prefix``;
+the library picks the backend from the URL scheme. Defaults come from environment
+variables so `dagster dev` works with no configuration at all.
+"""
+
+import os
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from ckptflow.registry import Registry
+from ckptflow.store import Store, open_store
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def default_store_url() -> str:
+    """``CKPTFLOW_STORE``, else the demo store under the repo (what `make demo` writes)."""
+    return os.environ.get("CKPTFLOW_STORE") or os.path.join(REPO, ".demo", "store")
+
+
+def default_archive_url() -> str:
+    """``CKPTFLOW_ARCHIVE``, else a directory next to the demo store."""
+    return os.environ.get("CKPTFLOW_ARCHIVE") or os.path.join(REPO, ".demo", "archive")
+
+
+class CheckpointStoreResource(ConfigurableResource):
+    """The hot store training writes to (a path, ``file://`` URL, later ``s3://``)."""
+
+    url: str = Field(default_factory=default_store_url, description="store root URL")
+
+    def open(self) -> Store:
+        return open_store(self.url)
+
+
+class ArchiveResource(ConfigurableResource):
+    """The archive tier: a second store that checkpoints are copied to and verified in.
+
+    Local directory by default. The S3 variant (dagster-aws ``S3Resource`` credentials
+    handed to ckptflow's S3 backend) is issue 4: until that backend exists an
+    ``s3://`` URL fails loudly in ``open_store`` instead of pretending to archive.
+    """
+
+    url: str = Field(default_factory=default_archive_url, description="archive store root URL")
+
+    def open(self) -> Store:
+        return open_store(self.url)
+
+
+class RegistryResource(ConfigurableResource):
+    """The model registry, kept under ``registry/`` in a store (the hot store by default)
+    so a model version and the checkpoint it came from live side by side."""
+
+    url: str = Field(default_factory=default_store_url, description="store root URL holding registry/")
+
+    def open(self) -> Registry:
+        return Registry(open_store(self.url))

@@ -1,0 +1,92 @@
+"""Per-checkpoint assets: metadata, the blocking integrity check, automation gating, backfill."""
+
+import os
+
+from dagster import AssetCheckKey, AssetRecordsFilter, evaluate_automation_conditions, materialize
+from dagster_helpers import RUN, corrupt_chunk
+
+from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation, integrity
+from ckptflow import catalog, lifecycle
+from ckptflow.store import open_store
+from resources import EvaluatorResource
+
+PER_CHECKPOINT = [*PARTITIONED, integrity]
+KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
+
+
+def latest(instance, asset, key):
+    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=asset.key, asset_partitions=[key]), limit=1).records
+    return records[0].asset_materialization.metadata if records else None
+
+
+def mat(instance, resources, key, selection=None, **kw):
+    return materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=resources,
+                       selection=selection, raise_on_error=False, **kw)
+
+
+def test_good_checkpoint_flows_through_every_asset(store_with_checkpoints, paths, resources, instance):
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    result = mat(instance, resources, KEYS[1])
+    assert result.success
+    md = latest(instance, checkpoint, KEYS[1])
+    assert md["run"].value == RUN and md["step"].value == 20 and md["kind"].value == "full"
+    assert md["world_size"].value == 1 and md["chunks"].value > 0 and md["logical_bytes"].value > 0
+    assert "trainer/train_loss" in md and len(md["manifest_digest"].value) == 64
+    [check] = result.get_asset_check_evaluations()
+    assert check.passed and check.asset_check_key == AssetCheckKey(checkpoint.key, "integrity")
+    assert latest(instance, evaluation, KEYS[1])["val_loss"].value > 0
+    comp = latest(instance, compressed, KEYS[1])
+    assert comp["bytes_after"].value < comp["bytes_before"].value and comp["ratio"].value > 1
+    arc = latest(instance, archived, KEYS[1])
+    assert arc["verified"].value is True
+    assert catalog.verify_checkpoint(open_store(paths["archive"]), RUN, 20).ok
+    assert catalog.verify_checkpoint(open_store(paths["store"]), RUN, 20).ok  # still restores after re-encoding
+    assert lifecycle.read_record(open_store(paths["store"]), RUN, 20, "validation")["ok"] is True
+
+
+def test_corrupt_checkpoint_fails_blocking_check_and_nothing_downstream_runs(store_with_checkpoints, resources, instance):
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    corrupt_chunk(store_with_checkpoints, RUN, 30)
+    result = mat(instance, resources, KEYS[2])
+    [check] = result.get_asset_check_evaluations()
+    assert not check.passed and "does not match its address" in check.metadata["problems"].value
+    assert latest(instance, checkpoint, KEYS[2]) is not None
+    for asset in (evaluation, compressed, archived):
+        assert latest(instance, asset, KEYS[2]) is None, asset.key
+    assert not os.path.exists(os.path.join(store_with_checkpoints, "..", "archive", "runs"))
+
+
+def test_automation_requests_downstream_only_for_checkpoints_that_passed(store_with_checkpoints, defs, instance):
+    cursor = evaluate_automation_conditions(defs=defs, instance=instance).cursor  # the daemon was already running
+    instance.add_dynamic_partitions("checkpoints", KEYS[:3])
+    corrupt_chunk(store_with_checkpoints, RUN, 30)
+    validate = defs.resolve_job_def("validate_checkpoint")
+    for key in KEYS[:3]:
+        validate.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    result = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+    assert result.get_requested_partitions(evaluation.key) == set(KEYS[:2])
+    assert result.get_requested_partitions(compressed.key) == set(KEYS[:2])
+    # archived follows compression in the same tick (eager sees compressed will be requested)
+    assert result.get_requested_partitions(archived.key) == set(KEYS[:2])
+
+
+def test_backfill_reevaluates_several_partitions_with_a_new_evaluator(store_with_checkpoints, resources, instance):
+    assert all(a.backfill_policy.max_partitions_per_run == 1 for a in PARTITIONED)
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    for key in KEYS:  # first pass: register + validate
+        assert materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=resources,
+                           selection=[checkpoint, evaluation]).success
+    first = {k: latest(instance, evaluation, k)["val_loss"].value for k in KEYS}
+    new = {**resources, "evaluator": EvaluatorResource(function="test_checkpoint_assets:constant_evaluator")}
+    for key in KEYS[1:]:  # the backfill: a range of old partitions, evaluation only
+        assert materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=new, selection=[evaluation]).success
+    assert latest(instance, evaluation, KEYS[0])["val_loss"].value == first[KEYS[0]]
+    for key in KEYS[1:]:
+        md = latest(instance, evaluation, key)
+        assert md["val_loss"].value == 0.5 and md["evaluator"].value.endswith("constant_evaluator")
+    assert latest(instance, evaluation, KEYS[2])["improvement/val_loss"].value == 0.0
+
+
+def constant_evaluator(state_dict, info):
+    assert "embed.weight" in state_dict and info["step"] > 0
+    return {"val_loss": 0.5}

@@ -1,0 +1,134 @@
+"""Promotion, alias moves and rollback; retention; scrub; the run-failure sensor."""
+
+import os
+
+import pytest
+import torch
+from dagster import DagsterEventType, build_run_status_sensor_context, materialize
+from dagster_helpers import RUN, corrupt_chunk
+from safetensors.torch import load_file
+
+from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation, integrity
+from ckptflow import catalog, lifecycle
+from ckptflow import format as fmt
+from ckptflow.registry import Registry
+from ckptflow.store import open_store
+from sensors import failure_sensor
+
+KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
+
+
+def evaluate_all(instance, resources, keys=KEYS):
+    instance.add_dynamic_partitions("checkpoints", keys)
+    for key in keys:
+        materialize([*PARTITIONED, integrity], partition_key=key, instance=instance, resources=resources,
+                    selection=[checkpoint, evaluation], raise_on_error=False)
+
+
+def deploy(defs, instance, job="promotion", **config):
+    run_config = {"ops": {"deployed_model": {"config": {"action": "promote" if job == "promotion" else "rollback", **config}}}}
+    return defs.resolve_job_def(job).execute_in_process(instance=instance, run_config=run_config, raise_on_error=False)
+
+
+def test_promotion_alias_moves_and_rollback_with_lineage(store_with_checkpoints, defs, resources, instance, paths):
+    evaluate_all(instance, resources)
+    store = open_store(paths["store"])
+    best = min(KEYS, key=lambda k: lifecycle.read_record(store, RUN, int(k[-12:]), "evaluation")["metrics"]["val_loss"])
+
+    first = deploy(defs, instance, stage="stable", partition_key=KEYS[0])
+    assert first.success
+    md = first.asset_materializations_for_node("deployed_model")[0].metadata
+    assert md["source_partition"].value == KEYS[0] and md["alias/stable"].value == 1 and md["alias/latest"].value == 1
+    manifest, digest = catalog.read_manifest(store, RUN, 10)
+    assert md["manifest_digest"].value == digest
+    assert md["training_config"].value["kind"] == manifest["kind"]
+
+    second = deploy(defs, instance, stage="stable", dtype="bf16")  # best by val_loss
+    assert second.success
+    reg = Registry(store)
+    v2 = reg.get("tinylm", 2)
+    assert v2.partition_key == best and v2.dtype == "bf16" and v2.metrics["val_loss"] > 0
+    assert reg.aliases("tinylm") == {"latest": 2, "stable": 2, "fallback": 1}
+    weights = os.path.join(paths["store"], v2.artifact["store_key"])
+    tensors = load_file(weights)
+    assert tensors["head.weight"].dtype.is_floating_point and str(tensors["head.weight"].dtype) == "torch.bfloat16"
+
+    assert deploy(defs, instance, stage="latest", partition_key=KEYS[3], dtype="int8").success
+    assert reg.aliases("tinylm") == {"latest": 3, "stable": 2, "fallback": 1}
+    int8 = load_file(os.path.join(paths["store"], reg.get("tinylm", 3).artifact["store_key"]))
+    assert int8["head.weight"].dtype == torch.int8 and "head.weight.scale" in int8
+
+    rolled = deploy(defs, instance, job="rollback")
+    assert rolled.success
+    assert reg.aliases("tinylm") == {"latest": 3, "stable": 1, "fallback": 2}
+    md = rolled.asset_materializations_for_node("deployed_model")[0].metadata
+    assert md["action"].value == "rollback" and md["source_partition"].value == KEYS[0]
+
+
+def test_promotion_refuses_a_corrupt_checkpoint(store_with_checkpoints, defs, resources, instance):
+    corrupt_chunk(store_with_checkpoints, RUN, 30)
+    evaluate_all(instance, resources)
+    result = deploy(defs, instance, partition_key=KEYS[2])
+    assert not result.success
+    assert Registry(open_store(store_with_checkpoints)).models() == []
+
+
+def test_retention_job_expires_checkpoints_partitions_and_gcs(store_with_checkpoints, defs, resources, instance, paths):
+    evaluate_all(instance, resources)
+    assert deploy(defs, instance, stage="stable", partition_key=KEYS[0]).success  # published: kept forever
+    store = open_store(paths["store"])
+    chunks_before = len(list(store.list("chunks/")))
+    config = {"recent_days": 0, "full_days": 0, "best_k": 1, "gc_grace": "0s"}
+    plan = materialize([*defs.assets], selection=["retention_plan"], instance=instance, resources=resources,
+                       run_config={"ops": {"retention_plan": {"config": config}}})
+    df = plan.output_for_node("retention_plan")
+    assert set(df[df.action == "keep"].step) >= {10, 40}
+
+    result = defs.resolve_job_def("retention_job").execute_in_process(
+        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}})
+    assert result.success
+    out = result.output_for_node("apply_retention")
+    kept = {s for s in (10, 20, 30, 40) if store.exists(fmt.manifest_key(RUN, s))}
+    assert {10, 40} <= kept and len(kept) < 4  # published + newest kept; best-1 may add one
+    assert sorted(out["expired"]) == [checkpoint_key(RUN, s) for s in (10, 20, 30, 40) if s not in kept]
+    assert set(instance.get_dynamic_partitions("checkpoints")) == {checkpoint_key(RUN, s) for s in kept}
+    assert out["gc_bytes"] > 0 and len(list(store.list("chunks/"))) < chunks_before
+    for step in kept:
+        assert catalog.verify_checkpoint(store, RUN, step).ok
+    assert not list(store.list(f"lifecycle/{RUN}/{out['expired'][0][-12:]}/"))
+
+
+def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, defs, instance):
+    job = defs.resolve_job_def("scrub_job")
+    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+    assert job.execute_in_process(instance=instance, run_config=config).success
+    corrupt_chunk(store_with_checkpoints, RUN, 20)
+    result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
+    assert not result.success
+    store = open_store(store_with_checkpoints)
+    assert lifecycle.read_record(store, RUN, 20, "validation")["ok"] is False
+    assert lifecycle.read_record(store, RUN, 10, "validation")["ok"] is True
+
+
+def test_failure_sensor_records_the_failed_partition(store_with_checkpoints, resources, instance):
+    from resources import EvaluatorResource
+
+    instance.add_dynamic_partitions("checkpoints", KEYS[:1])
+    broken = {**resources, "evaluator": EvaluatorResource(function="no.such.module:evaluate")}
+    result = materialize([*PARTITIONED, integrity], partition_key=KEYS[0], instance=instance, resources=broken,
+                         selection=[checkpoint, evaluation], raise_on_error=False)
+    assert not result.success
+    [event] = [e for e in result.all_events if e.event_type == DagsterEventType.RUN_FAILURE]
+    context = build_run_status_sensor_context(
+        sensor_name="failure_sensor", dagster_event=event, dagster_instance=instance,
+        dagster_run=result.dagster_run, resources={"store": resources["store"]},
+    ).for_run_failure()
+    failure_sensor(context)
+    record = lifecycle.read_record(open_store(store_with_checkpoints), RUN, 10, "failure")
+    assert record["run_id"] == result.run_id and record["message"]
+
+
+@pytest.mark.parametrize("action", ["nonsense"])
+def test_bad_deploy_action_fails(defs, instance, action, store_with_checkpoints):
+    run_config = {"ops": {"deployed_model": {"config": {"action": action}}}}
+    assert not defs.resolve_job_def("promotion").execute_in_process(instance=instance, run_config=run_config, raise_on_error=False).success
