@@ -17,6 +17,9 @@ from ckptflow.format import chunk_key
 from ckptflow.store.base import Store
 
 
+SCAN_PIECE = 1 << 20  # small enough to stay in cache between read and hash
+
+
 @dataclass(frozen=True)
 class CheckedChunk:
     """A chunk that passed verification: its bytes, or the version of the file holding them."""
@@ -95,21 +98,27 @@ class ChunkStore:
     def check(self, digest: str, size: int) -> "CheckedChunk":
         """Verify a chunk before anything is written from it (restore's first pass).
 
-        A raw chunk on a store that can re-read cheaply (local files: ``get_into``) is
-        read into a reused per-thread buffer, hashed, and only its file version kept;
-        anything else keeps the verified bytes, so the second pass never fetches twice.
+        A raw chunk on a store that can re-read cheaply (local files: ``scan``) is
+        streamed through a small per-thread buffer into the hash, and only its file
+        version is kept; anything else keeps the verified bytes, so the second pass
+        never fetches twice. Any anomaly goes through ``get``, which names the problem.
         """
-        key = chunk_key(digest)
-        read_into = getattr(self.store, "get_into", None)
-        if read_into is not None:
-            scratch = self._scratch(size)
-            header = bytearray(codecs.HEADER.size)
+        scan = getattr(self.store, "scan", None)
+        if scan is not None:
+            header, hasher = bytearray(), hashlib.sha256()
+
+            def consume(piece: memoryview) -> None:
+                if len(header) < codecs.HEADER.size:
+                    take = codecs.HEADER.size - len(header)
+                    header.extend(piece[:take])
+                    piece = piece[take:]
+                hasher.update(piece)
+
             try:
-                got, version = read_into(key, [header, scratch])
+                got, version = scan(chunk_key(digest), self._scratch(SCAN_PIECE), consume)
             except ObjectNotFoundError:
-                raise self._missing(digest, key) from None
-            if got == len(header) + size and codecs.raw_length(header) == size:
-                self._verify(digest, key, scratch)
+                raise self._missing(digest, chunk_key(digest)) from None
+            if got == codecs.HEADER.size + size and codecs.raw_length(header) == size and hasher.hexdigest() == digest:
                 return CheckedChunk(digest, size, version=version)
         return CheckedChunk(digest, size, data=self.get(digest, expected_size=size))
 
