@@ -127,13 +127,24 @@ def export_safetensors(
     if dtype is not None:
         target = DTYPES[dtype]
         tensors = {n: t.to(target) if t.is_floating_point() else t for n, t in tensors.items()}
-    metadata = {
+    nbytes = write_safetensors(tensors, out, lineage_metadata(run, step, digest, key))
+    return ExportResult(run, step, out, len(tensors), nbytes, digest, skipped)
+
+
+def lineage_metadata(run: str, step: int, digest: str, key: str, **extra: str) -> dict[str, str]:
+    """safetensors header metadata naming the exact checkpoint a file came from."""
+    return {
         "format": "pt",  # what transformers' loaders expect of a PyTorch safetensors file
         "ckptflow.run": run,
         "ckptflow.step": str(step),
         "ckptflow.manifest_digest": digest,
         "ckptflow.key": key,
+        **extra,
     }
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, metadata: dict[str, str]) -> int:
+    """Write atomically (temp file, then rename): a reader never sees half a file. Returns bytes."""
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     try:
         save_file(tensors, tmp, metadata=metadata)
@@ -141,5 +152,4 @@ def export_safetensors(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return ExportResult(run, step, out, len(tensors), nbytes, digest, skipped)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

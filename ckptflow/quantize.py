@@ -11,12 +11,10 @@ metadata as ``export_safetensors``.
 from __future__ import annotations
 
 import os
-import uuid
 
 import torch
-from safetensors.torch import save_file
 
-from ckptflow.export import ExportResult, load_tensors
+from ckptflow.export import ExportResult, lineage_metadata, load_tensors, write_safetensors
 from ckptflow.store import Store, open_store
 
 SCALE_SUFFIX = ".scale"
@@ -44,14 +42,6 @@ def export_int8(store: Store | str, run: str, step: int, out: str | os.PathLike,
         else:
             quantized[name] = t.contiguous()
     out = os.path.abspath(os.fspath(out))
-    metadata = {"format": "pt", "ckptflow.run": run, "ckptflow.step": str(step), "ckptflow.manifest_digest": digest,
-                "ckptflow.key": key, "ckptflow.quantization": "int8-symmetric-per-row"}
-    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
-    try:
-        save_file(quantized, tmp, metadata=metadata)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    nbytes = sum(t.numel() * t.element_size() for t in quantized.values())
+    metadata = lineage_metadata(run, step, digest, key, **{"ckptflow.quantization": "int8-symmetric-per-row"})
+    nbytes = write_safetensors(quantized, out, metadata)
     return ExportResult(run, step, out, len(quantized), nbytes, digest)
