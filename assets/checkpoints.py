@@ -26,7 +26,8 @@ from assets.partitions import checkpoints_partitions, parse_checkpoint_key
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
 from ckptflow.errors import ManifestError
-from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource
+from ckptflow.store import Store
+from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
 
 GROUP = "checkpoints"
 BACKFILL = BackfillPolicy.multi_run(max_partitions_per_run=1)
@@ -36,17 +37,29 @@ DOWNSTREAM = (AutomationCondition.eager() & AutomationCondition.all_deps_blockin
 _COMMON = dict(partitions_def=checkpoints_partitions, group_name=GROUP, backfill_policy=BACKFILL, kinds={"ckptflow"})
 
 
+def _source(hot: Store, archive: ArchiveTierResource, run: str, step: int) -> Store:
+    """Where the checkpoint's data is: the hot store, or the archive tier once retention
+    expired the hot copy (the partition stays; lifecycle records stay in the hot store)."""
+    if hot.exists(fmt.manifest_key(run, step)):
+        return hot
+    arc = archive.open()
+    return arc if arc.exists(fmt.manifest_key(run, step)) else hot
+
+
 def _metric_values(metrics: dict) -> dict:
     return {k: MetadataValue.float(float(v)) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 @asset(**_COMMON)
-def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource) -> MaterializeResult:
+def checkpoint(
+    context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
+) -> MaterializeResult:
     """A committed checkpoint (its manifest). Never fails on a bad manifest: the blocking
     integrity check is the one gate, so a corrupt checkpoint shows as a failed check."""
     run, step = parse_checkpoint_key(context.partition_key)
+    source = _source(store.open(), archive, run, step)
     try:
-        manifest, digest = catalog.read_manifest(store.open(), run, step)
+        manifest, digest = catalog.read_manifest(source, run, step)
     except ManifestError as e:
         return MaterializeResult(metadata={"run": run, "step": step, "manifest_error": str(e)})
     info = catalog.CheckpointInfo.from_manifest(manifest, digest)
@@ -55,23 +68,27 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource) -
             "run": run, "step": MetadataValue.int(step), "kind": info.kind, "world_size": info.world_size,
             "logical_bytes": MetadataValue.int(info.logical_bytes), "stored_bytes": MetadataValue.int(info.stored_bytes),
             "chunks": MetadataValue.int(info.chunks), "base_step": info.base_step if info.base_step is not None else -1,
-            "created_at": MetadataValue.timestamp(info.created_at), "manifest_digest": digest,
+            "created_at": MetadataValue.timestamp(info.created_at), "manifest_digest": digest, "tier": source.url,
             **{f"trainer/{k}": v for k, v in _metric_values(info.metadata).items()},
         },
     )
 
 
 @asset_check(asset=checkpoint, blocking=True, partitions_def=checkpoints_partitions)
-def integrity(context: AssetCheckExecutionContext, store: CheckpointStoreResource) -> AssetCheckResult:
+def integrity(
+    context: AssetCheckExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
+) -> AssetCheckResult:
     """Manifest checksum, every rank record, every chunk present and matching its hash.
     Blocking: nothing downstream runs on a checkpoint that fails it."""
     run, step = parse_checkpoint_key(context.partition_key)
-    record = lifecycle.validate(store.open(), run, step)
+    hot = store.open()
+    record = lifecycle.validate(_source(hot, archive, run, step), run, step, records=hot)
     return AssetCheckResult(
         passed=bool(record["ok"]),
         severity=AssetCheckSeverity.ERROR,
         metadata={
             "chunks_checked": record["chunks_checked"], "bytes_checked": record["bytes_checked"],
+            "tier": record["tier"],
             "problems": MetadataValue.md("\n".join(f"- {p}" for p in record["problems"]) or "none"),
         },
     )
@@ -96,15 +113,17 @@ def _previous_evaluation(store, run: str, step: int, limit: int = 50) -> tuple[i
 
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
 def evaluation(
-    context: AssetExecutionContext, config: EvaluationConfig, store: CheckpointStoreResource, evaluator: EvaluatorResource
+    context: AssetExecutionContext, config: EvaluationConfig, store: CheckpointStoreResource,
+    archive: ArchiveTierResource, evaluator: EvaluatorResource,
 ) -> MaterializeResult:
     """Evaluator metrics as numeric metadata (plotted across partitions), the change
     against the previous checkpoint, and an overfitting flag (validation loss up while
     training loss went down)."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    manifest, digest = catalog.read_manifest(hot, run, step)
-    metrics = evaluator.evaluate(hot, run, step, {"run": run, "step": step, "partition_key": context.partition_key})
+    source = _source(hot, archive, run, step)
+    manifest, digest = catalog.read_manifest(source, run, step)
+    metrics = evaluator.evaluate(source, run, step, {"run": run, "step": step, "partition_key": context.partition_key})
     train = (manifest.get("metadata") or {}).get(config.train_metric)
     previous = _previous_evaluation(hot, run, step)
     extra: dict = {"previous_step": previous[0] if previous else -1}
@@ -132,6 +151,8 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
     raw bytes, so nothing that references them changes; every chunk is verified first."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
+    if not hot.exists(fmt.manifest_key(run, step)):
+        return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
     report = lifecycle.compress(hot, run, step)
     lifecycle.write_record(hot, run, step, "compression", {
         "chunks": report.chunks, "reencoded": report.reencoded, "bytes_before": report.bytes_before,
@@ -144,15 +165,21 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
 
 
 @asset(deps=[compressed], automation_condition=DOWNSTREAM, **_COMMON)
-def archived(context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveResource) -> MaterializeResult:
-    """Copy to the archive tier with the same commit protocol, then verify it there.
-    After compression, so the archive holds the smaller encoding."""
+def archived(
+    context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
+) -> MaterializeResult:
+    """Copy to the archive tier with the same commit protocol, then verify it there
+    (every chunk re-read from the archive and checked against its address; by size in
+    a cold storage class). After compression, so the archive holds the smaller encoding."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
+    if not hot.exists(fmt.manifest_key(run, step)) and arc.exists(fmt.manifest_key(run, step)):
+        return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
     report = lifecycle.archive(hot, arc, run, step)
     lifecycle.write_record(hot, run, step, "archive", {
         "url": arc.url, "ok": report.ok, "chunks_copied": report.chunks_copied, "chunks_present": report.chunks_present,
         "bytes_copied": report.bytes_copied, "problems": report.problems[:20],
+        "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
     })
     if not report.ok:
         raise Failure(f"archive copy of {context.partition_key} in {arc.url} does not verify", metadata={
@@ -160,4 +187,5 @@ def archived(context: AssetExecutionContext, store: CheckpointStoreResource, arc
     return MaterializeResult(metadata={
         "archive": arc.url, "manifest_key": fmt.manifest_key(run, step), "chunks_copied": report.chunks_copied,
         "chunks_already_there": report.chunks_present, "bytes_copied": MetadataValue.int(report.bytes_copied), "verified": True,
+        "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
     })

@@ -15,7 +15,7 @@ from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.partitions import parse_checkpoint_key
 from ckptflow import inventory, stats
 from ckptflow.retention import RetentionPlan, default_policy
-from resources import ArchiveResource, CheckpointStoreResource, RegistryResource
+from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 GROUP = "inventory"
 REFRESH = (AutomationCondition.cron_tick_passed("*/10 * * * *") & ~AutomationCondition.in_progress()).with_label(
@@ -33,13 +33,14 @@ class RetentionConfig(Config):
     mode: str = "min"
     pinned: list[str] = []  # partition keys kept forever, besides every published model version's source
     gc_grace: str = "1h"
+    hot_days: float | None = None  # archived checkpoints older than this keep only their archive copy
 
 
 def compute_plan(config: RetentionConfig, entries: list[inventory.Entry], registry: RegistryResource) -> RetentionPlan:
     reg = registry.open()
     pinned = reg.pinned() | {parse_checkpoint_key(k) for k in config.pinned}
     policy = default_policy(config.recent_days, config.full_days, config.best_k, config.metric, config.mode)
-    return inventory.retention_plan(entries, time.time(), pinned, reg.aliased(), policy)
+    return inventory.retention_plan(entries, time.time(), pinned, reg.aliased(), policy, config.hot_days)
 
 
 def markdown(df: pd.DataFrame, limit: int = 200) -> MetadataValue:
@@ -51,7 +52,7 @@ def markdown(df: pd.DataFrame, limit: int = 200) -> MetadataValue:
 
 @asset(group_name=GROUP, deps=[checkpoint, evaluation, compressed, archived], automation_condition=REFRESH, kinds={"pandas"})
 def checkpoint_inventory(
-    store: CheckpointStoreResource, archive: ArchiveResource, registry: RegistryResource
+    store: CheckpointStoreResource, archive: ArchiveTierResource, registry: RegistryResource
 ) -> Output[pd.DataFrame]:
     """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
     last recorded failure and the retention verdict. Also bytes per tier."""
@@ -73,17 +74,29 @@ def checkpoint_inventory(
     })
 
 
-@asset(group_name=GROUP, deps=[checkpoint, evaluation], automation_condition=REFRESH, kinds={"pandas"})
+@asset(group_name=GROUP, deps=[checkpoint, evaluation, archived], automation_condition=REFRESH, kinds={"pandas"})
 def retention_plan(
-    config: RetentionConfig, store: CheckpointStoreResource, registry: RegistryResource
+    config: RetentionConfig, store: CheckpointStoreResource, archive: ArchiveTierResource, registry: RegistryResource
 ) -> Output[pd.DataFrame]:
     """Dry run of the retention policy: what would be deleted and why, what is kept and
-    by which rules. The retention job recomputes the plan when it runs, so this view
-    can never make it delete something newly pinned or aliased."""
-    entries = inventory.collect(store.open())
+    by which rules, and per tier what happens to each copy (retention expires hot
+    copies only; an archived checkpoint keeps its archive copy). The retention job
+    recomputes the plan when it runs, so this view can never make it delete something
+    newly pinned or aliased."""
+    entries = inventory.collect(store.open(), archive.open())
     plan = compute_plan(config, entries, registry)
+    archived = {e.ref for e in entries if e.archived}
+
+    def row(ref, action, why):
+        hot = "expire" if ref in plan.archive_only or ref in plan.delete else "keep"
+        return {"run": ref[0], "step": ref[1], "action": action, "hot": hot,
+                "archive": "keep" if ref in archived else "-", "why": why}
+
     df = pd.DataFrame(
-        [{"run": r, "step": s, "action": "keep", "why": "; ".join(why)} for (r, s), why in plan.keep.items()]
-        + [{"run": r, "step": s, "action": "delete", "why": why} for (r, s), why in plan.delete.items()]
+        [row(ref, "archive only" if ref in plan.archive_only else "keep",
+             "; ".join(([plan.archive_only[ref]] if ref in plan.archive_only else []) + why))
+         for ref, why in plan.keep.items()]
+        + [row(ref, "delete", why) for ref, why in plan.delete.items()]
     )
-    return Output(df, metadata={"keep": len(plan.keep), "delete": len(plan.delete), "plan": markdown(df)})
+    return Output(df, metadata={"keep": len(plan.keep), "delete": len(plan.delete),
+                                "archive_only": len(plan.archive_only), "plan": markdown(df)})

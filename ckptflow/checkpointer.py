@@ -11,7 +11,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +24,13 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo, VerifyReport
-from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec, describe_failure, own_errors
 from ckptflow.distributed import Group
 from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, NoValidCheckpointError
 from ckptflow.policies import SavePolicy
 from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, to_state_dicts, unflatten
 from ckptflow.store import Store, open_store
+from ckptflow.tiers import Tier, candidates, open_tiers
 
 log = logging.getLogger("ckptflow")
 
@@ -48,6 +48,7 @@ class RestoreResult:
     skipped: list[tuple[int, str]] = field(default_factory=list)  # newest first
     metadata: dict = field(default_factory=dict)
     rng_restored: bool = False
+    tier: str = ""  # URL of the store it was loaded from (the hot store, or an archive tier)
 
 
 class SaveHandle:
@@ -87,13 +88,16 @@ class Checkpointer:
         process_group: Any = None,
         restore_rng: bool = True,
         progress: Progress | None = None,
+        tiers: "Sequence[str | Store]" = (),
     ):
         self.store = open_store(root)
         self.run = fmt.validate_run(run)
         self.policy = policy
         self.chunk_bytes, self.codec, self.progress = int(chunk_bytes), codec, progress
         self.restore_rng = restore_rng
-        self.chunks = ChunkStore(self.store)
+        # restore also reads the read-only ``tiers`` (an archive) after this hot store; saves go here only
+        self.tiers: list[Tier] = open_tiers(self.store, tiers)
+        self.chunks = self.tiers[0].chunks
         self.pool = ThreadPoolExecutor(threads or min(32, 4 * (os.cpu_count() or 1)), thread_name_prefix="ckptflow")
         self.group = Group(process_group)
         cuda = torch.cuda.is_available()
@@ -207,20 +211,20 @@ class Checkpointer:
         ranks to the next older candidate together, leaving ``state`` untouched.
         (Only a chunk file that vanishes or fails between that check and the copy a
         moment later can leave tensors half-written; restore then falls back as well.)
-        ``step=`` never falls back: an invalid checkpoint raises ``NoValidCheckpointError``.
+        ``step=`` never falls back to another step: an invalid checkpoint raises
+        ``NoValidCheckpointError``. With ``tiers``, a step is tried in each tier holding
+        it (hot first) before moving to an older step.
         """
         self.wait()
         if step is not None:
             fmt.validate_step(step)
-            candidates = [step]
-        else:
-            candidates = self.group.broadcast(
-                sorted(catalog.list_steps(self.store, self.run), reverse=True) if self.group.rank == 0 else None
-            )
+        pairs = self.group.broadcast(candidates(self.tiers, self.run, step) if self.group.rank == 0 else None)
         _, live = flatten(to_state_dicts(state))
         skipped: list[tuple[int, str]] = []
-        for cand in candidates:
-            outcome = self._try_load(cand, live)
+        hot_rejected: set[int] = set()
+        for cand, index in pairs:
+            tier = self.tiers[index]
+            outcome = self._try_load(cand, live, tier)
             failures = [f for f in self.group.all_gather(outcome[0]) if f]
             if not failures:
                 manifest, record, loaded = outcome[1]
@@ -229,25 +233,30 @@ class Checkpointer:
                 if self.restore_rng and record.get("rng") and record["rank"] == self.group.rank:
                     restore_rng(record["rng"])
                     rng_ok = True
-                self._superseded = {s for s, _ in skipped}
-                return RestoreResult(cand, skipped, manifest.get("metadata") or {}, rng_ok)
+                self._superseded = hot_rejected
+                return RestoreResult(cand, skipped, manifest.get("metadata") or {}, rng_ok, tier.url)
             reason = "; ".join(dict.fromkeys(failures))
+            if len(self.tiers) > 1:
+                reason = f"{tier.url}: {reason}"
+            if index == 0:
+                hot_rejected.add(cand)
             log.warning("skipping checkpoint %s step %d: %s", self.run, cand, reason)
             skipped.append((cand, reason))
-        where = f"run {self.run!r} in {self.store.url}"
+        where = f"run {self.run!r} in {' or '.join(t.url for t in self.tiers)}"
         if step is not None:
-            raise NoValidCheckpointError(f"checkpoint step {step} of {where} cannot be restored: {skipped[0][1]}", skipped)
+            reasons = "; ".join(r for _, r in skipped)
+            raise NoValidCheckpointError(f"checkpoint step {step} of {where} cannot be restored: {reasons}", skipped)
         detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "no checkpoints at all"
         raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
 
-    def _try_load(self, step: int, live: dict[str, torch.Tensor]) -> tuple[str | None, Any]:
+    def _try_load(self, step: int, live: dict[str, torch.Tensor], tier: Tier) -> tuple[str | None, Any]:
         """(failure reason or None, (manifest, rank record, the loaded live tensors))."""
         try:
-            manifest, _ = catalog.read_manifest(self.store, self.run, step)
+            manifest, _ = catalog.read_manifest(tier.store, self.run, step)
             saved_ranks = manifest["world_size"]
             rank = self.group.rank if self.group.rank < saved_ranks else 0
-            record = catalog.read_rank_record(self.store, manifest, rank)
-            reader = CheckpointReader(self.chunks, manifest, self.pool, self.progress, agree=self._gathered_failure)
+            record = catalog.read_rank_record(tier.store, manifest, rank)
+            reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress, agree=self._gathered_failure)
         except (CkptflowError, OSError) as e:
             return self._gathered_failure(str(e)), None
         missing = set(live) - set(manifest["dcp"]["tensors"])

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
-from ckptflow.errors import CkptflowError, ManifestError
+from ckptflow.errors import CkptflowError, ColdObjectError, ManifestError
 from ckptflow.export import DTYPES, export_safetensors
 from ckptflow.gc import gc, parse_duration
 from ckptflow.stats import store_stats
@@ -290,11 +290,47 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_thaw(args: argparse.Namespace) -> int:
+    """Request S3 restores for a cold (Glacier / Deep Archive) checkpoint.
+
+    The step's own objects (manifest, rank records) are listed, which works while they
+    are cold; the chunks are known only from the manifest, so when the manifest itself
+    is still cold the command says to run again once its restore has finished.
+    """
+    store = _open(args.root)
+    restore = getattr(store, "restore_request", None)
+    if restore is None:
+        raise CkptflowError(f"{store.url} has no cold storage classes: thaw applies to s3:// stores")
+    if args.days < 1:
+        raise CkptflowError(f"--days must be at least 1, got {args.days}")
+    run = _require_run(store, args.run)
+    committed = _committed_steps(store, run)
+    step = args.step if args.step is not None else (committed or [None])[-1]
+    if step not in committed:
+        what = "committed checkpoint" if step is None else f"committed step {step}"
+        raise CkptflowError(f"run {run!r} has no {what} to thaw (committed steps: {_short(committed)})")
+    keys = [info.key for info in store.list(fmt.step_prefix(run, step))]
+    try:
+        manifest, _ = catalog.read_manifest(store, run, step)
+    except ColdObjectError:
+        manifest = None
+    if manifest is not None:
+        keys += [fmt.chunk_key(d) for d in sorted(catalog.referenced_chunks(manifest))]
+    with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-thaw") as pool:
+        requested = sum(pool.map(lambda key: restore(key, days=args.days, tier=args.tier), keys))
+    print(f"run {run} step {step}: restore requested for {requested} cold object(s) of {len(keys)} "
+          f"({args.tier}, readable for {args.days} day(s) once restored)")
+    if manifest is None:
+        print(f"the manifest is still cold, so its chunks are not known yet: run `{PROG} thaw` again "
+              "once its restore has finished")
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Inspect and manage a ckptflow checkpoint store.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    root_help = "store root: a path or file:// URL"
+    root_help = "store root: a path, file:// or s3://bucket/prefix URL"
 
     p = sub.add_parser("ls", help="list runs and checkpoints")
     p.add_argument("root", metavar="ROOT", help=root_help)
@@ -333,6 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long to wait for saves that are writing chunks (default 60s); exit 1 if they do not finish")
     p.add_argument("-v", "--verbose", action="store_true", help="list every key")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("thaw", help="request S3 restores of a checkpoint in a cold storage class")
+    p.add_argument("root", metavar="ROOT", help="s3://bucket/prefix")
+    p.add_argument("--run", required=True)
+    p.add_argument("--step", type=int, help="default: the latest committed step")
+    p.add_argument("--days", type=int, default=1, help="how long restored copies stay readable (default 1)")
+    p.add_argument("--tier", choices=["Expedited", "Standard", "Bulk"], default="Standard",
+                   help="retrieval speed and price (default Standard)")
+    p.set_defaults(func=cmd_thaw)
     return parser
 
 

@@ -42,3 +42,16 @@ class NoValidCheckpointError(CkptflowError):
 
 class UnsupportedStateError(CkptflowError, TypeError):
     """A state value that cannot be stored without pickle."""
+
+
+class StoreError(CkptflowError):
+    """A store operation that still failed after the backend's bounded retries.
+
+    The message names the operation, the object's full URL and the last failure, so a
+    log line says which bucket/key to look at and whether to retry or fix permissions.
+    """
+
+
+class ColdObjectError(CkptflowError):
+    """An object in a cold storage class (S3 Glacier / Deep Archive) that must be restored
+    (thawed) before it can be read; the message says how."""

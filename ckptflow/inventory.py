@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
-from ckptflow.errors import ManifestError
+from ckptflow.errors import CkptflowError, ColdObjectError, ManifestError
 from ckptflow.retention import Candidate, RetentionPlan, RetentionPolicy, plan
 from ckptflow.store.base import Store
 
@@ -56,8 +56,13 @@ class Entry:
         merged.update((self.records.get("evaluation") or {}).get("metrics") or {})
         return merged
 
+    @property
+    def archived(self) -> bool:
+        """The archive tier holds this checkpoint and archival verified the copy there."""
+        return "archive" in self.tiers and bool((self.records.get("archive") or {}).get("ok"))
+
     def candidate(self) -> Candidate:
-        return Candidate(self.run, self.step, self.kind, self.created_at, self.metrics, self.valid)
+        return Candidate(self.run, self.step, self.kind, self.created_at, self.metrics, self.valid, self.archived)
 
 
 def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> None:
@@ -71,7 +76,7 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
                 continue
             try:
                 manifest, digest = catalog.read_manifest(store, run, step)
-            except ManifestError as e:
+            except (ManifestError, ColdObjectError) as e:  # a cold manifest: unreadable until thawed
                 entry.manifest_error = entry.manifest_error or str(e)
                 continue
             info = catalog.CheckpointInfo.from_manifest(manifest, digest)
@@ -94,10 +99,29 @@ def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
 
 
 def retention_plan(
-    entries: list[Entry], now: float, pinned=(), aliased=None, policy: RetentionPolicy | None = None
+    entries: list[Entry], now: float, pinned=(), aliased=None, policy: RetentionPolicy | None = None,
+    hot_days: float | None = None,
 ) -> RetentionPlan:
     """The plan for the hot tier (archive-only checkpoints are not retention's to delete)."""
-    return plan([e.candidate() for e in entries if "hot" in e.tiers], now, pinned, aliased, policy)
+    return plan([e.candidate() for e in entries if "hot" in e.tiers], now, pinned, aliased, policy, hot_days)
+
+
+def archive_copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
+    """None if the archive holds this exact checkpoint (same manifest digest) and its
+    archival verified; else why not. Checked right before a hot copy is expired."""
+    record = lifecycle.read_record(hot, run, step, "archive") or {}
+    if not record.get("ok"):
+        return "archival has not verified a copy in the archive tier"
+    if record.get("url") not in (None, archive.url):
+        return f"it was archived to {record['url']}, not {archive.url}"
+    try:
+        _, hot_digest = catalog.read_manifest(hot, run, step)
+        _, arc_digest = catalog.read_manifest(archive, run, step)
+    except CkptflowError as e:
+        return str(e)
+    if hot_digest != arc_digest:
+        return f"the archive's manifest differs ({arc_digest[:12]}… vs {hot_digest[:12]}…)"
+    return None
 
 
 def rows(entries: list[Entry], retention: RetentionPlan | None = None) -> list[dict]:

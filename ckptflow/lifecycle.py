@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptflow import catalog, codecs
+from ckptflow import catalog, codecs, tiers
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_meta import dtype_from_name
@@ -66,12 +66,13 @@ def all_records(store: Store) -> dict[tuple[str, int], dict[str, dict]]:
     return dict(out)
 
 
-def validate(store: Store, run: str, step: int) -> dict:
-    """Verify a checkpoint completely and record the verdict."""
+def validate(store: Store, run: str, step: int, *, records: Store | None = None) -> dict:
+    """Verify a checkpoint completely and record the verdict (in ``records``, the hot
+    store, when ``store`` is the archive tier holding the checkpoint)."""
     report = catalog.verify_checkpoint(store, run, step)
-    return write_record(store, run, step, "validation", {
+    return write_record(records or store, run, step, "validation", {
         "ok": report.ok, "problems": report.problems[:20], "chunks_checked": report.chunks_checked,
-        "bytes_checked": report.bytes_checked,
+        "bytes_checked": report.bytes_checked, "tier": store.url,
     })
 
 
@@ -134,6 +135,8 @@ class ArchiveReport:
     chunks_present: int = 0
     bytes_copied: int = 0
     problems: list[str] = field(default_factory=list)
+    chunks_verified: int = 0
+    verified_by: str = "re-read"  # or "size" for a cold storage class (objects unreadable until thawed)
 
     @property
     def ok(self) -> bool:
@@ -142,39 +145,88 @@ class ArchiveReport:
 
 def archive(src: Store, dst: Store, run: str, step: int, progress: Callable[[int], None] | None = None) -> ArchiveReport:
     """Copy a checkpoint to another store with the same commit protocol (chunks, then
-    rank records, then the manifest last, all create-only), then verify it there."""
+    rank records, then the manifest last, all create-only), then verify it there: every
+    chunk re-read from ``dst`` and checked against its address, manifest and rank
+    records against their checksums.
+
+    A ``dst`` in a cold storage class (S3 GLACIER / DEEP_ARCHIVE) cannot be read back
+    until thawed: its chunks are verified here before upload (the upload carries their
+    SHA-256, which S3 checks) and by size afterwards, and the small records and the
+    manifest go in the default class, so listing, inventory and restore planning work
+    without a thaw (``tiers.metadata_store``)."""
     manifest, _ = catalog.read_manifest(src, run, step)
     report = ArchiveReport()
+    cold = tiers.is_cold(dst)
+    meta = tiers.metadata_store(dst)
+    source = ChunkStore(src)
+    sizes: dict[str, int] = {}
     for digest in sorted(manifest["chunks"]):
         key = fmt.chunk_key(digest)
         if dst.exists(key):
             report.chunks_present += 1
+            if cold:
+                sizes[key] = src.stat(key).size
             continue
         blob = src.get(key)
+        if cold:
+            try:
+                source.get(digest)  # cannot re-read after upload: never archive a corrupt chunk
+            except CkptflowError as e:
+                report.problems.append(str(e))
+                continue
+            sizes[key] = len(blob)
         dst.put_if_absent(key, blob)
         report.chunks_copied += 1
         report.bytes_copied += len(blob)
         if progress:
             progress(len(blob))
+    if report.problems:
+        return report
     for key in catalog.rank_record_keys(manifest) + [fmt.manifest_key(run, step)]:
         blob = src.get(key)
-        if not dst.put_if_absent(key, blob) and dst.get(key) != blob:
+        if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
             report.problems.append(f"{dst.url}/{key} already holds a different record; not overwritten")
-    if not report.problems:
-        report.problems.extend(catalog.verify_checkpoint(dst, run, step).problems)
+    if report.problems:
+        return report
+    if not cold:
+        check = catalog.verify_checkpoint(dst, run, step)
+        report.problems.extend(check.problems)
+        report.chunks_verified = check.chunks_checked
+        return report
+    report.verified_by = "size"
+    try:
+        stored, _ = catalog.read_manifest(meta, run, step)
+        for rank in range(stored["world_size"]):
+            catalog.read_rank_record(meta, stored, rank)
+    except CkptflowError as e:
+        report.problems.append(str(e))
+    for key, size in sizes.items():
+        try:
+            got = dst.stat(key).size
+        except CkptflowError as e:
+            report.problems.append(str(e))
+            continue
+        if got != size:
+            report.problems.append(f"{dst.url}/{key} holds {got} bytes, the hot copy {size}")
+        else:
+            report.chunks_verified += 1
     return report
 
 
-def expire(store: Store, run: str, step: int) -> list[str]:
+def expire(store: Store, run: str, step: int, *, keep_records: bool = False) -> list[str]:
     """Delete a checkpoint's commit record (it stops existing at once), then its rank
-    records and lifecycle records. Chunks are left to GC, which knows what else uses them."""
+    records and lifecycle records. Chunks are left to GC, which knows what else uses them.
+
+    ``keep_records`` keeps the lifecycle records: for a hot copy expired while the
+    archive tier keeps the checkpoint, its verdicts and metrics still describe it."""
     manifest_key = fmt.manifest_key(run, step)
     try:
         manifest, _ = catalog.read_manifest(store, run, step)
         keys = [manifest_key] + catalog.rank_record_keys(manifest)
     except ManifestError:
         keys = [manifest_key] + [i.key for i in store.list(fmt.step_prefix(run, step)) if i.key != manifest_key]
-    keys += [i.key for i in store.list(f"{PREFIX}{run}/{step:0{fmt.STEP_DIGITS}d}/")]
+    if not keep_records:
+        keys += [i.key for i in store.list(f"{PREFIX}{run}/{step:0{fmt.STEP_DIGITS}d}/")]
     for key in keys:
         try:
             store.delete(key)

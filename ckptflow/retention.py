@@ -13,6 +13,12 @@ best-K) rank within each run.
 Never-delete rules (``KeepPinned``, ``KeepAliased``, ``KeepNewestValid``) are part of
 ``default_policy`` and additionally enforced by ``plan`` itself, so a custom policy
 cannot expire a pinned, published or aliased checkpoint by forgetting a rule.
+
+Tiers: the plan is for the hot tier; archive copies are never expired by retention.
+``delete`` expires the hot copy (the checkpoint is gone unless an archive holds it);
+with ``hot_days``, a kept checkpoint older than that whose archive copy verified is
+moved to ``archive_only``: still kept, but its hot copy expires (the newest valid
+checkpoint of a run always stays hot: it is what a resume loads).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Candidate:
     created_at: float
     metrics: Mapping[str, float] = field(default_factory=dict)
     valid: bool | None = True  # None: not validated yet (treated as valid for "newest valid")
+    archived: bool = False  # a copy in the archive tier verified
 
     @property
     def ref(self) -> Ref:
@@ -195,8 +202,17 @@ def default_policy(
 class RetentionPlan:
     keep: dict[Ref, list[str]]
     delete: dict[Ref, str]
+    archive_only: dict[Ref, str] = field(default_factory=dict)  # kept, in the archive tier only
+
+    @property
+    def expire_hot(self) -> list[Ref]:
+        """Every checkpoint whose hot copy goes: deleted ones and archive-only ones."""
+        return sorted({*self.delete, *self.archive_only})
 
     def verdict(self, ref: Ref) -> str:
+        if ref in self.archive_only:
+            reasons = "; ".join([self.archive_only[ref], *self.keep[ref]])
+            return "keep in archive only (hot copy expires): " + reasons
         if ref in self.keep:
             return "keep: " + "; ".join(self.keep[ref])
         if ref in self.delete:
@@ -210,10 +226,12 @@ def plan(
     pinned: Iterable[Ref] = (),
     aliased: Mapping[Ref, Sequence[str]] | None = None,
     policy: RetentionPolicy | None = None,
+    hot_days: float | None = None,
 ) -> RetentionPlan:
     """Split ``checkpoints`` into keep (with every reason) and delete (with why).
 
-    The never-delete rules are always applied on top of ``policy``.
+    The never-delete rules are always applied on top of ``policy``. With ``hot_days``,
+    kept checkpoints older than that with a verified archive copy go to ``archive_only``.
     """
     ctx = Context(now=now, pinned=frozenset(pinned), aliased=dict(aliased or {}))
     policy = policy or default_policy()
@@ -226,4 +244,10 @@ def plan(
             age = (now - c.created_at) / DAY
             status = "invalid, " if c.valid is False else ""
             delete[c.ref] = f"{status}{c.kind}, {age:.1f} days old: no retention rule keeps it"
-    return RetentionPlan(keep=dict(sorted(keep.items())), delete=delete)
+    archive_only = {}
+    if hot_days is not None:
+        newest = KeepNewestValid().preserve(checkpoints, ctx)
+        for c in sorted(checkpoints, key=lambda c: c.ref):
+            if c.ref in keep and c.ref not in newest and c.archived and now - c.created_at >= hot_days * DAY:
+                archive_only[c.ref] = f"archived and older than {hot_days:g} days"
+    return RetentionPlan(keep=dict(sorted(keep.items())), delete=delete, archive_only=archive_only)

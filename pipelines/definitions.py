@@ -5,8 +5,13 @@ Resources are chosen per deployment by ``CKPTFLOW_DEPLOYMENT``:
 * ``local`` (default): the hot store is ``CKPTFLOW_STORE`` or ``<repo>/.demo/store``
   (what `make demo` writes), the archive ``CKPTFLOW_ARCHIVE`` or ``<repo>/.demo/archive``;
 * ``production``: ``CKPTFLOW_STORE`` and ``CKPTFLOW_ARCHIVE`` are required (read by
-  Dagster at run time through ``EnvVar``, so they never appear in run config); the S3
-  archive through dagster-aws ``S3Resource`` lands with the S3 backend (issue 4).
+  Dagster at run time through ``EnvVar``, so they never appear in run config).
+
+In both, an archive URL ``s3://bucket/prefix`` (``CKPTFLOW_ARCHIVE``, read when the code
+location loads) selects ``S3ArchiveResource``: dagster-aws ``S3Resource`` (endpoint from
+``CKPTFLOW_S3_ENDPOINT_URL`` for S3-compatible stores; region and credentials from the
+standard AWS environment) feeding ckptflow's S3 backend, objects written in
+``CKPTFLOW_ARCHIVE_STORAGE_CLASS`` (e.g. ``GLACIER_IR``; default: the bucket's default).
 
 ``CKPTFLOW_EVALUATOR`` overrides the evaluator import path (``module:function``).
 """
@@ -17,7 +22,7 @@ from dagster import AssetSelection, AutomationConditionSensorDefinition, Default
 
 from assets import ALL_ASSETS, ALL_CHECKS
 from pipelines.jobs import promotion_job, retention_job, retention_schedule, rollback_job, scrub_job, scrub_schedule
-from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource
+from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource, S3ArchiveResource
 from resources.evaluator import DEFAULT_EVALUATOR
 from resources.store import default_archive_url, default_store_url
 from sensors import failure_sensor, landing_sensor, validation_job
@@ -26,16 +31,23 @@ from sensors import failure_sensor, landing_sensor, validation_job
 def resources_for(deployment: str, store: str | None = None, archive: str | None = None) -> dict:
     """Resources of a deployment; ``store`` / ``archive`` override the local defaults."""
     evaluator = EvaluatorResource(function=os.environ.get("CKPTFLOW_EVALUATOR", DEFAULT_EVALUATOR))
+    archive_url = archive or os.environ.get("CKPTFLOW_ARCHIVE") or ""
+    s3_archive = None
+    if archive_url.startswith("s3://"):
+        s3_archive = S3ArchiveResource.from_url(
+            archive_url, endpoint_url=os.environ.get("CKPTFLOW_S3_ENDPOINT_URL") or None,
+            storage_class=os.environ.get("CKPTFLOW_ARCHIVE_STORAGE_CLASS") or None,
+        )
     if deployment == "local":
         store, archive = store or default_store_url(), archive or default_archive_url()
         return {
-            "store": CheckpointStoreResource(url=store), "archive": ArchiveResource(url=archive),
+            "store": CheckpointStoreResource(url=store), "archive": s3_archive or ArchiveResource(url=archive),
             "registry": RegistryResource(url=store), "evaluator": evaluator,
         }
     if deployment == "production":
         return {
             "store": CheckpointStoreResource(url=EnvVar("CKPTFLOW_STORE")),
-            "archive": ArchiveResource(url=EnvVar("CKPTFLOW_ARCHIVE")),
+            "archive": s3_archive or ArchiveResource(url=EnvVar("CKPTFLOW_ARCHIVE")),
             "registry": RegistryResource(url=EnvVar("CKPTFLOW_STORE")), "evaluator": evaluator,
         }
     raise ValueError(f"CKPTFLOW_DEPLOYMENT={deployment!r} is not one of 'local', 'production'")

@@ -31,8 +31,9 @@ def tick_landing(
     defs: Definitions, instance: DagsterInstance, cursor: str | None, report: DriveReport, run_config: dict | None = None
 ) -> str | None:
     """One landing-sensor tick: apply its partition requests, execute its run requests."""
-    context = build_sensor_context(instance=instance, cursor=cursor, resources=dict(defs.resources or {}))
-    result = landing_sensor(context)
+    # a context manager: resources with nested resources (the S3 archive's S3Resource) are set up in it
+    with build_sensor_context(instance=instance, cursor=cursor, resources=dict(defs.resources or {})) as context:
+        result = landing_sensor(context)
     if not isinstance(result, SensorResult):
         return cursor
     for request in result.dynamic_partitions_requests or []:

@@ -18,36 +18,57 @@ from assets.partitions import checkpoint_key, checkpoints_partitions
 from ckptflow import catalog, inventory, lifecycle
 from ckptflow.gc import gc
 from ckptflow.retention import DAY
-from resources import CheckpointStoreResource, RegistryResource
+from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 
 @op
 def apply_retention(
-    context: OpExecutionContext, config: RetentionConfig, store: CheckpointStoreResource, registry: RegistryResource
+    context: OpExecutionContext, config: RetentionConfig, store: CheckpointStoreResource,
+    archive: ArchiveTierResource, registry: RegistryResource,
 ) -> dict:
-    """Recompute the plan now (never trust an older dry run), expire each checkpoint it
-    deletes (commit record first, so it stops existing at once), drop its partition,
-    then let GC reclaim the chunks nothing references any more."""
-    hot = store.open()
-    plan = compute_plan(config, inventory.collect(hot), registry)
-    expired = []
-    for run, step in plan.delete:
-        lifecycle.expire(hot, run, step)
+    """Recompute the plan now (never trust an older dry run) and expire hot copies
+    (commit record first, so the copy stops existing at once), then let GC of the hot
+    tier reclaim the chunks nothing there references any more.
+
+    Tiers: a checkpoint whose archive copy verified and matches keeps that copy, its
+    partition and its lifecycle records (only the hot copy goes); one without loses its
+    partition too. A checkpoint the plan keeps in the archive only is left hot if its
+    archive copy cannot be confirmed. Retention never deletes from the archive tier."""
+    hot, arc = store.open(), archive.open()
+    plan = compute_plan(config, inventory.collect(hot, arc), registry)
+    expired, hot_only_expired, left_hot = [], [], []
+    for run, step in plan.expire_hot:
         key = checkpoint_key(run, step)
+        why_not = inventory.archive_copy_matches(hot, arc, run, step)
+        if why_not is None:
+            lifecycle.expire(hot, run, step, keep_records=True)
+            hot_only_expired.append(key)
+            context.log.info(f"expired the hot copy of {key}; the archive copy in {arc.url} stays")
+            continue
+        if (run, step) in plan.archive_only:
+            left_hot.append(key)
+            context.log.warning(f"kept the hot copy of {key}: {why_not}")
+            continue
+        lifecycle.expire(hot, run, step)
         if context.instance.has_dynamic_partition(checkpoints_partitions.name, key):
             context.instance.delete_dynamic_partition(checkpoints_partitions.name, key)
         expired.append(key)
         context.log.info(f"expired {key}: {plan.delete[(run, step)]}")
     report = gc(hot, grace=config.gc_grace)
     context.add_output_metadata({
-        "expired": len(expired), "kept": len(plan.keep), "gc_deleted_objects": len(report.deleted),
+        "expired": len(expired), "hot_copies_expired": len(hot_only_expired), "left_hot": len(left_hot),
+        "kept": len(plan.keep), "gc_deleted_objects": len(report.deleted),
         "gc_deleted_bytes": MetadataValue.int(report.bytes), "gc_skipped": report.skipped or "",
         "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in expired) or "none"),
     })
-    return {"expired": expired, "gc_bytes": report.bytes, "gc_skipped": report.skipped}
+    return {"expired": expired, "hot_copies_expired": hot_only_expired, "left_hot": left_hot,
+            "gc_bytes": report.bytes, "gc_skipped": report.skipped}
 
 
-@job(description="Apply the retention policy to the hot store, drop expired partitions, then GC.")
+@job(description=(
+    "Apply the retention policy to the hot tier (archive copies stay), drop partitions of "
+    "checkpoints gone from every tier, then GC the hot tier."
+))
 def retention_job():
     apply_retention()
 

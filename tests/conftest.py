@@ -1,5 +1,7 @@
 """Shared pytest fixtures: a tiny training state, a train step, store roots and Checkpointers."""
 
+import uuid
+
 import pytest
 import torch
 
@@ -62,3 +64,54 @@ def make_ck(ckpt_store_dir):
     yield make
     for ck in made:
         ck.close()
+
+
+# ---- S3: a real S3 API server (moto) on 127.0.0.1 --------------------------------------
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """Start moto's standalone server once per session on a free port; its endpoint URL.
+
+    Dummy credentials and a region go into the environment so boto3 (and dagster-aws)
+    talk to it exactly as they would to AWS, and can never reach a real account.
+    """
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            env.setenv(name, "testing")
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        env.delenv("AWS_PROFILE", raising=False)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+        server.stop()
+
+
+@pytest.fixture
+def s3_client(s3_endpoint):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+
+
+@pytest.fixture
+def s3_bucket(s3_client):
+    """A fresh, empty bucket for this test."""
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_store_url(s3_endpoint, s3_bucket):
+    """``s3://bucket/prefix?endpoint=…`` of a fresh bucket, for anything that takes a URL."""
+    return f"s3://{s3_bucket}/ckpts?endpoint={s3_endpoint}"
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_url(request, tmp_path):
+    """A fresh store root on each backend: a local directory, then a bucket on moto."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_store_url")

@@ -59,3 +59,20 @@ def test_records_expire_and_inventory(tmp_path):
     assert fmt.manifest_key("r", 1) == deleted[0]
     assert not store.exists(fmt.manifest_key("r", 1)) and lifecycle.read_record(store, "r", 1, "validation") is None
     assert [i.step for i in catalog.list_checkpoints(store, "r")] == [2, 3]
+
+
+def test_archive_copy_must_match_and_have_verified_before_a_hot_copy_expires(tmp_path):
+    store, _ = make(tmp_path)
+    dst = open_store(str(tmp_path / "archive"))
+    assert "has not verified" in inventory.archive_copy_matches(store, dst, "r", 1)
+    report = lifecycle.archive(store, dst, "r", 1)
+    lifecycle.write_record(store, "r", 1, "archive", {"url": dst.url, "ok": report.ok})
+    assert inventory.archive_copy_matches(store, dst, "r", 1) is None
+    assert "archived to" in inventory.archive_copy_matches(store, open_store(str(tmp_path / "other")), "r", 1)
+    lifecycle.write_record(store, "r", 2, "archive", {"url": dst.url, "ok": True})  # a record, but no copy
+    assert "no manifest" in inventory.archive_copy_matches(store, dst, "r", 2)
+    entries = {e.step: e for e in inventory.collect(store, dst)}
+    assert entries[1].archived and not entries[2].archived and entries[1].tiers == ["hot", "archive"]
+    lifecycle.expire(store, "r", 1, keep_records=True)  # hot copy only: its verdicts stay
+    assert lifecycle.read_record(store, "r", 1, "archive")["ok"] is True
+    assert [e.tiers for e in inventory.collect(store, dst) if e.step == 1] == [["archive"]]

@@ -97,3 +97,22 @@ def test_candidate_from_checkpoint_info_merges_metrics():
     cand = Candidate.from_info(info, valid=None, metrics={"val_loss": 0.7, "nan": float("nan")})
     assert cand.metrics == {"train_loss": 0.5, "val_loss": 0.7}
     assert cand.ref == ("r", 5) and cand.valid is None
+
+
+def test_hot_days_moves_archived_kept_checkpoints_to_the_archive_only():
+    """Tiers: kept + archived + older than ``hot_days`` -> archive only (hot copy expires);
+    unarchived ones and the newest valid checkpoint stay hot whatever their age."""
+    cands = [
+        Candidate("r", 10, "full", NOW - 20 * DAY, {}, True, archived=True),
+        Candidate("r", 20, "full", NOW - 10 * DAY, {}, True, archived=False),
+        Candidate("r", 30, "full", NOW - 9 * DAY, {}, True, archived=True),
+        Candidate("r", 40, "full", NOW - 1 * DAY, {}, True, archived=True),
+    ]
+    p = plan(cands, NOW, policy=default_policy(recent_days=0, full_days=30, best_k=0), hot_days=2)
+    assert set(p.keep) == {("r", 10), ("r", 20), ("r", 30), ("r", 40)} and not p.delete
+    assert set(p.archive_only) == {("r", 10), ("r", 30)}  # 20: no archive copy; 40: young
+    assert p.expire_hot == [("r", 10), ("r", 30)]
+    assert p.verdict(("r", 10)).startswith("keep in archive only (hot copy expires): archived and older than 2 days")
+    old_newest = [Candidate("r", 50, "full", NOW - 5 * DAY, {}, True, archived=True)]
+    assert not plan(old_newest, NOW, hot_days=0).archive_only  # what a resume loads stays hot
+    assert not plan(cands, NOW, policy=default_policy(recent_days=0, full_days=30, best_k=0)).archive_only

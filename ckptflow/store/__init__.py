@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from ckptflow.store.base import ObjectInfo, Store, validate_key
 from ckptflow.store.local import LocalStore
 
-__all__ = ["ObjectInfo", "Store", "LocalStore", "open_store", "validate_key"]
+__all__ = ["ObjectInfo", "Store", "LocalStore", "open_store", "validate_key"]  # S3Store: ckptflow.store.s3
 
 
 def open_store(url: "str | Store") -> Store:
-    """Open a store from a plain path, a ``file://`` URL, or return a ``Store`` as is."""
+    """Open a store from a plain path, a ``file://`` URL, ``s3://bucket/prefix`` (optionally
+    ``?endpoint=http://host:port`` for an S3-compatible store), or return a ``Store`` as is."""
     if isinstance(url, Store):
         return url
     url = str(url)
@@ -22,7 +23,20 @@ def open_store(url: "str | Store") -> Store:
                 raise ValueError(f"file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
             return LocalStore(unquote(parsed.path))
         return LocalStore(url)
+    if parsed.scheme == "s3":
+        from ckptflow.store.s3 import S3Store  # boto3 is imported only for S3 stores
+
+        query = parse_qs(parsed.query)
+        unknown = set(query) - {"endpoint", "region"}
+        if not parsed.netloc or unknown:
+            raise ValueError(f"S3 URL {url!r} must look like s3://bucket/prefix[?endpoint=URL&region=R]")
+        return S3Store(
+            parsed.netloc,
+            unquote(parsed.path).strip("/"),
+            endpoint_url=query.get("endpoint", [None])[0],
+            region=query.get("region", [None])[0],
+        )
     raise ValueError(
         f"no store backend for scheme {parsed.scheme!r} in {url!r}; "
-        "supported: plain paths and file:// URLs"
+        "supported: plain paths, file:// and s3:// URLs"
     )

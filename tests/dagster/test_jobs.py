@@ -132,3 +132,28 @@ def test_failure_sensor_records_the_failed_partition(store_with_checkpoints, res
 def test_bad_deploy_action_fails(defs, instance, action, store_with_checkpoints):
     run_config = {"ops": {"deployed_model": {"config": {"action": action}}}}
     assert not defs.resolve_job_def("promotion").execute_in_process(instance=instance, run_config=run_config, raise_on_error=False).success
+
+
+def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
+    store_with_checkpoints, defs, instance, paths
+):
+    """10: archived and verified -> only its hot copy goes (partition and records stay);
+    20: pinned, archive-only by ``hot_days`` but archived somewhere else -> stays hot;
+    30: not archived -> gone entirely; 40: newest valid -> hot."""
+    hot, arc = open_store(paths["store"]), open_store(paths["archive"])
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    for step in (10, 20):
+        assert lifecycle.archive(hot, arc, RUN, step).ok
+    lifecycle.write_record(hot, RUN, 10, "archive", {"url": arc.url, "ok": True})
+    lifecycle.write_record(hot, RUN, 20, "archive", {"url": "s3://elsewhere/ckpts", "ok": True})
+    archived_chunks = {i.key for i in arc.list("chunks/")}
+    config = {"recent_days": 0, "full_days": 0, "best_k": 0, "gc_grace": "0s", "hot_days": 0, "pinned": [KEYS[1]]}
+    result = defs.resolve_job_def("retention_job").execute_in_process(
+        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}})
+    out = result.output_for_node("apply_retention")
+    assert out["hot_copies_expired"] == [KEYS[0]] and out["left_hot"] == [KEYS[1]] and out["expired"] == [KEYS[2]]
+    assert [i.step for i in catalog.list_checkpoints(hot, RUN)] == [20, 40]
+    assert set(instance.get_dynamic_partitions("checkpoints")) == {KEYS[0], KEYS[1], KEYS[3]}
+    assert lifecycle.read_record(hot, RUN, 10, "archive")["ok"] is True  # its records stay with it
+    assert {i.key for i in arc.list("chunks/")} == archived_chunks  # hot GC never touches the archive
+    assert catalog.verify_checkpoint(arc, RUN, 10).ok and catalog.verify_checkpoint(hot, RUN, 20).ok

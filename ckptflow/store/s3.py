@@ -1,0 +1,287 @@
+"""S3 backend: ``s3://bucket/prefix`` (AWS, or any S3-compatible store via an endpoint URL).
+
+S3 gives the two guarantees the commit protocol needs without temp files: an object
+appears whole or not at all (also a multipart upload, which becomes visible only at
+``CompleteMultipartUpload``), and ``If-None-Match: *`` makes a put create-only, so two
+writers can never both commit one manifest and a 412 on a chunk simply means dedup.
+Every upload carries its SHA-256 so S3 itself refuses bytes damaged on the way.
+
+Retries: botocore's "standard" mode retries throttling, 5xx and connection/read
+timeouts with exponential backoff up to ``max_attempts``; whatever still fails is
+re-raised as ``StoreError`` naming the operation, ``s3://bucket/key`` and the last
+failure. One boto3 client is shared by all threads (clients are thread-safe; only
+sessions are not, so none is kept).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ckptflow.errors import ColdObjectError, ObjectNotFoundError, StoreError
+from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
+
+ENDPOINT_ENV = "CKPTFLOW_S3_ENDPOINT_URL"
+_NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+_STEP_KEY = re.compile(r"^runs/(?P<run>[^/]+)/checkpoints/(?P<step>\d+)/")  # names the step to thaw
+_EXISTS = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
+
+
+def _sha256_b64(buffers: list[memoryview]) -> str:
+    h = hashlib.sha256()
+    for part in buffers:
+        h.update(part)
+    return base64.b64encode(h.digest()).decode()
+
+
+def _byte_views(data: Buffers) -> list[memoryview]:
+    return [memoryview(p).cast("B") for p in as_buffers(data)]
+
+
+def _pieces(views: list[memoryview], size: int) -> Iterator[bytes]:
+    """``size``-byte parts of the concatenated buffers (the last may be shorter), so a
+    multipart upload holds one part in memory, not a second copy of the object."""
+    buf = bytearray()
+    for view in views:
+        while len(view):
+            take = size - len(buf)
+            buf += view[:take]
+            view = view[take:]
+            if len(buf) == size:
+                yield bytes(buf)
+                buf.clear()
+    if buf:
+        yield bytes(buf)
+
+
+def _code(e: Exception) -> str:
+    response = getattr(e, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _status(e: Exception) -> int:
+    response = getattr(e, "response", None) or {}
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+class S3Store(Store):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        storage_class: str | None = None,
+        multipart_threshold: int = 64 << 20,
+        part_size: int = 16 << 20,
+        max_attempts: int = 5,
+    ):
+        if not bucket:
+            raise ValueError("an S3 store needs a bucket name")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        self.bucket, self.prefix = bucket, prefix
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.storage_class = storage_class
+        self.multipart_threshold, self.part_size = int(multipart_threshold), int(part_size)
+        self.max_attempts = max(1, int(max_attempts))
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            # A private session: boto3's default one is not safe to share between threads
+            # that open stores concurrently; the client it makes is.
+            client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,  # else AWS_ENDPOINT_URL / AWS
+                region_name=region,
+                config=Config(
+                    retries={"total_max_attempts": max_attempts, "mode": "standard"},  # first try included
+                    connect_timeout=10,
+                    read_timeout=60,
+                    max_pool_connections=64,  # the Checkpointer's thread pool shares this client
+                ),
+            )
+        self.client = client
+
+    # ---- plumbing ----------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
+
+    def _call(self, op: str, key: str, fn: Callable[..., Any], passthrough: tuple[str, ...] = (), **kwargs: Any) -> Any:
+        """Run one S3 call (botocore has retried it already); map not-found and cold
+        objects, let ``passthrough`` error codes through as the ClientError (a caller's
+        expected answer), and wrap any other final failure as ``StoreError``."""
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except ClientError as e:
+            code = _code(e)
+            if code in passthrough:
+                raise
+            if code in _NOT_FOUND or _status(e) == 404:
+                raise ObjectNotFoundError(f"{self._where(key)} does not exist") from None
+            if code == "InvalidObjectState":
+                raise self._cold(key, e) from None
+            raise StoreError(f"S3 {op} of {self._where(key)} failed after retries: {code or _status(e)}: {e}") from e
+        except BotoCoreError as e:
+            raise StoreError(f"S3 {op} of {self._where(key)} failed after retries: {type(e).__name__}: {e}") from e
+
+    def _cold(self, key: str, e: ClientError) -> ColdObjectError:
+        storage_class = str(e.response.get("Error", {}).get("StorageClass", "") or "a cold storage class")
+        step = _STEP_KEY.match(key)
+        where = f"--run {step['run']} --step {int(step['step'])}" if step else "--run RUN --step STEP"
+        return ColdObjectError(
+            f"{self._where(key)} is in {storage_class} and must be restored before it can be read: "
+            f"run `ckptflow thaw {self.url} {where}` (or request an S3 restore of this object), "
+            "wait for the restore to finish (minutes to hours), then retry"
+        )
+
+    # ---- reads -------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        """The object's bytes. botocore retries the request but not a body cut off while
+        streaming (a reset or read timeout mid-transfer), so that is retried here."""
+        attempt = 1
+        while True:
+            response = self._call("GetObject", key, self.client.get_object, Key=self._key(key))
+            try:
+                return response["Body"].read()
+            except (BotoCoreError, OSError) as e:
+                if attempt >= self.max_attempts:
+                    raise StoreError(f"S3 GetObject of {self._where(key)} failed while reading the body "
+                                     f"after {attempt} attempts: {type(e).__name__}: {e}") from e
+                attempt += 1
+
+    def stat(self, key: str) -> ObjectInfo:
+        head = self._call("HeadObject", key, self.client.head_object, Key=self._key(key))
+        return ObjectInfo(key, int(head["ContentLength"]), head["LastModified"].timestamp())
+
+    def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
+        if prefix:
+            validate_key(prefix.rstrip("/"))
+        full = self._key(prefix.rstrip("/")) + "/" if prefix else (f"{self.prefix}/" if self.prefix else "")
+        kwargs: dict[str, Any] = {"Prefix": full}
+        if not recursive:
+            kwargs["Delimiter"] = "/"
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **kwargs)
+        found: list[ObjectInfo] = []
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        try:
+            for page in pages:
+                found += [ObjectInfo(o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp())
+                          for o in page.get("Contents", ())]
+                found += [ObjectInfo(p["Prefix"][cut:], 0, 0.0) for p in page.get("CommonPrefixes", ())]
+        except (BotoCoreError, ClientError) as e:
+            raise StoreError(f"S3 ListObjectsV2 of s3://{self.bucket}/{full} failed after retries: {e}") from e
+        yield from sorted(found, key=lambda info: info.key)
+
+    # ---- writes ------------------------------------------------------------------------
+    def put_if_absent(self, key: str, data: Buffers) -> bool:
+        """Create-only put. A 412/409 means someone else's object is there: False.
+
+        If a retried attempt had in fact succeeded before its response was lost, the
+        retry sees 412 on our own object; identical content there (its SHA-256, or the
+        MD5 ETag where the store keeps no checksum) counts as ours, so a commit whose
+        response was lost is not mistaken for a second writer's.
+        """
+        views = _byte_views(data)
+        for attempt in range(3):
+            try:
+                self._upload(key, views, create_only=True)
+                return True
+            except ClientError as e:
+                if _code(e) not in _EXISTS:
+                    raise
+                # 409: a concurrent conditional write was in flight; it may yet fail, so ask again
+                if _code(e) not in ("409", "ConditionalRequestConflict") or attempt == 2:
+                    break
+        if sum(len(v) for v in views) >= self.multipart_threshold:
+            return False  # a composite checksum: cannot compare cheaply
+        try:
+            head = self._call("HeadObject", key, self.client.head_object, Key=self._key(key), ChecksumMode="ENABLED")
+        except ObjectNotFoundError:  # deleted again in between: it was not ours
+            return False
+        if head.get("ChecksumSHA256"):
+            return head["ChecksumSHA256"] == _sha256_b64(views)
+        md5 = hashlib.md5(usedforsecurity=False)  # a single-part ETag (stores without checksums)
+        for view in views:
+            md5.update(view)
+        return head.get("ETag", "").strip('"') == md5.hexdigest()
+
+    def replace(self, key: str, data: Buffers) -> None:
+        """A plain put: S3 swaps the whole object atomically (readers see old or new)."""
+        self._upload(key, _byte_views(data), create_only=False)
+
+    def _upload(self, key: str, views: list[memoryview], *, create_only: bool) -> None:
+        extra: dict[str, Any] = {"StorageClass": self.storage_class} if self.storage_class else {}
+        condition = {"IfNoneMatch": "*"} if create_only else {}
+        if sum(len(v) for v in views) >= self.multipart_threshold:
+            return self._multipart(key, views, extra, condition)
+        body = b"".join(views)
+        self._call("PutObject", key, self.client.put_object, passthrough=_EXISTS, Key=self._key(key), Body=body,
+                   ChecksumSHA256=_sha256_b64([memoryview(body)]), **extra, **condition)
+
+    def _multipart(self, key: str, views: list[memoryview], extra: dict, condition: dict) -> None:
+        """Upload in ``part_size`` parts, each with its own SHA-256, and complete under
+        ``condition``. Any failure aborts the upload, so no billed, invisible parts stay
+        behind (a process killed mid-upload can leave some: a bucket lifecycle rule
+        "abort incomplete multipart uploads after N days" covers that)."""
+        full = self._key(key)
+        upload = self._call("CreateMultipartUpload", key, self.client.create_multipart_upload,
+                            Key=full, ChecksumAlgorithm="SHA256", **extra)["UploadId"]
+        try:
+            done = []
+            for number, piece in enumerate(_pieces(views, self.part_size), start=1):
+                checksum = _sha256_b64([memoryview(piece)])
+                etag = self._call("UploadPart", key, self.client.upload_part, Key=full, UploadId=upload,
+                                  PartNumber=number, Body=piece, ChecksumSHA256=checksum)["ETag"]
+                done.append({"PartNumber": number, "ETag": etag, "ChecksumSHA256": checksum})
+            self._call("CompleteMultipartUpload", key, self.client.complete_multipart_upload, passthrough=_EXISTS,
+                       Key=full, UploadId=upload, MultipartUpload={"Parts": done}, **condition)
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+            except Exception:  # the original failure is the one to report
+                pass
+            raise
+
+    def delete(self, key: str) -> None:
+        self._call("DeleteObject", key, self.client.delete_object, Key=self._key(key))
+
+    def touch(self, key: str) -> None:
+        """Copy the object onto itself to refresh LastModified (GC's grace period restarts).
+
+        S3 has no utime, so this is a server-side copy: no bytes cross the network, but
+        each touch is billed as a PUT-class request (an incremental save touches every
+        chunk it reuses), plus a retrieval in an infrequent-access class. The copy takes
+        the store's storage class (STANDARD when none is set); a Glacier / Deep Archive
+        object cannot be copied until thawed (``ColdObjectError``). Objects above 5 GiB
+        would need a multipart copy; ckptflow's chunks are far smaller.
+        """
+        full = self._key(key)
+        extra = {"StorageClass": self.storage_class} if self.storage_class else {}
+        self._call("CopyObject", key, self.client.copy_object, Key=full, ChecksumAlgorithm="SHA256",
+                   CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE", **extra)
+
+    def restore_request(self, key: str, days: int = 1, tier: str = "Standard") -> bool:
+        """Ask S3 to thaw a cold object for ``days``; False if it is not in a cold class
+        (nothing to do) or a restore is already under way."""
+        try:
+            self._call("RestoreObject", key, self.client.restore_object, Key=self._key(key),
+                       passthrough=("InvalidObjectState", "RestoreAlreadyInProgress"),
+                       RestoreRequest={"Days": int(days), "GlacierJobParameters": {"Tier": tier}})
+        except ClientError:  # only the passthrough codes get here
+            return False
+        return True
