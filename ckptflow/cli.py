@@ -25,10 +25,11 @@ from urllib.parse import unquote, urlparse
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
-from ckptflow.errors import CkptflowError, ColdObjectError, ManifestError
+from ckptflow.errors import CkptflowError, ManifestError
 from ckptflow.export import DTYPES, export_safetensors
 from ckptflow.gc import gc, parse_duration
 from ckptflow.stats import store_stats
+from ckptflow.tiers import thaw
 from ckptflow.store import Store, open_store
 
 PROG = "ckptflow"
@@ -291,36 +292,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_thaw(args: argparse.Namespace) -> int:
-    """Request S3 restores for a cold (Glacier / Deep Archive) checkpoint.
-
-    The step's own objects (manifest, rank records) are listed, which works while they
-    are cold; the chunks are known only from the manifest, so when the manifest itself
-    is still cold the command says to run again once its restore has finished.
-    """
+    """Request S3 restores for a cold (Glacier / Deep Archive) checkpoint."""
     store = _open(args.root)
-    restore = getattr(store, "restore_request", None)
-    if restore is None:
-        raise CkptflowError(f"{store.url} has no cold storage classes: thaw applies to s3:// stores")
-    if args.days < 1:
-        raise CkptflowError(f"--days must be at least 1, got {args.days}")
     run = _require_run(store, args.run)
     committed = _committed_steps(store, run)
     step = args.step if args.step is not None else (committed or [None])[-1]
     if step not in committed:
         what = "committed checkpoint" if step is None else f"committed step {step}"
         raise CkptflowError(f"run {run!r} has no {what} to thaw (committed steps: {_short(committed)})")
-    keys = [info.key for info in store.list(fmt.step_prefix(run, step))]
-    try:
-        manifest, _ = catalog.read_manifest(store, run, step)
-    except ColdObjectError:
-        manifest = None
-    if manifest is not None:
-        keys += [fmt.chunk_key(d) for d in sorted(catalog.referenced_chunks(manifest))]
-    with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-thaw") as pool:
-        requested = sum(pool.map(lambda key: restore(key, days=args.days, tier=args.tier), keys))
-    print(f"run {run} step {step}: restore requested for {requested} cold object(s) of {len(keys)} "
+    report = thaw(store, run, step, days=args.days, tier=args.tier)
+    print(f"run {run} step {step}: restore requested for {report.requested} cold object(s) of {report.objects} "
           f"({args.tier}, readable for {args.days} day(s) once restored)")
-    if manifest is None:
+    if report.manifest_cold:
         print(f"the manifest is still cold, so its chunks are not known yet: run `{PROG} thaw` again "
               "once its restore has finished")
     return 0

@@ -14,11 +14,13 @@ archive's objects and an archive's chunks are protected by the archive's manifes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
+from ckptflow.errors import CkptflowError, ColdObjectError
 from ckptflow.store import Store, open_store
 
 
@@ -77,3 +79,33 @@ def metadata_store(store: Store) -> Store:
 
     return S3Store(store.bucket, store.prefix, client=store.client)
 
+
+@dataclass(frozen=True)
+class ThawReport:
+    requested: int  # restore requests issued (objects that were cold and not yet restoring)
+    objects: int  # objects of the checkpoint looked at
+    manifest_cold: bool  # chunks unknown until the manifest itself is restored
+
+
+def thaw(store: Store, run: str, step: int, *, days: int = 1, tier: str = "Standard", threads: int = 16) -> ThawReport:
+    """Request restores for a checkpoint in a cold storage class (Glacier, Deep Archive).
+
+    The step's own objects (manifest, rank records) can be listed while cold; its chunks
+    are known only from the manifest, so while the manifest is cold, thaw it first and
+    run again once that restore has finished.
+    """
+    restore = getattr(store, "restore_request", None)
+    if restore is None:
+        raise CkptflowError(f"{store.url} has no cold storage classes: thaw applies to s3:// stores")
+    if days < 1:
+        raise CkptflowError(f"a restore must last at least 1 day, got {days}")
+    keys = [info.key for info in store.list(fmt.step_prefix(run, step))]
+    try:
+        manifest, _ = catalog.read_manifest(store, run, step)
+    except ColdObjectError:
+        manifest = None
+    if manifest is not None:
+        keys += [fmt.chunk_key(d) for d in sorted(catalog.referenced_chunks(manifest))]
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-thaw") as pool:
+        requested = sum(pool.map(lambda key: restore(key, days=days, tier=tier), keys))
+    return ThawReport(requested, len(keys), manifest is None)
