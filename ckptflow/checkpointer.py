@@ -104,6 +104,7 @@ class Checkpointer:
         self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         self._pending: SaveHandle | None = None
         self._superseded: set[int] = set()
+        self._last_commit: int | None = None  # newest step this process committed or restored
 
     # ---- save -------------------------------------------------------------------------
     def save(
@@ -145,10 +146,12 @@ class Checkpointer:
         if blocking:
             with own_errors():
                 dcp.save(tensors, **kwargs)
+            self._last_commit = step
             manifest = writer.manifest
             return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)
+        future.add_done_callback(lambda f: f.exception() is None and setattr(self, "_last_commit", step))
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
         return self._pending
 
@@ -177,6 +180,9 @@ class Checkpointer:
         return base, save_id
 
     def _newest_committed_before(self, step: int) -> int | None:
+        """The base of an incremental save: known in a training loop without listing the store."""
+        if self._last_commit is not None and self._last_commit < step:
+            return self._last_commit
         for older in reversed(catalog.list_steps(self.store, self.run)):
             if older < step and older not in self._superseded and self.store.exists(fmt.manifest_key(self.run, older)):
                 return older
@@ -234,6 +240,7 @@ class Checkpointer:
                     restore_rng(record["rng"])
                     rng_ok = True
                 self._superseded = hot_rejected
+                self._last_commit = cand if index == 0 else None
                 return RestoreResult(cand, skipped, manifest.get("metadata") or {}, rng_ok, tier.url)
             reason = "; ".join(dict.fromkeys(failures))
             if len(self.tiers) > 1:
