@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ckptflow import catalog
+from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec, describe_failure, own_errors
@@ -210,6 +210,24 @@ class Checkpointer:
 
     # ---- restore ----------------------------------------------------------------------
     def restore(self, state: MutableMapping[str, Any], *, step: int | None = None) -> RestoreResult:
+        """Load the newest valid checkpoint (or exactly ``step``) into ``state``; rank 0
+        leaves a recovery record in the hot store (``ckptflow.recoveries``) either way."""
+        started = time.perf_counter()
+        try:
+            result = self._restore(state, step)
+        except NoValidCheckpointError as e:
+            self._record_recovery(False, None, e.skipped, None, started, str(e))
+            raise
+        self._record_recovery(True, result.step, result.skipped, result.tier, started)
+        return result
+
+    def _record_recovery(self, ok: bool, step: int | None, skipped: list, tier: str | None, started: float,
+                         error: str | None = None) -> None:
+        if self.group.rank == 0:
+            recoveries.record(self.store, self.run, ok=ok, step=step, skipped=skipped, tier=tier,
+                              duration_s=time.perf_counter() - started, error=error)
+
+    def _restore(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
 
         Every chunk a candidate needs is verified on every rank before any tensor in

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from urllib.parse import unquote, urlparse
 
-from ckptflow import catalog
+from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
 from ckptflow.errors import CkptflowError, ManifestError
@@ -246,10 +246,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     store = _open(args.root)
     stats = store_stats(store)
+    operations = recoveries.store_metrics(store)
     for problem in stats.unreadable_manifests:
         _warn(f"not counted: {problem}")
     if args.json:
-        print(json.dumps(stats.as_dict(), indent=2, sort_keys=True))
+        print(json.dumps({**stats.as_dict(), "operations": [m.as_dict() for m in operations]}, indent=2, sort_keys=True))
         return 0
     headers = ["RUN", "CHECKPOINTS", "LOGICAL", "UNIQUE", "STORED", "DEDUP", "COMPRESSION"]
     rows = [
@@ -268,7 +269,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for r in stats.runs:
         if r.missing_chunks:
             _warn(f"run {r.run} references {r.missing_chunks} chunk(s) missing from the store; run `{PROG} verify`")
+    print()
+    headers = ["RUN", "SAVE EVERY", "READY AFTER", "RECOVERIES", "SUCCEEDED", "FELL BACK", "RESTORE"]
+    print(_table(headers, [
+        [m.run, _secs(m.save_interval_s), _secs(m.ready_s), str(m.recoveries), str(m.recoveries_ok),
+         str(m.fallbacks), _secs(m.restore_s)] for m in operations
+    ], right={1, 2, 3, 4, 5, 6}))
     return 0
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch import nn
 
-from ckptflow import Checkpointer, SavePolicy, gc
+from ckptflow import Checkpointer, SavePolicy, gc, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import list_checkpoints
 
@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-lifecycle", action="store_true", help="skip the Dagster lifecycle part")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="  [%(name)s] %(message)s")
-    shutil.rmtree(args.store if args.store == DEMO_STORE else os.path.join(args.store, "runs", args.run), ignore_errors=True)
+    if args.store == DEMO_STORE:
+        shutil.rmtree(args.store, ignore_errors=True)
+    else:  # another store: only this run's checkpoints and recovery records
+        for prefix in ("runs", "recoveries"):
+            shutil.rmtree(os.path.join(args.store, prefix, args.run), ignore_errors=True)
     torch.manual_seed(0)
     policy = SavePolicy(full_every=40, incremental_every=10)
 
@@ -162,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {i.step:>5} {i.kind:<11} {i.metadata.get('train_loss', float('nan')):>10.3f} {i.bytes_written / 1e6:>10.2f}")
     report = gc(args.store, grace="1h", dry_run=True)
     print(f"== gc dry run: {len(report.deleted)} objects ({report.bytes} bytes) unreferenced and past grace")
+    ops = recoveries.run_metrics(ck.store, args.run)
+    print(f"== recoveries: {ops.recoveries} ({ops.recoveries_ok} succeeded, {ops.fallbacks} fell back past a bad "
+          f"checkpoint), median restore {ops.restore_s:.3f} s; a checkpoint every {ops.save_interval_s:.2f} s")
     status = 0
     if not args.no_lifecycle:
         warnings.filterwarnings("ignore", message=r".* is currently in (beta|preview)")  # Dagster API maturity notes
