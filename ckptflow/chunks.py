@@ -79,11 +79,16 @@ class ChunkStore:
 
     def get(self, digest: str, expected_size: int | None = None) -> memoryview:
         """Raw bytes of a chunk, verified against its address."""
-        key = chunk_key(digest)
+        return self._decoded(digest, self._fetch(digest), expected_size)
+
+    def _fetch(self, digest: str) -> bytes:
         try:
-            blob = self.store.get(key)
+            return self.store.get(chunk_key(digest))
         except ObjectNotFoundError:
-            raise self._missing(digest, key) from None
+            raise self._missing(digest, chunk_key(digest)) from None
+
+    def _decoded(self, digest: str, blob: bytes, expected_size: int | None = None) -> memoryview:
+        key = chunk_key(digest)
         try:
             raw = codecs.decode(blob)
         except CorruptChunkError as e:
@@ -152,10 +157,20 @@ class ChunkStore:
                 f"chunk {self.store.url}/{key} does not match its address (content hashes to {actual[:16]}…)"
             )
 
-    def reencode(self, digest: str, codec: str, itemsize: int = 1, level: int = 3) -> tuple[int, int]:
-        """Verify then rewrite a chunk with another codec; (bytes before, bytes after)."""
-        before = self.store.stat(chunk_key(digest)).size
-        raw = self.get(digest)
-        parts = codecs.encode(raw, codec, itemsize, level)
+    def reencode(
+        self, digest: str, codec: str, itemsize: int = 1, level: int = 3, *, only_if_smaller: bool = False
+    ) -> tuple[int, int]:
+        """Verify then rewrite a chunk with another codec; (bytes before, bytes after).
+
+        With ``only_if_smaller`` a chunk already in ``codec``, or one the codec would not
+        shrink, is left alone (after == before): what compaction of a store wants.
+        """
+        blob = self._fetch(digest)
+        if only_if_smaller and codecs.header_codec(blob) == codec:
+            return len(blob), len(blob)
+        parts = codecs.encode(self._decoded(digest, blob), codec, itemsize, level)
+        after = sum(len(p) for p in parts)
+        if only_if_smaller and after >= len(blob):
+            return len(blob), len(blob)
         self.store.replace(chunk_key(digest), parts)
-        return before, sum(len(p) for p in parts)
+        return len(blob), after

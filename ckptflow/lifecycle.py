@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptflow import catalog, codecs, tiers
+from ckptflow import catalog, tiers
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_meta import dtype_from_name
@@ -110,22 +110,11 @@ def compress(store: Store, run: str, step: int, codec: str = "zstd", level: int 
     report = CompressionReport()
     itemsizes = _itemsizes(manifest)
     for digest in sorted(manifest["chunks"]):
-        itemsize = itemsizes.get(digest, 1)
-        key = fmt.chunk_key(digest)
-        blob = store.get(key)
-        before = len(blob)
+        before, after = chunks.reencode(digest, codec, itemsizes.get(digest, 1), level, only_if_smaller=True)
         report.chunks += 1
         report.bytes_before += before
-        if codecs.header_codec(blob) == codec:
-            report.bytes_after += before
-            continue
-        raw = chunks.get(digest)  # verified: never re-encode a corrupt chunk
-        parts = codecs.encode(raw, codec, itemsize, level)
-        after = sum(len(p) for p in parts)
-        if after < before:
-            store.replace(key, parts)
-            report.reencoded += 1
-        report.bytes_after += min(after, before)
+        report.bytes_after += after
+        report.reencoded += after < before
     return report
 
 

@@ -130,12 +130,6 @@ def _run_stats(run: str, manifests: list[dict], sizes: dict[str, int]) -> tuple[
     return stats, referenced
 
 
-def run_stats(store: Store, run: str, sizes: dict[str, int] | None = None) -> RunStats:
-    """Numbers for one run; pass ``sizes`` (``chunk_file_sizes``) to reuse one listing."""
-    sizes = chunk_file_sizes(store) if sizes is None else sizes
-    return _run_stats(run, _manifests(store, fmt.validate_run(run), []), sizes)[0]
-
-
 def store_stats(store: Store) -> StoreStats:
     """Every run plus store-wide totals; reads each manifest once."""
     sizes = chunk_file_sizes(store)
