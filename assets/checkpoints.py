@@ -19,13 +19,15 @@ so the inventory and retention read them without querying Dagster's event log.
 
 from dagster import (
     AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, AutomationCondition,
-    BackfillPolicy, Config, Failure, MaterializeResult, MetadataValue, asset, asset_check,
+    BackfillPolicy, Failure, MaterializeResult, MetadataValue, asset, asset_check,
 )
 
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
-from ckptflow.errors import ManifestError
+from ckptflow.errors import CkptflowError
+from ckptflow.lifecycle import EvaluationRule
+from ckptflow.lifecycle.evaluate import numeric
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
 
@@ -40,14 +42,18 @@ _COMMON = dict(partitions_def=checkpoints_partitions, group_name=GROUP, backfill
 def _source(hot: Store, archive: ArchiveTierResource, run: str, step: int) -> Store:
     """Where the checkpoint's data is: the hot store, or the archive tier once retention
     expired the hot copy (the partition stays; lifecycle records stay in the hot store)."""
-    if hot.exists(fmt.manifest_key(run, step)):
+    if run_step_committed(hot, run, step):
         return hot
     arc = archive.open()
-    return arc if arc.exists(fmt.manifest_key(run, step)) else hot
+    return arc if run_step_committed(arc, run, step) else hot
 
 
-def _metric_values(metrics: dict) -> dict:
-    return {k: MetadataValue.float(float(v)) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def run_step_committed(store: Store, run: str, step: int) -> bool:
+    return store.exists(fmt.manifest_key(run, step))
+
+
+def _numbers(values: dict) -> dict:
+    return {k: MetadataValue.float(float(v)) for k, v in numeric(values).items()}
 
 
 @asset(**_COMMON)
@@ -59,17 +65,17 @@ def checkpoint(
     run, step = parse_checkpoint_key(context.partition_key)
     source = _source(store.open(), archive, run, step)
     try:
-        manifest, digest = catalog.read_manifest(source, run, step)
-    except ManifestError as e:
+        manifest = catalog.read_manifest(source, run, step)
+    except CkptflowError as e:
         return MaterializeResult(metadata={"run": run, "step": step, "manifest_error": str(e)})
-    info = catalog.CheckpointInfo.from_manifest(manifest, digest)
+    info = catalog.CheckpointInfo.from_manifest(manifest)
     return MaterializeResult(
         metadata={
             "run": run, "step": MetadataValue.int(step), "kind": info.kind, "world_size": info.world_size,
             "logical_bytes": MetadataValue.int(info.logical_bytes), "stored_bytes": MetadataValue.int(info.stored_bytes),
             "chunks": MetadataValue.int(info.chunks), "base_step": info.base_step if info.base_step is not None else -1,
-            "created_at": MetadataValue.timestamp(info.created_at), "manifest_digest": digest, "tier": source.url,
-            **{f"trainer/{k}": v for k, v in _metric_values(info.metadata).items()},
+            "created_at": MetadataValue.timestamp(info.created_at), "manifest_digest": manifest.digest,
+            "tier": source.url, **{f"trainer/{k}": v for k, v in _numbers(info.metadata).items()},
         },
     )
 
@@ -78,8 +84,8 @@ def checkpoint(
 def integrity(
     context: AssetCheckExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
 ) -> AssetCheckResult:
-    """Manifest checksum, every rank record, every chunk present and matching its hash.
-    Blocking: nothing downstream runs on a checkpoint that fails it."""
+    """Manifest checksum and structure, every rank record, every chunk present and
+    matching its hash. Blocking: nothing downstream runs on a checkpoint that fails it."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
     record = lifecycle.validate(_source(hot, archive, run, step), run, step, records=hot)
@@ -88,60 +94,32 @@ def integrity(
         severity=AssetCheckSeverity.ERROR,
         metadata={
             "chunks_checked": record["chunks_checked"], "bytes_checked": record["bytes_checked"],
-            "tier": record["tier"],
+            "tier": record["tier"], "manifest_digest": record["manifest_digest"],
             "problems": MetadataValue.md("\n".join(f"- {p}" for p in record["problems"]) or "none"),
         },
     )
 
 
-class EvaluationConfig(Config):
-    """Which metrics define "better" and "overfitting"."""
-
-    val_metric: str = "val_loss"
-    train_metric: str = "train_loss"
-
-
-def _previous_evaluation(store, run: str, step: int, limit: int = 50) -> tuple[int, dict] | None:
-    """The nearest older checkpoint of the run that has an evaluation record."""
-    older = [s for s in catalog.list_steps(store, run) if s < step][-limit:]
-    for prev in reversed(older):
-        record = lifecycle.read_record(store, run, prev, "evaluation")
-        if record is not None:
-            return prev, record
-    return None
-
-
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
 def evaluation(
-    context: AssetExecutionContext, config: EvaluationConfig, store: CheckpointStoreResource,
-    archive: ArchiveTierResource, evaluator: EvaluatorResource,
+    context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource,
+    evaluator: EvaluatorResource,
 ) -> MaterializeResult:
-    """Evaluator metrics as numeric metadata (plotted across partitions), the change
-    against the previous checkpoint, and an overfitting flag (validation loss up while
-    training loss went down)."""
+    """Metrics from the run's evaluator (or, for a run with none, the trainer's recorded
+    metrics), as numeric metadata plotted across partitions; the change against the
+    previous evaluated checkpoint, and an overfitting flag."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    source = _source(hot, archive, run, step)
-    manifest, digest = catalog.read_manifest(source, run, step)
-    metrics = evaluator.evaluate(source, run, step, {"run": run, "step": step, "partition_key": context.partition_key})
-    train = (manifest.get("metadata") or {}).get(config.train_metric)
-    previous = _previous_evaluation(hot, run, step)
-    extra: dict = {"previous_step": previous[0] if previous else -1}
-    overfitting = False
-    if previous and config.val_metric in metrics and config.val_metric in previous[1]["metrics"]:
-        delta = previous[1]["metrics"][config.val_metric] - metrics[config.val_metric]
-        extra[f"improvement/{config.val_metric}"] = MetadataValue.float(delta)
-        prev_train = previous[1].get("train")
-        overfitting = delta < 0 and train is not None and prev_train is not None and train < prev_train
-    lifecycle.write_record(hot, run, step, "evaluation", {
-        "metrics": metrics, "train": train, "overfitting": overfitting, "previous_step": extra["previous_step"],
-        "evaluator": evaluator.function, "manifest_digest": digest,
-    })
-    if overfitting:
-        context.log.warning(f"{context.partition_key}: {config.val_metric} rose while {config.train_metric} fell")
+    name, function = evaluator.evaluator_for(run)
+    rule = EvaluationRule(evaluator.val_metric, evaluator.train_metric, evaluator.mode)
+    record = lifecycle.evaluate(_source(hot, archive, run, step), hot, run, step, function, evaluator_name=name,
+                                key=evaluator.key, rule=rule)
+    if record["overfitting"]:
+        context.log.warning(f"{context.partition_key}: {rule.val_metric} got worse while {rule.train_metric} improved")
+    extra = {} if record["improvement"] is None else {f"improvement/{rule.val_metric}": MetadataValue.float(record["improvement"])}
     return MaterializeResult(metadata={
-        **_metric_values(metrics), **({config.train_metric: MetadataValue.float(float(train))} if train is not None else {}),
-        **extra, "overfitting": overfitting, "evaluator": evaluator.function,
+        **_numbers(record["metrics"]), **extra, "overfitting": bool(record["overfitting"]), "evaluator": record["evaluator"],
+        "manifest_digest": record["manifest_digest"],
     })
 
 
@@ -151,13 +129,9 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
     raw bytes, so nothing that references them changes; every chunk is verified first."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    if not hot.exists(fmt.manifest_key(run, step)):
+    if not run_step_committed(hot, run, step):
         return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
     report = lifecycle.compress(hot, run, step)
-    lifecycle.write_record(hot, run, step, "compression", {
-        "chunks": report.chunks, "reencoded": report.reencoded, "bytes_before": report.bytes_before,
-        "bytes_after": report.bytes_after, "ratio": report.ratio,
-    })
     return MaterializeResult(metadata={
         "chunks": report.chunks, "reencoded": report.reencoded, "bytes_before": MetadataValue.int(report.bytes_before),
         "bytes_after": MetadataValue.int(report.bytes_after), "ratio": MetadataValue.float(report.ratio or 1.0),
@@ -173,19 +147,15 @@ def archived(
     a cold storage class). After compression, so the archive holds the smaller encoding."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
-    if not hot.exists(fmt.manifest_key(run, step)) and arc.exists(fmt.manifest_key(run, step)):
+    if not run_step_committed(hot, run, step) and run_step_committed(arc, run, step):
         return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
     report = lifecycle.archive(hot, arc, run, step)
-    lifecycle.write_record(hot, run, step, "archive", {
-        "url": arc.url, "ok": report.ok, "chunks_copied": report.chunks_copied, "chunks_present": report.chunks_present,
-        "bytes_copied": report.bytes_copied, "problems": report.problems[:20],
-        "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
-    })
     if not report.ok:
         raise Failure(f"archive copy of {context.partition_key} in {arc.url} does not verify", metadata={
             "problems": MetadataValue.md("\n".join(f"- {p}" for p in report.problems[:20]))})
     return MaterializeResult(metadata={
         "archive": arc.url, "manifest_key": fmt.manifest_key(run, step), "chunks_copied": report.chunks_copied,
-        "chunks_already_there": report.chunks_present, "bytes_copied": MetadataValue.int(report.bytes_copied), "verified": True,
-        "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
+        "chunks_already_there": report.chunks_present, "bytes_copied": MetadataValue.int(report.bytes_copied),
+        "verified": True, "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
+        "manifest_digest": report.digest,
     })

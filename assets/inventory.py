@@ -6,15 +6,14 @@ a cron tick rather than ``eager()``: with partitioned parents, eager would wait 
 do, so the inventory would stop updating exactly when it matters.
 """
 
-import time
-
 import pandas as pd
 from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.partitions import parse_checkpoint_key
-from ckptflow import inventory, stats
+from ckptflow import inventory, lifecycle, stats
 from ckptflow.retention import RetentionPlan, default_policy
+from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 GROUP = "inventory"
@@ -36,11 +35,11 @@ class RetentionConfig(Config):
     hot_days: float | None = None  # archived checkpoints older than this keep only their archive copy
 
 
-def compute_plan(config: RetentionConfig, entries: list[inventory.Entry], registry: RegistryResource) -> RetentionPlan:
-    reg = registry.open()
-    pinned = reg.pinned() | {parse_checkpoint_key(k) for k in config.pinned}
+def compute_plan(config: RetentionConfig, hot: Store, archive: Store, registry: RegistryResource
+                 ) -> tuple[list[inventory.Entry], RetentionPlan]:
     policy = default_policy(config.recent_days, config.full_days, config.best_k, config.metric, config.mode)
-    return inventory.retention_plan(entries, time.time(), pinned, reg.aliased(), policy, config.hot_days)
+    return lifecycle.current_plan(hot, archive, registry.open(), policy, hot_days=config.hot_days,
+                                  pinned=[parse_checkpoint_key(k) for k in config.pinned])
 
 
 def markdown(df: pd.DataFrame, limit: int = 200) -> MetadataValue:
@@ -57,8 +56,7 @@ def checkpoint_inventory(
     """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
     last recorded failure and the retention verdict. Also bytes per tier."""
     hot, arc = store.open(), archive.open()
-    entries = inventory.collect(hot, arc)
-    plan = compute_plan(RetentionConfig(), entries, registry)
+    entries, plan = compute_plan(RetentionConfig(), hot, arc, registry)
     df = pd.DataFrame(inventory.rows(entries, plan))
     hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
     counts = df["validation"].value_counts().to_dict() if len(df) else {}
@@ -83,8 +81,7 @@ def retention_plan(
     copies only; an archived checkpoint keeps its archive copy). The retention job
     recomputes the plan when it runs, so this view can never make it delete something
     newly pinned or aliased."""
-    entries = inventory.collect(store.open(), archive.open())
-    plan = compute_plan(config, entries, registry)
+    entries, plan = compute_plan(config, store.open(), archive.open(), registry)
     archived = {e.ref for e in entries if e.archived}
 
     def row(ref, action, why):

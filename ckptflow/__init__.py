@@ -1,27 +1,37 @@
 """ckptflow: fast, verified, content-addressed checkpoints for PyTorch training.
 
 The library has no Dagster dependency; the Dagster layer (assets/, sensors/,
-pipelines/) is a thin orchestration shell over it.
+pipelines/) is a thin orchestration shell over it. Every error ckptflow raises on
+purpose derives from ``CkptflowError`` and is importable from here.
 """
 
-from ckptflow.catalog import CheckpointInfo, VerifyReport
+from ckptflow.catalog import CheckpointInfo, Problem, VerifyReport
 from ckptflow.checkpointer import Checkpointer, RestoreResult, SaveHandle, SaveResult
 from ckptflow.errors import (
     CheckpointExistsError,
     CkptflowError,
+    ColdObjectError,
     CorruptChunkError,
+    ExpireError,
     InvalidNameError,
     ManifestError,
     NoValidCheckpointError,
+    ObjectNotFoundError,
+    PromotionError,
+    RegistryError,
+    StoreError,
+    StoreNotFoundError,
     UnsupportedStateError,
 )
 from ckptflow.gc import GCReport, gc
-from ckptflow.policies import SavePolicy
+from ckptflow.manifest import Manifest
+from ckptflow.save_policy import SavePolicy
 from ckptflow.store import Store, open_store
 
 __all__ = [
-    "CheckpointExistsError", "CheckpointInfo", "Checkpointer", "CkptflowError", "CorruptChunkError",
-    "GCReport", "InvalidNameError", "ManifestError", "NoValidCheckpointError", "RestoreResult",
-    "SaveHandle", "SaveResult", "SavePolicy", "Store", "UnsupportedStateError", "VerifyReport",
-    "gc", "open_store",
+    "CheckpointExistsError", "CheckpointInfo", "Checkpointer", "CkptflowError", "ColdObjectError", "CorruptChunkError",
+    "ExpireError", "GCReport", "InvalidNameError", "Manifest", "ManifestError", "NoValidCheckpointError",
+    "ObjectNotFoundError", "Problem", "PromotionError", "RegistryError", "RestoreResult", "SaveHandle", "SaveResult",
+    "SavePolicy", "Store", "StoreError", "StoreNotFoundError", "UnsupportedStateError", "VerifyReport", "gc",
+    "open_store",
 ]

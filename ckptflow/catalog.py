@@ -1,25 +1,37 @@
-"""Read-side view of a store: runs, steps, manifests, listings and verification.
+"""What a store holds: the one walk over runs and checkpoints, and verification.
 
-Shared by the Checkpointer, the CLI, GC and the Dagster layer, so "what exists and is
-it intact" has one answer everywhere.
+Every module that asks "which checkpoints exist" (the Checkpointer, the CLI, GC,
+stats, the inventory, export, the landing sensor) asks it here, so an unreadable,
+cold, denied or malformed checkpoint is treated the same way everywhere: as a
+``Problem`` on its own line, never an exception that ends a whole listing.
+
+``listing`` walks names only (one listing per run, no reads); ``committed`` reads and
+parses the commit records the listing found, a bounded number at a time in parallel
+(a store with thousands of checkpoints on S3 is thousands of GETs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import errno
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
-from ckptflow.dcp_meta import dtype_from_name
-from ckptflow.errors import CkptflowError, ManifestError, ObjectNotFoundError
-from ckptflow.store.base import Store
+from ckptflow.errors import (
+    CkptflowError, ColdObjectError, InvalidNameError, ManifestError, ObjectNotFoundError, StoreError,
+)
+from ckptflow.manifest import Manifest, RankRecord
+from ckptflow.store.base import ObjectInfo, Store
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
+    """A summary of one committed checkpoint (what ``ls`` and ``Checkpointer.list`` show)."""
+
     step: int
     kind: str
     created_at: float
@@ -34,24 +46,191 @@ class CheckpointInfo:
     digest: str = ""  # sha256 of the manifest file: names this exact checkpoint
 
     @classmethod
-    def from_manifest(cls, manifest: dict, digest: str = "") -> "CheckpointInfo":
-        stats = manifest["stats"]
+    def from_manifest(cls, m: Manifest) -> "CheckpointInfo":
         return cls(
-            step=manifest["step"],
-            kind=manifest["kind"],
-            created_at=manifest["created_at"],
-            logical_bytes=stats["logical_bytes"],
-            stored_bytes=stats["stored_bytes"],
-            metadata=manifest.get("metadata") or {},
-            run=manifest["run"],
-            world_size=manifest["world_size"],
-            chunks=stats["chunks"],
-            bytes_written=stats["bytes_written"],
-            base_step=manifest.get("base_step"),
-            digest=digest,
+            step=m.step, kind=m.kind, created_at=m.created_at, logical_bytes=m.stats.logical_bytes,
+            stored_bytes=m.stats.stored_bytes, metadata=dict(m.metadata), run=m.run, world_size=m.world_size,
+            chunks=m.stats.chunks, bytes_written=m.stats.bytes_written, base_step=m.base_step, digest=m.digest,
         )
 
 
+@dataclass(frozen=True)
+class Problem:
+    """A run or checkpoint that cannot be read, and why. ``kind`` is one of ``KINDS``."""
+
+    run: str
+    step: int | None
+    kind: str
+    message: str
+
+    KINDS = ("corrupt", "cold", "denied", "loop", "too_big", "unavailable", "bad_name", "not_a_directory", "unreadable")
+
+    def __str__(self) -> str:
+        where = f"run {self.run}" + ("" if self.step is None else f" step {self.step}")
+        return f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class StepListing:
+    """A step directory as listed (nothing read): its commit record, if any, and files."""
+
+    run: str
+    step: int
+    manifest: ObjectInfo | None  # None: uncommitted (a save in flight, or one that died)
+    files: tuple[ObjectInfo, ...]
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+
+def problem_from(run: str, step: int | None, error: BaseException) -> Problem:
+    """Classify a read failure. Only ``corrupt`` is proof of damage; the others say the
+    checkpoint could not be looked at (and might be fine)."""
+    if isinstance(error, ManifestError):
+        kind = "corrupt"
+    elif isinstance(error, ColdObjectError):
+        kind = "cold"
+    elif isinstance(error, InvalidNameError):
+        kind = "bad_name"
+    elif isinstance(error, StoreError):
+        kind = "unavailable"
+    elif isinstance(error, PermissionError):
+        kind = "denied"
+    elif isinstance(error, OSError) and error.errno == errno.ELOOP:
+        kind = "loop"
+    else:
+        kind = "unreadable"
+    message = str(error) if isinstance(error, CkptflowError) else f"{type(error).__name__}: {error}"
+    return Problem(run, step, kind, message)
+
+
+def run_names(store: Store) -> list[str]:
+    """Every directory under ``runs/``, valid run name or not (``listing`` reports the others)."""
+    return [i.key.rstrip("/").rsplit("/", 1)[-1] for i in store.list(fmt.runs_prefix(), recursive=False) if i.key.endswith("/")]
+
+
+def list_runs(store: Store) -> list[str]:
+    """The valid run names in the store."""
+    out = []
+    for name in run_names(store):
+        try:
+            out.append(fmt.validate_run(name))
+        except InvalidNameError:
+            continue
+    return out
+
+
+def _run_listing(store: Store, run: str) -> Iterator[StepListing | Problem]:
+    prefix = fmt.checkpoints_prefix(run)
+    by_step: dict[int, list[ObjectInfo]] = {}
+    for info in store.list(prefix):
+        name, _, rest = info.key[len(prefix):].partition("/")
+        step = fmt.parse_step_dir(name)
+        if step is None:
+            continue
+        if not rest:
+            yield Problem(run, step, "not_a_directory",
+                          f"{store.url}/{info.key} is a file where a step directory belongs; move it away")
+            continue
+        by_step.setdefault(step, []).append(info)
+    for step in sorted(by_step):
+        files = by_step[step]
+        key = fmt.manifest_key(run, step)
+        manifest = next((f for f in files if f.key == key), None)
+        yield StepListing(run, step, manifest, tuple(files))
+
+
+def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Problem]:
+    """Every step directory of ``run`` (or of every run), ascending, without reading a
+    record; a run directory that cannot be listed or is badly named is a ``Problem``."""
+    for name in [run] if run is not None else run_names(store):
+        try:
+            fmt.validate_run(name)
+        except InvalidNameError as e:
+            yield Problem(name, None, "bad_name", f"{store.url}/runs/{name}: {e}; ckptflow never writes such a "
+                          "directory: move it out of the store")
+            continue
+        try:
+            yield from _run_listing(store, name)
+        except (CkptflowError, OSError) as e:
+            yield problem_from(name, None, e)
+
+
+def committed_steps(store: Store, run: str) -> list[int]:
+    """Steps of ``run`` that have a commit record (valid or not), ascending; no reads."""
+    return [s.step for s in listing(store, run) if isinstance(s, StepListing) and s.committed]
+
+
+def read_manifest(store: Store, run: str, step: int) -> Manifest:
+    """The verified, parsed manifest; ``ManifestError`` (or a store error) says why not."""
+    key = fmt.manifest_key(run, step)
+    try:
+        blob = store.get(key)
+    except ObjectNotFoundError:
+        raise ManifestError(f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)") from None
+    return Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
+
+
+def read_rank_record(store: Store, manifest: Manifest, rank: int) -> RankRecord:
+    """The rank record ``manifest`` committed for ``rank``, verified to belong to it."""
+    key = fmt.rank_key(manifest.run, manifest.step, rank)
+    try:
+        blob = store.get(key)
+    except ObjectNotFoundError:
+        raise ManifestError(f"rank record {store.url}/{key} is missing") from None
+    return RankRecord.parse(blob, f"rank record {store.url}/{key}", manifest, rank)
+
+
+def _ordered(items: Iterable[Any], fn: Callable[[Any], Any], threads: int) -> Iterator[tuple[Any, Any]]:
+    """``(item, fn(item) or the exception)`` in input order, at most ``2 * threads`` in flight."""
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-catalog") as pool:
+        window: deque[tuple[Any, Future]] = deque()
+        for item in items:
+            window.append((item, pool.submit(fn, item)))
+            if len(window) >= 2 * threads:
+                yield _take(window)
+        while window:
+            yield _take(window)
+
+
+def _take(window: deque) -> tuple[Any, Any]:
+    item, future = window.popleft()
+    try:
+        return item, future.result()
+    except BaseException as e:  # reported per item by the caller
+        return item, e
+
+
+def committed(
+    store: Store, run: str | None = None, *, listed: Iterable[StepListing | Problem] | None = None, threads: int = 16
+) -> Iterator[Manifest | Problem]:
+    """Each committed checkpoint of ``run`` (or every run) as a parsed ``Manifest``, or a
+    ``Problem`` for one that cannot be read; ascending by run, then step. ``listed``
+    reads the commit records of a ``listing`` the caller already holds."""
+
+    def read(entry: StepListing | Problem) -> Manifest | Problem:
+        return entry if isinstance(entry, Problem) else read_manifest(store, entry.run, entry.step)
+
+    source = listing(store, run) if listed is None else listed
+    wanted = (e for e in source if isinstance(e, Problem) or e.committed)
+    for entry, result in _ordered(wanted, read, threads):
+        if isinstance(result, (Manifest, Problem)):
+            yield result
+        elif isinstance(result, ObjectNotFoundError):
+            continue  # deleted between the listing and the read: it no longer exists
+        elif isinstance(result, (CkptflowError, OSError)):
+            yield problem_from(entry.run, entry.step, result)
+        else:
+            raise result
+
+
+def list_checkpoints(store: Store, run: str) -> list[CheckpointInfo]:
+    """Committed checkpoints of ``run`` whose manifest is intact, ascending by step."""
+    return [CheckpointInfo.from_manifest(m) for m in committed(store, run) if isinstance(m, Manifest)]
+
+
+# ---- verification ------------------------------------------------------------------------
 @dataclass
 class VerifyReport:
     step: int
@@ -59,124 +238,30 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     chunks_checked: int = 0
     bytes_checked: int = 0
+    digest: str = ""  # sha256 of the manifest file that was verified ("" if there was none)
 
 
-def list_runs(store: Store) -> list[str]:
-    return [info.key.rstrip("/").rsplit("/", 1)[-1] for info in store.list(fmt.runs_prefix(), recursive=False) if info.key.endswith("/")]
-
-
-def list_steps(store: Store, run: str) -> list[int]:
-    """Every step directory of ``run`` (committed or not), ascending."""
-    steps = []
-    for info in store.list(fmt.checkpoints_prefix(run), recursive=False):
-        step = fmt.parse_step_dir(info.key) if info.key.endswith("/") else None
-        if step is not None:
-            steps.append(step)
-    return sorted(steps)
-
-
-def read_manifest(store: Store, run: str, step: int) -> tuple[dict, str]:
-    """The verified manifest and its file digest; ``ManifestError`` says why not."""
-    key = fmt.manifest_key(run, step)
-    try:
-        blob = store.get(key)
-    except ObjectNotFoundError:
-        raise ManifestError(f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)") from None
-    manifest = fmt.unseal(blob, f"manifest {store.url}/{key}")
-    _check_shape(manifest, f"manifest {store.url}/{key}")
-    if manifest["run"] != run or manifest["step"] != step:
-        raise ManifestError(
-            f"manifest {store.url}/{key} describes run {manifest['run']!r} step {manifest['step']}, "
-            f"not run {run!r} step {step}: it was copied to the wrong place"
-        )
-    return manifest, fmt.digest_of(blob)
-
-
-_FIELDS: dict[str, Any] = {
-    "run": str, "step": int, "kind": str, "stats": dict, "dcp": dict, "chunks": dict,
-    "world_size": int, "created_at": (int, float),
-}
-_STATS = ("logical_bytes", "stored_bytes", "chunks", "bytes_written")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_shape(manifest: dict, where: str) -> None:
-    """A sealed manifest can still be malformed (a buggy or foreign writer): check the
-    structure everything downstream indexes into, so readers get a ``ManifestError``
-    (skip / report) instead of a KeyError or TypeError deep inside restore, verify or list."""
-
-    def bad(what: str) -> ManifestError:
-        return ManifestError(f"{where} {what}; it is malformed")
-
-    def check_dtype(name: str) -> None:
-        try:
-            dtype_from_name(name)
-        except ManifestError as e:
-            raise ManifestError(f"{where}: {e}") from None
-
-    for name, types in _FIELDS.items():
-        if name not in manifest:
-            raise bad(f"lacks field {name!r}")
-        value = manifest[name]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise bad(f"has field {name!r} of type {type(value).__name__}")
-    if manifest["world_size"] < 1:
-        raise bad(f"has world_size {manifest['world_size']}")
-    if not all(_is_int(manifest["stats"].get(k)) for k in _STATS):
-        raise bad(f"has stats without all of {list(_STATS)}")
-    chunks = manifest["chunks"]
-    if not all(_is_int(size) and size >= 0 for size in chunks.values()):
-        raise bad("has a chunk size that is not a non-negative integer")
-    dcp = manifest["dcp"]
-    if not isinstance(dcp.get("tensors"), dict) or not isinstance(dcp.get("items"), list):
-        raise bad("has a DCP index without 'tensors' and 'items'")
-    for fqn, tensor in dcp["tensors"].items():
-        if not isinstance(tensor, dict) or not isinstance(tensor.get("dtype"), str) or not isinstance(tensor.get("chunks"), list):
-            raise bad(f"has a DCP index entry {fqn!r} without dtype and chunks")
-        check_dtype(tensor["dtype"])
-    for item in dcp["items"]:
-        if not isinstance(item, dict) or not isinstance(item.get("chunks"), list) or not isinstance(item.get("dtype"), str):
-            raise bad("has a DCP storage item without chunks or dtype")
-        check_dtype(item["dtype"])
-        for ref in item["chunks"]:
-            if not (isinstance(ref, list) and len(ref) == 2 and isinstance(ref[0], str) and ref[0] in chunks and chunks[ref[0]] == ref[1]):
-                raise bad(f"has item {item.get('fqn')!r} referencing a chunk missing from its chunk list")
-
-
-def read_rank_record(store: Store, manifest: dict, rank: int) -> dict:
-    """The rank record ``manifest`` committed for ``rank``, verified to belong to it."""
-    key = fmt.rank_key(manifest["run"], manifest["step"], rank)
-    try:
-        blob = store.get(key)
-    except ObjectNotFoundError:
-        raise ManifestError(f"rank record {store.url}/{key} is missing") from None
-    record = fmt.unseal(blob, f"rank record {store.url}/{key}")
-    if record.get("save_id") != manifest.get("save_id") or record.get("rank") != rank:
-        raise ManifestError(
-            f"rank record {store.url}/{key} belongs to another save attempt of this step "
-            f"(save {record.get('save_id')!r}, manifest names {manifest.get('save_id')!r}): "
-            "two writers saved the same step at once, so this checkpoint cannot be trusted"
-        )
-    return record
-
-
-def rank_record_keys(manifest: dict) -> list[str]:
-    return [fmt.rank_key(manifest["run"], manifest["step"], r) for r in range(manifest["world_size"])]
-
-
-def list_checkpoints(store: Store, run: str) -> list[CheckpointInfo]:
-    """Committed checkpoints whose manifest is intact, ascending by step."""
-    infos = []
-    for step in list_steps(store, run):
-        try:
-            manifest, digest = read_manifest(store, run, step)
-        except ManifestError:
-            continue
-        infos.append(CheckpointInfo.from_manifest(manifest, digest))
-    return infos
+def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
+    """Rank records: one listing finds the missing ones (reported as one line however
+    many), then each present one is read and checked against the manifest."""
+    prefix = fmt.step_prefix(manifest.run, manifest.step) + "ranks/"
+    present = {i.key for i in store.list(prefix)}
+    keys = manifest.rank_keys()
+    missing = [r for r, key in enumerate(keys) if key not in present]
+    problems = []
+    if len(missing) == 1:
+        problems.append(f"rank record {store.url}/{keys[missing[0]]} is missing")
+    elif missing:
+        shown = ", ".join(map(str, missing[:8])) + (f", … ({len(missing)} in all)" if len(missing) > 8 else "")
+        problems.append(f"rank records of {len(missing)} of {manifest.world_size} ranks are missing from "
+                        f"{store.url}/{prefix} (ranks {shown})")
+    for rank, key in enumerate(keys):
+        if key in present:
+            try:
+                read_rank_record(store, manifest, rank)
+            except ManifestError as e:
+                problems.append(str(e))
+    return problems
 
 
 def verify_checkpoint(
@@ -187,16 +272,18 @@ def verify_checkpoint(
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Re-read everything a checkpoint needs: manifest, rank records, every chunk."""
-    report = VerifyReport(step=step, ok=True)
+    key = fmt.manifest_key(run, step)
     try:
-        manifest, _ = read_manifest(store, run, step)
+        blob = store.get(key)
+    except ObjectNotFoundError:
+        return VerifyReport(step, False, [f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)"])
+    except (CkptflowError, OSError) as e:
+        return VerifyReport(step, False, [problem_from(run, step, e).message])
+    try:
+        manifest = Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
     except ManifestError as e:
-        return VerifyReport(step=step, ok=False, problems=[str(e)])
-    for rank in range(manifest["world_size"]):
-        try:
-            read_rank_record(store, manifest, rank)
-        except ManifestError as e:
-            report.problems.append(str(e))
+        return VerifyReport(step, False, [str(e)], digest=fmt.digest_of(blob))
+    report = VerifyReport(step=step, ok=True, problems=_rank_problems(store, manifest), digest=manifest.digest)
     chunks = ChunkStore(store)
 
     def check(item: tuple[str, int]) -> str | None:
@@ -210,7 +297,7 @@ def verify_checkpoint(
                 progress(size)
         return None
 
-    items = list(manifest["chunks"].items())
+    items = list(manifest.chunks.items())
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(8)
     try:
@@ -222,7 +309,3 @@ def verify_checkpoint(
     report.bytes_checked = sum(size for _, size in items)
     report.ok = not report.problems
     return report
-
-
-def referenced_chunks(manifest: dict[str, Any]) -> set[str]:
-    return set(manifest["chunks"])

@@ -24,10 +24,11 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo, VerifyReport
+from ckptflow.codecs import CODECS
 from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec, describe_failure, own_errors
 from ckptflow.distributed import Group
 from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, NoValidCheckpointError
-from ckptflow.policies import SavePolicy
+from ckptflow.save_policy import SavePolicy
 from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, to_state_dicts, unflatten
 from ckptflow.store import Store, open_store
 from ckptflow.tiers import Tier, candidates, open_tiers
@@ -93,7 +94,11 @@ class Checkpointer:
         self.store = open_store(root)
         self.run = fmt.validate_run(run)
         self.policy = policy
-        self.chunk_bytes, self.codec, self.progress = int(chunk_bytes), codec, progress
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be a positive number of bytes (default 8 MiB), got {chunk_bytes!r}")
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        self.chunk_bytes, self.codec, self.progress = chunk_bytes, codec, progress
         self.restore_rng = restore_rng
         # restore also reads the read-only ``tiers`` (an archive) after this hot store; saves go here only
         self.tiers: list[Tier] = open_tiers(self.store, tiers)
@@ -183,8 +188,8 @@ class Checkpointer:
         """The base of an incremental save: known in a training loop without listing the store."""
         if self._last_commit is not None and self._last_commit < step:
             return self._last_commit
-        for older in reversed(catalog.list_steps(self.store, self.run)):
-            if older < step and older not in self._superseded and self.store.exists(fmt.manifest_key(self.run, older)):
+        for older in reversed(catalog.committed_steps(self.store, self.run)):
+            if older < step and older not in self._superseded:
                 return older
         return None
 
@@ -252,14 +257,14 @@ class Checkpointer:
             failures = [f for f in self.group.all_gather(outcome[0]) if f]
             if not failures:
                 manifest, record, loaded = outcome[1]
-                load_state_dicts(state, unflatten(record["state"], loaded))
+                load_state_dicts(state, unflatten(record.state, loaded))
                 rng_ok = False
-                if self.restore_rng and record.get("rng") and record["rank"] == self.group.rank:
-                    restore_rng(record["rng"])
+                if self.restore_rng and record.rng and record.rank == self.group.rank:
+                    restore_rng(record.rng)
                     rng_ok = True
                 self._superseded = hot_rejected
                 self._last_commit = cand if index == 0 else None
-                return RestoreResult(cand, skipped, manifest.get("metadata") or {}, rng_ok, tier.url)
+                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url)
             reason = "; ".join(dict.fromkeys(failures))
             if len(self.tiers) > 1:
                 reason = f"{tier.url}: {reason}"
@@ -277,15 +282,14 @@ class Checkpointer:
     def _try_load(self, step: int, live: dict[str, torch.Tensor], tier: Tier) -> tuple[str | None, Any]:
         """(failure reason or None, (manifest, rank record, the loaded live tensors))."""
         try:
-            manifest, _ = catalog.read_manifest(tier.store, self.run, step)
-            saved_ranks = manifest["world_size"]
-            rank = self.group.rank if self.group.rank < saved_ranks else 0
+            manifest = catalog.read_manifest(tier.store, self.run, step)
+            rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = catalog.read_rank_record(tier.store, manifest, rank)
             reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress, agree=self._gathered_failure)
         except (CkptflowError, OSError) as e:
             return self._gathered_failure(str(e)), None
-        missing = set(live) - set(manifest["dcp"]["tensors"])
-        extra = set(manifest["dcp"]["tensors"]) - set(live)
+        missing = set(live) - set(manifest.dcp.tensors)
+        extra = set(manifest.dcp.tensors) - set(live)
         if missing or extra:
             return self._gathered_failure(
                 f"state does not match the checkpoint (missing from checkpoint: {sorted(missing)[:5]}, "

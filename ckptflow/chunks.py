@@ -103,13 +103,12 @@ class ChunkStore:
     def check(self, digest: str, size: int) -> "CheckedChunk":
         """Verify a chunk before anything is written from it (restore's first pass).
 
-        A raw chunk on a store that can re-read cheaply (local files: ``scan``) is
+        A raw chunk on a store that can re-read cheaply (``Store.cheap_reread``) is
         streamed through a small per-thread buffer into the hash, and only its file
         version is kept; anything else keeps the verified bytes, so the second pass
         never fetches twice. Any anomaly goes through ``get``, which names the problem.
         """
-        scan = getattr(self.store, "scan", None)
-        if scan is not None:
+        if self.store.cheap_reread:
             header, hasher = bytearray(), hashlib.sha256()
 
             def consume(piece: memoryview) -> None:
@@ -120,7 +119,7 @@ class ChunkStore:
                 hasher.update(piece)
 
             try:
-                got, version = scan(chunk_key(digest), self._scratch(SCAN_PIECE), consume)
+                got, version = self.store.scan(chunk_key(digest), self._scratch(SCAN_PIECE), consume)
             except ObjectNotFoundError:
                 raise self._missing(digest, chunk_key(digest)) from None
             if got == codecs.HEADER.size + size and codecs.raw_length(header) == size and hasher.hexdigest() == digest:

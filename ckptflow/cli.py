@@ -20,17 +20,17 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import datetime, timezone
-from urllib.parse import unquote, urlparse
 
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
-from ckptflow.errors import CkptflowError, ManifestError
+from ckptflow.errors import CkptflowError
 from ckptflow.export import DTYPES, export_safetensors
 from ckptflow.gc import gc, parse_duration
+from ckptflow.manifest import Manifest
 from ckptflow.stats import store_stats
-from ckptflow.tiers import thaw
 from ckptflow.store import Store, open_store
+from ckptflow.tiers import thaw
 
 PROG = "ckptflow"
 
@@ -75,18 +75,10 @@ def _table(headers: Sequence[str], rows: list[Sequence[str]], right: set[int]) -
 
 
 def _open(root: str) -> Store:
-    """Open a store, refusing a local root that does not exist.
-
-    ``LocalStore`` creates its root (right for a training job's first save); for a
-    command that only inspects, a typo must be an error, not a new empty store.
-    """
-    parsed = urlparse(root)
-    if parsed.scheme in ("", "file") or len(parsed.scheme) == 1:
-        path = unquote(parsed.path) if parsed.scheme == "file" else root
-        if not os.path.isdir(path):
-            raise CkptflowError(f"store root {root!r} does not exist or is not a directory; check the path")
+    """Open a store without creating it: for a command that only inspects, a typo in a
+    local path must be an error, not a new empty store."""
     try:
-        return open_store(root)
+        return open_store(root, create=False)
     except ValueError as e:
         raise CkptflowError(str(e)) from None
 
@@ -100,11 +92,6 @@ def _require_run(store: Store, run: str) -> str:
             f"`{PROG} ls ROOT` lists runs and checkpoints"
         )
     return run
-
-
-def _committed_steps(store: Store, run: str) -> list[int]:
-    """Steps with a manifest file, valid or not (a corrupt one is a finding, not absent)."""
-    return [s for s in catalog.list_steps(store, run) if store.exists(fmt.manifest_key(run, s))]
 
 
 @contextlib.contextmanager
@@ -138,16 +125,13 @@ def _duration(text: str) -> float:
 # ---- commands --------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _open(args.root)
-    runs = [_require_run(store, args.run)] if args.run else catalog.list_runs(store)
+    run = _require_run(store, args.run) if args.run else None
     infos: list[CheckpointInfo] = []
-    for run in runs:
-        for step in _committed_steps(store, run):
-            try:
-                manifest, digest = catalog.read_manifest(store, run, step)
-            except ManifestError as e:
-                _warn(f"run {run} step {step}: {e}")
-                continue
-            infos.append(CheckpointInfo.from_manifest(manifest, digest))
+    for item in catalog.committed(store, run):
+        if isinstance(item, Manifest):
+            infos.append(CheckpointInfo.from_manifest(item))
+        else:
+            _warn(str(item))
     if args.json:
         docs = [
             {**asdict(i), "created": datetime.fromtimestamp(i.created_at, timezone.utc).isoformat()}
@@ -174,15 +158,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args.root)
     run = _require_run(store, args.run)
-    steps = catalog.list_steps(store, run)
-    committed = _committed_steps(store, run)
+    listed = list(catalog.listing(store, run))
+    steps = [e.step for e in listed if isinstance(e, catalog.StepListing)]
+    committed = [e.step for e in listed if isinstance(e, catalog.StepListing) and e.committed]
     problems: list[str] = []
     if args.all:
         targets = committed
-        for step in steps:  # an empty step directory (left by GC) holds nothing to report
-            if step not in committed and any(True for _ in store.list(fmt.step_prefix(run, step))):
+        for entry in listed:
+            if isinstance(entry, catalog.Problem):
+                problems.append(str(entry))
+            elif not entry.committed and entry.files:
                 problems.append(
-                    f"run {run} step {step}: uncommitted: no manifest (a save crashed or is still "
+                    f"run {run} step {entry.step}: uncommitted: no manifest (a save crashed or is still "
                     f"running; `{PROG} gc` removes its files after the grace period)"
                 )
     elif args.step is not None:
@@ -201,7 +188,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         for line in problems:
             print(line)
-        bad = sum(not r.ok for r in reports)
+        bad = sum(not r.ok for r in reports) + sum(isinstance(e, catalog.Problem) for e in listed if args.all)
         print(f"{PROG}: {len(problems)} problem(s); {bad} of {len(reports)} checkpoint(s) of run {run} failed", file=sys.stderr)
         return 1
     chunks = sum(r.chunks_checked for r in reports)
@@ -221,8 +208,8 @@ def _verify_total(store: Store, run: str, steps: list[int]) -> int | None:
     total = 0
     for step in steps:
         try:
-            total += sum(catalog.read_manifest(store, run, step)[0]["chunks"].values())
-        except ManifestError:
+            total += sum(catalog.read_manifest(store, run, step).chunks.values())
+        except (CkptflowError, OSError):
             pass  # verify reports it
     return total or None
 
@@ -288,6 +275,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         report = gc(store, args.grace, dry_run=args.dry_run, wait=args.wait, progress=progress)
     for problem in report.unreadable_manifests:
         _warn(f"{problem}; GC keeps the chunks its JSON still names")
+    for problem in report.ignored:
+        _warn(f"left alone: {problem}")
     if report.skipped:
         print(f"{PROG}: gc swept nothing: {report.skipped}", file=sys.stderr)
         return 1
@@ -306,7 +295,7 @@ def cmd_thaw(args: argparse.Namespace) -> int:
     """Request S3 restores for a cold (Glacier / Deep Archive) checkpoint."""
     store = _open(args.root)
     run = _require_run(store, args.run)
-    committed = _committed_steps(store, run)
+    committed = catalog.committed_steps(store, run)
     step = args.step if args.step is not None else (committed or [None])[-1]
     if step not in committed:
         what = "committed checkpoint" if step is None else f"committed step {step}"

@@ -23,6 +23,7 @@ HEADER = struct.Struct(">4sBBQ")
 RAW, ZSTD_BYTEGROUP = 0, 1
 CODEC_NAMES = {RAW: "raw", ZSTD_BYTEGROUP: "zstd"}
 CODEC_IDS = {v: k for k, v in CODEC_NAMES.items()}
+CODECS = tuple(CODEC_IDS)  # what a Checkpointer may write new chunks with
 
 
 def _group(raw: memoryview, itemsize: int) -> bytes:

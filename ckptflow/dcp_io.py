@@ -9,7 +9,6 @@ coordinator commits the manifest last. The reader verifies every chunk it reads.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import warnings
 from collections import defaultdict
@@ -27,9 +26,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from ckptflow import format as fmt
 from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite
-from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_json, metadata_to_json
+from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_index, metadata_to_json
 from ckptflow.errors import CheckpointExistsError, CkptflowError, CorruptChunkError, UnsupportedStateError
 from ckptflow.leases import save_lease
+from ckptflow.manifest import Manifest, RankRecord, StorageItem, seal
 
 Progress = Callable[[int], None]
 
@@ -108,7 +108,7 @@ class CheckpointWriter(StorageWriter):
         self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
         self.rank = 0
         self.is_coordinator = True
-        self.manifest: dict | None = None
+        self.manifest: Manifest | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -172,18 +172,9 @@ class CheckpointWriter(StorageWriter):
 
     def _write_rank_record(self, results: list[WriteResult]) -> None:
         spec = self.spec
-        record = {
-            "format_version": fmt.FORMAT_VERSION,
-            "run": spec.run,
-            "step": spec.step,
-            "rank": self.rank,
-            "world_size": spec.world_size,
-            "save_id": spec.save_id,
-            "state": spec.skeleton,
-            "rng": spec.rng,
-            "items": len(results),
-        }
-        self.chunks.store.replace(fmt.rank_key(spec.run, spec.step, self.rank), fmt.seal(record))
+        record = RankRecord(spec.run, spec.step, self.rank, spec.world_size, spec.save_id, spec.skeleton, spec.rng,
+                            len(results))
+        self.chunks.store.replace(fmt.rank_key(spec.run, spec.step, self.rank), record.seal())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         spec = self.spec
@@ -228,12 +219,14 @@ class CheckpointWriter(StorageWriter):
             },
         }
         key = fmt.manifest_key(spec.run, spec.step)
-        if not self.chunks.store.put_if_absent(key, fmt.seal(manifest)):
+        blob = seal(manifest)
+        parsed = Manifest.parse(blob, f"manifest {self.chunks.store.url}/{key} (before commit)")  # never commit what a reader refuses
+        if not self.chunks.store.put_if_absent(key, blob):
             raise CheckpointExistsError(
                 f"step {spec.step} of run {spec.run!r} was committed by another writer while this save ran "
                 f"({self.chunks.store.url}/{key}); this save's data is unreferenced and GC will reclaim it"
             )
-        self.manifest = manifest
+        self.manifest = parsed
 
 
 class CheckpointReader(StorageReader):
@@ -250,7 +243,7 @@ class CheckpointReader(StorageReader):
     def __init__(
         self,
         chunks: ChunkStore,
-        manifest: dict,
+        manifest: Manifest,
         pool: ThreadPoolExecutor,
         progress: Progress | None = None,
         agree: Callable[[str | None], str | None] | None = None,
@@ -258,7 +251,7 @@ class CheckpointReader(StorageReader):
         super().__init__()
         self.chunks, self.manifest, self.pool, self.progress = chunks, manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
-        self.metadata, self.storage = metadata_from_json(manifest["dcp"])
+        self.metadata, self.storage = metadata_from_index(manifest.dcp)
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -288,11 +281,7 @@ class CheckpointReader(StorageReader):
     def _verify_all(self, indexes: list[MetadataIndex]) -> tuple[dict[str, CheckedChunk], str | None]:
         needed: dict[str, int] = {}
         for index in indexes:
-            data = self.storage[index]
-            needed.update(data["chunks"])
-            expected = dtype_from_name(data["dtype"]).itemsize * math.prod(data["shape"])
-            if sum(size for _, size in data["chunks"]) != expected:
-                return {}, f"{index.fqn!r}: the manifest's chunks do not add up to its shape and dtype"
+            needed.update(self.storage[index].chunks)  # lengths add up: Manifest.parse checked
         futures = {digest: self.pool.submit(self._check, digest, size) for digest, size in needed.items()}
         try:
             return {digest: f.result() for digest, f in futures.items()}, None
@@ -317,15 +306,15 @@ class CheckpointReader(StorageReader):
         loading = []
         try:
             for index, reqs in by_storage.items():
-                data = self.storage[index]
+                item = self.storage[index]
                 targets = [planner.resolve_tensor(req).detach() for req in reqs]
-                if len(reqs) == 1 and _whole_item_target(data, reqs[0], targets[0]):
+                if len(reqs) == 1 and _whole_item_target(item, reqs[0], targets[0]):
                     buffer = targets[0]  # chunks land in place: no staging tensor, no copy
                 else:  # resharding, another device or dtype: read the item, then copy slices
                     to_gpu = any(t.device.type == "cuda" for t in targets)
-                    buffer = torch.empty(data["shape"], dtype=dtype_from_name(data["dtype"]), pin_memory=to_gpu)
+                    buffer = torch.empty(item.shape, dtype=dtype_from_name(item.dtype), pin_memory=to_gpu)
                 raw, offset, futures = _writable_bytes(buffer), 0, []
-                for digest, size in data["chunks"]:
+                for digest, size in item.chunks:
                     futures.append(self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size]))
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
@@ -355,14 +344,14 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _whole_item_target(data: dict, req: Any, target: torch.Tensor) -> bool:
+def _whole_item_target(item: StorageItem, req: Any, target: torch.Tensor) -> bool:
     """Whether ``req`` reads the whole stored item into a tensor laid out exactly like it."""
     return (
         type(target) is torch.Tensor
         and target.device.type == "cpu"
-        and target.dtype == dtype_from_name(data["dtype"])
-        and list(target.shape) == list(data["shape"])
+        and target.dtype == dtype_from_name(item.dtype)
+        and tuple(target.shape) == item.shape
         and target.is_contiguous()
-        and list(req.lengths) == list(data["shape"])
+        and tuple(req.lengths) == item.shape
         and not any(req.storage_offsets)
     )

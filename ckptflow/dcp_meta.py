@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptflow.errors import ManifestError
+from ckptflow.manifest import DcpIndex, StorageItem
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -61,25 +62,22 @@ def metadata_to_json(md: Metadata, storage: dict[MetadataIndex, dict]) -> dict:
     return {"version": md.version, "tensors": tensors, "items": items, "planner_data": _plain(md.planner_data)}
 
 
-def metadata_from_json(doc: dict) -> tuple[Metadata, dict[MetadataIndex, dict]]:
-    try:
-        sdm: dict[str, Any] = {}
-        for fqn, t in doc["tensors"].items():
-            sdm[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype_from_name(t["dtype"])),
-                size=torch.Size(t["size"]),
-                chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]],
-            )
-        storage: dict[MetadataIndex, dict] = {}
-        for item in doc["items"]:
-            offset = None if item["offset"] is None else torch.Size(item["offset"])
-            idx = MetadataIndex(item["fqn"], offset, item["index"])
-            storage[idx] = {k: v for k, v in item.items() if k not in ("fqn", "offset", "index")}
-        planner = doc.get("planner_data")
-        if isinstance(planner, dict):
-            planner = {k: tuple(v) if isinstance(v, list) else v for k, v in planner.items()}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"manifest's DCP index is malformed ({type(e).__name__}: {e})") from None
-    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage, version=doc.get("version"))
+def metadata_from_index(index: DcpIndex) -> tuple[Metadata, dict[MetadataIndex, StorageItem]]:
+    """DCP ``Metadata`` for a parsed manifest's index (already validated by ``Manifest.parse``)."""
+    sdm: dict[str, Any] = {
+        fqn: TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype_from_name(t.dtype)),
+            size=torch.Size(t.size),
+            chunks=[ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.sizes)) for s in t.shards],
+        )
+        for fqn, t in index.tensors.items()
+    }
+    storage = {
+        MetadataIndex(item.fqn, None if item.offset is None else torch.Size(item.offset), item.index): item
+        for item in index.items
+    }
+    planner = index.planner_data
+    if isinstance(planner, dict):
+        planner = {k: tuple(v) if isinstance(v, list) else v for k, v in planner.items()}
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage, version=index.version)
     return md, storage
-

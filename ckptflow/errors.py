@@ -52,6 +52,22 @@ class StoreError(CkptflowError):
     """
 
 
+class StoreNotFoundError(CkptflowError):
+    """A store root that does not exist, opened by a command that only inspects."""
+
+
 class ColdObjectError(CkptflowError):
     """An object in a cold storage class (S3 Glacier / Deep Archive) that must be restored
     (thawed) before it can be read; the message says how."""
+
+
+class RegistryError(CkptflowError):
+    """A model alias or version that does not exist, or a move that cannot be made."""
+
+
+class PromotionError(CkptflowError):
+    """A promotion that cannot be made; nothing was written."""
+
+
+class ExpireError(CkptflowError):
+    """A delete failed while expiring a checkpoint: it (or part of it) is still there."""

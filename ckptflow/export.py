@@ -25,6 +25,7 @@ from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_io import CheckpointReader, own_errors
 from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.errors import CkptflowError, NoValidCheckpointError
+from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 
 Progress = Callable[[int], None]
@@ -51,15 +52,15 @@ def load_tensors(
     prefix: str = "model.",
     progress: Progress | None = None,
     threads: int = 8,
-) -> tuple[dict[str, torch.Tensor], dict, str]:
-    """Full tensors named ``prefix…`` (prefix stripped), the manifest and its digest.
+) -> tuple[dict[str, torch.Tensor], Manifest]:
+    """Full tensors named ``prefix…`` (prefix stripped) and the manifest they came from.
 
     Every chunk read is verified against its address, so a returned tensor is exactly
     what was saved.
     """
     store = open_store(store)
-    manifest, digest = catalog.read_manifest(store, fmt.validate_run(run), fmt.validate_step(step))
-    index = manifest["dcp"]["tensors"]
+    manifest = catalog.read_manifest(store, fmt.validate_run(run), fmt.validate_step(step))
+    index = manifest.dcp.tensors
     names = sorted(n for n in index if n.startswith(prefix) and len(n) > len(prefix))
     if not names:
         tops = sorted({n.split(".", 1)[0] for n in index})
@@ -67,7 +68,7 @@ def load_tensors(
             f"run {run!r} step {step} has no tensors under {prefix!r}; its state holds {tops}: "
             "pass one of those as --key"
         )
-    full = {n: torch.empty(index[n]["size"], dtype=dtype_from_name(index[n]["dtype"])) for n in names}
+    full = {n: torch.empty(index[n].size, dtype=dtype_from_name(index[n].dtype)) for n in names}
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-export") as pool:
         reader = CheckpointReader(ChunkStore(store), manifest, pool, progress)
         try:
@@ -75,7 +76,7 @@ def load_tensors(
                 dcp.load(full, storage_reader=reader, no_dist=True)
         except CkptflowError as e:
             raise CkptflowError(f"run {run!r} step {step} cannot be exported: {e}") from None
-    return {n[len(prefix):]: t for n, t in full.items()}, manifest, digest
+    return {n[len(prefix):]: t for n, t in full.items()}, manifest
 
 
 def newest_verified_step(
@@ -84,9 +85,7 @@ def newest_verified_step(
     """The newest committed step that fully verifies, and why each newer one was skipped."""
     skipped: list[tuple[int, str]] = []
     with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool:
-        for step in reversed(catalog.list_steps(store, run)):
-            if not store.exists(fmt.manifest_key(run, step)):
-                continue  # uncommitted (in flight or crashed): not a checkpoint
+        for step in reversed(catalog.committed_steps(store, run)):
             report = catalog.verify_checkpoint(store, run, step, pool, progress)
             if report.ok:
                 return step, skipped
@@ -123,12 +122,12 @@ def export_safetensors(
     skipped: list[tuple[int, str]] = []
     if step is None:
         step, skipped = newest_verified_step(store, run, progress)
-    tensors, _manifest, digest = load_tensors(store, run, step, prefix=key.rstrip(".") + ".", progress=progress)
+    tensors, manifest = load_tensors(store, run, step, prefix=key.rstrip(".") + ".", progress=progress)
     if dtype is not None:
         target = DTYPES[dtype]
         tensors = {n: t.to(target) if t.is_floating_point() else t for n, t in tensors.items()}
-    nbytes = write_safetensors(tensors, out, lineage_metadata(run, step, digest, key))
-    return ExportResult(run, step, out, len(tensors), nbytes, digest, skipped)
+    nbytes = write_safetensors(tensors, out, lineage_metadata(run, step, manifest.digest, key))
+    return ExportResult(run, step, out, len(tensors), nbytes, manifest.digest, skipped)
 
 
 def lineage_metadata(run: str, step: int, digest: str, key: str, **extra: str) -> dict[str, str]:

@@ -6,21 +6,27 @@ Layout (relative to the store root)::
     runs/<run>/checkpoints/<step:012d>/ranks/<rank>.json   rank record
     runs/<run>/checkpoints/<step:012d>/manifest.json       commit record, written last
 
-Every JSON record carries ``checksum``: the sha256 of its canonical JSON without that
-field, so a flipped byte anywhere in a record is detected before it is trusted.
+Every JSON record carries ``checksum`` (``manifest.seal``): the sha256 of its canonical
+JSON without that field, so a flipped byte anywhere in a record is detected before it is
+trusted. This module holds names only; it imports neither torch nor any backend.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-from typing import Any
 
-from ckptflow.errors import InvalidNameError, ManifestError
+from ckptflow.errors import InvalidNameError
 
 FORMAT_VERSION = 1
 STEP_DIGITS = 12
+DIGEST_HEX = 64
+# bytes per element of every dtype a checkpoint may hold, by torch's name for it
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}
 _RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -67,39 +73,26 @@ def quarantine_key(run: str, step: int, stamp: str) -> str:
     return f"runs/{validate_run(run)}/quarantine/{validate_step(step):0{STEP_DIGITS}d}-{stamp}.json"
 
 
+NAME_SEP = "__step-"
+
+
+def checkpoint_name(run: str, step: int) -> str:
+    """``<run>__step-<12-digit step>``: one name per checkpoint (the Dagster partition key).
+    Run names cannot contain ``__``, so the split is unambiguous, and zero-padded steps
+    sort in step order."""
+    return f"{validate_run(run)}{NAME_SEP}{validate_step(step):0{STEP_DIGITS}d}"
+
+
+def parse_checkpoint_name(name: str) -> tuple[str, int]:
+    run, sep, step = name.rpartition(NAME_SEP)
+    if not sep or len(step) != STEP_DIGITS or not step.isdigit():
+        raise InvalidNameError(f"checkpoint name {name!r} is not '<run>{NAME_SEP}<{STEP_DIGITS}-digit step>'")
+    return validate_run(run), int(step)
+
+
 def parse_step_dir(name: str) -> int | None:
     name = name.rstrip("/").rsplit("/", 1)[-1]
     return int(name) if len(name) == STEP_DIGITS and name.isdigit() else None
-
-
-def canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
-
-
-def seal(record: dict) -> bytes:
-    """Serialize ``record`` with its own checksum."""
-    body = {k: v for k, v in record.items() if k != "checksum"}
-    return canonical({**body, "checksum": hashlib.sha256(canonical(body)).hexdigest()})
-
-
-def unseal(blob: bytes, where: str) -> dict:
-    """Parse and verify a sealed record; ``ManifestError`` naming ``where`` otherwise."""
-    try:
-        record = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{where} is not valid JSON ({e}); the record is corrupt") from None
-    if not isinstance(record, dict) or "checksum" not in record:
-        raise ManifestError(f"{where} has no checksum field; it is not a ckptflow record")
-    claimed = record.pop("checksum")
-    actual = hashlib.sha256(canonical(record)).hexdigest()
-    if claimed != actual:
-        raise ManifestError(f"{where} fails its checksum (stored {str(claimed)[:12]}…, computed {actual[:12]}…)")
-    if record.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(
-            f"{where} has format_version {record.get('format_version')!r}; this ckptflow reads "
-            f"{FORMAT_VERSION}: upgrade ckptflow to read it"
-        )
-    return record
 
 
 def digest_of(blob: bytes) -> str:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from ckptflow import catalog
 from ckptflow import format as fmt
-from ckptflow.errors import ManifestError, ObjectNotFoundError
+from ckptflow.errors import CkptflowError
 from ckptflow.leases import LEASES, gc_lock, live_leases, wait_for_leases
+from ckptflow.manifest import Manifest
 from ckptflow.store import open_store
 from ckptflow.store.base import ObjectInfo, Store
-from ckptflow.store.local import LocalStore
 
 
 @dataclass
@@ -31,6 +31,7 @@ class GCReport:
     kept_chunks: int = 0
     live_manifests: int = 0
     unreadable_manifests: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
     skipped: str | None = None  # why nothing was swept, when nothing could safely be
 
     @property
@@ -56,34 +57,36 @@ def _salvage_chunks(store: Store, key: str) -> set[str] | None:
     """Chunks an unverifiable manifest names, if its JSON still says; None if it cannot."""
     try:
         chunks = json.loads(store.get(key)).get("chunks")
-    except (ValueError, AttributeError, ObjectNotFoundError):
+    except (ValueError, AttributeError, RecursionError, CkptflowError, OSError):
         return None
     return set(chunks) if isinstance(chunks, dict) and all(isinstance(d, str) for d in chunks) else None
 
 
 def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] | None:
-    """Referenced chunks, and step files no manifest owns; None if marking is unsafe."""
+    """Referenced chunks, and step files no manifest owns; None if marking is unsafe
+    (a commit record that cannot be read and whose chunks cannot be told)."""
     live: set[str] = set()
     loose: list[ObjectInfo] = []
-    for run in catalog.list_runs(store):
-        for step in catalog.list_steps(store, run):
-            key = fmt.manifest_key(run, step)
-            try:
-                manifest, _ = catalog.read_manifest(store, run, step)
-            except ManifestError as e:
-                if not store.exists(key):
-                    loose.extend(store.list(fmt.step_prefix(run, step)))
-                    continue
-                report.unreadable_manifests.append(str(e))
-                salvaged = _salvage_chunks(store, key)
-                if salvaged is None:
-                    return None
-                live |= salvaged  # an unverifiable manifest might still be repaired: keep its data
-                continue
+    listed = list(catalog.listing(store))
+    files = {(e.run, e.step): e.files for e in listed if isinstance(e, catalog.StepListing)}
+    for entry in listed:
+        if isinstance(entry, catalog.StepListing) and not entry.committed:
+            loose.extend(entry.files)
+    for item in catalog.committed(store, listed=listed):
+        if isinstance(item, Manifest):
             report.live_manifests += 1
-            live |= catalog.referenced_chunks(manifest)
-            own = set(catalog.rank_record_keys(manifest)) | {key}
-            loose.extend(info for info in store.list(fmt.step_prefix(run, step)) if info.key not in own)
+            live |= set(item.chunks)
+            own = {*item.rank_keys(), fmt.manifest_key(item.run, item.step)}
+            loose.extend(info for info in files[item.ref] if info.key not in own)
+            continue
+        if item.kind in ("bad_name", "not_a_directory"):  # nothing restore could read: leave it, say so
+            report.ignored.append(str(item))
+            continue
+        report.unreadable_manifests.append(str(item))
+        salvaged = _salvage_chunks(store, fmt.manifest_key(item.run, item.step)) if item.kind == "corrupt" and item.step is not None else None
+        if salvaged is None:
+            return None
+        live |= salvaged  # an unverifiable manifest might still be repaired: keep its data
     return live, loose
 
 
@@ -114,9 +117,9 @@ def gc(
         marked = _mark(store, report)
         if marked is None:
             report.skipped = (
-                "a manifest is unreadable and names no chunks, so GC cannot tell what is garbage: "
-                + report.unreadable_manifests[-1]
-                + " — inspect it, then delete it (or restore it from a copy) and run gc again"
+                "a commit record cannot be read and its chunks cannot be told, so GC cannot tell what is "
+                f"garbage: {report.unreadable_manifests[-1]} — inspect it, then delete it (or restore it from a "
+                "copy) and run gc again"
             )
             return report
         live, loose = marked
@@ -126,7 +129,7 @@ def gc(
                 report.kept_chunks += 1
             else:
                 doomed.append(info)
-        temps = list(store.stale_temp_files(cutoff)) if isinstance(store, LocalStore) else []
+        temps = list(store.stale_temp_files(cutoff))
         report.deleted = [(info.key, info.size) for info in doomed + temps]
         if dry_run:
             return report

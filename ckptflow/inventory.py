@@ -2,16 +2,18 @@
 
 A library function (not a Dagster asset body) so the inventory asset, the retention
 job, the demo summary and any script agree on what exists, what is valid and what
-retention would do. Reads each manifest once and lists lifecycle records once.
+retention would do. Reads each manifest once and lists lifecycle records once; the
+records shown are those of the commit each row describes (its manifest digest), so a
+step committed again after a rejected first commit shows its own verdicts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckptflow import catalog, lifecycle
-from ckptflow import format as fmt
-from ckptflow.errors import CkptflowError, ColdObjectError, ManifestError
+from ckptflow import catalog
+from ckptflow.catalog import Problem
+from ckptflow.lifecycle.records import records_by_subject
 from ckptflow.retention import Candidate, RetentionPlan, RetentionPolicy, plan
 from ckptflow.store.base import Store
 
@@ -27,6 +29,7 @@ class Entry:
     stored_bytes: int = 0
     chunks: int = 0
     world_size: int = 0
+    base_step: int | None = None
     digest: str = ""
     manifest_error: str = ""
     records: dict[str, dict] = field(default_factory=dict)  # lifecycle records by kind
@@ -66,35 +69,36 @@ class Entry:
 
 
 def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> None:
-    for run in catalog.list_runs(store):
-        for step in catalog.list_steps(store, run):
-            if not store.exists(fmt.manifest_key(run, step)):
-                continue  # in flight or crashed before commit: not a checkpoint
-            entry = entries.setdefault((run, step), Entry(run, step))
+    for item in catalog.committed(store):
+        if isinstance(item, Problem):
+            if item.step is None:
+                continue  # a run that cannot be listed, or a stray directory: not a checkpoint
+            entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
             entry.tiers.append(tier)
-            if entry.digest or (entry.manifest_error and tier != "hot"):
-                continue
-            try:
-                manifest, digest = catalog.read_manifest(store, run, step)
-            except (ManifestError, ColdObjectError) as e:  # a cold manifest: unreadable until thawed
-                entry.manifest_error = entry.manifest_error or str(e)
-                continue
-            info = catalog.CheckpointInfo.from_manifest(manifest, digest)
-            entry.manifest_error = ""
-            entry.kind, entry.created_at, entry.digest = info.kind, info.created_at, digest
-            entry.logical_bytes, entry.stored_bytes, entry.chunks = info.logical_bytes, info.stored_bytes, info.chunks
-            entry.world_size, entry.trainer_metadata = info.world_size, dict(info.metadata)
+            entry.manifest_error = entry.manifest_error or item.message
+            continue
+        entry = entries.setdefault(item.ref, Entry(item.run, item.step))
+        entry.tiers.append(tier)
+        if entry.digest:
+            continue  # the hot copy describes it; the archive copy is the same commit (or reported as differing)
+        entry.manifest_error = ""
+        entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
+        entry.base_step = item.base_step
+        entry.logical_bytes, entry.stored_bytes, entry.chunks = item.stats.logical_bytes, item.stats.stored_bytes, item.stats.chunks
+        entry.world_size, entry.trainer_metadata = item.world_size, dict(item.metadata)
 
 
 def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
-    """Every committed checkpoint in the hot store and (if given) the archive, by (run, step)."""
+    """Every committed checkpoint in the hot store and (if given) the archive, by
+    (run, step), with the lifecycle records of the commit it describes (its digest)."""
     entries: dict[tuple[str, int], Entry] = {}
     _scan(hot, "hot", entries)
     if archive is not None:
-        _scan(archive, "archive", entries)
-    for ref, records in lifecycle.all_records(hot).items():
-        if ref in entries:
-            entries[ref].records = records
+        _scan(archive.metadata_store(), "archive", entries)
+    for (run, step, digest), records in records_by_subject(hot).items():
+        entry = entries.get((run, step))
+        if entry is not None and entry.digest == digest:
+            entry.records = records
     return [entries[k] for k in sorted(entries)]
 
 
@@ -104,24 +108,6 @@ def retention_plan(
 ) -> RetentionPlan:
     """The plan for the hot tier (archive-only checkpoints are not retention's to delete)."""
     return plan([e.candidate() for e in entries if "hot" in e.tiers], now, pinned, aliased, policy, hot_days)
-
-
-def archive_copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
-    """None if the archive holds this exact checkpoint (same manifest digest) and its
-    archival verified; else why not. Checked right before a hot copy is expired."""
-    record = lifecycle.read_record(hot, run, step, "archive") or {}
-    if not record.get("ok"):
-        return "archival has not verified a copy in the archive tier"
-    if record.get("url") not in (None, archive.url):
-        return f"it was archived to {record['url']}, not {archive.url}"
-    try:
-        _, hot_digest = catalog.read_manifest(hot, run, step)
-        _, arc_digest = catalog.read_manifest(archive, run, step)
-    except CkptflowError as e:
-        return str(e)
-    if hot_digest != arc_digest:
-        return f"the archive's manifest differs ({arc_digest[:12]}… vs {hot_digest[:12]}…)"
-    return None
 
 
 def rows(entries: list[Entry], retention: RetentionPlan | None = None) -> list[dict]:

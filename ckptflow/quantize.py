@@ -34,7 +34,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def export_int8(store: Store | str, run: str, step: int, out: str | os.PathLike, *, key: str = "model") -> ExportResult:
     """Write ``key``'s tensors of checkpoint ``(run, step)`` to ``out`` with int8 weights."""
-    tensors, _manifest, digest = load_tensors(open_store(store), run, step, prefix=key.rstrip(".") + ".")
+    tensors, manifest = load_tensors(open_store(store), run, step, prefix=key.rstrip(".") + ".")
     quantized: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if t.is_floating_point() and t.dim() >= 2:
@@ -42,6 +42,6 @@ def export_int8(store: Store | str, run: str, step: int, out: str | os.PathLike,
         else:
             quantized[name] = t.contiguous()
     out = os.path.abspath(os.fspath(out))
-    metadata = lineage_metadata(run, step, digest, key, **{"ckptflow.quantization": "int8-symmetric-per-row"})
+    metadata = lineage_metadata(run, step, manifest.digest, key, **{"ckptflow.quantization": "int8-symmetric-per-row"})
     nbytes = write_safetensors(quantized, out, metadata)
-    return ExportResult(run, step, out, len(quantized), nbytes, digest)
+    return ExportResult(run, step, out, len(quantized), nbytes, manifest.digest)

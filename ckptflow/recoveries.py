@@ -17,8 +17,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from ckptflow import catalog, lifecycle
+from ckptflow import catalog
 from ckptflow import format as fmt
+from ckptflow.lifecycle.records import records_by_subject
 from ckptflow.errors import CkptflowError, ObjectNotFoundError
 from ckptflow.store.base import Store
 
@@ -77,10 +78,11 @@ def _median(values: list[float]) -> float | None:
 def run_metrics(store: Store, run: str) -> RunMetrics:
     infos = catalog.list_checkpoints(store, run)
     created = sorted(i.created_at for i in infos)
+    records = records_by_subject(store, run)
     ready = []
     for info in infos:
-        verdict = lifecycle.read_record(store, run, info.step, "validation")
-        if verdict and verdict.get("ok") and "recorded_at" in verdict:
+        verdict = records.get((run, info.step, info.digest), {}).get("validation")
+        if verdict and verdict.get("ok") and isinstance(verdict.get("recorded_at"), (int, float)):
             ready.append(max(0.0, verdict["recorded_at"] - info.created_at))
     recs = read_all(store, run)
     ok = [r for r in recs if r.get("ok")]

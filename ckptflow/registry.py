@@ -25,16 +25,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow import format as fmt
-from ckptflow.errors import CkptflowError, ObjectNotFoundError
+from ckptflow.errors import ObjectNotFoundError, RegistryError
 from ckptflow.store.base import Store
 
 PREFIX = "registry/models/"
 ALIASES = ("latest", "stable", "fallback")
 _VERSION = re.compile(r"^(\d{6})\.json$")
-
-
-class RegistryError(CkptflowError):
-    """An alias or version that does not exist, or a move that cannot be made."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +105,7 @@ class Registry:
         return key
 
     def register(
-        self, model: str, *, run: str, step: int, partition_key: str, manifest_digest: str,
+        self, model: str, *, run: str, step: int, manifest_digest: str,
         artifact: dict | None = None, artifact_bytes: bytes | None = None,
         training_config: dict | None = None, data: dict | None = None, metrics: dict | None = None,
         dtype: str | None = None, move_latest: bool = True,
@@ -125,7 +121,7 @@ class Registry:
             if artifact_bytes is not None:
                 artifact = {"store_key": self.upload_artifact(model, version, artifact_bytes)}
             mv = ModelVersion(
-                model=model, version=version, run=run, step=step, partition_key=partition_key,
+                model=model, version=version, run=run, step=step, partition_key=fmt.checkpoint_name(run, step),
                 manifest_digest=manifest_digest, artifact=dict(artifact or {}),
                 training_config=dict(training_config or {}), data=dict(data or {}), metrics=dict(metrics or {}),
                 dtype=dtype, created_at=time.time(),

@@ -107,6 +107,16 @@ class KeepFullWithin:
         }
 
 
+def rank_by_metric(checkpoints: Iterable[Candidate], metric: str, mode: str = "min") -> list[Candidate]:
+    """Checkpoints that have ``metric``, best first (``mode`` "min" or "max"); a tie goes
+    to the newer step. The one ranking retention's best-K and promotion share."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    sign = 1 if mode == "min" else -1
+    scored = [c for c in checkpoints if _is_number(c.metrics.get(metric))]
+    return sorted(scored, key=lambda c: (sign * c.metrics[metric], -c.step))
+
+
 @dataclass(frozen=True)
 class KeepBestK:
     """The ``k`` best valid checkpoints of each run by ``metric`` (``mode`` "min" or "max"):
@@ -124,10 +134,8 @@ class KeepBestK:
 
     def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
         out = {}
-        sign = 1 if self.mode == "min" else -1
         for cands in _by_run(checkpoints).values():
-            scored = [c for c in cands if c.valid is not False and _is_number(c.metrics.get(self.metric))]
-            scored.sort(key=lambda c: (sign * c.metrics[self.metric], -c.step))
+            scored = rank_by_metric([c for c in cands if c.valid is not False], self.metric, self.mode)
             for rank, c in enumerate(scored[: self.k], 1):
                 out[c.ref] = f"best {rank} of {len(scored)} by {self.mode} {self.metric} ({c.metrics[self.metric]:.4g})"
         return out

@@ -18,8 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from ckptflow import catalog
-from ckptflow import format as fmt
-from ckptflow.errors import ManifestError
+from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -103,26 +102,15 @@ def chunk_file_sizes(store: Store) -> dict[str, int]:
     return sizes
 
 
-def _manifests(store: Store, run: str, unreadable: list[str]) -> list[dict]:
-    out = []
-    for step in catalog.list_steps(store, run):
-        try:
-            out.append(catalog.read_manifest(store, run, step)[0])
-        except ManifestError as e:
-            if store.exists(fmt.manifest_key(run, step)):  # absent = uncommitted, not damage
-                unreadable.append(str(e))
-    return out
-
-
-def _run_stats(run: str, manifests: list[dict], sizes: dict[str, int]) -> tuple[RunStats, dict[str, int]]:
+def _run_stats(run: str, manifests: list[Manifest], sizes: dict[str, int]) -> tuple[RunStats, dict[str, int]]:
     referenced: dict[str, int] = {}
     for manifest in manifests:
-        referenced.update(manifest["chunks"])
+        referenced.update(manifest.chunks)
     present = [d for d in referenced if d in sizes]
     stats = RunStats(
         run=run,
         checkpoints=len(manifests),
-        logical_bytes=sum(m["stats"]["logical_bytes"] for m in manifests),
+        logical_bytes=sum(m.stats.logical_bytes for m in manifests),
         unique_bytes=sum(referenced.values()),
         stored_bytes=sum(sizes[d] for d in present),
         missing_chunks=len(referenced) - len(present),
@@ -134,10 +122,16 @@ def store_stats(store: Store) -> StoreStats:
     """Every run plus store-wide totals; reads each manifest once."""
     sizes = chunk_file_sizes(store)
     unreadable: list[str] = []
+    by_run: dict[str, list[Manifest]] = {}
+    for item in catalog.committed(store):
+        if isinstance(item, Manifest):
+            by_run.setdefault(item.run, []).append(item)
+        else:
+            unreadable.append(str(item))
     runs: list[RunStats] = []
     referenced: dict[str, int] = {}
-    for run in catalog.list_runs(store):
-        stats, chunks = _run_stats(run, _manifests(store, run, unreadable), sizes)
+    for run in sorted(by_run):
+        stats, chunks = _run_stats(run, by_run[run], sizes)
         runs.append(stats)
         referenced.update(chunks)
     unreferenced = [d for d in sizes if d not in referenced]

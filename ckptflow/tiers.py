@@ -21,6 +21,7 @@ from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
 from ckptflow.errors import CkptflowError, ColdObjectError
+from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 
 
@@ -49,35 +50,20 @@ def candidates(tiers: Sequence[Tier], run: str, step: int | None = None) -> list
     and within a step the hot tier first, then the others in the order given.
 
     With ``step`` only that step is considered, in the tiers that hold its commit
-    record; if none does, the hot tier is still named so the caller reports why.
+    record; if none does, the hot tier is still named so the caller reports why. A
+    step directory in the hot tier without a commit record (a save that crashed) is
+    a candidate too, so restore reports it as skipped.
     """
-    if step is not None:
-        holding = [i for i, t in enumerate(tiers) if len(tiers) == 1 or t.store.exists(fmt.manifest_key(run, step))]
-        return [(step, i) for i in holding or [0]]
     held: dict[int, list[int]] = {}
     for index, tier in enumerate(tiers):
-        for found in catalog.list_steps(tier.store, run):
-            held.setdefault(found, []).append(index)
+        for entry in catalog.listing(tier.store, run):
+            # uncommitted steps too (in the hot tier): restore reports a crashed save as skipped
+            if isinstance(entry, catalog.StepListing) and (entry.committed or index == 0):
+                if step is None or entry.step == step:
+                    held.setdefault(entry.step, []).append(index)
+    if step is not None:
+        return [(step, i) for i in held.get(step, [0])]
     return [(s, i) for s in sorted(held, reverse=True) for i in held[s]]
-
-
-COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE")  # S3 classes whose objects need a restore before a read
-
-
-def is_cold(store: Store) -> bool:
-    """A store whose new objects land in a storage class that cannot be read until thawed."""
-    return getattr(store, "storage_class", None) in COLD_CLASSES
-
-
-def metadata_store(store: Store) -> Store:
-    """Where archival writes manifests and rank records: the store itself, or for a cold
-    S3 store a view of the same bucket and prefix in the default storage class (so they
-    stay listable and readable; only chunks, the bulk of the bytes, go cold)."""
-    if not is_cold(store):
-        return store
-    from ckptflow.store.s3 import S3Store  # only S3 stores have storage classes
-
-    return S3Store(store.bucket, store.prefix, client=store.client)
 
 
 @dataclass(frozen=True)
@@ -94,18 +80,17 @@ def thaw(store: Store, run: str, step: int, *, days: int = 1, tier: str = "Stand
     are known only from the manifest, so while the manifest is cold, thaw it first and
     run again once that restore has finished.
     """
-    restore = getattr(store, "restore_request", None)
-    if restore is None:
+    if not store.can_thaw:
         raise CkptflowError(f"{store.url} has no cold storage classes: thaw applies to s3:// stores")
     if days < 1:
         raise CkptflowError(f"a restore must last at least 1 day, got {days}")
     keys = [info.key for info in store.list(fmt.step_prefix(run, step))]
     try:
-        manifest, _ = catalog.read_manifest(store, run, step)
+        manifest: Manifest | None = catalog.read_manifest(store, run, step)
     except ColdObjectError:
         manifest = None
     if manifest is not None:
-        keys += [fmt.chunk_key(d) for d in sorted(catalog.referenced_chunks(manifest))]
+        keys += [fmt.chunk_key(d) for d in sorted(manifest.chunks)]
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-thaw") as pool:
-        requested = sum(pool.map(lambda key: restore(key, days=days, tier=tier), keys))
+        requested = sum(pool.map(lambda key: store.request_thaw(key, days=days, tier=tier), keys))
     return ThawReport(requested, len(keys), manifest is None)

@@ -13,7 +13,10 @@ location loads) selects ``S3ArchiveResource``: dagster-aws ``S3Resource`` (endpo
 standard AWS environment) feeding ckptflow's S3 backend, objects written in
 ``CKPTFLOW_ARCHIVE_STORAGE_CLASS`` (e.g. ``GLACIER_IR``; default: the bucket's default).
 
-``CKPTFLOW_EVALUATOR`` overrides the evaluator import path (``module:function``).
+Evaluators are chosen per run: ``CKPTFLOW_EVALUATORS`` is a JSON object of run-name
+pattern -> ``module:function``; runs that match no pattern are evaluated from their
+trainer's recorded metrics. The local default scores the demo run with the demo's
+evaluator (``pipelines/demo/evaluate.py``) and nothing else.
 """
 
 import os
@@ -23,14 +26,17 @@ from dagster import AssetSelection, AutomationConditionSensorDefinition, Default
 from assets import ALL_ASSETS, ALL_CHECKS
 from pipelines.jobs import promotion_job, retention_job, retention_schedule, rollback_job, scrub_job, scrub_schedule
 from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource, S3ArchiveResource
-from resources.evaluator import DEFAULT_EVALUATOR
-from resources.store import default_archive_url, default_store_url
+from resources.archive import default_archive_url
+from resources.evaluator import evaluators_from_env
+from resources.store import default_store_url
+
+DEMO_EVALUATORS = {"tinylm-demo": "pipelines.demo.evaluate:evaluate"}
 from sensors import failure_sensor, landing_sensor, validation_job
 
 
 def resources_for(deployment: str, store: str | None = None, archive: str | None = None) -> dict:
     """Resources of a deployment; ``store`` / ``archive`` override the local defaults."""
-    evaluator = EvaluatorResource(function=os.environ.get("CKPTFLOW_EVALUATOR", DEFAULT_EVALUATOR))
+    evaluator = EvaluatorResource(evaluators=evaluators_from_env(DEMO_EVALUATORS if deployment == "local" else {}))
     archive_url = archive or os.environ.get("CKPTFLOW_ARCHIVE") or ""
     s3_archive = None
     if archive_url.startswith("s3://"):

@@ -5,8 +5,6 @@ are op jobs over the library rather than partitioned materializations; promotion
 rollback change one thing (what is deployed), so they materialize ``deployed_model``.
 """
 
-import time
-
 from dagster import (
     AssetSelection, Config, DefaultScheduleStatus, Failure, MetadataValue, OpExecutionContext, ScheduleDefinition,
     define_asset_job, job, op,
@@ -15,7 +13,7 @@ from dagster import (
 from assets.inventory import RetentionConfig, compute_plan
 from assets.models import deployed_model
 from assets.partitions import checkpoint_key, checkpoints_partitions
-from ckptflow import catalog, inventory, lifecycle
+from ckptflow import lifecycle
 from ckptflow.gc import gc
 from ckptflow.retention import DAY
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
@@ -26,43 +24,36 @@ def apply_retention(
     context: OpExecutionContext, config: RetentionConfig, store: CheckpointStoreResource,
     archive: ArchiveTierResource, registry: RegistryResource,
 ) -> dict:
-    """Recompute the plan now (never trust an older dry run) and expire hot copies
-    (commit record first, so the copy stops existing at once), then let GC of the hot
-    tier reclaim the chunks nothing there references any more.
-
-    Tiers: a checkpoint whose archive copy verified and matches keeps that copy, its
-    partition and its lifecycle records (only the hot copy goes); one without loses its
-    partition too. A checkpoint the plan keeps in the archive only is left hot if its
-    archive copy cannot be confirmed. Retention never deletes from the archive tier."""
+    """Recompute the plan now (never trust an older dry run), expire hot copies
+    (``ckptflow.lifecycle.apply_retention``), drop the partitions of checkpoints gone
+    from every tier, then GC the hot tier. A checkpoint whose expiry failed keeps its
+    partition; the run fails after the rest is done, naming it."""
     hot, arc = store.open(), archive.open()
-    plan = compute_plan(config, inventory.collect(hot, arc), registry)
-    expired, hot_only_expired, left_hot = [], [], []
-    for run, step in plan.expire_hot:
-        key = checkpoint_key(run, step)
-        why_not = inventory.archive_copy_matches(hot, arc, run, step)
-        if why_not is None:
-            lifecycle.expire(hot, run, step, keep_records=True)
-            hot_only_expired.append(key)
-            context.log.info(f"expired the hot copy of {key}; the archive copy in {arc.url} stays")
-            continue
-        if (run, step) in plan.archive_only:
-            left_hot.append(key)
-            context.log.warning(f"kept the hot copy of {key}: {why_not}")
-            continue
-        lifecycle.expire(hot, run, step)
+    _, plan = compute_plan(config, hot, arc, registry)
+    report = lifecycle.apply_retention(hot, arc, plan)
+    for ref in report.expired:
+        key = checkpoint_key(*ref)
         if context.instance.has_dynamic_partition(checkpoints_partitions.name, key):
             context.instance.delete_dynamic_partition(checkpoints_partitions.name, key)
-        expired.append(key)
-        context.log.info(f"expired {key}: {plan.delete[(run, step)]}")
-    report = gc(hot, grace=config.gc_grace)
+        context.log.info(f"expired {key}: {plan.delete[ref]}")
+    for ref in report.hot_copies_expired:
+        context.log.info(f"expired the hot copy of {checkpoint_key(*ref)}; the archive copy in {arc.url} stays")
+    for ref, why in report.left_hot:
+        context.log.warning(f"kept the hot copy of {checkpoint_key(*ref)}: {why}")
+    gc_report = gc(hot, grace=config.gc_grace)
+    keys = [checkpoint_key(*ref) for ref in report.expired]
     context.add_output_metadata({
-        "expired": len(expired), "hot_copies_expired": len(hot_only_expired), "left_hot": len(left_hot),
-        "kept": len(plan.keep), "gc_deleted_objects": len(report.deleted),
-        "gc_deleted_bytes": MetadataValue.int(report.bytes), "gc_skipped": report.skipped or "",
-        "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in expired) or "none"),
+        "expired": len(report.expired), "hot_copies_expired": len(report.hot_copies_expired),
+        "left_hot": len(report.left_hot), "failed": len(report.failed), "kept": len(plan.keep),
+        "gc_deleted_objects": len(gc_report.deleted), "gc_deleted_bytes": MetadataValue.int(gc_report.bytes),
+        "gc_skipped": gc_report.skipped or "", "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in keys) or "none"),
     })
-    return {"expired": expired, "hot_copies_expired": hot_only_expired, "left_hot": left_hot,
-            "gc_bytes": report.bytes, "gc_skipped": report.skipped}
+    if report.failed:
+        raise Failure(f"{len(report.failed)} checkpoint(s) could not be expired and keep their partitions", metadata={
+            "failed": MetadataValue.md("\n".join(f"- {checkpoint_key(*ref)}: {why}" for ref, why in report.failed))})
+    return {"expired": keys, "hot_copies_expired": [checkpoint_key(*r) for r in report.hot_copies_expired],
+            "left_hot": [checkpoint_key(*r) for r, _ in report.left_hot], "gc_bytes": gc_report.bytes,
+            "gc_skipped": gc_report.skipped}
 
 
 @job(description=(
@@ -81,22 +72,13 @@ class ScrubConfig(Config):
 def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: CheckpointStoreResource) -> dict:
     """Re-verify every chunk of checkpoints older than N days (bit rot, lost objects) and
     record each verdict; fails the run if any is corrupt so an operator hears of it."""
-    hot = store.open()
-    cutoff = time.time() - config.older_than_days * DAY
-    checked, corrupt = 0, []
-    for run in catalog.list_runs(hot):
-        for info in catalog.list_checkpoints(hot, run):
-            if info.created_at >= cutoff:
-                continue
-            record = lifecycle.validate(hot, run, info.step)
-            checked += 1
-            if not record["ok"]:
-                corrupt.append(f"{checkpoint_key(run, info.step)}: {'; '.join(record['problems'])[:300]}")
-    context.add_output_metadata({"checked": checked, "corrupt": len(corrupt)})
-    if corrupt:
-        raise Failure(f"{len(corrupt)} checkpoint(s) failed scrub", metadata={
-            "corrupt": MetadataValue.md("\n".join(f"- {c}" for c in corrupt))})
-    return {"checked": checked}
+    report = lifecycle.scrub(store.open(), older_than_s=config.older_than_days * DAY)
+    corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in report.corrupt]
+    context.add_output_metadata({"checked": report.checked, "corrupt": len(corrupt), "unreadable": len(report.unreadable)})
+    if corrupt or report.unreadable:
+        raise Failure(f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read", metadata={
+            "corrupt": MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))})
+    return {"checked": report.checked}
 
 
 @job(description="Re-verify old checkpoints and record the verdicts.")

@@ -1,40 +1,63 @@
-"""The evaluator: a pluggable function that scores a checkpoint's model weights.
+"""Which evaluator scores which run.
 
-Named by import path (``package.module:function``) rather than imported here, so the
-resource layer does not depend on any model code, and a team swaps evaluators (a new
-validation set, a new metric) by changing one string in run config and backfilling
-the evaluation partitions.
+Evaluators are named by import path (``package.module:function``), chosen per run by a
+pattern on the run name, so one code location serves a store that holds many teams'
+models: a run no pattern matches is evaluated from the metrics its trainer recorded
+(``ckptflow.lifecycle.evaluate``), and a new validation set is one string in run config
+plus a backfill of ``evaluation``.
 """
 
+import fnmatch
 import importlib
-from collections.abc import Callable, Mapping
-from typing import Any
+import json
+import os
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from ckptflow.export import load_tensors
+from ckptflow.lifecycle import Evaluator
 
-Evaluate = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, float]]
-DEFAULT_EVALUATOR = "pipelines.tinylm_eval:evaluate"
+EVALUATORS_ENV = "CKPTFLOW_EVALUATORS"
 
 
-def load_function(path: str) -> Evaluate:
+def load_function(path: str) -> Evaluator:
     module, _, name = path.partition(":")
     if not module or not name:
         raise ValueError(f"evaluator {path!r} must look like 'package.module:function'")
-    return getattr(importlib.import_module(module), name)
+    function = getattr(importlib.import_module(module), name, None)
+    if not callable(function):
+        raise ValueError(f"evaluator {path!r}: {module} has no function {name!r}")
+    return function
+
+
+def evaluators_from_env(default: dict[str, str]) -> dict[str, str]:
+    """``CKPTFLOW_EVALUATORS`` as JSON (``{"gpt-*": "team.eval:score"}``), else ``default``."""
+    text = os.environ.get(EVALUATORS_ENV, "").strip()
+    if not text:
+        return dict(default)
+    try:
+        mapping = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{EVALUATORS_ENV} must be a JSON object of run pattern -> 'module:function': {e}") from None
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        raise ValueError(f"{EVALUATORS_ENV} must be a JSON object of run pattern -> 'module:function'")
+    return mapping
 
 
 class EvaluatorResource(ConfigurableResource):
-    """``evaluate(state_dict, info) -> {metric: float}``; the default scores the demo
-    TinyLM's validation loss on generated held-out data."""
+    """``evaluators``: run-name glob pattern -> ``module:function`` (first match wins), each
+    ``evaluate(state_dict, info) -> {metric: float}``. Unmatched runs: trainer metrics."""
 
-    function: str = Field(default=DEFAULT_EVALUATOR, description="import path 'module:function'")
+    evaluators: dict[str, str] = Field(default_factory=dict, description="run-name pattern -> 'module:function'")
     key: str = Field(default="model", description="top-level state key holding the model's tensors")
+    val_metric: str = Field(default="val_loss", description="the metric that says 'better'")
+    train_metric: str = Field(default="train_loss", description="the training metric of the overfitting rule")
+    mode: str = Field(default="min", description="'min' if lower val_metric is better, else 'max'")
 
-    def evaluate(self, store: Any, run: str, step: int, info: Mapping[str, Any]) -> dict[str, float]:
-        """Load the model tensors (every chunk verified) and score them."""
-        tensors, manifest, _ = load_tensors(store, run, step, prefix=self.key.rstrip(".") + ".")
-        metrics = load_function(self.function)(tensors, {**info, "metadata": manifest.get("metadata") or {}})
-        return {str(k): float(v) for k, v in metrics.items()}
+    def name_for(self, run: str) -> str | None:
+        return next((path for pattern, path in self.evaluators.items() if fnmatch.fnmatchcase(run, pattern)), None)
+
+    def evaluator_for(self, run: str) -> tuple[str, Evaluator | None]:
+        """(name, function) for ``run``; (trainer metrics, None) when no pattern matches."""
+        path = self.name_for(run)
+        return (path, load_function(path)) if path else ("trainer metrics", None)

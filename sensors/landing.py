@@ -4,22 +4,24 @@ One ``SensorResult`` both adds the dynamic partitions and requests their runs, s
 partition never exists without its validation having been requested (and a tick that
 fails adds neither).
 
-Cost. The cursor is JSON ``{run: last step seen}``. A tick lists the run directories
-and, per run, its step directories (one ``list`` each, no reads); only steps above the
-cursor are stat'ed for a commit record. ``max_per_tick`` pages: the cursor advances only
-as far as the partitions this tick added, so a store with 10,000 new checkpoints
-lands over several ticks without a huge run request list.
+What is new is decided by the commit record itself, not by its step: a step can be
+committed twice (restore rejected the first commit, training fell back and saved that
+step again), and the second commit needs its own validation. So the cursor is a
+watermark on the commit records' modification times (``{"t": newest seen, "seen":
+[commits within SLACK of it]}``): a tick lists the store (names, sizes and times; no
+reads), reads only the commit records at or after the watermark that it has not seen,
+and requests a run per commit whose run key holds the manifest digest. A commit that
+already has a validation record for its digest (the demo's in-process driver wrote
+one) gets its partition but no new run.
 
-A step without a manifest (a save in flight, or one that died) is not a checkpoint and
-does not move the cursor; once a newer step commits the cursor passes it, because a
-save never commits below a newer commit of the same run.
-
-Checkpoints whose partition already exists (registered by an in-process driver such as
-the demo, or before a cursor reset) are passed over without a new run, so pointing the
-daemon at an instance that already knows them does not revalidate everything.
+``MAX_PER_TICK`` pages a large backlog: commits are taken oldest first and the
+watermark moves only as far as the last one taken. ``SLACK`` absorbs clock skew
+between writers of a shared store. A commit record that cannot be read for a
+transient reason (the store is unavailable) stops the tick there and is retried.
 """
 
 import json
+from dataclasses import dataclass
 
 from dagster import (
     AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason,
@@ -29,10 +31,14 @@ from dagster import (
 from assets.checkpoints import checkpoint
 from assets.partitions import checkpoint_key, checkpoints_partitions
 from ckptflow import catalog
-from ckptflow import format as fmt
+from ckptflow.lifecycle.records import Subject, read_record
+from ckptflow.manifest import Manifest
+from ckptflow.store import Store
 from resources import CheckpointStoreResource
 
 MAX_PER_TICK = 500
+SLACK = 60.0  # seconds
+DIGEST_TAG = "ckptflow/manifest_digest"
 
 validation_job = define_asset_job(
     "validate_checkpoint",
@@ -41,37 +47,62 @@ validation_job = define_asset_job(
 )
 
 
-def new_checkpoints(store, cursor: dict[str, int], limit: int) -> tuple[list[tuple[str, int]], dict[str, int]]:
-    """Committed (run, step)s above the cursor, oldest first per run, at most ``limit``,
-    and the cursor after them."""
-    found: list[tuple[str, int]] = []
-    cursor = dict(cursor)
-    for run in catalog.list_runs(store):
-        last = cursor.get(run, -1)
-        for step in catalog.list_steps(store, run):
-            if len(found) >= limit:
-                return found, cursor
-            if step > last and store.exists(fmt.manifest_key(run, step)):
-                found.append((run, step))
-                cursor[run] = step
-    return found, cursor
+@dataclass(frozen=True)
+class Landed:
+    key: str  # the partition key
+    digest: str  # "" when the commit record could not be read (its validation will say why)
+    marker: str  # what makes this commit's run key unique
+    validated: bool  # a validation record exists for this digest already
+
+
+def _seen_id(entry: catalog.StepListing) -> str:
+    assert entry.manifest is not None
+    return f"{entry.run}/{entry.step}@{entry.manifest.mtime!r}"
+
+
+def new_commits(store: Store, cursor: dict, limit: int) -> tuple[list[Landed], dict]:
+    """Commit records not yet landed (oldest first, at most ``limit``) and the cursor after them."""
+    t = float(cursor.get("t", float("-inf")))
+    seen = set(cursor.get("seen", []))
+    fresh = [e for e in catalog.listing(store) if isinstance(e, catalog.StepListing) and e.manifest is not None
+             and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
+    fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
+    taken = fresh[:limit]
+    landed: list[Landed] = []
+    for entry, item in zip(taken, catalog.committed(store, listed=taken)):
+        key = checkpoint_key(entry.run, entry.step)
+        if isinstance(item, Manifest):
+            validated = read_record(store, Subject.of(item), "validation") is not None
+            landed.append(Landed(key, item.digest, item.digest[:16], validated))
+        elif item.kind == "unavailable":
+            break  # retried next tick: a store that did not answer proves nothing about the checkpoint
+        else:
+            landed.append(Landed(key, "", f"unreadable-{entry.manifest.mtime:.0f}", False))  # type: ignore[union-attr]
+        t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
+        seen.add(_seen_id(entry))
+    seen = {s for s in seen if float(s.rsplit("@", 1)[1]) >= t - SLACK}
+    return landed, {"t": t, "seen": sorted(seen)}
 
 
 @sensor(job=validation_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING)
 def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResource):
     """Adds a ``checkpoints`` partition per new commit record and requests its validation."""
     cursor = json.loads(context.cursor) if context.cursor else {}
-    found, cursor = new_checkpoints(store.open(), cursor, MAX_PER_TICK)
-    if not found:
-        return SkipReason("no new commit records")
-    known = set(context.instance.get_dynamic_partitions(checkpoints_partitions.name))
-    keys = [k for k in (checkpoint_key(run, step) for run, step in found) if k not in known]
+    if not isinstance(cursor.get("seen", []), list):
+        cursor = {}  # a cursor of an older layout: start over (validated commits are passed over)
+    landed, cursor = new_commits(store.open(), cursor, MAX_PER_TICK)
     cursor_json = json.dumps(cursor, sort_keys=True)
-    if not keys:
-        return SensorResult(skip_reason=f"{len(found)} new commit record(s), all already registered", cursor=cursor_json)
-    context.log.info(f"landing {len(keys)} checkpoint(s): {keys[0]} … {keys[-1]}")
+    if not landed:
+        return SensorResult(skip_reason=SkipReason("no new commit records"), cursor=cursor_json)
+    known = set(context.instance.get_dynamic_partitions(checkpoints_partitions.name))
+    new_keys = sorted({c.key for c in landed} - known)
+    requests = [
+        RunRequest(run_key=f"{c.key}@{c.marker}", partition_key=c.key, tags={DIGEST_TAG: c.digest} if c.digest else {})
+        for c in landed if not c.validated
+    ]
+    context.log.info(f"{len(landed)} new commit record(s); {len(new_keys)} new partition(s), {len(requests)} validation run(s)")
     return SensorResult(
-        run_requests=[RunRequest(run_key=key, partition_key=key) for key in keys],
-        dynamic_partitions_requests=[checkpoints_partitions.build_add_request(keys)],
+        run_requests=requests,
+        dynamic_partitions_requests=[checkpoints_partitions.build_add_request(new_keys)] if new_keys else [],
         cursor=cursor_json,
     )

@@ -3,46 +3,24 @@
 import uuid
 
 import pytest
-import torch
-
 from ckptflow import Checkpointer
 
 # The helper modules hold asserts: have pytest rewrite them like test modules.
-pytest.register_assert_rewrite("ckpt_helpers", "fault_helpers")
+pytest.register_assert_rewrite("support")
 
-
-def _tiny_build_state(seed: int = 0, lr: float = 1e-2) -> dict:
-    """A tiny model + AdamW + StepLR scheduler + a JSON value, deterministic in ``seed``."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
-    return {"model": model, "optim": optim, "sched": sched, "extra": 0}
-
-
-def _tiny_train_step(state: dict, n: int = 1) -> None:
-    """``n`` optimizer steps on random data (consumes torch RNG), then bump ``extra``."""
-    model, optim, sched = state["model"], state["optim"], state["sched"]
-    for _ in range(n):
-        loss = model(torch.randn(16, 8)).pow(2).mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        sched.step()
-    if isinstance(state.get("extra"), int):
-        state["extra"] += n
+from support.states import tiny_state, tiny_train  # noqa: E402
 
 
 @pytest.fixture
 def tiny_state_factory():
     """Call as ``tiny_state_factory(seed=0)`` -> {"model", "optim", "sched", "extra"}."""
-    return _tiny_build_state
+    return tiny_state
 
 
 @pytest.fixture
 def tiny_train_step():
     """Call as ``tiny_train_step(state, n=1)``: n AdamW steps + scheduler steps."""
-    return _tiny_train_step
+    return tiny_train
 
 
 @pytest.fixture

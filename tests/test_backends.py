@@ -20,9 +20,9 @@ import pytest
 from ckptflow import Checkpointer, NoValidCheckpointError, gc, open_store
 from ckptflow import format as fmt
 from ckptflow.errors import ObjectNotFoundError
-from ckpt_helpers import assert_state_equals, snapshot
-from fault_helpers import CHUNK, RUN, blank_state, make_state, state_tag
-from faulty_store import FaultyStore, InjectedFault
+from support.states import assert_state_equals, snapshot
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
+from support.faulty_store import FaultyStore, InjectedFault
 
 
 def sub_url(url: str, name: str) -> str:
@@ -90,9 +90,9 @@ def test_round_trip(store_url, tiny_state_factory, tiny_train_step, blocking):
 def test_dedup_across_steps(store_url):
     store = open_store(store_url)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        first = ck.save(1, make_state(2)).info
-        again = ck.save(2, make_state(2), kind="incremental").info
-        changed = ck.save(3, make_state(3), kind="incremental").info
+        first = ck.save(1, tagged_state(2)).info
+        again = ck.save(2, tagged_state(2), kind="incremental").info
+        changed = ck.save(3, tagged_state(3), kind="incremental").info
     assert first.bytes_written > 0
     assert again.bytes_written == 0  # identical content: every chunk already stored
     assert 0 < changed.bytes_written < first.bytes_written  # only what changed ("shared" is reused)
@@ -120,8 +120,8 @@ def _damage(store, key: str, how: str) -> None:
 def test_corruption_is_detected_and_restore_falls_back(store_url, target, how):
     store = open_store(store_url)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(1, make_state(2))
-        ck.save(2, make_state(3))
+        ck.save(1, tagged_state(2))
+        ck.save(2, tagged_state(3))
     own = sorted(manifest_chunks(store, 2) - manifest_chunks(store, 1))
     key = own[0] if target == "chunk" else fmt.manifest_key(RUN, 2)
     _damage(store, key, how)
@@ -147,12 +147,12 @@ def test_crash_at_every_store_operation(store_url, when):
     def store_with_a(name: str):
         store = open_store(sub_url(store_url, name))
         with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-            ck.save(1, make_state(1))
+            ck.save(1, tagged_state(1))
         return store
 
     fs = FaultyStore(store_with_a("dry"))
     with Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(2, make_state(2), kind="incremental")
+        ck.save(2, tagged_state(2), kind="incremental")
     ops = fs.mutating_log()
     assert ops[-1][1:] == ("put_if_absent", fmt.manifest_key(RUN, 2))
     assert any(op == "touch" for _, op, _ in ops)  # the shared tensor was deduplicated
@@ -161,7 +161,7 @@ def test_crash_at_every_store_operation(store_url, when):
         fs = FaultyStore(inner)
         fs.arm(n, when=when)
         with Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4) as ck, pytest.raises(InjectedFault):
-            ck.save(2, make_state(2), kind="incremental")
+            ck.save(2, tagged_state(2), kind="incremental")
         committed = when == "after" and n == len(ops) - 1
         with Checkpointer(inner, run=RUN, restore_rng=False) as fresh:
             state = blank_state()
@@ -175,8 +175,8 @@ def test_read_failure_at_every_restore_operation_never_loads_a_mix(store_url):
     never a state mixing two checkpoints (S3 keeps verified bytes between the passes)."""
     store = open_store(store_url)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(1, make_state(1))
-        ck.save(2, make_state(2), kind="incremental")
+        ck.save(1, tagged_state(1))
+        ck.save(2, tagged_state(2), kind="incremental")
     fs = FaultyStore(store, count_reads=True)
     with Checkpointer(fs, run=RUN, restore_rng=False, threads=4) as ck:
         ck.restore(blank_state())
@@ -199,7 +199,7 @@ def test_gc_after_retention_deletes_exactly_the_unreferenced(store_url):
     store = open_store(store_url)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
         for step in range(1, 5):
-            ck.save(step, make_state(step), kind="full" if step % 2 else "incremental")
+            ck.save(step, tagged_state(step), kind="full" if step % 2 else "incremental")
     for step in (1, 2):  # what a retention policy would expire
         store.delete(fmt.manifest_key(RUN, step))
     live = manifest_chunks(store, 3) | manifest_chunks(store, 4)
@@ -220,12 +220,12 @@ def test_gc_after_retention_deletes_exactly_the_unreferenced(store_url):
 def test_gc_grace_period_protects_an_in_flight_save(store_url):
     inner = open_store(store_url)
     with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(1, make_state(1))
+        ck.save(1, tagged_state(1))
     fs = FaultyStore(inner)
     pause = fs.pause_before("put_if_absent", lambda key: key == fmt.manifest_key(RUN, 2))
     outcome: list = []
     ck = Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4)
-    saver = threading.Thread(target=lambda: outcome.append(ck.save(2, make_state(2), kind="incremental")))
+    saver = threading.Thread(target=lambda: outcome.append(ck.save(2, tagged_state(2), kind="incremental")))
     saver.start()
     try:
         assert pause.reached.wait(30), "the save never reached its commit"

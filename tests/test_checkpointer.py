@@ -2,7 +2,7 @@
 across runs, save policies, saving to an already committed step, and stored metadata.
 
 Restore-side behaviour (RNG, explicit step vs fallback, mismatched or unsupported state)
-is in test_restore.py; shared helpers are in ckpt_helpers.py and conftest.py (``make_ck``).
+is in test_restore.py; shared helpers are in tests/support/ and conftest.py (``make_ck``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ckptflow import (
 )
 from ckptflow import catalog
 from ckptflow.store import open_store
-from ckpt_helpers import assert_state_equals, manifest_path, snapshot
+from support.corrupt import manifest_path
+from support.states import assert_state_equals, snapshot
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -41,8 +42,7 @@ def chunk_files(root: str) -> dict[str, int]:
     return out
 
 def read_stats(root: str, run: str, step: int) -> dict:
-    manifest, _ = catalog.read_manifest(open_store(root), run, step)
-    return manifest["stats"]
+    return dict(catalog.read_manifest(open_store(root), run, step).stats.__dict__)
 
 
 class BigBias(torch.nn.Module):

@@ -4,7 +4,7 @@ script to prove the entry point works.
 
 Commands run in-process through ``main([...])`` (exit status returned, output captured).
 ``export``, ``gc`` and argument errors are in test_cli_export_gc.py; the shared helpers are
-in cli_helpers.py.
+in tests/support/.
 """
 
 from __future__ import annotations
@@ -21,17 +21,9 @@ import torch
 from ckptflow import Checkpointer
 from ckptflow import format as fmt
 from ckptflow.cli import human_bytes
-from cli_helpers import (
-    RUN,
-    chunk_path,
-    chunks_of,
-    flip_last_byte,
-    make_state,
-    make_store,
-    run_cli,
-    tensor_bytes,
-    tensor_chunk,
-)
+from support.cli import RUN, make_store, run_cli
+from support.corrupt import chunk_path, chunks_of, flip_byte, tensor_chunk
+from support.states import tensor_bytes, tiny_state
 
 
 @pytest.fixture
@@ -73,7 +65,7 @@ def test_ls_json(store, capsys):
 def test_ls_filters_by_run(store, capsys):
     root, _, _ = store
     with Checkpointer(root, "beta") as ckpt:
-        ckpt.save(1, make_state(1))
+        ckpt.save(1, tiny_state(1))
     _, out, _ = run_cli(capsys, "ls", root, "--json")
     assert {d["run"] for d in json.loads(out)} == {RUN, "beta"}
     code, out, _ = run_cli(capsys, "ls", root, "--run", "beta", "--json")
@@ -103,7 +95,7 @@ def test_verify_corrupt_reports_one_line_per_problem(store, capsys):
     flipped = tensor_chunk(root, RUN, 20, "model.0.weight")
     removed = tensor_chunk(root, RUN, 20, "model.2.weight")
     assert {flipped, removed} <= only20
-    flip_last_byte(chunk_path(root, flipped))
+    flip_byte(chunk_path(root, flipped))
     chunk_path(root, removed).unlink()
 
     code, out, err = run_cli(capsys, "verify", root, "--run", RUN)
@@ -143,7 +135,7 @@ def test_verify_all_reports_uncommitted_steps(store, capsys):
 # ---- stats -------------------------------------------------------------------------------
 def test_stats_dedup_across_runs(tmp_path, capsys):
     root = str(tmp_path / "store")
-    weights = make_state(7, optimizer=False)
+    weights = tiny_state(7, optimizer=False)
     logical = tensor_bytes(weights)
     with Checkpointer(root, "a") as ckpt:
         ckpt.save(1, weights)
@@ -200,7 +192,7 @@ def test_console_script(store):
     proc = subprocess.run([exe, "ls", root, "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [d["step"] for d in json.loads(proc.stdout)] == [10, 20]
-    flip_last_byte(chunk_path(root, tensor_chunk(root, RUN, 10, "model.0.weight")))
+    flip_byte(chunk_path(root, tensor_chunk(root, RUN, 10, "model.0.weight")))
     proc = subprocess.run([exe, "verify", root, "--run", RUN, "--all"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout.startswith(f"run {RUN} step 10: ")
     assert "%|" not in proc.stderr and "Traceback" not in proc.stderr  # a pipe: no progress bar

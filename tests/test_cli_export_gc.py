@@ -4,7 +4,7 @@ failing on corrupt checkpoints, consolidating a two-rank sharded checkpoint) and
 
 Commands run in-process through ``main([...])`` (exit status returned, output captured).
 ``ls``, ``verify``, ``stats`` and the console script are in test_cli.py; the shared helpers
-are in cli_helpers.py.
+are in tests/support/.
 """
 
 from __future__ import annotations
@@ -24,15 +24,8 @@ from safetensors.torch import load_file
 from ckptflow import format as fmt
 from ckptflow.catalog import read_manifest
 from ckptflow.store import open_store
-from cli_helpers import (
-    RUN,
-    chunk_path,
-    chunks_of,
-    flip_last_byte,
-    make_store,
-    run_cli,
-    tensor_chunk,
-)
+from support.cli import RUN, make_store, run_cli
+from support.corrupt import chunk_path, chunks_of, flip_byte, tensor_chunk
 
 
 @pytest.fixture
@@ -58,7 +51,7 @@ def test_export_is_exact(store, tmp_path, capsys):
     with safe_open(str(out_file), "pt") as f:
         meta = f.metadata()
     assert meta["ckptflow.run"] == RUN and meta["ckptflow.step"] == "10"
-    assert meta["ckptflow.manifest_digest"] == read_manifest(open_store(root), RUN, 10)[1]
+    assert meta["ckptflow.manifest_digest"] == read_manifest(open_store(root), RUN, 10).digest
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
@@ -76,7 +69,7 @@ def test_export_default_latest_and_bf16(store, tmp_path, capsys):
 
 def test_export_default_skips_checkpoint_that_does_not_verify(store, tmp_path, capsys):
     root, snaps, _ = store
-    flip_last_byte(chunk_path(root, tensor_chunk(root, RUN, 20, "optim.state.0.weight.exp_avg")))
+    flip_byte(chunk_path(root, tensor_chunk(root, RUN, 20, "optim.state.0.weight.exp_avg")))
     out_file = tmp_path / "m.safetensors"
     code, out, err = run_cli(capsys, "export", root, "--run", RUN, "--out", out_file)
     assert code == 0 and "step 10" in out
@@ -87,7 +80,7 @@ def test_export_default_skips_checkpoint_that_does_not_verify(store, tmp_path, c
 
 def test_export_of_corrupt_step_fails_cleanly(store, tmp_path, capsys):
     root, _, _ = store
-    flip_last_byte(chunk_path(root, tensor_chunk(root, RUN, 20, "model.0.bias")))
+    flip_byte(chunk_path(root, tensor_chunk(root, RUN, 20, "model.0.bias")))
     out_file = tmp_path / "m.safetensors"
     code, _, err = run_cli(capsys, "export", root, "--run", RUN, "--step", "20", "--out", out_file)
     assert code == 2 and err.startswith("ckptflow: error:") and "does not match its address" in err
@@ -214,8 +207,8 @@ def test_export_consolidates_two_shards(tmp_path, capsys):
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest, _ = read_manifest(open_store(str(root)), "sharded", 3)
-    assert manifest["world_size"] == 2 and len(manifest["dcp"]["tensors"]["model.w"]["chunks"]) == 2
+    manifest = read_manifest(open_store(str(root)), "sharded", 3)
+    assert manifest.world_size == 2 and len(manifest.dcp.tensors["model.w"].shards) == 2
     out_file = tmp_path / "m.safetensors"
     code, _, err = run_cli(capsys, "export", root, "--run", "sharded", "--out", out_file)
     assert code == 0, err

@@ -10,10 +10,13 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, ManifestError, NoValidCheckpointError
+from ckptflow import Checkpointer, CkptflowError, ManifestError, NoValidCheckpointError
 from ckptflow import catalog
 from ckptflow import format as fmt
+from ckptflow.export import export_safetensors
+from ckptflow.manifest import seal
 from ckptflow.store import open_store
+from support.corrupt import grow_first_tensor, reseal_manifest
 
 RUN = "corrupt-run"
 GOOD, BAD = 10, 20
@@ -49,10 +52,10 @@ class Scenario:
         train_step(self.state, 2)  # every weight moves: BAD gets chunks of its own
         self.ck.save(BAD, self.state, metadata={"which": "bad"})
         self.bad = _model_snapshot(self.state)
-        m_good, _ = catalog.read_manifest(self.store, RUN, GOOD)
-        m_bad, _ = catalog.read_manifest(self.store, RUN, BAD)
-        self.only_bad = sorted(set(m_bad["chunks"]) - set(m_good["chunks"]))
-        self.shared = sorted(set(m_bad["chunks"]) & set(m_good["chunks"]))
+        m_good = catalog.read_manifest(self.store, RUN, GOOD)
+        m_bad = catalog.read_manifest(self.store, RUN, BAD)
+        self.only_bad = sorted(set(m_bad.chunks) - set(m_good.chunks))
+        self.shared = sorted(set(m_bad.chunks) & set(m_good.chunks))
         assert self.only_bad, "the newest checkpoint must have chunks of its own"
         self.victim = self.only_bad[0]
         self.victim_path = _path(root, fmt.chunk_key(self.victim))
@@ -232,7 +235,7 @@ def _rewrite_manifest(path: str, mutate) -> None:
     record.pop("checksum")
     mutate(record)
     with open(path, "wb") as f:
-        f.write(fmt.seal(record))
+        f.write(seal(record))
 
 
 @pytest.mark.parametrize(
@@ -308,8 +311,8 @@ def test_manifest_checksum_covers_content_not_formatting(scenario):
     record = json.loads(open(scenario.manifest_path, "rb").read())
     with open(scenario.manifest_path, "w") as f:
         json.dump(copy.deepcopy(record), f, indent=2)
-    manifest, _ = catalog.read_manifest(scenario.store, RUN, BAD)
-    assert manifest["step"] == BAD
+    manifest = catalog.read_manifest(scenario.store, RUN, BAD)
+    assert manifest.step == BAD
     # but changing any value is caught
     record["metadata"] = {"which": "forged"}
     with open(scenario.manifest_path, "w") as f:
@@ -350,3 +353,30 @@ def test_malformed_manifest_wrong_shape(scenario, mutate):
     with Checkpointer(scenario.root, run=RUN) as ck:
         assert [i.step for i in ck.list()] == [GOOD]
     _assert_skipped_and_fell_back(scenario, "manifest")
+
+
+# ---- one set of rules: verify, restore and export agree ---------------------------------
+@pytest.mark.parametrize(
+    "mutate, why",
+    [
+        pytest.param(grow_first_tensor, "covering", id="tensor-larger-than-its-shards"),
+        pytest.param(lambda r: r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"].append(
+            r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"][0]), "covering", id="shard-twice"),
+        pytest.param(lambda r: r["dcp"]["items"][0].update(chunks=[]), "adding up", id="item-without-chunk-bytes"),
+    ],
+)
+def test_a_manifest_whose_shards_do_not_cover_a_tensor_fails_everywhere_alike(scenario, tmp_path, mutate, why):
+    reseal_manifest(scenario.root, RUN, BAD, mutate)
+    _assert_verify_fails(scenario, why)
+    _assert_skipped_and_fell_back(scenario, why)
+    with pytest.raises(CkptflowError, match=why):
+        export_safetensors(scenario.root, RUN, tmp_path / "m.safetensors", step=BAD)
+    # and the default export, like restore, takes the newest checkpoint that is whole
+    assert export_safetensors(scenario.root, RUN, tmp_path / "m.safetensors").step == GOOD
+
+
+def test_chunk_bytes_must_be_positive(ckpt_store_dir):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="chunk_bytes must be a positive"):
+            Checkpointer(ckpt_store_dir, run=RUN, chunk_bytes=bad)
+    assert not os.path.exists(os.path.join(ckpt_store_dir, "runs"))

@@ -1,6 +1,6 @@
 """Two-rank (gloo, CPU) saves and restores of DTensor-sharded state, across world sizes.
 
-One module-scoped session spawns 2 ranks that run every scenario of tests/dist_workers.py
+One module-scoped session spawns 2 ranks that run every scenario of tests/support/dist_workers.py
 in turn; each test checks its scenario's results, and fails with the children's tracebacks
 if that scenario did not complete on every rank.
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ckptflow import Checkpointer
 from ckptflow import format as fmt
-import dist_workers as W
+from support import dist_workers as W
 
 pytestmark = [
     pytest.mark.timeout(90),

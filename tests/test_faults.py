@@ -1,9 +1,9 @@
 """Fault injection: crashes at every store operation (saves and restores) and SIGKILL
 mid-save; every case must leave a store whose newest commit restores whole, never a mix.
 
-Uses tests/faulty_store.py (FaultyStore) to number the store operations of a save and
+Uses tests/support/faulty_store.py (FaultyStore) to number the store operations of a save and
 fail at each one in turn. GC safety (retention, grace periods, concurrent saves) is in
-test_gc.py; the tagged states both files use are in fault_helpers.py.
+test_gc.py; the tagged states both files use are in tests/support/states.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow import format as fmt
 from ckptflow.errors import NoValidCheckpointError
-from fault_helpers import CHUNK, RUN, blank_state, make_state, state_tag
-from faulty_store import FaultyStore, InjectedFault
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
+from support.faulty_store import FaultyStore, InjectedFault
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,7 +35,7 @@ def store_with_a(tmp_path_factory) -> Path:
     """A store holding checkpoint A (step 1, tag 1), committed."""
     root = tmp_path_factory.mktemp("faults-a") / "store"
     with Checkpointer(str(root), run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(1, make_state(1))
+        ck.save(1, tagged_state(1))
     return root
 
 
@@ -56,7 +56,7 @@ def test_crash_at_every_store_operation(store_with_a, tmp_path, kind, when, bloc
     shutil.copytree(store_with_a, dry)
     fs = FaultyStore(open_store(str(dry)))
     with Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(2, make_state(2), kind=kind)
+        ck.save(2, tagged_state(2), kind=kind)
     ops = fs.mutating_log()
     total = len(ops)
     assert total == fs.ops >= 6, ops
@@ -75,9 +75,9 @@ def test_crash_at_every_store_operation(store_with_a, tmp_path, kind, when, bloc
         ck = Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4)
         with pytest.raises(InjectedFault):
             if blocking:
-                ck.save(2, make_state(2), kind=kind)
+                ck.save(2, tagged_state(2), kind=kind)
             else:
-                ck.save(2, make_state(2), kind=kind, blocking=False).wait()
+                ck.save(2, tagged_state(2), kind=kind, blocking=False).wait()
         assert fs.faults, f"op {n}: the armed fault never fired"
 
         # A fresh process's view: restore whatever the store now says is newest.
@@ -96,7 +96,7 @@ def test_crash_at_every_store_operation(store_with_a, tmp_path, kind, when, bloc
         # it saves other data under the step that failed (its leftovers must not leak in).
         fs.disarm()
         retry = 3 if committed_b else 2
-        saved = ck.save(retry, make_state(3), kind=kind)
+        saved = ck.save(retry, tagged_state(3), kind=kind)
         assert saved.step == retry and saved.info is not None
         state = blank_state()
         after = Checkpointer(str(root), run=RUN, restore_rng=False)
@@ -113,7 +113,7 @@ def test_crash_on_every_read_during_restore_never_loads_a_mix(store_with_a, tmp_
     root = tmp_path / "store"
     shutil.copytree(store_with_a, root)
     with Checkpointer(str(root), run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(2, make_state(2), kind="incremental")
+        ck.save(2, tagged_state(2), kind="incremental")
     fs = FaultyStore(open_store(str(root)), count_reads=True)
     ck = Checkpointer(fs, run=RUN, restore_rng=False, threads=4)
     ck.restore(blank_state())
@@ -155,7 +155,7 @@ def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
     rng = random.Random(20240601)
     kills = []
     deadline = time.monotonic() + 75
-    script = HERE / "sigkill_saver.py"
+    script = HERE / "support" / "sigkill_saver.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     for attempt in range(3):
         before = committed_steps(root)

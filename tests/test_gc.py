@@ -2,9 +2,9 @@
 protects (and grace=0 destroys) a save in flight; only stale temp files go; a sweep racing
 a deduplicating save is serialised by the lease/lock handshake.
 
-Uses tests/faulty_store.py (FaultyStore) to pause a save just before its commit record, or
+Uses tests/support/faulty_store.py (FaultyStore) to pause a save just before its commit record, or
 a GC sweep just before it deletes. Crash and SIGKILL tests are in test_faults.py; the tagged
-states both files use are in fault_helpers.py.
+states both files use are in tests/support/states.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow import format as fmt
-from fault_helpers import CHUNK, RUN, blank_state, make_state, state_tag
-from faulty_store import FaultyStore
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
+from support.faulty_store import FaultyStore
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def test_gc_after_retention_deletes_exactly_the_unreferenced_chunks(tmp_path):
     store = open_store(str(root))
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
         for step in range(1, 6):
-            ck.save(step, make_state(step), kind="full" if step % 2 else "incremental")
+            ck.save(step, tagged_state(step), kind="full" if step % 2 else "incremental")
     for step in (1, 2, 4):  # what a retention policy would expire
         store.delete(fmt.manifest_key(RUN, step))
 
@@ -92,7 +92,7 @@ def _paused_save_with_concurrent_gc(root: Path, grace) -> tuple:
     """Save step 2 but hold it just before its commit record while GC runs; resume it."""
     inner = open_store(str(root))
     with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(1, make_state(1))
+        ck.save(1, tagged_state(1))
     fs = FaultyStore(inner)
     pause = fs.pause_before("put_if_absent", lambda key: key == fmt.manifest_key(RUN, 2))
     ck = Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4)
@@ -100,7 +100,7 @@ def _paused_save_with_concurrent_gc(root: Path, grace) -> tuple:
 
     def save() -> None:
         try:
-            outcome.append(ck.save(2, make_state(2), kind="incremental"))
+            outcome.append(ck.save(2, tagged_state(2), kind="incremental"))
         except BaseException as e:  # reported to the test thread below
             outcome.append(e)
 
@@ -160,7 +160,7 @@ def test_gc_removes_stale_temp_files_only(tmp_path):
     root = tmp_path / "store"
     store = open_store(str(root))
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(1, make_state(1))
+        ck.save(1, tagged_state(1))
     digest = next(iter(manifest_chunks(root, 1)))
     chunk_dir = root / os.path.dirname(digest)
     step_dir = root / os.path.dirname(fmt.manifest_key(RUN, 1))
@@ -199,7 +199,7 @@ def test_gc_sweep_racing_a_deduplicating_save(tmp_path):
     root = tmp_path / "store"
     inner = open_store(str(root))
     with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
-        ck.save(1, make_state(1))
+        ck.save(1, tagged_state(1))
     inner.delete(fmt.manifest_key(RUN, 1))  # retention expired step 1: its chunks are garbage
     old = time.time() - 7200
     for path in root.rglob("*"):
@@ -214,7 +214,7 @@ def test_gc_sweep_racing_a_deduplicating_save(tmp_path):
     try:
         assert pause.reached.wait(30)
         saver = threading.Thread(target=lambda: saved.append(
-            Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4).save(2, make_state(1), kind="incremental")
+            Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4).save(2, tagged_state(1), kind="incremental")
         ))
         saver.start()
         saver.join(0.5)

@@ -1,10 +1,15 @@
-"""Lifecycle operations in the library: verdict records, compress, archive, expire, inventory."""
+"""Lifecycle operations in the library: verdict records keyed by digest, compress, archive,
+expire, inventory."""
 
+import pytest
 import torch
 
-from ckptflow import Checkpointer, catalog, inventory, lifecycle
+from ckptflow import Checkpointer, ExpireError, catalog, inventory, lifecycle
 from ckptflow import format as fmt
+from ckptflow.retention import KeepNewestValid
 from ckptflow.store import open_store
+from support.corrupt import chunk_path, flip_byte
+from support.faulty_store import FaultyStore
 
 
 def make(tmp_path, steps=(1, 2)):
@@ -43,36 +48,82 @@ def test_archive_copies_commit_last_and_verifies_there(tmp_path):
     assert not lifecycle.archive(store, dst, "r", 1).ok
 
 
+def subject(store, step, run="r"):
+    return lifecycle.Subject.of(catalog.read_manifest(store, run, step))
+
+
 def test_records_expire_and_inventory(tmp_path):
     store, _ = make(tmp_path, steps=(1, 2, 3))
     lifecycle.validate(store, "r", 1)
-    lifecycle.write_record(store, "r", 2, "evaluation", {"metrics": {"val_loss": 0.5}})
-    records = lifecycle.all_records(store)
-    assert records[("r", 1)]["validation"]["ok"] is True and ("r", 3) not in records
+    lifecycle.write_record(store, subject(store, 2), "evaluation", {"metrics": {"val_loss": 0.5}})
+    records = lifecycle.records_by_subject(store)
+    assert records[("r", 1, subject(store, 1).digest)]["validation"]["ok"] is True
+    assert not any(key[:2] == ("r", 3) for key in records)
     entries = {e.step: e for e in inventory.collect(store)}
     assert entries[1].validation == "passed" and entries[2].validation == "not checked"
     assert entries[2].metrics == {"train_loss": 0.5, "val_loss": 0.5}
     rows = inventory.rows(list(entries.values()), inventory.retention_plan(list(entries.values()), now=0.0))
     assert [r["retention"].split(":")[0] for r in rows] == ["keep", "keep", "keep"]
 
+    gone = subject(store, 1)
     deleted = lifecycle.expire(store, "r", 1)
     assert fmt.manifest_key("r", 1) == deleted[0]
-    assert not store.exists(fmt.manifest_key("r", 1)) and lifecycle.read_record(store, "r", 1, "validation") is None
+    assert not store.exists(fmt.manifest_key("r", 1)) and lifecycle.read_record(store, gone, "validation") is None
     assert [i.step for i in catalog.list_checkpoints(store, "r")] == [2, 3]
+
+
+def test_a_step_committed_again_shows_its_own_verdict(tmp_path):
+    """Corrupt step 2, restore falls back to 1, save step 2 again: the new step 2 verifies
+    and the inventory and retention see it as valid (the old verdict is history)."""
+    store, model = make(tmp_path, steps=(1, 2))
+    old = subject(store, 2)
+    for digest in sorted(set(catalog.read_manifest(store, "r", 2).chunks) - set(catalog.read_manifest(store, "r", 1).chunks)):
+        flip_byte(chunk_path(store.root, digest))
+    assert lifecycle.validate(store, "r", 2)["ok"] is False
+    assert {e.step: e.validation for e in inventory.collect(store)}[2] == "failed"
+    with Checkpointer(store, "r") as ck:
+        assert ck.restore({"model": model}).step == 1
+        ck.save(2, {"model": model}, metadata={"train_loss": 0.4})
+    new = subject(store, 2)
+    assert new.digest != old.digest
+    entry = {e.step: e for e in inventory.collect(store)}[2]
+    assert entry.validation == "not checked" and entry.digest == new.digest  # the old verdict is not this commit's
+    assert lifecycle.validate(store, "r", 2)["ok"] is True
+    entry = {e.step: e for e in inventory.collect(store)}[2]
+    assert entry.validation == "passed" and entry.valid is True
+    plan = inventory.retention_plan(inventory.collect(store), now=1e12, policy=KeepNewestValid())
+    assert ("r", 2) in plan.keep and "newest valid" in plan.keep[("r", 2)][0]
+    assert lifecycle.read_record(store, old, "validation")["ok"] is False  # history stays readable
 
 
 def test_archive_copy_must_match_and_have_verified_before_a_hot_copy_expires(tmp_path):
     store, _ = make(tmp_path)
     dst = open_store(str(tmp_path / "archive"))
-    assert "has not verified" in inventory.archive_copy_matches(store, dst, "r", 1)
-    report = lifecycle.archive(store, dst, "r", 1)
-    lifecycle.write_record(store, "r", 1, "archive", {"url": dst.url, "ok": report.ok})
-    assert inventory.archive_copy_matches(store, dst, "r", 1) is None
-    assert "archived to" in inventory.archive_copy_matches(store, open_store(str(tmp_path / "other")), "r", 1)
-    lifecycle.write_record(store, "r", 2, "archive", {"url": dst.url, "ok": True})  # a record, but no copy
-    assert "no manifest" in inventory.archive_copy_matches(store, dst, "r", 2)
+    assert "has not verified" in lifecycle.copy_matches(store, dst, "r", 1)
+    assert lifecycle.archive(store, dst, "r", 1).ok  # records its own verdict
+    assert lifecycle.copy_matches(store, dst, "r", 1) is None
+    assert "archived to" in lifecycle.copy_matches(store, open_store(str(tmp_path / "other")), "r", 1)
+    lifecycle.write_record(store, subject(store, 2), "archive", {"url": dst.url, "ok": True})  # a record, but no copy
+    assert "no manifest" in lifecycle.copy_matches(store, dst, "r", 2)
     entries = {e.step: e for e in inventory.collect(store, dst)}
     assert entries[1].archived and not entries[2].archived and entries[1].tiers == ["hot", "archive"]
+    first = subject(store, 1)
     lifecycle.expire(store, "r", 1, keep_records=True)  # hot copy only: its verdicts stay
-    assert lifecycle.read_record(store, "r", 1, "archive")["ok"] is True
+    assert lifecycle.read_record(store, first, "archive")["ok"] is True
     assert [e.tiers for e in inventory.collect(store, dst) if e.step == 1] == [["archive"]]
+
+
+def test_expire_raises_when_a_delete_fails_and_finishes_when_called_again(tmp_path):
+    store, _ = make(tmp_path)
+    faulty = FaultyStore(store)
+    faulty.fail_if = lambda op, key: op == "delete" and key.endswith("ranks/0.json")
+    with pytest.raises(ExpireError, match="could not be deleted"):
+        lifecycle.expire(faulty, "r", 1)
+    assert not store.exists(fmt.manifest_key("r", 1)) and store.exists(fmt.rank_key("r", 1, 0))
+    faulty.fail_if = lambda op, key: False
+    lifecycle.expire(faulty, "r", 1)
+    assert not store.exists(fmt.rank_key("r", 1, 0))
+    faulty.fail_if = lambda op, key: op == "delete" and key.endswith("manifest.json")
+    with pytest.raises(ExpireError, match="still exists"):
+        lifecycle.expire(faulty, "r", 2)
+    assert [i.step for i in catalog.list_checkpoints(store, "r")] == [2]

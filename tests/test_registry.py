@@ -13,8 +13,8 @@ def reg(tmp_path):
 
 
 def register(r, step, **kw):
-    return r.register("tinylm", run="run-a", step=step, partition_key=f"run-a__step-{step:012d}",
-                      manifest_digest=f"d{step}", training_config={"lr": 3e-3}, data={"name": "arith"}, **kw)
+    return r.register("tinylm", run="run-a", step=step, manifest_digest=f"d{step}", training_config={"lr": 3e-3},
+                      data={"name": "arith"}, **kw)
 
 
 def test_register_versions_create_only_with_lineage_and_latest(tmp_path):

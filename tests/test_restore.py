@@ -2,7 +2,7 @@
 (never falls back) vs the newest valid one, restoring into mismatched state, and the
 UnsupportedStateError for state values and keys that cannot be checkpointed.
 
-Save-side behaviour is in test_checkpointer.py; shared helpers are in ckpt_helpers.py and
+Save-side behaviour is in test_checkpointer.py; shared helpers are in tests/support/ and
 conftest.py (``make_ck``).
 """
 
@@ -22,7 +22,8 @@ from ckptflow import (
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.store import open_store
-from ckpt_helpers import assert_state_equals, manifest_path, snapshot
+from support.corrupt import manifest_path
+from support.states import assert_state_equals, snapshot
 
 
 # ---- RNG ----------------------------------------------------------------------------------
@@ -83,9 +84,9 @@ def test_restore_exact_step_never_falls_back(make_ck, ckpt_store_dir, tiny_state
     ck.save(1, state)
     tiny_train_step(state)
     ck.save(2, state)
-    m1, _ = catalog.read_manifest(open_store(ckpt_store_dir), "r", 1)
-    m2, _ = catalog.read_manifest(open_store(ckpt_store_dir), "r", 2)
-    only_2 = sorted(set(m2["chunks"]) - set(m1["chunks"]))
+    m1 = catalog.read_manifest(open_store(ckpt_store_dir), "r", 1)
+    m2 = catalog.read_manifest(open_store(ckpt_store_dir), "r", 2)
+    only_2 = sorted(set(m2.chunks) - set(m1.chunks))
     assert only_2
     path = os.path.join(ckpt_store_dir, *fmt.chunk_key(only_2[0]).split("/"))
     with open(path, "r+b") as f:

@@ -20,8 +20,8 @@ from ckptflow import format as fmt
 from ckptflow.cli import main
 from ckptflow.errors import ColdObjectError, StoreError
 from ckptflow.store.s3 import S3Store
-from fault_helpers import CHUNK, RUN, blank_state, make_state, state_tag
-from faulty_store import FaultyStore
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
+from support.faulty_store import FaultyStore
 
 MiB = 1 << 20
 
@@ -66,7 +66,7 @@ def test_conditional_commit_refuses_a_second_writer(s3_store_url):
     def save_b() -> None:
         with Checkpointer(held, run=RUN, chunk_bytes=CHUNK) as b:
             try:
-                b.save(1, make_state(3))
+                b.save(1, tagged_state(3))
             except CheckpointExistsError as e:
                 errors.append(e)
 
@@ -75,7 +75,7 @@ def test_conditional_commit_refuses_a_second_writer(s3_store_url):
     try:
         assert pause.reached.wait(30)
         with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as a:
-            a.save(1, make_state(2))
+            a.save(1, tagged_state(2))
     finally:
         pause.release()
         writer_b.join(30)
@@ -85,7 +85,7 @@ def test_conditional_commit_refuses_a_second_writer(s3_store_url):
         assert ck.restore(state).step == 1 and state_tag(state) == 2
         assert ck.verify(1).ok
         with pytest.raises(CheckpointExistsError):  # a later writer is refused up front
-            ck.save(1, make_state(4))
+            ck.save(1, tagged_state(4))
 
 
 # ---- multipart -----------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_transient_failures_are_retried(s3_endpoint, s3_bucket, inject):
 
     store.client.meta.events.register("before-send.s3.*", flaky)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as ck:
-        ck.save(1, make_state(2))
+        ck.save(1, tagged_state(2))
         state = blank_state()
         assert ck.restore(state).step == 1 and state_tag(state) == 2
     assert len(injected) == 2
@@ -181,7 +181,7 @@ def test_a_commit_whose_response_was_lost_is_not_a_second_writer(s3_endpoint, s3
 
     store.client.meta.events.register("before-send.s3.*", deliver_then_time_out)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as ck:
-        assert ck.save(1, make_state(2)).info is not None
+        assert ck.save(1, tagged_state(2)).info is not None
     assert lost == [200]
     assert store.put_if_absent(fmt.manifest_key(RUN, 1), b"another writer's manifest") is False
     with Checkpointer(store, run=RUN, restore_rng=False) as ck:
@@ -193,7 +193,7 @@ def test_a_commit_whose_response_was_lost_is_not_a_second_writer(s3_endpoint, s3
 def test_persistent_failure_is_a_clear_error_and_commits_nothing(s3_endpoint, s3_bucket, inject):
     store = fresh(s3_endpoint, s3_bucket, max_attempts=2)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as ck:
-        ck.save(1, make_state(1))
+        ck.save(1, tagged_state(1))
     attempts = []
 
     def broken(request, **_kwargs):
@@ -204,7 +204,7 @@ def test_persistent_failure_is_a_clear_error_and_commits_nothing(s3_endpoint, s3
 
     store.client.meta.events.register("before-send.s3.*", broken)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as ck, pytest.raises(StoreError) as err:
-        ck.save(2, make_state(2))
+        ck.save(2, tagged_state(2))
     message = str(err.value)
     assert f"s3://{s3_bucket}/ckpts/chunks/" in message and "PutObject" in message
     assert ("InternalError" if inject is server_error else "ReadTimeoutError") in message
@@ -246,16 +246,16 @@ def test_cold_object_error_names_the_object_and_the_fix(s3_endpoint, s3_bucket, 
     message = str(err.value)
     assert f"s3://{s3_bucket}/ckpts/frozen" in message and "DEEP_ARCHIVE" in message
     assert "ckptflow thaw" in message and "restore" in message
-    assert store.restore_request("frozen", days=2) is True
+    assert store.request_thaw("frozen", days=2) is True
     assert store.get("frozen") == b"x"  # moto completes restores at once
     store.put_if_absent("warm", b"y")
-    assert store.restore_request("warm") is False  # not cold: nothing to do
+    assert store.request_thaw("warm") is False  # not cold: nothing to do
 
 
 def test_cli_on_an_s3_store(s3_store_url, capsys):
     with Checkpointer(s3_store_url, run=RUN, chunk_bytes=CHUNK) as ck:
-        ck.save(1, make_state(1))
-        ck.save(2, make_state(2))
+        ck.save(1, tagged_state(1))
+        ck.save(2, tagged_state(2))
     open_store(s3_store_url).delete(fmt.manifest_key(RUN, 1))  # expired: its own chunks are garbage
     assert main(["ls", s3_store_url, "--json"]) == 0
     assert [c["step"] for c in json.loads(capsys.readouterr().out)] == [2]
@@ -271,7 +271,7 @@ def test_thaw_restores_a_glacier_checkpoint(s3_endpoint, s3_bucket, capsys):
     url = f"s3://{s3_bucket}/ckpts?endpoint={s3_endpoint}"
     glacier = fresh(s3_endpoint, s3_bucket, storage_class="GLACIER")
     with Checkpointer(glacier, run=RUN, chunk_bytes=CHUNK) as ck:
-        info = ck.save(1, make_state(2)).info
+        info = ck.save(1, tagged_state(2)).info
     thaw_hint = f"ckptflow thaw s3://{s3_bucket}/ckpts --run {RUN} --step 1"
     with pytest.raises(ColdObjectError, match=thaw_hint):
         open_store(url).get(fmt.manifest_key(RUN, 1))
@@ -295,6 +295,6 @@ def test_thaw_restores_a_glacier_checkpoint(s3_endpoint, s3_bucket, capsys):
 
 def test_thaw_refuses_a_local_store(tmp_path, capsys):
     with Checkpointer(str(tmp_path / "s"), run=RUN, chunk_bytes=CHUNK) as ck:
-        ck.save(1, make_state(1))
+        ck.save(1, tagged_state(1))
     assert main(["thaw", str(tmp_path / "s"), "--run", RUN]) == 2
     assert "thaw applies to s3:// stores" in capsys.readouterr().err

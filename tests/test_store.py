@@ -343,15 +343,15 @@ def test_reencoded_checkpoint_still_verifies_and_restores(tmp_path):
         info = ck.save(1, {"model": model}).info
         assert info.stored_bytes > info.logical_bytes  # raw + headers
     st = open_store(root)
-    manifest, _ = catalog.read_manifest(st, "r", 1)
+    manifest = catalog.read_manifest(st, "r", 1)
     chunks = ChunkStore(st)
-    for digest in manifest["chunks"]:
+    for digest in manifest.chunks:
         chunks.reencode(digest, "zstd", itemsize=4)
         assert codecs.header_codec(st.get(fmt.chunk_key(digest))) == "zstd"
     with Checkpointer(root, run="r") as ck:
         report = ck.verify(1)
         assert report.ok, report.problems
-        assert report.chunks_checked == len(manifest["chunks"])
+        assert report.chunks_checked == len(manifest.chunks)
         fresh = torch.nn.Linear(64, 64)
         assert ck.restore({"model": fresh}).step == 1
     for k, v in expected.items():
@@ -367,9 +367,9 @@ def test_checkpointer_with_zstd_codec_round_trip(tmp_path):
         info = ck.save(1, {"model": model}).info
         assert info.stored_bytes < info.logical_bytes
         st = open_store(root)
-        manifest, _ = catalog.read_manifest(st, "r", 1)
-        assert manifest["codec"] == "zstd"
-        assert {codecs.header_codec(st.get(fmt.chunk_key(d))) for d in manifest["chunks"]} == {"zstd"}
+        manifest = catalog.read_manifest(st, "r", 1)
+        assert manifest.codec == "zstd"
+        assert {codecs.header_codec(st.get(fmt.chunk_key(d))) for d in manifest.chunks} == {"zstd"}
         with torch.no_grad():
             model.weight.zero_()
         assert ck.restore({"model": model}).step == 1

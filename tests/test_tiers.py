@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import assert_state_equals, snapshot
+from support.states import assert_state_equals, snapshot
 
 from ckptflow import Checkpointer, catalog, gc, lifecycle
 from ckptflow import format as fmt
@@ -81,8 +81,8 @@ def test_a_corrupt_hot_copy_falls_back_to_the_archive_copy_of_the_same_step(
     state, snap, _ = save_two(hot_root, tiny_state_factory, tiny_train_step)
     hot = open_store(hot_root)
     assert lifecycle.archive(hot, open_store(arc_root), RUN, 2).ok
-    manifest, _ = catalog.read_manifest(hot, RUN, 2)
-    digest = sorted(manifest["chunks"])[0]
+    manifest = catalog.read_manifest(hot, RUN, 2)
+    digest = sorted(manifest.chunks)[0]
     blob = bytearray(hot.get(fmt.chunk_key(digest)))
     blob[-1] ^= 0xFF
     hot.replace(fmt.chunk_key(digest), bytes(blob))
@@ -140,9 +140,9 @@ def test_cold_archive_keeps_metadata_readable_and_restore_says_to_thaw(
     def storage_class(key):
         return s3_client.head_object(Bucket=s3_bucket, Key=f"arc/{key}").get("StorageClass", "STANDARD")
 
-    manifest, _ = catalog.read_manifest(cold, RUN, 2)  # readable without a thaw
+    manifest = catalog.read_manifest(cold, RUN, 2)  # readable without a thaw
     assert storage_class(fmt.manifest_key(RUN, 2)) == "STANDARD"
-    assert {storage_class(fmt.chunk_key(d)) for d in manifest["chunks"]} == {"DEEP_ARCHIVE"}
+    assert {storage_class(fmt.chunk_key(d)) for d in manifest.chunks} == {"DEEP_ARCHIVE"}
     assert [e.tiers for e in inventory.collect(hot, cold) if e.step == 2] == [["hot", "archive"]]
 
     lifecycle.expire(hot, RUN, 2)

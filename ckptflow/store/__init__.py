@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from urllib.parse import parse_qs, unquote, urlparse
 
 from ckptflow.store.base import ObjectInfo, Store, validate_key
@@ -10,19 +11,23 @@ from ckptflow.store.local import LocalStore
 __all__ = ["ObjectInfo", "Store", "LocalStore", "open_store", "validate_key"]  # S3Store: ckptflow.store.s3
 
 
-def open_store(url: "str | Store") -> Store:
+def open_store(url: "str | os.PathLike[str] | Store", *, create: bool = True) -> Store:
     """Open a store from a plain path, a ``file://`` URL, ``s3://bucket/prefix`` (optionally
-    ``?endpoint=http://host:port`` for an S3-compatible store), or return a ``Store`` as is."""
+    ``?endpoint=http://host:port`` for an S3-compatible store), or return a ``Store`` as is.
+
+    The one place a URL becomes a backend. ``create=False`` (commands that only inspect)
+    refuses a local root that does not exist instead of creating an empty store.
+    """
     if isinstance(url, Store):
         return url
-    url = str(url)
+    url = os.fspath(url)
     parsed = urlparse(url)
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and url[1:3] == ":\\"):
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
                 raise ValueError(f"file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
-            return LocalStore(unquote(parsed.path))
-        return LocalStore(url)
+            return LocalStore(unquote(parsed.path), create=create)
+        return LocalStore(url, create=create)
     if parsed.scheme == "s3":
         from ckptflow.store.s3 import S3Store  # boto3 is imported only for S3 stores
 

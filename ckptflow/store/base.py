@@ -1,7 +1,7 @@
 """The small interface every storage backend implements.
 
-Checkpoint logic only ever needs these seven operations, so a new backend (S3, GCS,
-a parallel filesystem) is one class. Keys are ``/``-separated relative names that
+Checkpoint logic only ever needs seven operations, so a new backend (S3, GCS, a
+parallel filesystem) is one class; the optional capabilities have defaults. Keys are ``/``-separated relative names that
 ``validate_key`` has accepted; a backend never sees ``..`` or an absolute path.
 """
 
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ckptflow.errors import InvalidNameError
+from ckptflow.errors import CkptflowError, InvalidNameError
 
 Buffers = bytes | memoryview | Sequence[bytes | memoryview]
 
@@ -48,9 +49,21 @@ class ObjectInfo:
 
 
 class Store(ABC):
-    """One store root. All methods are safe to call from several threads."""
+    """One store root. All methods are safe to call from several threads.
+
+    Seven operations are required; the rest are optional capabilities declared here
+    with defaults, so code above ``store/`` asks a store what it can do instead of
+    probing its type.
+    """
 
     url: str
+    #: Re-reading an object is cheap (a page cache): restore verifies chunks by streaming
+    #: them through a small buffer, then reads them again straight into the tensors.
+    cheap_reread: bool = False
+    #: New objects land in a storage class that cannot be read until thawed (Glacier).
+    writes_cold: bool = False
+    #: Cold objects can be thawed (``request_thaw``).
+    can_thaw: bool = False
 
     @abstractmethod
     def get(self, key: str) -> bytes:
@@ -70,7 +83,8 @@ class Store(ABC):
 
     @abstractmethod
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
-        """Objects under ``prefix`` (a key ending in ``/`` or empty), sorted by key.
+        """Objects under ``prefix`` (a key ending in ``/`` or empty), sorted by key, with
+        their sizes and modification times.
 
         With ``recursive=False`` only direct children are listed; a child "directory"
         appears once as an ``ObjectInfo`` whose key ends in ``/`` and whose size is 0.
@@ -84,6 +98,7 @@ class Store(ABC):
     def stat(self, key: str) -> ObjectInfo:
         """Size and modification time; ``ObjectNotFoundError`` if absent."""
 
+    # ---- optional capabilities, with defaults --------------------------------------
     def exists(self, key: str) -> bool:
         try:
             self.stat(key)
@@ -97,6 +112,51 @@ class Store(ABC):
         Backends where this is expensive may make it a no-op and document how their
         garbage collection stays safe instead.
         """
+
+    def scan(self, key: str, buffer: memoryview, consume: Callable[[memoryview], None]) -> tuple[int, Any]:
+        """Feed the object to ``consume`` piece by piece: (its size, its version).
+
+        The version names the exact object read (``None`` where the backend cannot say),
+        so a later ``get_into`` can tell whether it reads the same bytes. The default
+        reads the whole object; a backend with cheap re-reads streams through ``buffer``.
+        """
+        data = memoryview(self.get(key))
+        for start in range(0, len(data), max(1, len(buffer))):
+            consume(data[start : start + len(buffer)])
+        return len(data), None
+
+    def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> tuple[int, Any]:
+        """Read the object into ``buffers`` in order: (its size, its version).
+
+        The buffers are filled only when the object's size equals their total size;
+        otherwise they are left alone and the caller decides what to do.
+        """
+        data = memoryview(self.get(key))
+        views = [memoryview(b).cast("B") for b in buffers]
+        if len(data) == sum(len(v) for v in views):
+            offset = 0
+            for view in views:
+                view[:] = data[offset : offset + len(view)]
+                offset += len(view)
+        return len(data), None
+
+    def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:
+        """Partial objects left by writers that died mid-write (for GC); a backend whose
+        writes are atomic without temp objects has none."""
+        return iter(())
+
+    def delete_temp(self, name: str) -> None:
+        """Remove one of ``stale_temp_files``."""
+
+    def metadata_store(self) -> "Store":
+        """Where small records (manifests, rank records) go: this store, or for a store
+        that writes cold objects a view of the same root in a readable class."""
+        return self
+
+    def request_thaw(self, key: str, days: int = 1, tier: str = "Standard") -> bool:
+        """Ask the backend to make a cold object readable for ``days``; False if it is
+        not cold or a thaw is already under way."""
+        raise CkptflowError(f"{self.url} has no cold storage classes: thaw applies to s3:// stores")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -14,18 +14,23 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISDIR
 
-from ckptflow.errors import ObjectNotFoundError
+from ckptflow.errors import ObjectNotFoundError, StoreNotFoundError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 
 TEMP_PREFIX = ".tmp-"
 
 
 class LocalStore(Store):
-    def __init__(self, root: str, *, fsync: bool = True):
+    cheap_reread = True  # the page cache
+
+    def __init__(self, root: str, *, fsync: bool = True, create: bool = True):
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = "file://" + self.root
         self.fsync = fsync
-        os.makedirs(self.root, exist_ok=True)
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        elif not os.path.isdir(self.root):
+            raise StoreNotFoundError(f"store root {self.root} does not exist or is not a directory; check the path")
 
     def _path(self, key: str) -> str:
         path = os.path.join(self.root, *validate_key(key).split("/"))
@@ -223,7 +228,6 @@ class LocalStore(Store):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:
-        """Temp files left by writers that died mid-write (for GC)."""
         for dirpath, _dirs, files in os.walk(self.root):
             for name in files:
                 if name.startswith(TEMP_PREFIX) or name.endswith(".claim"):
@@ -235,8 +239,8 @@ class LocalStore(Store):
                     if st.st_mtime < older_than:
                         yield ObjectInfo(os.path.relpath(path, self.root), st.st_size, st.st_mtime)
 
-    def delete_temp(self, relpath: str) -> None:
-        path = os.path.abspath(os.path.join(self.root, relpath))
+    def delete_temp(self, name: str) -> None:
+        path = os.path.abspath(os.path.join(self.root, name))
         if os.path.commonpath([self.root, path]) == self.root:
             try:
                 os.unlink(path)

@@ -31,6 +31,7 @@ ENDPOINT_ENV = "CKPTFLOW_S3_ENDPOINT_URL"
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 _STEP_KEY = re.compile(r"^runs/(?P<run>[^/]+)/checkpoints/(?P<step>\d+)/")  # names the step to thaw
 _EXISTS = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
+COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE")  # classes whose objects need a restore before a read
 
 
 def _sha256_b64(buffers: list[memoryview]) -> str:
@@ -71,6 +72,8 @@ def _status(e: Exception) -> int:
 
 
 class S3Store(Store):
+    can_thaw = True
+
     def __init__(
         self,
         bucket: str,
@@ -92,6 +95,7 @@ class S3Store(Store):
         self.bucket, self.prefix = bucket, prefix
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self.storage_class = storage_class
+        self.writes_cold = storage_class in COLD_CLASSES
         self.multipart_threshold, self.part_size = int(multipart_threshold), int(part_size)
         self.max_attempts = max(1, int(max_attempts))
         if client is None:
@@ -112,6 +116,14 @@ class S3Store(Store):
                 ),
             )
         self.client = client
+
+    def metadata_store(self) -> "S3Store":
+        """Manifests and rank records of a cold store go in the default class, so they
+        stay listable and readable (only chunks, the bulk of the bytes, go cold)."""
+        if not self.writes_cold:
+            return self
+        return S3Store(self.bucket, self.prefix, client=self.client, multipart_threshold=self.multipart_threshold,
+                       part_size=self.part_size, max_attempts=self.max_attempts)
 
     # ---- plumbing ----------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -275,9 +287,9 @@ class S3Store(Store):
         self._call("CopyObject", key, self.client.copy_object, Key=full, ChecksumAlgorithm="SHA256",
                    CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE", **extra)
 
-    def restore_request(self, key: str, days: int = 1, tier: str = "Standard") -> bool:
-        """Ask S3 to thaw a cold object for ``days``; False if it is not in a cold class
-        (nothing to do) or a restore is already under way."""
+    def request_thaw(self, key: str, days: int = 1, tier: str = "Standard") -> bool:
+        """Ask S3 to restore a cold object for ``days``; False if it is not in a cold
+        class (nothing to do) or a restore is already under way."""
         try:
             self._call("RestoreObject", key, self.client.restore_object, Key=self._key(key),
                        passthrough=("InvalidObjectState", "RestoreAlreadyInProgress"),

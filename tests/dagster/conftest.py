@@ -1,7 +1,9 @@
 """Fixtures for the Dagster layer: a store of real TinyLM checkpoints, resources, defs."""
 
+import json
+
 import pytest
-from dagster_helpers import write_checkpoints
+from support.dagster import EVALUATORS, write_checkpoints
 
 
 @pytest.fixture
@@ -21,7 +23,7 @@ def resources(paths):
 
     return {
         "store": CheckpointStoreResource(url=paths["store"]), "archive": ArchiveResource(url=paths["archive"]),
-        "registry": RegistryResource(url=paths["store"]), "evaluator": EvaluatorResource(),
+        "registry": RegistryResource(url=paths["store"]), "evaluator": EvaluatorResource(evaluators=EVALUATORS),
     }
 
 
@@ -29,6 +31,7 @@ def resources(paths):
 def defs(paths, monkeypatch):
     monkeypatch.setenv("CKPTFLOW_STORE", paths["store"])
     monkeypatch.setenv("CKPTFLOW_ARCHIVE", paths["archive"])
+    monkeypatch.setenv("CKPTFLOW_EVALUATORS", json.dumps(EVALUATORS))
     from pipelines.definitions import build_definitions
 
     return build_definitions("local")

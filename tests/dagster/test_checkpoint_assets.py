@@ -3,10 +3,11 @@
 import os
 
 from dagster import AssetCheckKey, AssetRecordsFilter, evaluate_automation_conditions, materialize
-from dagster_helpers import RUN, corrupt_chunk
+from support.corrupt import corrupt_chunk, grow_first_tensor, reseal_manifest
+from support.dagster import RUN, record
 
 from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation, integrity
-from ckptflow import catalog, lifecycle
+from ckptflow import catalog
 from ckptflow.store import open_store
 from resources import EvaluatorResource
 
@@ -41,7 +42,7 @@ def test_good_checkpoint_flows_through_every_asset(store_with_checkpoints, paths
     assert arc["verified"].value is True
     assert catalog.verify_checkpoint(open_store(paths["archive"]), RUN, 20).ok
     assert catalog.verify_checkpoint(open_store(paths["store"]), RUN, 20).ok  # still restores after re-encoding
-    assert lifecycle.read_record(open_store(paths["store"]), RUN, 20, "validation")["ok"] is True
+    assert record(paths["store"], 20, "validation")["ok"] is True
 
 
 def test_corrupt_checkpoint_fails_blocking_check_and_nothing_downstream_runs(store_with_checkpoints, resources, instance):
@@ -77,7 +78,7 @@ def test_backfill_reevaluates_several_partitions_with_a_new_evaluator(store_with
         assert materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=resources,
                            selection=[checkpoint, evaluation]).success
     first = {k: latest(instance, evaluation, k)["val_loss"].value for k in KEYS}
-    new = {**resources, "evaluator": EvaluatorResource(function="test_checkpoint_assets:constant_evaluator")}
+    new = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "test_checkpoint_assets:constant_evaluator"})}
     for key in KEYS[1:]:  # the backfill: a range of old partitions, evaluation only
         assert materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=new, selection=[evaluation]).success
     assert latest(instance, evaluation, KEYS[0])["val_loss"].value == first[KEYS[0]]
@@ -90,3 +91,14 @@ def test_backfill_reevaluates_several_partitions_with_a_new_evaluator(store_with
 def constant_evaluator(state_dict, info):
     assert "embed.weight" in state_dict and info["step"] > 0
     return {"val_loss": 0.5}
+
+
+def test_integrity_check_refuses_a_manifest_whose_shards_do_not_cover_a_tensor(store_with_checkpoints, resources, instance):
+    """The check applies the rules restore applies (``Manifest.parse``): sealed but wrong fails."""
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    reseal_manifest(store_with_checkpoints, RUN, 20, grow_first_tensor)
+    result = mat(instance, resources, KEYS[1])
+    [check] = result.get_asset_check_evaluations()
+    assert not check.passed and "covering" in check.metadata["problems"].value
+    for asset in (evaluation, compressed, archived):
+        assert latest(instance, asset, KEYS[1]) is None, asset.key

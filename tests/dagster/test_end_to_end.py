@@ -2,10 +2,14 @@
 with the archive tier in a local directory and then on the moto S3 server (dagster-aws
 ``S3Resource`` -> ckptflow's S3 backend, objects in GLACIER_IR)."""
 
+import json
+
 import pytest
 import torch
 from dagster import DagsterInstance, materialize
-from dagster_helpers import RUN, corrupt_chunk, write_checkpoints
+from support.corrupt import corrupt_chunk
+from support.dagster import EVALUATORS, RUN, write_checkpoints
+from support.dagster import record as read
 
 from assets import checkpoint_key
 from ckptflow import Checkpointer, catalog, lifecycle
@@ -21,6 +25,7 @@ from resources import ArchiveResource, S3ArchiveResource
 def archive_defs(request, paths, monkeypatch):
     """Definitions as `dagster dev` would load them, archive chosen by ``CKPTFLOW_ARCHIVE``."""
     monkeypatch.setenv("CKPTFLOW_STORE", paths["store"])
+    monkeypatch.setenv("CKPTFLOW_EVALUATORS", json.dumps(EVALUATORS))
     if request.param == "local":
         monkeypatch.setenv("CKPTFLOW_ARCHIVE", paths["archive"])
     else:
@@ -81,9 +86,9 @@ def test_lifecycle_end_to_end(paths, archive_defs, tmp_path):  # noqa: PLR0915 (
         assert listed and {o["StorageClass"] for o in listed} == {"GLACIER_IR"}
     for step in (10, 20, 40, 50):
         assert catalog.verify_checkpoint(archive, RUN, step).ok
-        record = lifecycle.read_record(open_store(paths["store"]), RUN, step, "archive")
+        record = read(paths["store"], step, "archive")
         assert record["ok"] and record["url"] == archive.url and record["verified_by"] == "re-read"
-        assert record["chunks_verified"] == len(catalog.read_manifest(archive, RUN, step)[0]["chunks"])
+        assert record["chunks_verified"] == len(catalog.read_manifest(archive, RUN, step).chunks)
     tiered_retention(defs, paths, archive, home)
 
 

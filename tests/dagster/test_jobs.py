@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 from dagster import DagsterEventType, build_run_status_sensor_context, materialize
-from dagster_helpers import RUN, corrupt_chunk
+from support.corrupt import corrupt_chunk
+from support.dagster import RUN, record, subject
 from safetensors.torch import load_file
 
 from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation, integrity
@@ -33,15 +34,16 @@ def deploy(defs, instance, job="promotion", **config):
 def test_promotion_alias_moves_and_rollback_with_lineage(store_with_checkpoints, defs, resources, instance, paths):
     evaluate_all(instance, resources)
     store = open_store(paths["store"])
-    best = min(KEYS, key=lambda k: lifecycle.read_record(store, RUN, int(k[-12:]), "evaluation")["metrics"]["val_loss"])
+    best = min(KEYS, key=lambda k: record(store, int(k[-12:]), "evaluation")["metrics"]["val_loss"])
 
     first = deploy(defs, instance, stage="stable", partition_key=KEYS[0])
     assert first.success
     md = first.asset_materializations_for_node("deployed_model")[0].metadata
     assert md["source_partition"].value == KEYS[0] and md["alias/stable"].value == 1 and md["alias/latest"].value == 1
-    manifest, digest = catalog.read_manifest(store, RUN, 10)
+    manifest = catalog.read_manifest(store, RUN, 10)
+    digest = manifest.digest
     assert md["manifest_digest"].value == digest
-    assert md["training_config"].value["kind"] == manifest["kind"]
+    assert md["training_config"].value["kind"] == manifest.kind
 
     second = deploy(defs, instance, stage="stable", dtype="bf16")  # best by val_loss
     assert second.success
@@ -106,15 +108,15 @@ def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, 
     result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
     assert not result.success
     store = open_store(store_with_checkpoints)
-    assert lifecycle.read_record(store, RUN, 20, "validation")["ok"] is False
-    assert lifecycle.read_record(store, RUN, 10, "validation")["ok"] is True
+    assert record(store, 20, "validation")["ok"] is False
+    assert record(store, 10, "validation")["ok"] is True
 
 
 def test_failure_sensor_records_the_failed_partition(store_with_checkpoints, resources, instance):
     from resources import EvaluatorResource
 
     instance.add_dynamic_partitions("checkpoints", KEYS[:1])
-    broken = {**resources, "evaluator": EvaluatorResource(function="no.such.module:evaluate")}
+    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
     result = materialize([*PARTITIONED, integrity], partition_key=KEYS[0], instance=instance, resources=broken,
                          selection=[checkpoint, evaluation], raise_on_error=False)
     assert not result.success
@@ -124,8 +126,8 @@ def test_failure_sensor_records_the_failed_partition(store_with_checkpoints, res
         dagster_run=result.dagster_run, resources={"store": resources["store"]},
     ).for_run_failure()
     failure_sensor(context)
-    record = lifecycle.read_record(open_store(store_with_checkpoints), RUN, 10, "failure")
-    assert record["run_id"] == result.run_id and record["message"]
+    failure = record(store_with_checkpoints, 10, "failure")
+    assert failure["run_id"] == result.run_id and failure["message"]
 
 
 @pytest.mark.parametrize("action", ["nonsense"])
@@ -144,9 +146,10 @@ def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
     instance.add_dynamic_partitions("checkpoints", KEYS)
     for step in (10, 20):
         assert lifecycle.archive(hot, arc, RUN, step).ok
-    lifecycle.write_record(hot, RUN, 10, "archive", {"url": arc.url, "ok": True})
-    lifecycle.write_record(hot, RUN, 20, "archive", {"url": "s3://elsewhere/ckpts", "ok": True})
+    lifecycle.write_record(hot, subject(hot, 10), "archive", {"url": arc.url, "ok": True})
+    lifecycle.write_record(hot, subject(hot, 20), "archive", {"url": "s3://elsewhere/ckpts", "ok": True})
     archived_chunks = {i.key for i in arc.list("chunks/")}
+    first = subject(hot, 10)
     config = {"recent_days": 0, "full_days": 0, "best_k": 0, "gc_grace": "0s", "hot_days": 0, "pinned": [KEYS[1]]}
     result = defs.resolve_job_def("retention_job").execute_in_process(
         instance=instance, run_config={"ops": {"apply_retention": {"config": config}}})
@@ -154,6 +157,6 @@ def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
     assert out["hot_copies_expired"] == [KEYS[0]] and out["left_hot"] == [KEYS[1]] and out["expired"] == [KEYS[2]]
     assert [i.step for i in catalog.list_checkpoints(hot, RUN)] == [20, 40]
     assert set(instance.get_dynamic_partitions("checkpoints")) == {KEYS[0], KEYS[1], KEYS[3]}
-    assert lifecycle.read_record(hot, RUN, 10, "archive")["ok"] is True  # its records stay with it
+    assert lifecycle.read_record(hot, first, "archive")["ok"] is True  # its records stay with it
     assert {i.key for i in arc.list("chunks/")} == archived_chunks  # hot GC never touches the archive
     assert catalog.verify_checkpoint(arc, RUN, 10).ok and catalog.verify_checkpoint(hot, RUN, 20).ok

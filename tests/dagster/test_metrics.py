@@ -1,7 +1,8 @@
 """The recovery_metrics asset: checkpoint frequency, time to recovery-ready, recoveries."""
 
 from dagster import materialize
-from dagster_helpers import RUN, corrupt_chunk
+from support.corrupt import corrupt_chunk
+from support.dagster import RUN
 
 from assets import PARTITIONED, checkpoint_key, integrity
 from ckptflow import Checkpointer

@@ -1,15 +1,18 @@
-"""Partition keys, and the landing sensor: exactly the new partitions, cursor, paging."""
+"""Partition keys, and the landing sensor: exactly the new commits, cursor, paging, re-commits."""
 
-import json
 import os
 
 import pytest
-from dagster import SensorResult, SkipReason, build_sensor_context
+import torch
+from dagster import SensorResult, build_sensor_context
 
 from assets.partitions import checkpoint_key, parse_checkpoint_key
+from ckptflow import Checkpointer, catalog, lifecycle
 from ckptflow.store import open_store
-from sensors.landing import landing_sensor, new_checkpoints
-from dagster_helpers import RUN, write_checkpoints
+from pipelines import demo
+from sensors.landing import DIGEST_TAG, landing_sensor, new_commits
+from support.corrupt import corrupt_chunk, only_in
+from support.dagster import RUN, write_checkpoints
 
 
 def test_partition_keys_round_trip_and_reject_garbage():
@@ -26,6 +29,10 @@ def tick(instance, resources, cursor=None):
     return landing_sensor(build_sensor_context(instance=instance, cursor=cursor, resources={"store": resources["store"]}))
 
 
+def digest(root, run, step):
+    return catalog.read_manifest(open_store(root), run, step).digest
+
+
 def test_sensor_adds_exactly_new_partitions_advances_cursor_and_is_idle_after(store_with_checkpoints, resources, instance):
     result = tick(instance, resources)
     assert isinstance(result, SensorResult)
@@ -33,34 +40,55 @@ def test_sensor_adds_exactly_new_partitions_advances_cursor_and_is_idle_after(st
     [add] = result.dynamic_partitions_requests
     assert add.partitions_def_name == "checkpoints" and list(add.partition_keys) == keys
     assert [r.partition_key for r in result.run_requests] == keys
-    assert [r.run_key for r in result.run_requests] == keys
-    assert json.loads(result.cursor) == {RUN: 40}
+    # the run key names the commit (its manifest digest), and the run carries the digest as a tag
+    assert [r.run_key for r in result.run_requests] == [
+        f"{k}@{digest(store_with_checkpoints, RUN, s)[:16]}" for k, s in zip(keys, (10, 20, 30, 40))]
+    assert result.run_requests[0].tags[DIGEST_TAG] == digest(store_with_checkpoints, RUN, 10)
+    instance.add_dynamic_partitions("checkpoints", keys)
 
     again = tick(instance, resources, result.cursor)
-    assert isinstance(again, SkipReason)
+    assert not again.run_requests and not again.dynamic_partitions_requests
 
     write_checkpoints(store_with_checkpoints, steps=(10, 20, 30, 40, 50))
     write_checkpoints(store_with_checkpoints, steps=(5,), run="other")
-    third = tick(instance, resources, result.cursor)
+    third = tick(instance, resources, again.cursor)
     assert list(third.dynamic_partitions_requests[0].partition_keys) == [checkpoint_key("other", 5), checkpoint_key(RUN, 50)]
-    assert json.loads(third.cursor) == {RUN: 50, "other": 5}
+    assert sorted(r.partition_key for r in third.run_requests) == [checkpoint_key("other", 5), checkpoint_key(RUN, 50)]
 
 
-def test_sensor_ignores_uncommitted_steps_and_pages(store_with_checkpoints):
+def test_sensor_ignores_uncommitted_steps_and_pages_oldest_first(store_with_checkpoints):
     store = open_store(store_with_checkpoints)
     os.makedirs(os.path.join(store_with_checkpoints, "runs", RUN, "checkpoints", "000000000050", "ranks"))
-    found, cursor = new_checkpoints(store, {}, limit=3)
-    assert found == [(RUN, 10), (RUN, 20), (RUN, 30)] and cursor == {RUN: 30}
-    found, cursor = new_checkpoints(store, cursor, limit=3)
-    assert found == [(RUN, 40)] and cursor == {RUN: 40}  # step 50 has no commit record
-    assert new_checkpoints(store, cursor, limit=3) == ([], {RUN: 40})
+    found, cursor = new_commits(store, {}, limit=3)
+    assert [c.key for c in found] == [checkpoint_key(RUN, s) for s in (10, 20, 30)]
+    found, cursor = new_commits(store, cursor, limit=3)
+    assert [c.key for c in found] == [checkpoint_key(RUN, 40)]  # step 50 has no commit record
+    assert new_commits(store, cursor, limit=3)[0] == []
 
 
-def test_sensor_passes_over_partitions_the_instance_already_has(store_with_checkpoints, resources, instance):
-    instance.add_dynamic_partitions("checkpoints", [checkpoint_key(RUN, s) for s in (10, 20)])
-    result = tick(instance, resources)
-    assert list(result.dynamic_partitions_requests[0].partition_keys) == [checkpoint_key(RUN, s) for s in (30, 40)]
-    instance.add_dynamic_partitions("checkpoints", [checkpoint_key(RUN, s) for s in (30, 40)])
-    again = tick(instance, resources)  # e.g. a daemon on an instance the demo filled: nothing to run, cursor moves
-    assert not again.run_requests and not again.dynamic_partitions_requests
-    assert json.loads(again.cursor) == {RUN: 40} and "already registered" in again.skip_reason.skip_message
+def test_a_step_committed_again_is_landed_again(store_with_checkpoints, resources, instance):
+    """Restore rejects step 40, training falls back to 30 and saves step 40 again: the new
+    commit (a new digest) gets its own validation run although its partition exists."""
+    first = tick(instance, resources)
+    instance.add_dynamic_partitions("checkpoints", [r.partition_key for r in first.run_requests])
+    old = digest(store_with_checkpoints, RUN, 40)
+    corrupt_chunk(store_with_checkpoints, RUN, 40, only_in(store_with_checkpoints, RUN, 40, 30)[0])
+    torch.manual_seed(1)
+    state = demo.build()
+    with Checkpointer(store_with_checkpoints, RUN) as ck:
+        assert ck.restore(state).step == 30
+        ck.save(40, state, metadata={"train_loss": 0.5})  # moves the rejected commit aside
+    new = digest(store_with_checkpoints, RUN, 40)
+    assert new != old
+    again = tick(instance, resources, first.cursor)
+    assert not again.dynamic_partitions_requests  # the partition exists
+    [request] = again.run_requests
+    assert request.partition_key == checkpoint_key(RUN, 40) and request.run_key == f"{checkpoint_key(RUN, 40)}@{new[:16]}"
+
+
+def test_sensor_passes_over_commits_already_validated(store_with_checkpoints, resources, instance):
+    for step in (10, 20):
+        lifecycle.validate(open_store(store_with_checkpoints), RUN, step)
+    result = tick(instance, resources)  # e.g. a daemon on an instance the demo filled: nothing to re-run
+    assert list(result.dynamic_partitions_requests[0].partition_keys) == [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
+    assert [r.partition_key for r in result.run_requests] == [checkpoint_key(RUN, s) for s in (30, 40)]

@@ -1,4 +1,7 @@
-"""The default evaluator: validation loss of the demo TinyLM on held-out generated data.
+"""The demo's evaluator: validation loss of the TinyLM on held-out generated data.
+
+Named for the demo run in the local deployment (``pipelines/definitions.py``); any other
+run is scored by its own evaluator or by its trainer's recorded metrics.
 
 Held-out batches come from generator seeds far beyond any training position, so they
 are sequences the model never trained on (from the same distribution). Deterministic,
@@ -13,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipelines.demo import VOCAB, Batches, TinyLM
+from pipelines.demo.model import VOCAB, Batches, TinyLM
 
 HELD_OUT_POSITION = 10_000_000
 HELD_OUT_BATCHES = 4

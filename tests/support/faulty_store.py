@@ -61,6 +61,7 @@ class FaultyStore(Store):
         self._when = "before"
         self._sticky = True
         self._pauses: list[PausePoint] = []
+        self.fail_if: Callable[[str, str], bool] = lambda op, key: False  # (op, key) -> raise before it runs
 
     # ---- control --------------------------------------------------------------------
     def arm(self, n: int, *, when: str = "before", sticky: bool = True) -> None:
@@ -119,6 +120,8 @@ class FaultyStore(Store):
             return before, not before
 
     def _call(self, op: str, key: str, fn: Callable, *args, **kwargs):
+        if self.fail_if(op, key):
+            raise InjectedFault(f"injected fault in {op}({key})")
         fail_before, fail_after = self._begin(op, key)
         if fail_before:
             raise InjectedFault(f"injected fault before {op}({key})")

@@ -4,7 +4,7 @@ Shows the library end to end on CPU in well under a minute: full and async
 incremental saves, a simulated crash and restore (weights, optimizer, scheduler, RNG,
 data position), a checkpoint corrupted on purpose that restore skips and verify
 reports, and the store's dedup figures. Then it drives the Dagster lifecycle over the store
-in-process (pipelines/lifecycle_demo.py) and prints its summary; `make ui` shows the same.
+in-process (pipelines/demo/lifecycle.py) and prints its summary; `make ui` shows the same.
 """
 
 from __future__ import annotations
@@ -17,78 +17,15 @@ import time
 import warnings
 
 import torch
-from torch import nn
 
-from ckptflow import Checkpointer, SavePolicy, gc, recoveries
+from ckptflow import Checkpointer, SavePolicy, catalog, gc, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import list_checkpoints
+from pipelines.demo.model import build, train_step
 
-VOCAB, SEQ, DIM = 32, 32, 64
 DEMO_STORE = ".demo/store"
 DEMO_ARCHIVE = ".demo/archive"
 DEMO_DAGSTER_HOME = ".dagster_home"
-
-
-class TinyLM(nn.Module):
-    """A 2-layer causal transformer language model (~100k parameters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
-        layer = nn.TransformerEncoderLayer(DIM, nhead=4, dim_feedforward=4 * DIM, batch_first=True)
-        self.blocks = nn.TransformerEncoder(layer, num_layers=2)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-        return self.head(self.blocks(self.embed(tokens) + self.pos[: tokens.shape[1]], mask=mask, is_causal=True))
-
-
-class Batches:
-    """Generated data: noisy arithmetic sequences, so the model has something to learn.
-
-    ``Stateful``: its position is saved and restored with the checkpoint.
-    """
-
-    def __init__(self, batch_size: int = 16) -> None:
-        self.batch_size, self.position = batch_size, 0
-
-    def next(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.position)
-        self.position += 1
-        start = torch.randint(0, VOCAB, (self.batch_size, 1), generator=g)
-        stride = torch.randint(1, 4, (self.batch_size, 1), generator=g)
-        return (start + stride * torch.arange(SEQ + 1)) % VOCAB
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.position = sd["position"]
-
-
-def build() -> dict:
-    """Fine-tuning set-up: embeddings and the first block stay frozen, as in many
-    fine-tuning jobs, so incremental checkpoints only write what training changes."""
-    model = TinyLM()
-    for frozen in (model.embed, model.blocks.layers[0]):
-        frozen.requires_grad_(False)
-    model.pos.requires_grad_(False)
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=400)
-    return {"model": model, "optim": optim, "sched": sched, "data": Batches()}
-
-
-def train_step(state: dict) -> float:
-    batch = state["data"].next()
-    logits = state["model"](batch[:, :-1])
-    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-    loss.backward()
-    state["optim"].step()
-    state["optim"].zero_grad()
-    state["sched"].step()
-    return loss.item()
 
 
 def train(ck: Checkpointer, state: dict, start: int, stop: int, crash_at: int | None = None) -> int:
@@ -142,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         train(ck, state, result.step, args.steps)
 
         previous, newest = ck.list()[-2:]
-        chunks_of = lambda step: fmt.unseal(ck.store.get(fmt.manifest_key(args.run, step)), "manifest")["chunks"]
+        chunks_of = lambda step: catalog.read_manifest(ck.store, args.run, step).chunks  # noqa: E731
         victim = min(set(chunks_of(newest.step)) - set(chunks_of(previous.step)))
         path = os.path.join(args.store, fmt.chunk_key(victim))
         with open(path, "r+b") as f:  # flip one byte of a chunk the newest checkpoint uses
@@ -172,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if not args.no_lifecycle:
         warnings.filterwarnings("ignore", message=r".* is currently in (beta|preview)")  # Dagster API maturity notes
-        from pipelines.lifecycle_demo import run_lifecycle  # Dagster only when asked for
+        from pipelines.demo.lifecycle import run_lifecycle  # Dagster only when asked for
 
         default = args.store == DEMO_STORE
         archive = args.archive or (DEMO_ARCHIVE if default else args.store.rstrip("/") + "-archive")
@@ -182,7 +119,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== demo finished in {time.perf_counter() - t0:.1f} s; try: .venv/bin/ckptflow ls {args.store} "
           f"and .venv/bin/ckptflow verify {args.store} --run {args.run} --all")
     return status
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

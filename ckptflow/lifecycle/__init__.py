@@ -1,0 +1,21 @@
+"""What happens to a checkpoint after it is committed, one module per operation.
+
+Each operation works on stores only (no Dagster) and writes its own record, keyed by the
+manifest digest of the checkpoint it looked at (``records``). The Dagster assets and
+jobs call these and turn the results into metadata and partitions.
+"""
+
+from ckptflow.lifecycle.archive import ArchiveReport, archive, copy_matches
+from ckptflow.lifecycle.compress import CompressionReport, compress
+from ckptflow.lifecycle.evaluate import EvaluationRule, Evaluator, evaluate
+from ckptflow.lifecycle.expire import ExpireError, expire
+from ckptflow.lifecycle.records import KINDS, Subject, read_record, records_by_subject, write_record
+from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, current_plan
+from ckptflow.lifecycle.scrub import ScrubReport, scrub
+from ckptflow.lifecycle.validate import validate
+
+__all__ = [
+    "KINDS", "ArchiveReport", "CompressionReport", "EvaluationRule", "Evaluator", "ExpireError", "RetentionReport",
+    "ScrubReport", "Subject", "apply_retention", "archive", "compress", "copy_matches", "current_plan", "evaluate",
+    "expire", "read_record", "records_by_subject", "scrub", "validate", "write_record",
+]

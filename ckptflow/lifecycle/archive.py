@@ -1,0 +1,138 @@
+"""Archival: copy a checkpoint to another tier with the commit protocol, then verify it there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptflow import catalog
+from ckptflow import format as fmt
+from ckptflow.chunks import ChunkStore
+from ckptflow.errors import CkptflowError
+from ckptflow.lifecycle.records import Subject, read_record, write_record
+from ckptflow.manifest import Manifest
+from ckptflow.store.base import Store
+
+
+@dataclass
+class ArchiveReport:
+    url: str = ""
+    digest: str = ""
+    chunks_copied: int = 0
+    chunks_present: int = 0
+    bytes_copied: int = 0
+    problems: list[str] = field(default_factory=list)
+    chunks_verified: int = 0
+    verified_by: str = "re-read"  # or "size" for a cold storage class (objects unreadable until thawed)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def archive(src: Store, dst: Store, run: str, step: int, progress: Callable[[int], None] | None = None) -> ArchiveReport:
+    """Copy ``(run, step)`` from ``src`` (the hot store) to ``dst`` with the same commit
+    protocol (chunks, then rank records, then the manifest last, all create-only), verify
+    it there, and record the outcome in ``src`` for the manifest's digest.
+
+    Verification re-reads every chunk from ``dst`` and checks it against its address,
+    and the manifest and rank records against their checksums. A ``dst`` that writes
+    cold objects (S3 GLACIER / DEEP_ARCHIVE) cannot be read back until thawed: its
+    chunks are verified here before upload (the upload carries their SHA-256, which S3
+    checks) and by size afterwards, and the small records go in a readable class
+    (``Store.metadata_store``), so listing, inventory and restore planning need no thaw.
+    """
+    manifest = catalog.read_manifest(src, run, step)
+    report = ArchiveReport(url=dst.url, digest=manifest.digest)
+    sizes = _copy(src, dst, manifest, report, progress)
+    if not report.problems:
+        _verify(dst, manifest, report, sizes)
+    write_record(src, Subject.of(manifest), "archive", {
+        "url": dst.url, "ok": report.ok, "chunks_copied": report.chunks_copied,
+        "chunks_present": report.chunks_present, "bytes_copied": report.bytes_copied,
+        "problems": report.problems[:20], "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
+    })
+    return report
+
+
+def _copy(src: Store, dst: Store, manifest: Manifest, report: ArchiveReport,
+          progress: Callable[[int], None] | None) -> dict[str, int]:
+    """Chunks, then records; the hot copy's size of each chunk (what a cold copy must match)."""
+    source = ChunkStore(src)
+    sizes: dict[str, int] = {}
+    for digest in sorted(manifest.chunks):
+        key = fmt.chunk_key(digest)
+        if dst.exists(key):
+            report.chunks_present += 1
+            if dst.writes_cold:
+                sizes[key] = src.stat(key).size
+            continue
+        blob = src.get(key)
+        if dst.writes_cold:
+            try:
+                source.get(digest)  # cannot re-read after upload: never archive a corrupt chunk
+            except CkptflowError as e:
+                report.problems.append(str(e))
+                continue
+            sizes[key] = len(blob)
+        dst.put_if_absent(key, blob)
+        report.chunks_copied += 1
+        report.bytes_copied += len(blob)
+        if progress:
+            progress(len(blob))
+    if report.problems:
+        return sizes
+    meta = dst.metadata_store()
+    for key in manifest.rank_keys() + [fmt.manifest_key(manifest.run, manifest.step)]:
+        blob = src.get(key)
+        if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
+            report.problems.append(f"{dst.url}/{key} already holds a different record; not overwritten")
+    return sizes
+
+
+def _verify(dst: Store, manifest: Manifest, report: ArchiveReport, sizes: dict[str, int]) -> None:
+    if not dst.writes_cold:
+        check = catalog.verify_checkpoint(dst, manifest.run, manifest.step)
+        report.problems.extend(check.problems)
+        report.chunks_verified = check.chunks_checked
+        return
+    report.verified_by = "size"
+    meta = dst.metadata_store()
+    try:
+        stored = catalog.read_manifest(meta, manifest.run, manifest.step)
+        for rank in range(stored.world_size):
+            catalog.read_rank_record(meta, stored, rank)
+    except CkptflowError as e:
+        report.problems.append(str(e))
+    for key, size in sizes.items():
+        try:
+            got = dst.stat(key).size
+        except CkptflowError as e:
+            report.problems.append(str(e))
+            continue
+        if got != size:
+            report.problems.append(f"{dst.url}/{key} holds {got} bytes, the hot copy {size}")
+        else:
+            report.chunks_verified += 1
+
+
+def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
+    """None if ``archive`` holds this exact checkpoint (the same manifest digest as the
+    hot copy) and archival verified it there; else why not. Checked right before a
+    hot copy is expired."""
+    try:
+        hot_manifest = catalog.read_manifest(hot, run, step)
+    except CkptflowError as e:
+        return str(e)
+    record = read_record(hot, Subject.of(hot_manifest), "archive") or {}
+    if not record.get("ok"):
+        return "archival has not verified a copy in the archive tier"
+    if record.get("url") not in (None, archive.url):
+        return f"it was archived to {record['url']}, not {archive.url}"
+    try:
+        arc_manifest = catalog.read_manifest(archive.metadata_store(), run, step)
+    except CkptflowError as e:
+        return str(e)
+    if hot_manifest.digest != arc_manifest.digest:
+        return f"the archive's manifest differs ({arc_manifest.digest[:12]}… vs {hot_manifest.digest[:12]}…)"
+    return None

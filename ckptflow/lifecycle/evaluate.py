@@ -1,0 +1,86 @@
+"""Evaluation: score a checkpoint, compare it with the previous one, flag overfitting.
+
+An evaluator is any ``evaluate(state_dict, info) -> {metric: float}``; which one scores
+a run is the caller's choice (the Dagster resource maps run names to evaluators). A
+checkpoint with no evaluator is evaluated from the metrics the trainer recorded at save
+time (``Checkpointer.save(..., metadata={"val_loss": ...})``), marked as such.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptflow import catalog
+from ckptflow.lifecycle.records import Subject, previous_record, write_record
+from ckptflow.store.base import Store
+
+Evaluator = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, float]]
+TRAINER = "trainer metrics"
+
+
+@dataclass(frozen=True)
+class EvaluationRule:
+    """Which metric says "better" (``mode`` min or max) and which one is the training
+    metric for the overfitting rule: validation got worse while training got better."""
+
+    val_metric: str = "val_loss"
+    train_metric: str = "train_loss"
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+
+    def improvement(self, previous: float, current: float) -> float:
+        """Positive when ``current`` is better than ``previous``."""
+        return previous - current if self.mode == "min" else current - previous
+
+
+def numeric(values: Mapping[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def evaluate(
+    source: Store,
+    records: Store,
+    run: str,
+    step: int,
+    evaluator: Evaluator | None = None,
+    *,
+    evaluator_name: str = "",
+    key: str = "model",
+    rule: EvaluationRule = EvaluationRule(),
+) -> dict[str, Any]:
+    """Evaluate ``(run, step)`` held in ``source`` and record it in ``records`` (the hot store).
+
+    With ``evaluator``, the ``key`` entry's tensors are loaded (every chunk verified) and
+    scored; without, the trainer's recorded metrics are the evaluation. The record holds
+    the metrics, the improvement of ``rule.val_metric`` over the nearest older evaluated
+    checkpoint, and whether that looks like overfitting.
+    """
+    manifest = catalog.read_manifest(source, run, step)
+    trainer = numeric(manifest.metadata)
+    if evaluator is None:
+        metrics, by = trainer, TRAINER
+    else:
+        from ckptflow.export import load_tensors  # torch only where a model is scored
+
+        tensors, _ = load_tensors(source, run, step, prefix=key.rstrip(".") + ".")
+        info = {"run": run, "step": step, "manifest_digest": manifest.digest, "metadata": dict(manifest.metadata)}
+        metrics, by = numeric(evaluator(tensors, info)), evaluator_name or "evaluator"
+    train = trainer.get(rule.train_metric)
+    previous = previous_record(records, run, step, "evaluation")
+    improvement = overfitting = None
+    if previous and rule.val_metric in metrics and rule.val_metric in (previous[1].get("metrics") or {}):
+        improvement = rule.improvement(previous[1]["metrics"][rule.val_metric], metrics[rule.val_metric])
+        prev_train = previous[1].get("train")
+        overfitting = bool(improvement < 0 and train is not None and prev_train is not None and train < prev_train)
+    return write_record(records, Subject.of(manifest), "evaluation", {
+        "metrics": metrics, "train": train, "evaluator": by, "source": "trainer" if evaluator is None else "evaluator",
+        "previous_step": previous[0] if previous else None, "improvement": improvement, "overfitting": overfitting,
+        "val_metric": rule.val_metric,
+    })

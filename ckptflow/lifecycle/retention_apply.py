@@ -1,0 +1,69 @@
+"""Applying a retention plan: expire hot copies, keep what the archive holds.
+
+The plan itself is pure (``ckptflow.retention``); this is the one place it touches a
+store, so the Dagster job, a cron script and the tests apply it the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ckptflow import inventory
+from ckptflow.lifecycle.archive import copy_matches
+from ckptflow.lifecycle.expire import ExpireError, expire
+from ckptflow.registry import Registry
+from ckptflow.retention import Ref, RetentionPlan, RetentionPolicy
+from ckptflow.store.base import Store
+
+log = logging.getLogger("ckptflow")
+
+
+@dataclass
+class RetentionReport:
+    expired: list[Ref] = field(default_factory=list)  # gone from every tier
+    hot_copies_expired: list[Ref] = field(default_factory=list)  # the archive copy stays
+    left_hot: list[tuple[Ref, str]] = field(default_factory=list)  # archive-only by plan, copy not confirmed
+    failed: list[tuple[Ref, str]] = field(default_factory=list)  # an expiry failed; the checkpoint stays
+
+
+def current_plan(
+    hot: Store, archive: Store | None, registry: Registry, policy: RetentionPolicy | None = None, *,
+    pinned: Iterable[Ref] = (), hot_days: float | None = None, now: float | None = None,
+) -> tuple[list[inventory.Entry], RetentionPlan]:
+    """The inventory and the plan for it now: pinned = ``pinned`` plus every published
+    model version's source; aliased from the registry."""
+    entries = inventory.collect(hot, archive)
+    plan = inventory.retention_plan(entries, time.time() if now is None else now, registry.pinned() | set(pinned),
+                                    registry.aliased(), policy, hot_days)
+    return entries, plan
+
+
+def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan) -> RetentionReport:
+    """Expire the hot copy of every checkpoint the plan expires.
+
+    A checkpoint whose archive copy verified and matches (same manifest digest) keeps
+    that copy and its lifecycle records: only its hot copy goes. One without loses
+    everything, unless the plan only moves it to the archive, in which case its hot copy
+    stays. Retention never deletes from the archive. An expiry that fails leaves that
+    checkpoint in place and is reported; the others go on.
+    """
+    report = RetentionReport()
+    for ref in plan.expire_hot:
+        run, step = ref
+        why_not = copy_matches(hot, archive, run, step) if archive is not None else "no archive tier"
+        try:
+            if why_not is None:
+                expire(hot, run, step, keep_records=True)
+                report.hot_copies_expired.append(ref)
+            elif ref in plan.archive_only:
+                report.left_hot.append((ref, why_not))
+            else:
+                expire(hot, run, step)
+                report.expired.append(ref)
+        except ExpireError as e:
+            log.warning("retention could not expire %s step %d: %s", run, step, e)
+            report.failed.append((ref, str(e)))
+    return report

@@ -1,0 +1,23 @@
+"""Validation: verify a checkpoint completely and record the verdict for its digest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptflow import catalog
+from ckptflow.lifecycle.records import Subject, write_record
+from ckptflow.store.base import Store
+
+
+def validate(store: Store, run: str, step: int, *, records: Store | None = None) -> dict[str, Any]:
+    """Verify manifest, rank records and every chunk of ``(run, step)`` in ``store`` and
+    record the verdict in ``records`` (the hot store, when ``store`` is the archive tier
+    holding the checkpoint). A checkpoint without a commit record gets no record."""
+    report = catalog.verify_checkpoint(store, run, step)
+    verdict = {
+        "ok": report.ok, "problems": report.problems[:20], "chunks_checked": report.chunks_checked,
+        "bytes_checked": report.bytes_checked, "tier": store.url,
+    }
+    if not report.digest:
+        return {**verdict, "manifest_digest": ""}
+    return write_record(records or store, Subject(run, step, report.digest), "validation", verdict)
