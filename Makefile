@@ -17,6 +17,9 @@ demo: $(STAMP)
 	$(PY) -m pipelines.demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 ui: $(STAMP)

@@ -11,7 +11,19 @@ ALL_ASSETS = [*PARTITIONED, checkpoint_inventory, retention_plan, recovery_metri
 ALL_CHECKS = [integrity]
 
 __all__ = [
-    "ALL_ASSETS", "ALL_CHECKS", "PARTITIONED", "archived", "checkpoint", "checkpoint_inventory", "checkpoint_key",
-    "checkpoints_partitions", "compressed", "deployed_model", "evaluation", "integrity", "parse_checkpoint_key",
-    "recovery_metrics", "retention_plan",
+    "ALL_ASSETS",
+    "ALL_CHECKS",
+    "PARTITIONED",
+    "archived",
+    "checkpoint",
+    "checkpoint_inventory",
+    "checkpoint_key",
+    "checkpoints_partitions",
+    "compressed",
+    "deployed_model",
+    "evaluation",
+    "integrity",
+    "parse_checkpoint_key",
+    "recovery_metrics",
+    "retention_plan",
 ]

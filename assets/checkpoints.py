@@ -18,8 +18,17 @@ so the inventory and retention read them without querying Dagster's event log.
 """
 
 from dagster import (
-    AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, AssetExecutionContext, AutomationCondition,
-    BackfillPolicy, Failure, MaterializeResult, MetadataValue, asset, asset_check,
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    AutomationCondition,
+    BackfillPolicy,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+    asset_check,
 )
 
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key
@@ -71,11 +80,18 @@ def checkpoint(
     info = catalog.CheckpointInfo.from_manifest(manifest)
     return MaterializeResult(
         metadata={
-            "run": run, "step": MetadataValue.int(step), "kind": info.kind, "world_size": info.world_size,
-            "logical_bytes": MetadataValue.int(info.logical_bytes), "stored_bytes": MetadataValue.int(info.stored_bytes),
-            "chunks": MetadataValue.int(info.chunks), "base_step": info.base_step if info.base_step is not None else -1,
-            "created_at": MetadataValue.timestamp(info.created_at), "manifest_digest": manifest.digest,
-            "tier": source.url, **{f"trainer/{k}": v for k, v in _numbers(info.metadata).items()},
+            "run": run,
+            "step": MetadataValue.int(step),
+            "kind": info.kind,
+            "world_size": info.world_size,
+            "logical_bytes": MetadataValue.int(info.logical_bytes),
+            "stored_bytes": MetadataValue.int(info.stored_bytes),
+            "chunks": MetadataValue.int(info.chunks),
+            "base_step": info.base_step if info.base_step is not None else -1,
+            "created_at": MetadataValue.timestamp(info.created_at),
+            "manifest_digest": manifest.digest,
+            "tier": source.url,
+            **{f"trainer/{k}": v for k, v in _numbers(info.metadata).items()},
         },
     )
 
@@ -93,8 +109,10 @@ def integrity(
         passed=bool(record["ok"]),
         severity=AssetCheckSeverity.ERROR,
         metadata={
-            "chunks_checked": record["chunks_checked"], "bytes_checked": record["bytes_checked"],
-            "tier": record["tier"], "manifest_digest": record["manifest_digest"],
+            "chunks_checked": record["chunks_checked"],
+            "bytes_checked": record["bytes_checked"],
+            "tier": record["tier"],
+            "manifest_digest": record["manifest_digest"],
             "problems": MetadataValue.md("\n".join(f"- {p}" for p in record["problems"]) or "none"),
         },
     )
@@ -102,7 +120,9 @@ def integrity(
 
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
 def evaluation(
-    context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource,
+    context: AssetExecutionContext,
+    store: CheckpointStoreResource,
+    archive: ArchiveTierResource,
     evaluator: EvaluatorResource,
 ) -> MaterializeResult:
     """Metrics from the run's evaluator (or, for a run with none, the trainer's recorded
@@ -112,15 +132,25 @@ def evaluation(
     hot = store.open()
     name, function = evaluator.evaluator_for(run)
     rule = EvaluationRule(evaluator.val_metric, evaluator.train_metric, evaluator.mode)
-    record = lifecycle.evaluate(_source(hot, archive, run, step), hot, run, step, function, evaluator_name=name,
-                                key=evaluator.key, rule=rule)
+    record = lifecycle.evaluate(
+        _source(hot, archive, run, step), hot, run, step, function, evaluator_name=name, key=evaluator.key, rule=rule
+    )
     if record["overfitting"]:
         context.log.warning(f"{context.partition_key}: {rule.val_metric} got worse while {rule.train_metric} improved")
-    extra = {} if record["improvement"] is None else {f"improvement/{rule.val_metric}": MetadataValue.float(record["improvement"])}
-    return MaterializeResult(metadata={
-        **_numbers(record["metrics"]), **extra, "overfitting": bool(record["overfitting"]), "evaluator": record["evaluator"],
-        "manifest_digest": record["manifest_digest"],
-    })
+    extra = (
+        {}
+        if record["improvement"] is None
+        else {f"improvement/{rule.val_metric}": MetadataValue.float(record["improvement"])}
+    )
+    return MaterializeResult(
+        metadata={
+            **_numbers(record["metrics"]),
+            **extra,
+            "overfitting": bool(record["overfitting"]),
+            "evaluator": record["evaluator"],
+            "manifest_digest": record["manifest_digest"],
+        }
+    )
 
 
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
@@ -132,10 +162,15 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
     if not run_step_committed(hot, run, step):
         return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
     report = lifecycle.compress(hot, run, step)
-    return MaterializeResult(metadata={
-        "chunks": report.chunks, "reencoded": report.reencoded, "bytes_before": MetadataValue.int(report.bytes_before),
-        "bytes_after": MetadataValue.int(report.bytes_after), "ratio": MetadataValue.float(report.ratio or 1.0),
-    })
+    return MaterializeResult(
+        metadata={
+            "chunks": report.chunks,
+            "reencoded": report.reencoded,
+            "bytes_before": MetadataValue.int(report.bytes_before),
+            "bytes_after": MetadataValue.int(report.bytes_after),
+            "ratio": MetadataValue.float(report.ratio or 1.0),
+        }
+    )
 
 
 @asset(deps=[compressed], automation_condition=DOWNSTREAM, **_COMMON)
@@ -151,11 +186,20 @@ def archived(
         return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
     report = lifecycle.archive(hot, arc, run, step)
     if not report.ok:
-        raise Failure(f"archive copy of {context.partition_key} in {arc.url} does not verify", metadata={
-            "problems": MetadataValue.md("\n".join(f"- {p}" for p in report.problems[:20]))})
-    return MaterializeResult(metadata={
-        "archive": arc.url, "manifest_key": fmt.manifest_key(run, step), "chunks_copied": report.chunks_copied,
-        "chunks_already_there": report.chunks_present, "bytes_copied": MetadataValue.int(report.bytes_copied),
-        "verified": True, "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
-        "manifest_digest": report.digest,
-    })
+        raise Failure(
+            f"archive copy of {context.partition_key} in {arc.url} does not verify",
+            metadata={"problems": MetadataValue.md("\n".join(f"- {p}" for p in report.problems[:20]))},
+        )
+    return MaterializeResult(
+        metadata={
+            "archive": arc.url,
+            "manifest_key": fmt.manifest_key(run, step),
+            "chunks_copied": report.chunks_copied,
+            "chunks_already_there": report.chunks_present,
+            "bytes_copied": MetadataValue.int(report.bytes_copied),
+            "verified": True,
+            "chunks_verified": report.chunks_verified,
+            "verified_by": report.verified_by,
+            "manifest_digest": report.digest,
+        }
+    )

@@ -35,11 +35,18 @@ class RetentionConfig(Config):
     hot_days: float | None = None  # archived checkpoints older than this keep only their archive copy
 
 
-def compute_plan(config: RetentionConfig, hot: Store, archive: Store, registry: RegistryResource
-                 ) -> tuple[list[inventory.Entry], RetentionPlan]:
+def compute_plan(
+    config: RetentionConfig, hot: Store, archive: Store, registry: RegistryResource
+) -> tuple[list[inventory.Entry], RetentionPlan]:
     policy = default_policy(config.recent_days, config.full_days, config.best_k, config.metric, config.mode)
-    return lifecycle.current_plan(hot, archive, registry.open(), policy, hot_days=config.hot_days,
-                                  pinned=[parse_checkpoint_key(k) for k in config.pinned])
+    return lifecycle.current_plan(
+        hot,
+        archive,
+        registry.open(),
+        policy,
+        hot_days=config.hot_days,
+        pinned=[parse_checkpoint_key(k) for k in config.pinned],
+    )
 
 
 def markdown(df: pd.DataFrame, limit: int = 200) -> MetadataValue:
@@ -49,7 +56,12 @@ def markdown(df: pd.DataFrame, limit: int = 200) -> MetadataValue:
     return MetadataValue.md(text)
 
 
-@asset(group_name=GROUP, deps=[checkpoint, evaluation, compressed, archived], automation_condition=REFRESH, kinds={"pandas"})
+@asset(
+    group_name=GROUP,
+    deps=[checkpoint, evaluation, compressed, archived],
+    automation_condition=REFRESH,
+    kinds={"pandas"},
+)
 def checkpoint_inventory(
     store: CheckpointStoreResource, archive: ArchiveTierResource, registry: RegistryResource
 ) -> Output[pd.DataFrame]:
@@ -60,16 +72,20 @@ def checkpoint_inventory(
     df = pd.DataFrame(inventory.rows(entries, plan))
     hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
     counts = df["validation"].value_counts().to_dict() if len(df) else {}
-    return Output(df, metadata={
-        "checkpoints": len(df),
-        "validation_passed": counts.get("passed", 0), "validation_failed": counts.get("failed", 0),
-        "hot_stored_bytes": MetadataValue.int(hot_stats.stored_bytes),
-        "archive_stored_bytes": MetadataValue.int(arc_stats.stored_bytes),
-        "hot_dedup_ratio": MetadataValue.float(hot_stats.dedup_ratio or 1.0),
-        "hot_compression_ratio": MetadataValue.float(hot_stats.compression_ratio or 1.0),
-        "to_delete": len(plan.delete),
-        "table": markdown(df),
-    })
+    return Output(
+        df,
+        metadata={
+            "checkpoints": len(df),
+            "validation_passed": counts.get("passed", 0),
+            "validation_failed": counts.get("failed", 0),
+            "hot_stored_bytes": MetadataValue.int(hot_stats.stored_bytes),
+            "archive_stored_bytes": MetadataValue.int(arc_stats.stored_bytes),
+            "hot_dedup_ratio": MetadataValue.float(hot_stats.dedup_ratio or 1.0),
+            "hot_compression_ratio": MetadataValue.float(hot_stats.compression_ratio or 1.0),
+            "to_delete": len(plan.delete),
+            "table": markdown(df),
+        },
+    )
 
 
 @asset(group_name=GROUP, deps=[checkpoint, evaluation, archived], automation_condition=REFRESH, kinds={"pandas"})
@@ -86,14 +102,32 @@ def retention_plan(
 
     def row(ref, action, why):
         hot = "expire" if ref in plan.archive_only or ref in plan.delete else "keep"
-        return {"run": ref[0], "step": ref[1], "action": action, "hot": hot,
-                "archive": "keep" if ref in archived else "-", "why": why}
+        return {
+            "run": ref[0],
+            "step": ref[1],
+            "action": action,
+            "hot": hot,
+            "archive": "keep" if ref in archived else "-",
+            "why": why,
+        }
 
     df = pd.DataFrame(
-        [row(ref, "archive only" if ref in plan.archive_only else "keep",
-             "; ".join(([plan.archive_only[ref]] if ref in plan.archive_only else []) + why))
-         for ref, why in plan.keep.items()]
+        [
+            row(
+                ref,
+                "archive only" if ref in plan.archive_only else "keep",
+                "; ".join(([plan.archive_only[ref]] if ref in plan.archive_only else []) + why),
+            )
+            for ref, why in plan.keep.items()
+        ]
         + [row(ref, "delete", why) for ref, why in plan.delete.items()]
     )
-    return Output(df, metadata={"keep": len(plan.keep), "delete": len(plan.delete),
-                                "archive_only": len(plan.archive_only), "plan": markdown(df)})
+    return Output(
+        df,
+        metadata={
+            "keep": len(plan.keep),
+            "delete": len(plan.delete),
+            "archive_only": len(plan.archive_only),
+            "plan": markdown(df),
+        },
+    )

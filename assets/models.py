@@ -40,15 +40,23 @@ def _aliases_table(reg: Registry, model: str) -> tuple[dict, MetadataValue]:
 
 @asset(group_name="models", deps=[checkpoint, evaluation], kinds={"safetensors"})
 def deployed_model(
-    context: AssetExecutionContext, config: DeployConfig, store: CheckpointStoreResource, registry: RegistryResource,
+    context: AssetExecutionContext,
+    config: DeployConfig,
+    store: CheckpointStoreResource,
+    registry: RegistryResource,
 ) -> MaterializeResult:
     """What is deployed, after a promotion or a rollback; metadata carries the lineage."""
     reg = registry.open()
     try:
         if config.action == "promote":
             request = PromotionRequest(
-                config.model, parse_checkpoint_key(config.partition_key) if config.partition_key else None,
-                config.metric, config.mode, config.stage, config.dtype, config.key,
+                config.model,
+                parse_checkpoint_key(config.partition_key) if config.partition_key else None,
+                config.metric,
+                config.mode,
+                config.stage,
+                config.dtype,
+                config.key,
             )
             version = promote(store.open(), reg, request)
             context.log.info(f"registered {config.model} v{version.version} from {version.partition_key}")
@@ -59,10 +67,17 @@ def deployed_model(
     except CkptflowError as e:
         raise Failure(str(e)) from None
     aliases, table = _aliases_table(reg, config.model)
-    return MaterializeResult(metadata={
-        "action": config.action, "model": config.model, "version": version.version,
-        "source_partition": version.partition_key, "manifest_digest": version.manifest_digest,
-        "artifact": str(version.artifact.get("store_key") or version.artifact.get("path")),
-        "training_config": MetadataValue.json(version.training_config), "data": MetadataValue.json(version.data),
-        **{f"alias/{a}": v for a, v in aliases.items()}, "aliases": table,
-    })
+    return MaterializeResult(
+        metadata={
+            "action": config.action,
+            "model": config.model,
+            "version": version.version,
+            "source_partition": version.partition_key,
+            "manifest_digest": version.manifest_digest,
+            "artifact": str(version.artifact.get("store_key") or version.artifact.get("path")),
+            "training_config": MetadataValue.json(version.training_config),
+            "data": MetadataValue.json(version.data),
+            **{f"alias/{a}": v for a, v in aliases.items()},
+            "aliases": table,
+        }
+    )

@@ -35,8 +35,9 @@ def median_row(method: str, note: str, samples: list[Sample]) -> Row:
         return statistics.median(vals) if vals else None
 
     nbytes = med("bytes")
-    return Row(method, med("blocked"), med("total"), None if nbytes is None else int(nbytes),
-               med("restore"), med("cpu"), note)
+    return Row(
+        method, med("blocked"), med("total"), None if nbytes is None else int(nbytes), med("restore"), med("cpu"), note
+    )
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -54,37 +55,68 @@ def _mib(value: int | None) -> str:
 
 def table(rows: list[Row]) -> str:
     base = rows[0]
-    header = ["method", "blocked s", "x torch", "total s", "x torch", "bytes on disk", "x torch",
-              "restore s", "x torch", "save cpu s", "note"]
-    body = [[r.method, _secs(r.blocked_s), _ratio(r.blocked_s, base.blocked_s), _secs(r.total_s),
-             _ratio(r.total_s, base.total_s), _mib(r.bytes), _ratio(r.bytes, base.bytes),
-             _secs(r.restore_s), _ratio(r.restore_s, base.restore_s), _secs(r.save_cpu_s), r.note]
-            for r in rows]
+    header = [
+        "method",
+        "blocked s",
+        "x torch",
+        "total s",
+        "x torch",
+        "bytes on disk",
+        "x torch",
+        "restore s",
+        "x torch",
+        "save cpu s",
+        "note",
+    ]
+    body = [
+        [
+            r.method,
+            _secs(r.blocked_s),
+            _ratio(r.blocked_s, base.blocked_s),
+            _secs(r.total_s),
+            _ratio(r.total_s, base.total_s),
+            _mib(r.bytes),
+            _ratio(r.bytes, base.bytes),
+            _secs(r.restore_s),
+            _ratio(r.restore_s, base.restore_s),
+            _secs(r.save_cpu_s),
+            r.note,
+        ]
+        for r in rows
+    ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     left = {0, len(header) - 1}
 
     def fmt(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        return (
+            "| "
+            + " | ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " |"
+        )
 
-    rule = "|" + "|".join("-" * (w + 1) + ":" if i not in left else "-" * (w + 2)
-                          for i, w in enumerate(widths)) + "|"
+    rule = "|" + "|".join("-" * (w + 1) + ":" if i not in left else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
     return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
 
 
 def floor_checks(rows: list[Row]) -> list[dict]:
     by = {r.method: r for r in rows}
     specs = [
-        ("ckptflow sync full total vs DCP FileSystemWriter total",
-         by["ckptflow save (full) / restore"].total_s, by["DCP FileSystemWriter / dcp.load"].total_s),
-        ("ckptflow async blocked vs DCP async_save blocked",
-         by[ASYNC].blocked_s, by["DCP async_save"].blocked_s),
-        ("ckptflow restore vs DCP load",
-         by["ckptflow save (full) / restore"].restore_s, by["DCP FileSystemWriter / dcp.load"].restore_s),
+        (
+            "ckptflow sync full total vs DCP FileSystemWriter total",
+            by["ckptflow save (full) / restore"].total_s,
+            by["DCP FileSystemWriter / dcp.load"].total_s,
+        ),
+        ("ckptflow async blocked vs DCP async_save blocked", by[ASYNC].blocked_s, by["DCP async_save"].blocked_s),
+        (
+            "ckptflow restore vs DCP load",
+            by["ckptflow save (full) / restore"].restore_s,
+            by["DCP FileSystemWriter / dcp.load"].restore_s,
+        ),
     ]
     checks = []
     for name, ours, theirs in specs:
         ratio = ours / theirs if ours is not None and theirs else float("inf")
-        checks.append({"check": name, "ckptflow_s": ours, "dcp_s": theirs, "ratio": ratio,
-                       "limit": FLOOR, "pass": ratio <= FLOOR})
+        checks.append(
+            {"check": name, "ckptflow_s": ours, "dcp_s": theirs, "ratio": ratio, "limit": FLOOR, "pass": ratio <= FLOOR}
+        )
     return checks

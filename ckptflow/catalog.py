@@ -22,7 +22,12 @@ from typing import Any
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
 from ckptflow.errors import (
-    CkptflowError, ColdObjectError, InvalidNameError, ManifestError, ObjectNotFoundError, StoreError,
+    CkptflowError,
+    ColdObjectError,
+    InvalidNameError,
+    ManifestError,
+    ObjectNotFoundError,
+    StoreError,
 )
 from ckptflow.manifest import Manifest, RankRecord
 from ckptflow.store.base import ObjectInfo, Store
@@ -46,11 +51,20 @@ class CheckpointInfo:
     digest: str = ""  # sha256 of the manifest file: names this exact checkpoint
 
     @classmethod
-    def from_manifest(cls, m: Manifest) -> "CheckpointInfo":
+    def from_manifest(cls, m: Manifest) -> CheckpointInfo:
         return cls(
-            step=m.step, kind=m.kind, created_at=m.created_at, logical_bytes=m.stats.logical_bytes,
-            stored_bytes=m.stats.stored_bytes, metadata=dict(m.metadata), run=m.run, world_size=m.world_size,
-            chunks=m.stats.chunks, bytes_written=m.stats.bytes_written, base_step=m.base_step, digest=m.digest,
+            step=m.step,
+            kind=m.kind,
+            created_at=m.created_at,
+            logical_bytes=m.stats.logical_bytes,
+            stored_bytes=m.stats.stored_bytes,
+            metadata=dict(m.metadata),
+            run=m.run,
+            world_size=m.world_size,
+            chunks=m.stats.chunks,
+            bytes_written=m.stats.bytes_written,
+            base_step=m.base_step,
+            digest=m.digest,
         )
 
 
@@ -107,7 +121,11 @@ def problem_from(run: str, step: int | None, error: BaseException) -> Problem:
 
 def run_names(store: Store) -> list[str]:
     """Every directory under ``runs/``, valid run name or not (``listing`` reports the others)."""
-    return [i.key.rstrip("/").rsplit("/", 1)[-1] for i in store.list(fmt.runs_prefix(), recursive=False) if i.key.endswith("/")]
+    return [
+        i.key.rstrip("/").rsplit("/", 1)[-1]
+        for i in store.list(fmt.runs_prefix(), recursive=False)
+        if i.key.endswith("/")
+    ]
 
 
 def list_runs(store: Store) -> list[str]:
@@ -125,13 +143,17 @@ def _run_listing(store: Store, run: str) -> Iterator[StepListing | Problem]:
     prefix = fmt.checkpoints_prefix(run)
     by_step: dict[int, list[ObjectInfo]] = {}
     for info in store.list(prefix):
-        name, _, rest = info.key[len(prefix):].partition("/")
+        name, _, rest = info.key[len(prefix) :].partition("/")
         step = fmt.parse_step_dir(name)
         if step is None:
             continue
         if not rest:
-            yield Problem(run, step, "not_a_directory",
-                          f"{store.url}/{info.key} is a file where a step directory belongs; move it away")
+            yield Problem(
+                run,
+                step,
+                "not_a_directory",
+                f"{store.url}/{info.key} is a file where a step directory belongs; move it away",
+            )
             continue
         by_step.setdefault(step, []).append(info)
     for step in sorted(by_step):
@@ -148,8 +170,12 @@ def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Prob
         try:
             fmt.validate_run(name)
         except InvalidNameError as e:
-            yield Problem(name, None, "bad_name", f"{store.url}/runs/{name}: {e}; ckptflow never writes such a "
-                          "directory: move it out of the store")
+            yield Problem(
+                name,
+                None,
+                "bad_name",
+                f"{store.url}/runs/{name}: {e}; ckptflow never writes such a directory: move it out of the store",
+            )
             continue
         try:
             yield from _run_listing(store, name)
@@ -168,7 +194,9 @@ def read_manifest(store: Store, run: str, step: int) -> Manifest:
     try:
         blob = store.get(key)
     except ObjectNotFoundError:
-        raise ManifestError(f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)") from None
+        raise ManifestError(
+            f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)"
+        ) from None
     return Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
 
 
@@ -253,8 +281,10 @@ def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
         problems.append(f"rank record {store.url}/{keys[missing[0]]} is missing")
     elif missing:
         shown = ", ".join(map(str, missing[:8])) + (f", … ({len(missing)} in all)" if len(missing) > 8 else "")
-        problems.append(f"rank records of {len(missing)} of {manifest.world_size} ranks are missing from "
-                        f"{store.url}/{prefix} (ranks {shown})")
+        problems.append(
+            f"rank records of {len(missing)} of {manifest.world_size} ranks are missing from "
+            f"{store.url}/{prefix} (ranks {shown})"
+        )
     for rank, key in enumerate(keys):
         if key in present:
             try:
@@ -276,7 +306,9 @@ def verify_checkpoint(
     try:
         blob = store.get(key)
     except ObjectNotFoundError:
-        return VerifyReport(step, False, [f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)"])
+        return VerifyReport(
+            step, False, [f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)"]
+        )
     except (CkptflowError, OSError) as e:
         return VerifyReport(step, False, [problem_from(run, step, e).message])
     try:

@@ -89,7 +89,7 @@ class Checkpointer:
         process_group: Any = None,
         restore_rng: bool = True,
         progress: Progress | None = None,
-        tiers: "Sequence[str | Store]" = (),
+        tiers: Sequence[str | Store] = (),
     ):
         self.store = open_store(root)
         self.run = fmt.validate_run(run)
@@ -142,9 +142,17 @@ class Checkpointer:
             kind = "full"
         skeleton, tensors = flatten(to_state_dicts(state))
         spec = SaveSpec(
-            run=self.run, step=step, kind=kind, base_step=base, skeleton=skeleton,
-            rng=capture_rng(), metadata=dict(metadata or {}), world_size=self.group.world_size, save_id=save_id,
-            chunk_bytes=self.chunk_bytes, codec=self.codec,
+            run=self.run,
+            step=step,
+            kind=kind,
+            base_step=base,
+            skeleton=skeleton,
+            rng=capture_rng(),
+            metadata=dict(metadata or {}),
+            world_size=self.group.world_size,
+            save_id=save_id,
+            chunk_bytes=self.chunk_bytes,
+            codec=self.codec,
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
@@ -155,8 +163,14 @@ class Checkpointer:
             manifest = writer.manifest
             return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
-            future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)
-        future.add_done_callback(lambda f: f.exception() is None and setattr(self, "_last_commit", step))
+            future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
+        assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
+
+        def committed(done: Future) -> None:
+            if done.exception() is None:
+                self._last_commit = step
+
+        future.add_done_callback(committed)
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
         return self._pending
 
@@ -211,7 +225,9 @@ class Checkpointer:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.store.put_if_absent(fmt.quarantine_key(self.run, step, stamp), self.store.get(key))
         self.store.delete(key)
-        log.warning("moved the rejected manifest of step %d aside to %s", step, fmt.quarantine_key(self.run, step, stamp))
+        log.warning(
+            "moved the rejected manifest of step %d aside to %s", step, fmt.quarantine_key(self.run, step, stamp)
+        )
 
     # ---- restore ----------------------------------------------------------------------
     def restore(self, state: MutableMapping[str, Any], *, step: int | None = None) -> RestoreResult:
@@ -226,11 +242,20 @@ class Checkpointer:
         self._record_recovery(True, result.step, result.skipped, result.tier, started)
         return result
 
-    def _record_recovery(self, ok: bool, step: int | None, skipped: list, tier: str | None, started: float,
-                         error: str | None = None) -> None:
+    def _record_recovery(
+        self, ok: bool, step: int | None, skipped: list, tier: str | None, started: float, error: str | None = None
+    ) -> None:
         if self.group.rank == 0:
-            recoveries.record(self.store, self.run, ok=ok, step=step, skipped=skipped, tier=tier,
-                              duration_s=time.perf_counter() - started, error=error)
+            recoveries.record(
+                self.store,
+                self.run,
+                ok=ok,
+                step=step,
+                skipped=skipped,
+                tier=tier,
+                duration_s=time.perf_counter() - started,
+                error=error,
+            )
 
     def _restore(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
@@ -320,7 +345,7 @@ class Checkpointer:
         self._stager.close()
         self.pool.shutdown()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

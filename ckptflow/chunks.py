@@ -16,7 +16,6 @@ from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
 from ckptflow.format import chunk_key
 from ckptflow.store.base import Store
 
-
 SCAN_PIECE = 1 << 20  # small enough to stay in cache between read and hash
 
 
@@ -100,7 +99,7 @@ class ChunkStore:
         self._verify(digest, key, raw)
         return raw
 
-    def check(self, digest: str, size: int) -> "CheckedChunk":
+    def check(self, digest: str, size: int) -> CheckedChunk:
         """Verify a chunk before anything is written from it (restore's first pass).
 
         A raw chunk on a store that can re-read cheaply (``Store.cheap_reread``) is
@@ -126,7 +125,7 @@ class ChunkStore:
                 return CheckedChunk(digest, size, version=version)
         return CheckedChunk(digest, size, data=self.get(digest, expected_size=size))
 
-    def read_checked(self, checked: "CheckedChunk", out: memoryview) -> None:
+    def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
         """Fill ``out`` with a chunk ``check`` verified; re-verify if the file changed since."""
         out = memoryview(out).cast("B")
         if checked.data is not None:

@@ -71,7 +71,7 @@ def decode(blob: bytes) -> memoryview:
     magic, codec, itemsize, raw_len = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptChunkError(f"chunk header magic is {magic!r}, expected {MAGIC!r}")
-    payload = memoryview(blob)[HEADER.size:]
+    payload = memoryview(blob)[HEADER.size :]
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptChunkError(f"raw chunk holds {len(payload)} bytes, header says {raw_len}")

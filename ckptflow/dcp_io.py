@@ -26,10 +26,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from ckptflow import format as fmt
 from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite
+from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_index, metadata_to_json
 from ckptflow.errors import CheckpointExistsError, CkptflowError, CorruptChunkError, UnsupportedStateError
 from ckptflow.leases import save_lease
-from ckptflow.manifest import Manifest, RankRecord, StorageItem, seal
+from ckptflow.manifest import Manifest, RankRecord
+from ckptflow.sealed import seal
 
 Progress = Callable[[int], None]
 
@@ -75,7 +77,7 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 @dataclass
@@ -144,6 +146,7 @@ class CheckpointWriter(StorageWriter):
                     if item.type == WriteItemType.BYTE_IO:
                         raise UnsupportedStateError(f"{item.index.fqn!r} is not a tensor; ckptflow never pickles state")
                     tensor = planner.resolve_data(item)
+                    assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
                     raw = _bytes_view(tensor)
                     futures = [
                         self.pool.submit(self._put, raw[off : off + self.spec.chunk_bytes], tensor.element_size())
@@ -172,8 +175,9 @@ class CheckpointWriter(StorageWriter):
 
     def _write_rank_record(self, results: list[WriteResult]) -> None:
         spec = self.spec
-        record = RankRecord(spec.run, spec.step, self.rank, spec.world_size, spec.save_id, spec.skeleton, spec.rng,
-                            len(results))
+        record = RankRecord(
+            spec.run, spec.step, self.rank, spec.world_size, spec.save_id, spec.skeleton, spec.rng, len(results)
+        )
         self.chunks.store.replace(fmt.rank_key(spec.run, spec.step, self.rank), record.seal())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -220,7 +224,9 @@ class CheckpointWriter(StorageWriter):
         }
         key = fmt.manifest_key(spec.run, spec.step)
         blob = seal(manifest)
-        parsed = Manifest.parse(blob, f"manifest {self.chunks.store.url}/{key} (before commit)")  # never commit what a reader refuses
+        parsed = Manifest.parse(
+            blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
+        )  # never commit what a reader refuses
         if not self.chunks.store.put_if_absent(key, blob):
             raise CheckpointExistsError(
                 f"step {spec.step} of run {spec.run!r} was committed by another writer while this save ran "
@@ -315,7 +321,9 @@ class CheckpointReader(StorageReader):
                     buffer = torch.empty(item.shape, dtype=dtype_from_name(item.dtype), pin_memory=to_gpu)
                 raw, offset, futures = _writable_bytes(buffer), 0, []
                 for digest, size in item.chunks:
-                    futures.append(self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size]))
+                    futures.append(
+                        self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size])
+                    )
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
             for reqs, targets, buffer, futures in loading:
@@ -341,7 +349,7 @@ class CheckpointReader(StorageReader):
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor as writable bytes (no copy)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _whole_item_target(item: StorageItem, req: Any, target: torch.Tensor) -> bool:

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptflow.dcp_index import DcpIndex, StorageItem
 from ckptflow.errors import ManifestError
-from ckptflow.manifest import DcpIndex, StorageItem
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 
 class Group:
-    def __init__(self, process_group: "dist.ProcessGroup | None" = None):
+    def __init__(self, process_group: dist.ProcessGroup | None = None):
         self.active = dist.is_available() and dist.is_initialized()
         self.pg = process_group
         if self.active and self.pg is None:
@@ -22,6 +22,7 @@ class Group:
         if not self.active:
             return obj
         box = [obj]
+        assert self.pg is not None  # set whenever the group is active
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
         return box[0]
 

@@ -76,12 +76,10 @@ def load_tensors(
                 dcp.load(full, storage_reader=reader, no_dist=True)
         except CkptflowError as e:
             raise CkptflowError(f"run {run!r} step {step} cannot be exported: {e}") from None
-    return {n[len(prefix):]: t for n, t in full.items()}, manifest
+    return {n[len(prefix) :]: t for n, t in full.items()}, manifest
 
 
-def newest_verified_step(
-    store: Store, run: str, progress: Progress | None = None
-) -> tuple[int, list[tuple[int, str]]]:
+def newest_verified_step(store: Store, run: str, progress: Progress | None = None) -> tuple[int, list[tuple[int, str]]]:
     """The newest committed step that fully verifies, and why each newer one was skipped."""
     skipped: list[tuple[int, str]] = []
     with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool:

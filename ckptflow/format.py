@@ -23,9 +23,27 @@ STEP_DIGITS = 12
 DIGEST_HEX = 64
 # bytes per element of every dtype a checkpoint may hold, by torch's name for it
 DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
 _RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -83,7 +83,11 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
             report.ignored.append(str(item))
             continue
         report.unreadable_manifests.append(str(item))
-        salvaged = _salvage_chunks(store, fmt.manifest_key(item.run, item.step)) if item.kind == "corrupt" and item.step is not None else None
+        salvaged = (
+            _salvage_chunks(store, fmt.manifest_key(item.run, item.step))
+            if item.kind == "corrupt" and item.step is not None
+            else None
+        )
         if salvaged is None:
             return None
         live |= salvaged  # an unverifiable manifest might still be repaired: keep its data

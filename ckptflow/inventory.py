@@ -55,7 +55,9 @@ class Entry:
 
     @property
     def metrics(self) -> dict[str, float]:
-        merged = {k: v for k, v in self.trainer_metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        merged = {
+            k: v for k, v in self.trainer_metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         merged.update((self.records.get("evaluation") or {}).get("metrics") or {})
         return merged
 
@@ -84,7 +86,11 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
         entry.manifest_error = ""
         entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
         entry.base_step = item.base_step
-        entry.logical_bytes, entry.stored_bytes, entry.chunks = item.stats.logical_bytes, item.stats.stored_bytes, item.stats.chunks
+        entry.logical_bytes, entry.stored_bytes, entry.chunks = (
+            item.stats.logical_bytes,
+            item.stats.stored_bytes,
+            item.stats.chunks,
+        )
         entry.world_size, entry.trainer_metadata = item.world_size, dict(item.metadata)
 
 
@@ -103,7 +109,11 @@ def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
 
 
 def retention_plan(
-    entries: list[Entry], now: float, pinned=(), aliased=None, policy: RetentionPolicy | None = None,
+    entries: list[Entry],
+    now: float,
+    pinned=(),
+    aliased=None,
+    policy: RetentionPolicy | None = None,
     hot_days: float | None = None,
 ) -> RetentionPlan:
     """The plan for the hot tier (archive-only checkpoints are not retention's to delete)."""
@@ -117,7 +127,10 @@ def rows(entries: list[Entry], retention: RetentionPlan | None = None) -> list[d
         compression = e.records.get("compression") or {}
         failure = e.records.get("failure") or {}
         row = {
-            "run": e.run, "step": e.step, "kind": e.kind, "tiers": ",".join(e.tiers),
+            "run": e.run,
+            "step": e.step,
+            "kind": e.kind,
+            "tiers": ",".join(e.tiers),
             "logical_bytes": e.logical_bytes,
             "stored_bytes": compression.get("bytes_after", e.stored_bytes),
             "compression_ratio": compression.get("ratio"),

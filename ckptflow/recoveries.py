@@ -19,21 +19,39 @@ from dataclasses import asdict, dataclass
 
 from ckptflow import catalog
 from ckptflow import format as fmt
-from ckptflow.lifecycle.records import records_by_subject
 from ckptflow.errors import CkptflowError, ObjectNotFoundError
+from ckptflow.lifecycle.records import records_by_subject
 from ckptflow.store.base import Store
 
 PREFIX = "recoveries/"
 log = logging.getLogger("ckptflow")
 
 
-def record(store: Store, run: str, *, ok: bool, step: int | None, skipped: list, tier: str | None,
-           duration_s: float, error: str | None = None) -> None:
+def record(
+    store: Store,
+    run: str,
+    *,
+    ok: bool,
+    step: int | None,
+    skipped: list,
+    tier: str | None,
+    duration_s: float,
+    error: str | None = None,
+) -> None:
     """Write one recovery record; best effort, so a read-only restore still restores."""
     now = time.time()
-    key = f"{PREFIX}{fmt.validate_run(run)}/{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:8]}.json"
-    body = {"run": run, "at": now, "ok": ok, "step": step, "skipped": [[s, r] for s, r in skipped],
-            "tier": tier, "duration_s": round(duration_s, 4), "error": error}
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+    key = f"{PREFIX}{fmt.validate_run(run)}/{stamp}-{uuid.uuid4().hex[:8]}.json"
+    body = {
+        "run": run,
+        "at": now,
+        "ok": ok,
+        "step": step,
+        "skipped": [[s, r] for s, r in skipped],
+        "tier": tier,
+        "duration_s": round(duration_s, 4),
+        "error": error,
+    }
     try:
         store.put_if_absent(key, json.dumps(body, sort_keys=True).encode())
     except (CkptflowError, OSError) as e:
@@ -100,5 +118,7 @@ def run_metrics(store: Store, run: str) -> RunMetrics:
 
 def store_metrics(store: Store) -> list[RunMetrics]:
     """Every run with checkpoints or recoveries (a run whose every recovery failed may have none)."""
-    recovered = {info.key[len(PREFIX):].rstrip("/") for info in store.list(PREFIX, recursive=False) if info.key.endswith("/")}
+    recovered = {
+        info.key[len(PREFIX) :].rstrip("/") for info in store.list(PREFIX, recursive=False) if info.key.endswith("/")
+    }
     return [run_metrics(store, run) for run in sorted(set(catalog.list_runs(store)) | recovered)]

@@ -71,7 +71,9 @@ class Registry:
 
     # ---- reads -----------------------------------------------------------------------
     def models(self) -> list[str]:
-        return [i.key[len(PREFIX):].rstrip("/") for i in self.store.list(PREFIX, recursive=False) if i.key.endswith("/")]
+        return [
+            i.key[len(PREFIX) :].rstrip("/") for i in self.store.list(PREFIX, recursive=False) if i.key.endswith("/")
+        ]
 
     def versions(self, model: str) -> list[ModelVersion]:
         out = []
@@ -105,10 +107,19 @@ class Registry:
         return key
 
     def register(
-        self, model: str, *, run: str, step: int, manifest_digest: str,
-        artifact: dict | None = None, artifact_bytes: bytes | None = None,
-        training_config: dict | None = None, data: dict | None = None, metrics: dict | None = None,
-        dtype: str | None = None, move_latest: bool = True,
+        self,
+        model: str,
+        *,
+        run: str,
+        step: int,
+        manifest_digest: str,
+        artifact: dict | None = None,
+        artifact_bytes: bytes | None = None,
+        training_config: dict | None = None,
+        data: dict | None = None,
+        metrics: dict | None = None,
+        dtype: str | None = None,
+        move_latest: bool = True,
     ) -> ModelVersion:
         """Create the next version (create-only) and, by default, point ``latest`` at it.
 
@@ -121,12 +132,22 @@ class Registry:
             if artifact_bytes is not None:
                 artifact = {"store_key": self.upload_artifact(model, version, artifact_bytes)}
             mv = ModelVersion(
-                model=model, version=version, run=run, step=step, partition_key=fmt.checkpoint_name(run, step),
-                manifest_digest=manifest_digest, artifact=dict(artifact or {}),
-                training_config=dict(training_config or {}), data=dict(data or {}), metrics=dict(metrics or {}),
-                dtype=dtype, created_at=time.time(),
+                model=model,
+                version=version,
+                run=run,
+                step=step,
+                partition_key=fmt.checkpoint_name(run, step),
+                manifest_digest=manifest_digest,
+                artifact=dict(artifact or {}),
+                training_config=dict(training_config or {}),
+                data=dict(data or {}),
+                metrics=dict(metrics or {}),
+                dtype=dtype,
+                created_at=time.time(),
             )
-            if self.store.put_if_absent(self.version_key(model, version), json.dumps(mv.to_json(), sort_keys=True).encode()):
+            if self.store.put_if_absent(
+                self.version_key(model, version), json.dumps(mv.to_json(), sort_keys=True).encode()
+            ):
                 break
             version += 1  # another promotion took this number
         else:
@@ -184,7 +205,12 @@ class Registry:
 def describe(v: ModelVersion) -> dict[str, Any]:
     """Flat lineage fields for display."""
     return {
-        "model": v.model, "version": v.version, "partition_key": v.partition_key, "run": v.run, "step": v.step,
-        "manifest_digest": v.manifest_digest, "artifact": v.artifact.get("store_key") or v.artifact.get("path"),
+        "model": v.model,
+        "version": v.version,
+        "partition_key": v.partition_key,
+        "run": v.run,
+        "step": v.step,
+        "manifest_digest": v.manifest_digest,
+        "artifact": v.artifact.get("store_key") or v.artifact.get("path"),
         "dtype": v.dtype or "as saved",
     }

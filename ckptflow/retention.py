@@ -50,7 +50,7 @@ class Candidate:
         return (self.run, self.step)
 
     @classmethod
-    def from_info(cls, info: Any, *, valid: bool | None = True, metrics: Mapping[str, Any] | None = None) -> "Candidate":
+    def from_info(cls, info: Any, *, valid: bool | None = True, metrics: Mapping[str, Any] | None = None) -> Candidate:
         """From a ``CheckpointInfo``; ``metrics`` (e.g. evaluation results) override the trainer's."""
         merged = {k: v for k, v in (info.metadata or {}).items() if _is_number(v)}
         merged.update({k: v for k, v in (metrics or {}).items() if _is_number(v)})
@@ -89,7 +89,9 @@ class KeepRecent:
     days: float = 7
 
     def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
-        return {c.ref: f"younger than {self.days:g} days" for c in checkpoints if ctx.now - c.created_at < self.days * DAY}
+        return {
+            c.ref: f"younger than {self.days:g} days" for c in checkpoints if ctx.now - c.created_at < self.days * DAY
+        }
 
 
 @dataclass(frozen=True)
@@ -170,9 +172,7 @@ class KeepAliased:
 
     def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
         return {
-            c.ref: "model alias " + ", ".join(sorted(ctx.aliased[c.ref]))
-            for c in checkpoints
-            if c.ref in ctx.aliased
+            c.ref: "model alias " + ", ".join(sorted(ctx.aliased[c.ref])) for c in checkpoints if c.ref in ctx.aliased
         }
 
 

@@ -118,7 +118,9 @@ def flatten(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
                 return {k: walk(v, path + (k,)) for k, v in node.items()}
             for k in node:
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise UnsupportedStateError(f"state at {'.'.join(map(str, path))!r} has key {k!r}; keys must be str or int")
+                    raise UnsupportedStateError(
+                        f"state at {'.'.join(map(str, path))!r} has key {k!r}; keys must be str or int"
+                    )
             return {DICT: [[k, walk(v, path + (k,))] for k, v in node.items()]}
         if isinstance(node, list):
             return [walk(v, path + (i,)) for i, v in enumerate(node)]
@@ -166,7 +168,8 @@ def _tensor_b64(s: str) -> torch.Tensor:
 def capture_rng() -> dict:
     """This process's python, numpy, torch (and CUDA) RNG states as JSON."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert not isinstance(keys, str)
     rng = {
         "python": [version, list(internal), gauss],
         "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],

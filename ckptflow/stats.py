@@ -51,9 +51,13 @@ class RunStats(_Ratios):
 
     def as_dict(self) -> dict:
         return {
-            "run": self.run, "checkpoints": self.checkpoints, "logical_bytes": self.logical_bytes,
-            "unique_bytes": self.unique_bytes, "stored_bytes": self.stored_bytes,
-            "missing_chunks": self.missing_chunks, "dedup_ratio": self.dedup_ratio,
+            "run": self.run,
+            "checkpoints": self.checkpoints,
+            "logical_bytes": self.logical_bytes,
+            "unique_bytes": self.unique_bytes,
+            "stored_bytes": self.stored_bytes,
+            "missing_chunks": self.missing_chunks,
+            "dedup_ratio": self.dedup_ratio,
             "compression_ratio": self.compression_ratio,
         }
 
@@ -77,10 +81,14 @@ class StoreStats(_Ratios):
         return {
             "runs": [r.as_dict() for r in self.runs],
             "store": {
-                "checkpoints": self.checkpoints, "logical_bytes": self.logical_bytes,
-                "unique_bytes": self.unique_bytes, "stored_bytes": self.stored_bytes,
-                "dedup_ratio": self.dedup_ratio, "compression_ratio": self.compression_ratio,
-                "chunk_files": self.chunk_files, "chunk_file_bytes": self.chunk_file_bytes,
+                "checkpoints": self.checkpoints,
+                "logical_bytes": self.logical_bytes,
+                "unique_bytes": self.unique_bytes,
+                "stored_bytes": self.stored_bytes,
+                "dedup_ratio": self.dedup_ratio,
+                "compression_ratio": self.compression_ratio,
+                "chunk_files": self.chunk_files,
+                "chunk_file_bytes": self.chunk_file_bytes,
                 "unreferenced_chunks": self.unreferenced_chunks,
                 "unreferenced_bytes": self.unreferenced_bytes,
                 "unreadable_manifests": list(self.unreadable_manifests),

@@ -29,9 +29,9 @@ from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResourc
 from resources.archive import default_archive_url
 from resources.evaluator import evaluators_from_env
 from resources.store import default_store_url
+from sensors import failure_sensor, landing_sensor, validation_job
 
 DEMO_EVALUATORS = {"tinylm-demo": "pipelines.demo.evaluate:evaluate"}
-from sensors import failure_sensor, landing_sensor, validation_job
 
 
 def resources_for(deployment: str, store: str | None = None, archive: str | None = None) -> dict:
@@ -41,20 +41,24 @@ def resources_for(deployment: str, store: str | None = None, archive: str | None
     s3_archive = None
     if archive_url.startswith("s3://"):
         s3_archive = S3ArchiveResource.from_url(
-            archive_url, endpoint_url=os.environ.get("CKPTFLOW_S3_ENDPOINT_URL") or None,
+            archive_url,
+            endpoint_url=os.environ.get("CKPTFLOW_S3_ENDPOINT_URL") or None,
             storage_class=os.environ.get("CKPTFLOW_ARCHIVE_STORAGE_CLASS") or None,
         )
     if deployment == "local":
         store, archive = store or default_store_url(), archive or default_archive_url()
         return {
-            "store": CheckpointStoreResource(url=store), "archive": s3_archive or ArchiveResource(url=archive),
-            "registry": RegistryResource(url=store), "evaluator": evaluator,
+            "store": CheckpointStoreResource(url=store),
+            "archive": s3_archive or ArchiveResource(url=archive),
+            "registry": RegistryResource(url=store),
+            "evaluator": evaluator,
         }
     if deployment == "production":
         return {
             "store": CheckpointStoreResource(url=EnvVar("CKPTFLOW_STORE")),
             "archive": s3_archive or ArchiveResource(url=EnvVar("CKPTFLOW_ARCHIVE")),
-            "registry": RegistryResource(url=EnvVar("CKPTFLOW_STORE")), "evaluator": evaluator,
+            "registry": RegistryResource(url=EnvVar("CKPTFLOW_STORE")),
+            "evaluator": evaluator,
         }
     raise ValueError(f"CKPTFLOW_DEPLOYMENT={deployment!r} is not one of 'local', 'production'")
 
@@ -69,7 +73,9 @@ automation_sensor = AutomationConditionSensorDefinition(
 )
 
 
-def build_definitions(deployment: str | None = None, store: str | None = None, archive: str | None = None) -> Definitions:
+def build_definitions(
+    deployment: str | None = None, store: str | None = None, archive: str | None = None
+) -> Definitions:
     return Definitions(
         assets=ALL_ASSETS,
         asset_checks=ALL_CHECKS,

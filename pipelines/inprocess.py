@@ -11,7 +11,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dagster import (
-    AssetKey, DagsterInstance, Definitions, SensorResult, build_sensor_context, evaluate_automation_conditions,
+    AssetKey,
+    DagsterInstance,
+    Definitions,
+    SensorResult,
+    build_sensor_context,
+    evaluate_automation_conditions,
 )
 
 from assets.partitions import checkpoints_partitions
@@ -28,7 +33,11 @@ QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}  # run l
 
 
 def tick_landing(
-    defs: Definitions, instance: DagsterInstance, cursor: str | None, report: DriveReport, run_config: dict | None = None
+    defs: Definitions,
+    instance: DagsterInstance,
+    cursor: str | None,
+    report: DriveReport,
+    run_config: dict | None = None,
 ) -> str | None:
     """One landing-sensor tick: apply its partition requests, execute its run requests."""
     # a context manager: resources with nested resources (the S3 archive's S3Resource) are set up in it
@@ -49,7 +58,12 @@ def tick_landing(
 
 
 def run_automation(
-    defs: Definitions, instance: DagsterInstance, cursor, report: DriveReport, run_config: dict | None = None, max_rounds: int = 10
+    defs: Definitions,
+    instance: DagsterInstance,
+    cursor,
+    report: DriveReport,
+    run_config: dict | None = None,
+    max_rounds: int = 10,
 ):
     """Evaluate automation conditions and execute what they request, round after round;
     returns the automation cursor (pass it to the next call, as the daemon keeps it)."""
@@ -65,7 +79,10 @@ def run_automation(
                 by_partition[partition].append(asset_key)
         for partition, keys in sorted(by_partition.items(), key=lambda kv: str(kv[0])):
             outcome = asset_job.execute_in_process(
-                instance=instance, partition_key=partition, asset_selection=sorted(keys, key=str), raise_on_error=False,
+                instance=instance,
+                partition_key=partition,
+                asset_selection=sorted(keys, key=str),
+                raise_on_error=False,
                 run_config=run_config,
             )
             names = ",".join(k.to_user_string() for k in sorted(keys, key=str))
@@ -92,7 +109,9 @@ class Driver:
             self.sensor_cursor = tick_landing(self.defs, self.instance, self.sensor_cursor, report, self.run_config)
             if len(report.landed) == before:
                 break
-        self.automation_cursor = run_automation(self.defs, self.instance, self.automation_cursor, report, self.run_config)
+        self.automation_cursor = run_automation(
+            self.defs, self.instance, self.automation_cursor, report, self.run_config
+        )
         return report
 
 

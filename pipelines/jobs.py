@@ -6,8 +6,16 @@ rollback change one thing (what is deployed), so they materialize ``deployed_mod
 """
 
 from dagster import (
-    AssetSelection, Config, DefaultScheduleStatus, Failure, MetadataValue, OpExecutionContext, ScheduleDefinition,
-    define_asset_job, job, op,
+    AssetSelection,
+    Config,
+    DefaultScheduleStatus,
+    Failure,
+    MetadataValue,
+    OpExecutionContext,
+    ScheduleDefinition,
+    define_asset_job,
+    job,
+    op,
 )
 
 from assets.inventory import RetentionConfig, compute_plan
@@ -21,8 +29,11 @@ from resources import ArchiveTierResource, CheckpointStoreResource, RegistryReso
 
 @op
 def apply_retention(
-    context: OpExecutionContext, config: RetentionConfig, store: CheckpointStoreResource,
-    archive: ArchiveTierResource, registry: RegistryResource,
+    context: OpExecutionContext,
+    config: RetentionConfig,
+    store: CheckpointStoreResource,
+    archive: ArchiveTierResource,
+    registry: RegistryResource,
 ) -> dict:
     """Recompute the plan now (never trust an older dry run), expire hot copies
     (``ckptflow.lifecycle.apply_retention``), drop the partitions of checkpoints gone
@@ -42,24 +53,41 @@ def apply_retention(
         context.log.warning(f"kept the hot copy of {checkpoint_key(*ref)}: {why}")
     gc_report = gc(hot, grace=config.gc_grace)
     keys = [checkpoint_key(*ref) for ref in report.expired]
-    context.add_output_metadata({
-        "expired": len(report.expired), "hot_copies_expired": len(report.hot_copies_expired),
-        "left_hot": len(report.left_hot), "failed": len(report.failed), "kept": len(plan.keep),
-        "gc_deleted_objects": len(gc_report.deleted), "gc_deleted_bytes": MetadataValue.int(gc_report.bytes),
-        "gc_skipped": gc_report.skipped or "", "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in keys) or "none"),
-    })
+    context.add_output_metadata(
+        {
+            "expired": len(report.expired),
+            "hot_copies_expired": len(report.hot_copies_expired),
+            "left_hot": len(report.left_hot),
+            "failed": len(report.failed),
+            "kept": len(plan.keep),
+            "gc_deleted_objects": len(gc_report.deleted),
+            "gc_deleted_bytes": MetadataValue.int(gc_report.bytes),
+            "gc_skipped": gc_report.skipped or "",
+            "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in keys) or "none"),
+        }
+    )
     if report.failed:
-        raise Failure(f"{len(report.failed)} checkpoint(s) could not be expired and keep their partitions", metadata={
-            "failed": MetadataValue.md("\n".join(f"- {checkpoint_key(*ref)}: {why}" for ref, why in report.failed))})
-    return {"expired": keys, "hot_copies_expired": [checkpoint_key(*r) for r in report.hot_copies_expired],
-            "left_hot": [checkpoint_key(*r) for r, _ in report.left_hot], "gc_bytes": gc_report.bytes,
-            "gc_skipped": gc_report.skipped}
+        raise Failure(
+            f"{len(report.failed)} checkpoint(s) could not be expired and keep their partitions",
+            metadata={
+                "failed": MetadataValue.md("\n".join(f"- {checkpoint_key(*ref)}: {why}" for ref, why in report.failed))
+            },
+        )
+    return {
+        "expired": keys,
+        "hot_copies_expired": [checkpoint_key(*r) for r in report.hot_copies_expired],
+        "left_hot": [checkpoint_key(*r) for r, _ in report.left_hot],
+        "gc_bytes": gc_report.bytes,
+        "gc_skipped": gc_report.skipped,
+    }
 
 
-@job(description=(
-    "Apply the retention policy to the hot tier (archive copies stay), drop partitions of "
-    "checkpoints gone from every tier, then GC the hot tier."
-))
+@job(
+    description=(
+        "Apply the retention policy to the hot tier (archive copies stay), drop partitions of "
+        "checkpoints gone from every tier, then GC the hot tier."
+    )
+)
 def retention_job():
     apply_retention()
 
@@ -74,10 +102,14 @@ def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: C
     record each verdict; fails the run if any is corrupt so an operator hears of it."""
     report = lifecycle.scrub(store.open(), older_than_s=config.older_than_days * DAY)
     corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in report.corrupt]
-    context.add_output_metadata({"checked": report.checked, "corrupt": len(corrupt), "unreadable": len(report.unreadable)})
+    context.add_output_metadata(
+        {"checked": report.checked, "corrupt": len(corrupt), "unreadable": len(report.unreadable)}
+    )
     if corrupt or report.unreadable:
-        raise Failure(f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read", metadata={
-            "corrupt": MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))})
+        raise Failure(
+            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read",
+            metadata={"corrupt": MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))},
+        )
     return {"checked": report.checked}
 
 
@@ -87,14 +119,19 @@ def scrub_job():
 
 
 promotion_job = define_asset_job(
-    "promotion", selection=AssetSelection.assets(deployed_model),
+    "promotion",
+    selection=AssetSelection.assets(deployed_model),
     description="Export a checkpoint (chosen, or best by a metric) to safetensors, register it, move an alias.",
     config={"ops": {"deployed_model": {"config": {"action": "promote"}}}},
 )
 rollback_job = define_asset_job(
-    "rollback", selection=AssetSelection.assets(deployed_model), description="stable <- fallback.",
+    "rollback",
+    selection=AssetSelection.assets(deployed_model),
+    description="stable <- fallback.",
     config={"ops": {"deployed_model": {"config": {"action": "rollback"}}}},
 )
 
-scrub_schedule = ScheduleDefinition(job=scrub_job, cron_schedule="0 3 * * *", default_status=DefaultScheduleStatus.RUNNING)
+scrub_schedule = ScheduleDefinition(
+    job=scrub_job, cron_schedule="0 3 * * *", default_status=DefaultScheduleStatus.RUNNING
+)
 retention_schedule = ScheduleDefinition(job=retention_job, cron_schedule="0 4 * * 0")  # weekly; off until turned on

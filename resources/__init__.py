@@ -5,6 +5,10 @@ from resources.evaluator import EvaluatorResource
 from resources.store import CheckpointStoreResource, RegistryResource
 
 __all__ = [
-    "ArchiveResource", "ArchiveTierResource", "CheckpointStoreResource", "EvaluatorResource", "RegistryResource",
+    "ArchiveResource",
+    "ArchiveTierResource",
+    "CheckpointStoreResource",
+    "EvaluatorResource",
+    "RegistryResource",
     "S3ArchiveResource",
 ]

@@ -42,7 +42,13 @@ class ArchiveResource(ArchiveTierResource):
 
 
 S3_STORAGE_CLASSES = (
-    "STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR", "GLACIER", "DEEP_ARCHIVE",
+    "STANDARD",
+    "STANDARD_IA",
+    "ONEZONE_IA",
+    "INTELLIGENT_TIERING",
+    "GLACIER_IR",
+    "GLACIER",
+    "DEEP_ARCHIVE",
 )
 
 
@@ -66,11 +72,16 @@ class S3ArchiveResource(ArchiveTierResource):
         return S3Store(self.bucket, self.prefix, client=self.s3.get_client(), storage_class=self.storage_class)
 
     @classmethod
-    def from_url(cls, url: str, *, endpoint_url: str | None = None, region: str | None = None,
-                 storage_class: str | None = None) -> "S3ArchiveResource":
+    def from_url(
+        cls, url: str, *, endpoint_url: str | None = None, region: str | None = None, storage_class: str | None = None
+    ) -> "S3ArchiveResource":
         """From ``s3://bucket/prefix``; endpoint and region go to the ``S3Resource``."""
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc or parsed.query:
             raise ValueError(f"archive URL {url!r} must look like s3://bucket/prefix")
-        return cls(s3=S3Resource(endpoint_url=endpoint_url, region_name=region), bucket=parsed.netloc,
-                   prefix=parsed.path.strip("/"), storage_class=storage_class)
+        return cls(
+            s3=S3Resource(endpoint_url=endpoint_url, region_name=region),
+            bucket=parsed.netloc,
+            prefix=parsed.path.strip("/"),
+            storage_class=storage_class,
+        )

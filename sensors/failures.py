@@ -36,7 +36,14 @@ def failure_sensor(context: RunFailureSensorContext, store: CheckpointStoreResou
             context.log.info(f"run {run.run_id} failed for {key}, whose commit record cannot be read: {e}")
             return
     steps = [e.step_key for e in context.get_step_failure_events()]
-    write_record(hot, Subject(ckpt_run, step, digest), "failure", {
-        "run_id": run.run_id, "job": run.job_name, "steps": steps,
-        "message": context.failure_event.message or "run failed",
-    })
+    write_record(
+        hot,
+        Subject(ckpt_run, step, digest),
+        "failure",
+        {
+            "run_id": run.run_id,
+            "job": run.job_name,
+            "steps": steps,
+            "message": context.failure_event.message or "run failed",
+        },
+    )

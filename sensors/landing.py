@@ -24,8 +24,14 @@ import json
 from dataclasses import dataclass
 
 from dagster import (
-    AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason,
-    define_asset_job, sensor,
+    AssetSelection,
+    DefaultSensorStatus,
+    RunRequest,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    define_asset_job,
+    sensor,
 )
 
 from assets.checkpoints import checkpoint
@@ -64,8 +70,14 @@ def new_commits(store: Store, cursor: dict, limit: int) -> tuple[list[Landed], d
     """Commit records not yet landed (oldest first, at most ``limit``) and the cursor after them."""
     t = float(cursor.get("t", float("-inf")))
     seen = set(cursor.get("seen", []))
-    fresh = [e for e in catalog.listing(store) if isinstance(e, catalog.StepListing) and e.manifest is not None
-             and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
+    fresh = [
+        e
+        for e in catalog.listing(store)
+        if isinstance(e, catalog.StepListing)
+        and e.manifest is not None
+        and e.manifest.mtime >= t - SLACK
+        and _seen_id(e) not in seen
+    ]
     fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
     taken = fresh[:limit]
     landed: list[Landed] = []
@@ -98,9 +110,12 @@ def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
     new_keys = sorted({c.key for c in landed} - known)
     requests = [
         RunRequest(run_key=f"{c.key}@{c.marker}", partition_key=c.key, tags={DIGEST_TAG: c.digest} if c.digest else {})
-        for c in landed if not c.validated
+        for c in landed
+        if not c.validated
     ]
-    context.log.info(f"{len(landed)} new commit record(s); {len(new_keys)} new partition(s), {len(requests)} validation run(s)")
+    context.log.info(
+        f"{len(landed)} new commit record(s); {len(new_keys)} new partition(s), {len(requests)} validation run(s)"
+    )
     return SensorResult(
         run_requests=requests,
         dynamic_partitions_requests=[checkpoints_partitions.build_add_request(new_keys)] if new_keys else [],

@@ -3,6 +3,7 @@
 import uuid
 
 import pytest
+
 from ckptflow import Checkpointer
 
 # The helper modules hold asserts: have pytest rewrite them like test modules.

@@ -20,9 +20,8 @@ import pytest
 from ckptflow import Checkpointer, NoValidCheckpointError, gc, open_store
 from ckptflow import format as fmt
 from ckptflow.errors import ObjectNotFoundError
-from support.states import assert_state_equals, snapshot
-from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 from support.faulty_store import FaultyStore, InjectedFault
+from support.states import CHUNK, RUN, assert_state_equals, blank_state, snapshot, state_tag, tagged_state
 
 
 def sub_url(url: str, name: str) -> str:
@@ -115,8 +114,10 @@ def _damage(store, key: str, how: str) -> None:
         store.replace(key, json.dumps(record).encode())
 
 
-@pytest.mark.parametrize("target,how", [("chunk", "flip"), ("chunk", "truncate"), ("chunk", "delete"),
-                                        ("manifest", "forge"), ("manifest", "truncate")])
+@pytest.mark.parametrize(
+    "target,how",
+    [("chunk", "flip"), ("chunk", "truncate"), ("chunk", "delete"), ("manifest", "forge"), ("manifest", "truncate")],
+)
 def test_corruption_is_detected_and_restore_falls_back(store_url, target, how):
     store = open_store(store_url)
     with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
@@ -144,6 +145,7 @@ def test_corruption_is_detected_and_restore_falls_back(store_url, target, how):
 def test_crash_at_every_store_operation(store_url, when):
     """Every mutating operation of an incremental save fails in turn (and everything after
     it, as in a crashed process): the store's newest commit always restores whole."""
+
     def store_with_a(name: str):
         store = open_store(sub_url(store_url, name))
         with Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:

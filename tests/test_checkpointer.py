@@ -18,13 +18,12 @@ import torch
 from ckptflow import (
     CheckpointExistsError,
     SavePolicy,
+    catalog,
     gc,
 )
-from ckptflow import catalog
 from ckptflow.store import open_store
 from support.corrupt import manifest_path
 from support.states import assert_state_equals, snapshot
-
 
 # ---- helpers ----------------------------------------------------------------------------
 
@@ -40,6 +39,7 @@ def chunk_files(root: str) -> dict[str, int]:
             path = os.path.join(dirpath, name)
             out[os.path.relpath(path, root)] = os.path.getsize(path)
     return out
+
 
 def read_stats(root: str, run: str, step: int) -> dict:
     return dict(catalog.read_manifest(open_store(root), run, step).stats.__dict__)
@@ -140,9 +140,7 @@ def test_list_reports_committed_checkpoints(make_ck, tiny_state_factory, tiny_tr
 # ---- async save ---------------------------------------------------------------------------
 
 
-def test_async_save_restores_exactly_and_caller_may_keep_training(
-    make_ck, tiny_state_factory, tiny_train_step
-):
+def test_async_save_restores_exactly_and_caller_may_keep_training(make_ck, tiny_state_factory, tiny_train_step):
     state = tiny_state_factory()
     tiny_train_step(state, 2)
     snap = snapshot(state)
@@ -301,7 +299,17 @@ def test_save_policy_kind_for():
 
     only_full = SavePolicy(full_every=5)
     assert [only_full.kind_for(s) for s in range(11)] == [
-        "full", None, None, None, None, "full", None, None, None, None, "full",
+        "full",
+        None,
+        None,
+        None,
+        None,
+        "full",
+        None,
+        None,
+        None,
+        None,
+        "full",
     ]
     # full wins where both divide
     assert SavePolicy(full_every=4, incremental_every=2).kind_for(8) == "full"

@@ -204,7 +204,10 @@ def test_export_consolidates_two_shards(tmp_path, capsys):
     script.write_text(SHARDED_SAVE)
     proc = subprocess.run(
         [sys.executable, str(script), str(root), str(tmp_path / "pg-init")],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = read_manifest(open_store(str(root)), "sharded", 3)

@@ -10,11 +10,10 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, CkptflowError, ManifestError, NoValidCheckpointError
-from ckptflow import catalog
+from ckptflow import Checkpointer, CkptflowError, ManifestError, NoValidCheckpointError, catalog
 from ckptflow import format as fmt
 from ckptflow.export import export_safetensors
-from ckptflow.manifest import seal
+from ckptflow.sealed import seal
 from ckptflow.store import open_store
 from support.corrupt import grow_first_tensor, reseal_manifest
 
@@ -360,8 +359,13 @@ def test_malformed_manifest_wrong_shape(scenario, mutate):
     "mutate, why",
     [
         pytest.param(grow_first_tensor, "covering", id="tensor-larger-than-its-shards"),
-        pytest.param(lambda r: r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"].append(
-            r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"][0]), "covering", id="shard-twice"),
+        pytest.param(
+            lambda r: r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"].append(
+                r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"][0]
+            ),
+            "covering",
+            id="shard-twice",
+        ),
         pytest.param(lambda r: r["dcp"]["items"][0].update(chunks=[]), "adding up", id="item-without-chunk-bytes"),
     ],
 )

@@ -21,7 +21,9 @@ from support import dist_workers as W
 
 pytestmark = [
     pytest.mark.timeout(90),
-    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
 ]
 
 

@@ -23,8 +23,8 @@ import torch
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow import format as fmt
 from ckptflow.errors import NoValidCheckpointError
-from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 from support.faulty_store import FaultyStore, InjectedFault
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
 HERE = Path(__file__).resolve().parent
 
@@ -156,13 +156,19 @@ def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
     kills = []
     deadline = time.monotonic() + 75
     script = HERE / "support" / "sigkill_saver.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    )
     for attempt in range(3):
         before = committed_steps(root)
         log = open(tmp_path / f"child-{attempt}.log", "wb")
         child = subprocess.Popen(
             [sys.executable, str(script), str(root), RUN, str(SIGKILL_N), str(1 << 18)],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         try:
             # Wait for a commit made by this child, then kill it a random moment later.
@@ -184,7 +190,11 @@ def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
 
         # Restore in this process: the newest intact checkpoint, exactly step's weights.
         ck = Checkpointer(str(root), run=RUN, restore_rng=False)
-        state = {"w": torch.zeros(SIGKILL_N, dtype=torch.float64), "v": torch.zeros(SIGKILL_N, dtype=torch.float64), "step": -1}
+        state = {
+            "w": torch.zeros(SIGKILL_N, dtype=torch.float64),
+            "v": torch.zeros(SIGKILL_N, dtype=torch.float64),
+            "step": -1,
+        }
         result = ck.restore(state)
         expected = sigkill_expected(result.step)
         assert torch.equal(state["w"], expected["w"]) and torch.equal(state["v"], expected["v"])
@@ -206,8 +216,7 @@ def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
         assert ck.verify(step).ok
     assert not [key for key, _ in report.deleted if key.endswith("manifest.json")]
     assert all(
-        key.startswith(("chunks/", "locks/leases/")) or "/ranks/" in key or "/.tmp-" in key
-        for key, _ in report.deleted
+        key.startswith(("chunks/", "locks/leases/")) or "/ranks/" in key or "/.tmp-" in key for key, _ in report.deleted
     )
     ck.close()
     shutil.rmtree(root)  # a few hundred MB; pytest keeps old temp dirs around

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow import format as fmt
-from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 from support.faulty_store import FaultyStore
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -53,9 +53,7 @@ def test_gc_after_retention_deletes_exactly_the_unreferenced_chunks(tmp_path):
 
     live = manifest_chunks(root, 3) | manifest_chunks(root, 5)
     chunks_before = chunk_keys(root)
-    orphans = {
-        info.key: info.size for s in (1, 2, 4) for info in store.list(fmt.step_prefix(RUN, s))
-    }
+    orphans = {info.key: info.size for s in (1, 2, 4) for info in store.list(fmt.step_prefix(RUN, s))}
     assert set(orphans) == {fmt.rank_key(RUN, s, 0) for s in (1, 2, 4)}
     expected = {k: size for k, size in chunks_before.items() if k not in live} | orphans
     assert expected and live <= set(chunks_before)
@@ -213,9 +211,11 @@ def test_gc_sweep_racing_a_deduplicating_save(tmp_path):
     saved: list = []
     try:
         assert pause.reached.wait(30)
-        saver = threading.Thread(target=lambda: saved.append(
-            Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4).save(2, tagged_state(1), kind="incremental")
-        ))
+        saver = threading.Thread(
+            target=lambda: saved.append(
+                Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4).save(2, tagged_state(1), kind="incremental")
+            )
+        )
         saver.start()
         saver.join(0.5)
         assert saver.is_alive(), "the save must wait while GC holds its lock"

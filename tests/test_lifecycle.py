@@ -77,7 +77,9 @@ def test_a_step_committed_again_shows_its_own_verdict(tmp_path):
     and the inventory and retention see it as valid (the old verdict is history)."""
     store, model = make(tmp_path, steps=(1, 2))
     old = subject(store, 2)
-    for digest in sorted(set(catalog.read_manifest(store, "r", 2).chunks) - set(catalog.read_manifest(store, "r", 1).chunks)):
+    for digest in sorted(
+        set(catalog.read_manifest(store, "r", 2).chunks) - set(catalog.read_manifest(store, "r", 1).chunks)
+    ):
         flip_byte(chunk_path(store.root, digest))
     assert lifecycle.validate(store, "r", 2)["ok"] is False
     assert {e.step: e.validation for e in inventory.collect(store)}[2] == "failed"

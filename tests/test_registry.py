@@ -13,8 +13,15 @@ def reg(tmp_path):
 
 
 def register(r, step, **kw):
-    return r.register("tinylm", run="run-a", step=step, manifest_digest=f"d{step}", training_config={"lr": 3e-3},
-                      data={"name": "arith"}, **kw)
+    return r.register(
+        "tinylm",
+        run="run-a",
+        step=step,
+        manifest_digest=f"d{step}",
+        training_config={"lr": 3e-3},
+        data={"name": "arith"},
+        **kw,
+    )
 
 
 def test_register_versions_create_only_with_lineage_and_latest(tmp_path):
@@ -76,4 +83,8 @@ def test_pinned_and_aliased_feed_retention(tmp_path):
     r.promote("tinylm", 1)
     r.promote("tinylm", 2)
     assert r.pinned() == {("run-a", 10), ("run-a", 20), ("run-a", 30)}
-    assert r.aliased() == {("run-a", 30): ["tinylm:latest"], ("run-a", 20): ["tinylm:stable"], ("run-a", 10): ["tinylm:fallback"]}
+    assert r.aliased() == {
+        ("run-a", 30): ["tinylm:latest"],
+        ("run-a", 20): ["tinylm:stable"],
+        ("run-a", 10): ["tinylm:fallback"],
+    }

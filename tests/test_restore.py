@@ -18,13 +18,12 @@ import torch
 from ckptflow import (
     NoValidCheckpointError,
     UnsupportedStateError,
+    catalog,
 )
-from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.store import open_store
 from support.corrupt import manifest_path
 from support.states import assert_state_equals, snapshot
-
 
 # ---- RNG ----------------------------------------------------------------------------------
 

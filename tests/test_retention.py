@@ -4,7 +4,14 @@ import pytest
 
 from ckptflow.catalog import CheckpointInfo
 from ckptflow.retention import (
-    DAY, AnyOf, Candidate, KeepBestK, KeepFullWithin, KeepRecent, default_policy, plan,
+    DAY,
+    AnyOf,
+    Candidate,
+    KeepBestK,
+    KeepFullWithin,
+    KeepRecent,
+    default_policy,
+    plan,
 )
 
 NOW = 1_000 * DAY
@@ -44,7 +51,9 @@ def test_old_full_checkpoint_expires_after_30_days():
 
 
 def test_best_k_max_mode_and_per_run():
-    cands = [c(s, 100, run="a", acc=s / 100) for s in (10, 20, 30)] + [c(s, 100, run="b", acc=1 - s / 100) for s in (10, 20, 30)]
+    cands = [c(s, 100, run="a", acc=s / 100) for s in (10, 20, 30)] + [
+        c(s, 100, run="b", acc=1 - s / 100) for s in (10, 20, 30)
+    ]
     p = plan(cands, NOW, policy=AnyOf((KeepBestK("acc", 1, "max"),)))
     # best per run (max acc) plus newest per run (never-delete)
     assert set(p.keep) == {("a", 30), ("b", 10), ("b", 30)}
@@ -92,8 +101,15 @@ def test_full_within_rule_does_not_keep_invalid_full():
 
 
 def test_candidate_from_checkpoint_info_merges_metrics():
-    info = CheckpointInfo(step=5, kind="full", created_at=1.0, logical_bytes=1, stored_bytes=1,
-                          metadata={"train_loss": 0.5, "note": "x", "flag": True}, run="r")
+    info = CheckpointInfo(
+        step=5,
+        kind="full",
+        created_at=1.0,
+        logical_bytes=1,
+        stored_bytes=1,
+        metadata={"train_loss": 0.5, "note": "x", "flag": True},
+        run="r",
+    )
     cand = Candidate.from_info(info, valid=None, metrics={"val_loss": 0.7, "nan": float("nan")})
     assert cand.metrics == {"train_loss": 0.5, "val_loss": 0.7}
     assert cand.ref == ("r", 5) and cand.valid is None

@@ -15,13 +15,13 @@ import torch
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ReadTimeoutError
 
-from ckptflow import CheckpointExistsError, Checkpointer, NoValidCheckpointError, open_store
+from ckptflow import Checkpointer, CheckpointExistsError, NoValidCheckpointError, open_store
 from ckptflow import format as fmt
 from ckptflow.cli import main
 from ckptflow.errors import ColdObjectError, StoreError
 from ckptflow.store.s3 import S3Store
-from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 from support.faulty_store import FaultyStore
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
 MiB = 1 << 20
 

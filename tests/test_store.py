@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow import Checkpointer, CorruptChunkError, InvalidNameError, open_store
-from ckptflow import codecs
-from ckptflow import catalog
+from ckptflow import Checkpointer, CorruptChunkError, InvalidNameError, catalog, codecs, open_store
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore, sha256
 from ckptflow.errors import ObjectNotFoundError

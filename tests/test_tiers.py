@@ -7,12 +7,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from support.states import assert_state_equals, snapshot
 
 from ckptflow import Checkpointer, catalog, gc, lifecycle
 from ckptflow import format as fmt
 from ckptflow.errors import NoValidCheckpointError
 from ckptflow.store import open_store
+from support.states import assert_state_equals, snapshot
 
 RUN = "r"
 

@@ -15,7 +15,25 @@ from ckptflow.lifecycle.scrub import ScrubReport, scrub
 from ckptflow.lifecycle.validate import validate
 
 __all__ = [
-    "KINDS", "ArchiveReport", "CompressionReport", "EvaluationRule", "Evaluator", "ExpireError", "RetentionReport",
-    "ScrubReport", "Subject", "apply_retention", "archive", "compress", "copy_matches", "current_plan", "evaluate",
-    "expire", "read_record", "records_by_subject", "scrub", "validate", "write_record",
+    "KINDS",
+    "ArchiveReport",
+    "CompressionReport",
+    "EvaluationRule",
+    "Evaluator",
+    "ExpireError",
+    "RetentionReport",
+    "ScrubReport",
+    "Subject",
+    "apply_retention",
+    "archive",
+    "compress",
+    "copy_matches",
+    "current_plan",
+    "evaluate",
+    "expire",
+    "read_record",
+    "records_by_subject",
+    "scrub",
+    "validate",
+    "write_record",
 ]

@@ -30,7 +30,9 @@ class ArchiveReport:
         return not self.problems
 
 
-def archive(src: Store, dst: Store, run: str, step: int, progress: Callable[[int], None] | None = None) -> ArchiveReport:
+def archive(
+    src: Store, dst: Store, run: str, step: int, progress: Callable[[int], None] | None = None
+) -> ArchiveReport:
     """Copy ``(run, step)`` from ``src`` (the hot store) to ``dst`` with the same commit
     protocol (chunks, then rank records, then the manifest last, all create-only), verify
     it there, and record the outcome in ``src`` for the manifest's digest.
@@ -47,16 +49,27 @@ def archive(src: Store, dst: Store, run: str, step: int, progress: Callable[[int
     sizes = _copy(src, dst, manifest, report, progress)
     if not report.problems:
         _verify(dst, manifest, report, sizes)
-    write_record(src, Subject.of(manifest), "archive", {
-        "url": dst.url, "ok": report.ok, "chunks_copied": report.chunks_copied,
-        "chunks_present": report.chunks_present, "bytes_copied": report.bytes_copied,
-        "problems": report.problems[:20], "chunks_verified": report.chunks_verified, "verified_by": report.verified_by,
-    })
+    write_record(
+        src,
+        Subject.of(manifest),
+        "archive",
+        {
+            "url": dst.url,
+            "ok": report.ok,
+            "chunks_copied": report.chunks_copied,
+            "chunks_present": report.chunks_present,
+            "bytes_copied": report.bytes_copied,
+            "problems": report.problems[:20],
+            "chunks_verified": report.chunks_verified,
+            "verified_by": report.verified_by,
+        },
+    )
     return report
 
 
-def _copy(src: Store, dst: Store, manifest: Manifest, report: ArchiveReport,
-          progress: Callable[[int], None] | None) -> dict[str, int]:
+def _copy(
+    src: Store, dst: Store, manifest: Manifest, report: ArchiveReport, progress: Callable[[int], None] | None
+) -> dict[str, int]:
     """Chunks, then records; the hot copy's size of each chunk (what a cold copy must match)."""
     source = ChunkStore(src)
     sizes: dict[str, int] = {}

@@ -50,8 +50,17 @@ def compress(store: Store, run: str, step: int, codec: str = "zstd", level: int 
         report.bytes_before += before
         report.bytes_after += after
         report.reencoded += after < before
-    write_record(store, Subject.of(manifest), "compression", {
-        "chunks": report.chunks, "reencoded": report.reencoded, "bytes_before": report.bytes_before,
-        "bytes_after": report.bytes_after, "ratio": report.ratio, "codec": codec,
-    })
+    write_record(
+        store,
+        Subject.of(manifest),
+        "compression",
+        {
+            "chunks": report.chunks,
+            "reencoded": report.reencoded,
+            "bytes_before": report.bytes_before,
+            "bytes_after": report.bytes_after,
+            "ratio": report.ratio,
+            "codec": codec,
+        },
+    )
     return report

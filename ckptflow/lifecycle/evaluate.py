@@ -40,8 +40,11 @@ class EvaluationRule:
 
 
 def numeric(values: Mapping[str, Any]) -> dict[str, float]:
-    return {str(k): float(v) for k, v in values.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        str(k): float(v)
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def evaluate(
@@ -79,8 +82,18 @@ def evaluate(
         improvement = rule.improvement(previous[1]["metrics"][rule.val_metric], metrics[rule.val_metric])
         prev_train = previous[1].get("train")
         overfitting = bool(improvement < 0 and train is not None and prev_train is not None and train < prev_train)
-    return write_record(records, Subject.of(manifest), "evaluation", {
-        "metrics": metrics, "train": train, "evaluator": by, "source": "trainer" if evaluator is None else "evaluator",
-        "previous_step": previous[0] if previous else None, "improvement": improvement, "overfitting": overfitting,
-        "val_metric": rule.val_metric,
-    })
+    return write_record(
+        records,
+        Subject.of(manifest),
+        "evaluation",
+        {
+            "metrics": metrics,
+            "train": train,
+            "evaluator": by,
+            "source": "trainer" if evaluator is None else "evaluator",
+            "previous_step": previous[0] if previous else None,
+            "improvement": improvement,
+            "overfitting": overfitting,
+            "val_metric": rule.val_metric,
+        },
+    )

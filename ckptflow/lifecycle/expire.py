@@ -27,10 +27,14 @@ def expire(store: Store, run: str, step: int, *, keep_records: bool = False) -> 
             store.delete(key)
         except (CkptflowError, OSError) as e:
             if key == manifest_key:
-                raise ExpireError(f"could not delete the commit record {store.url}/{key}, so checkpoint {run} step "
-                                  f"{step} still exists: {e}") from e
+                raise ExpireError(
+                    f"could not delete the commit record {store.url}/{key}, so checkpoint {run} step "
+                    f"{step} still exists: {e}"
+                ) from e
             failed.append(f"{key} ({e})")
     if failed:
-        raise ExpireError(f"checkpoint {run} step {step} no longer exists in {store.url}, but {len(failed)} of its "
-                          f"objects could not be deleted: {'; '.join(failed[:5])}; run the expiry again")
+        raise ExpireError(
+            f"checkpoint {run} step {step} no longer exists in {store.url}, but {len(failed)} of its "
+            f"objects could not be deleted: {'; '.join(failed[:5])}; run the expiry again"
+        )
     return keys

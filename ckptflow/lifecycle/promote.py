@@ -77,7 +77,9 @@ def promote(hot: Store, registry: Registry, request: PromotionRequest) -> ModelV
     subject = Subject.of(manifest)
     validation = read_record(hot, subject, "validation") or validate(hot, run, step)
     if not validation.get("ok") or validation.get("manifest_digest") != manifest.digest:
-        raise PromotionError(f"refusing to promote {run} step {step}: it failed validation ({validation.get('problems')})")
+        raise PromotionError(
+            f"refusing to promote {run} step {step}: it failed validation ({validation.get('problems')})"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "model.safetensors")
         if request.dtype == "int8":
@@ -89,13 +91,23 @@ def promote(hot: Store, registry: Registry, request: PromotionRequest) -> ModelV
     evaluation = read_record(hot, subject, "evaluation") or {}
     trainer = dict(manifest.metadata)
     version = registry.register(
-        request.model, run=run, step=step, manifest_digest=manifest.digest, artifact_bytes=weights,
+        request.model,
+        run=run,
+        step=step,
+        manifest_digest=manifest.digest,
+        artifact_bytes=weights,
         dtype=request.dtype or None,
-        training_config={"kind": manifest.kind, "world_size": manifest.world_size, "codec": manifest.codec,
-                         **(trainer.get("config") or {})},
+        training_config={
+            "kind": manifest.kind,
+            "world_size": manifest.world_size,
+            "codec": manifest.codec,
+            **(trainer.get("config") or {}),
+        },
         data={"trainer": trainer.get("data", "see the training run"), "evaluated_by": evaluation.get("evaluator")},
-        metrics={**{k: v for k, v in trainer.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                 **(evaluation.get("metrics") or {})},
+        metrics={
+            **{k: v for k, v in trainer.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+            **(evaluation.get("metrics") or {}),
+        },
     )
     if request.stage == "stable":
         registry.promote(request.model, version.version)

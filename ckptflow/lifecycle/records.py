@@ -39,7 +39,7 @@ class Subject:
     digest: str
 
     @classmethod
-    def of(cls, manifest: Manifest) -> "Subject":
+    def of(cls, manifest: Manifest) -> Subject:
         return cls(manifest.run, manifest.step, manifest.digest)
 
     @property
@@ -83,7 +83,7 @@ def records_by_subject(store: Store, run: str | None = None) -> dict[tuple[str, 
 def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
     out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
     for info in store.list(prefix):
-        parts = info.key[len(PREFIX):].split("/")
+        parts = info.key[len(PREFIX) :].split("/")
         if len(parts) != 4 or not parts[3].endswith(".json") or parts[3][:-5] not in KINDS:
             continue  # records of the layout before digests, or debris: history nobody reads
         step = fmt.parse_step_dir(parts[1])
@@ -109,7 +109,7 @@ def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, 
     prefix = f"{PREFIX}{fmt.validate_run(run)}/"
     steps: dict[int, list[str]] = defaultdict(list)
     for info in store.list(prefix):
-        parts = info.key[len(prefix):].split("/")
+        parts = info.key[len(prefix) :].split("/")
         older = fmt.parse_step_dir(parts[0])
         if len(parts) == 3 and parts[2] == f"{what}.json" and older is not None and older < step:
             steps[older].append(info.key)

@@ -30,14 +30,26 @@ class RetentionReport:
 
 
 def current_plan(
-    hot: Store, archive: Store | None, registry: Registry, policy: RetentionPolicy | None = None, *,
-    pinned: Iterable[Ref] = (), hot_days: float | None = None, now: float | None = None,
+    hot: Store,
+    archive: Store | None,
+    registry: Registry,
+    policy: RetentionPolicy | None = None,
+    *,
+    pinned: Iterable[Ref] = (),
+    hot_days: float | None = None,
+    now: float | None = None,
 ) -> tuple[list[inventory.Entry], RetentionPlan]:
     """The inventory and the plan for it now: pinned = ``pinned`` plus every published
     model version's source; aliased from the registry."""
     entries = inventory.collect(hot, archive)
-    plan = inventory.retention_plan(entries, time.time() if now is None else now, registry.pinned() | set(pinned),
-                                    registry.aliased(), policy, hot_days)
+    plan = inventory.retention_plan(
+        entries,
+        time.time() if now is None else now,
+        registry.pinned() | set(pinned),
+        registry.aliased(),
+        policy,
+        hot_days,
+    )
     return entries, plan
 
 

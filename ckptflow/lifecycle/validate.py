@@ -15,8 +15,11 @@ def validate(store: Store, run: str, step: int, *, records: Store | None = None)
     holding the checkpoint). A checkpoint without a commit record gets no record."""
     report = catalog.verify_checkpoint(store, run, step)
     verdict = {
-        "ok": report.ok, "problems": report.problems[:20], "chunks_checked": report.chunks_checked,
-        "bytes_checked": report.bytes_checked, "tier": store.url,
+        "ok": report.ok,
+        "problems": report.problems[:20],
+        "chunks_checked": report.chunks_checked,
+        "bytes_checked": report.bytes_checked,
+        "tier": store.url,
     }
     if not report.digest:
         return {**verdict, "manifest_digest": ""}

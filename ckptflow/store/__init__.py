@@ -11,7 +11,7 @@ from ckptflow.store.local import LocalStore
 __all__ = ["ObjectInfo", "Store", "LocalStore", "open_store", "validate_key"]  # S3Store: ckptflow.store.s3
 
 
-def open_store(url: "str | os.PathLike[str] | Store", *, create: bool = True) -> Store:
+def open_store(url: str | os.PathLike[str] | Store, *, create: bool = True) -> Store:
     """Open a store from a plain path, a ``file://`` URL, ``s3://bucket/prefix`` (optionally
     ``?endpoint=http://host:port`` for an S3-compatible store), or return a ``Store`` as is.
 
@@ -42,6 +42,5 @@ def open_store(url: "str | os.PathLike[str] | Store", *, create: bool = True) ->
             region=query.get("region", [None])[0],
         )
     raise ValueError(
-        f"no store backend for scheme {parsed.scheme!r} in {url!r}; "
-        "supported: plain paths, file:// and s3:// URLs"
+        f"no store backend for scheme {parsed.scheme!r} in {url!r}; supported: plain paths, file:// and s3:// URLs"
     )

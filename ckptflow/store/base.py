@@ -112,6 +112,7 @@ class Store(ABC):
         Backends where this is expensive may make it a no-op and document how their
         garbage collection stays safe instead.
         """
+        return None
 
     def scan(self, key: str, buffer: memoryview, consume: Callable[[memoryview], None]) -> tuple[int, Any]:
         """Feed the object to ``consume`` piece by piece: (its size, its version).
@@ -147,8 +148,9 @@ class Store(ABC):
 
     def delete_temp(self, name: str) -> None:
         """Remove one of ``stale_temp_files``."""
+        return None
 
-    def metadata_store(self) -> "Store":
+    def metadata_store(self) -> Store:
         """Where small records (manifests, rank records) go: this store, or for a store
         that writes cold objects a view of the same root in a readable class."""
         return self

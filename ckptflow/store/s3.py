@@ -16,6 +16,7 @@ sessions are not, so none is kept).
 from __future__ import annotations
 
 import base64
+import builtins
 import hashlib
 import os
 import re
@@ -45,7 +46,7 @@ def _byte_views(data: Buffers) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in as_buffers(data)]
 
 
-def _pieces(views: list[memoryview], size: int) -> Iterator[bytes]:
+def _pieces(views: builtins.list[memoryview], size: int) -> Iterator[bytes]:
     """``size``-byte parts of the concatenated buffers (the last may be shorter), so a
     multipart upload holds one part in memory, not a second copy of the object."""
     buf = bytearray()
@@ -117,13 +118,19 @@ class S3Store(Store):
             )
         self.client = client
 
-    def metadata_store(self) -> "S3Store":
+    def metadata_store(self) -> S3Store:
         """Manifests and rank records of a cold store go in the default class, so they
         stay listable and readable (only chunks, the bulk of the bytes, go cold)."""
         if not self.writes_cold:
             return self
-        return S3Store(self.bucket, self.prefix, client=self.client, multipart_threshold=self.multipart_threshold,
-                       part_size=self.part_size, max_attempts=self.max_attempts)
+        return S3Store(
+            self.bucket,
+            self.prefix,
+            client=self.client,
+            multipart_threshold=self.multipart_threshold,
+            part_size=self.part_size,
+            max_attempts=self.max_attempts,
+        )
 
     # ---- plumbing ----------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -172,8 +179,10 @@ class S3Store(Store):
                 return response["Body"].read()
             except (BotoCoreError, OSError) as e:
                 if attempt >= self.max_attempts:
-                    raise StoreError(f"S3 GetObject of {self._where(key)} failed while reading the body "
-                                     f"after {attempt} attempts: {type(e).__name__}: {e}") from e
+                    raise StoreError(
+                        f"S3 GetObject of {self._where(key)} failed while reading the body "
+                        f"after {attempt} attempts: {type(e).__name__}: {e}"
+                    ) from e
                 attempt += 1
 
     def stat(self, key: str) -> ObjectInfo:
@@ -192,8 +201,10 @@ class S3Store(Store):
         cut = len(self.prefix) + 1 if self.prefix else 0
         try:
             for page in pages:
-                found += [ObjectInfo(o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp())
-                          for o in page.get("Contents", ())]
+                found += [
+                    ObjectInfo(o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp())
+                    for o in page.get("Contents", ())
+                ]
                 found += [ObjectInfo(p["Prefix"][cut:], 0, 0.0) for p in page.get("CommonPrefixes", ())]
         except (BotoCoreError, ClientError) as e:
             raise StoreError(f"S3 ListObjectsV2 of s3://{self.bucket}/{full} failed after retries: {e}") from e
@@ -236,32 +247,63 @@ class S3Store(Store):
         """A plain put: S3 swaps the whole object atomically (readers see old or new)."""
         self._upload(key, _byte_views(data), create_only=False)
 
-    def _upload(self, key: str, views: list[memoryview], *, create_only: bool) -> None:
+    def _upload(self, key: str, views: builtins.list[memoryview], *, create_only: bool) -> None:
         extra: dict[str, Any] = {"StorageClass": self.storage_class} if self.storage_class else {}
-        condition = {"IfNoneMatch": "*"} if create_only else {}
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
         if sum(len(v) for v in views) >= self.multipart_threshold:
             return self._multipart(key, views, extra, condition)
         body = b"".join(views)
-        self._call("PutObject", key, self.client.put_object, passthrough=_EXISTS, Key=self._key(key), Body=body,
-                   ChecksumSHA256=_sha256_b64([memoryview(body)]), **extra, **condition)
+        self._call(
+            "PutObject",
+            key,
+            self.client.put_object,
+            passthrough=_EXISTS,
+            Key=self._key(key),
+            Body=body,
+            ChecksumSHA256=_sha256_b64([memoryview(body)]),
+            **extra,
+            **condition,
+        )
 
-    def _multipart(self, key: str, views: list[memoryview], extra: dict, condition: dict) -> None:
+    def _multipart(self, key: str, views: builtins.list[memoryview], extra: dict, condition: dict) -> None:
         """Upload in ``part_size`` parts, each with its own SHA-256, and complete under
         ``condition``. Any failure aborts the upload, so no billed, invisible parts stay
         behind (a process killed mid-upload can leave some: a bucket lifecycle rule
         "abort incomplete multipart uploads after N days" covers that)."""
         full = self._key(key)
-        upload = self._call("CreateMultipartUpload", key, self.client.create_multipart_upload,
-                            Key=full, ChecksumAlgorithm="SHA256", **extra)["UploadId"]
+        upload = self._call(
+            "CreateMultipartUpload",
+            key,
+            self.client.create_multipart_upload,
+            Key=full,
+            ChecksumAlgorithm="SHA256",
+            **extra,
+        )["UploadId"]
         try:
             done = []
             for number, piece in enumerate(_pieces(views, self.part_size), start=1):
                 checksum = _sha256_b64([memoryview(piece)])
-                etag = self._call("UploadPart", key, self.client.upload_part, Key=full, UploadId=upload,
-                                  PartNumber=number, Body=piece, ChecksumSHA256=checksum)["ETag"]
+                etag = self._call(
+                    "UploadPart",
+                    key,
+                    self.client.upload_part,
+                    Key=full,
+                    UploadId=upload,
+                    PartNumber=number,
+                    Body=piece,
+                    ChecksumSHA256=checksum,
+                )["ETag"]
                 done.append({"PartNumber": number, "ETag": etag, "ChecksumSHA256": checksum})
-            self._call("CompleteMultipartUpload", key, self.client.complete_multipart_upload, passthrough=_EXISTS,
-                       Key=full, UploadId=upload, MultipartUpload={"Parts": done}, **condition)
+            self._call(
+                "CompleteMultipartUpload",
+                key,
+                self.client.complete_multipart_upload,
+                passthrough=_EXISTS,
+                Key=full,
+                UploadId=upload,
+                MultipartUpload={"Parts": done},
+                **condition,
+            )
         except BaseException:
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
@@ -283,17 +325,30 @@ class S3Store(Store):
         would need a multipart copy; ckptflow's chunks are far smaller.
         """
         full = self._key(key)
-        extra = {"StorageClass": self.storage_class} if self.storage_class else {}
-        self._call("CopyObject", key, self.client.copy_object, Key=full, ChecksumAlgorithm="SHA256",
-                   CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE", **extra)
+        extra: dict[str, Any] = {"StorageClass": self.storage_class} if self.storage_class else {}
+        self._call(
+            "CopyObject",
+            key,
+            self.client.copy_object,
+            Key=full,
+            ChecksumAlgorithm="SHA256",
+            CopySource={"Bucket": self.bucket, "Key": full},
+            MetadataDirective="REPLACE",
+            **extra,
+        )
 
     def request_thaw(self, key: str, days: int = 1, tier: str = "Standard") -> bool:
         """Ask S3 to restore a cold object for ``days``; False if it is not in a cold
         class (nothing to do) or a restore is already under way."""
         try:
-            self._call("RestoreObject", key, self.client.restore_object, Key=self._key(key),
-                       passthrough=("InvalidObjectState", "RestoreAlreadyInProgress"),
-                       RestoreRequest={"Days": int(days), "GlacierJobParameters": {"Tier": tier}})
+            self._call(
+                "RestoreObject",
+                key,
+                self.client.restore_object,
+                Key=self._key(key),
+                passthrough=("InvalidObjectState", "RestoreAlreadyInProgress"),
+                RestoreRequest={"Days": int(days), "GlacierJobParameters": {"Tier": tier}},
+            )
         except ClientError:  # only the passthrough codes get here
             return False
         return True

@@ -33,7 +33,9 @@ def train(ck: Checkpointer, state: dict, start: int, stop: int, crash_at: int | 
         loss = train_step(state)
         handle = ck.save(step, state, metadata={"train_loss": round(loss, 4)}, blocking=False)
         if handle is not None:
-            print(f"  step {step:4d}  loss {loss:.3f}  {handle.kind:<11} save, training held {handle.blocked_s * 1000:.1f} ms")
+            print(
+                f"  step {step:4d}  loss {loss:.3f}  {handle.kind:<11} save, training held {handle.blocked_s * 1000:.1f} ms"
+            )
         if step == crash_at:
             ck.wait()
             print(f"  step {step:4d}  *** simulated crash: process state lost ***")
@@ -44,15 +46,24 @@ def train(ck: Checkpointer, state: dict, start: int, stop: int, crash_at: int | 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", default=os.environ.get("CKPTFLOW_STORE", DEMO_STORE),
-                        help="store URL; the default demo store is wiped first, any other keeps its chunks")
+    parser.add_argument(
+        "--store",
+        default=os.environ.get("CKPTFLOW_STORE", DEMO_STORE),
+        help="store URL; the default demo store is wiped first, any other keeps its chunks",
+    )
     parser.add_argument("--run", default="tinylm-demo")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--crash-at", type=int, default=75)
-    parser.add_argument("--archive", default=os.environ.get("CKPTFLOW_ARCHIVE"),
-                        help=f"archive tier URL (default {DEMO_ARCHIVE} for the demo store, else <store>-archive)")
-    parser.add_argument("--dagster-home", help=f"Dagster instance directory for the lifecycle (default {DEMO_DAGSTER_HOME}, "
-                        "what `make ui` reads, for the demo store, else <store>-dagster_home); the default one is reset first")
+    parser.add_argument(
+        "--archive",
+        default=os.environ.get("CKPTFLOW_ARCHIVE"),
+        help=f"archive tier URL (default {DEMO_ARCHIVE} for the demo store, else <store>-archive)",
+    )
+    parser.add_argument(
+        "--dagster-home",
+        help=f"Dagster instance directory for the lifecycle (default {DEMO_DAGSTER_HOME}, "
+        "what `make ui` reads, for the demo store, else <store>-dagster_home); the default one is reset first",
+    )
     parser.add_argument("--no-lifecycle", action="store_true", help="skip the Dagster lifecycle part")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="  [%(name)s] %(message)s")
@@ -74,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     with Checkpointer(args.store, args.run, policy=policy) as ck:
         state = build()
         result = ck.restore(state)
-        print(f"  restored step {result.step} (data position {state['data'].position}, lr {state['sched'].get_last_lr()[0]:.2e}); "
-              f"{crashed_at - result.step} steps to redo")
+        print(
+            f"  restored step {result.step} (data position {state['data'].position}, lr {state['sched'].get_last_lr()[0]:.2e}); "
+            f"{crashed_at - result.step} steps to redo"
+        )
         train(ck, state, result.step, args.steps)
 
         previous, newest = ck.list()[-2:]
-        chunks_of = lambda step: catalog.read_manifest(ck.store, args.run, step).chunks  # noqa: E731
+        chunks_of = lambda step: catalog.read_manifest(ck.store, args.run, step).chunks
         victim = min(set(chunks_of(newest.step)) - set(chunks_of(previous.step)))
         path = os.path.join(args.store, fmt.chunk_key(victim))
         with open(path, "r+b") as f:  # flip one byte of a chunk the newest checkpoint uses
@@ -96,16 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     infos = list_checkpoints(ck.store, args.run)
     logical = sum(i.logical_bytes for i in infos)
     written = sum(i.bytes_written for i in infos)
-    print(f"== {len(infos)} checkpoints, {logical / 1e6:.1f} MB logical, {written / 1e6:.1f} MB written "
-          f"(incremental + dedup saved {100 * (1 - written / logical):.0f}%)")
+    print(
+        f"== {len(infos)} checkpoints, {logical / 1e6:.1f} MB logical, {written / 1e6:.1f} MB written "
+        f"(incremental + dedup saved {100 * (1 - written / logical):.0f}%)"
+    )
     print(f"  {'step':>5} {'kind':<11} {'train_loss':>10} {'written MB':>10}")
     for i in infos:
-        print(f"  {i.step:>5} {i.kind:<11} {i.metadata.get('train_loss', float('nan')):>10.3f} {i.bytes_written / 1e6:>10.2f}")
+        print(
+            f"  {i.step:>5} {i.kind:<11} {i.metadata.get('train_loss', float('nan')):>10.3f} {i.bytes_written / 1e6:>10.2f}"
+        )
     report = gc(args.store, grace="1h", dry_run=True)
     print(f"== gc dry run: {len(report.deleted)} objects ({report.bytes} bytes) unreferenced and past grace")
     ops = recoveries.run_metrics(ck.store, args.run)
-    print(f"== recoveries: {ops.recoveries} ({ops.recoveries_ok} succeeded, {ops.fallbacks} fell back past a bad "
-          f"checkpoint), median restore {ops.restore_s:.3f} s; a checkpoint every {ops.save_interval_s:.2f} s")
+    print(
+        f"== recoveries: {ops.recoveries} ({ops.recoveries_ok} succeeded, {ops.fallbacks} fell back past a bad "
+        f"checkpoint), median restore {ops.restore_s:.3f} s; a checkpoint every {ops.save_interval_s:.2f} s"
+    )
     status = 0
     if not args.no_lifecycle:
         warnings.filterwarnings("ignore", message=r".* is currently in (beta|preview)")  # Dagster API maturity notes
@@ -116,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         home = args.dagster_home or (DEMO_DAGSTER_HOME if default else args.store.rstrip("/") + "-dagster_home")
         fresh = default and not args.archive and not args.dagster_home
         status = run_lifecycle(os.path.abspath(args.store), os.path.abspath(archive), os.path.abspath(home), fresh)
-    print(f"== demo finished in {time.perf_counter() - t0:.1f} s; try: .venv/bin/ckptflow ls {args.store} "
-          f"and .venv/bin/ckptflow verify {args.store} --run {args.run} --all")
+    print(
+        f"== demo finished in {time.perf_counter() - t0:.1f} s; try: .venv/bin/ckptflow ls {args.store} "
+        f"and .venv/bin/ckptflow verify {args.store} --run {args.run} --all"
+    )
     return status

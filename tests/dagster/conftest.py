@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from support.dagster import EVALUATORS, write_checkpoints
 
 
@@ -22,8 +23,10 @@ def resources(paths):
     from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource
 
     return {
-        "store": CheckpointStoreResource(url=paths["store"]), "archive": ArchiveResource(url=paths["archive"]),
-        "registry": RegistryResource(url=paths["store"]), "evaluator": EvaluatorResource(evaluators=EVALUATORS),
+        "store": CheckpointStoreResource(url=paths["store"]),
+        "archive": ArchiveResource(url=paths["archive"]),
+        "registry": RegistryResource(url=paths["store"]),
+        "evaluator": EvaluatorResource(evaluators=EVALUATORS),
     }
 
 

@@ -3,26 +3,35 @@
 import os
 
 from dagster import AssetCheckKey, AssetRecordsFilter, evaluate_automation_conditions, materialize
-from support.corrupt import corrupt_chunk, grow_first_tensor, reseal_manifest
-from support.dagster import RUN, record
 
 from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation, integrity
 from ckptflow import catalog
 from ckptflow.store import open_store
 from resources import EvaluatorResource
+from support.corrupt import corrupt_chunk, grow_first_tensor, reseal_manifest
+from support.dagster import RUN, record
 
 PER_CHECKPOINT = [*PARTITIONED, integrity]
 KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
 
 
 def latest(instance, asset, key):
-    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=asset.key, asset_partitions=[key]), limit=1).records
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=asset.key, asset_partitions=[key]), limit=1
+    ).records
     return records[0].asset_materialization.metadata if records else None
 
 
 def mat(instance, resources, key, selection=None, **kw):
-    return materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=resources,
-                       selection=selection, raise_on_error=False, **kw)
+    return materialize(
+        PER_CHECKPOINT,
+        partition_key=key,
+        instance=instance,
+        resources=resources,
+        selection=selection,
+        raise_on_error=False,
+        **kw,
+    )
 
 
 def test_good_checkpoint_flows_through_every_asset(store_with_checkpoints, paths, resources, instance):
@@ -45,7 +54,9 @@ def test_good_checkpoint_flows_through_every_asset(store_with_checkpoints, paths
     assert record(paths["store"], 20, "validation")["ok"] is True
 
 
-def test_corrupt_checkpoint_fails_blocking_check_and_nothing_downstream_runs(store_with_checkpoints, resources, instance):
+def test_corrupt_checkpoint_fails_blocking_check_and_nothing_downstream_runs(
+    store_with_checkpoints, resources, instance
+):
     instance.add_dynamic_partitions("checkpoints", KEYS)
     corrupt_chunk(store_with_checkpoints, RUN, 30)
     result = mat(instance, resources, KEYS[2])
@@ -75,12 +86,19 @@ def test_backfill_reevaluates_several_partitions_with_a_new_evaluator(store_with
     assert all(a.backfill_policy.max_partitions_per_run == 1 for a in PARTITIONED)
     instance.add_dynamic_partitions("checkpoints", KEYS)
     for key in KEYS:  # first pass: register + validate
-        assert materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=resources,
-                           selection=[checkpoint, evaluation]).success
+        assert materialize(
+            PER_CHECKPOINT,
+            partition_key=key,
+            instance=instance,
+            resources=resources,
+            selection=[checkpoint, evaluation],
+        ).success
     first = {k: latest(instance, evaluation, k)["val_loss"].value for k in KEYS}
     new = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "test_checkpoint_assets:constant_evaluator"})}
     for key in KEYS[1:]:  # the backfill: a range of old partitions, evaluation only
-        assert materialize(PER_CHECKPOINT, partition_key=key, instance=instance, resources=new, selection=[evaluation]).success
+        assert materialize(
+            PER_CHECKPOINT, partition_key=key, instance=instance, resources=new, selection=[evaluation]
+        ).success
     assert latest(instance, evaluation, KEYS[0])["val_loss"].value == first[KEYS[0]]
     for key in KEYS[1:]:
         md = latest(instance, evaluation, key)
@@ -93,7 +111,9 @@ def constant_evaluator(state_dict, info):
     return {"val_loss": 0.5}
 
 
-def test_integrity_check_refuses_a_manifest_whose_shards_do_not_cover_a_tensor(store_with_checkpoints, resources, instance):
+def test_integrity_check_refuses_a_manifest_whose_shards_do_not_cover_a_tensor(
+    store_with_checkpoints, resources, instance
+):
     """The check applies the rules restore applies (``Manifest.parse``): sealed but wrong fails."""
     instance.add_dynamic_partitions("checkpoints", KEYS)
     reseal_manifest(store_with_checkpoints, RUN, 20, grow_first_tensor)

@@ -7,18 +7,18 @@ import json
 import pytest
 import torch
 from dagster import DagsterInstance, materialize
-from support.corrupt import corrupt_chunk
-from support.dagster import EVALUATORS, RUN, write_checkpoints
-from support.dagster import record as read
 
 from assets import checkpoint_key
-from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow import Checkpointer, catalog
 from ckptflow import format as fmt
 from ckptflow.registry import Registry
 from ckptflow.store import open_store
 from pipelines import demo
 from pipelines.inprocess import Driver, dynamic_keys
 from resources import ArchiveResource, S3ArchiveResource
+from support.corrupt import corrupt_chunk
+from support.dagster import EVALUATORS, RUN, write_checkpoints
+from support.dagster import record as read
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -38,7 +38,7 @@ def archive_defs(request, paths, monkeypatch):
     return request.param, build_definitions("local")
 
 
-def test_lifecycle_end_to_end(paths, archive_defs, tmp_path):  # noqa: PLR0915 (one story, told in order)
+def test_lifecycle_end_to_end(paths, archive_defs, tmp_path):
     kind, defs = archive_defs
     archive_resource = defs.resources["archive"]
     assert isinstance(archive_resource, S3ArchiveResource if kind == "s3" else ArchiveResource)
@@ -62,10 +62,16 @@ def test_lifecycle_end_to_end(paths, archive_defs, tmp_path):  # noqa: PLR0915 (
         again = driver.drive()  # a second pass has nothing to do
         assert again.landed == [] and again.runs == {}
 
-        assert defs.resolve_job_def("promotion").execute_in_process(
-            instance=instance, run_config={"ops": {"deployed_model": {"config": {"stage": "stable"}}}}).success
-        result = materialize([*defs.assets], selection=["checkpoint_inventory"], instance=instance,
-                             resources=dict(defs.resources))
+        assert (
+            defs.resolve_job_def("promotion")
+            .execute_in_process(
+                instance=instance, run_config={"ops": {"deployed_model": {"config": {"stage": "stable"}}}}
+            )
+            .success
+        )
+        result = materialize(
+            [*defs.assets], selection=["checkpoint_inventory"], instance=instance, resources=dict(defs.resources)
+        )
         df = result.output_for_node("checkpoint_inventory").set_index("step")
         md = result.asset_materializations_for_node("checkpoint_inventory")[0].metadata
 
@@ -103,13 +109,19 @@ def tiered_retention(defs, paths, archive, home):
     config = {"recent_days": 0, "full_days": 0, "best_k": 1, "gc_grace": "0s", "hot_days": 0}
     with DagsterInstance.local_temp(str(home)) as instance:
         result = defs.resolve_job_def("retention_job").execute_in_process(
-            instance=instance, run_config={"ops": {"apply_retention": {"config": config}}})
+            instance=instance, run_config={"ops": {"apply_retention": {"config": config}}}
+        )
         assert result.success
         out = result.output_for_node("apply_retention")
         partitions = set(dynamic_keys(instance))
         # an archive-only partition still re-materializes (e.g. a backfill with a new evaluator): data from the archive
-        again = materialize([*defs.assets, *defs.asset_checks], instance=instance, resources=dict(defs.resources),
-                            partition_key=checkpoint_key(RUN, 40), selection=["checkpoint", "evaluation", "compressed"])
+        again = materialize(
+            [*defs.assets, *defs.asset_checks],
+            instance=instance,
+            resources=dict(defs.resources),
+            partition_key=checkpoint_key(RUN, 40),
+            selection=["checkpoint", "evaluation", "compressed"],
+        )
         assert again.success
         assert again.asset_materializations_for_node("checkpoint")[0].metadata["tier"].value == archive.url
         check = again.get_asset_check_evaluations()[0]

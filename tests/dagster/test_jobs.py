@@ -5,8 +5,6 @@ import os
 import pytest
 import torch
 from dagster import DagsterEventType, build_run_status_sensor_context, materialize
-from support.corrupt import corrupt_chunk
-from support.dagster import RUN, record, subject
 from safetensors.torch import load_file
 
 from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation, integrity
@@ -15,6 +13,8 @@ from ckptflow import format as fmt
 from ckptflow.registry import Registry
 from ckptflow.store import open_store
 from sensors import failure_sensor
+from support.corrupt import corrupt_chunk
+from support.dagster import RUN, record, subject
 
 KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
 
@@ -22,12 +22,20 @@ KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
 def evaluate_all(instance, resources, keys=KEYS):
     instance.add_dynamic_partitions("checkpoints", keys)
     for key in keys:
-        materialize([*PARTITIONED, integrity], partition_key=key, instance=instance, resources=resources,
-                    selection=[checkpoint, evaluation], raise_on_error=False)
+        materialize(
+            [*PARTITIONED, integrity],
+            partition_key=key,
+            instance=instance,
+            resources=resources,
+            selection=[checkpoint, evaluation],
+            raise_on_error=False,
+        )
 
 
 def deploy(defs, instance, job="promotion", **config):
-    run_config = {"ops": {"deployed_model": {"config": {"action": "promote" if job == "promotion" else "rollback", **config}}}}
+    run_config = {
+        "ops": {"deployed_model": {"config": {"action": "promote" if job == "promotion" else "rollback", **config}}}
+    }
     return defs.resolve_job_def(job).execute_in_process(instance=instance, run_config=run_config, raise_on_error=False)
 
 
@@ -81,13 +89,19 @@ def test_retention_job_expires_checkpoints_partitions_and_gcs(store_with_checkpo
     store = open_store(paths["store"])
     chunks_before = len(list(store.list("chunks/")))
     config = {"recent_days": 0, "full_days": 0, "best_k": 1, "gc_grace": "0s"}
-    plan = materialize([*defs.assets], selection=["retention_plan"], instance=instance, resources=resources,
-                       run_config={"ops": {"retention_plan": {"config": config}}})
+    plan = materialize(
+        [*defs.assets],
+        selection=["retention_plan"],
+        instance=instance,
+        resources=resources,
+        run_config={"ops": {"retention_plan": {"config": config}}},
+    )
     df = plan.output_for_node("retention_plan")
     assert set(df[df.action == "keep"].step) >= {10, 40}
 
     result = defs.resolve_job_def("retention_job").execute_in_process(
-        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}})
+        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}}
+    )
     assert result.success
     out = result.output_for_node("apply_retention")
     kept = {s for s in (10, 20, 30, 40) if store.exists(fmt.manifest_key(RUN, s))}
@@ -117,13 +131,22 @@ def test_failure_sensor_records_the_failed_partition(store_with_checkpoints, res
 
     instance.add_dynamic_partitions("checkpoints", KEYS[:1])
     broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
-    result = materialize([*PARTITIONED, integrity], partition_key=KEYS[0], instance=instance, resources=broken,
-                         selection=[checkpoint, evaluation], raise_on_error=False)
+    result = materialize(
+        [*PARTITIONED, integrity],
+        partition_key=KEYS[0],
+        instance=instance,
+        resources=broken,
+        selection=[checkpoint, evaluation],
+        raise_on_error=False,
+    )
     assert not result.success
     [event] = [e for e in result.all_events if e.event_type == DagsterEventType.RUN_FAILURE]
     context = build_run_status_sensor_context(
-        sensor_name="failure_sensor", dagster_event=event, dagster_instance=instance,
-        dagster_run=result.dagster_run, resources={"store": resources["store"]},
+        sensor_name="failure_sensor",
+        dagster_event=event,
+        dagster_instance=instance,
+        dagster_run=result.dagster_run,
+        resources={"store": resources["store"]},
     ).for_run_failure()
     failure_sensor(context)
     failure = record(store_with_checkpoints, 10, "failure")
@@ -133,7 +156,11 @@ def test_failure_sensor_records_the_failed_partition(store_with_checkpoints, res
 @pytest.mark.parametrize("action", ["nonsense"])
 def test_bad_deploy_action_fails(defs, instance, action, store_with_checkpoints):
     run_config = {"ops": {"deployed_model": {"config": {"action": action}}}}
-    assert not defs.resolve_job_def("promotion").execute_in_process(instance=instance, run_config=run_config, raise_on_error=False).success
+    assert (
+        not defs.resolve_job_def("promotion")
+        .execute_in_process(instance=instance, run_config=run_config, raise_on_error=False)
+        .success
+    )
 
 
 def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
@@ -152,7 +179,8 @@ def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
     first = subject(hot, 10)
     config = {"recent_days": 0, "full_days": 0, "best_k": 0, "gc_grace": "0s", "hot_days": 0, "pinned": [KEYS[1]]}
     result = defs.resolve_job_def("retention_job").execute_in_process(
-        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}})
+        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}}
+    )
     out = result.output_for_node("apply_retention")
     assert out["hot_copies_expired"] == [KEYS[0]] and out["left_hot"] == [KEYS[1]] and out["expired"] == [KEYS[2]]
     assert [i.step for i in catalog.list_checkpoints(hot, RUN)] == [20, 40]

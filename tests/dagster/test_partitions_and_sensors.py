@@ -26,14 +26,18 @@ def test_partition_keys_round_trip_and_reject_garbage():
 
 
 def tick(instance, resources, cursor=None):
-    return landing_sensor(build_sensor_context(instance=instance, cursor=cursor, resources={"store": resources["store"]}))
+    return landing_sensor(
+        build_sensor_context(instance=instance, cursor=cursor, resources={"store": resources["store"]})
+    )
 
 
 def digest(root, run, step):
     return catalog.read_manifest(open_store(root), run, step).digest
 
 
-def test_sensor_adds_exactly_new_partitions_advances_cursor_and_is_idle_after(store_with_checkpoints, resources, instance):
+def test_sensor_adds_exactly_new_partitions_advances_cursor_and_is_idle_after(
+    store_with_checkpoints, resources, instance
+):
     result = tick(instance, resources)
     assert isinstance(result, SensorResult)
     keys = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
@@ -42,7 +46,8 @@ def test_sensor_adds_exactly_new_partitions_advances_cursor_and_is_idle_after(st
     assert [r.partition_key for r in result.run_requests] == keys
     # the run key names the commit (its manifest digest), and the run carries the digest as a tag
     assert [r.run_key for r in result.run_requests] == [
-        f"{k}@{digest(store_with_checkpoints, RUN, s)[:16]}" for k, s in zip(keys, (10, 20, 30, 40))]
+        f"{k}@{digest(store_with_checkpoints, RUN, s)[:16]}" for k, s in zip(keys, (10, 20, 30, 40))
+    ]
     assert result.run_requests[0].tags[DIGEST_TAG] == digest(store_with_checkpoints, RUN, 10)
     instance.add_dynamic_partitions("checkpoints", keys)
 
@@ -52,7 +57,10 @@ def test_sensor_adds_exactly_new_partitions_advances_cursor_and_is_idle_after(st
     write_checkpoints(store_with_checkpoints, steps=(10, 20, 30, 40, 50))
     write_checkpoints(store_with_checkpoints, steps=(5,), run="other")
     third = tick(instance, resources, again.cursor)
-    assert list(third.dynamic_partitions_requests[0].partition_keys) == [checkpoint_key("other", 5), checkpoint_key(RUN, 50)]
+    assert list(third.dynamic_partitions_requests[0].partition_keys) == [
+        checkpoint_key("other", 5),
+        checkpoint_key(RUN, 50),
+    ]
     assert sorted(r.partition_key for r in third.run_requests) == [checkpoint_key("other", 5), checkpoint_key(RUN, 50)]
 
 
@@ -83,12 +91,16 @@ def test_a_step_committed_again_is_landed_again(store_with_checkpoints, resource
     again = tick(instance, resources, first.cursor)
     assert not again.dynamic_partitions_requests  # the partition exists
     [request] = again.run_requests
-    assert request.partition_key == checkpoint_key(RUN, 40) and request.run_key == f"{checkpoint_key(RUN, 40)}@{new[:16]}"
+    assert (
+        request.partition_key == checkpoint_key(RUN, 40) and request.run_key == f"{checkpoint_key(RUN, 40)}@{new[:16]}"
+    )
 
 
 def test_sensor_passes_over_commits_already_validated(store_with_checkpoints, resources, instance):
     for step in (10, 20):
         lifecycle.validate(open_store(store_with_checkpoints), RUN, step)
     result = tick(instance, resources)  # e.g. a daemon on an instance the demo filled: nothing to re-run
-    assert list(result.dynamic_partitions_requests[0].partition_keys) == [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
+    assert list(result.dynamic_partitions_requests[0].partition_keys) == [
+        checkpoint_key(RUN, s) for s in (10, 20, 30, 40)
+    ]
     assert [r.partition_key for r in result.run_requests] == [checkpoint_key(RUN, s) for s in (30, 40)]

@@ -24,8 +24,9 @@ def test_definitions_pick_the_s3_archive_from_the_environment(monkeypatch):
 def test_s3_archive_opens_an_s3_store_through_the_dagster_aws_client(s3_endpoint, s3_bucket):
     from dagster_aws.s3 import S3Resource
 
-    resource = S3ArchiveResource(s3=S3Resource(endpoint_url=s3_endpoint), bucket=s3_bucket, prefix="a/b",
-                                 storage_class="GLACIER_IR")
+    resource = S3ArchiveResource(
+        s3=S3Resource(endpoint_url=s3_endpoint), bucket=s3_bucket, prefix="a/b", storage_class="GLACIER_IR"
+    )
     store = resource.open()
     assert store.url == f"s3://{s3_bucket}/a/b" and store.storage_class == "GLACIER_IR"
     assert store.put_if_absent("x/y", b"z") and store.get("x/y") == b"z"

@@ -55,7 +55,7 @@ def reseal_manifest(root: str | os.PathLike, run: str, step: int, mutate) -> Non
     is valid but whose content a buggy or hostile writer got wrong."""
     import json
 
-    from ckptflow.manifest import seal
+    from ckptflow.sealed import seal
 
     path = manifest_path(root, run, step)
     record = json.loads(path.read_bytes())

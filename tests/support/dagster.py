@@ -29,5 +29,9 @@ def write_checkpoints(store: str, steps=(10, 20, 30, 40), run: str = RUN, full_e
         for step in range(done + 1, max(steps) + 1):
             loss = demo.train_step(state)
             if step in steps:
-                ck.save(step, state, metadata={"train_loss": round(loss, 4)},
-                        kind="full" if step % full_every == 0 else "incremental")
+                ck.save(
+                    step,
+                    state,
+                    metadata={"train_loss": round(loss, 4)},
+                    kind="full" if step % full_every == 0 else "incremental",
+                )

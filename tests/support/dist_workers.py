@@ -139,8 +139,13 @@ def load_sharded(rank: int, world: int, workdir: Path) -> dict:
     ck = Checkpointer(str(workdir / "store"), run=RUN, chunk_bytes=CHUNK, threads=2)
     result = ck.restore(state)
     ck.close()
-    return {"rank": rank, "step": result.step, "skipped": result.skipped, "rng_restored": result.rng_restored,
-            **_check_local(state, rank, world, result.step)}
+    return {
+        "rank": rank,
+        "step": result.step,
+        "skipped": result.skipped,
+        "rng_restored": result.rng_restored,
+        **_check_local(state, rank, world, result.step),
+    }
 
 
 def restore_agreement(rank: int, world: int, workdir: Path) -> dict:
@@ -230,7 +235,10 @@ def _entry(scenarios: list[str], rank: int, world: int, port: int, workdir: str)
     current = "init_process_group"
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=40),
         )
         for current in scenarios:

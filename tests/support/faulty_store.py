@@ -80,7 +80,9 @@ class FaultyStore(Store):
             self.log.clear()
             self.faults.clear()
 
-    def pause_before(self, op: str, predicate: Callable[[str], bool] = lambda key: True, timeout: float = 30.0) -> PausePoint:
+    def pause_before(
+        self, op: str, predicate: Callable[[str], bool] = lambda key: True, timeout: float = 30.0
+    ) -> PausePoint:
         point = PausePoint(op, predicate, timeout)
         with self._lock:
             self._pauses.append(point)

@@ -1,0 +1,110 @@
+"""Timing and file helpers for the benchmarks: clocks, fsync, disk usage, state copies."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from _states import StateDict
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes allocated on disk under ``path`` (like ``du``)."""
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _malloc_trim() -> Callable[[], None]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return lambda: None
+    return lambda: trim(0) and None
+
+
+trim_heap = _malloc_trim()
+
+
+def fresh(path: Path) -> Path:
+    """An empty output directory, with the machine in the same state for every method."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    os.sync()  # no dirty pages from earlier work
+    # Give freed memory back to the OS, so a method that allocates (a stager's host copy,
+    # restore buffers) pays for fresh pages whichever method happened to run before it.
+    gc.collect()
+    trim_heap()
+    return path
+
+
+def copy_into(target: StateDict, loaded: StateDict) -> None:
+    """What ``load_state_dict`` does after torch.load / load_file: copy into live tensors."""
+    for name, tensor in target.items():
+        tensor.copy_(loaded[name])
+
+
+def check_equal(expected: StateDict, actual: StateDict, method: str) -> None:
+    if expected.keys() != actual.keys():
+        raise AssertionError(f"{method}: restored keys differ")
+    for name, tensor in expected.items():
+        if not torch.equal(tensor, actual[name]):
+            raise AssertionError(f"{method}: tensor {name!r} restored with different values")
+
+
+def clear(target: StateDict) -> None:
+    for tensor in target.values():
+        tensor.zero_()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class Clock:
+    """Wall and process-CPU time since ``start()``."""
+
+    def start(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def lap(self) -> float:
+        return time.perf_counter() - self.wall
+
+    def cpu_used(self) -> float:
+        return time.process_time() - self.cpu

@@ -1,0 +1,282 @@
+"""The CLI's commands: each a thin wrapper over one library function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+from ckptflow import catalog, recoveries
+from ckptflow import format as fmt
+from ckptflow.catalog import CheckpointInfo
+from ckptflow.cli.output import PROG, human_bytes, progress, ratio, secs, table, warn
+from ckptflow.errors import CkptflowError
+from ckptflow.export import export_safetensors
+from ckptflow.gc import gc, parse_duration
+from ckptflow.manifest import Manifest
+from ckptflow.stats import store_stats
+from ckptflow.store import Store, open_store
+from ckptflow.tiers import thaw
+
+
+def _open(root: str) -> Store:
+    """Open a store without creating it: for a command that only inspects, a typo in a
+    local path must be an error, not a new empty store."""
+    try:
+        return open_store(root, create=False)
+    except ValueError as e:
+        raise CkptflowError(str(e)) from None
+
+
+def _require_run(store: Store, run: str) -> str:
+    fmt.validate_run(run)
+    runs = catalog.list_runs(store)
+    if run not in runs:
+        raise CkptflowError(
+            f"no run {run!r} in {store.url} (runs there: {', '.join(runs) or 'none'}); "
+            f"`{PROG} ls ROOT` lists runs and checkpoints"
+        )
+    return run
+
+
+def duration_arg(text: str) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"grace {text!r} is negative; it must be at least the slowest save")
+    return seconds
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = _open(args.root)
+    run = _require_run(store, args.run) if args.run else None
+    infos: list[CheckpointInfo] = []
+    for item in catalog.committed(store, run):
+        if isinstance(item, Manifest):
+            infos.append(CheckpointInfo.from_manifest(item))
+        else:
+            warn(str(item))
+    if args.json:
+        docs = [{**asdict(i), "created": datetime.fromtimestamp(i.created_at, timezone.utc).isoformat()} for i in infos]
+        print(json.dumps(docs, indent=2, sort_keys=True))
+        return 0
+    if not infos:
+        print(f"no checkpoints in {store.url}" + (f" for run {args.run}" if args.run else ""))
+        return 0
+    rows = []
+    for i in infos:
+        meta = json.dumps(i.metadata, sort_keys=True, separators=(",", ":")) if i.metadata else ""
+        rows.append(
+            [
+                i.run,
+                str(i.step),
+                i.kind,
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created_at)),
+                human_bytes(i.logical_bytes),
+                human_bytes(i.stored_bytes),
+                human_bytes(i.bytes_written),
+                str(i.world_size),
+                meta if len(meta) <= 60 else meta[:59] + "…",
+            ]
+        )
+    headers = ["RUN", "STEP", "KIND", "CREATED", "LOGICAL", "STORED", "WRITTEN", "WORLD", "METADATA"]
+    print(table(headers, rows, right={1, 4, 5, 6, 7}))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = _open(args.root)
+    run = _require_run(store, args.run)
+    listed = list(catalog.listing(store, run))
+    steps = [e.step for e in listed if isinstance(e, catalog.StepListing)]
+    committed = [e.step for e in listed if isinstance(e, catalog.StepListing) and e.committed]
+    problems: list[str] = []
+    if args.all:
+        targets = committed
+        for entry in listed:
+            if isinstance(entry, catalog.Problem):
+                problems.append(str(entry))
+            elif not entry.committed and entry.files:
+                problems.append(
+                    f"run {run} step {entry.step}: uncommitted: no manifest (a save crashed or is still "
+                    f"running; `{PROG} gc` removes its files after the grace period)"
+                )
+    elif args.step is not None:
+        if fmt.validate_step(args.step) not in steps:
+            raise CkptflowError(f"run {run!r} has no step {args.step} (steps: {_short(steps)})")
+        targets = [args.step]
+    else:
+        if not committed:
+            raise CkptflowError(f"run {run!r} has no committed checkpoints to verify")
+        targets = committed[-1:]
+    total = _verify_total(store, run, targets) if sys.stderr.isatty() else None
+    with (
+        progress(f"verify {run}", total) as report_progress,
+        ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool,
+    ):
+        reports = [catalog.verify_checkpoint(store, run, step, pool, report_progress) for step in targets]
+    for report in reports:
+        problems.extend(f"run {run} step {report.step}: {p}" for p in report.problems)
+    if problems:
+        for line in problems:
+            print(line)
+        bad = sum(not r.ok for r in reports) + sum(isinstance(e, catalog.Problem) for e in listed if args.all)
+        print(
+            f"{PROG}: {len(problems)} problem(s); {bad} of {len(reports)} checkpoint(s) of run {run} failed",
+            file=sys.stderr,
+        )
+        return 1
+    chunks = sum(r.chunks_checked for r in reports)
+    nbytes = sum(r.bytes_checked for r in reports)
+    what = f"step {targets[0]}" if len(targets) == 1 else f"{len(targets)} checkpoints"
+    print(f"OK run {run}: {what} verified ({chunks} chunks, {human_bytes(nbytes)})")
+    return 0
+
+
+def _short(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} … {steps[-1]} ({len(steps)} in all)"
+
+
+def _verify_total(store: Store, run: str, steps: list[int]) -> int | None:
+    total = 0
+    for step in steps:
+        try:
+            total += sum(catalog.read_manifest(store, run, step).chunks.values())
+        except (CkptflowError, OSError):
+            pass  # verify reports it
+    return total or None
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    store = _open(args.root)
+    run = _require_run(store, args.run)
+    with progress(f"export {run}") as report_progress:
+        result = export_safetensors(
+            store, run, args.out, step=args.step, key=args.key, dtype=args.dtype, progress=report_progress
+        )
+    for step, why in result.skipped:
+        warn(f"run {run} step {step} does not verify, skipped: {why}")
+    print(
+        f"exported run {run} step {result.step} ({args.key}): {result.tensors} tensors, "
+        f"{human_bytes(result.bytes)} -> {result.path}"
+    )
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    store = _open(args.root)
+    stats = store_stats(store)
+    operations = recoveries.store_metrics(store)
+    for problem in stats.unreadable_manifests:
+        warn(f"not counted: {problem}")
+    if args.json:
+        print(
+            json.dumps({**stats.as_dict(), "operations": [m.as_dict() for m in operations]}, indent=2, sort_keys=True)
+        )
+        return 0
+    headers = ["RUN", "CHECKPOINTS", "LOGICAL", "UNIQUE", "STORED", "DEDUP", "COMPRESSION"]
+    rows = [
+        [
+            r.run,
+            str(r.checkpoints),
+            human_bytes(r.logical_bytes),
+            human_bytes(r.unique_bytes),
+            human_bytes(r.stored_bytes),
+            ratio(r.dedup_ratio),
+            ratio(r.compression_ratio),
+        ]
+        for r in stats.runs
+    ]
+    rows.append(
+        [
+            "(store)",
+            str(stats.checkpoints),
+            human_bytes(stats.logical_bytes),
+            human_bytes(stats.unique_bytes),
+            human_bytes(stats.stored_bytes),
+            ratio(stats.dedup_ratio),
+            ratio(stats.compression_ratio),
+        ]
+    )
+    print(table(headers, rows, right={1, 2, 3, 4, 5, 6}))
+    print(
+        f"chunk files: {stats.chunk_files} ({human_bytes(stats.chunk_file_bytes)}); unreferenced: "
+        f"{stats.unreferenced_chunks} ({human_bytes(stats.unreferenced_bytes)})"
+        + (f", reclaimable with `{PROG} gc` once older than the grace period" if stats.unreferenced_chunks else "")
+    )
+    for r in stats.runs:
+        if r.missing_chunks:
+            warn(f"run {r.run} references {r.missing_chunks} chunk(s) missing from the store; run `{PROG} verify`")
+    print()
+    headers = ["RUN", "SAVE EVERY", "READY AFTER", "RECOVERIES", "SUCCEEDED", "FELL BACK", "RESTORE"]
+    print(
+        table(
+            headers,
+            [
+                [
+                    m.run,
+                    secs(m.save_interval_s),
+                    secs(m.ready_s),
+                    str(m.recoveries),
+                    str(m.recoveries_ok),
+                    str(m.fallbacks),
+                    secs(m.restore_s),
+                ]
+                for m in operations
+            ],
+            right={1, 2, 3, 4, 5, 6},
+        )
+    )
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store = _open(args.root)
+    with progress("gc") as report_progress:
+        report = gc(store, args.grace, dry_run=args.dry_run, wait=args.wait, progress=report_progress)
+    for problem in report.unreadable_manifests:
+        warn(f"{problem}; GC keeps the chunks its JSON still names")
+    for problem in report.ignored:
+        warn(f"left alone: {problem}")
+    if report.skipped:
+        print(f"{PROG}: gc swept nothing: {report.skipped}", file=sys.stderr)
+        return 1
+    verb = "would delete" if args.dry_run else "deleted"
+    print(
+        f"{verb} {len(report.deleted)} object(s) ({human_bytes(report.bytes)}); "
+        f"kept {report.kept_chunks} chunk(s); {report.live_manifests} live manifest(s)"
+    )
+    if args.verbose:
+        for key, size in report.deleted:
+            print(f"  {key}  {human_bytes(size)}")
+    return 0
+
+
+def cmd_thaw(args: argparse.Namespace) -> int:
+    """Request S3 restores for a cold (Glacier / Deep Archive) checkpoint."""
+    store = _open(args.root)
+    run = _require_run(store, args.run)
+    committed = catalog.committed_steps(store, run)
+    step: int | None = args.step if args.step is not None else (committed[-1] if committed else None)
+    if step not in committed:
+        what = "committed checkpoint" if step is None else f"committed step {step}"
+        raise CkptflowError(f"run {run!r} has no {what} to thaw (committed steps: {_short(committed)})")
+    report = thaw(store, run, step, days=args.days, tier=args.tier)
+    print(
+        f"run {run} step {step}: restore requested for {report.requested} cold object(s) of {report.objects} "
+        f"({args.tier}, readable for {args.days} day(s) once restored)"
+    )
+    if report.manifest_cold:
+        print(
+            f"the manifest is still cold, so its chunks are not known yet: run `{PROG} thaw` again "
+            "once its restore has finished"
+        )
+    return 0

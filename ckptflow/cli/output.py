@@ -1,0 +1,70 @@
+"""How the CLI prints: human units, aligned tables, warnings, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+PROG = "ckptflow"
+
+
+def human_bytes(n: int | float) -> str:
+    """Binary units, one decimal: what `ls -h` users expect."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "PiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def warn(message: str) -> None:
+    print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], None] | None]:
+    """A byte-counting tqdm bar on an interactive stderr; ``None`` (silence) otherwise."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    lock = threading.Lock()  # the callbacks come from reader/verify thread pools
+    with tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    ) as bar:
+
+        def update(n: int) -> None:
+            with lock:
+                bar.update(n)
+
+        yield update
+
+
+def secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
