@@ -199,7 +199,7 @@ NEVER_DELETE: tuple[RetentionPolicy, ...] = (KeepPinned(), KeepAliased(), KeepNe
 def default_policy(
     recent_days: float = 7, full_days: float = 30, best_k: int = 3, metric: str = "val_loss", mode: str = "min"
 ) -> AnyOf:
-    """The policy of the lifecycle issue: recent, full-within, best K, and never-delete rules."""
+    """The default policy: recent, full-within, best K, and the never-delete rules."""
     rules: list[RetentionPolicy] = [KeepRecent(recent_days), KeepFullWithin(full_days)]
     if best_k > 0:
         rules.append(KeepBestK(metric, best_k, mode))

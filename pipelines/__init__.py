@@ -1,1 +1,1 @@
-"""Dagster layer: pipelines (filled in by the lifecycle issue)."""
+"""Dagster layer: the code location (definitions), jobs and schedules, the in-process driver, the demo."""

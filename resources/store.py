@@ -23,7 +23,7 @@ def default_store_url() -> str:
 
 
 class CheckpointStoreResource(ConfigurableResource):
-    """The hot store training writes to (a path, ``file://`` URL, later ``s3://``)."""
+    """The hot store training writes to (a path, a ``file://`` or an ``s3://`` URL)."""
 
     url: str = Field(default_factory=default_store_url, description="store root URL")
 

@@ -39,7 +39,9 @@ def _has(venv: Path, dist: str) -> bool:
 @pytest.mark.timeout(900)
 def test_core_install_has_no_dagster_and_saves_and_restores(tmp_path):
     src = tmp_path / "src"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     for name in files:
         if (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)

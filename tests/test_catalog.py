@@ -1,0 +1,89 @@
+"""The one walk over a store: every unreadable checkpoint is a problem on its own line.
+
+ls, stats, gc, verify --all, the inventory and the landing sensor all walk the store
+through ``catalog``; a checkpoint that is corrupt, denied, cold or badly placed must
+show up as that checkpoint's problem and never end the whole walk.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ckptflow import Checkpointer, ColdObjectError, Manifest, Problem, catalog, gc, inventory, stats
+from ckptflow import format as fmt
+from ckptflow.store import open_store
+from support.cli import run_cli
+from support.corrupt import flip_byte, manifest_path
+from support.faulty_store import FaultyStore
+
+RUN = "r"
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN, chunk_bytes=256) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(step, {"w": torch.full((64,), float(step))})
+    return root
+
+
+def hostile(root):
+    """Step 2's manifest corrupt, a stray 'runs/a__b' directory, step 5 a file, not a directory."""
+    flip_byte(manifest_path(root, RUN, 2), 40)
+    os.makedirs(os.path.join(root, "runs", "a__b", "checkpoints"))
+    with open(os.path.join(root, "runs", RUN, "checkpoints", f"{5:012d}"), "wb") as f:
+        f.write(b"not a directory")
+
+
+def test_committed_reports_each_unreadable_checkpoint_and_goes_on(root):
+    hostile(root)
+    store = FaultyStore(open_store(root))
+
+    def fail(op, key):
+        if op == "get" and key == fmt.manifest_key(RUN, 3):
+            raise PermissionError(13, "Permission denied", key)
+        if op == "get" and key == fmt.manifest_key(RUN, 4):
+            raise ColdObjectError(f"{key} is in GLACIER")
+        return False
+
+    store.fail_if = fail
+    items = list(catalog.committed(store))
+    problems = {(p.run, p.step): p.kind for p in items if isinstance(p, Problem)}
+    assert [m.step for m in items if isinstance(m, Manifest)] == [1]
+    assert problems == {
+        ("a__b", None): "bad_name",
+        (RUN, 2): "corrupt",
+        (RUN, 3): "denied",
+        (RUN, 4): "cold",
+        (RUN, 5): "not_a_directory",
+    }
+    entries = {e.step: e for e in inventory.collect(store)}
+    assert entries[1].validation == "not checked" and entries[2].validation == "failed"
+    assert "Permission denied" in entries[3].manifest_error and "GLACIER" in entries[4].manifest_error
+    counted = stats.store_stats(store)
+    assert counted.checkpoints == 1 and len(counted.unreadable_manifests) == 5
+
+
+def test_cli_and_gc_report_problems_per_checkpoint(root, capsys):
+    hostile(root)
+    code, out, err = run_cli(capsys, "ls", root)
+    assert code == 0 and [line.split()[1] for line in out.splitlines()[1:]] == ["1", "3", "4"]
+    assert "a__b" in err and "step 2" in err and "step 5" in err and "is a file where a step directory belongs" in err
+    code, out, err = run_cli(capsys, "stats", root)
+    assert code == 0 and "not counted" in err
+    code, out, err = run_cli(capsys, "verify", root, "--run", RUN, "--all")
+    assert code == 1
+    assert any(line.startswith(f"run {RUN} step 2:") and "corrupt" in line for line in out.splitlines())
+    assert any(line.startswith(f"run {RUN} step 5:") for line in out.splitlines())
+    report = gc(root, grace="0s", dry_run=True)
+    assert report.skipped and f"run {RUN} step 2" in report.skipped and not report.deleted  # its chunks are unknown
+    assert any("a__b" in p for p in report.ignored)
+
+
+def test_a_commit_record_that_cannot_be_read_stops_gc_but_names_itself(root):
+    store = FaultyStore(open_store(root))
+    store.fail_if = lambda op, key: op == "get" and key == fmt.manifest_key(RUN, 2)
+    report = gc(store, grace="0s")
+    assert report.skipped and fmt.manifest_key(RUN, 2) in report.skipped and report.deleted == []
