@@ -4,11 +4,13 @@ expire, inventory."""
 import pytest
 import torch
 
-from ckptflow import Checkpointer, ExpireError, catalog, inventory, lifecycle
+from ckptflow import Checkpointer, ExpireError, PromotionError, catalog, inventory, lifecycle
 from ckptflow import format as fmt
+from ckptflow.lifecycle.promote import PromotionRequest, promote
+from ckptflow.registry import Registry
 from ckptflow.retention import KeepNewestValid
 from ckptflow.store import open_store
-from support.corrupt import chunk_path, flip_byte
+from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore
 
 
@@ -129,3 +131,41 @@ def test_expire_raises_when_a_delete_fails_and_finishes_when_called_again(tmp_pa
     with pytest.raises(ExpireError, match="still exists"):
         lifecycle.expire(faulty, "r", 2)
     assert [i.step for i in catalog.list_checkpoints(store, "r")] == [2]
+
+
+def test_evaluate_without_an_evaluator_uses_the_trainers_metrics_and_flags_overfitting(tmp_path):
+    root = str(tmp_path / "store")
+    model = torch.nn.Linear(4, 2)
+    with Checkpointer(root, "r") as ck:  # train loss keeps falling, validation loss turns up at step 3
+        for step, (train, val) in enumerate([(1.0, 0.9), (0.8, 0.7), (0.6, 0.75)], start=1):
+            ck.save(step, {"model": model}, metadata={"train_loss": train, "val_loss": val, "note": "x"})
+    store = open_store(root)
+    first = lifecycle.evaluate(store, store, "r", 1)
+    assert first["metrics"] == {"train_loss": 1.0, "val_loss": 0.9} and first["source"] == "trainer"
+    assert first["previous_step"] is None and first["overfitting"] is None
+    second = lifecycle.evaluate(store, store, "r", 2)
+    assert (
+        second["previous_step"] == 1 and second["improvement"] == pytest.approx(0.2) and second["overfitting"] is False
+    )
+    third = lifecycle.evaluate(store, store, "r", 3)
+    assert third["improvement"] == pytest.approx(-0.05) and third["overfitting"] is True
+    scored = lifecycle.evaluate(
+        store, store, "r", 3, lambda sd, info: {"val_loss": float(sd["weight"].numel())}, evaluator_name="count:weights"
+    )
+    assert scored["metrics"] == {"val_loss": 8.0} and scored["evaluator"] == "count:weights"
+    assert lifecycle.read_record(store, subject(store, 3), "evaluation")["metrics"] == {"val_loss": 8.0}
+
+
+def test_a_bad_promotion_request_writes_nothing(tmp_path):
+    store, _ = make(tmp_path)
+    registry = Registry(store)
+    for bad in ({"stage": "production"}, {"dtype": "int4"}, {"mode": "best"}, {"key": ""}):
+        with pytest.raises(PromotionError, match="before anything was written"):
+            PromotionRequest("m", ("r", 2), **bad)
+    with pytest.raises(PromotionError, match="failed validation"):
+        flip_byte(chunk_path(store.root, only_in(store.root, "r", 2, 1)[0]))
+        promote(store, registry, PromotionRequest("m", ("r", 2), stage="stable"))
+    assert registry.models() == [] and not list(store.list("registry/"))
+    version = promote(store, registry, PromotionRequest("m", ("r", 1), stage="stable"))
+    assert registry.aliases("m") == {"latest": version.version, "stable": version.version}
+    assert version.partition_key == "r__step-000000000001" and version.manifest_digest == subject(store, 1).digest
