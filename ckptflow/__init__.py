@@ -21,6 +21,7 @@ from ckptflow.errors import (
     RegistryError,
     StoreError,
     StoreNotFoundError,
+    StoreUnavailableError,
     UnsupportedStateError,
 )
 from ckptflow.gc import GCReport, gc
@@ -52,6 +53,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreNotFoundError",
+    "StoreUnavailableError",
     "UnsupportedStateError",
     "VerifyReport",
     "gc",

@@ -13,25 +13,31 @@ import time
 import uuid
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.codecs import CODECS
-from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec, describe_failure, own_errors
+from ckptflow.dcp_io import CheckpointWriter, Progress, SaveSpec
 from ckptflow.distributed import Group
-from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, NoValidCheckpointError
+from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError
+from ckptflow.failures import own_errors
+from ckptflow.restore import Restore, RestoreResult
 from ckptflow.save_policy import SavePolicy
-from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, to_state_dicts, unflatten
+from ckptflow.state import (
+    FreshOptimizers,
+    capture_rng,
+    flatten,
+    to_state_dicts,
+)
 from ckptflow.store import Store, open_store
-from ckptflow.tiers import Tier, candidates, open_tiers
+from ckptflow.tiers import Tier, open_tiers
 
 log = logging.getLogger("ckptflow")
 
@@ -41,15 +47,6 @@ class SaveResult:
     step: int
     kind: str
     info: CheckpointInfo | None  # on the coordinator rank; None elsewhere
-
-
-@dataclass(frozen=True)
-class RestoreResult:
-    step: int
-    skipped: list[tuple[int, str]] = field(default_factory=list)  # newest first
-    metadata: dict = field(default_factory=dict)
-    rng_restored: bool = False
-    tier: str = ""  # URL of the store it was loaded from (the hot store, or an archive tier)
 
 
 class SaveHandle:
@@ -140,7 +137,13 @@ class Checkpointer:
         base, save_id = self._prepare_step(step)
         if base is None:
             kind = "full"
-        skeleton, tensors = flatten(to_state_dicts(state))
+        fresh = FreshOptimizers(state)
+        try:
+            state_dicts = to_state_dicts(state)
+            fresh.empty(state_dicts)
+        finally:
+            fresh.reset()  # a save never changes the state it saves
+        skeleton, tensors = flatten(state_dicts)
         spec = SaveSpec(
             run=self.run,
             step=step,
@@ -231,14 +234,29 @@ class Checkpointer:
 
     # ---- restore ----------------------------------------------------------------------
     def restore(self, state: MutableMapping[str, Any], *, step: int | None = None) -> RestoreResult:
-        """Load the newest valid checkpoint (or exactly ``step``) into ``state``; rank 0
-        leaves a recovery record in the hot store (``ckptflow.recoveries``) either way."""
+        """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
+
+        Every chunk a candidate needs is verified on every rank before any tensor in
+        ``state`` is written; damage found on any rank moves all ranks to the next older
+        candidate together (``result.skipped`` says why), leaving ``state`` untouched. A
+        store that cannot be read raises ``StoreUnavailableError`` instead: only proof of
+        damage falls back (``ckptflow.restore``). ``step=`` never falls back to another
+        step. With ``tiers``, a step is tried in each tier holding it (hot first) before
+        moving to an older step. Rank 0 leaves a recovery record in the hot store
+        (``ckptflow.recoveries``) either way.
+        """
         started = time.perf_counter()
+        self.wait()
+        if step is not None:
+            fmt.validate_step(step)
+        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng)
         try:
-            result = self._restore(state, step)
-        except NoValidCheckpointError as e:
-            self._record_recovery(False, None, e.skipped, None, started, str(e))
+            result = restore(state, step)
+        except CkptflowError as e:
+            self._record_recovery(False, None, getattr(e, "skipped", []), None, started, str(e))
             raise
+        self._superseded = set(result.hot_rejected)
+        self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(True, result.step, result.skipped, result.tier, started)
         return result
 
@@ -256,82 +274,6 @@ class Checkpointer:
                 duration_s=time.perf_counter() - started,
                 error=error,
             )
-
-    def _restore(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
-        """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
-
-        Every chunk a candidate needs is verified on every rank before any tensor in
-        ``state`` is written; a failure on any rank records the reason and moves all
-        ranks to the next older candidate together, leaving ``state`` untouched.
-        (Only a chunk file that vanishes or fails between that check and the copy a
-        moment later can leave tensors half-written; restore then falls back as well.)
-        ``step=`` never falls back to another step: an invalid checkpoint raises
-        ``NoValidCheckpointError``. With ``tiers``, a step is tried in each tier holding
-        it (hot first) before moving to an older step.
-        """
-        self.wait()
-        if step is not None:
-            fmt.validate_step(step)
-        pairs = self.group.broadcast(candidates(self.tiers, self.run, step) if self.group.rank == 0 else None)
-        _, live = flatten(to_state_dicts(state))
-        skipped: list[tuple[int, str]] = []
-        hot_rejected: set[int] = set()
-        for cand, index in pairs:
-            tier = self.tiers[index]
-            outcome = self._try_load(cand, live, tier)
-            failures = [f for f in self.group.all_gather(outcome[0]) if f]
-            if not failures:
-                manifest, record, loaded = outcome[1]
-                load_state_dicts(state, unflatten(record.state, loaded))
-                rng_ok = False
-                if self.restore_rng and record.rng and record.rank == self.group.rank:
-                    restore_rng(record.rng)
-                    rng_ok = True
-                self._superseded = hot_rejected
-                self._last_commit = cand if index == 0 else None
-                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url)
-            reason = "; ".join(dict.fromkeys(failures))
-            if len(self.tiers) > 1:
-                reason = f"{tier.url}: {reason}"
-            if index == 0:
-                hot_rejected.add(cand)
-            log.warning("skipping checkpoint %s step %d: %s", self.run, cand, reason)
-            skipped.append((cand, reason))
-        where = f"run {self.run!r} in {' or '.join(t.url for t in self.tiers)}"
-        if step is not None:
-            reasons = "; ".join(r for _, r in skipped)
-            raise NoValidCheckpointError(f"checkpoint step {step} of {where} cannot be restored: {reasons}", skipped)
-        detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "no checkpoints at all"
-        raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
-
-    def _try_load(self, step: int, live: dict[str, torch.Tensor], tier: Tier) -> tuple[str | None, Any]:
-        """(failure reason or None, (manifest, rank record, the loaded live tensors))."""
-        try:
-            manifest = catalog.read_manifest(tier.store, self.run, step)
-            rank = self.group.rank if self.group.rank < manifest.world_size else 0
-            record = catalog.read_rank_record(tier.store, manifest, rank)
-            reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress, agree=self._gathered_failure)
-        except (CkptflowError, OSError) as e:
-            return self._gathered_failure(str(e)), None
-        missing = set(live) - set(manifest.dcp.tensors)
-        extra = set(manifest.dcp.tensors) - set(live)
-        if missing or extra:
-            return self._gathered_failure(
-                f"state does not match the checkpoint (missing from checkpoint: {sorted(missing)[:5]}, "
-                f"not in current state: {sorted(extra)[:5]})"
-            ), None
-        if self._gathered_failure(None):
-            return "another rank could not read this checkpoint's records", None
-        try:
-            dcp.load(live, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            return describe_failure(e), None
-        return None, (manifest, record, live)
-
-    def _gathered_failure(self, reason: str | None) -> str | None:
-        """Agree across ranks before any collective load starts (else one rank would hang)."""
-        failures = [f for f in self.group.all_gather(reason) if f]
-        return "; ".join(dict.fromkeys(failures)) or None
 
     # ---- inspection -------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:

@@ -8,7 +8,6 @@ coordinator commits the manifest last. The reader verifies every chunk it reads.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 from collections import defaultdict
@@ -19,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.futures
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -28,7 +26,8 @@ from ckptflow import format as fmt
 from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite
 from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_index, metadata_to_json
-from ckptflow.errors import CheckpointExistsError, CkptflowError, CorruptChunkError, UnsupportedStateError
+from ckptflow.errors import CheckpointExistsError, UnsupportedStateError
+from ckptflow.failures import DAMAGE, Failure, ReadAborted, failure_of
 from ckptflow.leases import save_lease
 from ckptflow.manifest import Manifest, RankRecord
 from ckptflow.sealed import seal
@@ -37,39 +36,6 @@ Progress = Callable[[int], None]
 
 # Single-process use (no process group) is a supported mode here, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-@contextlib.contextmanager
-def own_errors():
-    """Re-raise our own error from inside DCP's ``CheckpointException`` when it has one cause.
-
-    DCP wraps every rank's failure as ``rank -> (exception, traceback)`` in an exception
-    that derives from ``BaseException``, which ``except Exception`` would not catch.
-    """
-    try:
-        yield
-    except CheckpointException as e:
-        causes = [_unwrap(c) for c in e.failures.values()]
-        if len(causes) == 1 and isinstance(causes[0], Exception):
-            raise causes[0] from None
-        raise
-
-
-def describe_failure(e: BaseException) -> str:
-    """One line naming each failing rank's cause, for restore's ``skipped`` reasons."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        causes = {r: describe_failure(_unwrap(x)) for r, x in sorted(failures.items())}
-        if len(set(causes.values())) == 1:  # e.g. a verdict every rank agreed on
-            return next(iter(causes.values()))
-        return "; ".join(f"rank {r}: {cause}" for r, cause in causes.items())
-    if isinstance(e, CkptflowError) or not e.args:
-        return str(e) or type(e).__name__
-    return f"{type(e).__name__}: {e}"
-
-
-def _unwrap(failure: Any) -> BaseException:
-    return failure[0] if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException) else failure
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -252,7 +218,7 @@ class CheckpointReader(StorageReader):
         manifest: Manifest,
         pool: ThreadPoolExecutor,
         progress: Progress | None = None,
-        agree: Callable[[str | None], str | None] | None = None,
+        agree: Callable[[Failure | None], Failure | None] | None = None,
     ):
         super().__init__()
         self.chunks, self.manifest, self.pool, self.progress = chunks, manifest, pool, progress
@@ -284,19 +250,24 @@ class CheckpointReader(StorageReader):
             self.progress(size)
         return checked
 
-    def _verify_all(self, indexes: list[MetadataIndex]) -> tuple[dict[str, CheckedChunk], str | None]:
+    def _verify_all(self, indexes: list[MetadataIndex]) -> tuple[dict[str, CheckedChunk], Failure | None]:
+        """Every chunk checked; a damaged chunk anywhere outweighs a read that failed
+        elsewhere (the checkpoint is bad whatever else happened)."""
         needed: dict[str, int] = {}
         for index in indexes:
             needed.update(self.storage[index].chunks)  # lengths add up: Manifest.parse checked
         futures = {digest: self.pool.submit(self._check, digest, size) for digest, size in needed.items()}
-        try:
-            return {digest: f.result() for digest, f in futures.items()}, None
-        except CkptflowError as e:
-            return {}, str(e)
-        finally:
-            for f in futures.values():
-                f.cancel()
-            wait(list(futures.values()))
+        checked: dict[str, CheckedChunk] = {}
+        errors: list[BaseException] = []
+        for digest, future in futures.items():
+            try:
+                checked[digest] = future.result()
+            except Exception as e:
+                errors.append(e)
+        if not errors:
+            return checked, None
+        damage = [e for e in errors if isinstance(e, DAMAGE)]
+        return {}, failure_of(damage[0] if damage else errors[0])
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         by_storage: dict[MetadataIndex, list] = defaultdict(list)
@@ -305,10 +276,10 @@ class CheckpointReader(StorageReader):
         try:
             checked, failure = self._verify_all(list(by_storage))
         except Exception as e:  # never skip ``agree``: the other ranks wait in it
-            checked, failure = {}, describe_failure(e)
+            checked, failure = {}, failure_of(e)
         failure = self.agree(failure)
         if failure:
-            raise CorruptChunkError(failure)
+            raise ReadAborted(failure)
         loading = []
         try:
             for index, reqs in by_storage.items():

@@ -52,13 +52,19 @@ class StoreError(CkptflowError):
     """
 
 
-class StoreNotFoundError(CkptflowError):
-    """A store root that does not exist, opened by a command that only inspects."""
+class StoreUnavailableError(StoreError):
+    """A store that did not answer (5xx, throttling, timeouts, resets) through every retry,
+    or that could not be read at all. It proves nothing about the checkpoint: restore
+    raises it instead of falling back to an older one."""
 
 
-class ColdObjectError(CkptflowError):
+class ColdObjectError(StoreUnavailableError):
     """An object in a cold storage class (S3 Glacier / Deep Archive) that must be restored
     (thawed) before it can be read; the message says how."""
+
+
+class StoreNotFoundError(CkptflowError):
+    """A store root that does not exist, opened by a command that only inspects."""
 
 
 class RegistryError(CkptflowError):

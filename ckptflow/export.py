@@ -22,9 +22,10 @@ from safetensors.torch import save_file
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
-from ckptflow.dcp_io import CheckpointReader, own_errors
+from ckptflow.dcp_io import CheckpointReader
 from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.errors import CkptflowError, NoValidCheckpointError
+from ckptflow.failures import own_errors
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 

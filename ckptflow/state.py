@@ -63,6 +63,44 @@ def to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_MISSING = object()
+
+
+class FreshOptimizers:
+    """The optimizers in ``state`` that have not stepped yet, and how to put them back.
+
+    DCP's ``get_optimizer_state_dict`` initialises a fresh optimizer with a zero-gradient
+    step at learning rate 0, so that it has tensors to save or to load into. That changes
+    how training goes on (Adam's step count feeds its bias correction), so a save, and a
+    restore that does not succeed, undo it with ``reset``. A fresh optimizer is saved
+    with an empty ``state``, so restoring it gives a fresh optimizer again.
+    """
+
+    def __init__(self, state: Mapping[str, Any]):
+        self.names = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        optimizers = [state[k] for k in self.names]
+        self._saved = [
+            (o, [p.grad for g in o.param_groups for p in g["params"]], vars(o).get("_opt_called", _MISSING))
+            for o in optimizers
+        ]
+
+    def empty(self, state_dicts: dict[str, Any]) -> None:
+        """Save the fresh optimizers as fresh: no per-parameter state."""
+        for name in self.names:
+            state_dicts[name] = {**state_dicts[name], "state": {}}
+
+    def reset(self) -> None:
+        """Put every fresh optimizer back exactly as it was: no state, the same gradients."""
+        for optim, grads, called in self._saved:
+            optim.state.clear()
+            for param, grad in zip((p for g in optim.param_groups for p in g["params"]), grads):
+                param.grad = grad
+            if called is _MISSING:
+                vars(optim).pop("_opt_called", None)
+            else:
+                optim._opt_called = called
+
+
 def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
     """Apply loaded state dicts to the live objects in ``state`` (in place)."""
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
-from ckptflow.errors import CkptflowError, ColdObjectError
+from ckptflow.errors import CkptflowError, ColdObjectError, StoreUnavailableError
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 
@@ -57,6 +57,10 @@ def candidates(tiers: Sequence[Tier], run: str, step: int | None = None) -> list
     held: dict[int, list[int]] = {}
     for index, tier in enumerate(tiers):
         for entry in catalog.listing(tier.store, run):
+            if isinstance(entry, catalog.Problem) and entry.step is None:  # not knowing what exists is no answer
+                raise StoreUnavailableError(
+                    f"could not list the checkpoints of run {run!r} in {tier.url}: {entry.message}"
+                )
             # uncommitted steps too (in the hot tier): restore reports a crashed save as skipped
             if isinstance(entry, catalog.StepListing) and (entry.committed or index == 0):
                 if step is None or entry.step == step:

@@ -356,6 +356,7 @@ def test_save_to_committed_step_raises_and_changes_nothing(
     make_ck, ckpt_store_dir, tiny_state_factory, tiny_train_step, blocking
 ):
     state = tiny_state_factory()
+    tiny_train_step(state, 1)
     ck = make_ck()
     ck.save(4, state, metadata={"v": 1})
     snap = snapshot(state)

@@ -12,15 +12,15 @@ import threading
 
 import pytest
 import torch
-from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ReadTimeoutError
 
-from ckptflow import Checkpointer, CheckpointExistsError, NoValidCheckpointError, open_store
+from ckptflow import Checkpointer, CheckpointExistsError, open_store
 from ckptflow import format as fmt
 from ckptflow.cli import main
-from ckptflow.errors import ColdObjectError, StoreError
+from ckptflow.errors import ColdObjectError, StoreError, StoreUnavailableError
 from ckptflow.store.s3 import S3Store
 from support.faulty_store import FaultyStore
+from support.s3_faults import server_error, timeout
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
 MiB = 1 << 20
@@ -43,7 +43,7 @@ def test_open_store_s3_urls(s3_endpoint, s3_bucket, monkeypatch):
     monkeypatch.setenv("CKPTFLOW_S3_ENDPOINT_URL", s3_endpoint)
     via_env = open_store(f"s3://{s3_bucket}/a/b")
     assert via_env.get("k") == b"v"
-    assert via_env.client.meta.config.retries == {"total_max_attempts": 5, "mode": "standard"}
+    assert via_env.client.meta.config.retries == {"total_max_attempts": 1, "mode": "standard"}  # ours instead
     assert open_store(f"s3://{s3_bucket}").url == f"s3://{s3_bucket}"
     for bad in ("s3:///nobucket", f"s3://{s3_bucket}/p?endpoint=x&bogus=1"):
         with pytest.raises(ValueError, match="s3://bucket/prefix"):
@@ -111,7 +111,7 @@ def test_checkpoint_with_multipart_chunks(s3_endpoint, s3_bucket):
 
 
 def test_failure_mid_multipart_leaves_nothing_behind(s3_endpoint, s3_bucket, s3_client):
-    store = fresh(s3_endpoint, s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB)
+    store = fresh(s3_endpoint, s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB, max_attempts=2)
     parts: list = []
 
     def fail_after_first_part(**kwargs) -> None:
@@ -120,34 +120,15 @@ def test_failure_mid_multipart_leaves_nothing_behind(s3_endpoint, s3_bucket, s3_
             raise ConnectionResetError("injected: the network died mid-upload")
 
     store.client.meta.events.register("before-call.s3.UploadPart", fail_after_first_part)
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(StoreUnavailableError, match="UploadPart .* failed after 2 attempts: ConnectionResetError"):
         store.put_if_absent("chunks/ab/big", os.urandom(11 * MiB))
-    assert [int(n) for n in parts] == [1, 2]
+    assert [int(n) for n in parts] == [1, 2, 2]  # part 2 retried once, then the upload aborted
     assert not store.exists("chunks/ab/big")
     assert s3_client.list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
     assert no_uploads(s3_client, s3_bucket)
 
 
 # ---- retries and the error when they run out ----------------------------------------------
-class _Raw:
-    """The minimal raw HTTP body AWSResponse reads."""
-
-    def __init__(self, body: bytes):
-        self.body = body
-
-    def stream(self, **_kwargs):
-        yield self.body
-
-
-def server_error(request) -> AWSResponse:
-    body = b"<Error><Code>InternalError</Code><Message>injected 500</Message></Error>"
-    return AWSResponse(request.url, 500, {"Content-Type": "application/xml"}, _Raw(body))
-
-
-def timeout(request) -> None:
-    raise ReadTimeoutError(endpoint_url=request.url)
-
-
 @pytest.mark.parametrize("inject", [server_error, timeout], ids=["500", "timeout"])
 def test_transient_failures_are_retried(s3_endpoint, s3_bucket, inject):
     store = fresh(s3_endpoint, s3_bucket, max_attempts=4)
@@ -275,8 +256,8 @@ def test_thaw_restores_a_glacier_checkpoint(s3_endpoint, s3_bucket, capsys):
     thaw_hint = f"ckptflow thaw s3://{s3_bucket}/ckpts --run {RUN} --step 1"
     with pytest.raises(ColdObjectError, match=thaw_hint):
         open_store(url).get(fmt.manifest_key(RUN, 1))
-    with Checkpointer(url, run=RUN, restore_rng=False) as ck, pytest.raises(NoValidCheckpointError, match=thaw_hint):
-        ck.restore(blank_state())  # the skip reason says what to do
+    with Checkpointer(url, run=RUN, restore_rng=False) as ck, pytest.raises(ColdObjectError, match=thaw_hint):
+        ck.restore(blank_state())  # a cold checkpoint is no damage: no fallback, and the error says what to do
 
     assert main(["thaw", url, "--run", RUN]) == 0  # the manifest is cold: chunks unknown yet
     first = capsys.readouterr().out

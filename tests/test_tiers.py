@@ -10,7 +10,7 @@ import torch
 
 from ckptflow import Checkpointer, catalog, gc, lifecycle
 from ckptflow import format as fmt
-from ckptflow.errors import NoValidCheckpointError
+from ckptflow.errors import ColdObjectError, NoValidCheckpointError
 from ckptflow.store import open_store
 from support.states import assert_state_equals, snapshot
 
@@ -148,7 +148,10 @@ def test_cold_archive_keeps_metadata_readable_and_restore_says_to_thaw(
     lifecycle.expire(hot, RUN, 2)
     gc(hot, grace=0)
     with Checkpointer(hot_root, RUN, tiers=[cold]) as ck:
-        with pytest.raises(NoValidCheckpointError, match="must be restored before it can be read"):
+        before = snapshot(state)
+        with pytest.raises(ColdObjectError, match="must be restored before it can be read"):
             ck.restore(state, step=2)
-        result = ck.restore(state)  # the newest readable one instead, saying why step 2 was skipped
-    assert result.step == 1 and "DEEP_ARCHIVE" in result.skipped[0][1]
+        # a cold copy proves no damage: restore says to thaw it rather than resume from step 1
+        with pytest.raises(ColdObjectError, match=r"ckptflow thaw s3://.* --run r --step 2"):
+            ck.restore(state)
+    assert_state_equals(state, before)

@@ -6,11 +6,11 @@ appears whole or not at all (also a multipart upload, which becomes visible only
 writers can never both commit one manifest and a 412 on a chunk simply means dedup.
 Every upload carries its SHA-256 so S3 itself refuses bytes damaged on the way.
 
-Retries: botocore's "standard" mode retries throttling, 5xx and connection/read
-timeouts with exponential backoff up to ``max_attempts``; whatever still fails is
-re-raised as ``StoreError`` naming the operation, ``s3://bucket/key`` and the last
-failure. One boto3 client is shared by all threads (clients are thread-safe; only
-sessions are not, so none is kept).
+Retries (``s3_retry``): transient failures are retried per call, ``max_attempts`` in
+all; one that outlasts them is ``StoreUnavailableError``, any other final failure
+``StoreError``, each naming the operation, ``s3://bucket/key``, the attempts made and
+the last failure. One boto3 client is shared by all threads (clients are thread-safe;
+only sessions are not, so none is kept).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ckptflow.errors import ColdObjectError, ObjectNotFoundError, StoreError
+from ckptflow.errors import ColdObjectError, ObjectNotFoundError, StoreError, StoreUnavailableError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
+from ckptflow.store.s3_retry import AttemptsExhausted, Retry, botocore_config, error_code, http_status
 
 ENDPOINT_ENV = "CKPTFLOW_S3_ENDPOINT_URL"
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
@@ -62,16 +63,6 @@ def _pieces(views: builtins.list[memoryview], size: int) -> Iterator[bytes]:
         yield bytes(buf)
 
 
-def _code(e: Exception) -> str:
-    response = getattr(e, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", ""))
-
-
-def _status(e: Exception) -> int:
-    response = getattr(e, "response", None) or {}
-    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-
-
 class S3Store(Store):
     can_thaw = True
 
@@ -86,7 +77,9 @@ class S3Store(Store):
         storage_class: str | None = None,
         multipart_threshold: int = 64 << 20,
         part_size: int = 16 << 20,
-        max_attempts: int = 5,
+        max_attempts: int = 10,
+        retry: Retry | None = None,
+        pool_connections: int = 128,
     ):
         if not bucket:
             raise ValueError("an S3 store needs a bucket name")
@@ -98,10 +91,9 @@ class S3Store(Store):
         self.storage_class = storage_class
         self.writes_cold = storage_class in COLD_CLASSES
         self.multipart_threshold, self.part_size = int(multipart_threshold), int(part_size)
-        self.max_attempts = max(1, int(max_attempts))
+        self.retry = retry or Retry(max_attempts=max(1, int(max_attempts)))
         if client is None:
             import boto3
-            from botocore.config import Config
 
             # A private session: boto3's default one is not safe to share between threads
             # that open stores concurrently; the client it makes is.
@@ -109,12 +101,7 @@ class S3Store(Store):
                 "s3",
                 endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,  # else AWS_ENDPOINT_URL / AWS
                 region_name=region,
-                config=Config(
-                    retries={"total_max_attempts": max_attempts, "mode": "standard"},  # first try included
-                    connect_timeout=10,
-                    read_timeout=60,
-                    max_pool_connections=64,  # the Checkpointer's thread pool shares this client
-                ),
+                config=botocore_config(pool_connections),
             )
         self.client = client
 
@@ -129,7 +116,7 @@ class S3Store(Store):
             client=self.client,
             multipart_threshold=self.multipart_threshold,
             part_size=self.part_size,
-            max_attempts=self.max_attempts,
+            retry=self.retry,
         )
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -141,22 +128,30 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
 
     def _call(self, op: str, key: str, fn: Callable[..., Any], passthrough: tuple[str, ...] = (), **kwargs: Any) -> Any:
-        """Run one S3 call (botocore has retried it already); map not-found and cold
-        objects, let ``passthrough`` error codes through as the ClientError (a caller's
-        expected answer), and wrap any other final failure as ``StoreError``."""
+        """One S3 call with retries; map not-found and cold objects, let ``passthrough``
+        error codes through as the ClientError (a caller's expected answer)."""
+        return self._attempts(op, key, lambda: fn(Bucket=self.bucket, **kwargs), passthrough)
+
+    def _attempts(self, op: str, key: str, attempt: Callable[[], Any], passthrough: tuple[str, ...] = ()) -> Any:
+        """Run ``attempt`` under ``self.retry`` and turn what still fails into our errors."""
         try:
-            return fn(Bucket=self.bucket, **kwargs)
+            return self.retry.call(attempt)
+        except AttemptsExhausted as e:
+            raise StoreUnavailableError(
+                f"S3 {op} of {self._where(key)} failed after {e.attempts} attempts: "
+                f"{error_code(e.last) or type(e.last).__name__}: {e.last}"
+            ) from e.last
         except ClientError as e:
-            code = _code(e)
+            code = error_code(e)
             if code in passthrough:
                 raise
-            if code in _NOT_FOUND or _status(e) == 404:
+            if code in _NOT_FOUND or http_status(e) == 404:
                 raise ObjectNotFoundError(f"{self._where(key)} does not exist") from None
             if code == "InvalidObjectState":
                 raise self._cold(key, e) from None
-            raise StoreError(f"S3 {op} of {self._where(key)} failed after retries: {code or _status(e)}: {e}") from e
-        except BotoCoreError as e:
-            raise StoreError(f"S3 {op} of {self._where(key)} failed after retries: {type(e).__name__}: {e}") from e
+            raise StoreError(f"S3 {op} of {self._where(key)} failed: {code or http_status(e)}: {e}") from e
+        except (BotoCoreError, OSError) as e:
+            raise StoreError(f"S3 {op} of {self._where(key)} failed: {type(e).__name__}: {e}") from e
 
     def _cold(self, key: str, e: ClientError) -> ColdObjectError:
         storage_class = str(e.response.get("Error", {}).get("StorageClass", "") or "a cold storage class")
@@ -170,20 +165,12 @@ class S3Store(Store):
 
     # ---- reads -------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
-        """The object's bytes. botocore retries the request but not a body cut off while
-        streaming (a reset or read timeout mid-transfer), so that is retried here."""
-        attempt = 1
-        while True:
-            response = self._call("GetObject", key, self.client.get_object, Key=self._key(key))
-            try:
-                return response["Body"].read()
-            except (BotoCoreError, OSError) as e:
-                if attempt >= self.max_attempts:
-                    raise StoreError(
-                        f"S3 GetObject of {self._where(key)} failed while reading the body "
-                        f"after {attempt} attempts: {type(e).__name__}: {e}"
-                    ) from e
-                attempt += 1
+        """The object's bytes; a body cut off while streaming is retried like the request."""
+
+        def attempt() -> bytes:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+        return self._attempts("GetObject", key, attempt)
 
     def stat(self, key: str) -> ObjectInfo:
         head = self._call("HeadObject", key, self.client.head_object, Key=self._key(key))
@@ -196,18 +183,19 @@ class S3Store(Store):
         kwargs: dict[str, Any] = {"Prefix": full}
         if not recursive:
             kwargs["Delimiter"] = "/"
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **kwargs)
-        found: list[ObjectInfo] = []
         cut = len(self.prefix) + 1 if self.prefix else 0
-        try:
-            for page in pages:
+
+        def attempt() -> builtins.list[ObjectInfo]:  # a page that fails restarts the listing
+            found: builtins.list[ObjectInfo] = []
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **kwargs):
                 found += [
                     ObjectInfo(o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp())
                     for o in page.get("Contents", ())
                 ]
                 found += [ObjectInfo(p["Prefix"][cut:], 0, 0.0) for p in page.get("CommonPrefixes", ())]
-        except (BotoCoreError, ClientError) as e:
-            raise StoreError(f"S3 ListObjectsV2 of s3://{self.bucket}/{full} failed after retries: {e}") from e
+            return found
+
+        found = self._attempts("ListObjectsV2", prefix, attempt)
         yield from sorted(found, key=lambda info: info.key)
 
     # ---- writes ------------------------------------------------------------------------
@@ -225,10 +213,10 @@ class S3Store(Store):
                 self._upload(key, views, create_only=True)
                 return True
             except ClientError as e:
-                if _code(e) not in _EXISTS:
+                if error_code(e) not in _EXISTS:
                     raise
                 # 409: a concurrent conditional write was in flight; it may yet fail, so ask again
-                if _code(e) not in ("409", "ConditionalRequestConflict") or attempt == 2:
+                if error_code(e) not in ("409", "ConditionalRequestConflict") or attempt == 2:
                     break
         if sum(len(v) for v in views) >= self.multipart_threshold:
             return False  # a composite checksum: cannot compare cheaply

@@ -1,0 +1,81 @@
+"""Failures inside torch.distributed.checkpoint, and which of them prove damage.
+
+DCP wraps every rank's failure as ``rank -> (exception, traceback)`` in a
+``CheckpointException`` that derives from ``BaseException`` (``except Exception`` does
+not catch it). Restore needs the causes: a hash mismatch or a malformed record proves
+the checkpoint is damaged (fall back to an older one), anything else only says the store
+could not be read (stop). ``ReadAborted`` carries the verdict the ranks agreed on out of
+the reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptflow.errors import CkptflowError, ColdObjectError, CorruptChunkError, ManifestError
+
+DAMAGE = (ManifestError, CorruptChunkError)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a candidate could not be loaded. ``damage``: proof the checkpoint is bad (fall
+    back to an older one); otherwise the store could not be read (stop)."""
+
+    message: str
+    damage: bool
+    cold: bool = False  # the store cannot be read until objects are thawed
+
+
+class ReadAborted(CkptflowError):
+    """The ranks agreed that a checkpoint cannot be loaded; ``failure`` says why."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def unwrap_failures(error: BaseException) -> list[BaseException]:
+    """The underlying causes of ``error`` (each rank's, for a ``CheckpointException``)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
+        return [c for _, f in sorted(failures.items()) for c in unwrap_failures(_cause(f))]
+    return [error]
+
+
+def _cause(failure: Any) -> BaseException:
+    return failure[0] if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException) else failure
+
+
+def describe(error: BaseException) -> str:
+    if isinstance(error, CkptflowError):
+        return str(error) or type(error).__name__
+    return f"{type(error).__name__}: {error}"
+
+
+def failure_of(error: BaseException) -> Failure:
+    """The verdict an exception carries: damage only if every cause proves damage."""
+    causes = unwrap_failures(error)
+    for cause in causes:
+        if isinstance(cause, ReadAborted):
+            return cause.failure
+    message = "; ".join(dict.fromkeys(describe(c) for c in causes))
+    damage = all(isinstance(c, DAMAGE) for c in causes)
+    return Failure(message, damage=damage, cold=not damage and any(isinstance(c, ColdObjectError) for c in causes))
+
+
+@contextlib.contextmanager
+def own_errors() -> Iterator[None]:
+    """Re-raise our own error from inside DCP's ``CheckpointException`` when it has one cause."""
+    try:
+        yield
+    except CheckpointException as e:
+        causes = unwrap_failures(e)
+        if len(causes) == 1 and isinstance(causes[0], Exception):
+            raise causes[0] from None
+        raise

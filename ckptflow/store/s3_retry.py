@@ -1,0 +1,89 @@
+"""Retries for S3 calls: transient failures are retried with jittered exponential backoff;
+what still fails says how many attempts were made.
+
+botocore's own "standard" retry mode spends a client-wide retry quota: under a burst of
+5xx answers to hundreds of concurrent requests the quota runs dry and later calls fail
+on their first error while the message still says "after retries". The S3 backend
+therefore turns botocore's retries off and retries here, per call, a fixed number of
+times. A transient failure (5xx, throttling, timeouts, resets, a body cut off while
+streaming) that outlasts every attempt is ``StoreUnavailableError``: it proves nothing
+about the object, so restore stops instead of falling back to an older checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+T = TypeVar("T")
+THROTTLING = {
+    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException", "SlowDown",
+    "TooManyRequestsException", "RequestLimitExceeded", "RequestThrottled", "RequestTimeout",
+    "RequestTimeoutException", "InternalError", "ServiceUnavailable", "BandwidthLimitExceeded",
+}  # fmt: skip
+
+
+def error_code(e: BaseException) -> str:
+    response = getattr(e, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def http_status(e: BaseException) -> int:
+    response = getattr(e, "response", None) or {}
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether trying again may succeed: the service or the network, not the request."""
+    if isinstance(e, ClientError):
+        return http_status(e) >= 500 or http_status(e) == 429 or error_code(e) in THROTTLING
+    return isinstance(e, (BotoConnectionError, HTTPClientError, IncompleteReadError, ConnectionError, TimeoutError))
+
+
+class AttemptsExhausted(Exception):
+    """A transient failure that outlasted every attempt; ``attempts`` made, ``last`` error."""
+
+    def __init__(self, attempts: int, last: BaseException):
+        super().__init__(f"{attempts} attempts, the last {type(last).__name__}: {last}")
+        self.attempts, self.last = attempts, last
+
+
+@dataclass(frozen=True)
+class Retry:
+    """``max_attempts`` tries (the first included), sleeping a random time up to
+    ``base * 2**n`` seconds (at most ``cap``) between them ("full jitter")."""
+
+    max_attempts: int = 10
+    base: float = 0.05
+    cap: float = 5.0
+
+    def call(self, attempt: Callable[[], T]) -> T:
+        for n in range(1, self.max_attempts + 1):
+            try:
+                return attempt()
+            except (BotoCoreError, ClientError, OSError) as e:
+                if not is_transient(e):
+                    raise
+                if n == self.max_attempts:
+                    raise AttemptsExhausted(n, e) from e
+                time.sleep(random.uniform(0, min(self.cap, self.base * 2**n)))
+        raise AssertionError("unreachable")
+
+
+def botocore_config(pool: int) -> Any:
+    """A client configuration with botocore's own retries off (``Retry`` does them) and a
+    connection pool as large as the thread pools that share the client."""
+    from botocore.config import Config
+
+    return Config(
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=60,
+        max_pool_connections=pool,
+    )

@@ -1,0 +1,64 @@
+"""Fault injection for the S3 tests: botocore event hooks on one store's own client, so
+a request fails before it leaves (as a load balancer's 5xx or a dropped connection
+would) while everything else goes to the real S3 API server."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from botocore.awsrequest import AWSResponse
+from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
+
+
+class _Raw:
+    """The minimal raw HTTP body AWSResponse reads."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def stream(self, **_kwargs):
+        yield self.body
+
+
+def server_error(request, status: int = 500, code: str = "InternalError") -> AWSResponse:
+    body = f"<Error><Code>{code}</Code><Message>injected {status}</Message></Error>".encode()
+    return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Raw(body))
+
+
+def timeout(request) -> None:
+    raise ReadTimeoutError(endpoint_url=request.url)
+
+
+def reset(request) -> None:
+    raise ConnectionClosedError(endpoint_url=request.url)
+
+
+class Bursts:
+    """Fail a share ``rate`` of the requests a predicate picks with a 500, a 503 SlowDown,
+    a timeout or a reset, at random (seeded); counts what it injected."""
+
+    def __init__(self, client, rate: float, seed: int = 0, picks=lambda request: True):
+        self.rate, self.picks = rate, picks
+        self.random = random.Random(seed)
+        self.lock = threading.Lock()
+        self.injected = 0
+        self.requests = 0
+        client.meta.events.register("before-send.s3.*", self)
+
+    def __call__(self, request, **_kwargs):
+        if not self.picks(request):
+            return None
+        with self.lock:
+            self.requests += 1
+            if self.random.random() >= self.rate:
+                return None
+            self.injected += 1
+            kind = self.random.randrange(4)
+        if kind == 0:
+            return server_error(request)
+        if kind == 1:
+            return server_error(request, 503, "SlowDown")
+        if kind == 2:
+            return timeout(request)
+        return reset(request)
