@@ -27,9 +27,13 @@ from ckptflow.errors import (
     InvalidNameError,
     ManifestError,
     ObjectNotFoundError,
+    ObjectTooLargeError,
+    RecordTooLargeError,
     StoreError,
+    SymlinkError,
 )
 from ckptflow.manifest import Manifest, RankRecord
+from ckptflow.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import ObjectInfo, Store
 
 
@@ -77,7 +81,10 @@ class Problem:
     kind: str
     message: str
 
-    KINDS = ("corrupt", "cold", "denied", "loop", "too_big", "unavailable", "bad_name", "not_a_directory", "unreadable")
+    KINDS = (
+        "corrupt", "too_big", "cold", "denied", "symlink", "loop", "unavailable", "bad_name", "not_a_directory",
+        "unreadable",
+    )  # fmt: skip
 
     def __str__(self) -> str:
         where = f"run {self.run}" + ("" if self.step is None else f" step {self.step}")
@@ -101,12 +108,16 @@ class StepListing:
 def problem_from(run: str, step: int | None, error: BaseException) -> Problem:
     """Classify a read failure. Only ``corrupt`` is proof of damage; the others say the
     checkpoint could not be looked at (and might be fine)."""
-    if isinstance(error, ManifestError):
+    if isinstance(error, RecordTooLargeError):
+        kind = "too_big"
+    elif isinstance(error, ManifestError):
         kind = "corrupt"
     elif isinstance(error, ColdObjectError):
         kind = "cold"
     elif isinstance(error, InvalidNameError):
         kind = "bad_name"
+    elif isinstance(error, SymlinkError):
+        kind = "symlink"
     elif isinstance(error, StoreError):
         kind = "unavailable"
     elif isinstance(error, PermissionError):
@@ -188,11 +199,19 @@ def committed_steps(store: Store, run: str) -> list[int]:
     return [s.step for s in listing(store, run) if isinstance(s, StepListing) and s.committed]
 
 
+def _read_record(store: Store, key: str, what: str) -> bytes:
+    """A sealed record's bytes, refused unread when larger than any ckptflow writes."""
+    try:
+        return store.get_bounded(key, MAX_RECORD_BYTES)
+    except ObjectTooLargeError as e:
+        raise RecordTooLargeError(f"{what} {e}; no ckptflow record is that large: it is corrupt or hostile") from None
+
+
 def read_manifest(store: Store, run: str, step: int) -> Manifest:
     """The verified, parsed manifest; ``ManifestError`` (or a store error) says why not."""
     key = fmt.manifest_key(run, step)
     try:
-        blob = store.get(key)
+        blob = _read_record(store, key, "manifest")
     except ObjectNotFoundError:
         raise ManifestError(
             f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)"
@@ -204,7 +223,7 @@ def read_rank_record(store: Store, manifest: Manifest, rank: int) -> RankRecord:
     """The rank record ``manifest`` committed for ``rank``, verified to belong to it."""
     key = fmt.rank_key(manifest.run, manifest.step, rank)
     try:
-        blob = store.get(key)
+        blob = _read_record(store, key, "rank record")
     except ObjectNotFoundError:
         raise ManifestError(f"rank record {store.url}/{key} is missing") from None
     return RankRecord.parse(blob, f"rank record {store.url}/{key}", manifest, rank)
@@ -270,28 +289,44 @@ class VerifyReport:
 
 
 def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
-    """Rank records: one listing finds the missing ones (reported as one line however
-    many), then each present one is read and checked against the manifest."""
+    """Rank records: one listing finds the missing ones (reported as one line however many,
+    without a list the size of ``world_size``), then each present one is read and checked."""
     prefix = fmt.step_prefix(manifest.run, manifest.step) + "ranks/"
-    present = {i.key for i in store.list(prefix)}
-    keys = manifest.rank_keys()
-    missing = [r for r, key in enumerate(keys) if key not in present]
+    present = sorted(
+        rank for rank in (_rank_of(i.key[len(prefix) :]) for i in store.list(prefix)) if rank < manifest.world_size
+    )
     problems = []
-    if len(missing) == 1:
-        problems.append(f"rank record {store.url}/{keys[missing[0]]} is missing")
-    elif missing:
-        shown = ", ".join(map(str, missing[:8])) + (f", … ({len(missing)} in all)" if len(missing) > 8 else "")
-        problems.append(
-            f"rank records of {len(missing)} of {manifest.world_size} ranks are missing from "
-            f"{store.url}/{prefix} (ranks {shown})"
-        )
-    for rank, key in enumerate(keys):
-        if key in present:
-            try:
-                read_rank_record(store, manifest, rank)
-            except ManifestError as e:
-                problems.append(str(e))
+    missing_count = manifest.world_size - len(present)
+    if missing_count:
+        shown: list[int] = []
+        have = set(present)
+        for rank in range(manifest.world_size):
+            if rank not in have:
+                shown.append(rank)
+                if len(shown) == 8:
+                    break
+        if missing_count == 1:
+            problems.append(f"rank record {store.url}/{prefix}{shown[0]}.json is missing")
+        else:
+            listed = ", ".join(map(str, shown)) + (
+                f", … ({missing_count} in all)" if missing_count > len(shown) else ""
+            )
+            problems.append(
+                f"rank records of {missing_count} of {manifest.world_size} ranks are missing from "
+                f"{store.url}/{prefix} (ranks {listed})"
+            )
+    for rank in present:
+        try:
+            read_rank_record(store, manifest, rank)
+        except (CkptflowError, OSError) as e:
+            problems.append(problem_from(manifest.run, manifest.step, e).message)
     return problems
+
+
+def _rank_of(name: str) -> int:
+    """The rank a ``ranks/`` entry names; a huge number for anything that is no rank record."""
+    stem, dot, ext = name.partition(".")
+    return int(stem) if dot and ext == "json" and stem.isdigit() and len(stem) < 10 else 1 << 62
 
 
 def verify_checkpoint(
@@ -301,29 +336,31 @@ def verify_checkpoint(
     pool: ThreadPoolExecutor | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    """Re-read everything a checkpoint needs: manifest, rank records, every chunk."""
+    """Re-read everything a checkpoint needs: manifest, rank records, every chunk. Whatever
+    cannot be read (damaged, denied, a link, an outage) is a problem in the report."""
     key = fmt.manifest_key(run, step)
     try:
-        blob = store.get(key)
+        blob = _read_record(store, key, "manifest")
     except ObjectNotFoundError:
-        return VerifyReport(
-            step, False, [f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)"]
-        )
+        return VerifyReport(step, False, [f"no manifest at {store.url}/{key}: the checkpoint was never committed"])
     except (CkptflowError, OSError) as e:
         return VerifyReport(step, False, [problem_from(run, step, e).message])
     try:
         manifest = Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
+        problems = _rank_problems(store, manifest)
     except ManifestError as e:
         return VerifyReport(step, False, [str(e)], digest=fmt.digest_of(blob))
-    report = VerifyReport(step=step, ok=True, problems=_rank_problems(store, manifest), digest=manifest.digest)
+    except (CkptflowError, OSError) as e:
+        return VerifyReport(step, False, [problem_from(run, step, e).message], digest=fmt.digest_of(blob))
+    report = VerifyReport(step=step, ok=True, problems=problems, digest=manifest.digest)
     chunks = ChunkStore(store)
 
     def check(item: tuple[str, int]) -> str | None:
         digest, size = item
         try:
-            chunks.get(digest, expected_size=size)
-        except CkptflowError as e:
-            return str(e)
+            chunks.get(digest, size)
+        except (CkptflowError, OSError) as e:
+            return problem_from(run, step, e).message
         finally:
             if progress:
                 progress(size)

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 
 from ckptflow import codecs
-from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
+from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format import chunk_key
 from ckptflow.store.base import Store
 
@@ -76,26 +76,30 @@ class ChunkStore:
         written = self.store.put_if_absent(key, parts)
         return ChunkWrite(digest, len(raw), size, written)
 
-    def get(self, digest: str, expected_size: int | None = None) -> memoryview:
-        """Raw bytes of a chunk, verified against its address."""
-        return self._decoded(digest, self._fetch(digest), expected_size)
+    def get(self, digest: str, size: int) -> memoryview:
+        """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
+        its address. The object's size and its header are checked against ``size`` before
+        it is read or decompressed, so a damaged or hostile chunk cannot make the reader
+        allocate more than the manifest promised."""
+        return self._decoded(digest, self._fetch(digest, size), size)
 
-    def _fetch(self, digest: str) -> bytes:
-        try:
-            return self.store.get(chunk_key(digest))
-        except ObjectNotFoundError:
-            raise self._missing(digest, chunk_key(digest)) from None
-
-    def _decoded(self, digest: str, blob: bytes, expected_size: int | None = None) -> memoryview:
+    def _fetch(self, digest: str, size: int) -> bytes:
         key = chunk_key(digest)
         try:
-            raw = codecs.decode(blob)
+            return self.store.get_bounded(key, codecs.max_encoded_size(size))
+        except ObjectNotFoundError:
+            raise self._missing(digest, key) from None
+        except ObjectTooLargeError as e:
+            raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
+
+    def _decoded(self, digest: str, blob: bytes, size: int) -> memoryview:
+        key = chunk_key(digest)
+        try:
+            raw = codecs.decode(blob, expected=size)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
-        if expected_size is not None and len(raw) != expected_size:
-            raise CorruptChunkError(
-                f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {expected_size}"
-            )
+        if len(raw) != size:
+            raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
         self._verify(digest, key, raw)
         return raw
 
@@ -118,12 +122,16 @@ class ChunkStore:
                 hasher.update(piece)
 
             try:
-                got, version = self.store.scan(chunk_key(digest), self._scratch(SCAN_PIECE), consume)
+                got, version = self.store.scan(
+                    chunk_key(digest), self._scratch(SCAN_PIECE), consume, limit=codecs.max_encoded_size(size)
+                )
             except ObjectNotFoundError:
                 raise self._missing(digest, chunk_key(digest)) from None
+            except ObjectTooLargeError as e:
+                raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
             if got == codecs.HEADER.size + size and codecs.raw_length(header) == size and hasher.hexdigest() == digest:
                 return CheckedChunk(digest, size, version=version)
-        return CheckedChunk(digest, size, data=self.get(digest, expected_size=size))
+        return CheckedChunk(digest, size, data=self.get(digest, size))
 
     def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
         """Fill ``out`` with a chunk ``check`` verified; re-verify if the file changed since."""
@@ -137,7 +145,7 @@ class ChunkStore:
         except ObjectNotFoundError:
             raise self._missing(checked.digest, chunk_key(checked.digest)) from None
         if version != checked.version or got != len(header) + len(out) or codecs.raw_length(header) != len(out):
-            out[:] = self.get(checked.digest, expected_size=len(out))  # replaced since: verify again
+            out[:] = self.get(checked.digest, len(out))  # replaced since: verify again
 
     def _scratch(self, size: int) -> memoryview:
         buf = getattr(self._local, "scratch", None)
@@ -156,17 +164,17 @@ class ChunkStore:
             )
 
     def reencode(
-        self, digest: str, codec: str, itemsize: int = 1, level: int = 3, *, only_if_smaller: bool = False
+        self, digest: str, size: int, codec: str, itemsize: int = 1, level: int = 3, *, only_if_smaller: bool = False
     ) -> tuple[int, int]:
         """Verify then rewrite a chunk with another codec; (bytes before, bytes after).
 
         With ``only_if_smaller`` a chunk already in ``codec``, or one the codec would not
         shrink, is left alone (after == before): what compaction of a store wants.
         """
-        blob = self._fetch(digest)
+        blob = self._fetch(digest, size)
         if only_if_smaller and codecs.header_codec(blob) == codec:
             return len(blob), len(blob)
-        parts = codecs.encode(self._decoded(digest, blob), codec, itemsize, level)
+        parts = codecs.encode(self._decoded(digest, blob, size), codec, itemsize, level)
         after = sum(len(p) for p in parts)
         if only_if_smaller and after >= len(blob):
             return len(blob), len(blob)

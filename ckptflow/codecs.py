@@ -64,13 +64,23 @@ def raw_length(header: bytes | bytearray | memoryview) -> int | None:
     return raw_len if magic == MAGIC and codec == RAW else None
 
 
-def decode(blob: bytes) -> memoryview:
-    """The raw bytes of an encoded chunk; ``CorruptChunkError`` if the framing is broken."""
+def max_encoded_size(raw_len: int) -> int:
+    """The most bytes any codec stores for ``raw_len`` raw bytes (zstd's worst-case bound
+    plus the header): a chunk object larger than this is refused before it is read."""
+    return HEADER.size + raw_len + raw_len // 128 + 1024
+
+
+def decode(blob: bytes, expected: int | None = None) -> memoryview:
+    """The raw bytes of an encoded chunk; ``CorruptChunkError`` if the framing is broken
+    or the header announces another length than the ``expected`` one (checked before
+    anything is decompressed, so a small chunk cannot claim gigabytes)."""
     if len(blob) < HEADER.size:
         raise CorruptChunkError(f"chunk is {len(blob)} bytes, shorter than its header")
     magic, codec, itemsize, raw_len = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptChunkError(f"chunk header magic is {magic!r}, expected {MAGIC!r}")
+    if expected is not None and raw_len != expected:
+        raise CorruptChunkError(f"chunk header announces {raw_len} raw bytes, the manifest expects {expected}")
     payload = memoryview(blob)[HEADER.size :]
     if codec == RAW:
         if len(payload) != raw_len:

@@ -28,6 +28,10 @@ class ManifestError(CkptflowError):
     """A manifest or rank record that is missing, unparsable or fails its checksum."""
 
 
+class RecordTooLargeError(ManifestError):
+    """A manifest or rank record larger than any ckptflow writes: refused unread."""
+
+
 class CheckpointExistsError(CkptflowError):
     """A save to a step that already has a valid commit record."""
 
@@ -61,6 +65,22 @@ class StoreUnavailableError(StoreError):
 class ColdObjectError(StoreUnavailableError):
     """An object in a cold storage class (S3 Glacier / Deep Archive) that must be restored
     (thawed) before it can be read; the message says how."""
+
+
+class SymlinkError(StoreError):
+    """A symbolic link below a local store's root: never followed (see ``store.local``)."""
+
+
+class StoreFullError(StoreError):
+    """The store's filesystem or quota is full; ``needed`` bytes did not fit."""
+
+    def __init__(self, message: str, needed: int = 0):
+        super().__init__(message)
+        self.needed = needed
+
+
+class ObjectTooLargeError(CkptflowError):
+    """An object larger than its record says it can be, refused before it is read whole."""
 
 
 class StoreNotFoundError(CkptflowError):

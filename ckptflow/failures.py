@@ -39,6 +39,9 @@ class ReadAborted(CkptflowError):
         super().__init__(failure.message)
         self.failure = failure
 
+    def __reduce__(self) -> tuple:  # DCP pickles every rank's exception to gather them
+        return (type(self), (self.failure,))
+
 
 def unwrap_failures(error: BaseException) -> list[BaseException]:
     """The underlying causes of ``error`` (each rank's, for a ``CheckpointException``)."""

@@ -44,7 +44,7 @@ def test_chunk_reencoded_between_the_passes_still_reads(chunks):
     payload = bytes(range(256)) * 256
     digest = _put(chunks, payload)
     checked = chunks.check(digest, len(payload))
-    chunks.reencode(digest, "zstd")
+    chunks.reencode(digest, len(payload), "zstd")
     out = bytearray(len(payload))
     chunks.read_checked(checked, memoryview(out))
     assert bytes(out) == payload

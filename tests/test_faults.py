@@ -22,7 +22,7 @@ import torch
 
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow import format as fmt
-from ckptflow.errors import NoValidCheckpointError
+from ckptflow.errors import StoreUnavailableError
 from support.faulty_store import FaultyStore, InjectedFault
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
@@ -109,7 +109,8 @@ def test_crash_at_every_store_operation(store_with_a, tmp_path, kind, when, bloc
 
 
 def test_crash_on_every_read_during_restore_never_loads_a_mix(store_with_a, tmp_path):
-    """A read failure on a newer checkpoint falls back; the live state is untouched or whole."""
+    """A read failure proves no damage: restore loads the newest checkpoint whole or raises
+    ``StoreUnavailableError`` with the live state untouched; it never falls back to step 1."""
     root = tmp_path / "store"
     shutil.copytree(store_with_a, root)
     with Checkpointer(str(root), run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
@@ -125,11 +126,10 @@ def test_crash_on_every_read_during_restore_never_loads_a_mix(store_with_a, tmp_
         state = blank_state()
         try:
             result = ck.restore(state)
-        except (InjectedFault, NoValidCheckpointError):
-            # The listing or the last candidate failed: nothing was loaded into the state.
+        except StoreUnavailableError:
             assert state["epoch"] is None and torch.equal(state["z"], blank_state()["z"])
             continue
-        assert state_tag(state) == result.step
+        assert result.step == 2 and state_tag(state) == 2
     ck.close()
 
 

@@ -293,11 +293,11 @@ def test_chunk_put_get_and_dedup(store):
     w2 = chunks.put(memoryview(data), codec="zstd", itemsize=4)
     assert w2.digest == w1.digest and not w2.written
     assert codecs.header_codec(store.get(fmt.chunk_key(w1.digest))) == "raw"  # left alone
-    assert bytes(chunks.get(w1.digest, expected_size=len(data))) == data
+    assert bytes(chunks.get(w1.digest, len(data))) == data
     with pytest.raises(CorruptChunkError, match="expects"):
-        chunks.get(w1.digest, expected_size=len(data) + 1)
+        chunks.get(w1.digest, len(data) + 1)
     with pytest.raises(CorruptChunkError, match="missing"):
-        chunks.get("0" * 64)
+        chunks.get("0" * 64, 1)
 
 
 def test_reencode_keeps_address_and_verifies(store):
@@ -305,16 +305,16 @@ def test_reencode_keeps_address_and_verifies(store):
     data = _weights(8192)
     digest = chunks.put(memoryview(data), codec="raw").digest
     key = fmt.chunk_key(digest)
-    before, after = chunks.reencode(digest, "zstd", itemsize=4)
+    before, after = chunks.reencode(digest, len(data), "zstd", itemsize=4)
     assert before == len(data) + codecs.HEADER.size
     assert after < before and store.stat(key).size == after
     assert codecs.header_codec(store.get(key)) == "zstd"
     assert [i.key for i in store.list("chunks/")] == [key]  # same address, no new object
-    assert bytes(chunks.get(digest, expected_size=len(data))) == data
+    assert bytes(chunks.get(digest, len(data))) == data
     # and back to raw
-    chunks.reencode(digest, "raw")
+    chunks.reencode(digest, len(data), "raw")
     assert codecs.header_codec(store.get(key)) == "raw"
-    assert bytes(chunks.get(digest)) == data
+    assert bytes(chunks.get(digest, len(data))) == data
 
 
 def test_reencode_refuses_a_corrupt_chunk(store):
@@ -326,10 +326,10 @@ def test_reencode_refuses_a_corrupt_chunk(store):
         f.seek(-1, os.SEEK_END)
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
     with pytest.raises(CorruptChunkError):
-        chunks.reencode(digest, "zstd", itemsize=4)
+        chunks.reencode(digest, len(data), "zstd", itemsize=4)
     # it was not "repaired" into a chunk that now verifies with wrong content
     with pytest.raises(CorruptChunkError):
-        chunks.get(digest)
+        chunks.get(digest, len(data))
 
 
 def test_reencoded_checkpoint_still_verifies_and_restores(tmp_path):
@@ -343,8 +343,8 @@ def test_reencoded_checkpoint_still_verifies_and_restores(tmp_path):
     st = open_store(root)
     manifest = catalog.read_manifest(st, "r", 1)
     chunks = ChunkStore(st)
-    for digest in manifest.chunks:
-        chunks.reencode(digest, "zstd", itemsize=4)
+    for digest, size in manifest.chunks.items():
+        chunks.reencode(digest, size, "zstd", itemsize=4)
         assert codecs.header_codec(st.get(fmt.chunk_key(digest))) == "zstd"
     with Checkpointer(root, run="r") as ck:
         report = ck.verify(1)

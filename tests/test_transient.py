@@ -62,7 +62,9 @@ def test_an_outage_that_outlasts_the_retries_stops_restore_and_names_the_object(
 def only_in_s3(store, step: int, other: int) -> list[str]:
     from ckptflow import catalog
 
-    return sorted(set(catalog.read_manifest(store, RUN, step).chunks) - set(catalog.read_manifest(store, RUN, other).chunks))
+    return sorted(
+        set(catalog.read_manifest(store, RUN, step).chunks) - set(catalog.read_manifest(store, RUN, other).chunks)
+    )
 
 
 def test_400_concurrent_requests_at_30_percent_errors_all_succeed(s3_endpoint, s3_bucket):

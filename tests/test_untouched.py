@@ -96,5 +96,7 @@ def test_a_save_after_training_does_not_touch_the_state(tmp_path):
         ck.save(1, state)
         ck.save(2, state, blocking=False).wait()
     assert_exact(state, before)
-    assert all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in
-               zip(state["optim"].state_dict()["state"].values(), before["optim"]["state"].values()))
+    assert all(
+        torch.equal(a["exp_avg"], b["exp_avg"])
+        for a, b in zip(state["optim"].state_dict()["state"].values(), before["optim"]["state"].values())
+    )

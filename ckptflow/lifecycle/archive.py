@@ -83,7 +83,7 @@ def _copy(
         blob = src.get(key)
         if dst.writes_cold:
             try:
-                source.get(digest)  # cannot re-read after upload: never archive a corrupt chunk
+                source.get(digest, manifest.chunks[digest])  # cannot re-read after upload: verify first
             except CkptflowError as e:
                 report.problems.append(str(e))
                 continue

@@ -44,8 +44,8 @@ def compress(store: Store, run: str, step: int, codec: str = "zstd", level: int 
     chunks = ChunkStore(store)
     report = CompressionReport()
     sizes = itemsizes(manifest)
-    for digest in sorted(manifest.chunks):
-        before, after = chunks.reencode(digest, codec, sizes.get(digest, 1), level, only_if_smaller=True)
+    for digest, size in sorted(manifest.chunks.items()):
+        before, after = chunks.reencode(digest, size, codec, sizes.get(digest, 1), level, only_if_smaller=True)
         report.chunks += 1
         report.bytes_before += before
         report.bytes_after += after

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.errors import CkptflowError, InvalidNameError
+from ckptflow.errors import CkptflowError, InvalidNameError, ObjectTooLargeError
 
 Buffers = bytes | memoryview | Sequence[bytes | memoryview]
 
@@ -99,6 +99,14 @@ class Store(ABC):
         """Size and modification time; ``ObjectNotFoundError`` if absent."""
 
     # ---- optional capabilities, with defaults --------------------------------------
+    def get_bounded(self, key: str, limit: int | None) -> bytes:
+        """``get``, refusing (``ObjectTooLargeError``) an object larger than ``limit`` bytes
+        before reading it whole: a record or chunk is never allowed to make a reader
+        allocate more than its manifest says it holds."""
+        if limit is not None and (size := self.stat(key).size) > limit:
+            raise ObjectTooLargeError(f"{self.url}/{key} holds {size} bytes, more than the {limit} expected")
+        return self.get(key)
+
     def exists(self, key: str) -> bool:
         try:
             self.stat(key)
@@ -114,14 +122,17 @@ class Store(ABC):
         """
         return None
 
-    def scan(self, key: str, buffer: memoryview, consume: Callable[[memoryview], None]) -> tuple[int, Any]:
+    def scan(
+        self, key: str, buffer: memoryview, consume: Callable[[memoryview], None], *, limit: int | None = None
+    ) -> tuple[int, Any]:
         """Feed the object to ``consume`` piece by piece: (its size, its version).
 
         The version names the exact object read (``None`` where the backend cannot say),
         so a later ``get_into`` can tell whether it reads the same bytes. The default
         reads the whole object; a backend with cheap re-reads streams through ``buffer``.
+        An object over ``limit`` bytes is refused (``ObjectTooLargeError``) before it is read.
         """
-        data = memoryview(self.get(key))
+        data = memoryview(self.get_bounded(key, limit))
         for start in range(0, len(data), max(1, len(buffer))):
             consume(data[start : start + len(buffer)])
         return len(data), None

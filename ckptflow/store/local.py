@@ -3,18 +3,26 @@
 Durability follows the classic recipe: write a hidden temp file in the target
 directory, fsync it, then ``link`` (create-only) or ``rename`` (replace) it into
 place and fsync the directory, so a crash at any instant leaves either the old state
-or the complete new object, never a torn file.
+or the complete new object, never a torn file. A write that fails removes its temp
+file; a full disk says which object and how many bytes it needed.
+
+Symbolic links below the root are never followed, for any operation: listing skips
+nothing and reading follows nothing, so GC (which lists) and restore (which reads)
+can never disagree about what a store holds, and a save can never write through a
+link out of the root. A link is reported as ``SymlinkError`` naming it; the root
+itself may be a link (it is resolved once, when the store is opened).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from stat import S_ISDIR
+from stat import S_ISDIR, S_ISLNK
 
-from ckptflow.errors import ObjectNotFoundError, StoreNotFoundError
+from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, StoreFullError, StoreNotFoundError, SymlinkError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 
 TEMP_PREFIX = ".tmp-"
@@ -24,7 +32,7 @@ class LocalStore(Store):
     cheap_reread = True  # the page cache
 
     def __init__(self, root: str, *, fsync: bool = True, create: bool = True):
-        self.root = os.path.abspath(os.path.expanduser(root))
+        self.root = os.path.realpath(os.path.expanduser(root))
         self.url = "file://" + self.root
         self.fsync = fsync
         if create:
@@ -33,10 +41,24 @@ class LocalStore(Store):
             raise StoreNotFoundError(f"store root {self.root} does not exist or is not a directory; check the path")
 
     def _path(self, key: str) -> str:
-        path = os.path.join(self.root, *validate_key(key).split("/"))
-        if os.path.commonpath([self.root, path]) != self.root:  # defence in depth
-            raise ValueError(f"key {key!r} resolves outside {self.root}")
+        """The file of ``key``, refusing a symbolic link at any level below the root."""
+        path = self.root
+        for part in validate_key(key).split("/"):
+            path = os.path.join(path, part)
+            try:
+                mode = os.lstat(path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return os.path.join(self.root, *key.split("/"))  # the rest does not exist yet
+            if S_ISLNK(mode):
+                raise self._link(os.path.relpath(path, self.root))
         return path
+
+    def _link(self, relpath: str) -> SymlinkError:
+        return SymlinkError(
+            f"{self.url}/{relpath} is a symbolic link; ckptflow never follows links inside a store (GC, which "
+            "lists, and restore, which reads, would disagree about what the store holds): move the data into "
+            f"the store, or make the whole store root ({self.root}) the link"
+        )
 
     def _write_temp(self, directory: str, data: Buffers) -> str:
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
@@ -48,12 +70,24 @@ class LocalStore(Store):
             except FileNotFoundError:  # a concurrent delete pruned the empty directory
                 if attempt == 2:
                     raise
-        with f:
-            for part in as_buffers(data):
-                f.write(part)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
+        try:
+            with f:
+                for part in as_buffers(data):
+                    f.write(part)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                needed = sum(len(memoryview(p).cast("B")) for p in as_buffers(data))
+                raise StoreFullError(
+                    f"no space left on the filesystem of {self.url} writing {os.path.relpath(tmp, self.root)} "
+                    f"({needed} bytes): {e.strerror}; free space or move the store",
+                    needed=needed,
+                ) from e
+            raise
         return tmp
 
     def _fsync_dir(self, directory: str) -> None:
@@ -66,8 +100,14 @@ class LocalStore(Store):
             os.close(fd)
 
     def get(self, key: str) -> bytes:
+        return self.get_bounded(key, None)
+
+    def get_bounded(self, key: str, limit: int | None) -> bytes:
         try:
             with open(self._path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if limit is not None and size > limit:
+                    raise ObjectTooLargeError(f"{self.url}/{key} holds {size} bytes, more than the {limit} expected")
                 return f.read()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
@@ -106,7 +146,9 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def scan(self, key: str, buffer: memoryview, consume: Callable[[memoryview], None]) -> tuple[int, tuple]:
+    def scan(
+        self, key: str, buffer: memoryview, consume: Callable[[memoryview], None], *, limit: int | None = None
+    ) -> tuple[int, tuple]:
         """Stream the object through ``buffer`` piece by piece into ``consume``: (size, version).
 
         For verifying without keeping the bytes: a small reused buffer stays in the CPU
@@ -118,6 +160,8 @@ class LocalStore(Store):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
         with f:
             st = os.fstat(f.fileno())
+            if limit is not None and st.st_size > limit:
+                raise ObjectTooLargeError(f"{self.url}/{key} holds {st.st_size} bytes, more than the {limit} expected")
             size = 0
             while n := f.readinto(buffer):
                 consume(buffer[:n])
@@ -185,7 +229,13 @@ class LocalStore(Store):
                 continue
             key = f"{key_prefix}/{entry.name}" if key_prefix else entry.name
             try:
-                if entry.is_dir(follow_symlinks=False):
+                if entry.is_symlink():
+                    if recursive:
+                        raise self._link(key)  # what lies behind it would be invisible to GC
+                    yield ObjectInfo(
+                        key + "/" if entry.is_dir() else key, 0, entry.stat(follow_symlinks=False).st_mtime
+                    )
+                elif entry.is_dir(follow_symlinks=False):
                     if recursive:
                         yield from self._scan(entry.path, key, True)
                     else:
@@ -214,7 +264,7 @@ class LocalStore(Store):
 
     def stat(self, key: str) -> ObjectInfo:
         try:
-            st = os.stat(self._path(key))
+            st = os.lstat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
         if S_ISDIR(st.st_mode):

@@ -25,7 +25,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ckptflow.errors import ColdObjectError, ObjectNotFoundError, StoreError, StoreUnavailableError
+from ckptflow.errors import ColdObjectError, ObjectNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.s3_retry import AttemptsExhausted, Retry, botocore_config, error_code, http_status
 
@@ -165,10 +165,19 @@ class S3Store(Store):
 
     # ---- reads -------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
-        """The object's bytes; a body cut off while streaming is retried like the request."""
+        return self.get_bounded(key, None)
+
+    def get_bounded(self, key: str, limit: int | None) -> bytes:
+        """The object's bytes (a body cut off while streaming is retried like the request);
+        an object over ``limit`` is refused from its length header, before the body is read."""
 
         def attempt() -> bytes:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            size = int(response.get("ContentLength", 0))
+            if limit is not None and size > limit:
+                response["Body"].close()
+                raise ObjectTooLargeError(f"{self._where(key)} holds {size} bytes, more than the {limit} expected")
+            return response["Body"].read()
 
         return self._attempts("GetObject", key, attempt)
 
