@@ -221,7 +221,7 @@ def read_manifest(store: Store, run: str, step: int) -> Manifest:
 
 def read_rank_record(store: Store, manifest: Manifest, rank: int) -> RankRecord:
     """The rank record ``manifest`` committed for ``rank``, verified to belong to it."""
-    key = fmt.rank_key(manifest.run, manifest.step, rank)
+    key = manifest.rank_key(rank)
     try:
         blob = _read_record(store, key, "rank record")
     except ObjectNotFoundError:
@@ -292,9 +292,7 @@ def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
     """Rank records: one listing finds the missing ones (reported as one line however many,
     without a list the size of ``world_size``), then each present one is read and checked."""
     prefix = fmt.step_prefix(manifest.run, manifest.step) + "ranks/"
-    present = sorted(
-        rank for rank in (_rank_of(i.key[len(prefix) :]) for i in store.list(prefix)) if rank < manifest.world_size
-    )
+    present = sorted({rank for rank in (manifest.rank_of(i.key) for i in store.list(prefix)) if rank is not None})
     problems = []
     missing_count = manifest.world_size - len(present)
     if missing_count:
@@ -306,7 +304,7 @@ def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
                 if len(shown) == 8:
                     break
         if missing_count == 1:
-            problems.append(f"rank record {store.url}/{prefix}{shown[0]}.json is missing")
+            problems.append(f"rank record {store.url}/{manifest.rank_key(shown[0])} is missing")
         else:
             listed = ", ".join(map(str, shown)) + (
                 f", … ({missing_count} in all)" if missing_count > len(shown) else ""
@@ -321,12 +319,6 @@ def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
         except (CkptflowError, OSError) as e:
             problems.append(problem_from(manifest.run, manifest.step, e).message)
     return problems
-
-
-def _rank_of(name: str) -> int:
-    """The rank a ``ranks/`` entry names; a huge number for anything that is no rank record."""
-    stem, dot, ext = name.partition(".")
-    return int(stem) if dot and ext == "json" and stem.isdigit() and len(stem) < 10 else 1 << 62
 
 
 def verify_checkpoint(

@@ -26,10 +26,11 @@ from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.codecs import CODECS
 from ckptflow.dcp_io import CheckpointWriter, Progress, SaveSpec
 from ckptflow.distributed import Group
-from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError
+from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, UnsupportedStateError
 from ckptflow.failures import own_errors
 from ckptflow.restore import Restore, RestoreResult
 from ckptflow.save_policy import SavePolicy
+from ckptflow.sealed import json_problem
 from ckptflow.state import (
     FreshOptimizers,
     capture_rng,
@@ -125,7 +126,7 @@ class Checkpointer:
         ``blocking=False`` the caller is held only while tensors are copied to host
         memory; the returned handle's ``wait()`` gives the result.
         """
-        fmt.validate_step(step)
+        step = fmt.validate_step(step)
         if kind is None:
             kind = self.policy.kind_for(step) if self.policy else "full"
             if kind is None:
@@ -134,16 +135,10 @@ class Checkpointer:
             raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
         self.wait()
         started = time.perf_counter()
+        skeleton, tensors = self._flatten(state, metadata)  # refused here: nothing written, nothing moved
         base, save_id = self._prepare_step(step)
         if base is None:
             kind = "full"
-        fresh = FreshOptimizers(state)
-        try:
-            state_dicts = to_state_dicts(state)
-            fresh.empty(state_dicts)
-        finally:
-            fresh.reset()  # a save never changes the state it saves
-        skeleton, tensors = flatten(state_dicts)
         spec = SaveSpec(
             run=self.run,
             step=step,
@@ -183,6 +178,29 @@ class Checkpointer:
         if pending is None or pending.error_reported:
             return None  # a failure already raised by the handle's own wait() is not raised again
         return pending.wait()
+
+    def _flatten(self, state: MutableMapping[str, Any], metadata: dict | None) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The state as a JSON skeleton and tensors, and the metadata checked, on every rank
+        before anything is written (any rank's refusal is every rank's: a lone raise would
+        hang the others in the collectives that follow)."""
+        error: CkptflowError | None = None
+        try:
+            problem = json_problem(metadata or {}, "metadata")
+            if problem:
+                raise UnsupportedStateError(f"{problem}; metadata is stored as JSON, so nothing was saved")
+            fresh = FreshOptimizers(state)
+            try:
+                state_dicts = to_state_dicts(state)
+                fresh.empty(state_dicts)
+            finally:
+                fresh.reset()  # a save never changes the state it saves
+            skeleton, tensors = flatten(state_dicts)
+        except CkptflowError as e:
+            error = e
+        errors = [e for e in self.group.all_gather(error) if e is not None]
+        if errors:
+            raise error or errors[0]
+        return skeleton, tensors
 
     def _prepare_step(self, step: int) -> tuple[int | None, str]:
         """Rank 0 checks the step is free, finds the base step and names the attempt;

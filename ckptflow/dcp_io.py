@@ -26,7 +26,7 @@ from ckptflow import format as fmt
 from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite
 from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_index, metadata_to_json
-from ckptflow.errors import CheckpointExistsError, UnsupportedStateError
+from ckptflow.errors import CheckpointExistsError, StoreFullError, UnsupportedStateError
 from ckptflow.failures import DAMAGE, Failure, ReadAborted, failure_of
 from ckptflow.leases import save_lease
 from ckptflow.manifest import Manifest, RankRecord
@@ -120,6 +120,13 @@ class CheckpointWriter(StorageWriter):
                     ]
                     pending.append((item, tensor, raw, futures))
                 results = [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
+            except StoreFullError as e:
+                total = sum(len(raw) for _, _, raw, _ in pending)
+                raise StoreFullError(
+                    f"saving run {self.spec.run!r} step {self.spec.step} (rank {self.rank}) needs up to {total} bytes "
+                    f"for its tensors in {self.chunks.store.url} (less where chunks are already stored): {e}",
+                    needed=total,
+                ) from e
             finally:  # on failure: no chunk write may outlive the lease
                 queued = [f for *_, futures in pending for f in futures]
                 for f in queued:
@@ -144,7 +151,7 @@ class CheckpointWriter(StorageWriter):
         record = RankRecord(
             spec.run, spec.step, self.rank, spec.world_size, spec.save_id, spec.skeleton, spec.rng, len(results)
         )
-        self.chunks.store.replace(fmt.rank_key(spec.run, spec.step, self.rank), record.seal())
+        self.chunks.store.put_if_absent(fmt.rank_key(spec.run, spec.step, self.rank, spec.save_id), record.seal())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         spec = self.spec
@@ -187,6 +194,7 @@ class CheckpointWriter(StorageWriter):
                 "chunks_written": len(written_digests),
                 "bytes_written": written_bytes,
             },
+            "rank_records": "by_save_id",
         }
         key = fmt.manifest_key(spec.run, spec.step)
         blob = seal(manifest)

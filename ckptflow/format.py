@@ -14,6 +14,7 @@ trusted. This module holds names only; it imports neither torch nor any backend.
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
 
 from ckptflow.errors import InvalidNameError
@@ -58,9 +59,14 @@ def validate_run(run: str) -> str:
 
 
 def validate_step(step: int) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**STEP_DIGITS:
+    """The step as a plain int (numpy and torch integer scalars are accepted)."""
+    try:
+        value = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < 10**STEP_DIGITS:
         raise InvalidNameError(f"step {step!r} must be an integer in [0, 10**{STEP_DIGITS})")
-    return step
+    return value
 
 
 def chunk_key(digest: str) -> str:
@@ -83,8 +89,12 @@ def manifest_key(run: str, step: int) -> str:
     return step_prefix(run, step) + "manifest.json"
 
 
-def rank_key(run: str, step: int, rank: int) -> str:
-    return f"{step_prefix(run, step)}ranks/{int(rank)}.json"
+def rank_key(run: str, step: int, rank: int, save_id: str = "") -> str:
+    """Where ``rank``'s record of one save attempt goes. Named by the attempt's id, so two
+    writers racing on one step never overwrite each other's records: the manifest that
+    commits names its save id, and so its records. (Without ``save_id``: the name
+    checkpoints written before that used; readers still find them.)"""
+    return f"{step_prefix(run, step)}ranks/{int(rank)}{'.' + save_id if save_id else ''}.json"
 
 
 def quarantine_key(run: str, step: int, stamp: str) -> str:

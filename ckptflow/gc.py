@@ -76,8 +76,8 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
         if isinstance(item, Manifest):
             report.live_manifests += 1
             live |= set(item.chunks)
-            own = {*item.rank_keys(), fmt.manifest_key(item.run, item.step)}
-            loose.extend(info for info in files[item.ref] if info.key not in own)
+            own = fmt.manifest_key(item.run, item.step)
+            loose.extend(info for info in files[item.ref] if info.key != own and item.rank_of(info.key) is None)
             continue
         if item.kind in ("bad_name", "not_a_directory"):  # nothing restore could read: leave it, say so
             report.ignored.append(str(item))

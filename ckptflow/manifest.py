@@ -51,6 +51,7 @@ class Manifest:
     dcp: DcpIndex
     chunks: Mapping[str, int]  # digest -> raw length: every chunk a restore reads
     stats: ManifestStats
+    rank_records_by_save: bool = False  # rank records named by save id (see format.rank_key)
     digest: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields a newer writer added
 
@@ -62,8 +63,23 @@ class Manifest:
     def logical_bytes(self) -> int:
         return self.stats.logical_bytes
 
+    def rank_key(self, rank: int) -> str:
+        return fmt.rank_key(self.run, self.step, rank, self.save_id if self.rank_records_by_save else "")
+
     def rank_keys(self) -> list[str]:
-        return [fmt.rank_key(self.run, self.step, r) for r in range(self.world_size)]
+        return [self.rank_key(r) for r in range(self.world_size)]
+
+    def rank_of(self, key: str) -> int | None:
+        """The rank whose record of this commit ``key`` is; None for any other file (a
+        losing writer's record, debris). Decided from the name alone."""
+        prefix = fmt.step_prefix(self.run, self.step) + "ranks/"
+        stem = key.removeprefix(prefix).removesuffix(".json")
+        rank, _, owner = stem.partition(".")
+        if not key.startswith(prefix) or not key.endswith(".json") or not rank.isdigit() or len(rank) > 9:
+            return None
+        if owner != (self.save_id if self.rank_records_by_save else "") or int(rank) >= self.world_size:
+            return None
+        return int(rank)
 
     def items(self) -> Iterator[StorageItem]:
         return iter(self.dcp.items)
@@ -84,6 +100,7 @@ class Manifest:
             "dcp": self.dcp.to_json(),
             "chunks": dict(self.chunks),
             "stats": dict(self.stats.__dict__),
+            **({"rank_records": "by_save_id"} if self.rank_records_by_save else {}),
             **self.extra,
         }
 
@@ -119,7 +136,7 @@ class Manifest:
         if not isinstance(metadata, dict):
             raise check.bad("has metadata that is not an object")
         dcp = parse_dcp_index(check, check.mapping(doc, "dcp"), chunks)
-        known = {*_MANIFEST_FIELDS, "format_version"}
+        known = {*_MANIFEST_FIELDS, "format_version", "rank_records"}
         return cls(
             run=run,
             step=step,
@@ -136,6 +153,7 @@ class Manifest:
             dcp=dcp,
             chunks=chunks,
             stats=stats,
+            rank_records_by_save=doc.get("rank_records") == "by_save_id",
             digest=digest,
             extra={k: v for k, v in doc.items() if k not in known},
         )
@@ -154,7 +172,9 @@ class Manifest:
 
 
 _REQUIRED_STATS = ("logical_bytes", "stored_bytes", "chunks", "bytes_written")
-_MANIFEST_FIELDS = tuple(f for f in Manifest.__dataclass_fields__ if f not in ("digest", "extra"))
+_MANIFEST_FIELDS = tuple(
+    f for f in Manifest.__dataclass_fields__ if f not in ("digest", "extra", "rank_records_by_save")
+)
 
 
 @dataclass(frozen=True)

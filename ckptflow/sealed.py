@@ -36,6 +36,27 @@ def seal(record: Mapping[str, Any]) -> bytes:
     return canonical({**body, "checksum": hashlib.sha256(canonical(body)).hexdigest()})
 
 
+def json_problem(value: Any, where: str) -> str | None:
+    """Why ``value`` cannot be stored as JSON exactly (None if it can): only dicts with
+    string keys, lists, str, int, float, bool and None, no deeper than ``MAX_DEPTH``."""
+    stack: list[tuple[Any, str, int]] = [(value, where, 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"{path} is nested deeper than {MAX_DEPTH} levels"
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if not isinstance(key, str):
+                    return f"{path} has the key {key!r} of type {type(key).__name__}; JSON keys are strings"
+                stack.append((child, f"{path}[{key!r}]", depth + 1))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(node))
+        elif node is not None and type(node) not in (str, int, float, bool):
+            hint = " (convert it with float() or int(), e.g. loss.item())" if hasattr(node, "item") else ""
+            return f"{path} is a {type(node).__module__}.{type(node).__name__}, not a JSON value{hint}"
+    return None
+
+
 def _depth_ok(obj: Any, limit: int) -> bool:
     stack = [(obj, 1)]
     while stack:

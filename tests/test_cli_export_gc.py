@@ -25,7 +25,7 @@ from ckptflow import format as fmt
 from ckptflow.catalog import read_manifest
 from ckptflow.store import open_store
 from support.cli import RUN, make_store, run_cli
-from support.corrupt import chunk_path, chunks_of, flip_byte, tensor_chunk
+from support.corrupt import chunk_path, chunks_of, flip_byte, rank_files, tensor_chunk
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_gc_dry_run_deletes_nothing(store, capsys):
     assert code == 0 and all_files(root) == before
     assert out.startswith(f"would delete {len(doomed) + 1} object(s)")  # + step 10's rank record
     listed = {line.split()[0] for line in out.splitlines()[1:]}
-    assert {fmt.chunk_key(d) for d in doomed} | {fmt.rank_key(RUN, 10, 0)} == listed
+    assert {fmt.chunk_key(d) for d in doomed} | rank_files(root, RUN, 10) == listed
 
 
 def test_gc_deletes_unreferenced_chunks(store, capsys):
@@ -107,7 +107,11 @@ def test_gc_deletes_unreferenced_chunks(store, capsys):
     assert doomed
     code, out, _ = run_cli(capsys, "gc", root, "--grace", "1h")
     assert code == 0 and out.startswith("deleted 0 object(s)")  # everything is younger than 1h
-    code, out, _ = run_cli(capsys, "gc", root, "--grace", "0")
+    before = all_files(root)
+    code, _, err = run_cli(capsys, "gc", root, "--grace", "0")  # shown unsafe: tests/test_gc.py
+    assert code == 2 and "--force" in err and "save still running" in err
+    assert all_files(root) == before
+    code, out, _ = run_cli(capsys, "gc", root, "--grace", "0", "--force")
     assert code == 0 and out.startswith(f"deleted {len(doomed) + 1} object(s)")
     assert not any(chunk_path(root, d).exists() for d in doomed)
     assert all(chunk_path(root, d).exists() for d in chunks_of(root, RUN, 20))

@@ -59,7 +59,8 @@ class Scenario:
         self.victim = self.only_bad[0]
         self.victim_path = _path(root, fmt.chunk_key(self.victim))
         self.manifest_path = _path(root, fmt.manifest_key(RUN, BAD))
-        self.rank_path = _path(root, fmt.rank_key(RUN, BAD, 0))
+        self.rank_key = m_bad.rank_key(0)
+        self.rank_path = _path(root, self.rank_key)
 
     def new_state(self, seed):
         state = self.state_factory(seed=seed)
@@ -271,15 +272,15 @@ def test_manifest_copied_to_wrong_step(scenario):
 
 def test_missing_rank_record(scenario):
     os.remove(scenario.rank_path)
-    _assert_verify_fails(scenario, fmt.rank_key(RUN, BAD, 0), "missing")
-    _assert_skipped_and_fell_back(scenario, fmt.rank_key(RUN, BAD, 0))
+    _assert_verify_fails(scenario, scenario.rank_key, "missing")
+    _assert_skipped_and_fell_back(scenario, scenario.rank_key)
 
 
 def test_corrupted_rank_record(scenario):
     blob = open(scenario.rank_path, "rb").read()
     _flip_byte(scenario.rank_path, len(blob) // 2)
-    _assert_verify_fails(scenario, fmt.rank_key(RUN, BAD, 0))
-    _assert_skipped_and_fell_back(scenario, fmt.rank_key(RUN, BAD, 0))
+    _assert_verify_fails(scenario, scenario.rank_key)
+    _assert_skipped_and_fell_back(scenario, scenario.rank_key)
 
 
 # ---- after a fallback, training goes on ---------------------------------------------------

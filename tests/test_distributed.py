@@ -77,7 +77,7 @@ def test_two_rank_dtensor_save_loads_into_one_process(session, keep_rng):
     assert manifest["world_size"] == 2
     assert sorted(c["offsets"][0] for c in manifest["dcp"]["tensors"]["w"]["chunks"]) == [0, 5]
     for rank in range(2):
-        record = json.loads((root / fmt.rank_key(W.RUN, 1, rank)).read_bytes())
+        record = json.loads((root / fmt.rank_key(W.RUN, 1, rank, manifest["save_id"])).read_bytes())
         assert record["rank"] == rank and record["world_size"] == 2
 
     # One process, no process group, plain full tensors.
@@ -133,7 +133,7 @@ def test_ranks_agree_to_fall_back_when_only_one_rank_hits_corruption(session):
         assert r["step"] == 1, f"rank {rank} restored step {r['step']} (skipped {r['skipped']})"
         assert [s for s, _ in r["skipped"]] == [3, 2]
         assert digest[:16] in r["skipped"][0][1], r["skipped"]  # the reason names the bad chunk
-        assert "ranks/1.json" in r["skipped"][1][1], r["skipped"]  # ... and the bad rank record
+        assert "ranks/1." in r["skipped"][1][1], r["skipped"]  # ... and the bad rank record
         assert r["w_local_ok"] and r["w_full_ok"] and r["rep_ok"] and r["epoch"] == 1
         assert r["verify"] == {"1": True, "2": False, "3": False}
     assert results[0]["skipped"] == results[1]["skipped"]

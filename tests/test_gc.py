@@ -15,8 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from ckptflow import Checkpointer, gc, open_store
+from ckptflow import Checkpointer, catalog, gc, open_store
 from ckptflow import format as fmt
+from support.corrupt import rank_files
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
@@ -54,7 +55,7 @@ def test_gc_after_retention_deletes_exactly_the_unreferenced_chunks(tmp_path):
     live = manifest_chunks(root, 3) | manifest_chunks(root, 5)
     chunks_before = chunk_keys(root)
     orphans = {info.key: info.size for s in (1, 2, 4) for info in store.list(fmt.step_prefix(RUN, s))}
-    assert set(orphans) == {fmt.rank_key(RUN, s, 0) for s in (1, 2, 4)}
+    assert set(orphans) == set().union(*(rank_files(store, RUN, s) for s in (1, 2, 4)))
     expected = {k: size for k, size in chunks_before.items() if k not in live} | orphans
     assert expected and live <= set(chunks_before)
     # The tensor shared by every step is referenced by the kept ones and must survive.
@@ -126,7 +127,7 @@ def test_gc_with_zero_grace_destroys_an_in_flight_save(tmp_path):
     assert new_chunks
     deleted = {key for key, _ in report.deleted}
     # The in-flight save's new chunks and rank record looked like garbage and were swept.
-    assert deleted == new_chunks | {fmt.rank_key(RUN, 2, 0)}
+    assert deleted == new_chunks | set(catalog.read_manifest(open_store(str(root)), RUN, 2).rank_keys())
     assert saved.step == 2 and saved.info is not None  # the writer did not notice
     ck = Checkpointer(str(root), run=RUN, restore_rng=False)
     report2 = ck.verify(2)

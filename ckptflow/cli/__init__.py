@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="allow a grace period under a minute (deletes the chunks of saves still running)",
+    )
+    p.add_argument(
         "--wait",
         type=duration_arg,
         default=60.0,

@@ -238,7 +238,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+UNSAFE_GRACE = 60.0  # seconds: below this a running save's chunks look like garbage
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
+    if args.grace < UNSAFE_GRACE and not args.dry_run and not args.force:
+        raise CkptflowError(
+            f"--grace {args.grace:g}s would delete the chunks of any save still running (they are referenced only "
+            "once its manifest commits, and a save can take minutes); use a grace period longer than your slowest "
+            "save (e.g. --grace 1h), or pass --force if no save can be running"
+        )
     store = _open(args.root)
     with progress("gc") as report_progress:
         report = gc(store, args.grace, dry_run=args.dry_run, wait=args.wait, progress=report_progress)

@@ -68,3 +68,11 @@ def grow_first_tensor(record: dict) -> None:
     """Make the first tensor one row larger than its shards cover."""
     tensor = next(iter(record["dcp"]["tensors"].values()))
     tensor["size"][0] += 1
+
+
+def rank_files(store, run: str, step: int) -> set[str]:
+    """Keys of every rank record under a step (whichever save attempt wrote them)."""
+    from ckptflow.store import open_store as _open
+
+    store = _open(os.fspath(store)) if isinstance(store, (str, os.PathLike)) else store
+    return {info.key for info in store.list(fmt.step_prefix(run, step) + "ranks/")}

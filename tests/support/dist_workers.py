@@ -169,7 +169,8 @@ def restore_agreement(rank: int, world: int, workdir: Path) -> dict:
     box = [None]
     if rank == 0:
         box[0] = corrupt_rank_only_chunk(root, fmt, step=3, owner_rank=1, world=world)
-        record = root / fmt.rank_key(RUN, 2, 1)
+        save_id = json.loads((root / fmt.manifest_key(RUN, 2)).read_bytes())["save_id"]
+        record = root / fmt.rank_key(RUN, 2, 1, save_id)
         blob = bytearray(record.read_bytes())
         blob[blob.index(b'"rank":1') + 7] = ord("7")  # still JSON, fails its checksum
         record.write_bytes(bytes(blob))
