@@ -53,8 +53,8 @@ def dequantize_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     """The inverse layout: every int8 ``*.weight`` with a ``*.weight_scale`` becomes float32."""
     out = dict(tensors)
     for name, scale in tensors.items():
-        weight = name[: -len(SCALE)] + "weight" if name.endswith("." + SCALE) else None
-        if weight in tensors and tensors[weight].dtype == torch.int8:
+        weight = name[: -len(SCALE)] + "weight"
+        if name.endswith("." + SCALE) and weight in tensors and tensors[weight].dtype == torch.int8:
             out[weight] = dequantize_int8(tensors[weight], scale)
             del out[name]
     return out

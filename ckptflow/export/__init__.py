@@ -8,13 +8,14 @@ weights; ``card`` renders the model card.
 
 from ckptflow.export.architecture import model_metadata, tied_weights
 from ckptflow.export.card import Lineage
-from ckptflow.export.files import lineage_metadata, load_exported, sha256_file, write_safetensors
+from ckptflow.export.files import lineage_metadata, load_exported, write_safetensors
 from ckptflow.export.model import (
     DEFAULT_MAX_SHARD_BYTES,
     EXPORT_DTYPES,
     ExportOptions,
     ExportResult,
     export_safetensors,
+    option_problems,
 )
 from ckptflow.export.tensors import DTYPES, load_tensors, newest_verified_step
 
@@ -31,7 +32,7 @@ __all__ = [
     "load_tensors",
     "model_metadata",
     "newest_verified_step",
-    "sha256_file",
+    "option_problems",
     "tied_weights",
     "write_safetensors",
 ]

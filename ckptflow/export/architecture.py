@@ -41,9 +41,10 @@ def model_metadata(model: nn.Module) -> dict[str, Any]:
     A transformers model: ``model_config`` (its config, naming its class), which also
     becomes the export's config.json. Any other model: ``tied_weights``, if it has any.
     """
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if callable(getattr(config, "to_json_string", None)):
-        return {"model_config": {**json.loads(config.to_json_string(use_diff=False)), "architectures": [type(model).__name__]}}
+        as_dict = json.loads(config.to_json_string(use_diff=False))
+        return {"model_config": {**as_dict, "architectures": [type(model).__name__]}}
     tied = tied_weights(model)
     return {"tied_weights": tied} if tied else {}
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow import format as fmt
+from ckptflow.manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,27 @@ class Lineage:
 
     def to_json(self) -> dict[str, Any]:
         return json.loads(json.dumps(asdict(self), sort_keys=True, default=str))
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> Lineage:
+        """What the commit itself says: the trainer's metadata ``config`` (the training
+        config), ``data`` (a data reference) and the numbers it recorded (as metrics)."""
+        trainer = dict(manifest.metadata)
+        numbers = {k: v for k, v in trainer.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        config = trainer.get("config")
+        return cls(
+            run=manifest.run,
+            step=manifest.step,
+            manifest_digest=manifest.digest,
+            kind=manifest.kind,
+            evaluation={"evaluator": None, "metrics": numbers},
+            training_config={
+                "world_size": manifest.world_size,
+                "codec": manifest.codec,
+                **(config if isinstance(config, dict) else {}),
+            },
+            data=trainer.get("data"),
+        )
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Lineage:

@@ -10,7 +10,6 @@ Readers (``safetensors``, transformers) accept any order.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -71,8 +70,9 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLik
         t = tensors[name]
         if t.dtype not in _DTYPE_NAMES:
             raise CkptflowError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes(t)]}
-        offset += nbytes(t)
+        end = offset + nbytes(t)
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
     blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     tmp = f"{os.fspath(out)}.tmp-{uuid.uuid4().hex}"
@@ -129,14 +129,6 @@ def write_weights(
 def write_json(doc: object, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_exported(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from ckptflow.export.architecture import Architecture, from_transformers_config
 from ckptflow.export.card import Lineage, render
 from ckptflow.export.files import TIED_KEY, lineage_metadata, nbytes, write_json, write_safetensors, write_weights
 from ckptflow.export.tensors import DTYPES, Progress, convert_dtype, load_tensors, newest_verified_step, write_once
+from ckptflow.manifest import Manifest
 from ckptflow.quantize import ERROR_BOUND, quantization_config, quantize_weights
 from ckptflow.store import Store, open_store
 
@@ -35,6 +36,18 @@ EXPORT_DTYPES = ("", *DTYPES, "int8")  # "": as saved
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" (decimal, as it counts)
 CONFIG, CARD = "config.json", "README.md"
 _CONFIG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def option_problems(key: str, dtype: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """What is wrong with these export options (the one place they are checked)."""
+    out = []
+    if dtype not in EXPORT_DTYPES:
+        out.append(f"dtype {dtype!r} is not one of {EXPORT_DTYPES}")
+    if not key:
+        out.append("key is empty: name the state entry holding the weights (e.g. 'model')")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        out.append(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -46,19 +59,10 @@ class ExportOptions:
     allow_fp16_overflow: bool = False
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 
-    def problems(self) -> list[str]:
-        out = []
-        if self.dtype not in EXPORT_DTYPES:
-            out.append(f"dtype {self.dtype!r} is not one of {EXPORT_DTYPES}")
-        if not self.key:
-            out.append("key is empty: name the state entry holding the weights (e.g. 'model')")
-        if not isinstance(self.max_shard_bytes, int) or self.max_shard_bytes <= 0:
-            out.append(f"max_shard_bytes must be a positive number of bytes, got {self.max_shard_bytes!r}")
-        return out
-
     def __post_init__(self) -> None:
-        if self.problems():
-            raise CkptflowError("export refused: " + "; ".join(self.problems()))
+        problems = option_problems(self.key, self.dtype, self.max_shard_bytes)
+        if problems:
+            raise CkptflowError("export refused: " + "; ".join(problems))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +86,7 @@ class Prepared:
     metadata: dict[str, str]
     config: dict[str, Any] | None  # config.json
     architecture: str
-    kind: str  # the checkpoint's (full / incremental), for the card
+    manifest: Manifest
 
 
 def _structure(metadata: dict[str, Any]) -> tuple[Architecture, dict[str, Any] | None]:
@@ -110,7 +114,9 @@ def prepare(store: Store, run: str, step: int, options: ExportOptions, progress:
         if arch.name:  # only what compressed-tensors (and so transformers) can load: nn.Linear
             names = sorted(n for n in arch.linear_weights if n in tensors and tensors[n].is_floating_point())
         else:
-            names = sorted(n for n, t in tensors.items() if n.endswith("weight") and t.is_floating_point() and t.dim() >= 2)
+            names = sorted(
+                n for n, t in tensors.items() if n.endswith("weight") and t.is_floating_point() and t.dim() >= 2
+            )
         if not names:
             raise CkptflowError(
                 f"int8 export of {where}: no weight to quantize. int8 covers the weights of nn.Linear layers "
@@ -130,7 +136,7 @@ def prepare(store: Store, run: str, step: int, options: ExportOptions, progress:
                 options.dtype
             ]
     metadata = lineage_metadata(run, step, manifest.digest, options.key, **extra)
-    return Prepared(tensors, metadata, config, arch.name, manifest.kind)
+    return Prepared(tensors, metadata, config, arch.name, manifest)
 
 
 def _check_out(out: str, as_dir: bool) -> None:
@@ -195,9 +201,9 @@ def export_safetensors(
     if step is None:
         step, skipped = newest_verified_step(store, run, progress)
     prepared = prepare(store, run, step, options, progress)
-    digest = prepared.metadata["ckptflow.manifest_digest"]
+    digest = prepared.manifest.digest
     if as_dir:
-        files = write_model_dir(out, prepared, lineage or Lineage(run, step, digest, kind=prepared.kind), options)
+        files = write_model_dir(out, prepared, lineage or Lineage.of(prepared.manifest), options)
     else:
         write_safetensors(prepared.tensors, out, prepared.metadata)
         files = [os.path.basename(out)]
