@@ -270,7 +270,7 @@ def _promoted(aliases: Aliases, version: int) -> Aliases:
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(8 << 20):
+        while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 
