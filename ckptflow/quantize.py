@@ -54,7 +54,7 @@ def dequantize_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     out = dict(tensors)
     for name, scale in tensors.items():
         weight = name[: -len(SCALE)] + "weight"
-        if name.endswith("." + SCALE) and weight in tensors and tensors[weight].dtype == torch.int8:
+        if (name == SCALE or name.endswith("." + SCALE)) and weight in tensors and tensors[weight].dtype == torch.int8:
             out[weight] = dequantize_int8(tensors[weight], scale)
             del out[name]
     return out

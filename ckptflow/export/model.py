@@ -115,15 +115,19 @@ def prepare(store: Store, run: str, step: int, options: ExportOptions, progress:
             names = sorted(n for n in arch.linear_weights if n in tensors and tensors[n].is_floating_point())
         else:
             names = sorted(
-                n for n, t in tensors.items() if n.endswith("weight") and t.is_floating_point() and t.dim() >= 2
+                n
+                for n, t in tensors.items()
+                if (n == "weight" or n.endswith(".weight")) and t.is_floating_point() and t.dim() >= 2
             )
         if not names:
-            raise CkptflowError(
-                f"int8 export of {where}: no weight to quantize. int8 covers the weights of nn.Linear layers "
-                f"that are not tied to another tensor{f' and {arch.name} has none' if arch.name else ''} "
-                "(e.g. GPT-2's projections are transformers Conv1D layers, which compressed-tensors, the "
-                "format transformers loads int8 through, cannot hold); export bf16 instead"
+            covered = (
+                f"the weights of {arch.name}'s nn.Linear layers not tied to another tensor, and it has none "
+                "(GPT-2's projections, for one, are transformers Conv1D layers, which compressed-tensors, the "
+                "format transformers loads int8 through, cannot hold)"
+                if arch.name
+                else "floating-point '*.weight' tensors of 2+ dimensions not tied to another tensor"
             )
+            raise CkptflowError(f"int8 export of {where}: no weight to quantize: int8 covers {covered}; export bf16")
         tensors = quantize_weights(tensors, names)
         qconfig = quantization_config(arch.linear_modules - {n[: -len(".weight")] for n in names})
         extra["ckptflow.quantization"] = json.dumps(qconfig, sort_keys=True)
