@@ -191,3 +191,17 @@ def test_model_card_carries_the_lineage(tmp_path):
     digest = read_manifest(open_store(root), "run", 7).digest
     for expected in ("run__step-000000000007", digest, "BertForMaskedLM", '"lr": 0.0003', "synthetic", "library_name"):
         assert expected in card, expected
+
+
+def test_transformers_without_compressed_tensors_refuses_int8(tmp_path, monkeypatch):
+    """Where the compressed-tensors package is missing, transformers raises instead of
+    loading int8 codes into float parameters (its availability check is patched to say so)."""
+    import transformers.quantizers.quantizer_compressed_tensors as quantizer
+    import transformers.utils.quantization_config as quantization
+
+    root, _ = saved(tmp_path, "bert")
+    export_safetensors(root, "run", tmp_path / "int8", options=ExportOptions(dtype="int8"))
+    monkeypatch.setattr(quantizer, "is_compressed_tensors_available", lambda *a, **k: False)
+    monkeypatch.setattr(quantization, "is_compressed_tensors_available", lambda *a, **k: False)
+    with pytest.raises(ImportError, match="compressed-tensors"):
+        AutoModel.from_pretrained(tmp_path / "int8")
