@@ -5,7 +5,8 @@ deployed (a new version and alias move, or a rollback), with metadata naming the
 source checkpoint partition, its manifest digest, training config and data: the
 lineage from a deployed model back to the bytes it came from, in the asset's history.
 The promotion and rollback jobs are this asset with different run config; the work
-is ``ckptflow.lifecycle.promote``.
+is ``ckptflow.lifecycle.promote``. Every materialization shows all three aliases
+(``latest``, ``stable``, ``fallback``) with the version and source partition of each.
 """
 
 import pandas as pd
@@ -15,7 +16,7 @@ from assets.checkpoints import checkpoint, evaluation
 from assets.partitions import parse_checkpoint_key
 from ckptflow.errors import CkptflowError
 from ckptflow.lifecycle.promote import PromotionRequest, promote, rollback
-from ckptflow.registry import Registry, describe
+from ckptflow.registry import ALIASES, Registry, describe
 from resources import CheckpointStoreResource, RegistryResource
 
 
@@ -28,14 +29,28 @@ class DeployConfig(Config):
     metric: str = "val_loss"
     mode: str = "min"
     stage: str = "latest"  # "latest" or "stable" (stable also moves the old stable to fallback)
-    dtype: str = ""  # "" (as saved), "bf16", "fp16", "fp32", or "int8" (per-row quantized weights + scales)
+    dtype: str = ""  # "" (as saved), "bf16", "fp16", "fp32", or "int8" (nn.Linear weights, per-row scales)
     key: str = "model"  # top-level state key of the weights to export
+    allow_fp16_overflow: bool = False  # fp16: write inf for values beyond its range instead of failing
 
 
-def _aliases_table(reg: Registry, model: str) -> tuple[dict, MetadataValue]:
+def aliases_metadata(reg: Registry, model: str) -> dict:
+    """Each of latest / stable / fallback: its version and source partition (or "not set"),
+    plus one table."""
     aliases = reg.aliases(model)
-    rows = [{"alias": a, **describe(reg.get(model, v))} for a, v in sorted(aliases.items())]
-    return aliases, MetadataValue.md(pd.DataFrame(rows).to_markdown(index=False) if rows else "(no aliases)")
+    metadata: dict = {}
+    rows = []
+    for alias in ALIASES:
+        if alias not in aliases:
+            metadata[alias] = "not set"
+            continue
+        v = reg.get(model, aliases[alias])
+        metadata[alias] = f"v{v.version} from {v.partition_key} (manifest {v.manifest_digest[:12]}…)"
+        metadata[f"alias/{alias}"] = v.version
+        metadata[f"alias/{alias}/source_partition"] = v.partition_key
+        rows.append({"alias": alias, **describe(v)})
+    metadata["aliases"] = MetadataValue.md(pd.DataFrame(rows).to_markdown(index=False) if rows else "(no aliases)")
+    return metadata
 
 
 @asset(group_name="models", deps=[checkpoint, evaluation], kinds={"safetensors"})
@@ -57,6 +72,7 @@ def deployed_model(
                 config.stage,
                 config.dtype,
                 config.key,
+                config.allow_fp16_overflow,
             )
             version = promote(store.open(), reg, request)
             context.log.info(f"registered {config.model} v{version.version} from {version.partition_key}")
@@ -66,7 +82,7 @@ def deployed_model(
             raise Failure(f"action must be 'promote' or 'rollback', got {config.action!r}")
     except CkptflowError as e:
         raise Failure(str(e)) from None
-    aliases, table = _aliases_table(reg, config.model)
+    data = version.lineage.get("data")
     return MaterializeResult(
         metadata={
             "action": config.action,
@@ -74,10 +90,11 @@ def deployed_model(
             "version": version.version,
             "source_partition": version.partition_key,
             "manifest_digest": version.manifest_digest,
-            "artifact": str(version.artifact.get("store_key") or version.artifact.get("path")),
-            "training_config": MetadataValue.json(version.training_config),
-            "data": MetadataValue.json(version.data),
-            **{f"alias/{a}": v for a, v in aliases.items()},
-            "aliases": table,
+            "files": MetadataValue.json(version.files),
+            "export": MetadataValue.json(version.export),
+            "training_config": MetadataValue.json(version.lineage.get("training_config") or {}),
+            "data": MetadataValue.json(data) if isinstance(data, (dict, list)) else str(data),
+            "metrics": MetadataValue.json((version.lineage.get("evaluation") or {}).get("metrics") or {}),
+            **aliases_metadata(reg, config.model),
         }
     )

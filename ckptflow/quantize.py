@@ -1,47 +1,81 @@
-"""int8 weight export for serving and archives: symmetric per-output-channel quantization.
+"""int8 weights for exports: symmetric per-output-channel quantization in the
+compressed-tensors layout, so a standard loader either dequantizes it or refuses it.
 
 Lossy, so only ever for exported model files (never for resume checkpoints, which must
-restore bit-exactly). Each floating-point tensor of 2+ dimensions becomes ``<name>``
-(int8) plus ``<name>.scale`` (float32, one per output row); ``w ~= q * scale``. Small
-or 1-D tensors (biases, norms) stay as saved: they are a rounding error in size and
-sensitive to precision. The file is a plain safetensors file with the same lineage
-metadata as ``export_safetensors``.
+restore bit-exactly). A quantized ``<module>.weight`` is stored as int8 codes next to
+``<module>.weight_scale`` (float32, one per output row, shape ``[rows, 1]``);
+``w ~= weight * weight_scale``, off by at most half a step (``weight_scale / 2``) per
+element. That is compressed-tensors' "naive-quantized" W8A16 format (int, 8 bits,
+symmetric, channel strategy), which vLLM serves and transformers loads on CPU when
+config.json carries ``quantization_config`` (needs the ``compressed-tensors`` package;
+without it transformers raises ImportError instead of loading codes as floats). Strict
+loaders (``load_state_dict``, ``safetensors.torch.load_model``) refuse the file: the
+``weight_scale`` tensors are unexpected keys. ``ckptflow.export.load_exported``
+dequantizes.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from ckptflow.export import ExportResult, lineage_metadata, load_tensors, write_safetensors
-from ckptflow.store import Store, open_store
-
-SCALE_SUFFIX = ".scale"
+SCALE = "weight_scale"
+ERROR_BOUND = "per element at most half a quantization step: |w - q * scale| <= scale / 2, scale = max|row| / 127"
 
 
 def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, float32 per-row scales) with ``t ~= q * scale[:, None, ...]``."""
+    """(int8 codes shaped like ``t``, float32 scales ``[rows, 1]``): ``t ~= q * scale``."""
     rows = t.float().reshape(t.shape[0], -1)
-    scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    q = torch.round(rows / scale).clamp(-127, 127).to(torch.int8)
     return q.reshape(t.shape), scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (q.float().reshape(q.shape[0], -1) * scale[:, None]).reshape(q.shape)
+    return (q.float().reshape(q.shape[0], -1) * scale.reshape(-1, 1)).reshape(q.shape)
 
 
-def export_int8(store: Store | str, run: str, step: int, out: str | os.PathLike, *, key: str = "model") -> ExportResult:
-    """Write ``key``'s tensors of checkpoint ``(run, step)`` to ``out`` with int8 weights."""
-    tensors, manifest = load_tensors(open_store(store), run, step, prefix=key.rstrip(".") + ".")
-    quantized: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if t.is_floating_point() and t.dim() >= 2:
-            quantized[name], quantized[name + SCALE_SUFFIX] = quantize_int8(t)
-        else:
-            quantized[name] = t.contiguous()
-    out = os.path.abspath(os.fspath(out))
-    metadata = lineage_metadata(run, step, manifest.digest, key, **{"ckptflow.quantization": "int8-symmetric-per-row"})
-    nbytes = write_safetensors(quantized, out, metadata)
-    return ExportResult(run, step, out, len(quantized), nbytes, manifest.digest)
+def scale_name(weight: str) -> str:
+    """``a.b.weight`` -> ``a.b.weight_scale``."""
+    return weight[: -len("weight")] + SCALE
+
+
+def quantize_weights(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each of ``names`` (``*.weight``) replaced by its codes and scale."""
+    out = dict(tensors)
+    for name in names:
+        out[name], out[scale_name(name)] = quantize_int8(tensors[name])
+    return out
+
+
+def dequantize_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse layout: every int8 ``*.weight`` with a ``*.weight_scale`` becomes float32."""
+    out = dict(tensors)
+    for name, scale in tensors.items():
+        weight = name[: -len(SCALE)] + "weight"
+        if (name == SCALE or name.endswith("." + SCALE)) and weight in tensors and tensors[weight].dtype == torch.int8:
+            out[weight] = dequantize_int8(tensors[weight], scale)
+            del out[name]
+    return out
+
+
+def quantization_config(ignore: Iterable[str]) -> dict:
+    """config.json's ``quantization_config``: every ``nn.Linear`` but ``ignore`` (module
+    names) holds int8 codes and a per-row scale."""
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "naive-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": int8,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "naive-quantized",
+            }
+        },
+        "ignore": sorted(ignore),
+    }

@@ -1,26 +1,42 @@
-"""Model registry in the store: versions with lineage, and aliases that move.
+"""Model registry in the store: versions with lineage, and aliases moved by compare-and-swap.
 
 Layout under the store root::
 
+    registry/models/<model>/files/<sha256>                exported files, content-addressed (immutable)
     registry/models/<model>/versions/<version:06d>.json   create-only: a version never changes
-    registry/models/<model>/versions/<version:06d>/model.safetensors   the exported weights (optional)
-    registry/models/<model>/aliases.json                  {"latest": 3, "stable": 2, "fallback": 1}
+    registry/models/<model>/aliases.json                  {"aliases": {"latest": 3, "stable": 2,
+                                                           "fallback": 1}, "move": {...}}
 
-Versions are written with ``put_if_absent``, so two promotions racing for the same
-number cannot both win (the loser takes the next number). Aliases are one small record
-replaced atomically, so a reader sees the old or the new set, never a mix.
+Three aliases: ``latest`` (the newest version, under evaluation), ``stable`` (in
+production) and ``fallback`` (the previous stable, what a rollback returns to).
+
+Why two promotions at once cannot mix up their weights: files are uploaded under their
+own sha256 before the version record that names them exists, so a version can only
+name bytes that hash to what it records; version numbers are claimed create-only (the
+loser of a race takes the next number, its record naming its own files); and the alias
+record is only ever replaced by compare-and-swap (``Store.replace_if``: If-Match on S3,
+a lock and the content hash locally), each move recomputed from the aliases it read,
+so a concurrent move is never overwritten with stale aliases. Each move carries an id,
+so a write whose response was lost is recognised as ours on the retry.
 
 Every version names where it came from (run, step, checkpoint partition key, manifest
-digest, training config, data description): the lineage from a deployed model back to
-the exact bytes it was exported from. Retention never deletes a checkpoint that a
-version was published from or an alias points to (``pinned`` / ``aliased``).
+digest, validation, evaluation, training config, data) and how it was exported, so the
+files can be rebuilt from the checkpoint (``ckptflow.lifecycle.promote.rebuild``).
+Retention never deletes a checkpoint that a version was published from or an alias
+points to (``pinned`` / ``aliased``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
+import os
+import random
 import re
 import time
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,6 +47,9 @@ from ckptflow.store.base import Store
 PREFIX = "registry/models/"
 ALIASES = ("latest", "stable", "fallback")
 _VERSION = re.compile(r"^(\d{6})\.json$")
+CAS_ATTEMPTS = 200
+
+Aliases = dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -41,12 +60,14 @@ class ModelVersion:
     step: int
     partition_key: str
     manifest_digest: str
-    artifact: dict  # {"store_key": ...} (in this store) or {"path": ...} (a local file)
-    training_config: dict = field(default_factory=dict)
-    data: dict = field(default_factory=dict)  # description of the training / evaluation data
-    metrics: dict = field(default_factory=dict)
-    dtype: str | None = None
+    files: dict[str, dict[str, Any]]  # file name -> {"sha256": ..., "size": ...}
+    export: dict[str, Any] = field(default_factory=dict)  # ExportOptions: how the files were made
+    lineage: dict[str, Any] = field(default_factory=dict)  # validation, evaluation, training config, data
     created_at: float = 0.0
+
+    @property
+    def dtype(self) -> str:
+        return self.export.get("dtype") or "as saved"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -63,8 +84,10 @@ class Registry:
     def version_key(self, model: str, version: int) -> str:
         return f"{self._model_prefix(model)}versions/{version:06d}.json"
 
-    def artifact_key(self, model: str, version: int, name: str = "model.safetensors") -> str:
-        return f"{self._model_prefix(model)}versions/{version:06d}/{name}"
+    def file_key(self, model: str, sha256: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise RegistryError(f"{sha256!r} is not a sha256 hex digest")
+        return f"{self._model_prefix(model)}files/{sha256}"
 
     def _aliases_key(self, model: str) -> str:
         return f"{self._model_prefix(model)}aliases.json"
@@ -88,11 +111,15 @@ class Registry:
         except ObjectNotFoundError:
             raise RegistryError(f"model {model!r} has no version {version} in {self.store.url}") from None
 
-    def aliases(self, model: str) -> dict[str, int]:
+    def _read_aliases(self, model: str) -> tuple[dict[str, Any], str | None]:
         try:
-            return json.loads(self.store.get(self._aliases_key(model)))
+            blob, version = self.store.get_versioned(self._aliases_key(model))
         except ObjectNotFoundError:
-            return {}
+            return {"aliases": {}}, None
+        return json.loads(blob), version
+
+    def aliases(self, model: str) -> Aliases:
+        return dict(self._read_aliases(model)[0]["aliases"])
 
     def resolve(self, model: str, alias: str) -> ModelVersion:
         aliases = self.aliases(model)
@@ -100,11 +127,39 @@ class Registry:
             raise RegistryError(f"model {model!r} has no alias {alias!r} (it has {sorted(aliases)})")
         return self.get(model, aliases[alias])
 
+    def missing_files(self, version: ModelVersion) -> list[str]:
+        """Names of the version's files whose bytes are not in the store (deleted)."""
+        model = version.model
+        return [n for n, f in sorted(version.files.items()) if not self.store.exists(self.file_key(model, f["sha256"]))]
+
+    def download(self, version: ModelVersion, directory: str | os.PathLike) -> None:
+        """The version's files into ``directory`` (a model directory), each checked
+        against its recorded sha256."""
+        os.makedirs(directory, exist_ok=True)
+        for name, f in sorted(version.files.items()):
+            data = self.store.get(self.file_key(version.model, f["sha256"]))
+            if hashlib.sha256(data).hexdigest() != f["sha256"]:
+                raise RegistryError(f"{version.model} v{version.version} file {name} does not match its sha256")
+            with open(os.path.join(directory, name), "wb") as out:
+                out.write(data)
+
     # ---- writes ----------------------------------------------------------------------
-    def upload_artifact(self, model: str, version: int, data: bytes, name: str = "model.safetensors") -> str:
-        key = self.artifact_key(model, version, name)
-        self.store.put_if_absent(key, data)
-        return key
+    def upload(self, model: str, directory: str | os.PathLike, names: list[str]) -> dict[str, dict[str, Any]]:
+        """Upload files of ``directory`` under their sha256, streamed: each is hashed in
+        blocks, then handed to the store as a memory map (pages go from disk to the store,
+        never a copy of the whole file in memory). Returns ``{name: {"sha256", "size"}}``."""
+        files = {}
+        for name in names:
+            path = os.path.join(directory, name)
+            digest = sha256_file(path)
+            size = os.path.getsize(path)
+            key = self.file_key(model, digest)
+            with open(path, "rb") as f, _mapped(f, size) as view:
+                created = self.store.put_if_absent(key, view)
+            if not created and self.store.stat(key).size != size:
+                raise RegistryError(f"{self.store.url}/{key} exists with another size: the store is damaged there")
+            files[name] = {"sha256": digest, "size": size}
+        return files
 
     def register(
         self,
@@ -113,24 +168,21 @@ class Registry:
         run: str,
         step: int,
         manifest_digest: str,
-        artifact: dict | None = None,
-        artifact_bytes: bytes | None = None,
-        training_config: dict | None = None,
-        data: dict | None = None,
-        metrics: dict | None = None,
-        dtype: str | None = None,
-        move_latest: bool = True,
+        files: Mapping[str, Mapping[str, Any]],
+        export: Mapping[str, Any] | None = None,
+        lineage: Mapping[str, Any] | None = None,
+        stage: str | None = "latest",
     ) -> ModelVersion:
-        """Create the next version (create-only) and, by default, point ``latest`` at it.
-
-        ``artifact_bytes`` uploads the weights into the store next to the version;
-        otherwise ``artifact`` names where they are.
-        """
+        """Claim the next version number (create-only) for already uploaded ``files``,
+        then move aliases for ``stage``: "latest" (``latest`` to the newest version),
+        "stable" (also ``stable`` to it, the old stable to ``fallback``), or None."""
+        if stage not in ("latest", "stable", None):
+            raise RegistryError(f"stage {stage!r} is not 'latest', 'stable' or None")
+        for f in files.values():
+            self.file_key(model, f["sha256"])  # a digest, or refuse before claiming a number
         existing = [v.version for v in self.versions(model)]
         version = (max(existing) if existing else 0) + 1
-        for _ in range(100):
-            if artifact_bytes is not None:
-                artifact = {"store_key": self.upload_artifact(model, version, artifact_bytes)}
+        for _ in range(CAS_ATTEMPTS):
             mv = ModelVersion(
                 model=model,
                 version=version,
@@ -138,54 +190,60 @@ class Registry:
                 step=step,
                 partition_key=fmt.checkpoint_name(run, step),
                 manifest_digest=manifest_digest,
-                artifact=dict(artifact or {}),
-                training_config=dict(training_config or {}),
-                data=dict(data or {}),
-                metrics=dict(metrics or {}),
-                dtype=dtype,
+                files={n: dict(f) for n, f in files.items()},
+                export=dict(export or {}),
+                lineage=dict(lineage or {}),
                 created_at=time.time(),
             )
-            if self.store.put_if_absent(
-                self.version_key(model, version), json.dumps(mv.to_json(), sort_keys=True).encode()
-            ):
+            body = json.dumps(mv.to_json(), sort_keys=True).encode()
+            if self.store.put_if_absent(self.version_key(model, version), body):
                 break
             version += 1  # another promotion took this number
         else:
             raise RegistryError(f"could not claim a version number for model {model!r}")
-        if move_latest:
-            self.set_alias(model, "latest", version)
+        if stage == "latest":
+            self.move(model, "register", lambda a: {**a, "latest": max(version, a.get("latest", 0))})
+        elif stage == "stable":
+            self.move(model, "promote", lambda a: _promoted({**a, "latest": max(version, a.get("latest", 0))}, version))
         return mv
 
-    def set_alias(self, model: str, alias: str, version: int) -> dict[str, int]:
-        if alias not in ALIASES:
-            raise RegistryError(f"alias {alias!r} is not one of {ALIASES}")
-        self.get(model, version)  # must exist
-        aliases = {**self.aliases(model), alias: version}
-        self.store.replace(self._aliases_key(model), json.dumps(aliases, sort_keys=True).encode())
-        return aliases
+    def move(self, model: str, action: str, change: Callable[[Aliases], Aliases]) -> Aliases:
+        """Apply ``change`` to the current aliases by compare-and-swap, retrying on a
+        concurrent move (``change`` is recomputed from what is there then)."""
+        move_id = uuid.uuid4().hex
+        for attempt in range(CAS_ATTEMPTS):
+            doc, version = self._read_aliases(model)
+            if doc.get("move", {}).get("id") == move_id:
+                return dict(doc["aliases"])  # our write landed; its response was lost
+            aliases = change(dict(doc["aliases"]))
+            for alias, v in aliases.items():
+                if alias not in ALIASES:
+                    raise RegistryError(f"alias {alias!r} is not one of {ALIASES}")
+                self.get(model, v)  # must exist
+            new = {"aliases": aliases, "move": {"id": move_id, "action": action, "at": time.time()}}
+            if self.store.replace_if(self._aliases_key(model), json.dumps(new, sort_keys=True).encode(), version):
+                return aliases
+            time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 50)))
+        raise RegistryError(f"aliases of model {model!r} kept changing under {CAS_ATTEMPTS} attempts to {action}")
 
-    def promote(self, model: str, version: int) -> dict[str, int]:
+    def set_alias(self, model: str, alias: str, version: int) -> Aliases:
+        return self.move(model, f"set {alias}", lambda a: {**a, alias: version})
+
+    def promote(self, model: str, version: int) -> Aliases:
         """Make ``version`` stable; the previous stable becomes the fallback."""
         self.get(model, version)
-        aliases = dict(self.aliases(model))
-        old = aliases.get("stable")
-        if old == version:
-            return aliases
-        if old is not None:
-            aliases["fallback"] = old
-        aliases["stable"] = version
-        self.store.replace(self._aliases_key(model), json.dumps(aliases, sort_keys=True).encode())
-        return aliases
+        return self.move(model, "promote", lambda a: _promoted(a, version))
 
-    def rollback(self, model: str) -> dict[str, int]:
+    def rollback(self, model: str) -> Aliases:
         """stable <- fallback. The rolled-back version becomes the fallback, so a second
         rollback undoes the first."""
-        aliases = dict(self.aliases(model))
-        if "fallback" not in aliases:
-            raise RegistryError(f"model {model!r} has no fallback to roll back to (aliases: {aliases})")
-        aliases["stable"], aliases["fallback"] = aliases["fallback"], aliases.get("stable", aliases["fallback"])
-        self.store.replace(self._aliases_key(model), json.dumps(aliases, sort_keys=True).encode())
-        return aliases
+
+        def swap(a: Aliases) -> Aliases:
+            if "fallback" not in a:
+                raise RegistryError(f"model {model!r} has no fallback to roll back to (aliases: {a})")
+            return {**a, "stable": a["fallback"], "fallback": a.get("stable", a["fallback"])}
+
+        return self.move(model, "rollback", swap)
 
     # ---- what retention must keep ------------------------------------------------------
     def pinned(self) -> set[tuple[str, int]]:
@@ -202,6 +260,37 @@ class Registry:
         return out
 
 
+def _promoted(aliases: Aliases, version: int) -> Aliases:
+    old = aliases.get("stable")
+    if old == version:
+        return aliases
+    return {**aliases, "stable": version, **({"fallback": old} if old is not None else {})}
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _mapped:
+    """A read-only memory map of an open file as a memoryview (an empty file: b"")."""
+
+    def __init__(self, f: Any, size: int):
+        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def __enter__(self) -> memoryview:
+        return self._view
+
+    def __exit__(self, *exc: object) -> None:
+        self._view.release()
+        if self._map is not None:
+            self._map.close()
+
+
 def describe(v: ModelVersion) -> dict[str, Any]:
     """Flat lineage fields for display."""
     return {
@@ -211,6 +300,6 @@ def describe(v: ModelVersion) -> dict[str, Any]:
         "run": v.run,
         "step": v.step,
         "manifest_digest": v.manifest_digest,
-        "artifact": v.artifact.get("store_key") or v.artifact.get("path"),
-        "dtype": v.dtype or "as saved",
+        "files": ", ".join(sorted(v.files)),
+        "dtype": v.dtype,
     }

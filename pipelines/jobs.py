@@ -121,13 +121,16 @@ def scrub_job():
 promotion_job = define_asset_job(
     "promotion",
     selection=AssetSelection.assets(deployed_model),
-    description="Export a checkpoint (chosen, or best by a metric) to safetensors, register it, move an alias.",
+    description=(
+        "Export a checkpoint (chosen, or best by a metric) as a model directory, register it as the next "
+        "version and move latest; with stage: stable also stable, the old stable becoming fallback."
+    ),
     config={"ops": {"deployed_model": {"config": {"action": "promote"}}}},
 )
 rollback_job = define_asset_job(
     "rollback",
     selection=AssetSelection.assets(deployed_model),
-    description="stable <- fallback.",
+    description="stable <- fallback (the previous stable); the rolled-back version becomes the fallback.",
     config={"ops": {"deployed_model": {"config": {"action": "rollback"}}}},
 )
 

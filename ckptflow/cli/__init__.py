@@ -22,10 +22,11 @@ from ckptflow.cli.commands import (
     cmd_thaw,
     cmd_verify,
     duration_arg,
+    size_arg,
 )
 from ckptflow.cli.output import PROG, human_bytes
 from ckptflow.errors import CkptflowError
-from ckptflow.export import DTYPES
+from ckptflow.export import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
 
 __all__ = ["build_parser", "human_bytes", "main"]
 
@@ -58,13 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--all", action="store_true", help="every step, also reporting uncommitted ones")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file")
+    p = sub.add_parser("export", help="write a checkpoint's model as a model directory or one safetensors file")
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--run", required=True)
     p.add_argument("--step", type=int, help="default: the newest checkpoint that verifies")
-    p.add_argument("--out", required=True, help="output .safetensors path (replaced atomically)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="a new directory (model.safetensors or shards, config.json, README.md; from_pretrained loads it) "
+        "or a FILE.safetensors (replaced atomically)",
+    )
     p.add_argument("--key", default="model", help="state entry to export (default: model)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point tensors")
+    p.add_argument(
+        "--dtype",
+        choices=[d for d in EXPORT_DTYPES if d],
+        help="convert floating-point tensors; int8: quantize nn.Linear weights (per-row scales, compressed-tensors)",
+    )
+    p.add_argument(
+        "--allow-fp16-overflow",
+        action="store_true",
+        help="with --dtype fp16, write inf for values beyond fp16's range instead of refusing",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=size_arg,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="shard a model directory's weights past this size (default 5GB, as transformers counts)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("stats", help="storage per run: logical, unique and stored bytes")

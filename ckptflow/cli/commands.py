@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +16,9 @@ from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
 from ckptflow.cli.output import PROG, human_bytes, progress, ratio, secs, table, warn
 from ckptflow.errors import CkptflowError
-from ckptflow.export import export_safetensors
+from ckptflow.export import ExportOptions, export_safetensors, newest_verified_step
 from ckptflow.gc import gc, parse_duration
+from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.manifest import Manifest
 from ckptflow.stats import store_stats
 from ckptflow.store import Store, open_store
@@ -155,18 +157,42 @@ def _verify_total(store: Store, run: str, steps: list[int]) -> int | None:
     return total or None
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KB|MB|GB|KIB|MIB|GIB)\s*$")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def size_arg(text: str) -> int:
+    """``5GB`` (decimal, as transformers counts), ``512MiB``, or a number of bytes."""
+    match = _SIZE.match(text.upper())
+    if not match or float(match[1]) * _SIZE_UNITS[match[2]] < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} not understood; use e.g. 5GB, 500MB, 2GiB or bytes")
+    return int(float(match[1]) * _SIZE_UNITS[match[2]])
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     store = _open(args.root)
     run = _require_run(store, args.run)
+    options = ExportOptions(
+        key=args.key,
+        dtype=args.dtype or "",
+        allow_fp16_overflow=args.allow_fp16_overflow,
+        max_shard_bytes=args.max_shard_size,
+    )
     with progress(f"export {run}") as report_progress:
+        skipped: list[tuple[int, str]] = []
+        step = args.step
+        if step is None:
+            step, skipped = newest_verified_step(store, run, report_progress)
+        lineage = lineage_of(store, catalog.read_manifest(store, run, fmt.validate_step(step)))
         result = export_safetensors(
-            store, run, args.out, step=args.step, key=args.key, dtype=args.dtype, progress=report_progress
+            store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress
         )
-    for step, why in result.skipped:
-        warn(f"run {run} step {step} does not verify, skipped: {why}")
+    for skipped_step, why in skipped:
+        warn(f"run {run} step {skipped_step} does not verify, skipped: {why}")
     print(
         f"exported run {run} step {result.step} ({args.key}): {result.tensors} tensors, "
         f"{human_bytes(result.bytes)} -> {result.path}"
+        + (f" ({', '.join(result.files)})" if len(result.files) > 1 else "")
     )
     return 0
 

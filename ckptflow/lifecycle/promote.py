@@ -1,35 +1,41 @@
-"""Promotion and rollback: a checkpoint becomes a model version, aliases move.
+"""Promotion, rollback and rebuild: a checkpoint becomes a model version, aliases move.
 
 The whole request is validated when it is built (``PromotionRequest``), before anything
-is exported, registered or moved, so a bad stage or dtype changes nothing.
+is exported, registered or moved, so a bad stage or dtype changes nothing. A promotion
+exports a model directory (``ckptflow.export``), uploads its files streamed and
+content-addressed, then claims a version and moves the aliases in one compare-and-swap
+(``ckptflow.registry``). Exports are deterministic, so a version whose files were
+deleted is rebuilt from its source checkpoint (hot or archive) and checked against the
+hashes it recorded.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptflow import catalog, inventory
 from ckptflow import format as fmt
-from ckptflow.errors import PromotionError
-from ckptflow.export import DTYPES, export_safetensors
+from ckptflow.errors import CkptflowError, PromotionError, RegistryError
+from ckptflow.export import ExportOptions, Lineage, export_safetensors, option_problems
+from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.lifecycle.records import Subject, read_record
 from ckptflow.lifecycle.validate import validate
-from ckptflow.quantize import export_int8
-from ckptflow.registry import ModelVersion, Registry
+from ckptflow.registry import ModelVersion, Registry, sha256_file
 from ckptflow.retention import Ref, rank_by_metric
 from ckptflow.store.base import Store
 
 STAGES = ("latest", "stable")
-EXPORT_DTYPES = ("", *DTYPES, "int8")
 
 
 @dataclass(frozen=True)
 class PromotionRequest:
     """What to promote. ``checkpoint`` None: the best validated checkpoint by ``metric``.
     ``stage`` "latest" moves only ``latest``; "stable" also makes it stable (the old stable
-    becomes ``fallback``). ``dtype`` "" keeps the saved dtypes; "int8" quantizes weights."""
+    becomes ``fallback``). ``dtype`` "" keeps the saved dtypes; "int8" quantizes the
+    nn.Linear weights (``ckptflow.quantize``)."""
 
     model: str
     checkpoint: Ref | None = None
@@ -38,6 +44,7 @@ class PromotionRequest:
     stage: str = "latest"
     dtype: str = ""
     key: str = "model"
+    allow_fp16_overflow: bool = False
 
     def __post_init__(self) -> None:
         fmt.validate_run(self.model)
@@ -47,14 +54,14 @@ class PromotionRequest:
         problems = []
         if self.stage not in STAGES:
             problems.append(f"stage {self.stage!r} is not one of {STAGES}")
-        if self.dtype not in EXPORT_DTYPES:
-            problems.append(f"dtype {self.dtype!r} is not one of {EXPORT_DTYPES}")
         if self.mode not in ("min", "max"):
             problems.append(f"mode {self.mode!r} is not 'min' or 'max'")
-        if not self.key:
-            problems.append("key is empty: name the state entry holding the weights (e.g. 'model')")
+        problems += option_problems(self.key, self.dtype)
         if problems:
             raise PromotionError("promotion refused before anything was written: " + "; ".join(problems))
+
+    def export_options(self) -> ExportOptions:
+        return ExportOptions(key=self.key, dtype=self.dtype, allow_fp16_overflow=self.allow_fp16_overflow)
 
 
 def choose_checkpoint(entries: list[inventory.Entry], metric: str, mode: str) -> inventory.Entry:
@@ -74,47 +81,68 @@ def promote(hot: Store, registry: Registry, request: PromotionRequest) -> ModelV
     else:
         run, step = request.checkpoint
     manifest = catalog.read_manifest(hot, run, step)
-    subject = Subject.of(manifest)
-    validation = read_record(hot, subject, "validation") or validate(hot, run, step)
+    validation = read_record(hot, Subject.of(manifest), "validation") or validate(hot, run, step)
     if not validation.get("ok") or validation.get("manifest_digest") != manifest.digest:
         raise PromotionError(
             f"refusing to promote {run} step {step}: it failed validation ({validation.get('problems')})"
         )
+    options = request.export_options()
+    lineage = lineage_of(hot, manifest)
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "model.safetensors")
-        if request.dtype == "int8":
-            result = export_int8(hot, run, step, out, key=request.key)
-        else:
-            result = export_safetensors(hot, run, out, step=step, key=request.key, dtype=request.dtype or None)
-        with open(result.path, "rb") as f:
-            weights = f.read()
-    evaluation = read_record(hot, subject, "evaluation") or {}
-    trainer = dict(manifest.metadata)
-    version = registry.register(
+        out = os.path.join(tmp, "model")
+        result = export_safetensors(hot, run, out, step=step, options=options, lineage=lineage)
+        if result.digest != manifest.digest:
+            raise PromotionError(f"{run} step {step} was committed again while it was being exported; promote again")
+        files = registry.upload(request.model, out, list(result.files))
+    return registry.register(
         request.model,
         run=run,
         step=step,
         manifest_digest=manifest.digest,
-        artifact_bytes=weights,
-        dtype=request.dtype or None,
-        training_config={
-            "kind": manifest.kind,
-            "world_size": manifest.world_size,
-            "codec": manifest.codec,
-            **(trainer.get("config") or {}),
-        },
-        data={"trainer": trainer.get("data", "see the training run"), "evaluated_by": evaluation.get("evaluator")},
-        metrics={
-            **{k: v for k, v in trainer.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-            **(evaluation.get("metrics") or {}),
-        },
+        files=files,
+        export=options.to_json(),
+        lineage=lineage.to_json(),
+        stage=request.stage,
     )
-    if request.stage == "stable":
-        registry.promote(request.model, version.version)
-    return version
 
 
 def rollback(registry: Registry, model: str) -> ModelVersion:
     """``stable`` <- ``fallback``; returns the version now stable."""
     registry.rollback(model)
     return registry.resolve(model, "stable")
+
+
+def rebuild(registry: Registry, model: str, version: int, tiers: Sequence[Store]) -> list[str]:
+    """Re-export version ``version`` of ``model`` from its source checkpoint, found in the
+    first of ``tiers`` (hot, then archive) holding the same commit (manifest digest),
+    check that every file hashes to what the version recorded, then upload the missing
+    ones. Returns their names. Nothing is uploaded unless every file matches."""
+    mv = registry.get(model, version)
+    source = None
+    for store in tiers:
+        try:
+            if catalog.read_manifest(store, mv.run, mv.step).digest == mv.manifest_digest:
+                source = store
+                break
+        except (CkptflowError, OSError):
+            continue
+    if source is None:
+        raise RegistryError(
+            f"{model} v{version} cannot be rebuilt: no tier ({', '.join(s.url for s in tiers)}) holds "
+            f"{mv.partition_key} with manifest digest {mv.manifest_digest}"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "model")
+        options = ExportOptions(**mv.export)
+        export_safetensors(source, mv.run, out, step=mv.step, options=options, lineage=Lineage.from_json(mv.lineage))
+        rebuilt = {name: sha256_file(os.path.join(out, name)) for name in os.listdir(out)}
+        recorded = {name: f["sha256"] for name, f in mv.files.items()}
+        if rebuilt != recorded:
+            differ = sorted(n for n in rebuilt.keys() | recorded.keys() if rebuilt.get(n) != recorded.get(n))
+            raise RegistryError(
+                f"{model} v{version} rebuilt from {source.url} does not match its recorded files "
+                f"({', '.join(differ)}); nothing was uploaded"
+            )
+        missing = registry.missing_files(mv)
+        registry.upload(model, out, missing)
+    return missing

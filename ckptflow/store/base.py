@@ -64,6 +64,8 @@ class Store(ABC):
     writes_cold: bool = False
     #: Cold objects can be thawed (``request_thaw``).
     can_thaw: bool = False
+    #: Small objects can be replaced conditionally (``get_versioned`` / ``replace_if``).
+    compare_and_swap: bool = False
 
     @abstractmethod
     def get(self, key: str) -> bytes:
@@ -170,6 +172,21 @@ class Store(ABC):
         """Ask the backend to make a cold object readable for ``days``; False if it is
         not cold or a thaw is already under way."""
         raise CkptflowError(f"{self.url} has no cold storage classes: thaw applies to s3:// stores")
+
+    # ---- compare-and-swap (optional capability) -------------------------------------
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """A small object's bytes and an opaque version token for ``replace_if``;
+        ``ObjectNotFoundError`` if absent."""
+        raise CkptflowError(f"{self.url} cannot replace objects conditionally (no compare-and-swap)")
+
+    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
+        """Replace ``key`` only if it is still the version ``expected`` (from
+        ``get_versioned``), or create it only if absent when ``expected`` is None.
+
+        True if this call wrote; False if another writer changed the object in between
+        (nothing is written: read again and retry). Readers see old or new bytes.
+        """
+        raise CkptflowError(f"{self.url} cannot replace objects conditionally (no compare-and-swap)")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import hashlib
 import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +32,7 @@ TEMP_PREFIX = ".tmp-"
 
 class LocalStore(Store):
     cheap_reread = True  # the page cache
+    compare_and_swap = True
 
     def __init__(self, root: str, *, fsync: bool = True, create: bool = True):
         self.root = os.path.realpath(os.path.expanduser(root))
@@ -296,3 +299,28 @@ class LocalStore(Store):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+    # ---- compare-and-swap: a lock file per key; the content's sha256 is its version ---------
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.get(key)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
+        """Check and replace under an exclusive ``flock`` on ``.<name>.lock`` beside the
+        object (held per open file, so threads and processes both queue on it); the
+        replace itself is the usual temp file + rename. A version is the sha256 of the
+        bytes, so an object rewritten with identical bytes still matches (same state)."""
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+            try:
+                with open(path, "rb") as f:
+                    current: str | None = hashlib.sha256(f.read()).hexdigest()
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                return False
+            self.replace(key, data)
+            return True

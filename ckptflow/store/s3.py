@@ -65,6 +65,7 @@ def _pieces(views: builtins.list[memoryview], size: int) -> Iterator[bytes]:
 
 class S3Store(Store):
     can_thaw = True
+    compare_and_swap = True
 
     def __init__(
         self,
@@ -347,5 +348,35 @@ class S3Store(Store):
                 RestoreRequest={"Days": int(days), "GlacierJobParameters": {"Tier": tier}},
             )
         except ClientError:  # only the passthrough codes get here
+            return False
+        return True
+
+    # ---- compare-and-swap: conditional puts on the ETag ------------------------------------
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        response = self._call("GetObject", key, self.client.get_object, Key=self._key(key))
+        try:
+            return response["Body"].read(), str(response["ETag"])
+        except (BotoCoreError, OSError) as e:
+            raise StoreError(f"S3 GetObject of {self._where(key)} failed while reading the body: {e}") from e
+
+    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
+        """``If-Match: <ETag>`` (or ``If-None-Match: *`` to create): S3 refuses the put
+        with 412 if the object changed, 409 if a concurrent conditional write won."""
+        body = b"".join(_byte_views(data))
+        condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        try:
+            self._call(
+                "PutObject",
+                key,
+                self.client.put_object,
+                passthrough=_EXISTS,
+                Key=self._key(key),
+                Body=body,
+                ChecksumSHA256=_sha256_b64([memoryview(body)]),
+                **condition,
+            )
+        except ClientError:  # only the passthrough codes get here
+            return False
+        except ObjectNotFoundError:  # If-Match on an object deleted meanwhile
             return False
         return True

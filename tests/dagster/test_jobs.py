@@ -1,7 +1,5 @@
 """Promotion, alias moves and rollback; retention; scrub; the run-failure sensor."""
 
-import os
-
 import pytest
 import torch
 from dagster import DagsterEventType, build_run_status_sensor_context, materialize
@@ -39,7 +37,9 @@ def deploy(defs, instance, job="promotion", **config):
     return defs.resolve_job_def(job).execute_in_process(instance=instance, run_config=run_config, raise_on_error=False)
 
 
-def test_promotion_alias_moves_and_rollback_with_lineage(store_with_checkpoints, defs, resources, instance, paths):
+def test_promotion_alias_moves_and_rollback_with_lineage(
+    store_with_checkpoints, defs, resources, instance, paths, tmp_path
+):
     evaluate_all(instance, resources)
     store = open_store(paths["store"])
     best = min(KEYS, key=lambda k: record(store, int(k[-12:]), "evaluation")["metrics"]["val_loss"])
@@ -51,28 +51,46 @@ def test_promotion_alias_moves_and_rollback_with_lineage(store_with_checkpoints,
     manifest = catalog.read_manifest(store, RUN, 10)
     digest = manifest.digest
     assert md["manifest_digest"].value == digest
-    assert md["training_config"].value["kind"] == manifest.kind
+    assert md["training_config"].value["world_size"] == manifest.world_size
+    assert (md["stable"].value, md["fallback"].value) == (f"v1 from {KEYS[0]} (manifest {digest[:12]}…)", "not set")
 
     second = deploy(defs, instance, stage="stable", dtype="bf16")  # best by val_loss
     assert second.success
     reg = Registry(store)
     v2 = reg.get("tinylm", 2)
-    assert v2.partition_key == best and v2.dtype == "bf16" and v2.metrics["val_loss"] > 0
+    assert v2.partition_key == best and v2.dtype == "bf16" and v2.lineage["evaluation"]["metrics"]["val_loss"] > 0
     assert reg.aliases("tinylm") == {"latest": 2, "stable": 2, "fallback": 1}
-    weights = os.path.join(paths["store"], v2.artifact["store_key"])
-    tensors = load_file(weights)
-    assert tensors["head.weight"].dtype.is_floating_point and str(tensors["head.weight"].dtype) == "torch.bfloat16"
+    md = second.asset_materializations_for_node("deployed_model")[0].metadata
+    for alias, version in (("latest", 2), ("stable", 2), ("fallback", 1)):  # all three, with their sources
+        assert md[f"alias/{alias}"].value == version
+        assert md[f"alias/{alias}/source_partition"].value == reg.get("tinylm", version).partition_key
+        assert md[alias].value.startswith(f"v{version} from {reg.get('tinylm', version).partition_key}")
+    reg.download(v2, tmp_path / "v2")
+    tensors = load_file(str(tmp_path / "v2" / "model.safetensors"))
+    assert tensors["head.weight"].dtype == torch.bfloat16
 
     assert deploy(defs, instance, stage="latest", partition_key=KEYS[3], dtype="int8").success
     assert reg.aliases("tinylm") == {"latest": 3, "stable": 2, "fallback": 1}
-    int8 = load_file(os.path.join(paths["store"], reg.get("tinylm", 3).artifact["store_key"]))
-    assert int8["head.weight"].dtype == torch.int8 and "head.weight.scale" in int8
+    reg.download(reg.get("tinylm", 3), tmp_path / "v3")
+    int8 = load_file(str(tmp_path / "v3" / "model.safetensors"))
+    assert int8["head.weight"].dtype == torch.int8 and "head.weight_scale" in int8
 
     rolled = deploy(defs, instance, job="rollback")
     assert rolled.success
     assert reg.aliases("tinylm") == {"latest": 3, "stable": 1, "fallback": 2}
     md = rolled.asset_materializations_for_node("deployed_model")[0].metadata
     assert md["action"].value == "rollback" and md["source_partition"].value == KEYS[0]
+    assert md["alias/fallback/source_partition"].value == best and md["alias/stable"].value == 1
+
+
+def test_a_bad_promotion_config_fails_the_job_before_anything_is_written(store_with_checkpoints, defs, instance):
+    for bad in ({"stage": "production"}, {"dtype": "int4"}, {"mode": "best"}):
+        result = deploy(defs, instance, partition_key=KEYS[0], **bad)
+        assert not result.success
+        [failure] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+        assert "before anything was written" in str(failure.event_specific_data.error.message)
+    store = open_store(store_with_checkpoints)
+    assert Registry(store).models() == [] and not list(store.list("registry/"))
 
 
 def test_promotion_refuses_a_corrupt_checkpoint(store_with_checkpoints, defs, resources, instance):

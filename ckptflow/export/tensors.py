@@ -1,0 +1,140 @@
+"""A checkpoint's model tensors, consolidated and made ready to write: full tensors from
+the verified chunks, shared tensors once, dtype conversion that refuses to lose values.
+
+Full-size tensors are allocated from the manifest's global tensor index and filled by
+``dcp.load`` through our verified reader, so DCP's planner gathers every shard (several
+ranks, DTensor shards) into place: no model code and no process group are needed, and
+nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptflow import catalog
+from ckptflow import format as fmt
+from ckptflow.chunks import ChunkStore
+from ckptflow.dcp_io import CheckpointReader
+from ckptflow.dcp_meta import dtype_from_name
+from ckptflow.errors import CkptflowError, NoValidCheckpointError
+from ckptflow.failures import own_errors
+from ckptflow.manifest import Manifest
+from ckptflow.store import Store, open_store
+
+Progress = Callable[[int], None]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_tensors(
+    store: Store | str,
+    run: str,
+    step: int,
+    *,
+    prefix: str = "model.",
+    progress: Progress | None = None,
+    threads: int = 8,
+) -> tuple[dict[str, torch.Tensor], Manifest]:
+    """Full tensors named ``prefix…`` (prefix stripped) and the manifest they came from.
+
+    Every chunk read is verified against its address, so a returned tensor is exactly
+    what was saved.
+    """
+    store = open_store(store)
+    manifest = catalog.read_manifest(store, fmt.validate_run(run), fmt.validate_step(step))
+    index = manifest.dcp.tensors
+    names = sorted(n for n in index if n.startswith(prefix) and len(n) > len(prefix))
+    if not names:
+        tops = sorted({n.split(".", 1)[0] for n in index})
+        raise CkptflowError(
+            f"run {run!r} step {step} has no tensors under {prefix!r}; its state holds {tops}: "
+            "pass one of those as --key"
+        )
+    full = {}
+    for name in names:
+        try:
+            full[name] = torch.empty(index[name].size, dtype=dtype_from_name(index[name].dtype))
+        except (RuntimeError, MemoryError) as e:  # a declared shape no machine can hold
+            raise CkptflowError(
+                f"run {run!r} step {step}: tensor {name!r} declares shape {list(index[name].size)} "
+                f"({index[name].nbytes} bytes), which cannot be allocated here ({type(e).__name__}: {e}); "
+                "the manifest is corrupt or the tensor is larger than this machine's memory"
+            ) from None
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-export") as pool:
+        reader = CheckpointReader(ChunkStore(store), manifest, pool, progress)
+        try:
+            with own_errors():
+                dcp.load(full, storage_reader=reader, no_dist=True)
+        except CkptflowError as e:
+            raise CkptflowError(f"run {run!r} step {step} cannot be exported: {e}") from None
+    return {n[len(prefix) :]: t for n, t in full.items()}, manifest
+
+
+def newest_verified_step(store: Store, run: str, progress: Progress | None = None) -> tuple[int, list[tuple[int, str]]]:
+    """The newest committed step that fully verifies, and why each newer one was skipped."""
+    skipped: list[tuple[int, str]] = []
+    with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool:
+        for step in reversed(catalog.committed_steps(store, run)):
+            report = catalog.verify_checkpoint(store, run, step, pool, progress)
+            if report.ok:
+                return step, skipped
+            skipped.append((step, "; ".join(report.problems)))
+    detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "it has no committed checkpoints"
+    raise NoValidCheckpointError(f"no checkpoint of run {run!r} in {store.url} verifies ({detail})", skipped)
+
+
+def write_once(
+    tensors: Mapping[str, torch.Tensor], shared: Iterable[Iterable[str]], source: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep the first name of each shared group, drop the others: (tensors, {dropped: kept}).
+
+    The names of one tensor must hold the same values in the checkpoint; if they do not,
+    ``source`` (where the grouping came from) disagrees with what was saved, and writing
+    one of them would silently change the model.
+    """
+    out, tied = dict(tensors), {}
+    for group in shared:
+        present = [n for n in group if n in out]
+        for other in present[1:]:
+            kept = present[0]
+            if out[kept].shape != out[other].shape or not torch.equal(out[kept], out[other]):
+                raise CkptflowError(
+                    f"{kept!r} and {other!r} are one tensor according to {source}, but the checkpoint "
+                    "holds different values for them; export refused (check that the recorded model "
+                    "structure is the one that was trained)"
+                )
+            tied[other] = kept
+            del out[other]
+    return out, tied
+
+
+def convert_dtype(
+    tensors: Mapping[str, torch.Tensor], dtype: str, *, allow_fp16_overflow: bool, where: str
+) -> dict[str, torch.Tensor]:
+    """Floating-point tensors in ``dtype`` (integer buffers keep theirs).
+
+    fp16's largest finite value is 65504: a larger finite value (a weight of 1e5, a
+    BatchNorm running_var of 7e4) would become ``inf``. That is refused, naming each
+    such tensor and its largest magnitude, unless ``allow_fp16_overflow``.
+    """
+    target = DTYPES[dtype]
+    out, overflow = {}, []
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            out[name] = t
+            continue
+        out[name] = t.to(target)
+        if target == torch.float16 and bool((out[name].isinf() & ~t.isinf()).any()):
+            overflow.append((name, t[torch.isfinite(t)].abs().max().item()))
+    if overflow and not allow_fp16_overflow:
+        listed = ", ".join(f"{n!r} (max |x| {m:.4g})" for n, m in sorted(overflow))
+        raise CkptflowError(
+            f"fp16 cannot hold {len(overflow)} tensor(s) of {where}: {listed}; fp16's largest finite "
+            f"value is {torch.finfo(torch.float16).max:.0f}, so they would become inf. Export as bf16 "
+            "(the range of fp32), or pass --allow-fp16-overflow (allow_fp16_overflow=True) to write inf"
+        )
+    return out

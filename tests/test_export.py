@@ -1,0 +1,150 @@
+"""Exports of plain PyTorch models: fp16 refuses values it cannot hold, tied tensors are
+written once (``safetensors.torch.load_model(strict=True)`` loads them), int8 is
+dequantized by ckptflow's loader and refused by strict loaders, the same checkpoint
+always gives the same bytes, and the CLI writes a model directory."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from safetensors.torch import load_file, load_model
+from torch import nn
+
+from ckptflow import Checkpointer
+from ckptflow.errors import CkptflowError
+from ckptflow.export import ExportOptions, export_safetensors, load_exported, model_metadata, tied_weights
+from ckptflow.quantize import SCALE
+from support.cli import run_cli
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight, and a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids)))
+
+
+def save(tmp_path, model: nn.Module, **metadata) -> str:
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, {"model": model}, metadata=metadata)
+    return root
+
+
+def test_fp16_refuses_out_of_range_values_naming_them(tmp_path):
+    model = TiedLM()
+    with torch.no_grad():
+        model.embed.weight[0, 0] = 1e5
+        model.norm.running_var[3] = 7e4
+    root = save(tmp_path, model, **model_metadata(model))
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(CkptflowError) as refused:
+        export_safetensors(root, "r", out, options=ExportOptions(dtype="fp16"))
+    message = str(refused.value)
+    assert "'embed.weight' (max |x| 1e+05)" in message and "'norm.running_var' (max |x| 7e+04)" in message
+    assert "head.weight" not in message  # written once, as embed.weight
+    assert "bf16" in message and "--allow-fp16-overflow" in message
+    assert not out.exists()
+    # the same values in bf16 are fine; with the flag fp16 writes inf as asked
+    export_safetensors(root, "r", out, options=ExportOptions(dtype="bf16"))
+    assert load_file(str(out))["norm.running_var"][3].item() == pytest.approx(7e4, rel=1e-2)
+    export_safetensors(root, "r", out, options=ExportOptions(dtype="fp16", allow_fp16_overflow=True))
+    assert load_file(str(out))["embed.weight"][0, 0].isinf()
+
+
+def test_tied_weights_written_once_load_strictly(tmp_path):
+    model = TiedLM()
+    assert model_metadata(model) == {"tied_weights": [["embed.weight", "head.weight"]]}
+    root = save(tmp_path, model, **model_metadata(model))
+    out = tmp_path / "m.safetensors"
+    export_safetensors(root, "r", out)
+    assert "head.weight" not in load_file(str(out))
+    fresh = TiedLM()
+    assert load_model(fresh, str(out), strict=True) == (set(), [])
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+    restored = TiedLM()
+    restored.load_state_dict(load_exported(out), strict=True)  # ckptflow's loader restores the name
+    assert torch.equal(restored.head.weight, model.embed.weight)
+
+
+def test_recorded_ties_that_the_checkpoint_contradicts_are_refused(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    root = save(tmp_path, model, tied_weights=[["0.weight", "1.weight"]])  # not actually tied
+    with pytest.raises(CkptflowError, match="holds different values"):
+        export_safetensors(root, "r", tmp_path / "m.safetensors")
+
+
+def test_equal_but_untied_tensors_are_both_written(tmp_path):
+    """Equal bytes do not make a tie: two fresh BatchNorms hold identical tensors."""
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    assert tied_weights(model) == []
+    root = save(tmp_path, model)
+    export_safetensors(root, "r", tmp_path / "m.safetensors")
+    assert load_model(nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4)), str(tmp_path / "m.safetensors")) == (
+        set(),
+        [],
+    )
+
+
+def test_int8_plain_model_round_trips_through_ckptflow_and_strict_loaders_refuse(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    root = save(tmp_path, model)
+    out = tmp_path / "q.safetensors"
+    export_safetensors(root, "r", out, options=ExportOptions(dtype="int8"))
+    raw = load_file(str(out))
+    assert raw["0.weight"].dtype == torch.int8 and raw["0.bias"].dtype == torch.float32
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        load_model(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)), str(out), strict=True)
+    restored = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    restored.load_state_dict(load_exported(out), strict=True)
+    for name in ("0.weight", "2.weight"):
+        error = (restored.state_dict()[name] - model.state_dict()[name]).abs()
+        assert (error <= raw[name[: -len("weight")] + SCALE] / 2 + 1e-7).all()
+
+
+def test_export_is_deterministic(tmp_path):
+    model = TiedLM()
+    root = save(tmp_path, model, **model_metadata(model), config={"lr": 0.1}, data={"set": "x"})
+    digests = []
+    for i in range(2):
+        out = tmp_path / f"dir{i}"
+        result = export_safetensors(root, "r", out, options=ExportOptions(max_shard_bytes=300))
+        digests.append({f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in result.files})
+    assert digests[0] == digests[1] and len(digests[0]) > 3  # shards, index, card
+
+
+def test_existing_directory_is_not_overwritten(tmp_path):
+    root = save(tmp_path, TiedLM())
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(CkptflowError, match="already exists"):
+        export_safetensors(root, "r", tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+def test_cli_exports_a_model_directory_with_int8(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    root = save(tmp_path, model, config={"lr": 0.01})
+    out = tmp_path / "served"
+    code, stdout, err = run_cli(capsys, "export", root, "--run", "r", "--out", out, "--dtype", "int8")
+    assert code == 0, err
+    assert "README.md" in stdout and "model.safetensors" in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors"]  # no model config recorded
+    assert load_file(str(out / "model.safetensors"))["0.weight"].dtype == torch.int8
+    card = (out / "README.md").read_text()
+    assert "r__step-000000000001" in card and '"lr": 0.01' in card and "int8_error" in card
+    code, _, err = run_cli(capsys, "export", root, "--run", "r", "--out", tmp_path / "h", "--dtype", "fp16")
+    assert code == 0, err
+    assert load_file(str(tmp_path / "h" / "model.safetensors"))["0.bias"].dtype == torch.float16
