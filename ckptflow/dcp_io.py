@@ -26,7 +26,7 @@ from ckptflow import format as fmt
 from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite
 from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_index, metadata_to_json
-from ckptflow.errors import CheckpointExistsError, StoreFullError, UnsupportedStateError
+from ckptflow.errors import CheckpointExistsError, StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.failures import DAMAGE, Failure, ReadAborted, failure_of
 from ckptflow.leases import save_lease
 from ckptflow.manifest import Manifest, RankRecord
@@ -105,7 +105,7 @@ class CheckpointWriter(StorageWriter):
         return write
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
-        with save_lease(self.chunks.store):
+        with save_lease(self.chunks.store) as lease:
             pending: list[tuple[Any, torch.Tensor, memoryview, list[Future]]] = []
             try:
                 for item in plan.items:
@@ -120,6 +120,11 @@ class CheckpointWriter(StorageWriter):
                     ]
                     pending.append((item, tensor, raw, futures))
                 results = [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
+                if lease.lost:  # GC may have taken the store for dead-writer chunks meanwhile
+                    raise StoreUnavailableError(
+                        f"the save lease of run {self.spec.run!r} step {self.spec.step} in {self.chunks.store.url} "
+                        "could not be renewed while chunks were written, so GC may have swept some; save again"
+                    )
             except StoreFullError as e:
                 total = sum(len(raw) for _, _, raw, _ in pending)
                 raise StoreFullError(

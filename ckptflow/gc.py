@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError
-from ckptflow.leases import LEASES, gc_lock, live_leases, wait_for_leases
+from ckptflow.leases import DEAD_AFTER, GC_LOCK, gc_lock, leases, wait_for_leases
 from ckptflow.manifest import Manifest
 from ckptflow.store import open_store
 from ckptflow.store.base import ObjectInfo, Store
@@ -32,6 +32,7 @@ class GCReport:
     live_manifests: int = 0
     unreadable_manifests: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
+    dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
     skipped: str | None = None  # why nothing was swept, when nothing could safely be
 
     @property
@@ -103,19 +104,24 @@ def gc(
     wait: float = 60.0,
     progress: Callable[[int], None] | None = None,
 ) -> GCReport:
-    """Delete unreferenced chunks, stray rank records and temp files older than ``grace``.
+    """Delete unreferenced chunks, stray rank records and temp files older than ``grace``,
+    and the leases of saves that died.
 
-    Waits up to ``wait`` seconds for saves in flight to finish writing chunks; if they
-    do not, nothing is swept and ``report.skipped`` says why. ``progress`` is called
+    Waits up to ``wait`` seconds for saves in flight (live leases) to finish writing
+    chunks; if they do not, nothing is swept and ``report.skipped`` says why. ``progress`` is called
     with each deleted object's size (not on a dry run).
     """
     store = open_store(store)
     cutoff = (now if now is not None else time.time()) - parse_duration(grace)
     report = GCReport(dry_run=dry_run)
-    with contextlib.nullcontext() if dry_run else gc_lock(store):
-        busy = live_leases(store, cutoff) if dry_run else wait_for_leases(store, cutoff, wait)
-        if busy:
-            report.skipped = f"{len(busy)} save(s) are writing chunks ({busy[0].key}, …); run gc again when they finish"
+    with contextlib.nullcontext() if dry_run else gc_lock(store) as lock:
+        held = leases(store) if dry_run else wait_for_leases(store, wait)
+        report.dead_leases = [info.key for info in held.dead]
+        if held.live:
+            report.skipped = (
+                f"{len(held.live)} save(s) are writing chunks ({held.live[0].key}, renewed within the last "
+                f"{DEAD_AFTER:.0f} s); run gc again when they finish"
+            )
             if not dry_run:
                 return report
         marked = _mark(store, report)
@@ -127,7 +133,7 @@ def gc(
             )
             return report
         live, loose = marked
-        doomed = [info for info in loose + list(store.list(LEASES)) if info.mtime < cutoff]
+        doomed = [info for info in loose if info.mtime < cutoff] + held.dead  # dead leases go whatever their age
         for info in store.list("chunks/"):
             if info.key.rsplit("/", 1)[-1] in live or info.mtime >= cutoff:
                 report.kept_chunks += 1
@@ -138,6 +144,11 @@ def gc(
         if dry_run:
             return report
         for info in doomed:
+            if lock is not None and lock.lost:  # another GC took over: it decides from here
+                raise CkptflowError(
+                    f"garbage collection of {store.url} lost its lock ({GC_LOCK}) mid-sweep and stopped; "
+                    "the GC that holds it now finishes the job"
+                )
             store.delete(info.key)
             if progress:
                 progress(info.size)

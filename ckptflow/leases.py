@@ -1,93 +1,192 @@
 """Save leases and the GC lock: the handshake that keeps GC from deleting a chunk that a
-save is reusing at that very moment.
+save is reusing at that very moment, and that never lets a dead process block the other.
 
 The grace period alone cannot cover that case: GC lists a chunk as old and unreferenced,
 a save then finds the same content already stored and reuses it, and GC deletes it.
 So each rank takes a lease before it looks at any chunk and GC takes a lock before it
 lists anything; each then checks for the other. On a store with read-after-write
 consistency (local disks, S3) one side always sees the other: a save waits while GC
-holds the lock, and GC waits (then gives up) while a live save holds a lease.
+holds the lock, and GC waits (then gives up and says so) while a save holds a lease.
 
-A lease older than GC's grace period counts as left by a writer that died, which is
-one more reason the grace period must exceed the slowest save.
+Both are kept alive by a heartbeat: the holder renews its object every ``HEARTBEAT``
+seconds from a background thread, and one not renewed for ``DEAD_AFTER`` seconds was
+left by a process that died (SIGKILL, a lost node). A dead lease is cleared by the next
+GC and reported; a dead GC lock is taken over by the next GC with a compare-and-swap, so
+two GCs can never both hold it, and a save stops waiting for it. The lock's renewal is a
+compare-and-swap too: a GC that finds its lock taken over stops before deleting more.
+Liveness compares the object's modification time with this machine's clock, so the
+machines sharing a store need clocks within a few seconds of each other (NTP).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from ckptflow.errors import CkptflowError, ObjectNotFoundError
 from ckptflow.store.base import ObjectInfo, Store
 
 LEASES = "locks/leases/"
 GC_LOCK = "locks/gc.json"
-LOCK_TTL = 600.0  # seconds; a GC lock older than this was left by a GC that died
+HEARTBEAT = 5.0  # seconds between renewals
+DEAD_AFTER = 30.0  # not renewed for this long: its holder died
+SAVE_WAIT = 600.0  # how long a save waits for a live GC before it gives up
 POLL = 0.05
+log = logging.getLogger("ckptflow")
 
 
-def _owner() -> bytes:
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+def _owner(what: str) -> bytes:
+    return json.dumps({"what": what, "host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex,
+                       "time": time.time()}).encode()  # fmt: skip
 
 
-def _lock_age(store: Store) -> float | None:
-    try:
-        return time.time() - store.stat(GC_LOCK).mtime
-    except ObjectNotFoundError:
-        return None
+def _age(info: ObjectInfo) -> float:
+    return time.time() - info.mtime
+
+
+class Heartbeat:
+    """Renews ``key`` every ``HEARTBEAT`` seconds until stopped. ``lost`` says whether the
+    holder can no longer trust it holds ``key``: taken over, deleted, or not renewed for
+    half of ``DEAD_AFTER`` (the store did not answer)."""
+
+    def __init__(self, store: Store, key: str, version: str | None = None):
+        self.store, self.key, self.version = store, key, version
+        self.renewed = time.monotonic()
+        self.taken = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ckptflow-heartbeat-{key}", daemon=True)
+        self._thread.start()
+
+    @property
+    def lost(self) -> bool:
+        return self.taken or time.monotonic() - self.renewed > DEAD_AFTER / 2
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT):
+            try:
+                self._renew()
+            except ObjectNotFoundError:
+                self.taken = True
+            except Exception as e:  # an outage: retried at the next beat, ``lost`` if it lasts
+                log.warning("could not renew %s/%s: %s", self.store.url, self.key, e)
+
+    def _renew(self) -> None:
+        if self.version is None:  # a lease: only its age matters
+            self.store.touch(self.key)
+        else:  # the GC lock: a new version each beat, written only if it is still ours
+            body = _owner("gc")
+            if not self.store.replace_if(self.key, body, self.version):
+                self.taken = True
+                return
+            self.version = self.store.get_versioned(self.key)[1]
+        self.renewed = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @contextmanager
-def save_lease(store: Store, timeout: float = LOCK_TTL) -> Iterator[None]:
-    """Hold a lease for the chunk phase of a save; wait out a running GC first."""
+def save_lease(store: Store, timeout: float = SAVE_WAIT) -> Iterator[Heartbeat]:
+    """Hold a lease for the chunk phase of a save; wait out a live GC first."""
     key = f"{LEASES}{uuid.uuid4().hex}.json"
-    store.put_if_absent(key, _owner())
+    store.put_if_absent(key, _owner("save"))
+    beat = Heartbeat(store, key)
     try:
-        deadline = time.monotonic() + timeout
-        while (age := _lock_age(store)) is not None and age < LOCK_TTL:
-            if time.monotonic() > deadline:
-                raise CkptflowError(
-                    f"garbage collection has held {store.url}/{GC_LOCK} for {age:.0f} s; "
-                    "if no GC is running, delete that object"
-                )
-            time.sleep(POLL)
-        yield
+        _wait_for_gc(store, timeout)
+        yield beat
     finally:
+        beat.stop()
         store.delete(key)
 
 
-@contextmanager
-def gc_lock(store: Store) -> Iterator[None]:
-    """Exclusive lock for a GC sweep; a lock left by a dead GC is taken over."""
-    if not store.put_if_absent(GC_LOCK, _owner()):
-        age = _lock_age(store)
-        if age is not None and age < LOCK_TTL:
+def _wait_for_gc(store: Store, timeout: float) -> None:
+    started = time.monotonic()
+    said = False
+    while True:
+        try:
+            info = store.stat(GC_LOCK)
+        except ObjectNotFoundError:
+            return
+        if _age(info) >= DEAD_AFTER:
+            return  # left by a GC that died: it sweeps nothing any more
+        if not said and time.monotonic() - started > 1.0:
+            log.warning("save waiting for garbage collection to finish sweeping %s (%s, renewed %.0f s ago)",
+                        store.url, GC_LOCK, _age(info))  # fmt: skip
+            said = True
+        if time.monotonic() - started > timeout:
             raise CkptflowError(
-                f"another garbage collection holds {store.url}/{GC_LOCK} (taken {age:.0f} s ago); "
-                "run gc again when it has finished"
+                f"garbage collection has held {store.url}/{GC_LOCK} for over {timeout:.0f} s and is still alive "
+                "(renewed within the last 30 s); wait for it to finish, or stop it, then save again"
             )
-        store.delete(GC_LOCK)
-        if not store.put_if_absent(GC_LOCK, _owner()):
-            raise CkptflowError(f"another garbage collection just took {store.url}/{GC_LOCK}; run gc again later")
-    try:
-        yield
-    finally:
-        store.delete(GC_LOCK)
-
-
-def live_leases(store: Store, cutoff: float) -> list[ObjectInfo]:
-    """Leases newer than ``cutoff``: saves that are (or may still be) writing chunks."""
-    return [info for info in store.list(LEASES) if info.mtime >= cutoff]
-
-
-def wait_for_leases(store: Store, cutoff: float, timeout: float) -> list[ObjectInfo]:
-    """Wait up to ``timeout`` s for live leases to clear; the ones still live after it."""
-    deadline = time.monotonic() + timeout
-    while (live := live_leases(store, cutoff)) and time.monotonic() < deadline:
         time.sleep(POLL)
-    return live
+
+
+@contextmanager
+def gc_lock(store: Store) -> Iterator[Heartbeat]:
+    """Exclusive lock for a GC sweep, renewed while held; a dead holder's lock is taken
+    over by compare-and-swap, so of two GCs that find it dead only one gets it."""
+    body = _owner("gc")
+    if not store.put_if_absent(GC_LOCK, body):
+        try:
+            info = store.stat(GC_LOCK)
+            version = store.get_versioned(GC_LOCK)[1] if store.compare_and_swap else None
+        except ObjectNotFoundError:  # released in between: try once more
+            if not store.put_if_absent(GC_LOCK, body):
+                raise CkptflowError(
+                    f"another garbage collection just took {store.url}/{GC_LOCK}; run gc later"
+                ) from None
+        else:
+            if _age(info) < DEAD_AFTER:
+                raise CkptflowError(
+                    f"another garbage collection holds {store.url}/{GC_LOCK} (renewed {_age(info):.0f} s ago); "
+                    "run gc again when it has finished"
+                )
+            if not _take_over(store, body, version):
+                raise CkptflowError(f"another garbage collection just took over {store.url}/{GC_LOCK}; run gc later")
+            log.warning("took over %s/%s from a garbage collection that died", store.url, GC_LOCK)
+    beat = Heartbeat(store, GC_LOCK, store.get_versioned(GC_LOCK)[1] if store.compare_and_swap else None)
+    try:
+        yield beat
+    finally:
+        beat.stop()
+        if not beat.taken:
+            store.delete(GC_LOCK)
+
+
+def _take_over(store: Store, body: bytes, version: str | None) -> bool:
+    """Replace a dead GC's lock. With compare-and-swap only one of two GCs doing this wins;
+    a store without it falls back to delete + create-only put, which leaves a short race."""
+    if store.compare_and_swap:
+        return store.replace_if(GC_LOCK, body, version)
+    store.delete(GC_LOCK)
+    return store.put_if_absent(GC_LOCK, body)
+
+
+@dataclass
+class Leases:
+    live: list[ObjectInfo] = field(default_factory=list)  # saves writing chunks now
+    dead: list[ObjectInfo] = field(default_factory=list)  # left by writers that died
+
+
+def leases(store: Store) -> Leases:
+    found = Leases()
+    for info in store.list(LEASES):
+        (found.live if _age(info) < DEAD_AFTER else found.dead).append(info)
+    return found
+
+
+def wait_for_leases(store: Store, timeout: float) -> Leases:
+    """Wait up to ``timeout`` s for live leases to clear; what is held after it."""
+    deadline = time.monotonic() + timeout
+    while (found := leases(store)).live and time.monotonic() < deadline:
+        time.sleep(POLL)
+    return found

@@ -158,3 +158,13 @@ class FaultyStore(Store):
 
     def touch(self, key: str) -> None:
         return self._call("touch", key, self.inner.touch, key)
+
+    @property
+    def compare_and_swap(self) -> bool:  # type: ignore[override]
+        return self.inner.compare_and_swap
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        return self._call("get", key, self.inner.get_versioned, key)
+
+    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
+        return self._call("replace", key, self.inner.replace_if, key, data, expected)

@@ -1,0 +1,143 @@
+"""Liveness of the GC lock and the save leases: heartbeats, dead holders cleared or taken
+over, a waiting save that says what it waits for, a GC that stops once its lock is gone."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from ckptflow import Checkpointer, CkptflowError, gc, leases, open_store
+from ckptflow import format as fmt
+from support.faulty_store import FaultyStore
+from support.states import CHUNK, RUN, tagged_state
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """Heartbeats every 50 ms, dead after 0.5 s: the same protocol on a test's time scale."""
+    monkeypatch.setattr(leases, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(leases, "DEAD_AFTER", 0.5)
+
+
+def age(store, key: str, seconds: float) -> None:
+    path = os.path.join(store.root, *key.split("/"))
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def plant(store, key: str, seconds_ago: float) -> None:
+    store.put_if_absent(key, json.dumps({"what": "dead", "pid": 1}).encode())
+    age(store, key, seconds_ago)
+
+
+def test_a_gc_that_died_holding_the_lock_blocks_no_save_and_is_taken_over(tmp_path, caplog):
+    store = open_store(str(tmp_path / "store"))
+    plant(store, leases.GC_LOCK, 45)  # killed 45 s ago: never renewed since
+    started = time.monotonic()
+    with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    assert time.monotonic() - started < 10  # not the 10 minutes a dead lock used to cost
+    with caplog.at_level(logging.WARNING, logger="ckptflow"):
+        report = gc(store, grace="1h")
+    assert report.skipped is None and "took over" in caplog.text
+    assert not store.exists(leases.GC_LOCK)
+
+
+def test_a_live_gc_keeps_its_lock_and_a_save_says_what_it_waits_for(tmp_path, fast, caplog):
+    inner = open_store(str(tmp_path / "store"))
+    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    inner.delete(fmt.manifest_key(RUN, 1))
+    view = FaultyStore(inner)
+    pause = view.pause_before("delete", lambda key: key.startswith("chunks/"))
+    sweeper = threading.Thread(target=lambda: gc(view, grace=0))
+    sweeper.start()
+    try:
+        assert pause.reached.wait(30)
+        time.sleep(4 * leases.DEAD_AFTER)  # the sweep outlives DEAD_AFTER many times: renewals keep it alive
+        with pytest.raises(CkptflowError, match="another garbage collection holds"):
+            gc(inner, grace=0)
+        saved: list = []
+        with caplog.at_level(logging.WARNING, logger="ckptflow"):
+            saver = threading.Thread(
+                target=lambda: saved.append(Checkpointer(inner, run=RUN, chunk_bytes=CHUNK).save(2, tagged_state(2)))
+            )
+            saver.start()
+            saver.join(1.5)
+            assert saver.is_alive() and "waiting for garbage collection" in caplog.text
+    finally:
+        pause.release()
+        sweeper.join(30)
+    saver.join(30)
+    assert saved and saved[0].step == 2
+
+
+def test_of_two_gcs_finding_a_dead_lock_exactly_one_takes_it(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    for _ in range(5):
+        plant(store, leases.GC_LOCK, 60)
+        barrier = threading.Barrier(2)
+        held: list = []
+
+        def take():
+            barrier.wait()
+            try:
+                with leases.gc_lock(store):
+                    held.append(True)
+                    time.sleep(0.3)
+            except CkptflowError:
+                held.append(False)
+
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(held) == [False, True]
+
+
+def test_a_gc_whose_lock_was_taken_over_stops_deleting(tmp_path, fast):
+    inner = open_store(str(tmp_path / "store"))
+    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    inner.delete(fmt.manifest_key(RUN, 1))
+    chunks_before = {i.key for i in inner.list("chunks/")}
+    view = FaultyStore(inner)
+    pause = view.pause_before("delete", lambda key: key.startswith("chunks/"))
+    outcome: list = []
+    sweeper = threading.Thread(target=lambda: outcome.append(_run(lambda: gc(view, grace=0))))
+    sweeper.start()
+    assert pause.reached.wait(30)
+    inner.replace(leases.GC_LOCK, b'{"what": "another gc"}')  # what a takeover writes
+    time.sleep(5 * leases.HEARTBEAT)
+    pause.release()
+    sweeper.join(30)
+    [error] = outcome
+    assert isinstance(error, CkptflowError) and "lost its lock" in str(error)
+    left = {i.key for i in inner.list("chunks/")}
+    assert len(chunks_before) > 3 and len(chunks_before - left) <= 1  # only the delete already under way
+    assert inner.get(leases.GC_LOCK) == b'{"what": "another gc"}'  # and the new holder's lock stays
+
+
+def _run(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e
+
+
+def test_leases_of_dead_writers_are_cleared_and_live_ones_waited_for(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    for i in range(74):
+        plant(store, f"{leases.LEASES}dead-{i}.json", 120)
+    report = gc(store, grace="1h", wait=0)
+    assert report.skipped is None and len(report.dead_leases) == 74  # reported, cleared, no waiting
+    assert not list(store.list(leases.LEASES))
+    store.put_if_absent(f"{leases.LEASES}live.json", b"{}")
+    report = gc(store, grace="1h", wait=0)
+    assert report.skipped and "1 save(s) are writing chunks" in report.skipped and not report.deleted
