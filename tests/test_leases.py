@@ -81,24 +81,28 @@ def test_of_two_gcs_finding_a_dead_lock_exactly_one_takes_it(tmp_path):
     store = open_store(str(tmp_path / "store"))
     for _ in range(5):
         plant(store, leases.GC_LOCK, 60)
-        barrier = threading.Barrier(2)
-        held: list = []
+        assert sorted(_race_for_the_lock(store)) == [False, True]
 
-        def take():
-            barrier.wait()
-            try:
-                with leases.gc_lock(store):
-                    held.append(True)
-                    time.sleep(0.3)
-            except CkptflowError:
-                held.append(False)
 
-        threads = [threading.Thread(target=take) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert sorted(held) == [False, True]
+def _race_for_the_lock(store) -> list[bool]:
+    barrier = threading.Barrier(2)
+    held: list[bool] = []
+
+    def take():
+        barrier.wait()
+        try:
+            with leases.gc_lock(store):
+                held.append(True)
+                time.sleep(0.3)
+        except CkptflowError:
+            held.append(False)
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return held
 
 
 def test_a_gc_whose_lock_was_taken_over_stops_deleting(tmp_path, fast):
