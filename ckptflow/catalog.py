@@ -152,8 +152,30 @@ def list_runs(store: Store) -> list[str]:
 
 def _run_listing(store: Store, run: str) -> Iterator[StepListing | Problem]:
     prefix = fmt.checkpoints_prefix(run)
+    try:
+        listed = list(store.list(prefix))
+    except SymlinkError:  # somewhere below: find which step, so only that step is a problem
+        yield from _steps_one_by_one(store, run)
+        return
+    yield from _grouped(store, run, listed)
+
+
+def _steps_one_by_one(store: Store, run: str) -> Iterator[StepListing | Problem]:
+    for entry in store.list(fmt.checkpoints_prefix(run), recursive=False):
+        step = fmt.parse_step_dir(entry.key)
+        if step is None:
+            continue
+        try:
+            yield from _grouped(store, run, list(store.list(entry.key)) if entry.key.endswith("/") else [entry])
+        except SymlinkError as e:
+            yield problem_from(run, step, e)
+
+
+def _grouped(store: Store, run: str, listed: list[ObjectInfo]) -> Iterator[StepListing | Problem]:
+    """Step listings (ascending) from the objects under a run's checkpoints."""
+    prefix = fmt.checkpoints_prefix(run)
     by_step: dict[int, list[ObjectInfo]] = {}
-    for info in store.list(prefix):
+    for info in listed:
         name, _, rest = info.key[len(prefix) :].partition("/")
         step = fmt.parse_step_dir(name)
         if step is None:

@@ -77,12 +77,16 @@ def load_tensors(
 def newest_verified_step(store: Store, run: str, progress: Progress | None = None) -> tuple[int, list[tuple[int, str]]]:
     """The newest committed step that fully verifies, and why each newer one was skipped."""
     skipped: list[tuple[int, str]] = []
+    entries = [e for e in catalog.listing(store, run) if isinstance(e, catalog.Problem) or e.committed]
     with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool:
-        for step in reversed(catalog.committed_steps(store, run)):
-            report = catalog.verify_checkpoint(store, run, step, pool, progress)
+        for entry in sorted(entries, key=lambda e: -1 if e.step is None else e.step, reverse=True):
+            if isinstance(entry, catalog.Problem):  # could not even be listed or read: say so, go on
+                skipped.append((-1 if entry.step is None else entry.step, entry.message))
+                continue
+            report = catalog.verify_checkpoint(store, run, entry.step, pool, progress)
             if report.ok:
-                return step, skipped
-            skipped.append((step, "; ".join(report.problems)))
+                return entry.step, skipped
+            skipped.append((entry.step, "; ".join(report.problems)))
     detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "it has no committed checkpoints"
     raise NoValidCheckpointError(f"no checkpoint of run {run!r} in {store.url} verifies ({detail})", skipped)
 

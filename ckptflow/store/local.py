@@ -80,18 +80,26 @@ class LocalStore(Store):
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
-        except BaseException as e:
+        except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                needed = sum(len(memoryview(p).cast("B")) for p in as_buffers(data))
-                raise StoreFullError(
-                    f"no space left on the filesystem of {self.url} writing {os.path.relpath(tmp, self.root)} "
-                    f"({needed} bytes): {e.strerror}; free space or move the store",
-                    needed=needed,
-                ) from e
             raise
         return tmp
+
+    @contextlib.contextmanager
+    def _writing(self, key: str, data: Buffers) -> Iterator[None]:
+        """A full filesystem or quota, anywhere in a write, as ``StoreFullError`` naming the object."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            needed = sum(len(memoryview(p).cast("B")) for p in as_buffers(data))
+            raise StoreFullError(
+                f"no space left on the filesystem of {self.url} writing {key} ({needed} bytes): {e.strerror}; "
+                "free space or move the store",
+                needed=needed,
+            ) from e
 
     def _fsync_dir(self, directory: str) -> None:
         if not self.fsync:
@@ -172,6 +180,10 @@ class LocalStore(Store):
         return size, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def put_if_absent(self, key: str, data: Buffers) -> bool:
+        with self._writing(key, data):
+            return self._put_if_absent(key, data)
+
+    def _put_if_absent(self, key: str, data: Buffers) -> bool:
         path = self._path(key)
         if os.path.exists(path):
             return False
@@ -206,6 +218,10 @@ class LocalStore(Store):
         return True
 
     def replace(self, key: str, data: Buffers) -> None:
+        with self._writing(key, data):
+            self._replace(key, data)
+
+    def _replace(self, key: str, data: Buffers) -> None:
         path = self._path(key)
         directory = os.path.dirname(path)
         tmp = self._write_temp(directory, data)

@@ -1,0 +1,146 @@
+"""Hostile or broken records and objects: each is a clear, per-checkpoint problem read with
+bounded memory, never an exception that ends a walk or a reader that allocates what a
+record claims."""
+
+from __future__ import annotations
+
+import json
+import time
+import tracemalloc
+
+import pytest
+import torch
+
+from ckptflow import Checkpointer, CkptflowError, catalog, gc, open_store, stats
+from ckptflow import format as fmt
+from ckptflow.codecs import HEADER, MAGIC, ZSTD_BYTEGROUP
+from ckptflow.export import export_safetensors
+from support.cli import run_cli
+from support.corrupt import chunk_path, manifest_path, only_in, reseal_manifest
+
+RUN = "r"
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN, chunk_bytes=1024) as ck:
+        ck.save(1, {"model": {"w": torch.arange(1024, dtype=torch.float32)}})
+        ck.save(2, {"model": {"w": torch.arange(1024, dtype=torch.float32) * 2}})
+    return root
+
+
+def restore_step(root) -> tuple[int, list]:
+    with Checkpointer(root, RUN) as ck:
+        result = ck.restore({"model": {"w": torch.zeros(1024)}})
+    return result.step, result.skipped
+
+
+def deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("what", ["manifest", "rank record"])
+def test_a_200k_deep_record_is_a_problem_not_a_recursion_error(root, tmp_path, capsys, what):
+    key = (
+        fmt.manifest_key(RUN, 2) if what == "manifest" else catalog.read_manifest(open_store(root), RUN, 2).rank_key(0)
+    )
+    path = tmp_path / "store" / key
+    path.write_bytes(('{"checksum": "x", "a": ' + deep(200_000) + "}").encode())
+    step, skipped = restore_step(root)
+    assert step == 1 and "nested deeper" in skipped[0][1]
+    assert run_cli(capsys, "verify", root, "--run", RUN, "--all")[0] == 1
+    code, out, err = run_cli(capsys, "ls", root)
+    assert code == 0 and "1" in out
+    assert run_cli(capsys, "stats", root)[0] == 0
+    gc(root, grace="1h", dry_run=True)  # decides, without a RecursionError
+    assert export_safetensors(root, RUN, tmp_path / "m.safetensors").step == 1
+
+
+def test_a_small_chunk_declaring_gigabytes_is_refused_before_decompressing(root):
+    digest = only_in(root, RUN, 2, 1)[0]
+    import zstandard
+
+    payload = zstandard.ZstdCompressor().compress(bytes(108 << 10))
+    chunk_path(root, digest).write_bytes(HEADER.pack(MAGIC, ZSTD_BYTEGROUP, 1, 3 << 30) + payload)
+    tracemalloc.start()
+    try:
+        report = catalog.verify_checkpoint(open_store(root), RUN, 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not report.ok and "announces 3221225472 raw bytes" in report.problems[0]
+    assert peak < 32 << 20
+    assert restore_step(root)[0] == 1
+
+
+def test_a_huge_sparse_file_at_a_chunk_path_is_refused_unread(root):
+    digest = only_in(root, RUN, 2, 1)[0]
+    with open(chunk_path(root, digest), "r+b") as f:
+        f.truncate(4 << 30)  # 4 GiB, sparse
+    started = time.monotonic()
+    tracemalloc.start()
+    try:
+        report = catalog.verify_checkpoint(open_store(root), RUN, 2)
+        step, skipped = restore_step(root)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - started < 10 and peak < 64 << 20
+    assert not report.ok and "4294967296 bytes" in report.problems[0]
+    assert step == 1 and "4294967296 bytes" in skipped[0][1]
+
+
+def test_a_million_ranks_is_one_line_and_quick(root, capsys):
+    reseal_manifest(root, RUN, 2, lambda r: r.update(world_size=1_000_000))
+    started = time.monotonic()
+    code, out, _ = run_cli(capsys, "verify", root, "--run", RUN, "--step", "2")
+    assert code == 1 and time.monotonic() - started < 20
+    [line] = out.splitlines()
+    assert "999999 of 1000000 ranks are missing" in line and "(ranks 1, 2, 3" in line
+
+
+def test_a_shape_no_machine_can_hold_is_a_clear_export_error(root, tmp_path):
+    def huge(record):
+        n = 1_000_000
+        digest = next(iter(record["chunks"]))
+        record["chunks"] = {digest: 4 * n * n}
+        record["dcp"]["tensors"] = {
+            "model.w": {"dtype": "float32", "size": [n, n], "chunks": [{"offsets": [0, 0], "sizes": [n, n]}]}
+        }
+        record["dcp"]["items"] = [
+            {
+                "fqn": "model.w",
+                "offset": [0, 0],
+                "index": None,
+                "dtype": "float32",
+                "shape": [n, n],
+                "chunks": [[digest, 4 * n * n]],
+            }
+        ]
+
+    reseal_manifest(root, RUN, 2, huge)
+    with pytest.raises(CkptflowError, match=r"declares shape \[1000000, 1000000\] .*cannot be allocated"):
+        export_safetensors(root, RUN, tmp_path / "m.safetensors", step=2)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_manifest_larger_than_any_record_is_refused_unread(root):
+    with open(manifest_path(root, RUN, 2), "r+b") as f:
+        f.truncate(2 << 30)  # sparse, 2 GiB
+    problems = [p for p in catalog.committed(open_store(root)) if isinstance(p, catalog.Problem)]
+    assert [(p.step, p.kind) for p in problems] == [(2, "too_big")]
+    assert stats.store_stats(open_store(root)).checkpoints == 1
+    assert restore_step(root)[0] == 1
+
+
+def test_metadata_that_is_not_json_is_refused_before_any_chunk_is_written(tmp_path):
+    import numpy as np
+
+    root = tmp_path / "store"
+    with Checkpointer(str(root), RUN) as ck:
+        with pytest.raises(CkptflowError, match=r"metadata\['loss'\] is a numpy.float32.*float\(\)"):
+            ck.save(1, {"w": torch.ones(4)}, metadata={"loss": np.float32(0.5)})
+        assert not (root / "chunks").exists() and not (root / "runs").exists()
+        assert ck.save(np.int64(2), {"w": torch.ones(4)}, metadata={"loss": 0.5}).step == 2  # numpy steps are fine
+    assert json.loads((root / fmt.manifest_key(RUN, 2)).read_bytes())["step"] == 2

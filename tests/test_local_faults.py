@@ -1,0 +1,187 @@
+"""Faults of a local store found by trying to break it: symbolic links, two writers on one
+step, unreadable objects, a full disk."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError, catalog, gc, open_store
+from ckptflow import format as fmt
+from ckptflow.errors import StoreFullError, SymlinkError
+from support.cli import run_cli
+from support.corrupt import chunk_path, only_in
+from support.faulty_store import FaultyStore
+from support.states import CHUNK, blank_state, state_tag, tagged_state
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def two_runs(root: Path) -> None:
+    for run in ("a", "b"):
+        with Checkpointer(str(root), run, chunk_bytes=CHUNK) as ck:
+            ck.save(1, tagged_state(2 if run == "a" else 3))
+
+
+def chunk_files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in (root / "chunks").rglob("*") if p.is_file()}
+
+
+# ---- one rule for symbolic links: never followed inside a store ---------------------------
+def test_a_run_moved_elsewhere_and_linked_back_is_refused_everywhere_and_never_swept(tmp_path, capsys):
+    root = tmp_path / "store"
+    two_runs(root)
+    shutil.move(root / "runs" / "b", tmp_path / "other-disk-b")
+    os.symlink(tmp_path / "other-disk-b", root / "runs" / "b")
+    before = chunk_files(root)
+    code, out, err = run_cli(capsys, "ls", str(root))
+    assert code == 0 and out.splitlines()[1].split()[0] == "a"
+    assert "run b" in err and "symbolic link" in err
+    with Checkpointer(str(root), "b") as ck:
+        state = blank_state()
+        with pytest.raises(StoreUnavailableError, match="symbolic link"):
+            ck.restore(state)
+        assert state["epoch"] is None
+    report = gc(str(root), grace=0)
+    assert report.skipped and "runs/b" in report.skipped and chunk_files(root) == before
+    code, _, err = run_cli(capsys, "gc", str(root), "--grace", "1h")
+    assert code == 1 and "symbolic link" in err
+
+
+def test_a_save_never_writes_through_a_link_out_of_the_root(tmp_path):
+    root = tmp_path / "store"
+    two_runs(root)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, root / "runs" / "a" / "checkpoints" / fmt.step_prefix("a", 5).split("/")[-2])
+    with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck, pytest.raises(SymlinkError, match="symbolic link"):
+        ck.save(5, tagged_state(5))
+    assert list(outside.iterdir()) == []
+
+
+def test_a_store_root_that_is_a_link_is_fine(tmp_path):
+    real = tmp_path / "real"
+    two_runs(real)
+    os.symlink(real, tmp_path / "link")
+    with Checkpointer(str(tmp_path / "link"), "a") as ck:
+        state = blank_state()
+        assert ck.restore(state).step == 1 and state_tag(state) == 2
+
+
+def test_a_manifest_that_is_a_link_loop_is_that_checkpoints_problem(tmp_path, capsys):
+    root = tmp_path / "store"
+    with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(2))
+        ck.save(2, tagged_state(3))
+    manifest = root / fmt.manifest_key("a", 2)
+    manifest.unlink()
+    os.symlink(manifest, manifest)  # ELOOP if followed
+    code, out, _ = run_cli(capsys, "verify", str(root), "--run", "a", "--all")
+    assert code == 1 and any(line.startswith("run a step 2:") and "symbolic link" in line for line in out.splitlines())
+    code, out, err = run_cli(
+        capsys, "export", str(root), "--run", "a", "--out", str(tmp_path / "m.safetensors"), "--key", "model"
+    )
+    assert code == 0 and "step 1" in out and "step 2" in err  # the newest good step, saying why not step 2
+
+
+# ---- two writers on one step --------------------------------------------------------------
+def test_the_loser_of_two_writers_never_spoils_the_winners_checkpoint(tmp_path):
+    inner = open_store(str(tmp_path / "store"))
+    for step in range(1, 6):
+        loser = _race(inner, step)
+        assert isinstance(loser, CheckpointExistsError)
+        with Checkpointer(inner, "r", restore_rng=False) as ck:
+            state = blank_state()
+            assert ck.restore(state, step=step).step == step and state_tag(state) == 5
+
+
+def _race(inner, step: int):
+    """Both writers have written their chunks and rank records (the loser's last, over the
+    winner's where the names collide) before either commits; the winner commits first.
+    What the loser's save raised."""
+    views = [FaultyStore(inner), FaultyStore(inner)]
+    pauses = [v.pause_before("put_if_absent", lambda key: key == fmt.manifest_key("r", step)) for v in views]
+    results: list[list] = [[], []]
+    threads = [
+        threading.Thread(target=lambda i=i, tag=tag: results[i].append(_save(views[i], step, tagged_state(tag))))
+        for i, tag in ((0, 5), (1, 4))
+    ]
+    for thread, pause in zip(threads, pauses):
+        thread.start()
+        assert pause.reached.wait(30)
+    for thread, pause in zip(threads, pauses):
+        pause.release()
+        thread.join(30)
+    assert results[0][0].step == step  # the winner's save returned success
+    return results[1][0]
+
+
+def _save(store, step, state):
+    try:
+        with Checkpointer(store, "r", chunk_bytes=CHUNK) as ck:
+            return ck.save(step, state)
+    except Exception as e:
+        return e
+
+
+# ---- unreadable objects: reported per checkpoint, the rest goes on -----------------------
+def _cli_without_root_privileges(*args: str) -> subprocess.CompletedProcess:
+    """The CLI with the permission checks an ordinary user gets (root bypasses them)."""
+    prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    code = "import sys; from ckptflow.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"), reason="needs setpriv to drop root's override")
+def test_a_denied_chunk_is_that_checkpoints_problem_for_verify_and_export(tmp_path):
+    root = tmp_path / "store"
+    with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck:
+        ck.save(1, {"model": tagged_state(2)["model"]})
+        ck.save(2, {"model": tagged_state(3)["model"]})
+    denied = chunk_path(root, only_in(root, "a", 2, 1)[0])
+    denied.chmod(0)
+    verify = _cli_without_root_privileges("verify", str(root), "--run", "a", "--all")
+    assert verify.returncode == 1, verify.stderr
+    assert any(line.startswith("run a step 2:") and "Permission denied" in line for line in verify.stdout.splitlines())
+    export = _cli_without_root_privileges("export", str(root), "--run", "a", "--out", str(tmp_path / "m.safetensors"))
+    assert export.returncode == 0 and "step 1" in export.stdout and "Permission denied" in export.stderr
+
+
+# ---- a full disk ----------------------------------------------------------------------------
+def test_a_full_disk_leaves_no_temp_file_and_says_what_the_save_needed(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(2))
+    real_fsync = os.fsync
+    writes = {"left": 3}
+
+    def full(fd):
+        writes["left"] -= 1
+        if writes["left"] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr("ckptflow.store.local.os.fsync", full)
+    with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck, pytest.raises(StoreFullError) as err:
+        ck.save(2, tagged_state(3))
+    message = str(err.value)
+    assert "run 'a' step 2" in message and str(root) in message and "no space left" in message
+    assert "needs up to" in message and err.value.needed == sum(
+        t.numel() * t.element_size()
+        for t in (tagged_state(3)["model"]["shared"], tagged_state(3)["model"]["w"], tagged_state(3)["z"])
+    )
+    assert not [p for p in root.rglob(".tmp-*")]
+    assert catalog.committed_steps(open_store(str(root)), "a") == [1]
