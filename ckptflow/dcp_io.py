@@ -8,6 +8,7 @@ coordinator commits the manifest last. The reader verifies every chunk it reads.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -64,6 +65,15 @@ class SaveSpec:
     created_at: float = field(default_factory=time.time)
 
 
+def _plan_bytes(plan: SavePlan) -> int:
+    """The tensor bytes one rank's plan writes, before dedup."""
+    return sum(
+        math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        for item in plan.items
+        if item.tensor_data is not None and item.tensor_data.properties.dtype is not None
+    )
+
+
 def _done(value: Any) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
@@ -105,40 +115,44 @@ class CheckpointWriter(StorageWriter):
         return write
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
-        with save_lease(self.chunks.store) as lease:
-            pending: list[tuple[Any, torch.Tensor, memoryview, list[Future]]] = []
-            try:
-                for item in plan.items:
-                    if item.type == WriteItemType.BYTE_IO:
-                        raise UnsupportedStateError(f"{item.index.fqn!r} is not a tensor; ckptflow never pickles state")
-                    tensor = planner.resolve_data(item)
-                    assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
-                    raw = _bytes_view(tensor)
-                    futures = [
-                        self.pool.submit(self._put, raw[off : off + self.spec.chunk_bytes], tensor.element_size())
-                        for off in range(0, len(raw), self.spec.chunk_bytes)
-                    ]
-                    pending.append((item, tensor, raw, futures))
-                results = [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
+        try:
+            with save_lease(self.chunks.store) as lease:
+                results = self._write_chunks(plan, planner)
                 if lease.lost:  # GC may have taken the store for dead-writer chunks meanwhile
                     raise StoreUnavailableError(
                         f"the save lease of run {self.spec.run!r} step {self.spec.step} in {self.chunks.store.url} "
                         "could not be renewed while chunks were written, so GC may have swept some; save again"
                     )
-            except StoreFullError as e:
-                total = sum(len(raw) for _, _, raw, _ in pending)
-                raise StoreFullError(
-                    f"saving run {self.spec.run!r} step {self.spec.step} (rank {self.rank}) needs up to {total} bytes "
-                    f"for its tensors in {self.chunks.store.url} (less where chunks are already stored): {e}",
-                    needed=total,
-                ) from e
-            finally:  # on failure: no chunk write may outlive the lease
-                queued = [f for *_, futures in pending for f in futures]
-                for f in queued:
-                    f.cancel()
-                wait(queued)
-        self._write_rank_record(results)
+            self._write_rank_record(results)
+        except StoreFullError as e:
+            needed = _plan_bytes(plan)
+            raise StoreFullError(
+                f"saving run {self.spec.run!r} step {self.spec.step} (rank {self.rank}) needs up to {needed} bytes "
+                f"for its tensors in {self.chunks.store.url} (less where chunks are already stored): {e}",
+                needed=needed,
+            ) from e
         return _done(results)
+
+    def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        pending: list[tuple[Any, torch.Tensor, memoryview, list[Future]]] = []
+        try:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise UnsupportedStateError(f"{item.index.fqn!r} is not a tensor; ckptflow never pickles state")
+                tensor = planner.resolve_data(item)
+                assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
+                raw = _bytes_view(tensor)
+                futures = [
+                    self.pool.submit(self._put, raw[off : off + self.spec.chunk_bytes], tensor.element_size())
+                    for off in range(0, len(raw), self.spec.chunk_bytes)
+                ]
+                pending.append((item, tensor, raw, futures))
+            return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
+        finally:  # on failure: no chunk write may outlive the lease
+            queued = [f for *_, futures in pending for f in futures]
+            for f in queued:
+                f.cancel()
+            wait(queued)
 
     @staticmethod
     def _result(item: Any, tensor: torch.Tensor, raw: memoryview, futures: list[Future]) -> WriteResult:

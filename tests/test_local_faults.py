@@ -166,15 +166,16 @@ def test_a_full_disk_leaves_no_temp_file_and_says_what_the_save_needed(tmp_path,
     with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck:
         ck.save(1, tagged_state(2))
     real_fsync = os.fsync
-    writes = {"left": 3}
+    chunk_writes = {"left": 3}
 
-    def full(fd):
-        writes["left"] -= 1
-        if writes["left"] < 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def full(fd):  # the disk fills up while the fourth chunk file is flushed
+        if "/chunks/" in os.readlink(f"/proc/self/fd/{fd}"):
+            chunk_writes["left"] -= 1
+            if chunk_writes["left"] < 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
-    monkeypatch.setattr("ckptflow.store.local.os.fsync", full)
+    monkeypatch.setattr("ckptflow.store.disk.os.fsync", full)
     with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck, pytest.raises(StoreFullError) as err:
         ck.save(2, tagged_state(3))
     message = str(err.value)

@@ -26,6 +26,7 @@ from stat import S_ISDIR, S_ISLNK
 
 from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, StoreFullError, StoreNotFoundError, SymlinkError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
+from ckptflow.store.disk import Disk
 
 TEMP_PREFIX = ".tmp-"
 
@@ -34,10 +35,10 @@ class LocalStore(Store):
     cheap_reread = True  # the page cache
     compare_and_swap = True
 
-    def __init__(self, root: str, *, fsync: bool = True, create: bool = True):
+    def __init__(self, root: str, *, fsync: bool = True, create: bool = True, disk: Disk | None = None):
         self.root = os.path.realpath(os.path.expanduser(root))
         self.url = "file://" + self.root
-        self.fsync = fsync
+        self.disk = disk or Disk(fsync)
         if create:
             os.makedirs(self.root, exist_ok=True)
         elif not os.path.isdir(self.root):
@@ -66,25 +67,18 @@ class LocalStore(Store):
     def _write_temp(self, directory: str, data: Buffers) -> str:
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         for attempt in range(3):
-            os.makedirs(directory, exist_ok=True)
+            self.disk.makedirs(directory)
             try:
-                f = open(tmp, "wb")
-                break
+                self.disk.write_new(tmp, as_buffers(data))
+                return tmp
             except FileNotFoundError:  # a concurrent delete pruned the empty directory
                 if attempt == 2:
                     raise
-        try:
-            with f:
-                for part in as_buffers(data):
-                    f.write(part)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        return tmp
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    self.disk.unlink(tmp)
+                raise
+        raise AssertionError("unreachable")
 
     @contextlib.contextmanager
     def _writing(self, key: str, data: Buffers) -> Iterator[None]:
@@ -100,15 +94,6 @@ class LocalStore(Store):
                 "free space or move the store",
                 needed=needed,
             ) from e
-
-    def _fsync_dir(self, directory: str) -> None:
-        if not self.fsync:
-            return
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def get(self, key: str) -> bytes:
         return self.get_bounded(key, None)
@@ -190,7 +175,7 @@ class LocalStore(Store):
         directory = os.path.dirname(path)
         tmp = self._write_temp(directory, data)
         try:
-            os.link(tmp, path)
+            self.disk.link(tmp, path)
         except FileExistsError:
             return False
         except OSError as e:  # filesystems without hard links: O_EXCL claim, then rename
@@ -199,22 +184,22 @@ class LocalStore(Store):
             return self._claim_and_rename(tmp, path)
         finally:
             if os.path.exists(tmp):
-                os.unlink(tmp)
-        self._fsync_dir(directory)
+                self.disk.unlink(tmp)
+        self.disk.fsync_dir(directory)
         return True
 
     def _claim_and_rename(self, tmp: str, path: str) -> bool:
         try:
-            os.close(os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            self.disk.claim(path + ".claim")
         except FileExistsError:
             return False
         try:
             if os.path.exists(path):
                 return False
-            os.rename(tmp, path)
+            self.disk.rename(tmp, path)
         finally:
-            os.unlink(path + ".claim")
-        self._fsync_dir(os.path.dirname(path))
+            self.disk.unlink(path + ".claim")
+        self.disk.fsync_dir(os.path.dirname(path))
         return True
 
     def replace(self, key: str, data: Buffers) -> None:
@@ -226,11 +211,11 @@ class LocalStore(Store):
         directory = os.path.dirname(path)
         tmp = self._write_temp(directory, data)
         try:
-            os.replace(tmp, path)
+            self.disk.rename(tmp, path)
         except BaseException:
-            os.unlink(tmp)
+            self.disk.unlink(tmp)
             raise
-        self._fsync_dir(directory)
+        self.disk.fsync_dir(directory)
 
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
         base = self.root if not prefix else self._path(prefix.rstrip("/"))
@@ -267,16 +252,17 @@ class LocalStore(Store):
 
     def delete(self, key: str) -> None:
         """Remove the file, then the directories it leaves empty (up to the root), so a
-        deleted checkpoint's step directory does not linger as an empty candidate."""
+        deleted checkpoint's step directory does not linger as an empty candidate. Not
+        fsynced: a power cut may bring a deleted object back, which loses nothing."""
         path = self._path(key)
         try:
-            os.unlink(path)
+            self.disk.unlink(path)
         except FileNotFoundError:
             pass
         parent = os.path.dirname(path)
         while parent != self.root:
             try:
-                os.rmdir(parent)
+                self.disk.rmdir(parent)
             except OSError:  # not empty (or already gone): stop
                 break
             parent = os.path.dirname(parent)
@@ -292,7 +278,7 @@ class LocalStore(Store):
 
     def touch(self, key: str) -> None:
         try:
-            os.utime(self._path(key))
+            self.disk.touch(self._path(key))
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
@@ -312,7 +298,7 @@ class LocalStore(Store):
         path = os.path.abspath(os.path.join(self.root, name))
         if os.path.commonpath([self.root, path]) == self.root:
             try:
-                os.unlink(path)
+                self.disk.unlink(path)
             except FileNotFoundError:
                 pass
 
@@ -328,7 +314,7 @@ class LocalStore(Store):
         bytes, so an object rewritten with identical bytes still matches (same state)."""
         path = self._path(key)
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
+        self.disk.makedirs(directory)
         with open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
             try:
