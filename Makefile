@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test ui bench clean
+.PHONY: install demo test ui bench soak clean
 
 install: $(STAMP)
 
@@ -30,6 +30,9 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/save_restore.py --size-mb 256
 	$(PY) benchmarks/save_restore.py --real
+
+soak: $(STAMP)
+	$(PY) tests/soak/soak.py --kills 200
 
 clean:
 	rm -rf $(VENV) .demo .bench .pytest_cache
