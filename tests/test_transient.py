@@ -95,3 +95,13 @@ def test_a_local_read_error_is_not_damage(tmp_path):
         store.fail_if = lambda op, key: False
         result = ck.restore(state)
     assert result.step == 1 and state_tag(state) == 2 and "does not match its address" in result.skipped[0][1]
+
+
+def test_a_listing_that_fails_through_every_retry_is_no_empty_store(s3_endpoint, s3_bucket):
+    """Not knowing what exists must not read as "no checkpoints": a job would start fresh."""
+    store = s3(s3_endpoint, s3_bucket, retry=Retry(max_attempts=3, base=0.001, cap=0.01))
+    two_checkpoints(store)
+    Bursts(store.client, rate=1.0, picks=lambda r: r.method == "GET" and "list-type=2" in r.url)
+    with Checkpointer(store, run=RUN, restore_rng=False) as ck, pytest.raises(StoreUnavailableError) as err:
+        ck.restore(blank_state())
+    assert "could not list the checkpoints" in str(err.value) and "after 3 attempts" in str(err.value)

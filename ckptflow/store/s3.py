@@ -205,7 +205,7 @@ class S3Store(Store):
                 found += [ObjectInfo(p["Prefix"][cut:], 0, 0.0) for p in page.get("CommonPrefixes", ())]
             return found
 
-        found = self._attempts("ListObjectsV2", prefix, attempt)
+        found = self._attempts("ListObjectsV2", prefix.rstrip("/"), attempt)
         yield from sorted(found, key=lambda info: info.key)
 
     # ---- writes ------------------------------------------------------------------------
