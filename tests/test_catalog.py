@@ -33,6 +33,7 @@ def hostile(root):
     """Step 2's manifest corrupt, a stray 'runs/a__b' directory, step 5 a file, not a directory."""
     flip_byte(manifest_path(root, RUN, 2), 40)
     os.makedirs(os.path.join(root, "runs", "a__b", "checkpoints"))
+    os.makedirs(os.path.join(root, "runs", "x" * 200, "checkpoints"))  # longer than any run name
     with open(os.path.join(root, "runs", RUN, "checkpoints", f"{5:012d}"), "wb") as f:
         f.write(b"not a directory")
 
@@ -54,6 +55,7 @@ def test_committed_reports_each_unreadable_checkpoint_and_goes_on(root):
     assert [m.step for m in items if isinstance(m, Manifest)] == [1]
     assert problems == {
         ("a__b", None): "bad_name",
+        ("x" * 200, None): "bad_name",
         (RUN, 2): "corrupt",
         (RUN, 3): "denied",
         (RUN, 4): "cold",
@@ -63,7 +65,7 @@ def test_committed_reports_each_unreadable_checkpoint_and_goes_on(root):
     assert entries[1].validation == "not checked" and entries[2].validation == "failed"
     assert "Permission denied" in entries[3].manifest_error and "GLACIER" in entries[4].manifest_error
     counted = stats.store_stats(store)
-    assert counted.checkpoints == 1 and len(counted.unreadable_manifests) == 5
+    assert counted.checkpoints == 1 and len(counted.unreadable_manifests) == 6
 
 
 def test_cli_and_gc_report_problems_per_checkpoint(root, capsys):
