@@ -19,6 +19,7 @@ from ckptflow.errors import (
     ObjectNotFoundError,
     PromotionError,
     RegistryError,
+    StateMismatchError,
     StoreError,
     StoreNotFoundError,
     StoreUnavailableError,
@@ -28,6 +29,7 @@ from ckptflow.gc import GCReport, gc
 from ckptflow.manifest import Manifest
 from ckptflow.save_policy import SavePolicy
 from ckptflow.store import Store, open_store
+from ckptflow.tree import per_rank
 
 __all__ = [
     "CheckpointExistsError",
@@ -50,6 +52,7 @@ __all__ = [
     "SaveHandle",
     "SaveResult",
     "SavePolicy",
+    "StateMismatchError",
     "Store",
     "StoreError",
     "StoreNotFoundError",
@@ -58,4 +61,5 @@ __all__ = [
     "VerifyReport",
     "gc",
     "open_store",
+    "per_rank",
 ]

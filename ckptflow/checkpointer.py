@@ -31,14 +31,10 @@ from ckptflow.failures import own_errors
 from ckptflow.restore import Restore, RestoreResult
 from ckptflow.save_policy import SavePolicy
 from ckptflow.sealed import json_problem
-from ckptflow.state import (
-    FreshOptimizers,
-    capture_rng,
-    flatten,
-    to_state_dicts,
-)
+from ckptflow.state import FreshOptimizers, capture_rng, to_state_dicts
 from ckptflow.store import Store, open_store
 from ckptflow.tiers import Tier, open_tiers
+from ckptflow.tree import flatten
 
 log = logging.getLogger("ckptflow")
 
@@ -194,7 +190,7 @@ class Checkpointer:
                 fresh.empty(state_dicts)
             finally:
                 fresh.reset()  # a save never changes the state it saves
-            skeleton, tensors = flatten(state_dicts)
+            skeleton, tensors = flatten(state_dicts, rank=self.group.rank)
         except CkptflowError as e:
             error = e
         errors = [e for e in self.group.all_gather(error) if e is not None]
@@ -251,7 +247,9 @@ class Checkpointer:
         )
 
     # ---- restore ----------------------------------------------------------------------
-    def restore(self, state: MutableMapping[str, Any], *, step: int | None = None) -> RestoreResult:
+    def restore(
+        self, state: MutableMapping[str, Any], *, step: int | None = None, strict: bool = True
+    ) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
 
         Every chunk a candidate needs is verified on every rank before any tensor in
@@ -262,12 +260,17 @@ class Checkpointer:
         step. With ``tiers``, a step is tried in each tier holding it (hot first) before
         moving to an older step. Rank 0 leaves a recovery record in the hot store
         (``ckptflow.recoveries``) either way.
+
+        ``state`` may name a subset of the checkpoint's entries (the rest is not read).
+        A state whose structure differs from the checkpoint's raises ``StateMismatchError``
+        listing the keys and restores nothing; ``strict=False`` loads what matches and
+        lists the rest in ``result.missing_keys`` / ``result.unexpected_keys``.
         """
         started = time.perf_counter()
         self.wait()
         if step is not None:
             fmt.validate_step(step)
-        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng)
+        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng, strict)
         try:
             result = restore(state, step)
         except CkptflowError as e:

@@ -138,7 +138,11 @@ class CheckpointWriter(StorageWriter):
         try:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
-                    raise UnsupportedStateError(f"{item.index.fqn!r} is not a tensor; ckptflow never pickles state")
+                    raise UnsupportedStateError(
+                        f"{item.index.fqn!r} is not a tensor, so DCP would store it as a BYTE_IO item, which would "
+                        "be pickled, and ckptflow never pickles: save it through a Checkpointer, which keeps "
+                        "every non-tensor value of the state as JSON in its rank record, or convert it to a tensor"
+                    )
                 tensor = planner.resolve_data(item)
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
                 raw = _bytes_view(tensor)

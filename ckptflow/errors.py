@@ -44,6 +44,11 @@ class NoValidCheckpointError(CkptflowError):
         self.skipped = skipped or []
 
 
+class StateMismatchError(CkptflowError):
+    """The state passed to ``restore`` does not have the checkpoint's structure: the
+    caller's error, not a damaged checkpoint (restore falls back on damage only)."""
+
+
 class UnsupportedStateError(CkptflowError, TypeError):
     """A state value that cannot be stored without pickle."""
 

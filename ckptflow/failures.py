@@ -30,6 +30,7 @@ class Failure:
     message: str
     damage: bool
     cold: bool = False  # the store cannot be read until objects are thawed
+    mismatch: bool = False  # the live state does not have the checkpoint's structure: the caller's error
 
 
 class ReadAborted(CkptflowError):

@@ -28,11 +28,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckptflow.catalog import read_manifest, read_rank_record
 from ckptflow.dcp_io import CheckpointReader, Progress
 from ckptflow.distributed import Group
-from ckptflow.errors import ColdObjectError, NoValidCheckpointError, StoreUnavailableError
+from ckptflow.errors import ColdObjectError, NoValidCheckpointError, StateMismatchError, StoreUnavailableError
 from ckptflow.failures import Failure, failure_of
 from ckptflow.manifest import Manifest, RankRecord
-from ckptflow.state import FreshOptimizers, flatten, load_state_dicts, restore_rng, to_state_dicts, unflatten
+from ckptflow.matching import LoadPlan, entries, plan_load
+from ckptflow.state import FreshOptimizers, load_state_dicts, restore_rng, to_state_dicts
 from ckptflow.tiers import Tier, candidates
+from ckptflow.tree import flatten, unflatten
 
 log = logging.getLogger("ckptflow")
 
@@ -45,6 +47,8 @@ class RestoreResult:
     rng_restored: bool = False
     tier: str = ""  # URL of the store it was loaded from (the hot store, or an archive tier)
     hot_rejected: frozenset[int] = frozenset()  # hot steps skipped as damaged (a save may replace them)
+    missing_keys: list[str] = field(default_factory=list)  # strict=False: live, not in the checkpoint
+    unexpected_keys: list[str] = field(default_factory=list)  # strict=False: in the checkpoint, not live
 
 
 def agree(group: Group, failure: Failure | None) -> Failure | None:
@@ -53,14 +57,15 @@ def agree(group: Group, failure: Failure | None) -> Failure | None:
     failures = [f for f in group.all_gather(failure) if f]
     if not failures:
         return None
-    fatal = [f for f in failures if not f.damage]
-    chosen = fatal or failures
+    fatal = [f for f in failures if not f.damage and not f.mismatch]
+    chosen = fatal or [f for f in failures if f.mismatch] or failures
     message = "; ".join(dict.fromkeys(f.message for f in chosen))
-    return Failure(message, damage=not fatal, cold=any(f.cold for f in fatal))
+    return Failure(message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch)
 
 
 class Restore:
-    """One restore of ``run`` into ``state`` across ``tiers`` (hot first)."""
+    """One restore of ``run`` into ``state`` across ``tiers`` (hot first). ``strict=False``
+    loads what matches and reports the rest (``missing_keys``, ``unexpected_keys``)."""
 
     def __init__(
         self,
@@ -70,9 +75,10 @@ class Restore:
         pool: ThreadPoolExecutor,
         progress: Progress | None,
         restore_rng: bool,
+        strict: bool = True,
     ):
         self.tiers, self.run, self.group, self.pool = tiers, run, group, pool
-        self.progress, self.restore_rng = progress, restore_rng
+        self.progress, self.restore_rng, self.strict = progress, restore_rng, strict
 
     def __call__(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
         pairs, error = self.group.broadcast(self._candidates(step) if self.group.rank == 0 else None)
@@ -95,21 +101,27 @@ class Restore:
     def _first_loadable(
         self, state: MutableMapping[str, Any], step: int | None, pairs: list[tuple[int, int]]
     ) -> RestoreResult:
-        _, live = flatten(to_state_dicts(state))
+        live_skeleton, live = flatten(to_state_dicts(state), rank=self.group.rank)
         skipped: list[tuple[int, str]] = []
         hot_rejected: set[int] = set()
         for cand, index in pairs:
             tier = self.tiers[index]
-            failure, loaded = self._try_load(cand, live, tier)
+            failure, loaded = self._try_load(cand, live_skeleton, live, tier)
             if failure is None:
                 assert loaded is not None
-                manifest, record, tensors = loaded
-                load_state_dicts(state, unflatten(record.state, tensors))
+                manifest, record, plan = loaded
+                saved = entries(record.state)
+                load_state_dicts(
+                    state, {e: unflatten(saved[e], plan.targets) for e in plan.entries}, strict=self.strict
+                )
                 rng_ok = bool(self.restore_rng and record.rng and record.rank == self.group.rank)
                 if rng_ok:
                     restore_rng(record.rng)  # type: ignore[arg-type]
-                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url, frozenset(hot_rejected))
+                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url, frozenset(hot_rejected),
+                                     plan.missing_keys, plan.unexpected_keys)  # fmt: skip
             where = f"run {self.run!r} step {cand} in {tier.url}"
+            if failure.mismatch:
+                raise StateMismatchError(f"{where}: {failure.message}")
             if not failure.damage:
                 error = ColdObjectError if failure.cold else StoreUnavailableError
                 raise error(
@@ -134,16 +146,18 @@ class Restore:
         raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
 
     def _try_load(
-        self, step: int, live: dict[str, torch.Tensor], tier: Tier
-    ) -> tuple[Failure | None, tuple[Manifest, RankRecord, dict[str, torch.Tensor]] | None]:
-        """(the agreed failure, or None and what was loaded)."""
+        self, step: int, live_skeleton: Any, live: dict[str, torch.Tensor], tier: Tier
+    ) -> tuple[Failure | None, tuple[Manifest, RankRecord, LoadPlan] | None]:
+        """(the agreed failure, or None and what was loaded). The structure is compared
+        before any chunk is read, so a mismatch costs no I/O and changes nothing."""
         local: Failure | None = None
         try:
             manifest = read_manifest(tier.store, self.run, step)
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = read_rank_record(tier.store, manifest, rank)
-            targets = _targets(live, self._optimizers, manifest)
-            local = _mismatch(targets, manifest)
+            plan = plan_load(live_skeleton, live, record.state, self._optimizers, strict=self.strict)
+        except StateMismatchError as e:
+            local = Failure(str(e), damage=False, mismatch=True)
         except Exception as e:
             local = failure_of(e)
         agreed = agree(self.group, local)
@@ -151,32 +165,9 @@ class Restore:
             return agreed, None
         reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress, agree=lambda f: agree(self.group, f))
         try:
-            dcp.load(targets, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
+            dcp.load(plan.targets, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
             local = None
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             local = failure_of(e)
         agreed = agree(self.group, local)
-        return (agreed, None) if agreed else (None, (manifest, record, targets))
-
-
-def _targets(live: dict[str, torch.Tensor], optimizers: list[str], manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The live tensors to load into. An optimizer saved before its first step has no
-    state tensors in the checkpoint, and loading it makes the live one fresh again: the
-    live state tensors are then not targets."""
-    targets = dict(live)
-    for prefix in (f"{name}.state." for name in optimizers):
-        if not any(name.startswith(prefix) for name in manifest.dcp.tensors):
-            targets = {k: v for k, v in targets.items() if not k.startswith(prefix)}
-    return targets
-
-
-def _mismatch(live: dict[str, torch.Tensor], manifest: Manifest) -> Failure | None:
-    missing = set(live) - set(manifest.dcp.tensors)
-    extra = set(manifest.dcp.tensors) - set(live)
-    if not missing and not extra:
-        return None
-    return Failure(
-        f"state does not match the checkpoint (missing from checkpoint: {sorted(missing)[:5]}, "
-        f"not in current state: {sorted(extra)[:5]})",
-        damage=True,
-    )
+        return (agreed, None) if agreed else (None, (manifest, record, plan))

@@ -1,8 +1,8 @@
-"""Turn a training ``state`` into tensors (for DCP) and JSON (for everything else), and back.
+"""Live training objects and their state dicts, both ways; RNG states.
 
 ``state`` maps names to modules, optimizers, ``Stateful`` objects, tensors or plain
-values. Tensors go through torch.distributed.checkpoint; every other leaf must be
-JSON-able and is kept in the rank record, so nothing is ever pickled.
+values (``ckptflow.tree`` turns the state dicts into tensors and JSON). Restoring writes
+into the live objects in place, so whoever holds a reference sees the restored values.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -23,9 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptflow.errors import UnsupportedStateError
-
-TENSOR, TUPLE, DICT, BYTES = "__tensor__", "__tuple__", "__dict__", "__bytes__"
-_TAGS = {TENSOR, TUPLE, DICT, BYTES}
+from ckptflow.tree import UNLOADED, PerRank
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -44,23 +43,31 @@ def _owner(optim: torch.optim.Optimizer, modules: dict[str, nn.Module], name: st
 
 
 def to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Plain nested state dicts for every entry of ``state``."""
-    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    """Plain nested state dicts for every entry of ``state`` (a ``PerRank`` entry stays
+    wrapped around its state dict). Keys are any non-empty strings: a model's own
+    ``state_dict()`` (``"layer0.weight"`` keys) is a state."""
+    modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(_unwrapped(v), nn.Module)}
     out: dict[str, Any] = {}
     for name, value in state.items():
-        if not isinstance(name, str) or not name or "." in name:
-            raise UnsupportedStateError(f"state key {name!r} must be a non-empty string without '.'")
-        if isinstance(value, nn.Module):
-            out[name] = get_model_state_dict(value)
-        elif isinstance(value, torch.optim.Optimizer):
-            out[name] = get_optimizer_state_dict(_owner(value, modules, name), value)
-        elif isinstance(value, torch.Tensor):
-            out[name] = value.detach()
-        elif _is_stateful(value):
-            out[name] = value.state_dict()
+        if not isinstance(name, str) or not name:
+            raise UnsupportedStateError(f"state key {name!r} must be a non-empty string")
+        inner = _unwrapped(value)
+        if isinstance(inner, nn.Module):
+            sd: Any = get_model_state_dict(inner)
+        elif isinstance(inner, torch.optim.Optimizer):
+            sd = get_optimizer_state_dict(_owner(inner, modules, name), inner)
+        elif isinstance(inner, torch.Tensor):
+            sd = inner.detach()
+        elif _is_stateful(inner):
+            sd = inner.state_dict()
         else:
-            out[name] = value
+            sd = inner
+        out[name] = PerRank(sd) if isinstance(value, PerRank) else sd
     return out
+
+
+def _unwrapped(value: Any) -> Any:
+    return value.value if isinstance(value, PerRank) else value
 
 
 _MISSING = object()
@@ -101,18 +108,32 @@ class FreshOptimizers:
                 optim._opt_called = called
 
 
-def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
-    """Apply loaded state dicts to the live objects in ``state`` (in place)."""
-    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
-    for name, value in state.items():
-        if isinstance(value, nn.Module):
-            set_model_state_dict(value, loaded[name])
-        elif isinstance(value, torch.optim.Optimizer):
-            set_optimizer_state_dict(_owner(value, modules, name), value, loaded[name])
-        elif _is_stateful(value) and not isinstance(value, torch.Tensor):
-            value.load_state_dict(loaded[name])
+def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Apply loaded state dicts to the live objects in ``state`` (in place); entries the
+    checkpoint does not have (a partial restore) are left alone. With ``strict=False``
+    tensors the restore did not load (``UNLOADED``) are left as they are."""
+    modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(_unwrapped(v), nn.Module)}
+    for name, value in list(state.items()):
+        if name not in loaded:
+            continue
+        inner, sd = _unwrapped(value), _pruned(loaded[name])
+        if isinstance(inner, nn.Module):
+            set_model_state_dict(inner, sd, options=StateDictOptions(strict=strict))
+        elif isinstance(inner, torch.optim.Optimizer):
+            set_optimizer_state_dict(_owner(inner, modules, name), inner, sd)
+        elif _is_stateful(inner) and not isinstance(inner, torch.Tensor):
+            inner.load_state_dict(sd)
+        elif isinstance(value, PerRank):
+            value.value = merge_into(inner, sd)
         else:
-            state[name] = merge_into(value, loaded[name])
+            state[name] = merge_into(inner, sd)
+
+
+def _pruned(tree: Any) -> Any:
+    """``tree`` without the ``UNLOADED`` leaves (in dicts) a non-strict restore leaves."""
+    if isinstance(tree, dict):
+        return type(tree)((k, _pruned(v)) for k, v in tree.items() if v is not UNLOADED)
+    return tree
 
 
 def merge_into(live: Any, loaded: Any) -> Any:
@@ -128,7 +149,7 @@ def merge_into(live: Any, loaded: Any) -> Any:
                     live.copy_(loaded)
             return live
         return loaded
-    if isinstance(live, MutableMapping) and isinstance(loaded, Mapping):
+    if isinstance(live, MutableMapping) and isinstance(loaded, Mapping) and type(live) is type(loaded):
         for key in [k for k in live if k not in loaded]:
             del live[key]
         for key, value in loaded.items():
@@ -138,61 +159,6 @@ def merge_into(live: Any, loaded: Any) -> Any:
         live[:] = [merge_into(a, b) for a, b in zip(live, loaded)]
         return live
     return loaded
-
-
-def flatten(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A JSON skeleton of ``tree`` with tensors replaced by references, and those tensors."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(node: Any, path: tuple) -> Any:
-        if isinstance(node, torch.Tensor):
-            key = ".".join(str(p) for p in path)
-            if key in tensors:
-                raise UnsupportedStateError(f"two tensors in the state flatten to the same name {key!r}")
-            tensors[key] = node
-            return {TENSOR: key}
-        if isinstance(node, Mapping):
-            if all(isinstance(k, str) for k in node) and not _TAGS & set(node):
-                return {k: walk(v, path + (k,)) for k, v in node.items()}
-            for k in node:
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise UnsupportedStateError(
-                        f"state at {'.'.join(map(str, path))!r} has key {k!r}; keys must be str or int"
-                    )
-            return {DICT: [[k, walk(v, path + (k,))] for k, v in node.items()]}
-        if isinstance(node, list):
-            return [walk(v, path + (i,)) for i, v in enumerate(node)]
-        if isinstance(node, tuple):
-            return {TUPLE: [walk(v, path + (i,)) for i, v in enumerate(node)]}
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
-        if isinstance(node, (np.integer, np.floating, np.bool_)):
-            return node.item()
-        if isinstance(node, (bytes, bytearray)):
-            return {BYTES: base64.b64encode(node).decode()}
-        raise UnsupportedStateError(
-            f"state value at {'.'.join(map(str, path))!r} is a {type(node).__name__}, which ckptflow "
-            "cannot store without pickle; convert it to a tensor or JSON-able values "
-            "(dict, list, str, int, float, bool, None)"
-        )
-
-    return walk(tree, ()), tensors
-
-
-def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    if isinstance(skeleton, dict):
-        if TENSOR in skeleton:
-            return tensors[skeleton[TENSOR]]
-        if TUPLE in skeleton:
-            return tuple(unflatten(v, tensors) for v in skeleton[TUPLE])
-        if DICT in skeleton:
-            return {k: unflatten(v, tensors) for k, v in skeleton[DICT]}
-        if BYTES in skeleton:
-            return base64.b64decode(skeleton[BYTES])
-        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [unflatten(v, tensors) for v in skeleton]
-    return skeleton
 
 
 def _b64_tensor(t: torch.Tensor) -> str:

@@ -55,7 +55,7 @@ def session(tmp_path_factory) -> W.Session:
     random.setstate(rng[0])
     np.random.set_state(rng[1])
     torch.set_rng_state(rng[2])
-    return W.launch(["save_sharded", "load_sharded", "restore_agreement"], workdir)
+    return W.launch(["save_sharded", "load_sharded", "restore_agreement", "per_rank_values"], workdir)
 
 
 def test_two_rank_dtensor_save_loads_into_one_process(session, keep_rng):
@@ -137,3 +137,10 @@ def test_ranks_agree_to_fall_back_when_only_one_rank_hits_corruption(session):
         assert r["w_local_ok"] and r["w_full_ok"] and r["rep_ok"] and r["epoch"] == 1
         assert r["verify"] == {"1": True, "2": False, "3": False}
     assert results[0]["skipped"] == results[1]["skipped"]
+
+
+def test_per_rank_values_come_back_to_their_own_rank_and_plain_ones_do_not(session):
+    results = sorted(session.results("per_rank_values"), key=lambda r: r["rank"])
+    assert [r["per_rank"] for r in results] == [[1.0] * 3, [2.0] * 3]
+    # a plain tensor is deduplicated by DCP: every rank gets the one copy DCP kept (documented)
+    assert results[0]["plain"] == results[1]["plain"] in ([1.0] * 3, [2.0] * 3)

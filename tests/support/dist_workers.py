@@ -218,7 +218,26 @@ def corrupt_rank_only_chunk(root: Path, fmt, step: int, owner_rank: int, world: 
     return digest
 
 
-SCENARIOS = {"save_sharded": save_sharded, "load_sharded": load_sharded, "restore_agreement": restore_agreement}
+def per_rank_values(rank: int, world: int, workdir: Path) -> dict:
+    """Plain tensors with one name on every rank are deduplicated by DCP (one copy, rank
+    0's, is kept); ``per_rank`` keeps each rank's own."""
+    from ckptflow import Checkpointer, per_rank
+
+    root = workdir / "store"
+    own = torch.full((3,), float(rank + 1))
+    with Checkpointer(str(root), run=RUN, threads=2) as ck:
+        ck.save(1, {"stats": per_rank({"mean": own.clone()}), "plain": own.clone()})
+        state = {"stats": per_rank({"mean": torch.zeros(3)}), "plain": torch.zeros(3)}
+        ck.restore(state)
+    return {"rank": rank, "per_rank": state["stats"].value["mean"].tolist(), "plain": state["plain"].tolist()}
+
+
+SCENARIOS = {
+    "save_sharded": save_sharded,
+    "load_sharded": load_sharded,
+    "restore_agreement": restore_agreement,
+    "per_rank_values": per_rank_values,
+}
 
 
 # ---- process plumbing ---------------------------------------------------------------------

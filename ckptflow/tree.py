@@ -1,0 +1,148 @@
+"""A state tree as a JSON skeleton plus tensors, and back: nothing is ever pickled.
+
+Tensors are replaced by references (their flattened names, the dotted path from the
+root) and go through torch.distributed.checkpoint; everything else must be a JSON value
+and is stored in the rank record. Values come back as they went in: key order is kept,
+an ``OrderedDict`` stays one, a tuple stays a tuple, dict keys that are ints stay ints,
+numpy scalars keep their dtype, bytes stay bytes. Tags (``__tensor__`` and friends)
+mark what plain JSON cannot say; a user dict that happens to use a tag as a key is
+stored in the tagged form, so it cannot be mistaken for one.
+
+``PerRank`` marks a subtree whose tensors each rank keeps its own copy of (their names
+get ``@rank<r>``): DCP deduplicates plain tensors with the same name across ranks, which
+is right for replicated weights and wrong for, say, per-rank BatchNorm statistics.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptflow.errors import UnsupportedStateError
+
+TENSOR, TUPLE, DICT, BYTES, ODICT, NUMPY, PER_RANK = (
+    "__tensor__", "__tuple__", "__dict__", "__bytes__", "__odict__", "__numpy__", "__per_rank__",
+)  # fmt: skip
+TAGS = {TENSOR, TUPLE, DICT, BYTES, ODICT, NUMPY, PER_RANK}
+
+
+class PerRank:
+    """``ckptflow.per_rank(value)``: store ``value``'s tensors once per rank, and restore
+    each rank's own copy (a restore needs the same world size)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"per_rank({self.value!r})"
+
+
+def per_rank(value: Any) -> PerRank:
+    return PerRank(value)
+
+
+def _path(path: tuple) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def flatten(tree: Any, rank: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A JSON skeleton of ``tree`` with tensors replaced by references, and those tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: tuple, suffix: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            name = ".".join(str(p) for p in path) + suffix
+            if name in tensors:
+                raise UnsupportedStateError(f"two tensors of the state flatten to the name {name!r}; rename one")
+            tensor = node.detach()
+            if tensor.is_conj():
+                tensor = tensor.resolve_conj()
+            if tensor.is_neg():
+                tensor = tensor.resolve_neg()
+            tensors[name] = tensor
+            return {TENSOR: name}
+        if isinstance(node, PerRank):
+            return {PER_RANK: walk(node.value, path, f"@rank{rank}")}
+        if isinstance(node, Mapping):
+            return _mapping(node, path, lambda v, p: walk(v, p, suffix))
+        if isinstance(node, list):
+            return [walk(v, path + (i,), suffix) for i, v in enumerate(node)]
+        if isinstance(node, tuple):
+            return {TUPLE: [walk(v, path + (i,), suffix) for i, v in enumerate(node)]}
+        if node is None or type(node) in (bool, int, float, str):
+            return node
+        if isinstance(node, (np.integer, np.floating, np.bool_)):
+            return {NUMPY: [node.dtype.str, node.item()]}
+        if isinstance(node, (bytes, bytearray)):
+            return {BYTES: base64.b64encode(node).decode()}
+        raise UnsupportedStateError(
+            f"state value at {_path(path)!r} is a {type(node).__module__}.{type(node).__name__}, which ckptflow "
+            "cannot store without pickle; convert it to a tensor or to JSON values (dict, list, str, int, "
+            "float, bool, None)"
+        )
+
+    return walk(tree, (), ""), tensors
+
+
+def _mapping(node: Mapping, path: tuple, walk: Any) -> Any:
+    for k in node:
+        if not isinstance(k, (str, int)) or isinstance(k, bool):
+            raise UnsupportedStateError(f"state at {_path(path)!r} has the key {k!r}; keys must be str or int")
+    pairs = [[k, walk(v, path + (k,))] for k, v in node.items()]
+    if isinstance(node, OrderedDict):
+        return {ODICT: pairs}
+    if all(isinstance(k, str) for k in node) and not TAGS & set(node):
+        return {k: v for k, v in pairs}
+    return {DICT: pairs}
+
+
+class Unloaded:
+    """Stands where a tensor the restore did not load (``strict=False``) would be."""
+
+
+UNLOADED = Unloaded()
+
+
+def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The tree again; a reference to a tensor not in ``tensors`` becomes ``UNLOADED``."""
+    if isinstance(skeleton, dict):
+        if TENSOR in skeleton:
+            return tensors.get(skeleton[TENSOR], UNLOADED)
+        if PER_RANK in skeleton:
+            return unflatten(skeleton[PER_RANK], tensors)
+        if TUPLE in skeleton:
+            return tuple(unflatten(v, tensors) for v in skeleton[TUPLE])
+        if ODICT in skeleton:
+            return OrderedDict((k, unflatten(v, tensors)) for k, v in skeleton[ODICT])
+        if DICT in skeleton:
+            return {k: unflatten(v, tensors) for k, v in skeleton[DICT]}
+        if BYTES in skeleton:
+            return base64.b64decode(skeleton[BYTES])
+        if NUMPY in skeleton:
+            dtype, value = skeleton[NUMPY]
+            return np.dtype(dtype).type(value)
+        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def tensor_refs(skeleton: Any) -> Iterator[str]:
+    """Every tensor name a skeleton references (no recursion: skeletons can be deep)."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if TENSOR in node:
+                yield node[TENSOR]
+            elif DICT in node or ODICT in node:
+                stack.extend(v for _, v in node.get(DICT) or node.get(ODICT) or [])
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
