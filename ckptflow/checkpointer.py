@@ -281,6 +281,24 @@ class Checkpointer:
         self._record_recovery(True, result.step, result.skipped, result.tier, started)
         return result
 
+    def load(self, *, step: int | None = None) -> tuple[RestoreResult, dict[str, Any]]:
+        """The newest valid checkpoint (or exactly ``step``) as a new state: nested dicts,
+        full tensors (DTensor shards gathered) and the JSON values as saved. For code with
+        no live objects to restore into, such as a framework that asks for its checkpoint
+        dict back; the same verification and fallback rules as ``restore``."""
+        started = time.perf_counter()
+        self.wait()
+        if step is not None:
+            fmt.validate_step(step)
+        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng)
+        try:
+            result, state = restore.load(step)
+        except CkptflowError as e:
+            self._record_recovery(False, None, getattr(e, "skipped", []), None, started, str(e))
+            raise
+        self._record_recovery(True, result.step, result.skipped, result.tier, started)
+        return result, state
+
     def _record_recovery(
         self, ok: bool, step: int | None, skipped: list, tier: str | None, started: float, error: str | None = None
     ) -> None:

@@ -16,7 +16,7 @@ restore that does not succeed leaves ``state`` as it was, fresh optimizers inclu
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptflow.catalog import read_manifest, read_rank_record
 from ckptflow.dcp_io import CheckpointReader, Progress
+from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.distributed import Group
 from ckptflow.errors import ColdObjectError, NoValidCheckpointError, StateMismatchError, StoreUnavailableError
 from ckptflow.failures import Failure, failure_of
@@ -34,7 +35,7 @@ from ckptflow.manifest import Manifest, RankRecord
 from ckptflow.matching import LoadPlan, entries, plan_load
 from ckptflow.state import FreshOptimizers, load_state_dicts, restore_rng, to_state_dicts
 from ckptflow.tiers import Tier, candidates
-from ckptflow.tree import flatten, unflatten
+from ckptflow.tree import flatten, tensor_refs, unflatten
 
 log = logging.getLogger("ckptflow")
 
@@ -81,16 +82,46 @@ class Restore:
         self.progress, self.restore_rng, self.strict = progress, restore_rng, strict
 
     def __call__(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
-        pairs, error = self.group.broadcast(self._candidates(step) if self.group.rank == 0 else None)
-        if error is not None:
-            raise error
+        """Restore into the live objects of ``state``."""
         fresh = FreshOptimizers(state)
-        self._optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+        optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
         try:
-            return self._first_loadable(state, step, pairs)
+            live_skeleton, live = flatten(to_state_dicts(state), rank=self.group.rank)
+            found = self._search(step, lambda _m, record: plan_load(live_skeleton, live, record.state, optimizers,
+                                                                   strict=self.strict))  # fmt: skip
+            saved = entries(found.record.state)
+            loaded = {e: unflatten(saved[e], found.plan.targets) for e in found.plan.entries}
+            load_state_dicts(state, loaded, strict=self.strict)
         except BaseException:
             fresh.reset()  # nothing was loaded: the state is as it was
             raise
+        return self._result(found)
+
+    def load(self, step: int | None) -> tuple[RestoreResult, dict[str, Any]]:
+        """A new state holding what was saved: full tensors (shards gathered) and the
+        JSON values, for code that has no live objects to restore into (an integration
+        handing a framework its checkpoint dict)."""
+
+        def everything(manifest: Manifest, record: RankRecord) -> LoadPlan:
+            names = set(tensor_refs(record.state))
+            targets = {
+                n: torch.empty(manifest.dcp.tensors[n].size, dtype=dtype_from_name(manifest.dcp.tensors[n].dtype))
+                for n in sorted(names)
+            }
+            return LoadPlan(sorted(entries(record.state)), targets)
+
+        found = self._search(step, everything, collective=False)
+        return self._result(found), unflatten(found.record.state, found.plan.targets)
+
+    def _result(self, found: Found) -> RestoreResult:
+        record = found.record
+        rng_ok = bool(self.restore_rng and record.rng and record.rank == self.group.rank)
+        if rng_ok:
+            restore_rng(record.rng)  # type: ignore[arg-type]
+        return RestoreResult(
+            found.step, found.skipped, dict(found.manifest.metadata), rng_ok, found.tier.url,
+            frozenset(found.hot_rejected), found.plan.missing_keys, found.plan.unexpected_keys,
+        )  # fmt: skip
 
     def _candidates(self, step: int | None) -> tuple[list[tuple[int, int]] | None, BaseException | None]:
         try:
@@ -98,27 +129,20 @@ class Restore:
         except Exception as e:  # every rank raises it, not only rank 0 (the others would hang)
             return None, e
 
-    def _first_loadable(
-        self, state: MutableMapping[str, Any], step: int | None, pairs: list[tuple[int, int]]
-    ) -> RestoreResult:
-        live_skeleton, live = flatten(to_state_dicts(state), rank=self.group.rank)
+    def _search(self, step: int | None, plan_for: PlanFor, collective: bool = True) -> Found:
+        """The newest candidate whose chunks all verify, loaded into its plan's targets;
+        damage moves to the next candidate, anything else raises."""
+        pairs, error = self.group.broadcast(self._candidates(step) if self.group.rank == 0 else None)
+        if error is not None:
+            raise error
         skipped: list[tuple[int, str]] = []
         hot_rejected: set[int] = set()
         for cand, index in pairs:
             tier = self.tiers[index]
-            failure, loaded = self._try_load(cand, live_skeleton, live, tier)
+            failure, loaded = self._try_load(cand, plan_for, tier, collective)
             if failure is None:
                 assert loaded is not None
-                manifest, record, plan = loaded
-                saved = entries(record.state)
-                load_state_dicts(
-                    state, {e: unflatten(saved[e], plan.targets) for e in plan.entries}, strict=self.strict
-                )
-                rng_ok = bool(self.restore_rng and record.rng and record.rank == self.group.rank)
-                if rng_ok:
-                    restore_rng(record.rng)  # type: ignore[arg-type]
-                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url, frozenset(hot_rejected),
-                                     plan.missing_keys, plan.unexpected_keys)  # fmt: skip
+                return Found(cand, tier, *loaded, skipped, hot_rejected)
             where = f"run {self.run!r} step {cand} in {tier.url}"
             if failure.mismatch:
                 raise StateMismatchError(f"{where}: {failure.message}")
@@ -146,16 +170,16 @@ class Restore:
         raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
 
     def _try_load(
-        self, step: int, live_skeleton: Any, live: dict[str, torch.Tensor], tier: Tier
+        self, step: int, plan_for: PlanFor, tier: Tier, collective: bool
     ) -> tuple[Failure | None, tuple[Manifest, RankRecord, LoadPlan] | None]:
-        """(the agreed failure, or None and what was loaded). The structure is compared
-        before any chunk is read, so a mismatch costs no I/O and changes nothing."""
+        """(the agreed failure, or None and what was loaded). The plan is made from the
+        records before any chunk is read, so a mismatch costs no I/O and changes nothing."""
         local: Failure | None = None
         try:
             manifest = read_manifest(tier.store, self.run, step)
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = read_rank_record(tier.store, manifest, rank)
-            plan = plan_load(live_skeleton, live, record.state, self._optimizers, strict=self.strict)
+            plan = plan_for(manifest, record)
         except StateMismatchError as e:
             local = Failure(str(e), damage=False, mismatch=True)
         except Exception as e:
@@ -163,11 +187,31 @@ class Restore:
         agreed = agree(self.group, local)
         if agreed is not None:
             return agreed, None
-        reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress, agree=lambda f: agree(self.group, f))
+        reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress,
+                                  agree=(lambda f: agree(self.group, f)) if collective else None)  # fmt: skip
         try:
-            dcp.load(plan.targets, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active)
+            if collective:
+                dcp.load(
+                    plan.targets, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active
+                )
+            else:  # every rank reads the whole of it by itself
+                dcp.load(plan.targets, storage_reader=reader, no_dist=True)
             local = None
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             local = failure_of(e)
         agreed = agree(self.group, local)
         return (agreed, None) if agreed else (None, (manifest, record, plan))
+
+
+PlanFor = Callable[[Manifest, RankRecord], LoadPlan]
+
+
+@dataclass(frozen=True)
+class Found:
+    step: int
+    tier: Tier
+    manifest: Manifest
+    record: RankRecord
+    plan: LoadPlan
+    skipped: list[tuple[int, str]]
+    hot_rejected: set[int]

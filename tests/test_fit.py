@@ -142,3 +142,16 @@ def test_per_rank_values_keep_one_copy_per_rank(tmp_path):
 
     names = set(catalog.read_manifest(open_store(str(tmp_path)), "r", manifest.step).dcp.tensors)
     assert names == {"bn.running_mean@rank0", "w"}
+
+
+def test_load_gives_back_a_new_state_as_it_was_saved(tmp_path):
+    state = tiny_state(seed=0)
+    tiny_train(state, 2)
+    with Checkpointer(str(tmp_path), "r") as ck:
+        ck.save(3, {**state, "epoch": 5})
+        result, loaded = ck.load()
+    assert result.step == 3 and loaded["epoch"] == 5 and loaded["extra"] == 2
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].state_dict().items())
+    fresh = tiny_state(seed=1)
+    fresh["model"].load_state_dict(loaded["model"])
+    assert torch.equal(fresh["model"][0].weight, state["model"][0].weight)
