@@ -272,7 +272,11 @@ def _take(window: deque) -> tuple[Any, Any]:
 
 
 def committed(
-    store: Store, run: str | None = None, *, listed: Iterable[StepListing | Problem] | None = None, threads: int = 16
+    store: Store,
+    run: str | None = None,
+    *,
+    listed: Iterable[StepListing | Problem] | None = None,
+    threads: int | None = None,
 ) -> Iterator[Manifest | Problem]:
     """Each committed checkpoint of ``run`` (or every run) as a parsed ``Manifest``, or a
     ``Problem`` for one that cannot be read; ascending by run, then step. ``listed``
@@ -283,7 +287,9 @@ def committed(
 
     source = listing(store, run) if listed is None else listed
     wanted = (e for e in source if isinstance(e, Problem) or e.committed)
-    for entry, result in _ordered(wanted, read, threads):
+    # reads of a page cache gain little from threads (JSON parsing holds the GIL); a
+    # remote store's latency hides behind them
+    for entry, result in _ordered(wanted, read, threads or (2 if store.cheap_reread else 16)):
         if isinstance(result, (Manifest, Problem)):
             yield result
         elif isinstance(result, ObjectNotFoundError):

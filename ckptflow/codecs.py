@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
 import zstandard
 
 from ckptflow.errors import CorruptChunkError
@@ -27,11 +26,15 @@ CODECS = tuple(CODEC_IDS)  # what a Checkpointer may write new chunks with
 
 
 def _group(raw: memoryview, itemsize: int) -> bytes:
+    import numpy as np  # only where floats are grouped: the CLI's listing commands never need it
+
     arr = np.frombuffer(raw, dtype=np.uint8)
     return np.ascontiguousarray(arr.reshape(-1, itemsize).T).tobytes()
 
 
 def _ungroup(grouped: bytes, itemsize: int) -> bytes:
+    import numpy as np
+
     arr = np.frombuffer(grouped, dtype=np.uint8)
     return np.ascontiguousarray(arr.reshape(itemsize, -1).T).tobytes()
 

@@ -10,6 +10,7 @@ in tests/support/.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -196,3 +197,22 @@ def test_console_script(store):
     proc = subprocess.run([exe, "verify", root, "--run", RUN, "--all"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout.startswith(f"run {RUN} step 10: ")
     assert "%|" not in proc.stderr and "Traceback" not in proc.stderr  # a pipe: no progress bar
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["--help"],
+        ["ls", "{root}"],
+        ["stats", "{root}"],
+        ["verify", "{root}", "--run", RUN],
+        ["gc", "{root}", "--grace", "1h", "--dry-run"],
+    ],
+)
+def test_inspecting_commands_do_not_import_torch(store, command):
+    """torch costs seconds to import; listing, verifying and collecting a store need none of it."""
+    argv = [a.format(root=store[0]) for a in command]
+    code = f"import sys; from ckptflow.cli import main; main({argv!r}); assert 'torch' not in sys.modules, 'torch'"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -16,7 +16,6 @@ from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
 from ckptflow.cli.output import PROG, human_bytes, progress, ratio, secs, table, warn
 from ckptflow.errors import CkptflowError
-from ckptflow.export import ExportOptions, export_safetensors, newest_verified_step
 from ckptflow.gc import gc, parse_duration
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.manifest import Manifest
@@ -170,6 +169,8 @@ def size_arg(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from ckptflow.export import ExportOptions, export_safetensors, newest_verified_step  # torch, when exporting
+
     store = _open(args.root)
     run = _require_run(store, args.run)
     options = ExportOptions(

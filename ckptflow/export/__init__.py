@@ -6,18 +6,34 @@ reads them back); ``architecture`` knows which tensors are tied or ``nn.Linear``
 weights; ``card`` renders the model card.
 """
 
-from ckptflow.export.architecture import model_metadata, tied_weights
-from ckptflow.export.card import Lineage
-from ckptflow.export.files import lineage_metadata, load_exported, write_safetensors
-from ckptflow.export.model import (
-    DEFAULT_MAX_SHARD_BYTES,
-    EXPORT_DTYPES,
-    ExportOptions,
-    ExportResult,
-    export_safetensors,
-    option_problems,
-)
-from ckptflow.export.tensors import DTYPES, load_tensors, newest_verified_step
+from typing import TYPE_CHECKING, Any
+
+from ckptflow.export.options import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
+
+_LAZY = {  # torch is imported when one of these is first used
+    "model_metadata": "architecture", "tied_weights": "architecture", "Lineage": "card",
+    "lineage_metadata": "files", "load_exported": "files", "write_safetensors": "files",
+    "ExportOptions": "model", "ExportResult": "model", "export_safetensors": "model", "option_problems": "model",
+    "DTYPES": "tensors", "load_tensors": "tensors", "newest_verified_step": "tensors",
+}  # fmt: skip
+
+if TYPE_CHECKING:
+    from ckptflow.export.architecture import model_metadata, tied_weights
+    from ckptflow.export.card import Lineage
+    from ckptflow.export.files import lineage_metadata, load_exported, write_safetensors
+    from ckptflow.export.model import ExportOptions, ExportResult, export_safetensors, option_problems
+    from ckptflow.export.tensors import DTYPES, load_tensors, newest_verified_step
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"ckptflow.export.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckptflow.export' has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",

@@ -27,13 +27,12 @@ from ckptflow.errors import CkptflowError
 from ckptflow.export.architecture import Architecture, from_transformers_config
 from ckptflow.export.card import Lineage, render
 from ckptflow.export.files import TIED_KEY, lineage_metadata, nbytes, write_json, write_safetensors, write_weights
-from ckptflow.export.tensors import DTYPES, Progress, convert_dtype, load_tensors, newest_verified_step, write_once
+from ckptflow.export.options import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
+from ckptflow.export.tensors import Progress, convert_dtype, load_tensors, newest_verified_step, write_once
 from ckptflow.manifest import Manifest
 from ckptflow.quantize import ERROR_BOUND, quantization_config, quantize_weights
 from ckptflow.store import Store, open_store
 
-EXPORT_DTYPES = ("", *DTYPES, "int8")  # "": as saved
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" (decimal, as it counts)
 CONFIG, CARD = "config.json", "README.md"
 _CONFIG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
