@@ -32,6 +32,7 @@ from ckptflow.errors import (
     StoreError,
     SymlinkError,
 )
+from ckptflow.index import ObjectIndex, manifest_summary
 from ckptflow.manifest import Manifest, RankRecord
 from ckptflow.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import ObjectInfo, Store
@@ -300,9 +301,34 @@ def committed(
             raise result
 
 
+def summaries(store: Store, run: str | None = None) -> Iterator[CheckpointInfo | Problem]:
+    """What ``committed`` tells of each checkpoint but its chunk lists (what ``ls``, the
+    inventory and retention need), read through each run's listing-validated index: one
+    read per run once the store is known, plus the manifests that are new."""
+    listed = list(listing(store, run))
+    for name in dict.fromkeys(e.run for e in listed if isinstance(e, StepListing)):
+        steps = [e for e in listed if isinstance(e, StepListing) and e.run == name and e.manifest is not None]
+        index = ObjectIndex(store, f"runs/{name}", manifest_summary)
+        values = index.values(e.manifest for e in steps)  # type: ignore[misc]
+        for entry in steps:
+            key = fmt.manifest_key(name, entry.step)
+            value = values[key]
+            if isinstance(value, ObjectNotFoundError):
+                continue  # deleted since the listing
+            if isinstance(value, Exception):
+                yield problem_from(name, entry.step, value)
+            elif (value["run"], value["step"]) != (name, entry.step):
+                claims = f"run {value['run']!r} step {value['step']}"
+                message = f"manifest {store.url}/{key} describes {claims}: it was copied to the wrong place"
+                yield Problem(name, entry.step, "corrupt", message)
+            else:
+                yield CheckpointInfo(**value)
+    yield from (e for e in listed if isinstance(e, Problem))
+
+
 def list_checkpoints(store: Store, run: str) -> list[CheckpointInfo]:
     """Committed checkpoints of ``run`` whose manifest is intact, ascending by step."""
-    return [CheckpointInfo.from_manifest(m) for m in committed(store, run) if isinstance(m, Manifest)]
+    return [i for i in summaries(store, run) if isinstance(i, CheckpointInfo)]
 
 
 # ---- verification ------------------------------------------------------------------------

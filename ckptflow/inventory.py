@@ -71,7 +71,7 @@ class Entry:
 
 
 def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> None:
-    for item in catalog.committed(store):
+    for item in catalog.summaries(store):
         if isinstance(item, Problem):
             if item.step is None:
                 continue  # a run that cannot be listed, or a stray directory: not a checkpoint
@@ -79,18 +79,14 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
             entry.tiers.append(tier)
             entry.manifest_error = entry.manifest_error or item.message
             continue
-        entry = entries.setdefault(item.ref, Entry(item.run, item.step))
+        entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
         entry.tiers.append(tier)
         if entry.digest:
             continue  # the hot copy describes it; the archive copy is the same commit (or reported as differing)
         entry.manifest_error = ""
         entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
         entry.base_step = item.base_step
-        entry.logical_bytes, entry.stored_bytes, entry.chunks = (
-            item.stats.logical_bytes,
-            item.stats.stored_bytes,
-            item.stats.chunks,
-        )
+        entry.logical_bytes, entry.stored_bytes, entry.chunks = item.logical_bytes, item.stored_bytes, item.chunks
         entry.world_size, entry.trainer_metadata = item.world_size, dict(item.metadata)
 
 

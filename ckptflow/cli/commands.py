@@ -18,7 +18,6 @@ from ckptflow.cli.output import PROG, human_bytes, progress, ratio, secs, table,
 from ckptflow.errors import CkptflowError
 from ckptflow.gc import gc, parse_duration
 from ckptflow.lifecycle.lineage import lineage_of
-from ckptflow.manifest import Manifest
 from ckptflow.stats import store_stats
 from ckptflow.store import Store, open_store
 from ckptflow.tiers import thaw
@@ -58,9 +57,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     store = _open(args.root)
     run = _require_run(store, args.run) if args.run else None
     infos: list[CheckpointInfo] = []
-    for item in catalog.committed(store, run):
-        if isinstance(item, Manifest):
-            infos.append(CheckpointInfo.from_manifest(item))
+    for item in catalog.summaries(store, run):
+        if isinstance(item, CheckpointInfo):
+            infos.append(item)
         else:
             warn(str(item))
     if args.json:

@@ -23,8 +23,9 @@ from typing import Any
 
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError, InvalidNameError, ObjectNotFoundError
+from ckptflow.index import ObjectIndex, record_value
 from ckptflow.manifest import Manifest
-from ckptflow.store.base import Store
+from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "lifecycle/"
 KINDS = ("validation", "evaluation", "compression", "archive", "failure")
@@ -81,20 +82,26 @@ def records_by_subject(store: Store, run: str | None = None) -> dict[tuple[str, 
 
 
 def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
-    out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+    """One listing; the records' contents through each run's listing-validated index, so
+    a store with thousands of records costs one read per run once they are known."""
+    by_run: dict[str, list[ObjectInfo]] = defaultdict(list)
     for info in store.list(prefix):
         parts = info.key[len(PREFIX) :].split("/")
         if len(parts) != 4 or not parts[3].endswith(".json") or parts[3][:-5] not in KINDS:
             continue  # records of the layout before digests, or debris: history nobody reads
-        step = fmt.parse_step_dir(parts[1])
-        if step is None:
-            continue
+        if fmt.parse_step_dir(parts[1]) is not None:
+            by_run[parts[0]].append(info)
+    out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for run, infos in by_run.items():
         try:
-            record = json.loads(store.get(info.key))
-        except (CkptflowError, ValueError, RecursionError):
-            continue
-        if isinstance(record, dict):
-            out[(parts[0], step, parts[2])][parts[3][:-5]] = record
+            values = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value).values(infos)
+        except CkptflowError:
+            continue  # a stray directory under lifecycle/: not a run's records
+        for info in infos:
+            record = values[info.key]
+            _, step, digest, name = info.key[len(PREFIX) :].split("/")
+            if isinstance(record, dict):
+                out[(run, int(step), digest)][name[:-5]] = record
     return dict(out)
 
 

@@ -1,0 +1,70 @@
+"""Listing-validated indexes: a store already known costs one read per run, and the
+objects stay the truth."""
+
+from __future__ import annotations
+
+import torch
+
+from ckptflow import Checkpointer, catalog, lifecycle, open_store
+from ckptflow import format as fmt
+from ckptflow.index import PREFIX
+from support.faulty_store import FaultyStore
+
+RUN = "r"
+
+
+def saved(root, steps) -> None:
+    with Checkpointer(root, RUN) as ck:
+        for step in steps:
+            ck.save(step, {"w": torch.full((8,), float(step))}, metadata={"loss": 1.0 / step})
+
+
+def reads(store: FaultyStore, fn) -> list[str]:
+    store.reset_counts()
+    fn()
+    return [key for _, op, key in store.log if op == "get"]
+
+
+def test_a_known_store_costs_one_read_per_run_and_new_commits_are_read(tmp_path):
+    root = str(tmp_path / "store")
+    saved(root, range(1, 21))
+    store = FaultyStore(open_store(root), count_reads=True)
+    first = reads(store, lambda: list(catalog.summaries(store)))
+    assert sum(k.endswith("manifest.json") for k in first) == 20
+    again = reads(store, lambda: list(catalog.summaries(store)))
+    assert again == [f"{PREFIX}runs/{RUN}.json"]
+    saved(root, [21])
+    third = reads(store, lambda: [i.step for i in catalog.summaries(store)])
+    assert [k for k in third if k.endswith("manifest.json")] == [fmt.manifest_key(RUN, 21)]
+    assert [i.step for i in catalog.list_checkpoints(store, RUN)] == list(range(1, 22))
+
+
+def test_the_objects_stay_the_truth(tmp_path):
+    root = str(tmp_path / "store")
+    saved(root, [1, 2])
+    store = open_store(root)
+    list(catalog.summaries(store))
+    index = store.root + "/" + PREFIX + f"runs/{RUN}.json"
+    with open(index, "r+b") as f:  # damaged: rebuilt from the manifests
+        f.seek(20)
+        f.write(b"\x00")
+    assert [i.step for i in catalog.summaries(store)] == [1, 2]
+    digest = catalog.read_manifest(store, RUN, 2).digest
+    store.delete(fmt.manifest_key(RUN, 2))  # expired: gone from the listing, so from the answer
+    assert [i.step for i in catalog.summaries(store)] == [1]
+    saved(root, [2])  # committed again: a new manifest, read anew
+    [_, again] = catalog.summaries(store)
+    assert again.step == 2 and again.digest != digest
+
+
+def test_lifecycle_records_are_read_once(tmp_path):
+    root = str(tmp_path / "store")
+    saved(root, range(1, 6))
+    plain = open_store(root)
+    for step in range(1, 6):
+        lifecycle.validate(plain, RUN, step)
+    store = FaultyStore(plain, count_reads=True)
+    lifecycle.records_by_subject(store)
+    again = reads(store, lambda: lifecycle.records_by_subject(store))
+    assert again == [f"{PREFIX}lifecycle/{RUN}.json"]
+    assert all(r["validation"]["ok"] for r in lifecycle.records_by_subject(store).values())
