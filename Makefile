@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test ui bench soak clean
+.PHONY: install demo test ui bench soak scale clean
 
 install: $(STAMP)
 
@@ -30,6 +30,9 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/save_restore.py --size-mb 256
 	$(PY) benchmarks/save_restore.py --real
+
+scale: $(STAMP)
+	$(PY) benchmarks/scale.py --checkpoints 10000
 
 soak: $(STAMP)
 	$(PY) tests/soak/soak.py --kills 200
