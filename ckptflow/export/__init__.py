@@ -3,11 +3,12 @@
 ``model`` is the entry point (``export_safetensors``); ``tensors`` loads and prepares a
 checkpoint's tensors; ``files`` writes them deterministically (and ``load_exported``
 reads them back); ``architecture`` knows which tensors are tied or ``nn.Linear``
-weights; ``card`` renders the model card.
+weights; ``card`` renders the model card; ``dcp`` writes a plain DCP directory.
 """
 
 from ckptflow.export.architecture import model_metadata, tied_weights
 from ckptflow.export.card import Lineage
+from ckptflow.export.dcp import export_dcp
 from ckptflow.export.files import lineage_metadata, load_exported, write_safetensors
 from ckptflow.export.model import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -26,6 +27,7 @@ __all__ = [
     "ExportOptions",
     "ExportResult",
     "Lineage",
+    "export_dcp",
     "export_safetensors",
     "lineage_metadata",
     "load_exported",
