@@ -242,9 +242,11 @@ def _nested(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict[str, An
 
 
 def _child(node: Any, key: str | int, empty: Any, fqn: str) -> Any:
-    if isinstance(node, list):
-        _set(node, key, node[key] if isinstance(key, int) and key < len(node) and node[key] is not None else empty, fqn)
-        return node[key]  # type: ignore[index]
+    """The container at ``node[key]``, made ``empty`` if there is none yet."""
+    if isinstance(node, list) and isinstance(key, int):
+        if key >= len(node) or node[key] is None:
+            _set(node, key, empty, fqn)
+        return node[key]
     if isinstance(node, dict) and isinstance(key, str):
         return node.setdefault(key, empty)
     raise DcpFormatError(f"the saved path of {fqn!r} indexes a {type(node).__name__} with {key!r}")

@@ -176,7 +176,9 @@ def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise CkptflowError(
             f"{src} holds a {type(obj).__name__}; ckptflow imports a dict (a state dict, or a dict of entries)"
         )
-    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+    if not obj:
+        raise CkptflowError(f"{src} holds an empty dict: nothing to import")
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):
         return {"model": dict(obj)}, {}
     if not all(isinstance(k, str) and k for k in obj):
         raise CkptflowError(f"{src}: the top-level keys of a state must be non-empty strings, got {list(obj)[:8]}")

@@ -45,8 +45,7 @@ def load_state(
     if needed:
         tensors, _ = load_tensors(store, run, step, prefix="", progress=progress)
     state = unflatten(record.state, tensors)
-    if not isinstance(state, dict):
-        raise TypeError(f"run {run!r} step {step}: the saved state is a {type(state).__name__}, not a dict")
+    assert isinstance(state, dict)  # a saved state is a mapping of entries
     return state, manifest, {n: tensors[n] for n in needed}
 
 

@@ -94,6 +94,9 @@ class CkptflowIO(CheckpointIO):
         self._checkpointer: Checkpointer | None = None
         self._steps: dict[int, tuple[frozenset[str], str]] = {}  # saved or loaded here: entries, digest
 
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin into each process
+        return {**self.__dict__, "_checkpointer": None}
+
     @property
     def checkpointer(self) -> Checkpointer:
         if self._checkpointer is None:
@@ -272,8 +275,9 @@ def _read_pointer(path: Any) -> dict[str, Any] | None:
 
 
 def _is_safetensors(blob: bytes) -> bool:
-    """A safetensors file: 8 bytes of header length, then the JSON header."""
-    return len(blob) > 9 and blob[8:10] in (b'{"', b"{ ") and int.from_bytes(blob[:8], "little") < len(blob) + (1 << 30)
+    """A safetensors file (8 bytes of header length, then its JSON header), not a pointer
+    (JSON from the first byte)."""
+    return blob[8:9] == b"{" and not blob[:1] == b"{"
 
 
 def _to_device(tree: Any, device: Any) -> Any:
