@@ -37,6 +37,7 @@ from ckptflow import format as fmt
 from ckptflow.checkpointer import Checkpointer, SaveResult
 from ckptflow.dcp_dir import METADATA_FILE, read_state
 from ckptflow.errors import CkptflowError, UnsupportedStateError
+from ckptflow.export.architecture import from_transformers_config
 from ckptflow.export.dcp import SIDECAR
 from ckptflow.export.files import INDEX, TIED_KEY, WEIGHTS
 from ckptflow.store import Store
@@ -112,7 +113,9 @@ def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
                     if name in tensors:
                         raise CkptflowError(f"tensor {name!r} is stored twice (again in {path})")
                     tensors[name] = f.get_tensor(name)
-                tied.update(json.loads((f.metadata() or {}).get(TIED_KEY, "{}")))
+                header_tied = json.loads((f.metadata() or {}).get(TIED_KEY, "{}"))
+                if isinstance(header_tied, dict):
+                    tied.update({k: v for k, v in header_tied.items() if isinstance(v, str)})
         except (OSError, ValueError, SafetensorError) as e:
             raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     for dropped, kept in tied.items():
@@ -150,8 +153,6 @@ def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if not isinstance(config, dict):
         raise CkptflowError(f"{config_path} is not a JSON object")
     if config.get("architectures"):
-        from ckptflow.export.architecture import from_transformers_config
-
         for group in from_transformers_config(config).shared:
             present = [n for n in group if n in tensors]
             for name in group:
