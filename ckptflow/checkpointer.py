@@ -84,6 +84,7 @@ class Checkpointer:
         restore_rng: bool = True,
         progress: Progress | None = None,
         tiers: Sequence[str | Store] = (),
+        local: bool = False,
     ):
         self.store = open_store(root)
         self.run = fmt.validate_run(run)
@@ -98,7 +99,8 @@ class Checkpointer:
         self.tiers: list[Tier] = open_tiers(self.store, tiers)
         self.chunks = self.tiers[0].chunks
         self.pool = ThreadPoolExecutor(threads or min(32, 4 * (os.cpu_count() or 1)), thread_name_prefix="ckptflow")
-        self.group = Group(process_group)
+        # local=True: saves and restores by this process alone, even in a torch.distributed job
+        self.group = Group(process_group, local=local)
         cuda = torch.cuda.is_available()
         self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         self._pending: SaveHandle | None = None
@@ -114,13 +116,15 @@ class Checkpointer:
         metadata: dict | None = None,
         kind: str | None = None,
         blocking: bool = True,
+        rng: bool = True,
     ) -> SaveResult | SaveHandle | None:
         """Write a checkpoint of ``state`` at ``step``.
 
         ``kind`` defaults to the policy's choice (``None`` from the policy: nothing is
         written and None is returned) or "full" without a policy. With
         ``blocking=False`` the caller is held only while tensors are copied to host
-        memory; the returned handle's ``wait()`` gives the result.
+        memory; the returned handle's ``wait()`` gives the result. ``rng=False`` stores no
+        RNG state (a checkpoint brought in from elsewhere: this process's RNG is not the run's).
         """
         step = fmt.validate_step(step)
         if kind is None:
@@ -141,7 +145,7 @@ class Checkpointer:
             kind=kind,
             base_step=base,
             skeleton=skeleton,
-            rng=capture_rng(),
+            rng=capture_rng() if rng else None,
             metadata=dict(metadata or {}),
             world_size=self.group.world_size,
             save_id=save_id,
@@ -296,6 +300,8 @@ class Checkpointer:
         except CkptflowError as e:
             self._record_recovery(False, None, getattr(e, "skipped", []), None, started, str(e))
             raise
+        self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
+        self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(True, result.step, result.skipped, result.tier, started)
         return result, state
 

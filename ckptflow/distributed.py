@@ -8,8 +8,11 @@ import torch.distributed as dist
 
 
 class Group:
-    def __init__(self, process_group: dist.ProcessGroup | None = None):
-        self.active = dist.is_available() and dist.is_initialized()
+    """``local``: this process on its own, also inside a torch.distributed job (for a
+    framework that checkpoints from one rank only: no collective would ever complete)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, local: bool = False):
+        self.active = not local and dist.is_available() and dist.is_initialized()
         self.pg = process_group
         if self.active and self.pg is None:
             # A dedicated gloo group keeps checkpoint collectives (also those of async

@@ -21,6 +21,7 @@ from ckptflow.errors import InvalidNameError
 
 FORMAT_VERSION = 1
 STEP_DIGITS = 12
+IMPORT_FORMATS = ("dcp", "safetensors", "hf", "torch")  # what `ckptflow import` reads (ckptflow.importers)
 DIGEST_HEX = 64
 # bytes per element of every dtype a checkpoint may hold, by torch's name for it
 DTYPE_SIZES = {

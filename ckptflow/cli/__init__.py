@@ -1,4 +1,4 @@
-"""The ``ckptflow`` command: inspect, verify, export and garbage-collect a store from a shell.
+"""The ``ckptflow`` command: inspect, verify, import, export and garbage-collect a store from a shell.
 
 Each command is a thin wrapper over a library function (catalog, export, stats, gc),
 so scripts, the Dagster layer and humans get the same answers. Exit codes are part of
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from ckptflow.cli.commands import (
     cmd_export,
     cmd_gc,
+    cmd_import,
     cmd_ls,
     cmd_stats,
     cmd_thaw,
@@ -26,7 +27,10 @@ from ckptflow.cli.commands import (
 )
 from ckptflow.cli.output import PROG, human_bytes
 from ckptflow.errors import CkptflowError
-from ckptflow.export import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
+from ckptflow.export import EXPORT_DTYPES
+from ckptflow.format import IMPORT_FORMATS
+
+EXPORT_FORMATS = ("hf", "dcp")
 
 __all__ = ["build_parser", "human_bytes", "main"]
 
@@ -59,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--all", action="store_true", help="every step, also reporting uncommitted ones")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("export", help="write a checkpoint's model as a model directory or one safetensors file")
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a model directory, one safetensors file, or a plain DCP checkpoint"
+    )
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--run", required=True)
     p.add_argument("--step", type=int, help="default: the newest checkpoint that verifies")
@@ -67,9 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         help="a new directory (model.safetensors or shards, config.json, README.md; from_pretrained loads it) "
-        "or a FILE.safetensors (replaced atomically)",
+        "or a FILE.safetensors (replaced atomically); with --format dcp a new DCP checkpoint directory",
     )
-    p.add_argument("--key", default="model", help="state entry to export (default: model)")
+    p.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        default="hf",
+        help="hf (default): the model's weights as a model directory or safetensors file; dcp: the whole state "
+        "as a plain torch.distributed.checkpoint directory (dcp.load with FileSystemReader reads it)",
+    )
+    p.add_argument("--key", help="hf: state entry to export (default: model)")
     p.add_argument(
         "--dtype",
         choices=[d for d in EXPORT_DTYPES if d],
@@ -83,10 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-shard-size",
         type=size_arg,
-        default=DEFAULT_MAX_SHARD_BYTES,
         help="shard a model directory's weights past this size (default 5GB, as transformers counts)",
     )
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "import", help="commit a DCP directory, safetensors file, HF model directory or .pt file as a checkpoint"
+    )
+    p.add_argument("root", metavar="ROOT", help=root_help + " (created if missing)")
+    p.add_argument("--run", required=True)
+    p.add_argument("--step", type=int, required=True, help="the step to commit it as (must be free)")
+    p.add_argument("src", metavar="SRC", help="what to import")
+    p.add_argument(
+        "--format",
+        choices=["auto", *IMPORT_FORMATS],
+        default="auto",
+        help="default: from what SRC holds (a .metadata file: dcp; model.safetensors: hf; "
+        "*.safetensors; *.pt, .pth, .bin, .ckpt: torch, read with weights_only=True)",
+    )
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("stats", help="storage per run: logical, unique and stored bytes")
     p.add_argument("root", metavar="ROOT", help=root_help)

@@ -168,31 +168,66 @@ def size_arg(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ckptflow.export import ExportOptions, export_safetensors, newest_verified_step  # torch, when exporting
+    from ckptflow.export import (  # torch, when exporting
+        DEFAULT_MAX_SHARD_BYTES,
+        ExportOptions,
+        export_dcp,
+        export_safetensors,
+        newest_verified_step,
+    )
 
     store = _open(args.root)
     run = _require_run(store, args.run)
-    options = ExportOptions(
-        key=args.key,
-        dtype=args.dtype or "",
-        allow_fp16_overflow=args.allow_fp16_overflow,
-        max_shard_bytes=args.max_shard_size,
-    )
+    if args.format == "dcp":
+        given = [flag for flag, value in (("--key", args.key), ("--dtype", args.dtype),
+                 ("--allow-fp16-overflow", args.allow_fp16_overflow), ("--max-shard-size", args.max_shard_size))
+                 if value]  # fmt: skip
+        if given:
+            raise CkptflowError(
+                f"{', '.join(given)} apply to model exports (--format hf); --format dcp writes the whole state as saved"
+            )
+    else:
+        options = ExportOptions(
+            key=args.key or "model",
+            dtype=args.dtype or "",
+            allow_fp16_overflow=args.allow_fp16_overflow,
+            max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
+        )
     with progress(f"export {run}") as report_progress:
         skipped: list[tuple[int, str]] = []
         step = args.step
         if step is None:
             step, skipped = newest_verified_step(store, run, report_progress)
-        lineage = lineage_of(store, catalog.read_manifest(store, run, fmt.validate_step(step)))
-        result = export_safetensors(
-            store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress
-        )
+        if args.format == "dcp":
+            result = export_dcp(store, run, args.out, step=fmt.validate_step(step), progress=report_progress)
+        else:
+            lineage = lineage_of(store, catalog.read_manifest(store, run, fmt.validate_step(step)))
+            result = export_safetensors(
+                store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress
+            )
     for skipped_step, why in skipped:
         warn(f"run {run} step {skipped_step} does not verify, skipped: {why}")
+    what = "state, DCP" if args.format == "dcp" else args.key or "model"
     print(
-        f"exported run {run} step {result.step} ({args.key}): {result.tensors} tensors, "
+        f"exported run {run} step {result.step} ({what}): {result.tensors} tensors, "
         f"{human_bytes(result.bytes)} -> {result.path}"
         + (f" ({', '.join(result.files)})" if len(result.files) > 1 else "")
+    )
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from ckptflow.importers import import_checkpoint  # torch, when importing
+
+    try:
+        store = open_store(args.root)
+    except ValueError as e:
+        raise CkptflowError(str(e)) from None
+    result = import_checkpoint(store, args.run, args.step, args.src, format=args.format)
+    print(
+        f"imported {result.source} ({result.format}) as run {result.run} step {result.step}: "
+        f"entries {', '.join(result.entries)}; {result.tensors} tensors, {human_bytes(result.bytes)}; "
+        f"manifest {result.digest[:12]}"
     )
     return 0
 

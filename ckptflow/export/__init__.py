@@ -3,7 +3,7 @@
 ``model`` is the entry point (``export_safetensors``); ``tensors`` loads and prepares a
 checkpoint's tensors; ``files`` writes them deterministically (and ``load_exported``
 reads them back); ``architecture`` knows which tensors are tied or ``nn.Linear``
-weights; ``card`` renders the model card.
+weights; ``card`` renders the model card; ``dcp`` writes a plain DCP directory.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -14,12 +14,13 @@ _LAZY = {  # torch is imported when one of these is first used
     "model_metadata": "architecture", "tied_weights": "architecture", "Lineage": "card",
     "lineage_metadata": "files", "load_exported": "files", "write_safetensors": "files",
     "ExportOptions": "model", "ExportResult": "model", "export_safetensors": "model", "option_problems": "model",
-    "DTYPES": "tensors", "load_tensors": "tensors", "newest_verified_step": "tensors",
+    "DTYPES": "tensors", "load_tensors": "tensors", "newest_verified_step": "tensors", "export_dcp": "dcp",
 }  # fmt: skip
 
 if TYPE_CHECKING:
     from ckptflow.export.architecture import model_metadata, tied_weights
     from ckptflow.export.card import Lineage
+    from ckptflow.export.dcp import export_dcp
     from ckptflow.export.files import lineage_metadata, load_exported, write_safetensors
     from ckptflow.export.model import ExportOptions, ExportResult, export_safetensors, option_problems
     from ckptflow.export.tensors import DTYPES, load_tensors, newest_verified_step
@@ -42,6 +43,7 @@ __all__ = [
     "ExportOptions",
     "ExportResult",
     "Lineage",
+    "export_dcp",
     "export_safetensors",
     "lineage_metadata",
     "load_exported",

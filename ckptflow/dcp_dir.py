@@ -1,0 +1,262 @@
+"""Plain torch.distributed.checkpoint directories, read without running anyone's code.
+
+A directory written by ``dcp.save(state, storage_writer=FileSystemWriter(dir))`` holds a
+``.metadata`` file (a pickle of DCP's ``Metadata``) and ``*.distcp`` files, each a run
+of items: tensors written with ``torch.save``, and non-tensor values (BYTE_IO items)
+pickled with ``torch.save``. DCP's own ``FileSystemReader`` unpickles ``.metadata`` with
+``pickle.load`` and its default planner loads BYTE_IO items with
+``torch.load(weights_only=False)``: a crafted directory runs code on whoever loads it.
+torch 2.13 has no safe mode for either, so this module reads them itself:
+
+- ``.metadata`` through an unpickler that resolves only DCP's metadata classes and the
+  few torch values they hold (``torch.Size``, dtypes, layouts), as torch's
+  ``weights_only`` loader does for tensors; anything else is refused before it is
+  called, and the result is checked field by field;
+- tensors and BYTE_IO items with ``torch.load(weights_only=True)`` only, which refuses
+  any pickled object that is not plain data;
+- items only from plain file names inside the directory.
+
+The state comes back nested as it was saved (``Metadata.planner_data`` holds each
+flattened name's path): a string in a path is a dict key, an integer a list index.
+DCP stringifies dict keys, so an optimizer's raw ``state_dict()`` comes back with
+``"0"`` for parameter 0.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from ckptflow.errors import CkptflowError
+
+METADATA_FILE = ".metadata"
+MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
+_PENDING = object()  # a value not read yet
+
+_METADATA_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{(dcp_metadata.__name__, name): getattr(dcp_metadata, name) for name in _METADATA_CLASSES},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a name -> torch.layout lookup
+    ("pathlib", "PosixPath"): None,  # StorageMeta.checkpoint_id: the path it was saved to
+    ("pathlib", "PurePosixPath"): None,
+    ("pathlib", "PureWindowsPath"): None,
+}
+
+
+class DcpFormatError(CkptflowError):
+    """A DCP directory that is not one, is damaged, or holds what ckptflow will not unpickle."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals DCP's ``Metadata`` is made of; everything else (a
+    function, a class with side effects) is refused before it can be called."""
+
+    def __init__(self, file: Any, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)] or pickle.Unpickler.find_class(self, module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise DcpFormatError(
+            f"{self.where} refers to {module}.{name}, which is not part of DCP's checkpoint metadata; "
+            "ckptflow does not unpickle it (that could run code). Is this a DCP checkpoint from a trusted writer?"
+        )
+
+
+def read_metadata(directory: str) -> dcp_metadata.Metadata:
+    """The directory's DCP ``Metadata``, unpickled with only DCP's classes allowed, then checked."""
+    path = os.path.join(directory, METADATA_FILE)
+    where = f"DCP metadata {path}"
+    if not os.path.isfile(path):
+        raise DcpFormatError(f"{directory} is not a DCP checkpoint directory: it has no {METADATA_FILE} file")
+    size = os.path.getsize(path)
+    if size > MAX_METADATA_BYTES:
+        raise DcpFormatError(f"{where} is {size} bytes, more than DCP writes for any checkpoint; refused unread")
+    with open(path, "rb") as f:
+        try:
+            metadata = _MetadataUnpickler(f, where).load()
+        except DcpFormatError:
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, RecursionError,
+                IndexError) as e:  # fmt: skip
+            raise DcpFormatError(f"{where} is not readable DCP metadata ({type(e).__name__}: {e})") from None
+    _check_metadata(metadata, where)
+    return metadata
+
+
+def _check_metadata(md: Any, where: str) -> None:
+    """Every field a reader relies on has the type DCP gives it, and every item lies in a
+    plain file of the directory."""
+
+    def bad(what: str) -> DcpFormatError:
+        return DcpFormatError(f"{where}: {what}; the metadata is damaged or was not written by DCP")
+
+    if not isinstance(md, dcp_metadata.Metadata):
+        raise bad(f"it holds a {type(md).__name__}, not DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        raise bad("state_dict_metadata or storage_data is not a dict (a checkpoint written by another storage writer?)")
+    for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise bad(f"the name {fqn!r} is not a string")
+        if isinstance(item, dcp_metadata.TensorStorageMetadata):
+            props = item.properties
+            if not isinstance(item.size, torch.Size) or not isinstance(props, dcp_metadata.TensorProperties):
+                raise bad(f"tensor {fqn!r} has no size or properties")
+            if not isinstance(props.dtype, torch.dtype):
+                raise bad(f"tensor {fqn!r} has no dtype")
+            for chunk in item.chunks:
+                if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata) or len(chunk.offsets) != len(item.size):
+                    raise bad(f"tensor {fqn!r} has a malformed chunk")
+        elif not isinstance(item, dcp_metadata.BytesStorageMetadata):
+            raise bad(f"{fqn!r} is described by a {type(item).__name__}")
+    for index, info in md.storage_data.items():
+        if not isinstance(index, dcp_metadata.MetadataIndex) or index.fqn not in md.state_dict_metadata:
+            raise bad(f"storage entry {index!r} names nothing in the checkpoint")
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
+            raise bad(f"the storage of {index.fqn!r} is not a file location")
+        name = info.relative_path
+        if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
+            raise bad(f"{index.fqn!r} is stored in {name!r}, which is not a file name inside the directory")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
+            raise bad(f"{index.fqn!r} has an invalid offset or length")
+        if info.transform_descriptors:
+            raise DcpFormatError(
+                f"{where}: {index.fqn!r} was written through DCP's experimental stream extensions "
+                f"({list(info.transform_descriptors)}), which ckptflow does not read; save without extensions"
+            )
+    paths = md.planner_data
+    if paths is not None and (
+        not isinstance(paths, dict)
+        or not all(
+            isinstance(p, tuple) and p and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in p)
+            for p in paths.values()
+        )
+    ):
+        raise bad("planner_data is not a map of flattened names to key paths")
+
+
+def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:
+    path = os.path.join(directory, info.relative_path)
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+    except OSError as e:
+        raise DcpFormatError(f"cannot read {fqn!r} from {path}: {e}") from None
+    if len(data) != info.length:
+        raise DcpFormatError(
+            f"{path} ends before {fqn!r} (bytes {info.offset}..{info.offset + info.length}): the file is truncated"
+        )
+    return data
+
+
+def _torch_load(data: bytes, what: str) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DcpFormatError(
+            f"{what} is a pickled Python object that torch.load(weights_only=True) refuses ({first}); ckptflow "
+            "never unpickles anything else, since that can run code. Store such values as JSON-able data "
+            "(numbers, strings, lists, dicts) or tensors, or, if you trust the checkpoint, dcp.load it "
+            "yourself and save the state through a Checkpointer"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise DcpFormatError(f"{what} is not a readable torch.save item ({type(e).__name__}: {e})") from None
+
+
+def read_state(directory: str) -> dict[str, Any]:
+    """The state saved in a plain DCP directory: full tensors (every chunk copied into
+    place) and the non-tensor values, nested as they were saved."""
+    directory = os.path.abspath(directory)
+    md = read_metadata(directory)
+    flat: dict[str, Any] = {}  # in the order the state was saved
+    for fqn, item in md.state_dict_metadata.items():
+        flat[fqn] = _PENDING
+        if isinstance(item, dcp_metadata.TensorStorageMetadata):
+            try:
+                flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
+            except (RuntimeError, MemoryError) as e:
+                raise DcpFormatError(
+                    f"tensor {fqn!r} of {directory} declares shape {list(item.size)}, which cannot be allocated "
+                    f"here ({type(e).__name__}); the metadata is damaged or the tensor is larger than this memory"
+                ) from None
+    filled = {fqn: 0 for fqn, v in flat.items() if isinstance(v, torch.Tensor)}
+    for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        what = f"{index.fqn!r} in {os.path.join(directory, info.relative_path)}"
+        value = _torch_load(_item_bytes(directory, info, index.fqn), what)
+        if index.fqn not in filled:
+            flat[index.fqn] = value
+            continue
+        full = flat[index.fqn]
+        offsets = tuple(index.offset or (0,) * full.dim())
+        if not isinstance(value, torch.Tensor) or value.dtype != full.dtype or len(offsets) != full.dim():
+            raise DcpFormatError(f"{what} is not a {full.dtype} piece of a {full.dim()}-d tensor")
+        target = full
+        for dim, (start, length) in enumerate(zip(offsets, value.shape)):
+            if start < 0 or start + length > full.shape[dim]:
+                raise DcpFormatError(f"{what} lies outside its tensor of shape {list(full.shape)}")
+            target = target.narrow(dim, start, length)
+        target.copy_(value)
+        filled[index.fqn] += value.numel()
+    unstored = [fqn for fqn, v in flat.items() if v is _PENDING] + [
+        fqn for fqn, count in filled.items() if count < math.prod(flat[fqn].shape)
+    ]
+    if unstored:
+        raise DcpFormatError(f"{directory} does not store all of {unstored[:12]}: a file or shard is missing")
+    return _nested(flat, md.planner_data or {})
+
+
+def _nested(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict[str, Any]:
+    """The flattened names put back where ``paths`` say they came from."""
+    root: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        path = paths.get(fqn, (fqn,))
+        node: Any = root
+        for key, nxt in zip(path, path[1:]):
+            node = _child(node, key, [] if isinstance(nxt, int) else {}, fqn)
+        _set(node, path[-1], value, fqn)
+    return root
+
+
+def _child(node: Any, key: str | int, empty: Any, fqn: str) -> Any:
+    """The container at ``node[key]``, made ``empty`` if there is none yet."""
+    if isinstance(node, list) and isinstance(key, int):
+        if key >= len(node) or node[key] is None:
+            _set(node, key, empty, fqn)
+        return node[key]
+    if isinstance(node, dict) and isinstance(key, str):
+        return node.setdefault(key, empty)
+    raise DcpFormatError(f"the saved path of {fqn!r} indexes a {type(node).__name__} with {key!r}")
+
+
+def _set(node: Any, key: str | int, value: Any, fqn: str) -> None:
+    if isinstance(node, list) and isinstance(key, int):
+        node.extend([None] * (key + 1 - len(node)))
+        node[key] = value
+    elif isinstance(node, dict) and isinstance(key, str):
+        node[key] = value
+    else:
+        raise DcpFormatError(f"the saved path of {fqn!r} indexes a {type(node).__name__} with {key!r}")

@@ -1,0 +1,83 @@
+"""Export a checkpoint as a plain torch.distributed.checkpoint directory: no lock-in.
+
+``export_dcp(store, run, out)`` writes what ``dcp.save(state,
+storage_writer=FileSystemWriter(out))`` would have written for the checkpoint's state,
+so ``dcp.load(state, storage_reader=FileSystemReader(out))`` reads it without ckptflow.
+Tensors are full (shards gathered); the JSON values go in as DCP stores non-tensors
+(pickled BYTE_IO items: writing them is safe, DCP's reader unpickles them); the state
+is rank 0's view (``per_rank`` entries: rank 0's copy, since DCP would merge per-rank
+tensors of one name). ``ckptflow.json`` beside the DCP files names the source
+checkpoint and carries its metadata, so ``ckptflow import`` of the directory keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ckptflow import catalog
+from ckptflow import format as fmt
+from ckptflow.export.model import ExportResult, _check_out
+from ckptflow.export.tensors import Progress, load_tensors, newest_verified_step
+from ckptflow.manifest import Manifest
+from ckptflow.store import Store, open_store
+from ckptflow.tree import tensor_refs, unflatten
+
+SIDECAR = "ckptflow.json"  # beside the DCP files: the source checkpoint and its metadata
+
+
+def load_state(
+    store: Store, run: str, step: int, progress: Progress | None = None
+) -> tuple[dict[str, Any], Manifest, dict[str, torch.Tensor]]:
+    """The checkpoint's state as rank 0 saved it (every chunk verified), its manifest,
+    and its tensors by flattened name."""
+    manifest = catalog.read_manifest(store, run, step)
+    record = catalog.read_rank_record(store, manifest, 0)
+    needed = set(tensor_refs(record.state))
+    tensors: dict[str, torch.Tensor] = {}
+    if needed:
+        tensors, _ = load_tensors(store, run, step, prefix="", progress=progress)
+    state = unflatten(record.state, tensors)
+    assert isinstance(state, dict)  # a saved state is a mapping of entries
+    return state, manifest, {n: tensors[n] for n in needed}
+
+
+def export_dcp(
+    store: Store | str,
+    run: str,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Write one checkpoint (default: the newest that fully verifies) to the new
+    directory ``out`` as a plain DCP checkpoint; the directory appears whole or not at all."""
+    store = open_store(store)
+    fmt.validate_run(run)
+    out = os.path.abspath(os.fspath(out))
+    _check_out(out, as_dir=True)
+    skipped: list[tuple[int, str]] = []
+    if step is None:
+        step, skipped = newest_verified_step(store, run, progress)
+    state, manifest, tensors = load_state(store, run, step, progress)
+    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        sidecar = {"run": run, "step": step, "manifest_digest": manifest.digest, "metadata": manifest.metadata}
+        with open(os.path.join(tmp, SIDECAR), "w", encoding="utf-8") as f:
+            f.write(json.dumps(sidecar, indent=2) + "\n")
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked before): the rename replaces it
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return ExportResult(run, step, out, len(tensors), nbytes, manifest.digest, tuple(sorted(os.listdir(out))), skipped)

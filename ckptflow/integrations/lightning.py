@@ -1,0 +1,296 @@
+"""PyTorch Lightning checkpoints through ckptflow: ``Trainer(plugins=[CkptflowIO(root, run)])``.
+
+Lightning hands its ``CheckpointIO`` the whole checkpoint dict and a file path. The dict
+is committed to the store as checkpoint ``global_step`` of ``run`` (tensors as chunks,
+everything else as JSON); the path gets a small JSON *pointer* naming that checkpoint,
+so ``ModelCheckpoint``'s bookkeeping (top-k files, ``last.ckpt``, ``ckpt_path="last"``)
+works unchanged. Loading a pointer returns the dict as it was saved: the ``OrderedDict``
+state dict, integer optimizer ids, tuples such as Adam's betas.
+
+What is stored, and what is refused: tensors, and values JSON can say (numbers,
+strings, bools, None, lists, tuples, dicts, bytes, numpy scalars). That covers
+Lightning's own entries (weights, optimizer and scheduler states, loops, progress,
+ModelCheckpoint and EarlyStopping states, precision-plugin state). Whatever else
+reaches the dict (a ``save_hyperparameters()`` argument that is a module, a class or an
+omegaconf config; a callback state holding a ``Path``) is refused at save, naming its
+key, since storing it would need pickle; nothing is written then.
+
+Choices, documented:
+
+- A second save at a step this plugin already saved or loaded (``ModelCheckpoint`` writes
+  the top-k file and ``last.ckpt`` at the same step) commits nothing new: its pointer names
+  the checkpoint of that step, whose dict may differ from this one only in
+  ``ModelCheckpoint``'s bookkeeping. A second save carrying entries the first lacked (a
+  full save after a weights-only one) is refused.
+- ``ckpt_path="last"`` (a pointer named ``last*.ckpt``) resumes from the newest checkpoint
+  of the run that verifies, falling back past damaged ones as ``Checkpointer.restore``
+  does; any other pointer loads exactly its step, and only the commit it was written for.
+- The RNG state saved with the checkpoint (Python, NumPy, torch) is restored on load by
+  the process of global rank 0 (the one that saved it), so a resumed run draws the same
+  random numbers as an uninterrupted one (``restore_rng=False`` to keep Lightning's
+  default of not restoring them).
+- ``remove_checkpoint`` deletes the pointer only: the store's retention and GC decide
+  when checkpoint data goes.
+- Lightning saves from global rank 0 only, so this plugin's ``Checkpointer`` is local
+  (no collectives); every rank loads for itself.
+- A dict without ``global_step`` is not a training checkpoint (``ddp_spawn`` hands rank
+  0's weights back to the main process through the plugin): a plain state dict of
+  tensors is written to its path as safetensors, anything else is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from safetensors.torch import load, save
+
+from ckptflow import catalog
+from ckptflow.checkpointer import Checkpointer, SaveResult
+from ckptflow.errors import CheckpointExistsError, CkptflowError, UnsupportedStateError
+from ckptflow.store import Store
+
+try:
+    from lightning_fabric.plugins import CheckpointIO
+    from lightning_fabric.utilities.cloud_io import get_filesystem
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "ckptflow.integrations.lightning needs PyTorch Lightning: pip install 'ckptflow[lightning]'"
+    ) from e
+
+log = logging.getLogger("ckptflow")
+
+POINTER_KIND = "ckptflow-lightning-pointer"
+MAX_POINTER_BYTES = 1 << 20
+_LAST = re.compile(r"^last(-v?\d+)?$")  # what ModelCheckpoint names its last checkpoint
+
+
+def _global_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CkptflowIO(CheckpointIO):
+    """Lightning checkpoints committed to a ckptflow store (``root``) as steps of ``run``."""
+
+    def __init__(
+        self,
+        root: str | Store,
+        run: str,
+        *,
+        tiers: Sequence[str | Store] = (),
+        restore_rng: bool = True,
+        chunk_bytes: int = 8 << 20,
+        codec: str = "raw",
+    ):
+        self.root, self.run, self.tiers = root, run, tuple(tiers)
+        self.restore_rng, self.chunk_bytes, self.codec = restore_rng, chunk_bytes, codec
+        self._checkpointer: Checkpointer | None = None
+        self._steps: dict[int, tuple[frozenset[str], str]] = {}  # saved or loaded here: entries, digest
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin into each process
+        return {**self.__dict__, "_checkpointer": None}
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(
+                self.root, self.run, tiers=self.tiers, chunk_bytes=self.chunk_bytes, codec=self.codec, local=True,
+                restore_rng=self.restore_rng and _global_rank() == 0,
+            )  # fmt: skip
+        return self._checkpointer
+
+    # ---- save -------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
+        if "global_step" not in checkpoint:
+            _write_weights(checkpoint, path)
+            return
+        step = int(checkpoint["global_step"])
+        entries = frozenset(checkpoint)
+        known = self._steps.get(step)
+        if known is None:
+            digest = self._commit(step, checkpoint)
+            self._steps[step] = (entries, digest)
+        elif not entries <= known[0]:
+            raise CkptflowError(
+                f"step {step} of run {self.run!r} is already saved without {sorted(entries - known[0])}; a checkpoint "
+                "per step holds one dict. Use one kind of save per step (e.g. no save_weights_only=True beside "
+                "full saves), or a separate CkptflowIO run for weights-only checkpoints"
+            )
+        else:
+            digest = known[1]
+        ck = self.checkpointer
+        _write_pointer(path, {"kind": POINTER_KIND, "root": ck.store.url, "run": self.run, "step": step,
+                              "manifest_digest": digest})  # fmt: skip
+
+    def _commit(self, step: int, checkpoint: dict[str, Any]) -> str:
+        metadata = {"epoch": checkpoint.get("epoch"), "global_step": step, **_monitored(checkpoint)}
+        try:
+            result = self.checkpointer.save(step, checkpoint, metadata=metadata, kind="full")
+        except UnsupportedStateError as e:
+            raise UnsupportedStateError(
+                f"{e}. In a Lightning checkpoint that is usually a save_hyperparameters() argument (pass JSON values, "
+                "or leave it out with save_hyperparameters(ignore=[...])), a callback's state_dict(), or something "
+                "added in on_save_checkpoint; ckptflow stores tensors and JSON values only, so nothing was saved"
+            ) from None
+        except CheckpointExistsError as e:
+            raise CheckpointExistsError(
+                f"{e}. This run already has a checkpoint at global step {step}: resume it with "
+                f"trainer.fit(..., ckpt_path='last'), or train under a new run name"
+            ) from None
+        assert isinstance(result, SaveResult) and result.info is not None  # blocking and local
+        return result.info.digest
+
+    # ---- load -------------------------------------------------------------------------
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        """The checkpoint dict a pointer names (``weights_only`` makes no difference:
+        nothing is ever unpickled)."""
+        pointer = _read_pointer(path)
+        if pointer is None:
+            return _read_weights(path)
+        last = bool(_LAST.match(os.path.splitext(os.path.basename(str(path)))[0]))
+        ck = self.checkpointer
+        if (pointer["root"], pointer["run"]) != (ck.store.url, self.run):
+            ck = Checkpointer(pointer["root"], pointer["run"], local=True,
+                              restore_rng=self.restore_rng and _global_rank() == 0)  # fmt: skip
+        try:
+            if not last:
+                digest = catalog.read_manifest(ck.store, ck.run, pointer["step"]).digest
+                if digest != pointer["manifest_digest"]:
+                    raise CkptflowError(
+                        f"{path} names run {ck.run!r} step {pointer['step']} as committed with manifest "
+                        f"{pointer['manifest_digest'][:12]}, but that step now holds {digest[:12]} (committed again "
+                        "since); load the new one through a pointer written for it"
+                    )
+            result, checkpoint = ck.load(step=None if last else pointer["step"])
+        finally:
+            if ck is not self._checkpointer:
+                ck.close()
+        for step, why in result.skipped:
+            log.warning("ckptflow: skipped step %d of run %s (does not verify): %s", step, ck.run, why)
+        if last and result.step != pointer["step"]:
+            log.warning("ckptflow: %s names step %d; resuming from step %d", path, pointer["step"], result.step)
+        if ck is self._checkpointer:
+            self._steps[result.step] = (
+                frozenset(checkpoint),
+                catalog.read_manifest(ck.store, ck.run, result.step).digest,
+            )
+        return _to_device(checkpoint, map_location) if map_location is not None else checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer; the checkpoint stays in the store until retention and GC remove it."""
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path)
+
+    def teardown(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
+
+
+def _monitored(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """The metrics ModelCheckpoint callbacks monitor, as checkpoint metadata (what
+    retention's best-K and the lifecycle read)."""
+    out: dict[str, float] = {}
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and isinstance(state.get("monitor"), str):
+            score = state.get("current_score")
+            if isinstance(score, torch.Tensor) and score.numel() == 1:
+                out[state["monitor"]] = float(score)
+    return out
+
+
+def _write_pointer(path: Any, pointer: dict[str, Any]) -> None:
+    """The pointer file, whole or not at all (temporary name, then a rename)."""
+    fs = get_filesystem(path)
+    path = str(path)
+    fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with fs.open(tmp, "w") as f:
+        f.write(json.dumps(pointer, indent=2) + "\n")
+    try:
+        fs.mv(tmp, path)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
+
+
+def _write_weights(state_dict: dict[str, Any], path: Any) -> None:
+    """A dict that is not a training checkpoint: Lightning's ``ddp_spawn`` hands rank 0's
+    weights to the main process this way. Written as safetensors (nothing to unpickle)."""
+    others = sorted(str(k) for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+    if others:
+        raise CkptflowError(
+            "CkptflowIO saves Lightning training checkpoints (with 'global_step') and plain state dicts of "
+            f"tensors; {path} would get a dict with the non-tensor entries {others[:8]}"
+        )
+    fs = get_filesystem(path)
+    fs.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+    blob = save({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, metadata={"format": "pt"})
+    with fs.open(path, "wb") as f:
+        f.write(blob)
+
+
+def _read_weights(path: Any) -> dict[str, Any]:
+    with get_filesystem(path).open(path, "rb") as f:
+        return dict(load(f.read()))
+
+
+def _read_pointer(path: Any) -> dict[str, Any] | None:
+    """The pointer at ``path``; None for a safetensors file of weights (``_write_weights``)."""
+    fs = get_filesystem(path)
+    if not fs.exists(path):
+        raise CkptflowError(f"checkpoint {path} does not exist")
+    with fs.open(path, "rb") as f:
+        blob = f.read(MAX_POINTER_BYTES + 1)
+    if _is_safetensors(blob):
+        return None
+    try:
+        pointer = json.loads(blob) if len(blob) <= MAX_POINTER_BYTES else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pointer = None
+    fields = {"root": str, "run": str, "step": int, "manifest_digest": str}
+    if not (
+        isinstance(pointer, dict)
+        and pointer.get("kind") == POINTER_KIND
+        and all(isinstance(pointer.get(k), t) for k, t in fields.items())
+    ):
+        raise CkptflowError(
+            f"{path} is not a checkpoint written by CkptflowIO (a JSON pointer into a ckptflow store). A .ckpt "
+            "written by Lightning's own TorchCheckpointIO is a pickle, which ckptflow never loads: bring it in "
+            "with `ckptflow import ROOT --run R --step N FILE.ckpt` (read with torch.load(weights_only=True)), "
+            "or load it without this plugin"
+        )
+    return pointer
+
+
+def _is_safetensors(blob: bytes) -> bool:
+    """A safetensors file (8 bytes of header length, then its JSON header), not a pointer
+    (JSON from the first byte)."""
+    return blob[8:9] == b"{" and not blob[:1] == b"{"
+
+
+def _to_device(tree: Any, device: Any) -> Any:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"CkptflowIO.load_checkpoint: map_location must be a device or its name, got {device!r}")
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            tree[key] = _to_device(value, device)
+        return tree
+    if isinstance(tree, list):
+        return [_to_device(v, device) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_to_device(v, device) for v in tree)
+    return tree

@@ -1,0 +1,166 @@
+"""Item 7 of issue 9: safetensors files, Hugging Face model directories and ``torch.save``
+files brought in as checkpoints, and the ``ckptflow import`` / ``export --format dcp``
+commands.
+
+The HF round trip uses the real transformers: a tiny GPT-2 built from a config (nothing
+downloaded) saved with ``save_pretrained`` (which drops the tied ``lm_head.weight``),
+imported, exported again as a model directory, and loaded with ``from_pretrained``: the
+logits are bit-equal to the original model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from ckptflow import Checkpointer, CkptflowError
+from ckptflow.export import export_safetensors
+from ckptflow.importers import detect_format, import_checkpoint
+from support.cli import run_cli
+from support.states import tiny_state, tiny_train
+
+
+def gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # no two tensors equal by accident, as after training
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.arange(12).reshape(2, 6)
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_hf_directory_round_trip_gives_equal_logits(tmp_path, shard):
+    model = gpt2()
+    src = tmp_path / "hf"
+    model.save_pretrained(src, **({"max_shard_size": shard} if shard else {}))
+    assert os.path.exists(src / "model.safetensors.index.json") == bool(shard)
+    store = str(tmp_path / "store")
+
+    result = import_checkpoint(store, "gpt", 100, src)
+    assert result.format == "hf" and result.entries == ["model"]
+
+    with Checkpointer(store, run="gpt") as ck:
+        live = {"model": gpt2(seed=1)}
+        restored = ck.restore(live)  # strict: the tied name save_pretrained dropped is back
+        assert restored.metadata["model_config"]["architectures"] == ["GPT2LMHeadModel"]
+    assert torch.equal(logits(live["model"], IDS), logits(model, IDS))
+
+    export_safetensors(store, "gpt", tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert torch.equal(logits(reloaded, IDS), logits(model, IDS))
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()  # still tied
+
+
+def test_safetensors_file_imports_as_model_entry(tmp_path):
+    state = tiny_state(0, optimizer=False)
+    tensors = {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+    save_file(tensors, tmp_path / "w.safetensors")
+    import_checkpoint(str(tmp_path / "store"), "st", 1, tmp_path / "w.safetensors")
+    live = tiny_state(1, optimizer=False)
+    with Checkpointer(str(tmp_path / "store"), run="st") as ck:
+        result = ck.restore(live)
+    assert result.metadata["import"] == {"format": "safetensors", "source": str(tmp_path / "w.safetensors")}
+    for name, tensor in live["model"].state_dict().items():
+        assert torch.equal(tensor, tensors[name])
+
+
+def test_torch_file_training_checkpoint_imports_its_entries(tmp_path):
+    state = tiny_state(0)
+    tiny_train(state, 2)
+    torch.save({"model": state["model"].state_dict(), "epoch": 4, "note": "from a .pt"}, tmp_path / "ckpt.pt")
+    import_checkpoint(str(tmp_path / "store"), "pt", 1, tmp_path / "ckpt.pt")
+    live = {**tiny_state(1, optimizer=False), "epoch": 0, "note": ""}
+    with Checkpointer(str(tmp_path / "store"), run="pt") as ck:
+        ck.restore(live)
+    assert (live["epoch"], live["note"]) == (4, "from a .pt")
+    for name, tensor in live["model"].state_dict().items():
+        assert torch.equal(tensor, state["model"].state_dict()[name])
+
+
+def test_torch_file_state_dict_imports_as_model_entry(tmp_path):
+    model = tiny_state(0, optimizer=False)["model"]
+    torch.save(model.state_dict(), tmp_path / "sd.pth")
+    import_checkpoint(str(tmp_path / "store"), "pt", 1, tmp_path / "sd.pth")
+    with Checkpointer(str(tmp_path / "store"), run="pt") as ck:
+        _, state = ck.load()
+    assert list(state) == ["model"] and all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+
+
+class PlantsMarker:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('ran')",))
+
+
+def test_hostile_torch_file_is_refused_without_running(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"model": {"w": torch.ones(2)}, "evil": PlantsMarker(str(marker))}, tmp_path / "evil.pt")
+    with pytest.raises(CkptflowError, match=r"weights_only=True\) refuses.*never unpickles"):
+        import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "evil.pt")
+    assert not marker.exists()
+    torch.load(tmp_path / "evil.pt", weights_only=False)  # what an unguarded loader does
+    assert marker.exists()
+
+
+def test_unknown_source_names_what_is_supported(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(CkptflowError, match=r"DCP checkpoint directory.*Hugging Face.*safetensors.*torch\.save"):
+        detect_format(str(tmp_path / "notes.txt"))
+    with pytest.raises(CkptflowError, match="does not exist"):
+        detect_format(str(tmp_path / "missing"))
+
+
+def test_hf_index_naming_a_file_outside_is_refused(tmp_path):
+    model = gpt2()
+    model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+    index.write_text(json.dumps(doc))
+    with pytest.raises(CkptflowError, match="outside the directory"):
+        import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "hf")
+
+
+# ---- the command line -------------------------------------------------------------
+def test_cli_import_then_export_dcp(tmp_path, capsys):
+    model = gpt2()
+    model.save_pretrained(tmp_path / "hf")
+    store = tmp_path / "store"
+    code, out, err = run_cli(capsys, "import", store, "--run", "gpt", "--step", 7, tmp_path / "hf")
+    assert code == 0, err
+    assert "as run gpt step 7" in out and "(hf)" in out
+
+    code, out, err = run_cli(capsys, "export", store, "--run", "gpt", "--format", "dcp", "--out", tmp_path / "dcp")
+    assert code == 0, err
+    assert "step 7 (state, DCP)" in out
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(target, storage_reader=FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(target["model"][name], tensor), name
+
+    code, _, err = run_cli(
+        capsys, "export", store, "--run", "gpt", "--format", "dcp", "--dtype", "bf16", "--out", tmp_path / "x"
+    )
+    assert code == 2 and "--dtype apply to model exports" in err and not os.path.exists(tmp_path / "x")
+
+    code, _, err = run_cli(capsys, "import", store, "--run", "gpt", "--step", 7, tmp_path / "hf")
+    assert code == 2 and "already committed" in err

@@ -1,0 +1,151 @@
+"""Item 8 of issue 9: the Hugging Face ``transformers.Trainer`` through ``CkptflowTrainer``,
+with the real transformers and accelerate on CPU.
+
+A tiny GPT-2 (built from a config; dropout on, so the RNG matters) trains on generated
+tokens with ``save_steps``; the run is killed between checkpoints, a new Trainer (the
+global RNG scrambled) resumes with ``resume_from_checkpoint=True``, and the loss of
+every step after the checkpoint is bit-equal to an uninterrupted run's. No
+``checkpoint-N`` directory (and so no pickle) is written.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+from ckptflow import Checkpointer, CkptflowError, NoValidCheckpointError
+from ckptflow.export import export_safetensors
+from ckptflow.integrations.hf import CkptflowTrainer
+from support.corrupt import corrupt_chunk, only_in
+
+MAX_STEPS, SAVE_STEPS = 12, 4  # 10 steps per epoch: the run crosses an epoch boundary
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    transformers.logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class Crash(TrainerCallback):
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise RuntimeError("killed")
+
+
+class Recording(CkptflowTrainer):
+    """Keeps the exact loss of every training step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.losses: list[torch.Tensor] = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        self.losses.append((out[0] if return_outputs else out).detach().clone())
+        return out
+
+
+def dataset() -> list[dict]:
+    ids = torch.randint(0, 64, (40, 16), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
+
+
+def make(tmp_path, run: str, crash_at: int | None = None, seed: int = 0, **args) -> Recording:
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / run), max_steps=MAX_STEPS, save_steps=SAVE_STEPS, logging_steps=1,
+        per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=2, report_to=[], use_cpu=True,
+        disable_tqdm=True, seed=0, **args,
+    )  # fmt: skip
+    return Recording(
+        model=gpt2(seed),
+        args=arguments,
+        train_dataset=dataset(),
+        eval_dataset=dataset()[:8] if args.get("eval_strategy") else None,
+        callbacks=[Crash(crash_at)] if crash_at is not None else [],
+        ckptflow_root=str(tmp_path / "store"),
+        ckptflow_run=run,
+    )
+
+
+def uninterrupted(tmp_path) -> tuple[torch.Tensor, Recording]:
+    trainer = make(tmp_path, "full")
+    trainer.train()
+    return torch.stack(trainer.losses), trainer
+
+
+def killed_at(tmp_path, step: int) -> None:
+    with pytest.raises(RuntimeError, match="killed"):
+        make(tmp_path, "part", crash_at=step).train()
+
+
+def resume(tmp_path, **kwargs) -> Recording:
+    trainer = make(tmp_path, "part", seed=1)
+    torch.manual_seed(999)  # whatever the RNG is now, the checkpoint's is what counts
+    trainer.train(resume_from_checkpoint=True, **kwargs)
+    return trainer
+
+
+def test_killed_run_resumes_bit_for_bit(tmp_path):
+    full, done = uninterrupted(tmp_path)
+    assert len(full) == MAX_STEPS
+    killed_at(tmp_path, 6)  # two steps after the checkpoint at step 4
+
+    trainer = resume(tmp_path)
+    assert torch.equal(torch.stack(trainer.losses), full[SAVE_STEPS:])  # bit for bit
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, done.model.state_dict()[name]), name
+    assert trainer.state.global_step == MAX_STEPS
+    assert not [d for d in os.listdir(tmp_path / "part") if d.startswith("checkpoint-")]  # nothing pickled
+
+    infos = trainer.checkpointer.list()
+    assert [i.step for i in infos] == [4, 8, 12]
+    meta = infos[0].metadata
+    assert meta["model_config"]["architectures"] == ["GPT2LMHeadModel"] and meta["global_step"] == 4
+    assert meta["loss"] > 0 and "learning_rate" in meta
+
+
+def test_newest_damaged_checkpoint_is_skipped_and_saved_again(tmp_path):
+    full, _ = uninterrupted(tmp_path)
+    killed_at(tmp_path, 10)  # checkpoints at 4 and 8
+    root = tmp_path / "store"
+    corrupt_chunk(root, "part", 8, only_in(root, "part", 8, 4)[0])
+
+    trainer = resume(tmp_path)
+    assert torch.equal(torch.stack(trainer.losses), full[SAVE_STEPS:])  # from step 4
+    with Checkpointer(str(root), "part") as ck:
+        assert ck.verify(8).ok  # step 8 saved again over the damaged one
+
+
+def test_an_exported_checkpoint_loads_with_from_pretrained(tmp_path):
+    _, trainer = uninterrupted(tmp_path)
+    export_safetensors(str(tmp_path / "store"), "full", tmp_path / "model", step=MAX_STEPS)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    ids = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, trainer.model.eval()(ids).logits)
+
+
+def test_resume_without_checkpoints_says_so(tmp_path):
+    with pytest.raises(NoValidCheckpointError, match="no checkpoints at all"):
+        make(tmp_path, "empty").train(resume_from_checkpoint=True)
+
+
+def test_best_model_tracking_is_refused(tmp_path):
+    with pytest.raises(CkptflowError, match="load_best_model_at_end"):
+        make(tmp_path, "best", load_best_model_at_end=True, eval_strategy="steps", eval_steps=SAVE_STEPS)
