@@ -2,7 +2,7 @@
 
 Assets and jobs take ``ArchiveTierResource``, so either implementation can be bound to
 ``archive``: a plain URL (a local directory by default, or any URL ``open_store`` takes)
-or a bucket reached with dagster-aws credentials and written in a storage class.
+or a bucket reached with dagster-aws's S3 settings and written in a storage class.
 """
 
 import os
@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 
 from dagster import ConfigurableResource
 from dagster_aws.s3 import S3Resource
+from dagster_aws.s3.resources import ResourceWithS3Configuration
 from pydantic import Field
 
 from ckptflow.store import Store, open_store
@@ -52,17 +53,25 @@ S3_STORAGE_CLASSES = (
 )
 
 
-class S3ArchiveResource(ArchiveTierResource):
-    """The archive tier on S3: a bucket and prefix, reached through dagster-aws's
-    ``S3Resource`` (its region, endpoint URL, profile or keys), written in a storage
-    class. ``GLACIER_IR`` reads back at once, so archival re-reads every object to
-    verify it; ``GLACIER`` / ``DEEP_ARCHIVE`` objects must be thawed before a restore
-    (``ColdObjectError`` says so)."""
+class S3ArchiveResource(ResourceWithS3Configuration, ArchiveTierResource):
+    """The archive tier on S3: a bucket and prefix, reached with dagster-aws's S3
+    configuration (its region, endpoint URL, profile or keys: the fields of
+    ``S3Resource``), written in a storage class. ``GLACIER_IR`` reads back at once, so
+    archival re-reads every object to verify it; ``GLACIER`` / ``DEEP_ARCHIVE`` objects
+    must be thawed before a restore (``ColdObjectError`` says so).
 
-    s3: S3Resource = Field(description="dagster-aws S3 resource: credentials, region, endpoint URL")
+    The S3 settings are this resource's own fields rather than a nested ``S3Resource``:
+    Dagster initializes a nested resource through ``InitResourceContext.dagster_run``,
+    which it deprecates, and would warn in every run."""
+
     bucket: str = Field(description="bucket holding the archive")
     prefix: str = Field(default="", description="key prefix inside the bucket (the archive's root)")
     storage_class: str | None = Field(default=None, description="S3 storage class of archived objects, e.g. GLACIER_IR")
+
+    @property
+    def s3(self) -> S3Resource:
+        """dagster-aws's ``S3Resource`` with this archive's S3 settings (it builds the client)."""
+        return S3Resource(**{name: getattr(self, name) for name in ResourceWithS3Configuration.model_fields})
 
     def open(self) -> Store:
         from ckptflow.store.s3 import S3Store  # boto3 only where an S3 archive is configured
@@ -75,12 +84,13 @@ class S3ArchiveResource(ArchiveTierResource):
     def from_url(
         cls, url: str, *, endpoint_url: str | None = None, region: str | None = None, storage_class: str | None = None
     ) -> "S3ArchiveResource":
-        """From ``s3://bucket/prefix``; endpoint and region go to the ``S3Resource``."""
+        """From ``s3://bucket/prefix``; endpoint and region are the S3 settings."""
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc or parsed.query:
             raise ValueError(f"archive URL {url!r} must look like s3://bucket/prefix")
         return cls(
-            s3=S3Resource(endpoint_url=endpoint_url, region_name=region),
+            endpoint_url=endpoint_url,
+            region_name=region,
             bucket=parsed.netloc,
             prefix=parsed.path.strip("/"),
             storage_class=storage_class,
