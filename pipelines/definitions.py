@@ -32,12 +32,13 @@ from dagster import (
 
 from assets import ALL_ASSETS, ALL_CHECKS, evaluation
 from pipelines.jobs import promotion_job, retention_job, retention_schedule, rollback_job, scrub_job, scrub_schedule
-from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource, S3ArchiveResource
+from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource
 from resources.archive import default_archive_url
 from resources.evaluator import evaluators_from_env
 from resources.store import default_store_url
 from sensors import failure_sensor, landing_sensor, validation_job
 from sensors.intervals import SENSOR_INTERVAL_S
+from sensors.landing import LANE_TAG
 
 DEMO_EVALUATORS = {"tinylm-demo": "pipelines.demo.evaluate:evaluate"}
 
@@ -48,6 +49,8 @@ def resources_for(deployment: str, store: str | None = None, archive: str | None
     archive_url = archive or os.environ.get("CKPTFLOW_ARCHIVE") or ""
     s3_archive = None
     if archive_url.startswith("s3://"):
+        from resources.s3_archive import S3ArchiveResource  # dagster-aws only where it is used
+
         s3_archive = S3ArchiveResource.from_url(
             archive_url,
             endpoint_url=os.environ.get("CKPTFLOW_S3_ENDPOINT_URL") or None,
@@ -84,6 +87,7 @@ lifecycle_automation = AutomationConditionSensorDefinition(
     default_status=DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=SENSOR_INTERVAL_S,
     emit_backfills=False,
+    run_tags={LANE_TAG: "archival"},
     description="Compression and archival of validated checkpoints; the inventory and metrics on their cadence.",
 )
 evaluation_automation = AutomationConditionSensorDefinition(
@@ -92,6 +96,7 @@ evaluation_automation = AutomationConditionSensorDefinition(
     default_status=DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=SENSOR_INTERVAL_S,
     emit_backfills=False,
+    run_tags={LANE_TAG: "evaluation"},  # the instance's run queue limits this lane (pipelines/instance/)
     description="Evaluation of validated checkpoints, in runs of its own.",
 )
 

@@ -47,6 +47,7 @@ from sensors.intervals import SENSOR_INTERVAL_S
 MAX_PER_TICK = 500
 SLACK = 60.0  # seconds
 DIGEST_TAG = "ckptflow/manifest_digest"
+LANE_TAG = "ckptflow/lane"  # validation / evaluation / archival: what the run queue limits by
 
 validation_job = define_asset_job(
     "validate_checkpoint",
@@ -115,7 +116,11 @@ def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
     known = set(context.instance.get_dynamic_partitions(checkpoints_partitions.name))
     new_keys = sorted({c.key for c in landed} - known)
     requests = [
-        RunRequest(run_key=f"{c.key}@{c.marker}", partition_key=c.key, tags={DIGEST_TAG: c.digest} if c.digest else {})
+        RunRequest(
+            run_key=f"{c.key}@{c.marker}",
+            partition_key=c.key,
+            tags={LANE_TAG: "validation", **({DIGEST_TAG: c.digest} if c.digest else {})},
+        )
         for c in landed
         if not c.validated
     ]

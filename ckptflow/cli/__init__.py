@@ -14,18 +14,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ckptflow.cli.commands import (
-    cmd_export,
-    cmd_gc,
-    cmd_ls,
-    cmd_stats,
-    cmd_thaw,
-    cmd_verify,
-    duration_arg,
-)
 from ckptflow.cli.output import PROG, human_bytes
 from ckptflow.errors import CkptflowError
-from ckptflow.export import DTYPES
 
 __all__ = ["build_parser", "human_bytes", "main"]
 
@@ -40,6 +30,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # the commands bring torch (export); imported here so `ckptflow.cli.output` stays light
+    from ckptflow.cli.commands import cmd_export, cmd_gc, cmd_ls, cmd_stats, cmd_thaw, cmd_verify, duration_arg
+    from ckptflow.export import DTYPES
+
     parser = _Parser(prog=PROG, description="Inspect and manage a ckptflow checkpoint store.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     root_help = "store root: a path, file:// or s3://bucket/prefix URL"
