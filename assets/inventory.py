@@ -83,7 +83,7 @@ def inventory_view(df: pd.DataFrame) -> pd.DataFrame:
                 "ratio": _num(r["compression_ratio"]),
                 "validation": r["validation"] + (f": {_cut(r['problem'], 40)}" if r["problem"] else ""),
                 **{c.removeprefix("metric."): _num(r[c]) for c in metrics},
-                "last failure": _cut(r["last_failure"], 40),
+                "last failure": _cut(r["last_failure"], 50),
                 "retention": _cut(r.get("retention"), 60),
             }
         )

@@ -155,3 +155,46 @@ def train_other_model(store: str, env: dict[str, str], *args: str) -> str:
         check=True,
     )
     return done.stdout
+
+
+DEMO_RUN = "regressor-demo"
+
+
+def demonstrate(store: str, archive: str, dagster_home: str, timeout_s: float = 240) -> bool:
+    """``make demo``'s last part: the real daemon on the demo's instance carries three
+    checkpoints of another team's model through, the newest corrupted; prints when each
+    was validated, evaluated and archived. Whether everything settled as it should."""
+    print(
+        f"== the real path: dagster-daemon on {dagster_home} (default sensor intervals); another training "
+        f"process (pipelines/demo/regressor.py: an MLP regressor reporting its own val_loss) commits 3 checkpoints "
+        "of run 'regressor-demo', the newest corrupted"
+    )
+    env = lifecycle_env(dagster_home, store, archive)
+    env.pop("CKPTFLOW_SENSOR_INTERVAL_S", None)
+    log = os.path.join(dagster_home, "demo-daemon.log")
+    started = time.monotonic()
+    process = start([dagster_bin("dagster-daemon"), "run", "-w", "workspace.yaml"], env, log)
+    corrupt = {checkpoint_key(DEMO_RUN, 60)}
+    try:
+        with DagsterInstance.from_config(dagster_home) as instance:
+            if not wait_for_daemon(instance):
+                print(f"  the daemon did not start; see {log}")
+                return False
+            print(f"  daemon running after {time.monotonic() - started:.1f} s (it loads the code location)")
+            train_other_model(store, env, "--run", DEMO_RUN, "--checkpoints", "3", "--corrupt-newest")
+            ok = wait_until(lambda: settled(observe(instance, store, DEMO_RUN), corrupt), timeout_s)
+            outcomes = observe(instance, store, DEMO_RUN)
+    finally:
+        stop(process)
+    for o in outcomes:
+        if o.blocked:
+            print(f"  {o.key}: blocked by its integrity check (validate_checkpoint failed; nothing downstream ran)")
+        else:
+            after = {k: f"{v:.1f} s" for k, v in o.after_s.items()}
+            print(
+                f"  {o.key}: after its commit: validated {after.get('checkpoint', '-')}, "
+                f"evaluated {after.get('evaluation', '-')} (trainer metrics), archived {after.get('archived', '-')}"
+            )
+    if not ok:
+        print(f"  not everything settled within {timeout_s:.0f} s; see {log} and the runs in the UI")
+    return ok
