@@ -66,10 +66,6 @@ def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], No
         yield update
 
 
-def secs(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} s"
-
-
 def human_duration(seconds: float | None) -> str:
     """Seconds up to two minutes, minutes up to two hours, then hours."""
     if seconds is None:

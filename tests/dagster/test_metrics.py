@@ -52,3 +52,37 @@ def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
     assert metadata["rto_median_s"].value == pytest.approx(30 + restore_s, rel=1e-3)
     assert metadata["hot_stored_bytes"].value > 0 and metadata["hot_stored"].value.endswith("iB")
     assert metadata[f"{RUN}/checkpoints_in_window"].value == 4 and "| run" in metadata["table"].value
+
+
+def test_rpo_freshness_check_warns_when_no_checkpoint_became_recovery_ready_within_the_target(
+    store_with_checkpoints, defs, resources, instance, monkeypatch
+):
+    from dagster import AssetCheckSeverity, AssetSelection
+
+    from assets import RPO_FRESHNESS_KEY
+
+    def check(target: str):
+        monkeypatch.setenv("CKPTFLOW_RPO_TARGET", target)
+        result = materialize(
+            [*defs.assets, *defs.asset_checks],
+            selection=AssetSelection.checks(RPO_FRESHNESS_KEY),
+            instance=instance,
+            resources=resources,
+        )
+        [evaluation] = result.get_asset_check_evaluations()
+        return evaluation
+
+    none_ready = check("1h")  # nothing validated yet: nothing to recover to
+    assert not none_ready.passed and none_ready.severity == AssetCheckSeverity.WARN
+    instance.add_dynamic_partitions("checkpoints", [checkpoint_key(RUN, 40)])
+    materialize(
+        PARTITIONED,
+        partition_key=checkpoint_key(RUN, 40),
+        instance=instance,
+        resources=resources,
+        selection=["checkpoint"],
+    )
+    fresh = check("1h")
+    assert fresh.passed and fresh.metadata["newest_recovery_ready_run"].value == RUN
+    stale = check("0s")
+    assert not stale.passed and stale.metadata["age_s"].value > 0 and stale.metadata["rpo_target"].value == "0.0 s"
