@@ -4,7 +4,9 @@ Shows the library end to end on CPU in well under a minute: full and async
 incremental saves, a simulated crash and restore (weights, optimizer, scheduler, RNG,
 data position), a checkpoint corrupted on purpose that restore skips and verify
 reports, and the store's dedup figures. Then it drives the Dagster lifecycle over the store
-in-process (pipelines/demo/lifecycle.py) and prints its summary; `make ui` shows the same.
+in-process (pipelines/demo/lifecycle.py), starts the real dagster-daemon and watches it carry
+another training process's checkpoints through (pipelines/demo/daemon.py), and prints the
+summary; `make ui` shows the same.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dagster import AssetKey, AssetPartitionStatus, AssetRecordsFilter, DagsterInstance
+
+# Dagster 1.13 has no public API for a partition's latest check execution; these two are what
+# its own UI queries use (the pinned version keeps them stable)
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
