@@ -6,6 +6,8 @@ a cron tick rather than ``eager()``: with partitioned parents, eager would wait 
 do, so the inventory would stop updating exactly when it matters.
 """
 
+import re
+
 import pandas as pd
 from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 
@@ -63,6 +65,14 @@ def _cut(text, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+_CHUNK_URL = re.compile(r"\S+/chunks/[0-9a-f]{2}/([0-9a-f]{12})[0-9a-f]*")
+
+
+def _problem(text) -> str:
+    """A validation problem for a table cell: chunk URLs shortened to their digest's start."""
+    return _cut(_CHUNK_URL.sub(r"\1…", str(text or "")), 60)
+
+
 def _num(value) -> str:
     return "" if value is None or pd.isna(value) else f"{rounded(float(value))}"
 
@@ -81,7 +91,7 @@ def inventory_view(df: pd.DataFrame) -> pd.DataFrame:
                 "tiers": r["tiers"],
                 "stored": human_bytes(r["stored_bytes"]),
                 "ratio": _num(r["compression_ratio"]),
-                "validation": r["validation"] + (f": {_cut(r['problem'], 40)}" if r["problem"] else ""),
+                "validation": r["validation"] + (f": {_problem(r['problem'])}" if r["problem"] else ""),
                 **{c.removeprefix("metric."): _num(r[c]) for c in metrics},
                 "last failure": _cut(r["last_failure"], 50),
                 "retention": _cut(r.get("retention"), 60),
