@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test ui bench soak scale clean
+.PHONY: install demo test test-e2e ui bench soak scale clean
 
 install: $(STAMP)
 
@@ -16,14 +16,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m pipelines.demo
 
+# Lint, types and the suite without the end-to-end tests (a few minutes on 2 cores).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# The real Dagster processes: dagster-daemon on SQLite and on PostgreSQL (+ dagster-webserver),
+# and the browser test (headless Chromium against `dagster dev` after the demo). .ci/run runs both.
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 ui: $(STAMP)
 	mkdir -p .dagster_home
+	test -f .dagster_home/dagster.yaml || cp pipelines/instance/local.yaml .dagster_home/dagster.yaml
 	DAGSTER_HOME=$(CURDIR)/.dagster_home $(VENV)/bin/dagster dev -w workspace.yaml
 
 bench: $(STAMP)
@@ -38,4 +45,4 @@ soak: $(STAMP)
 	$(PY) tests/soak/soak.py --kills 200
 
 clean:
-	rm -rf $(VENV) .demo .bench .pytest_cache
+	rm -rf $(VENV) .demo .bench .pytest_cache .ci/artifacts

@@ -1,6 +1,8 @@
 """Dagster layer: checkpoint assets and checks, the inventory, deployed models."""
 
-from assets.checkpoints import archived, checkpoint, compressed, evaluation, integrity
+from assets import maturity  # noqa: F401  (first: filters the warnings of the beta/preview APIs we opt into)
+from assets.checkpoints import INTEGRITY_KEY, archived, checkpoint, compressed, evaluation
+from assets.freshness import RPO_FRESHNESS_KEY, rpo_freshness
 from assets.inventory import checkpoint_inventory, retention_plan
 from assets.metrics import recovery_metrics
 from assets.models import deployed_model
@@ -8,12 +10,14 @@ from assets.partitions import checkpoint_key, checkpoints_partitions, parse_chec
 
 PARTITIONED = [checkpoint, evaluation, compressed, archived]
 ALL_ASSETS = [*PARTITIONED, checkpoint_inventory, retention_plan, recovery_metrics, deployed_model]
-ALL_CHECKS = [integrity]
+ALL_CHECKS = [rpo_freshness]
 
 __all__ = [
     "ALL_ASSETS",
     "ALL_CHECKS",
+    "INTEGRITY_KEY",
     "PARTITIONED",
+    "RPO_FRESHNESS_KEY",
     "archived",
     "checkpoint",
     "checkpoint_inventory",
@@ -22,8 +26,8 @@ __all__ = [
     "compressed",
     "deployed_model",
     "evaluation",
-    "integrity",
     "parse_checkpoint_key",
     "recovery_metrics",
     "retention_plan",
+    "rpo_freshness",
 ]

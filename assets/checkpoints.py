@@ -1,13 +1,19 @@
-"""Per-checkpoint assets: the registered checkpoint, its blocking integrity check,
+"""Per-checkpoint assets: the validated checkpoint (with its blocking integrity check),
 evaluation, compression and archival. Each body is a few lines over the library.
 
-Flow. The landing sensor adds a partition and requests ``checkpoint`` (with its
-integrity check) for it. Everything downstream follows by declarative automation:
-``AutomationCondition.eager()`` AND "every blocking check of my dependencies passed",
-so a corrupt checkpoint stops at its check and is never evaluated, compressed or
-archived. We chose automation conditions over materialization sensors because the
-gating on blocking checks, in-progress and missing dependencies is built in and shows
-in the UI's automation view per partition.
+Flow. The landing sensor adds a partition and requests ``checkpoint`` for it.
+``checkpoint`` materializes only a checkpoint that passed its integrity check: a corrupt
+one records the failed check (with the exact problem) and then fails the step, so its
+partition is *Failed* on the asset's Partitions tab and in the graph's partition
+counts, while every good checkpoint is *Materialized*. The check is declared on the
+asset (``check_specs``) because the same verification decides both.
+
+Everything downstream follows by declarative automation: ``AutomationCondition.eager()``
+AND "every blocking check of my dependencies passed", so a corrupt checkpoint is never
+evaluated, compressed or archived. Evaluation and archival are requested by two
+automation sensors (``pipelines/definitions.py``), so they run in separate runs: a
+failing evaluator fails its own run and partition, never the compression and archival
+of the same checkpoint.
 
 Backfills: every partitioned asset carries ``BackfillPolicy.multi_run(1)``: one run per
 checkpoint, so each partition gets its own metadata (which is what Dagster plots
@@ -18,25 +24,26 @@ so the inventory and retention read them without querying Dagster's event log.
 """
 
 from dagster import (
-    AssetCheckExecutionContext,
+    AssetCheckKey,
     AssetCheckResult,
     AssetCheckSeverity,
+    AssetCheckSpec,
     AssetExecutionContext,
+    AssetKey,
     AutomationCondition,
     BackfillPolicy,
     Failure,
     MaterializeResult,
     MetadataValue,
     asset,
-    asset_check,
 )
 
+from assets.metadata import bullet_list, metrics, ratio, size
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError
 from ckptflow.lifecycle import EvaluationRule
-from ckptflow.lifecycle.evaluate import numeric
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
 
@@ -46,6 +53,15 @@ DOWNSTREAM = (AutomationCondition.eager() & AutomationCondition.all_deps_blockin
     "eager, once the checkpoint's integrity check passed"
 )
 _COMMON = dict(partitions_def=checkpoints_partitions, group_name=GROUP, backfill_policy=BACKFILL, kinds={"ckptflow"})
+
+INTEGRITY = AssetCheckSpec(
+    "integrity",
+    asset="checkpoint",
+    blocking=True,
+    partitions_def=checkpoints_partitions,
+    description="Manifest checksum and structure, every rank record, every chunk present and matching its hash.",
+)
+INTEGRITY_KEY = AssetCheckKey(AssetKey("checkpoint"), INTEGRITY.name)
 
 
 def _source(hot: Store, archive: ArchiveTierResource, run: str, step: int) -> Store:
@@ -61,61 +77,59 @@ def run_step_committed(store: Store, run: str, step: int) -> bool:
     return store.exists(fmt.manifest_key(run, step))
 
 
-def _numbers(values: dict) -> dict:
-    return {k: MetadataValue.float(float(v)) for k, v in numeric(values).items()}
-
-
-@asset(**_COMMON)
-def checkpoint(
-    context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
-) -> MaterializeResult:
-    """A committed checkpoint (its manifest). Never fails on a bad manifest: the blocking
-    integrity check is the one gate, so a corrupt checkpoint shows as a failed check."""
-    run, step = parse_checkpoint_key(context.partition_key)
-    source = _source(store.open(), archive, run, step)
-    try:
-        manifest = catalog.read_manifest(source, run, step)
-    except CkptflowError as e:
-        return MaterializeResult(metadata={"run": run, "step": step, "manifest_error": str(e)})
+def _describe(manifest) -> dict:
     info = catalog.CheckpointInfo.from_manifest(manifest)
-    return MaterializeResult(
-        metadata={
-            "run": run,
-            "step": MetadataValue.int(step),
-            "kind": info.kind,
-            "world_size": info.world_size,
-            "logical_bytes": MetadataValue.int(info.logical_bytes),
-            "stored_bytes": MetadataValue.int(info.stored_bytes),
-            "chunks": MetadataValue.int(info.chunks),
-            "base_step": info.base_step if info.base_step is not None else -1,
-            "created_at": MetadataValue.timestamp(info.created_at),
-            "manifest_digest": manifest.digest,
-            "tier": source.url,
-            **{f"trainer/{k}": v for k, v in _numbers(info.metadata).items()},
-        },
-    )
+    described = {
+        "run": info.run,
+        "step": str(info.step),
+        "kind": info.kind,
+        "world_size": str(info.world_size),
+        **size("logical", info.logical_bytes),
+        **size("stored", info.stored_bytes),
+        "chunks": MetadataValue.int(info.chunks),
+        "created_at": MetadataValue.timestamp(info.created_at),
+        "manifest_digest": manifest.digest,
+        **metrics(info.metadata, prefix="trainer/"),
+    }
+    if info.kind == "incremental" and info.base_step is not None:
+        described["written_after"] = (
+            f"step {info.base_step}: chunks unchanged since that checkpoint were reused, not rewritten"
+        )
+    return described
 
 
-@asset_check(asset=checkpoint, blocking=True, partitions_def=checkpoints_partitions)
-def integrity(
-    context: AssetCheckExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
-) -> AssetCheckResult:
-    """Manifest checksum and structure, every rank record, every chunk present and
-    matching its hash. Blocking: nothing downstream runs on a checkpoint that fails it."""
+@asset(check_specs=[INTEGRITY], **_COMMON)
+def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource):
+    """A committed checkpoint that passed its blocking integrity check (manifest checksum
+    and structure, every rank record, every chunk re-hashed). A corrupt one fails: its
+    partition shows *Failed* and the ``integrity`` check holds the exact problem."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    record = lifecycle.validate(_source(hot, archive, run, step), run, step, records=hot)
-    return AssetCheckResult(
+    source = _source(hot, archive, run, step)
+    record = lifecycle.validate(source, run, step, records=hot)
+    check = AssetCheckResult(
+        check_name=INTEGRITY.name,
         passed=bool(record["ok"]),
         severity=AssetCheckSeverity.ERROR,
         metadata={
             "chunks_checked": record["chunks_checked"],
-            "bytes_checked": record["bytes_checked"],
+            **size("checked", record["bytes_checked"]),
             "tier": record["tier"],
             "manifest_digest": record["manifest_digest"],
-            "problems": MetadataValue.md("\n".join(f"- {p}" for p in record["problems"]) or "none"),
+            "problems": bullet_list(record["problems"]),
         },
     )
+    if not record["ok"]:
+        yield check
+        problems = record["problems"] or ["no problem recorded"]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise Failure(
+            description=f"integrity check blocked {context.partition_key}: {problems[0]}{more}",
+            metadata={"problems": bullet_list(problems)},
+            allow_retries=False,
+        )
+    manifest = catalog.read_manifest(source, run, step)
+    yield MaterializeResult(metadata={**_describe(manifest), "tier": source.url}, check_results=[check])
 
 
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
@@ -127,27 +141,34 @@ def evaluation(
 ) -> MaterializeResult:
     """Metrics from the run's evaluator (or, for a run with none, the trainer's recorded
     metrics), as numeric metadata plotted across partitions; the change against the
-    previous evaluated checkpoint, and an overfitting flag."""
+    previous evaluated checkpoint, and an overfitting flag. An evaluator that fails
+    fails this partition only, with its error."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    name, function = evaluator.evaluator_for(run)
     rule = EvaluationRule(evaluator.val_metric, evaluator.train_metric, evaluator.mode)
-    record = lifecycle.evaluate(
-        _source(hot, archive, run, step), hot, run, step, function, evaluator_name=name, key=evaluator.key, rule=rule
-    )
+    path = evaluator.name_for(run)
+    try:
+        name, function = evaluator.evaluator_for(run)
+        source = _source(hot, archive, run, step)
+        record = lifecycle.evaluate(source, hot, run, step, function, evaluator_name=name, key=evaluator.key, rule=rule)
+    except Exception as e:
+        if path is None or isinstance(e, CkptflowError):
+            raise  # reading the checkpoint failed: the library's error says what and where
+        # an evaluator is anyone's code: its error is this partition's, said in one line
+        raise Failure(
+            description=f"evaluator {path} failed on {context.partition_key}: {type(e).__name__}: {e}"[:2000],
+            allow_retries=False,
+        ) from e
     if record["overfitting"]:
         context.log.warning(f"{context.partition_key}: {rule.val_metric} got worse while {rule.train_metric} improved")
-    extra = (
-        {}
-        if record["improvement"] is None
-        else {f"improvement/{rule.val_metric}": MetadataValue.float(record["improvement"])}
-    )
+    extra = {} if record["improvement"] is None else metrics({f"improvement/{rule.val_metric}": record["improvement"]})
     return MaterializeResult(
         metadata={
-            **_numbers(record["metrics"]),
+            **metrics(record["metrics"]),
             **extra,
             "overfitting": bool(record["overfitting"]),
             "evaluator": record["evaluator"],
+            "source": "the trainer's recorded metrics" if record["source"] == "trainer" else "evaluator",
             "manifest_digest": record["manifest_digest"],
         }
     )
@@ -166,9 +187,9 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
         metadata={
             "chunks": report.chunks,
             "reencoded": report.reencoded,
-            "bytes_before": MetadataValue.int(report.bytes_before),
-            "bytes_after": MetadataValue.int(report.bytes_after),
-            "ratio": MetadataValue.float(report.ratio or 1.0),
+            **size("before", report.bytes_before),
+            **size("after", report.bytes_after),
+            "ratio": ratio(report.ratio),
         }
     )
 
@@ -187,8 +208,8 @@ def archived(
     report = lifecycle.archive(hot, arc, run, step)
     if not report.ok:
         raise Failure(
-            f"archive copy of {context.partition_key} in {arc.url} does not verify",
-            metadata={"problems": MetadataValue.md("\n".join(f"- {p}" for p in report.problems[:20]))},
+            f"archive copy of {context.partition_key} in {arc.url} does not verify: {report.problems[0]}",
+            metadata={"problems": bullet_list(report.problems)},
         )
     return MaterializeResult(
         metadata={
@@ -196,7 +217,7 @@ def archived(
             "manifest_key": fmt.manifest_key(run, step),
             "chunks_copied": report.chunks_copied,
             "chunks_already_there": report.chunks_present,
-            "bytes_copied": MetadataValue.int(report.bytes_copied),
+            **size("copied", report.bytes_copied),
             "verified": True,
             "chunks_verified": report.chunks_verified,
             "verified_by": report.verified_by,

@@ -6,12 +6,16 @@ a cron tick rather than ``eager()``: with partitioned parents, eager would wait 
 do, so the inventory would stop updating exactly when it matters.
 """
 
+import re
+
 import pandas as pd
 from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
+from assets.metadata import ratio, rounded, size
 from assets.partitions import parse_checkpoint_key
 from ckptflow import inventory, lifecycle, stats
+from ckptflow.cli.output import human_bytes
 from ckptflow.retention import RetentionPlan, default_policy
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
@@ -56,6 +60,46 @@ def markdown(df: pd.DataFrame, limit: int = 200) -> MetadataValue:
     return MetadataValue.md(text)
 
 
+def _cut(text, width: int) -> str:
+    text = "" if text is None or (isinstance(text, float) and pd.isna(text)) else str(text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+_CHUNK_URL = re.compile(r"\S+/chunks/[0-9a-f]{2}/([0-9a-f]{12})[0-9a-f]*")
+
+
+def _problem(text) -> str:
+    """A validation problem for a table cell: chunk URLs shortened to their digest's start."""
+    return _cut(_CHUNK_URL.sub(r"\1…", str(text or "")), 60)
+
+
+def _num(value) -> str:
+    return "" if value is None or pd.isna(value) else f"{rounded(float(value))}"
+
+
+def inventory_view(df: pd.DataFrame) -> pd.DataFrame:
+    """The inventory as an operator reads it in the metadata pop-up: sizes in human
+    units, metrics rounded, long texts cut (the full values are in the asset's value)."""
+    metrics = [c for c in df.columns if c.startswith("metric.")]
+    rows = []
+    for r in df.to_dict("records"):
+        rows.append(
+            {
+                "run": r["run"],
+                "step": r["step"],
+                "kind": r["kind"],
+                "tiers": r["tiers"],
+                "stored": human_bytes(r["stored_bytes"]),
+                "ratio": _num(r["compression_ratio"]),
+                "validation": r["validation"] + (f": {_problem(r['problem'])}" if r["problem"] else ""),
+                **{c.removeprefix("metric."): _num(r[c]) for c in metrics},
+                "last failure": _cut(r["last_failure"], 50),
+                "retention": _cut(r.get("retention"), 60),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 @asset(
     group_name=GROUP,
     deps=[checkpoint, evaluation, compressed, archived],
@@ -78,12 +122,12 @@ def checkpoint_inventory(
             "checkpoints": len(df),
             "validation_passed": counts.get("passed", 0),
             "validation_failed": counts.get("failed", 0),
-            "hot_stored_bytes": MetadataValue.int(hot_stats.stored_bytes),
-            "archive_stored_bytes": MetadataValue.int(arc_stats.stored_bytes),
-            "hot_dedup_ratio": MetadataValue.float(hot_stats.dedup_ratio or 1.0),
-            "hot_compression_ratio": MetadataValue.float(hot_stats.compression_ratio or 1.0),
+            **size("hot_stored", hot_stats.stored_bytes),
+            **size("archive_stored", arc_stats.stored_bytes),
+            "hot_dedup_ratio": ratio(hot_stats.dedup_ratio),
+            "hot_compression_ratio": ratio(hot_stats.compression_ratio),
             "to_delete": len(plan.delete),
-            "table": markdown(df),
+            "table": markdown(inventory_view(df)),
         },
     )
 

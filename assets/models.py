@@ -15,7 +15,6 @@ from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, M
 from assets.checkpoints import checkpoint, evaluation
 from assets.partitions import parse_checkpoint_key
 from ckptflow.errors import CkptflowError
-from ckptflow.lifecycle.promote import PromotionRequest, promote, rollback
 from ckptflow.registry import ALIASES, Registry, describe
 from resources import CheckpointStoreResource, RegistryResource
 
@@ -61,6 +60,8 @@ def deployed_model(
     registry: RegistryResource,
 ) -> MaterializeResult:
     """What is deployed, after a promotion or a rollback; metadata carries the lineage."""
+    from ckptflow.lifecycle.promote import PromotionRequest, promote, rollback  # torch: only in this asset's runs
+
     reg = registry.open()
     try:
         if config.action == "promote":

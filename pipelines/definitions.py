@@ -21,15 +21,24 @@ evaluator (``pipelines/demo/evaluate.py``) and nothing else.
 
 import os
 
-from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus, Definitions, EnvVar
+from dagster import (
+    AssetSelection,
+    AutomationConditionSensorDefinition,
+    DefaultSensorStatus,
+    Definitions,
+    EnvVar,
+    in_process_executor,
+)
 
-from assets import ALL_ASSETS, ALL_CHECKS
+from assets import ALL_ASSETS, ALL_CHECKS, evaluation
 from pipelines.jobs import promotion_job, retention_job, retention_schedule, rollback_job, scrub_job, scrub_schedule
-from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource, S3ArchiveResource
+from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource
 from resources.archive import default_archive_url
 from resources.evaluator import evaluators_from_env
 from resources.store import default_store_url
 from sensors import failure_sensor, landing_sensor, validation_job
+from sensors.intervals import SENSOR_INTERVAL_S
+from sensors.landing import LANE_TAG
 
 DEMO_EVALUATORS = {"tinylm-demo": "pipelines.demo.evaluate:evaluate"}
 
@@ -40,6 +49,8 @@ def resources_for(deployment: str, store: str | None = None, archive: str | None
     archive_url = archive or os.environ.get("CKPTFLOW_ARCHIVE") or ""
     s3_archive = None
     if archive_url.startswith("s3://"):
+        from resources.s3_archive import S3ArchiveResource  # dagster-aws only where it is used
+
         s3_archive = S3ArchiveResource.from_url(
             archive_url,
             endpoint_url=os.environ.get("CKPTFLOW_S3_ENDPOINT_URL") or None,
@@ -63,13 +74,30 @@ def resources_for(deployment: str, store: str | None = None, archive: str | None
     raise ValueError(f"CKPTFLOW_DEPLOYMENT={deployment!r} is not one of 'local', 'production'")
 
 
-# Downstream per-checkpoint assets (evaluation, compression, archival) follow their
-# AutomationConditions; this sensor evaluates them and is on by default.
-automation_sensor = AutomationConditionSensorDefinition(
+# Downstream per-checkpoint assets follow their AutomationConditions, evaluated by two
+# sensors (on by default) so that evaluation and archival are separate runs: a failing
+# evaluator fails only its own run, never the compression and archival of the same
+# checkpoint (Dagster puts everything one sensor requests for a partition in one run).
+# Runs are requested directly, not as backfills: a backfill adds a backfill-daemon
+# iteration (up to 30 s) before its run is even queued.
+EVALUATION = AssetSelection.assets(evaluation)
+lifecycle_automation = AutomationConditionSensorDefinition(
     "lifecycle_automation",
-    target=AssetSelection.all(),
+    target=AssetSelection.all() - EVALUATION,
     default_status=DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=30,
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    emit_backfills=False,
+    run_tags={LANE_TAG: "archival"},
+    description="Compression and archival of validated checkpoints; the inventory and metrics on their cadence.",
+)
+evaluation_automation = AutomationConditionSensorDefinition(
+    "evaluation_automation",
+    target=EVALUATION,
+    default_status=DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    emit_backfills=False,
+    run_tags={LANE_TAG: "evaluation"},  # the instance's run queue limits this lane (pipelines/instance/)
+    description="Evaluation of validated checkpoints, in runs of its own.",
 )
 
 
@@ -81,10 +109,13 @@ def build_definitions(
         asset_checks=ALL_CHECKS,
         jobs=[validation_job, retention_job, scrub_job, promotion_job, rollback_job],
         schedules=[scrub_schedule, retention_schedule],
-        sensors=[landing_sensor, failure_sensor, automation_sensor],
+        sensors=[landing_sensor, failure_sensor, lifecycle_automation, evaluation_automation],
         resources=resources_for(deployment or os.environ.get("CKPTFLOW_DEPLOYMENT", "local"), store, archive),
+        # One process per run: the multiprocess executor would start a Python process per
+        # step, each importing torch and the code location again (seconds per step).
+        executor=in_process_executor,
     )
 
 
 defs = build_definitions()
-__all__ = ["automation_sensor", "build_definitions", "defs", "resources_for"]
+__all__ = ["build_definitions", "defs", "evaluation_automation", "lifecycle_automation", "resources_for"]

@@ -1,17 +1,25 @@
-"""Drive the lifecycle to quiescence in-process, the way the daemon would.
+"""Drive the lifecycle to quiescence in-process, in the order the daemon would.
 
-`dagster dev` runs sensors and the automation sensor in the daemon; tests and the demo
-need the same sequence synchronously against a real ``DagsterInstance``: tick the
-landing sensor (add partitions, run the validation runs it requests), then evaluate the
-automation conditions and run what they request, until nothing more is requested.
+`dagster dev` runs the sensors in the daemon; the demo and the fast tests need the same
+sequence synchronously against a real ``DagsterInstance``: tick the landing sensor
+(add partitions, run the validation runs it requests), then evaluate each automation
+sensor's conditions and run what it requests (one run per sensor and partition, as
+the daemon does), until nothing more is requested, then tick the failure sensor.
 Everything lands in the instance, so `make ui` on the same DAGSTER_HOME shows it.
+
+This is a stand-in for the daemon, not a proof that the daemon works:
+``tests/dagster/test_daemon.py`` runs the real ``dagster-daemon``. Checks with their own
+automation condition (the RPO freshness check) are left to the daemon.
 """
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dagster import (
     AssetKey,
+    AutomationConditionSensorDefinition,
+    BetaWarning,
     DagsterInstance,
     Definitions,
     SensorResult,
@@ -20,7 +28,13 @@ from dagster import (
 )
 
 from assets.partitions import checkpoints_partitions
+from sensors.failures import failure_sensor
 from sensors.landing import landing_sensor
+
+# evaluate_automation_conditions selects with a beta parameter internally; we opt in by using it
+warnings.filterwarnings(
+    "ignore", message=r"Parameter `include_sources` of function `AssetSelection.all`", category=BetaWarning
+)
 
 
 @dataclass
@@ -32,6 +46,11 @@ class DriveReport:
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}  # run logs still go to the instance
 
 
+def _sensor_context(defs: Definitions, instance: DagsterInstance, cursor: str | None):
+    # a context manager: resources with nested resources are set up in it
+    return build_sensor_context(instance=instance, cursor=cursor, resources=dict(defs.resources or {}))
+
+
 def tick_landing(
     defs: Definitions,
     instance: DagsterInstance,
@@ -40,8 +59,7 @@ def tick_landing(
     run_config: dict | None = None,
 ) -> str | None:
     """One landing-sensor tick: apply its partition requests, execute its run requests."""
-    # a context manager: resources with nested resources (the S3 archive's S3Resource) are set up in it
-    with build_sensor_context(instance=instance, cursor=cursor, resources=dict(defs.resources or {})) as context:
+    with _sensor_context(defs, instance, cursor) as context:
         result = landing_sensor(context)
     if not isinstance(result, SensorResult):
         return cursor
@@ -50,68 +68,88 @@ def tick_landing(
     job = defs.resolve_job_def(landing_sensor.job_name)
     for run_request in result.run_requests or []:
         outcome = job.execute_in_process(
-            instance=instance, partition_key=run_request.partition_key, raise_on_error=False, run_config=run_config
+            instance=instance,
+            partition_key=run_request.partition_key,
+            raise_on_error=False,
+            run_config=run_config,
+            tags=run_request.tags,
         )
         report.runs[f"{job.name}[{run_request.partition_key}]"] = outcome.success
         report.landed.append(run_request.partition_key)
     return result.cursor
 
 
+def tick_failures(defs: Definitions, instance: DagsterInstance, cursor: str | None) -> str | None:
+    """One failure-sensor tick: record (and tag) every run that failed since ``cursor``."""
+    with _sensor_context(defs, instance, cursor) as context:
+        failure_sensor(context)
+        return context.cursor
+
+
 def run_automation(
     defs: Definitions,
     instance: DagsterInstance,
+    sensor: AutomationConditionSensorDefinition,
     cursor,
     report: DriveReport,
     run_config: dict | None = None,
-    max_rounds: int = 10,
 ):
-    """Evaluate automation conditions and execute what they request, round after round;
-    returns the automation cursor (pass it to the next call, as the daemon keeps it)."""
+    """Evaluate one automation sensor's conditions once and execute what they request,
+    one run per partition; returns the sensor's cursor (pass it to the next call)."""
     asset_job = defs.resolve_implicit_global_asset_job_def()
-    for _ in range(max_rounds):
-        result = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
-        cursor = result.cursor
-        if not result.total_requested:
-            break
-        by_partition: dict[str | None, list[AssetKey]] = defaultdict(list)
-        for asset_key in {r.key for r in result.results if r.true_subset.size and isinstance(r.key, AssetKey)}:
-            for partition in result.get_requested_partitions(asset_key):
-                by_partition[partition].append(asset_key)
-        for partition, keys in sorted(by_partition.items(), key=lambda kv: str(kv[0])):
-            outcome = asset_job.execute_in_process(
-                instance=instance,
-                partition_key=partition,
-                asset_selection=sorted(keys, key=str),
-                raise_on_error=False,
-                run_config=run_config,
-            )
-            names = ",".join(k.to_user_string() for k in sorted(keys, key=str))
-            report.runs[f"{names}[{partition}]"] = outcome.success
-    return cursor
+    result = evaluate_automation_conditions(
+        defs=defs, instance=instance, asset_selection=sensor.asset_selection, cursor=cursor
+    )
+    by_partition: dict[str | None, list[AssetKey]] = defaultdict(list)
+    for asset_key in {r.key for r in result.results if r.true_subset.size and isinstance(r.key, AssetKey)}:
+        for partition in result.get_requested_partitions(asset_key):
+            by_partition[partition].append(asset_key)
+    for partition, keys in sorted(by_partition.items(), key=lambda kv: str(kv[0])):
+        outcome = asset_job.execute_in_process(
+            instance=instance,
+            partition_key=partition,
+            asset_selection=sorted(keys, key=str),
+            raise_on_error=False,
+            run_config=run_config,
+        )
+        names = ",".join(k.to_user_string() for k in sorted(keys, key=str))
+        report.runs[f"{names}[{partition}]"] = outcome.success
+    return result.cursor
 
 
 class Driver:
-    """Holds the two cursors the daemon would keep: the landing sensor's and automation's."""
+    """Holds the cursors the daemon would keep: the sensors' and each automation sensor's."""
 
     def __init__(self, defs: Definitions, instance: DagsterInstance, quiet: bool = False):
         self.defs, self.instance = defs, instance
         self.run_config = QUIET if quiet else None
         self.sensor_cursor: str | None = None
-        # the automation sensor has been running before anything landed: its first
+        self.failure_cursor: str | None = None
+        self.automation = [s for s in defs.sensors or [] if isinstance(s, AutomationConditionSensorDefinition)]
+        # the automation sensors have been running before anything landed: their first
         # evaluation only records the starting state
-        self.automation_cursor = evaluate_automation_conditions(defs=defs, instance=instance).cursor
+        self.automation_cursors = {
+            s.name: evaluate_automation_conditions(defs, instance, asset_selection=s.asset_selection).cursor
+            for s in self.automation
+        }
 
-    def drive(self) -> DriveReport:
-        """Land everything new, then run downstream automation until quiet."""
+    def drive(self, max_rounds: int = 10) -> DriveReport:
+        """Land everything new, run each automation sensor until quiet, record failures."""
         report = DriveReport()
         while True:
             before = len(report.landed)
             self.sensor_cursor = tick_landing(self.defs, self.instance, self.sensor_cursor, report, self.run_config)
             if len(report.landed) == before:
                 break
-        self.automation_cursor = run_automation(
-            self.defs, self.instance, self.automation_cursor, report, self.run_config
-        )
+        for _ in range(max_rounds):
+            before = len(report.runs)
+            for sensor in self.automation:
+                self.automation_cursors[sensor.name] = run_automation(
+                    self.defs, self.instance, sensor, self.automation_cursors[sensor.name], report, self.run_config
+                )
+            if len(report.runs) == before:
+                break
+        self.failure_cursor = tick_failures(self.defs, self.instance, self.failure_cursor)
         return report
 
 

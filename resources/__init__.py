@@ -1,6 +1,10 @@
-"""Dagster layer: ``ConfigurableResource``s wrapping the ckptflow library."""
+"""Dagster layer: ``ConfigurableResource``s wrapping the ckptflow library.
 
-from resources.archive import ArchiveResource, ArchiveTierResource, S3ArchiveResource
+``S3ArchiveResource`` is imported on first use (``resources.s3_archive``), so a code
+location without an S3 archive never imports dagster-aws.
+"""
+
+from resources.archive import ArchiveResource, ArchiveTierResource
 from resources.evaluator import EvaluatorResource
 from resources.store import CheckpointStoreResource, RegistryResource
 
@@ -12,3 +16,11 @@ __all__ = [
     "RegistryResource",
     "S3ArchiveResource",
 ]
+
+
+def __getattr__(name: str):
+    if name == "S3ArchiveResource":
+        from resources.s3_archive import S3ArchiveResource
+
+        return S3ArchiveResource
+    raise AttributeError(f"module 'resources' has no attribute {name!r}")

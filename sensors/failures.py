@@ -1,49 +1,115 @@
-"""Run-failure sensor: a failed run about a checkpoint is recorded next to it.
+"""Run-failure sensor: a failed run about a checkpoint is recorded next to it, and the
+run is tagged with what failed and why.
 
 The record goes to the store as the checkpoint's ``failure`` lifecycle record (keyed by
 the manifest digest the run was about), so the inventory shows "last failure" per
-checkpoint whatever Dagster instance runs it, and operators see that, e.g., archival
-of a checkpoint keeps failing.
+checkpoint whatever Dagster instance runs it. The tag (``ckptflow/failure``: the
+failed step and the first line of its error) puts the reason in the run list, next to
+the run's partition.
+
+A plain sensor with its own cursor over the instance's run-failure events rather than
+``run_failure_sensor``: that one starts at the newest event when it first ticks, so
+runs that failed before the daemon started (``make demo`` runs the lifecycle
+in-process, then ``make ui`` starts the daemon) would never be recorded. This one
+starts at the beginning of the instance's history; recording is idempotent.
 """
 
-from dagster import DefaultSensorStatus, RunFailureSensorContext, run_failure_sensor
+from dagster import (
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRun,
+    DefaultSensorStatus,
+    RunStatusChangeRecordsFilter,
+    SensorEvaluationContext,
+    SkipReason,
+    sensor,
+)
 
 from assets.partitions import parse_checkpoint_key
 from ckptflow import catalog
 from ckptflow.errors import CkptflowError
 from ckptflow.lifecycle.records import Subject, write_record
 from resources import CheckpointStoreResource
+from sensors.intervals import SENSOR_INTERVAL_S
 from sensors.landing import DIGEST_TAG
 
+FAILURE_TAG = "ckptflow/failure"
+PER_TICK = 200
+PARTITION_TAG = "dagster/partition"
+RANGE_TAGS = ("dagster/asset_partition_range_start", "dagster/asset_partition_range_end")
 
-@run_failure_sensor(default_status=DefaultSensorStatus.RUNNING, minimum_interval_seconds=30)
-def failure_sensor(context: RunFailureSensorContext, store: CheckpointStoreResource) -> None:
-    run = context.dagster_run
-    key = run.tags.get("dagster/partition")
+
+def partition_of(run: DagsterRun) -> str | None:
+    """The run's checkpoint partition: its partition tag, or a one-partition range
+    (what backfills with one partition per run tag)."""
+    key = run.tags.get(PARTITION_TAG)
+    if key:
+        return key
+    start, end = (run.tags.get(t) for t in RANGE_TAGS)
+    return start if start and start == end else None
+
+
+def failed_steps(instance: DagsterInstance, run_id: str) -> list[tuple[str, str]]:
+    """(step, the first line of its error) for every failed step of the run."""
+    out = []
+    for entry in instance.all_logs(run_id, of_type=DagsterEventType.STEP_FAILURE):
+        event = entry.dagster_event
+        if event is None:
+            continue
+        data = event.step_failure_data
+        user = data.user_failure_data if data else None
+        if user and user.description:
+            text = user.description
+        else:
+            text = data.error.message if data and data.error else ""
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "failed")
+        out.append((event.step_key or "?", first.removeprefix("dagster._core.definitions.events.Failure: ")))
+    return out
+
+
+def record_failure(instance: DagsterInstance, run: DagsterRun, store) -> str:
+    """Tag the run with its reason and write the checkpoint's failure record; what was done, as a line."""
+    steps = failed_steps(instance, run.run_id)
+    reason = "; ".join(f"{step}: {why}" for step, why in steps) or "run failed before any step failed"
+    instance.add_run_tags(run.run_id, {FAILURE_TAG: reason[:300]})
+    key = partition_of(run)
     if not key:
-        context.log.info(f"run {run.run_id} of {run.job_name} failed; it names no checkpoint partition")
-        return
+        return f"run {run.run_id} of {run.job_name} failed ({reason[:120]}); it names no checkpoint partition"
     try:
         ckpt_run, step = parse_checkpoint_key(key)
     except ValueError:
-        return
+        return f"run {run.run_id} failed for partition {key!r}, which is not a checkpoint name"
     hot = store.open()
     digest = run.tags.get(DIGEST_TAG)
     if not digest:
         try:
             digest = catalog.read_manifest(hot, ckpt_run, step).digest
         except CkptflowError as e:
-            context.log.info(f"run {run.run_id} failed for {key}, whose commit record cannot be read: {e}")
-            return
-    steps = [e.step_key for e in context.get_step_failure_events()]
+            return f"run {run.run_id} failed for {key}, whose commit record cannot be read: {e}"
     write_record(
         hot,
         Subject(ckpt_run, step, digest),
         "failure",
-        {
-            "run_id": run.run_id,
-            "job": run.job_name,
-            "steps": steps,
-            "message": context.failure_event.message or "run failed",
-        },
+        {"run_id": run.run_id, "job": run.job_name, "steps": [s for s, _ in steps], "message": reason},
     )
+    return f"recorded the failure of run {run.run_id} for {key}: {reason[:120]}"
+
+
+@sensor(default_status=DefaultSensorStatus.RUNNING, minimum_interval_seconds=SENSOR_INTERVAL_S)
+def failure_sensor(context: SensorEvaluationContext, store: CheckpointStoreResource):
+    """Records every failed run about a checkpoint (from the start of the instance's history)."""
+    after = int(context.cursor) if context.cursor else -1
+    records = context.instance.fetch_run_status_changes(
+        RunStatusChangeRecordsFilter(event_type=DagsterEventType.RUN_FAILURE, after_storage_id=after),
+        limit=PER_TICK,
+        ascending=True,
+    ).records
+    for record in records:
+        run = context.instance.get_run_by_id(record.event_log_entry.run_id)
+        if run is not None:
+            context.log.info(record_failure(context.instance, run, store))
+        after = record.storage_id
+    context.update_cursor(str(after))
+    if not records:
+        return SkipReason("no failed runs since the last tick")
+    return None

@@ -35,21 +35,28 @@ from dagster import (
 )
 
 from assets.checkpoints import checkpoint
+from assets.freshness import RPO_FRESHNESS_KEY
 from assets.partitions import checkpoint_key, checkpoints_partitions
 from ckptflow import catalog
 from ckptflow.lifecycle.records import Subject, read_record
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store
 from resources import CheckpointStoreResource
+from sensors.intervals import SENSOR_INTERVAL_S
 
 MAX_PER_TICK = 500
 SLACK = 60.0  # seconds
 DIGEST_TAG = "ckptflow/manifest_digest"
+LANE_TAG = "ckptflow/lane"  # validation / evaluation / archival: what the run queue limits by
 
 validation_job = define_asset_job(
     "validate_checkpoint",
-    selection=AssetSelection.assets(checkpoint),  # with its blocking integrity check
-    description="Register a checkpoint and run its blocking integrity check.",
+    # the checkpoint with its blocking integrity check; the store-wide RPO check runs on its own cadence
+    selection=AssetSelection.assets(checkpoint) - AssetSelection.checks(RPO_FRESHNESS_KEY),
+    description=(
+        "Verify a newly committed checkpoint (manifest, rank records, every chunk) and register it. "
+        "A corrupt checkpoint fails this run: its blocking integrity check blocked it, and the failure says why."
+    ),
 )
 
 
@@ -96,7 +103,7 @@ def new_commits(store: Store, cursor: dict, limit: int) -> tuple[list[Landed], d
     return landed, {"t": t, "seen": sorted(seen)}
 
 
-@sensor(job=validation_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING)
+@sensor(job=validation_job, minimum_interval_seconds=SENSOR_INTERVAL_S, default_status=DefaultSensorStatus.RUNNING)
 def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResource):
     """Adds a ``checkpoints`` partition per new commit record and requests its validation."""
     cursor = json.loads(context.cursor) if context.cursor else {}
@@ -109,7 +116,11 @@ def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
     known = set(context.instance.get_dynamic_partitions(checkpoints_partitions.name))
     new_keys = sorted({c.key for c in landed} - known)
     requests = [
-        RunRequest(run_key=f"{c.key}@{c.marker}", partition_key=c.key, tags={DIGEST_TAG: c.digest} if c.digest else {})
+        RunRequest(
+            run_key=f"{c.key}@{c.marker}",
+            partition_key=c.key,
+            tags={LANE_TAG: "validation", **({DIGEST_TAG: c.digest} if c.digest else {})},
+        )
         for c in landed
         if not c.validated
     ]

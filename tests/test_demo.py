@@ -4,8 +4,12 @@ from pipelines.demo.cli import main
 
 
 def test_demo_trains_crashes_restores_and_skips_the_corrupt_checkpoint(tmp_path, capsys):
+    """The demo without its last part (the real daemon: tests/dagster/test_daemon.py and the
+    browser test run that)."""
+    from dagster import AssetKey, DagsterInstance
+
     store = tmp_path / "store"
-    assert main(["--store", str(store), "--steps", "60", "--crash-at", "35"]) == 0
+    assert main(["--store", str(store), "--steps", "60", "--crash-at", "35", "--no-daemon"]) == 0
     out = capsys.readouterr().out
     assert "restored step 30 (data position 30" in out
     assert "verify step 60: CORRUPT" in out
@@ -17,3 +21,11 @@ def test_demo_trains_crashes_restores_and_skips_the_corrupt_checkpoint(tmp_path,
     assert "step 60 blocked by the integrity check" in out
     assert "== model tinylm:stable -> v1 from tinylm-demo__step-0000000000" in out
     assert (tmp_path / "store-archive" / "runs" / "tinylm-demo").is_dir()
+    assert "RPO freshness check: passed" in out
+    # `make ui` right after the demo shows the views it computed, and the blocked run's failure
+    with DagsterInstance.from_config(str(tmp_path / "store-dagster_home")) as instance:
+        for view in ("checkpoint_inventory", "retention_plan", "recovery_metrics"):
+            assert instance.get_latest_materialization_event(AssetKey(view)) is not None, view
+        inventory = instance.get_latest_materialization_event(AssetKey("checkpoint_inventory"))
+        table = inventory.asset_materialization.metadata["table"].value
+        assert "checkpoint: integrity check blocked" in table  # its last failure, recorded by failure_sensor

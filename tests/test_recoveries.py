@@ -82,3 +82,41 @@ def test_stats_reports_recoveries(tmp_path, capsys):
     assert cli(["stats", root]) == 0
     out = capsys.readouterr().out
     assert "RECOVERIES" in out and "SUCCEEDED" in out
+
+
+def test_rpo_is_the_longest_gap_between_recovery_ready_commits_in_the_window():
+    ready = [0.0, 10.0, 40.0, 45.0, 100.0]
+    assert recoveries.longest_gap(ready, start=5, end=50) == 30.0  # 100 is after the window; 0 anchors 10
+    assert recoveries.longest_gap(ready, start=41, end=50) == 5.0  # 40 anchors 45
+    assert recoveries.longest_gap([3.0], start=0, end=50) is None
+    assert recoveries.longest_gap([], start=0, end=50) is None
+
+
+def test_rpo_rto_and_freshness_from_a_store(tmp_path, capsys):
+    """Three commits, the middle one never validated (not recovery-ready): RPO spans it;
+    RTO adds the configured detection time to the measured restore; freshness compares
+    the newest recovery-ready commit with the target."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(float(step)))
+        ck.restore(_state(0.0))
+        infos = {i.step: i for i in ck.list()}
+    store = open_store(root)
+    for step in (1, 3):
+        lifecycle.validate(store, "r", step)
+    now = infos[3].created_at + 100
+    (m,) = recoveries.store_metrics(store, now=now, detection_s=30.0)
+    assert m.rpo_s == pytest.approx(infos[3].created_at - infos[1].created_at)
+    assert m.checkpoints_in_window == 3 and m.newest_ready_at == infos[3].created_at
+    assert m.rto_median_s == pytest.approx(30.0 + m.restore_s) and m.rto_worst_s == pytest.approx(30.0 + m.restore_s)
+    assert recoveries.store_metrics(store, now=now + 2 * recoveries.DAY)[0].checkpoints_in_window == 0
+    fresh = recoveries.freshness([m], target_s=3600, now=now)
+    assert fresh.ok and fresh.run == "r" and fresh.age_s == pytest.approx(100)
+    assert not recoveries.freshness([m], target_s=60, now=now).ok
+    assert not recoveries.freshness([], target_s=60, now=now).ok  # nothing recovery-ready: stale
+
+    assert cli(["stats", root, "--detection", "30s", "--archive", root]) == 0
+    out = capsys.readouterr().out
+    assert "RPO" in out and "RTO (MED / WORST)" in out and "detection (30.0 s" in out
+    assert "archive" in out.split("bytes per tier:")[1].splitlines()[0]

@@ -116,8 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("stats", help="storage per run: logical, unique and stored bytes")
+    p = sub.add_parser(
+        "stats", help="storage per run and tier; checkpoint frequency, recovery-readiness, recoveries, RPO and RTO"
+    )
     p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("--archive", metavar="URL", help="also count the archive tier at URL")
+    p.add_argument("--window", type=duration_arg, default=86400.0, help="history for frequency and RPO (default 1d)")
+    p.add_argument(
+        "--detection",
+        type=duration_arg,
+        default=0.0,
+        help="time your scheduler takes to notice a crash and restart the job; added to restore times for RTO",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
 

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
-from ckptflow.cli.output import PROG, human_bytes, progress, ratio, secs, table, warn
+from ckptflow.cli.output import PROG, human_bytes, human_duration, progress, ratio, table, warn
 from ckptflow.errors import CkptflowError
 from ckptflow.gc import gc, parse_duration
 from ckptflow.lifecycle.lineage import lineage_of
@@ -235,13 +235,15 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     store = _open(args.root)
     stats = store_stats(store)
-    operations = recoveries.store_metrics(store)
+    archive = store_stats(_open(args.archive)) if args.archive else None
+    operations = recoveries.store_metrics(store, window_s=args.window, detection_s=args.detection)
     for problem in stats.unreadable_manifests:
         warn(f"not counted: {problem}")
     if args.json:
-        print(
-            json.dumps({**stats.as_dict(), "operations": [m.as_dict() for m in operations]}, indent=2, sort_keys=True)
-        )
+        doc = {**stats.as_dict(), "operations": [m.as_dict() for m in operations]}
+        if archive is not None:
+            doc["archive"] = archive.as_dict()["store"]
+        print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     headers = ["RUN", "CHECKPOINTS", "LOGICAL", "UNIQUE", "STORED", "DEDUP", "COMPRESSION"]
     rows = [
@@ -276,27 +278,39 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for r in stats.runs:
         if r.missing_chunks:
             warn(f"run {r.run} references {r.missing_chunks} chunk(s) missing from the store; run `{PROG} verify`")
+    tiers = f"bytes per tier: hot {human_bytes(stats.stored_bytes)} stored ({stats.checkpoints} checkpoints)"
+    if archive is not None:
+        tiers += f"; archive {human_bytes(archive.stored_bytes)} stored ({archive.checkpoints} checkpoints)"
+    print(tiers)
     print()
-    headers = ["RUN", "SAVE EVERY", "READY AFTER", "RECOVERIES", "SUCCEEDED", "FELL BACK", "RESTORE"]
-    print(
-        table(
-            headers,
-            [
-                [
-                    m.run,
-                    secs(m.save_interval_s),
-                    secs(m.ready_s),
-                    str(m.recoveries),
-                    str(m.recoveries_ok),
-                    str(m.fallbacks),
-                    secs(m.restore_s),
-                ]
-                for m in operations
-            ],
-            right={1, 2, 3, 4, 5, 6},
-        )
-    )
+    _print_operations(operations, args.window, args.detection)
     return 0
+
+
+def _print_operations(operations: list[recoveries.RunMetrics], window: float, detection: float) -> None:
+    """Checkpoint frequency, commit -> recovery-ready, RPO, recoveries and RTO per run."""
+    pair = lambda a, b: f"{human_duration(a)} / {human_duration(b)}"
+    headers = ["RUN", f"IN {human_duration(window)}", "SAVE EVERY", "READY AFTER (MED / WORST)", "RPO"]
+    headers += ["RECOVERIES", "SUCCEEDED", "FELL BACK", "RTO (MED / WORST)"]
+    rows = [
+        [
+            m.run,
+            str(m.checkpoints_in_window),
+            human_duration(m.save_interval_s),
+            pair(m.ready_s, m.ready_worst_s),
+            human_duration(m.rpo_s),
+            str(m.recoveries),
+            str(m.recoveries_ok),
+            str(m.fallbacks),
+            pair(m.rto_median_s, m.rto_worst_s),
+        ]
+        for m in operations
+    ]
+    print(table(headers, rows, right=set(range(1, len(headers)))))
+    print(
+        f"RPO: the longest gap between recovery-ready (validated) checkpoints committed in the last "
+        f"{human_duration(window)}; RTO: detection ({human_duration(detection)}, --detection) + restore time"
+    )
 
 
 UNSAFE_GRACE = 60.0  # seconds: below this a running save's chunks look like garbage

@@ -66,5 +66,12 @@ def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], No
         yield update
 
 
-def secs(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} s"
+def human_duration(seconds: float | None) -> str:
+    """Seconds up to two minutes, minutes up to two hours, then hours."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

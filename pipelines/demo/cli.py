@@ -4,7 +4,9 @@ Shows the library end to end on CPU in well under a minute: full and async
 incremental saves, a simulated crash and restore (weights, optimizer, scheduler, RNG,
 data position), a checkpoint corrupted on purpose that restore skips and verify
 reports, and the store's dedup figures. Then it drives the Dagster lifecycle over the store
-in-process (pipelines/demo/lifecycle.py) and prints its summary; `make ui` shows the same.
+in-process (pipelines/demo/lifecycle.py), starts the real dagster-daemon and watches it carry
+another training process's checkpoints through (pipelines/demo/daemon.py), and prints the
+summary; `make ui` shows the same.
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ import logging
 import os
 import shutil
 import time
-import warnings
 
 import torch
 
-from ckptflow import Checkpointer, SavePolicy, catalog, gc, recoveries
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, SavePolicy, gc, recoveries
 from ckptflow.catalog import list_checkpoints
+from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
 
 DEMO_STORE = ".demo/store"
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         "what `make ui` reads, for the demo store, else <store>-dagster_home); the default one is reset first",
     )
     parser.add_argument("--no-lifecycle", action="store_true", help="skip the Dagster lifecycle part")
+    parser.add_argument(
+        "--no-daemon",
+        action="store_true",
+        help="skip the last part: the real dagster-daemon carrying another training script's checkpoints through",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="  [%(name)s] %(message)s")
     if args.store == DEMO_STORE:
@@ -91,15 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         train(ck, state, result.step, args.steps)
 
-        previous, newest = ck.list()[-2:]
-        chunks_of = lambda step: catalog.read_manifest(ck.store, args.run, step).chunks
-        victim = min(set(chunks_of(newest.step)) - set(chunks_of(previous.step)))
-        path = os.path.join(args.store, fmt.chunk_key(victim))
-        with open(path, "r+b") as f:  # flip one byte of a chunk the newest checkpoint uses
-            f.seek(-1, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_END)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        newest = ck.list()[-1]
+        corrupt_newest(args.store, args.run)  # flip one byte of a chunk only the newest checkpoint uses
         print(f"== corrupted one chunk of step {newest.step} on purpose")
         report = ck.verify(newest.step)
         print(f"  verify step {newest.step}: {'ok' if report.ok else 'CORRUPT'}; " + "; ".join(report.problems)[:160])
@@ -127,14 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     status = 0
     if not args.no_lifecycle:
-        warnings.filterwarnings("ignore", message=r".* is currently in (beta|preview)")  # Dagster API maturity notes
         from pipelines.demo.lifecycle import run_lifecycle  # Dagster only when asked for
 
         default = args.store == DEMO_STORE
         archive = args.archive or (DEMO_ARCHIVE if default else args.store.rstrip("/") + "-archive")
         home = args.dagster_home or (DEMO_DAGSTER_HOME if default else args.store.rstrip("/") + "-dagster_home")
         fresh = default and not args.archive and not args.dagster_home
-        status = run_lifecycle(os.path.abspath(args.store), os.path.abspath(archive), os.path.abspath(home), fresh)
+        status = run_lifecycle(
+            os.path.abspath(args.store),
+            os.path.abspath(archive),
+            os.path.abspath(home),
+            fresh,
+            daemon=not args.no_daemon,
+        )
     print(
         f"== demo finished in {time.perf_counter() - t0:.1f} s; try: .venv/bin/ckptflow ls {args.store} "
         f"and .venv/bin/ckptflow verify {args.store} --run {args.run} --all"

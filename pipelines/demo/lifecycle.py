@@ -1,9 +1,12 @@
 """The demo's second half: drive the Dagster lifecycle over the demo store and summarise.
 
-Uses a real on-disk ``DagsterInstance`` (the same DAGSTER_HOME `make ui` uses), so
-after the demo the UI shows the partitions, the failed integrity check of the corrupt
-checkpoint, evaluation metrics plotted over steps, the archive copies and the
-deployed model with its lineage.
+Uses a real on-disk ``DagsterInstance`` (the same DAGSTER_HOME `make ui` uses, with
+``pipelines/instance/local.yaml`` as its dagster.yaml), so after the demo the UI shows
+the partitions, the failed partition and integrity check of the corrupt checkpoint,
+evaluation metrics plotted over steps, the archive copies, the deployed model with its
+lineage, and the inventory, retention plan and recovery metrics as the demo computed
+them. The demo's own checkpoints are driven in-process (fast); then the real daemon
+carries another training process's checkpoints through (``pipelines/demo/daemon.py``).
 """
 
 import logging
@@ -12,15 +15,21 @@ import shutil
 import time
 
 import pandas as pd
-from dagster import DagsterInstance, materialize
+from dagster import AssetSelection, DagsterInstance, materialize
 
+from assets import RPO_FRESHNESS_KEY
 from ckptflow import inventory
+from ckptflow.cli.output import human_duration
 from ckptflow.registry import Registry, describe
 from ckptflow.retention import DAY
 from ckptflow.stats import store_stats
 from ckptflow.store import open_store
 from pipelines.definitions import build_definitions
+from pipelines.demo import daemon as real_daemon
 from pipelines.inprocess import QUIET, Driver
+
+LOCAL_INSTANCE = os.path.join(real_daemon.REPO, "pipelines", "instance", "local.yaml")
+VIEWS = ["checkpoint_inventory", "retention_plan", "recovery_metrics"]
 
 
 def _num(value, digits: int = 4) -> str:
@@ -31,19 +40,22 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def run_lifecycle(store: str, archive: str, dagster_home: str, fresh: bool) -> int:
+def run_lifecycle(store: str, archive: str, dagster_home: str, fresh: bool, daemon: bool = True) -> int:
     if fresh:
         shutil.rmtree(dagster_home, ignore_errors=True)
         shutil.rmtree(archive, ignore_errors=True)
     os.makedirs(dagster_home, exist_ok=True)
+    if not os.path.exists(os.path.join(dagster_home, "dagster.yaml")):
+        shutil.copy(LOCAL_INSTANCE, os.path.join(dagster_home, "dagster.yaml"))
     for name in ("dagster", "dagster.automation_condition_tester"):  # run logs live in the instance (the UI)
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.disable(logging.INFO)  # sensors log through their own handlers; their lines are in the instance too
     defs = build_definitions("local", store=store, archive=archive)
     print(
         f"== Dagster lifecycle in-process (DAGSTER_HOME={dagster_home}): landing sensor, validation, "
         "evaluation, compression, archival"
     )
-    with DagsterInstance.local_temp(dagster_home) as instance:
+    with DagsterInstance.from_config(dagster_home) as instance:
         report = Driver(defs, instance, quiet=True).drive()
         failed = [name for name, ok in report.runs.items() if not ok]
         print(
@@ -54,9 +66,12 @@ def run_lifecycle(store: str, archive: str, dagster_home: str, fresh: bool) -> i
             run_config={**QUIET, "ops": {"deployed_model": {"config": {"stage": "stable"}}}},
             raise_on_error=False,
         )
+    carried = real_daemon.demonstrate(store, archive, dagster_home) if daemon else True
+    with DagsterInstance.from_config(dagster_home) as instance:
+        # what `make ui` shows at once: the views and the RPO check as of now, in the same instance
         inv = materialize(
-            [*defs.assets],
-            selection=["checkpoint_inventory"],
+            [*defs.assets, *defs.asset_checks],
+            selection=AssetSelection.assets(*VIEWS) | AssetSelection.checks(RPO_FRESHNESS_KEY),
             instance=instance,
             resources=dict(defs.resources),
             raise_on_error=False,
@@ -67,21 +82,34 @@ def run_lifecycle(store: str, archive: str, dagster_home: str, fresh: bool) -> i
         return 1
     df = inv.output_for_node("checkpoint_inventory")
     print(
-        f"  {'step':>5} {'kind':<11} {'validation':<10} {'tiers':<12} {'train_loss':>10} {'val_loss':>10} {'ratio':>6}  retention   (* overfitting: val loss up, train loss down)"
+        f"  {'run':<14} {'step':>5} {'kind':<11} {'validation':<10} {'tiers':<12} {'train_loss':>10} {'val_loss':>10} {'ratio':>6}  retention   (* overfitting: val loss up, train loss down)"
     )
     for r in df.to_dict("records"):
         print(
-            f"  {r['step']:>5} {r['kind']:<11} {r['validation']:<10} {r['tiers']:<12} {_num(r.get('metric.train_loss')):>10} "
+            f"  {r['run']:<14} {r['step']:>5} {r['kind']:<11} {r['validation']:<10} {r['tiers']:<12} {_num(r.get('metric.train_loss')):>10} "
             f"{_num(r.get('metric.val_loss')) + ('*' if r.get('overfitting') is True else ' '):>10} "
             f"{_num(r.get('compression_ratio'), 2):>6}  {r['retention'][:90]}"
         )
     for row in df[df.validation == "failed"].itertuples(index=False):
-        print(f"  step {row.step} blocked by the integrity check: {row.problem[:110]}…")
+        print(f"  {row.run} step {row.step} blocked by the integrity check: {row.problem[:100]}…")
     hot, arc = store_stats(open_store(store)), store_stats(open_store(archive))
     print(
         f"== bytes per tier: hot {_mb(hot.stored_bytes)} stored for {_mb(hot.logical_bytes)} logical "
         f"(dedup x{hot.dedup_ratio or 1:.1f}, compression x{hot.compression_ratio or 1:.2f}); "
         f"archive {_mb(arc.stored_bytes)} for {arc.checkpoints} checkpoints"
+    )
+    ops = inv.asset_materializations_for_node("recovery_metrics")[0].metadata
+    figure = lambda name: human_duration(ops[name].value) if name in ops else "-"
+    print(
+        f"== recovery: RPO {figure('rpo_s')} (longest gap between recovery-ready checkpoints, last day), "
+        f"commit -> recovery-ready {figure('ready_s')}, RTO {figure('rto_median_s')} median / "
+        f"{figure('rto_worst_s')} worst (restore time; add your scheduler's detection time), "
+        f"{ops['recoveries'].value} recoveries, success rate {ops['recovery_success_rate'].value:.0%}"
+    )
+    [rpo] = [c for c in inv.get_asset_check_evaluations() if c.check_name == RPO_FRESHNESS_KEY.name]
+    print(
+        f"   RPO freshness check: {'passed' if rpo.passed else 'WARNS'}: newest recovery-ready checkpoint "
+        f"{rpo.metadata['age'].value if 'age' in rpo.metadata else 'none'} old, target {rpo.metadata['rpo_target'].value}"
     )
     deletes = [r for r in df.itertuples(index=False) if str(r.retention).startswith("delete")]
     print(f"== retention plan (dry run, default policy): keep {len(df) - len(deletes)}, delete {len(deletes)}")
@@ -106,4 +134,4 @@ def run_lifecycle(store: str, archive: str, dagster_home: str, fresh: bool) -> i
         f"== see it in the UI: DAGSTER_HOME={dagster_home} CKPTFLOW_STORE={store} CKPTFLOW_ARCHIVE={archive} "
         ".venv/bin/dagster dev -w workspace.yaml   (for the default demo store: make ui)"
     )
-    return 0 if promoted.success else 1
+    return 0 if promoted.success and carried else 1

@@ -1,17 +1,19 @@
-"""Per-checkpoint assets: metadata, the blocking integrity check, automation gating, backfill."""
+"""Per-checkpoint assets: metadata, the blocking integrity check, automation gating, backfill,
+an evaluator that fails."""
 
 import os
 
-from dagster import AssetCheckKey, AssetRecordsFilter, evaluate_automation_conditions, materialize
+from dagster import AssetPartitionStatus, AssetRecordsFilter, evaluate_automation_conditions, materialize
 
-from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation, integrity
+from assets import INTEGRITY_KEY, PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation
+from assets.partitions import checkpoints_partitions
 from ckptflow import catalog
 from ckptflow.store import open_store
 from resources import EvaluatorResource
 from support.corrupt import corrupt_chunk, grow_first_tensor, reseal_manifest
 from support.dagster import RUN, record
 
-PER_CHECKPOINT = [*PARTITIONED, integrity]
+PER_CHECKPOINT = PARTITIONED  # the integrity check is declared on `checkpoint`
 KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
 
 
@@ -20,6 +22,10 @@ def latest(instance, asset, key):
         AssetRecordsFilter(asset_key=asset.key, asset_partitions=[key]), limit=1
     ).records
     return records[0].asset_materialization.metadata if records else None
+
+
+def status(instance, asset, keys):
+    return instance.get_status_by_partition(asset.key, keys, checkpoints_partitions)
 
 
 def mat(instance, resources, key, selection=None, **kw):
@@ -39,14 +45,16 @@ def test_good_checkpoint_flows_through_every_asset(store_with_checkpoints, paths
     result = mat(instance, resources, KEYS[1])
     assert result.success
     md = latest(instance, checkpoint, KEYS[1])
-    assert md["run"].value == RUN and md["step"].value == 20 and md["kind"].value == "full"
-    assert md["world_size"].value == 1 and md["chunks"].value > 0 and md["logical_bytes"].value > 0
+    assert md["run"].value == RUN and md["step"].value == "20" and md["kind"].value == "full"
+    assert md["world_size"].value == "1" and md["chunks"].value > 0 and md["logical_bytes"].value > 0
+    assert md["logical"].value.endswith("KiB") and "written_after" not in md  # a full checkpoint reuses nothing
     assert "trainer/train_loss" in md and len(md["manifest_digest"].value) == 64
     [check] = result.get_asset_check_evaluations()
-    assert check.passed and check.asset_check_key == AssetCheckKey(checkpoint.key, "integrity")
+    assert check.passed and check.asset_check_key == INTEGRITY_KEY
     assert latest(instance, evaluation, KEYS[1])["val_loss"].value > 0
     comp = latest(instance, compressed, KEYS[1])
-    assert comp["bytes_after"].value < comp["bytes_before"].value and comp["ratio"].value > 1
+    assert comp["after_bytes"].value < comp["before_bytes"].value and comp["ratio"].value > 1
+    assert comp["ratio"].value == round(comp["ratio"].value, 3) and " " in comp["after"].value
     arc = latest(instance, archived, KEYS[1])
     assert arc["verified"].value is True
     assert catalog.verify_checkpoint(open_store(paths["archive"]), RUN, 20).ok
@@ -62,10 +70,20 @@ def test_corrupt_checkpoint_fails_blocking_check_and_nothing_downstream_runs(
     result = mat(instance, resources, KEYS[2])
     [check] = result.get_asset_check_evaluations()
     assert not check.passed and "does not match its address" in check.metadata["problems"].value
-    assert latest(instance, checkpoint, KEYS[2]) is not None
-    for asset in (evaluation, compressed, archived):
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert failure.step_key == "checkpoint"
+    description = failure.step_failure_data.user_failure_data.description
+    assert description.startswith(f"integrity check blocked {KEYS[2]}: chunk")
+    for asset in (checkpoint, evaluation, compressed, archived):
         assert latest(instance, asset, KEYS[2]) is None, asset.key
-    assert not os.path.exists(os.path.join(store_with_checkpoints, "..", "archive", "runs"))
+    # the corrupt partition is Failed where operators look first; a good one is Materialized
+    assert mat(instance, resources, KEYS[1]).success
+    assert status(instance, checkpoint, KEYS[1:3]) == {
+        KEYS[1]: AssetPartitionStatus.MATERIALIZED,
+        KEYS[2]: AssetPartitionStatus.FAILED,
+    }
+    archive = os.path.join(store_with_checkpoints, "..", "archive")
+    assert not os.path.exists(os.path.join(archive, "runs", RUN, "checkpoints", "000000000030"))
 
 
 def test_automation_requests_downstream_only_for_checkpoints_that_passed(store_with_checkpoints, defs, instance):
@@ -104,6 +122,33 @@ def test_backfill_reevaluates_several_partitions_with_a_new_evaluator(store_with
         md = latest(instance, evaluation, key)
         assert md["val_loss"].value == 0.5 and md["evaluator"].value.endswith("constant_evaluator")
     assert latest(instance, evaluation, KEYS[2])["improvement/val_loss"].value == 0.0
+
+
+def test_a_failing_evaluator_fails_its_partition_with_its_error_and_nothing_else(
+    store_with_checkpoints, resources, instance
+):
+    """The demo's TinyLM evaluator pointed at a model that is not a TinyLM: evaluation fails
+    for that partition, with the evaluator's error, while compression and archival (their
+    own run, as the automation sensors request them) succeed."""
+    instance.add_dynamic_partitions("checkpoints", KEYS[:1])
+    wrong = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "test_checkpoint_assets:wrong_model"})}
+    assert mat(instance, wrong, KEYS[0], selection=[checkpoint]).success
+    evaluated = mat(instance, wrong, KEYS[0], selection=[evaluation])
+    archival = mat(instance, wrong, KEYS[0], selection=[compressed, archived])
+    assert not evaluated.success and archival.success
+    [failure] = [e for e in evaluated.all_events if e.is_step_failure]
+    description = failure.step_failure_data.user_failure_data.description
+    assert description.startswith(f"evaluator test_checkpoint_assets:wrong_model failed on {KEYS[0]}: RuntimeError")
+    assert "Unexpected key(s) in state_dict" in description
+    assert status(instance, evaluation, KEYS[:1]) == {KEYS[0]: AssetPartitionStatus.FAILED}
+    assert latest(instance, archived, KEYS[0])["verified"].value is True
+
+
+def wrong_model(state_dict, info):
+    import torch
+
+    torch.nn.Linear(3, 3).load_state_dict(dict(state_dict))
+    return {"val_loss": 0.0}
 
 
 def constant_evaluator(state_dict, info):

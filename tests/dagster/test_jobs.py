@@ -1,16 +1,19 @@
 """Promotion, alias moves and rollback; retention; scrub; the run-failure sensor."""
 
+import os
+
 import pytest
 import torch
-from dagster import DagsterEventType, build_run_status_sensor_context, materialize
+from dagster import DagsterEventType, build_sensor_context, materialize
 from safetensors.torch import load_file
 
-from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation, integrity
+from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
 from ckptflow.registry import Registry
 from ckptflow.store import open_store
 from sensors import failure_sensor
+from sensors.failures import FAILURE_TAG
 from support.corrupt import corrupt_chunk
 from support.dagster import RUN, record, subject
 
@@ -21,7 +24,7 @@ def evaluate_all(instance, resources, keys=KEYS):
     instance.add_dynamic_partitions("checkpoints", keys)
     for key in keys:
         materialize(
-            [*PARTITIONED, integrity],
+            PARTITIONED,
             partition_key=key,
             instance=instance,
             resources=resources,
@@ -144,31 +147,43 @@ def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, 
     assert record(store, 10, "validation")["ok"] is True
 
 
-def test_failure_sensor_records_the_failed_partition(store_with_checkpoints, resources, instance):
+def test_failure_sensor_records_runs_that_failed_before_it_started_and_tags_them(
+    store_with_checkpoints, resources, instance
+):
     from resources import EvaluatorResource
 
-    instance.add_dynamic_partitions("checkpoints", KEYS[:1])
+    instance.add_dynamic_partitions("checkpoints", KEYS[:2])
+    corrupt_chunk(store_with_checkpoints, RUN, 20)
     broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
-    result = materialize(
-        [*PARTITIONED, integrity],
-        partition_key=KEYS[0],
-        instance=instance,
-        resources=broken,
-        selection=[checkpoint, evaluation],
-        raise_on_error=False,
-    )
-    assert not result.success
-    [event] = [e for e in result.all_events if e.event_type == DagsterEventType.RUN_FAILURE]
-    context = build_run_status_sensor_context(
-        sensor_name="failure_sensor",
-        dagster_event=event,
-        dagster_instance=instance,
-        dagster_run=result.dagster_run,
-        resources={"store": resources["store"]},
-    ).for_run_failure()
-    failure_sensor(context)
-    failure = record(store_with_checkpoints, 10, "failure")
-    assert failure["run_id"] == result.run_id and failure["message"]
+    failed = [
+        materialize(
+            PARTITIONED,
+            partition_key=key,
+            instance=instance,
+            resources=broken,
+            selection=selection,
+            raise_on_error=False,
+        )
+        for key, selection in ((KEYS[0], [checkpoint, evaluation]), (KEYS[1], [checkpoint]))
+    ]
+    assert not any(r.success for r in failed)
+
+    def tick(cursor):
+        with build_sensor_context(instance=instance, cursor=cursor, resources={"store": resources["store"]}) as context:
+            failure_sensor(context)
+            return context.cursor
+
+    cursor = tick(None)  # its first tick: both runs failed before it existed
+    evaluation_failure = record(store_with_checkpoints, 10, "failure")
+    assert evaluation_failure["run_id"] == failed[0].run_id and evaluation_failure["steps"] == ["evaluation"]
+    assert "evaluator no.such.module:evaluate failed" in evaluation_failure["message"]
+    integrity_failure = record(store_with_checkpoints, 20, "failure")
+    assert integrity_failure["message"].startswith(f"checkpoint: integrity check blocked {KEYS[1]}: chunk")
+    tags = instance.get_run_by_id(failed[1].run_id).tags
+    assert tags[FAILURE_TAG].startswith(f"checkpoint: integrity check blocked {KEYS[1]}")
+    digest = subject(store_with_checkpoints, 10).digest
+    os.remove(os.path.join(store_with_checkpoints, "lifecycle", RUN, "000000000010", digest, "failure.json"))
+    assert tick(cursor) == cursor and record(store_with_checkpoints, 10, "failure") is None  # each run once
 
 
 @pytest.mark.parametrize("action", ["nonsense"])

@@ -1,20 +1,23 @@
-"""The recovery_metrics asset: checkpoint frequency, time to recovery-ready, recoveries."""
+"""The recovery_metrics asset: checkpoint frequency, time to recovery-ready, recoveries, RPO, RTO."""
 
+import pytest
 from dagster import materialize
 
-from assets import PARTITIONED, checkpoint_key, integrity
-from ckptflow import Checkpointer
+from assets import PARTITIONED, checkpoint_key
+from ckptflow import Checkpointer, recoveries
 from pipelines import demo
 from support.corrupt import corrupt_chunk
 from support.dagster import RUN
 
 
-def test_recovery_metrics_counts_recoveries_fallbacks_and_readiness(store_with_checkpoints, defs, resources, instance):
+def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
+    store_with_checkpoints, defs, resources, instance
+):
     keys = [checkpoint_key(RUN, s) for s in (10, 20)]
     instance.add_dynamic_partitions("checkpoints", keys)
     for key in keys:  # validation makes these two recovery-ready
         materialize(
-            [*PARTITIONED, integrity],
+            PARTITIONED,
             partition_key=key,
             instance=instance,
             resources=resources,
@@ -24,12 +27,62 @@ def test_recovery_metrics_counts_recoveries_fallbacks_and_readiness(store_with_c
     corrupt_chunk(store_with_checkpoints, RUN, 40)
     with Checkpointer(store_with_checkpoints, RUN) as ck:
         assert ck.restore(demo.build()).step == 30  # one recovery, with a fallback past step 40
+        infos = {i.step: i for i in ck.list()}
+        restore_s = recoveries.read_all(ck.store, RUN)[0]["duration_s"]
 
-    result = materialize([*defs.assets], selection=["recovery_metrics"], instance=instance, resources=resources)
+    run_config = {"ops": {"recovery_metrics": {"config": {"detection": "30s"}}}}
+    result = materialize(
+        [*defs.assets], selection=["recovery_metrics"], instance=instance, resources=resources, run_config=run_config
+    )
     df = result.output_for_node("recovery_metrics")
     row = df.set_index("run").loc[RUN]
-    assert (row.checkpoints, row.recoveries, row.recoveries_ok, row.fallbacks) == (4, 1, 1, 1)
+    assert (row.checkpoints, row.checkpoints_in_window, row.recoveries, row.recoveries_ok, row.fallbacks) == (
+        4,
+        4,
+        1,
+        1,
+        1,
+    )
     assert row.save_interval_s >= 0 and row.ready_s >= 0
     metadata = result.asset_materializations_for_node("recovery_metrics")[0].metadata
     assert metadata["recoveries"].value == 1 and metadata["recovery_success_rate"].value == 1.0
-    assert metadata["fallbacks"].value == 1 and "median_ready_s" in metadata
+    assert metadata["fallbacks"].value == 1 and metadata["ready_s"].value >= 0
+    # RPO: only 10 and 20 are recovery-ready, so the gap is theirs; 30 and 40 were never validated
+    assert metadata["rpo_s"].value == pytest.approx(infos[20].created_at - infos[10].created_at, rel=1e-3, abs=1e-3)
+    assert metadata["rto_median_s"].value == pytest.approx(30 + restore_s, rel=1e-3)
+    assert metadata["hot_stored_bytes"].value > 0 and metadata["hot_stored"].value.endswith("iB")
+    assert metadata[f"{RUN}/checkpoints_in_window"].value == 4 and "| run" in metadata["table"].value
+
+
+def test_rpo_freshness_check_warns_when_no_checkpoint_became_recovery_ready_within_the_target(
+    store_with_checkpoints, defs, resources, instance, monkeypatch
+):
+    from dagster import AssetCheckSeverity, AssetSelection
+
+    from assets import RPO_FRESHNESS_KEY
+
+    def check(target: str):
+        monkeypatch.setenv("CKPTFLOW_RPO_TARGET", target)
+        result = materialize(
+            [*defs.assets, *defs.asset_checks],
+            selection=AssetSelection.checks(RPO_FRESHNESS_KEY),
+            instance=instance,
+            resources=resources,
+        )
+        [evaluation] = result.get_asset_check_evaluations()
+        return evaluation
+
+    none_ready = check("1h")  # nothing validated yet: nothing to recover to
+    assert not none_ready.passed and none_ready.severity == AssetCheckSeverity.WARN
+    instance.add_dynamic_partitions("checkpoints", [checkpoint_key(RUN, 40)])
+    materialize(
+        PARTITIONED,
+        partition_key=checkpoint_key(RUN, 40),
+        instance=instance,
+        resources=resources,
+        selection=["checkpoint"],
+    )
+    fresh = check("1h")
+    assert fresh.passed and fresh.metadata["newest_recovery_ready_run"].value == RUN
+    stale = check("0s")
+    assert not stale.passed and stale.metadata["age_s"].value > 0 and stale.metadata["rpo_target"].value == "0.0 s"

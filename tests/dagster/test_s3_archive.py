@@ -22,17 +22,13 @@ def test_definitions_pick_the_s3_archive_from_the_environment(monkeypatch):
 
 
 def test_s3_archive_opens_an_s3_store_through_the_dagster_aws_client(s3_endpoint, s3_bucket):
-    from dagster_aws.s3 import S3Resource
-
-    resource = S3ArchiveResource(
-        s3=S3Resource(endpoint_url=s3_endpoint), bucket=s3_bucket, prefix="a/b", storage_class="GLACIER_IR"
-    )
+    resource = S3ArchiveResource(endpoint_url=s3_endpoint, bucket=s3_bucket, prefix="a/b", storage_class="GLACIER_IR")
     store = resource.open()
     assert store.url == f"s3://{s3_bucket}/a/b" and store.storage_class == "GLACIER_IR"
     assert store.put_if_absent("x/y", b"z") and store.get("x/y") == b"z"
     head = store.client.head_object(Bucket=s3_bucket, Key="a/b/x/y")
     assert head["StorageClass"] == "GLACIER_IR"
     with pytest.raises(ValueError, match="storage_class"):
-        S3ArchiveResource(s3=S3Resource(), bucket=s3_bucket, storage_class="COLDEST").open()
+        S3ArchiveResource(bucket=s3_bucket, storage_class="COLDEST").open()
     with pytest.raises(ValueError, match="s3://bucket/prefix"):
         S3ArchiveResource.from_url("file:///tmp/x")
