@@ -316,7 +316,7 @@ def verify_checkpoint(
     except ManifestError as e:
         return VerifyReport(step, False, [str(e)], digest=fmt.digest_of(blob))
     report = VerifyReport(step=step, ok=True, problems=_rank_problems(store, manifest), digest=manifest.digest)
-    chunks = ChunkStore(store)
+    chunks = ChunkStore(store, manifest.chunks)  # a delta's base must be one of the manifest's own chunks
 
     def check(item: tuple[str, int]) -> str | None:
         digest, size = item

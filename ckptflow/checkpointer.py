@@ -23,11 +23,21 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
+from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, newest_full
 from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.codecs import CODECS
 from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec, describe_failure, own_errors
 from ckptflow.distributed import Group
-from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, NoValidCheckpointError
+from ckptflow.errors import (
+    CheckpointExistsError,
+    CkptflowError,
+    LossyCopyError,
+    ManifestError,
+    NoValidCheckpointError,
+)
+from ckptflow.lossy import describe as describe_lossy
+from ckptflow.lossy import dropped as lossy_dropped
+from ckptflow.manifest import Manifest
 from ckptflow.save_policy import SavePolicy
 from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, to_state_dicts, unflatten
 from ckptflow.store import Store, open_store
@@ -50,6 +60,8 @@ class RestoreResult:
     metadata: dict = field(default_factory=dict)
     rng_restored: bool = False
     tier: str = ""  # URL of the store it was loaded from (the hot store, or an archive tier)
+    lossy: dict | None = None  # a lossy archive copy was loaded (allow_lossy=True): what it lost
+    not_restored: list[str] = field(default_factory=list)  # state entries the copy lacks, left as they were
 
 
 class SaveHandle:
@@ -110,6 +122,8 @@ class Checkpointer:
         self._pending: SaveHandle | None = None
         self._superseded: set[int] = set()
         self._last_commit: int | None = None  # newest step this process committed or restored
+        self._auto = AutoCodec() if codec == "auto" else None
+        self._full: Manifest | None = None  # the newest full checkpoint this process committed: the delta base
 
     # ---- save -------------------------------------------------------------------------
     def save(
@@ -153,6 +167,7 @@ class Checkpointer:
             save_id=save_id,
             chunk_bytes=self.chunk_bytes,
             codec=self.codec,
+            encoder=self._encoder(step, kind),
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
@@ -161,6 +176,7 @@ class Checkpointer:
                 dcp.save(tensors, **kwargs)
             self._last_commit = step
             manifest = writer.manifest
+            self._full = manifest if manifest is not None and manifest.kind == "full" else self._full
             return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
@@ -169,6 +185,8 @@ class Checkpointer:
         def committed(done: Future) -> None:
             if done.exception() is None:
                 self._last_commit = step
+                if writer.manifest is not None and writer.manifest.kind == "full":
+                    self._full = writer.manifest
 
         future.add_done_callback(committed)
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
@@ -197,6 +215,29 @@ class Checkpointer:
         if error is not None:
             raise error
         return base, save_id
+
+    def _encoder(self, step: int, kind: str) -> SaveEncoder | None:
+        """Codec "auto": the save's encoder; an incremental one deltas against the newest
+        full checkpoint, which rank 0 names and every rank reads (checked by digest)."""
+        if self._auto is None:
+            return None
+        if kind == "full":
+            return self._auto.for_save(self.chunks, kind, None)
+        named = None
+        if self.group.rank == 0:
+            found = newest_full(self.store, self.run, step, self._full, self._superseded)
+            named = None if found is None else (found.step, found.digest)
+        named = self.group.broadcast(named)
+        base = None
+        if named is not None:
+            full = self._full if self._full is not None and self._full.digest == named[1] else None
+            try:
+                full = full or catalog.read_manifest(self.store, self.run, named[0])
+            except (CkptflowError, OSError) as e:
+                log.warning("incremental save of step %d stores no deltas: %s", step, e)
+            if full is not None and full.digest == named[1]:
+                self._full, base = full, BaseIndex.of(full)
+        return self._auto.for_save(self.chunks, kind, base)
 
     def _newest_committed_before(self, step: int) -> int | None:
         """The base of an incremental save: known in a training loop without listing the store."""
@@ -230,12 +271,19 @@ class Checkpointer:
         )
 
     # ---- restore ----------------------------------------------------------------------
-    def restore(self, state: MutableMapping[str, Any], *, step: int | None = None) -> RestoreResult:
+    def restore(
+        self, state: MutableMapping[str, Any], *, step: int | None = None, allow_lossy: bool = False
+    ) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state``; rank 0
-        leaves a recovery record in the hot store (``ckptflow.recoveries``) either way."""
+        leaves a recovery record in the hot store (``ckptflow.recoveries``) either way.
+
+        A lossy archive copy (``ckptflow.lossy``) is skipped with the reason unless
+        ``allow_lossy``; loaded, ``result.lossy`` says what it lost and
+        ``result.not_restored`` which state entries it did not hold (left as they were).
+        """
         started = time.perf_counter()
         try:
-            result = self._restore(state, step)
+            result = self._restore(state, step, allow_lossy)
         except NoValidCheckpointError as e:
             self._record_recovery(False, None, e.skipped, None, started, str(e))
             raise
@@ -257,7 +305,7 @@ class Checkpointer:
                 error=error,
             )
 
-    def _restore(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
+    def _restore(self, state: MutableMapping[str, Any], step: int | None, allow_lossy: bool) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
 
         Every chunk a candidate needs is verified on every rank before any tensor in
@@ -278,18 +326,25 @@ class Checkpointer:
         hot_rejected: set[int] = set()
         for cand, index in pairs:
             tier = self.tiers[index]
-            outcome = self._try_load(cand, live, tier)
+            outcome = self._try_load(cand, live, tier, allow_lossy)
             failures = [f for f in self.group.all_gather(outcome[0]) if f]
             if not failures:
                 manifest, record, loaded = outcome[1]
-                load_state_dicts(state, unflatten(record.state, loaded))
+                dropped = lossy_dropped(manifest)  # entries a lossy copy does not hold stay as they are
+                kept = {k: v for k, v in state.items() if k not in dropped} if dropped else state
+                load_state_dicts(kept, unflatten(record.state, loaded))
+                if kept is not state:
+                    state.update(kept)
                 rng_ok = False
                 if self.restore_rng and record.rng and record.rank == self.group.rank:
                     restore_rng(record.rng)
                     rng_ok = True
                 self._superseded = hot_rejected
                 self._last_commit = cand if index == 0 else None
-                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url)
+                lossy = dict(manifest.lossy) if manifest.lossy is not None else None
+                if lossy is not None:
+                    log.warning("restored a lossy copy of %s step %d: %s", self.run, cand, describe_lossy(lossy))
+                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url, lossy, dropped)
             reason = "; ".join(dict.fromkeys(failures))
             if len(self.tiers) > 1:
                 reason = f"{tier.url}: {reason}"
@@ -304,10 +359,20 @@ class Checkpointer:
         detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "no checkpoints at all"
         raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
 
-    def _try_load(self, step: int, live: dict[str, torch.Tensor], tier: Tier) -> tuple[str | None, Any]:
+    def _try_load(
+        self, step: int, live: dict[str, torch.Tensor], tier: Tier, allow_lossy: bool = False
+    ) -> tuple[str | None, Any]:
         """(failure reason or None, (manifest, rank record, the loaded live tensors))."""
         try:
             manifest = catalog.read_manifest(tier.store, self.run, step)
+            if manifest.lossy is not None:
+                if not allow_lossy:
+                    raise LossyCopyError(
+                        f"a lossy archive copy ({describe_lossy(manifest.lossy)}); "
+                        "restore(..., allow_lossy=True) loads it"
+                    )
+                dropped = lossy_dropped(manifest)
+                live = {k: v for k, v in live.items() if k.split(".", 1)[0] not in dropped}
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = catalog.read_rank_record(tier.store, manifest, rank)
             reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress, agree=self._gathered_failure)
@@ -350,3 +415,4 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
