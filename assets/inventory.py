@@ -11,7 +11,8 @@ from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.partitions import parse_checkpoint_key
-from ckptflow import inventory, lifecycle, stats
+from ckptflow import costs, inventory, lifecycle, stats
+from ckptflow.lifecycle.ledger import expired
 from ckptflow.retention import RetentionPlan, default_policy
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
@@ -66,11 +67,13 @@ def checkpoint_inventory(
     store: CheckpointStoreResource, archive: ArchiveTierResource, registry: RegistryResource
 ) -> Output[pd.DataFrame]:
     """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
-    last recorded failure and the retention verdict. Also bytes per tier."""
+    last recorded failure and the retention verdict. Also bytes and monthly cost per
+    tier at default list prices (``storage_cost`` has the breakdown, at configured prices)."""
     hot, arc = store.open(), archive.open()
     entries, plan = compute_plan(RetentionConfig(), hot, arc, registry)
     df = pd.DataFrame(inventory.rows(entries, plan))
     hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
+    priced = costs.price({"hot": hot_stats, "archive": arc_stats}, expired(hot), costs.CostModel())
     counts = df["validation"].value_counts().to_dict() if len(df) else {}
     return Output(
         df,
@@ -82,6 +85,7 @@ def checkpoint_inventory(
             "archive_stored_bytes": MetadataValue.int(arc_stats.stored_bytes),
             "hot_dedup_ratio": MetadataValue.float(hot_stats.dedup_ratio or 1.0),
             "hot_compression_ratio": MetadataValue.float(hot_stats.compression_ratio or 1.0),
+            **{f"{t.tier}_monthly_usd": MetadataValue.float(t.monthly_usd) for t in priced.tiers},
             "to_delete": len(plan.delete),
             "table": markdown(df),
         },

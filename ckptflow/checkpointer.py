@@ -415,4 +415,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-

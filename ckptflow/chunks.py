@@ -198,9 +198,14 @@ class ChunkStore:
             except ObjectNotFoundError:
                 raise self._missing(digest, chunk_key(digest)) from None
             except _NotRaw:
-                got = version = None
-            if got == codecs.HEADER.size + size and codecs.raw_length(header) == size and hasher.hexdigest() == digest:
-                return CheckedChunk(digest, size, version=version)
+                pass
+            else:
+                if (
+                    got == codecs.HEADER.size + size
+                    and codecs.raw_length(header) == size
+                    and hasher.hexdigest() == digest
+                ):
+                    return CheckedChunk(digest, size, version=version)
         return CheckedChunk(digest, size, data=self.get(digest, expected_size=size))
 
     def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:

@@ -178,20 +178,20 @@ def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: 
     if codec == ZSTD_V1:
         return _decode_v1(payload, raw_len, itemsize)
     if codec == ZSTD:
-        return memoryview(planes.decode(payload, raw_len, itemsize))
+        return planes.view(planes.decode(payload, raw_len, itemsize))
     if codec == DELTA:
         digest = bytes(payload[:DIGEST_BYTES]).hex()
         if base is None:
             raise CorruptChunkError(f"delta chunk on base {digest[:16]}… cannot be a base itself")
         out = planes.decode(payload[DIGEST_BYTES:], raw_len, itemsize)
         np.bitwise_xor(out, np.frombuffer(base(digest, raw_len), dtype=np.uint8), out=out)
-        return memoryview(out)
+        return planes.view(out)
     if codec == BF16:
         halves = planes.decode(payload, raw_len // 2, 2).view("<u2")
         words = np.empty(raw_len // 4, dtype="<u4")
         np.copyto(words, halves, casting="unsafe")
         words <<= np.uint32(16)
-        return memoryview(words.view(np.uint8))
+        return planes.view(words)
     if codec == Q8:
         block, count = _Q8.unpack_from(payload)
         (scale_len,) = _SECTION.unpack_from(payload, _Q8.size)
@@ -201,7 +201,7 @@ def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: 
             raise CorruptChunkError(f"q8 chunk names {count} scales for {n} values in blocks of {block}")
         scales = planes.decode(payload[start : start + scale_len], count * 4, 4).view("<f4")
         codes = planes.decode(payload[start + scale_len :], n, 1).view(np.int8)
-        return memoryview(dequantize_q8(codes, scales, block).view(np.uint8))
+        return planes.view(dequantize_q8(codes, scales, block))
     raise CorruptChunkError(f"chunk names unknown codec id {codec}")
 
 
@@ -215,4 +215,4 @@ def _decode_v1(payload: memoryview, raw_len: int, itemsize: int) -> memoryview:
     if itemsize <= 1:
         return memoryview(grouped)
     arr = np.frombuffer(grouped, dtype=np.uint8)
-    return memoryview(np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1))
+    return planes.view(np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1))

@@ -40,11 +40,16 @@ STORED, ZSTD, NIBBLES = 0, 1, 2
 _HEAD = struct.Struct("<BB")
 _PLANE = struct.Struct("<BI")
 _NIBBLE_HEAD = struct.Struct("<BI")
-_UINTS = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_UINTS: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 ROTATED = 1
 WINDOW = 15  # offsets 0..14 are values; 15 marks an escape
 SAMPLE_RUN = 16 << 10
 _local = threading.local()
+
+
+def view(array: np.ndarray) -> memoryview:
+    """A contiguous array's bytes, without a copy."""
+    return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -153,7 +158,7 @@ def _nibbles(plane: np.ndarray, lo: int, level: int) -> bytes:
     pairs = offsets.reshape(-1, 2)
     packed = np.left_shift(pairs[:, 0], 4)
     packed |= pairs[:, 1]
-    frame = _compressor(level).compress(packed)
+    frame = _compressor(level).compress(view(packed))
     return _NIBBLE_HEAD.pack(lo, len(frame)) + frame + escapes.tobytes()
 
 
@@ -193,7 +198,7 @@ def _sample(plane: np.ndarray) -> np.ndarray:
 
 
 def _ratio(data: np.ndarray, level: int) -> float:
-    return len(_compressor(level).compress(data)) / max(1, len(data))
+    return len(_compressor(level).compress(view(data))) / max(1, len(data))
 
 
 def encode_plane(plane: np.ndarray, level: int) -> tuple[int, bytes | np.ndarray]:
@@ -208,17 +213,21 @@ def encode_plane(plane: np.ndarray, level: int) -> tuple[int, bytes | np.ndarray
         if share > 0.9 and len(_nibbles(sample, lo, level)) < zstd_ratio * len(sample):
             packed = _nibbles(plane, lo, level)
             return (NIBBLES, packed) if len(packed) < len(plane) else (STORED, plane)
-    frame = _compressor(level).compress(plane)
+    frame = _compressor(level).compress(view(plane))
     return (ZSTD, frame) if len(frame) < len(plane) else (STORED, plane)
 
 
 def encode(raw: memoryview | bytes | np.ndarray, itemsize: int, floating: bool, level: int = 1) -> list[memoryview]:
     """The planes payload of ``raw`` as buffers (stored planes are not copied again)."""
     planes, rotated = split(raw, itemsize, floating)
-    bodies = [(mode, memoryview(body)) for mode, body in (encode_plane(p, level) for p in planes)]
+    bodies = [(mode, _as_view(body)) for mode, body in (encode_plane(p, level) for p in planes)]
     head = _HEAD.pack(ROTATED if rotated else 0, len(planes))
     table = b"".join(_PLANE.pack(mode, len(body)) for mode, body in bodies)
     return [memoryview(head + table), *(body for _, body in bodies)]
+
+
+def _as_view(body: bytes | np.ndarray) -> memoryview:
+    return view(body) if isinstance(body, np.ndarray) else memoryview(body)
 
 
 def size(parts: list) -> int:

@@ -12,6 +12,7 @@ from dagster import ConfigurableResource
 from dagster_aws.s3 import S3Resource
 from pydantic import Field
 
+from ckptflow.lossy import ArchiveCodec
 from ckptflow.store import Store, open_store
 from resources.store import REPO
 
@@ -21,12 +22,31 @@ def default_archive_url() -> str:
     return os.environ.get("CKPTFLOW_ARCHIVE") or os.path.join(REPO, ".demo", "archive")
 
 
+def default_archive_codec() -> str:
+    """``CKPTFLOW_ARCHIVE_CODEC``, else exact copies."""
+    return os.environ.get("CKPTFLOW_ARCHIVE_CODEC") or "exact"
+
+
 class ArchiveTierResource(ConfigurableResource):
-    """What the lifecycle needs of an archive tier: ``open()`` gives its store. Assets
-    and jobs take this type, so either implementation below can be bound to ``archive``."""
+    """What the lifecycle needs of an archive tier: ``open()`` gives its store, and
+    ``archive_codec`` how archival writes into it. Assets and jobs take this type, so
+    either implementation below can be bound to ``archive``."""
+
+    archive_codec: str = Field(
+        default_factory=default_archive_codec,
+        description="exact, or a lossy archive codec: bf16, bf16+int8, int8, model-only, model-only-bf16, "
+        "or weights=exact|bf16,optimizer=exact|int8|drop (ckptflow.lossy)",
+    )
 
     def open(self) -> Store:
         raise NotImplementedError
+
+    def codec(self) -> ArchiveCodec:
+        return ArchiveCodec.parse(self.archive_codec)
+
+    def priced_class(self) -> str | None:
+        """The S3 storage class the archive writes (what the cost model prices it as), if known."""
+        return None
 
 
 class ArchiveResource(ArchiveTierResource):
@@ -63,6 +83,9 @@ class S3ArchiveResource(ArchiveTierResource):
     bucket: str = Field(description="bucket holding the archive")
     prefix: str = Field(default="", description="key prefix inside the bucket (the archive's root)")
     storage_class: str | None = Field(default=None, description="S3 storage class of archived objects, e.g. GLACIER_IR")
+
+    def priced_class(self) -> str | None:
+        return self.storage_class
 
     def open(self) -> Store:
         from ckptflow.store.s3 import S3Store  # boto3 only where an S3 archive is configured

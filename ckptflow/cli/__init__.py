@@ -23,6 +23,7 @@ from ckptflow.cli.commands import (
     cmd_verify,
     duration_arg,
 )
+from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.output import PROG, human_bytes
 from ckptflow.errors import CkptflowError
 from ckptflow.export import DTYPES
@@ -67,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point tensors")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("stats", help="storage per run: logical, unique and stored bytes")
+    p = sub.add_parser("stats", help="storage per run: logical, unique and stored bytes; cost per tier")
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--json", action="store_true")
+    cost_arguments(p)
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("gc", help="delete chunks no checkpoint references")

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
+from ckptflow.cli import costs as cost_section
 from ckptflow.cli.output import PROG, human_bytes, progress, ratio, secs, table, warn
 from ckptflow.errors import CkptflowError
 from ckptflow.export import export_safetensors
@@ -175,12 +176,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     store = _open(args.root)
     stats = store_stats(store)
     operations = recoveries.store_metrics(store)
+    costs = cost_section.report(store, args, _open)
     for problem in stats.unreadable_manifests:
         warn(f"not counted: {problem}")
     if args.json:
-        print(
-            json.dumps({**stats.as_dict(), "operations": [m.as_dict() for m in operations]}, indent=2, sort_keys=True)
-        )
+        doc = {**stats.as_dict(), "operations": [m.as_dict() for m in operations], "costs": costs.as_dict()}
+        print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     headers = ["RUN", "CHECKPOINTS", "LOGICAL", "UNIQUE", "STORED", "DEDUP", "COMPRESSION"]
     rows = [
@@ -235,6 +236,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             right={1, 2, 3, 4, 5, 6},
         )
     )
+    print()
+    print(cost_section.render(costs))
     return 0
 
 

@@ -13,17 +13,17 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-import numpy as np
-
 from ckptflow import catalog
 from ckptflow import format as fmt
-from ckptflow.chunks import ChunkStore, Encoded
+from ckptflow.chunks import ChunkStore, Encoded, Encoder
 from ckptflow.codecs import decode
 from ckptflow.dcp_index import DcpIndex, StorageItem
 from ckptflow.errors import CheckpointExistsError, CorruptChunkError
 from ckptflow.lossy import Q8_BLOCK, ArchiveCodec, LossStats, encode_lossy, optimizer_entries, tensor_class
 from ckptflow.manifest import Manifest, ManifestStats
+from ckptflow.planes import view
 from ckptflow.store.base import Store
+
 
 def write_lossy_copy(
     src: Store, dst: Store, manifest: Manifest, codec: ArchiveCodec, progress: Callable[[int], None] | None = None
@@ -54,12 +54,14 @@ def write_lossy_copy(
             raw = source.get(digest, expected_size=size)
             if how == "exact":
                 itemsize = fmt.DTYPE_SIZES[item.dtype]
-                write = target.put(raw, digest=digest, codec="zstd", itemsize=itemsize, floating=item.dtype in fmt.FLOATING_DTYPES)
+                write = target.put(
+                    raw, digest=digest, codec="zstd", itemsize=itemsize, floating=item.dtype in fmt.FLOATING_DTYPES
+                )
             else:
                 values, parts = encode_lossy(raw, how, stats, what)
                 if dst.writes_cold and bytes(decode(b"".join(bytes(p) for p in parts))) != values.tobytes():
                     raise CorruptChunkError(f"the {how} encoding of a chunk of {item.fqn!r} does not round-trip")
-                write = target.put(memoryview(values.view(np.uint8)), encoder=lambda _r, _d, p=parts: Encoded(p))
+                write = target.put(view(values), encoder=_fixed(parts))
             chunks.append((write.digest, size))
             sizes[write.digest], stored[write.digest] = size, write.stored_bytes
             if progress:
@@ -74,6 +76,7 @@ def write_lossy_copy(
         "tensors": counts,
         "error": stats.as_dict(),
         "source_digest": manifest.digest,
+        "source_logical_bytes": manifest.stats.logical_bytes,
     }
     blob = _copy_manifest(manifest, items, dropped, sizes, stored, lossy).seal()
     key = fmt.manifest_key(manifest.run, manifest.step)
@@ -86,10 +89,17 @@ def write_lossy_copy(
         raise CheckpointExistsError(f"{dst.url}/{key} already holds another commit of this step; not overwritten")
     for record in records:
         state = {k: v for k, v in record.state.items() if k not in dropped} if dropped else record.state
-        meta.replace(fmt.rank_key(manifest.run, manifest.step, record.rank), dataclasses.replace(record, state=state).seal())
+        meta.replace(
+            fmt.rank_key(manifest.run, manifest.step, record.rank), dataclasses.replace(record, state=state).seal()
+        )
     if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
         raise CheckpointExistsError(f"{dst.url}/{key} was committed by another writer meanwhile; not overwritten")
     return parsed, held
+
+
+def _fixed(parts: list) -> Encoder:
+    """An encoder that stores ``parts``: the chunk was encoded while it was rounded."""
+    return lambda _raw, _digest: Encoded(parts)
 
 
 def _copy_manifest(

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from ckptflow import catalog
 from ckptflow.chunks import ChunkStore
-from ckptflow.format import DTYPE_SIZES, FLOATING_DTYPES as FLOATING
+from ckptflow.format import DTYPE_SIZES
+from ckptflow.format import FLOATING_DTYPES as FLOATING
 from ckptflow.lifecycle.records import Subject, write_record
 from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
