@@ -15,7 +15,8 @@ hot. The difference is split into what each mechanism saved, per month:
 * dedup: logical bytes the distinct chunks do not repeat (unchanged tensors, runs
   sharing data), per tier;
 * compression, delta, lossy: raw minus stored bytes of plain (zstd), delta and
-  lossy-copy chunks, per tier (lossy also counts tensors a copy dropped);
+  lossy-copy chunks, per tier (delta net of the bases kept only for deltas; lossy
+  also counts tensors a copy dropped);
 * garbage: unreferenced chunk files waiting for GC (a cost, so negative), and
   missing chunks (referenced, absent).
 
@@ -142,10 +143,11 @@ def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: C
         exact = sum(h.exact_logical_bytes for h in s.held.values())
         tiered += exact * unit
         kinds = s.encodings
+        base = kinds.get("base")
         items = {
-            "dedup": sum(h.logical_bytes for h in s.held.values()) - s.unique_bytes,
+            "dedup": sum(h.logical_bytes for h in s.held.values()) - s.data_bytes,
             "compression": _saved(kinds, "plain"),
-            "delta": _saved(kinds, "delta"),
+            "delta": _saved(kinds, "delta") - (base.stored_bytes if base else 0),  # bases kept for deltas cost
             "lossy": exact - sum(h.logical_bytes for h in s.held.values()) + _saved(kinds, "lossy"),
             "garbage": s.missing_raw_bytes - s.unreferenced_bytes,
         }
