@@ -214,7 +214,8 @@ def table(rows: dict[str, dict], lossy: dict) -> str:
             fmt(r["save_full_s"]), fmt(r["save_full_s"] / raw["save_full_s"], "{:.2f}x"),
             fmt(r["save_incr_s"]), fmt(r["save_incr_s"] / raw["save_incr_s"], "{:.2f}x"),
             fmt(r["restore_full_s"]), fmt(r["restore_incr_s"]),
-            "nothing to decode" if codec == "raw" else f"{fmt(r['decode_full'], '{:.2f}')}, {fmt(r['decode_incr'], '{:.2f}')}",
+            "nothing to decode" if codec == "raw" else f"{fmt(r['decode_full'], '{:.2f}')}, "
+            + fmt(r["decode_incr"], "{:.2f}"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(
