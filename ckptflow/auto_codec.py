@@ -87,7 +87,7 @@ class AutoCodec:
         if kind == "full":
             with self._lock:
                 self._samples = {}  # this save is the new base: older samples are no use
-        return SaveEncoder(self, chunks, base if kind == "incremental" else None)
+        return SaveEncoder(self, chunks, kind == "full", base if kind == "incremental" else None)
 
     def remember(self, digest: str, raw: memoryview | np.ndarray) -> None:
         self._samples[digest] = sample(raw)
@@ -99,10 +99,11 @@ class AutoCodec:
 class SaveEncoder:
     """One save's encoder: ``for_chunk`` gives ``ChunkStore.put`` the encoder of one chunk."""
 
-    def __init__(self, state: AutoCodec, chunks: ChunkStore, base: BaseIndex | None):
-        self.state, self.chunks, self.base = state, chunks, base
+    def __init__(self, state: AutoCodec, chunks: ChunkStore, full: bool, base: BaseIndex | None):
+        self.state, self.chunks, self.full, self.base = state, chunks, full, base
         self._touched: set[str] = set()
         self._lock = threading.Lock()
+        self._warned = False
 
     def for_chunk(
         self, fqn: str, offset: tuple[int, ...] | None, dtype: str, index: int, itemsize: int, floating: bool
@@ -110,7 +111,7 @@ class SaveEncoder:
         def encode(raw: memoryview, digest: str) -> Encoded:
             base = self.base.chunk(fqn, offset, dtype, index, len(raw)) if self.base else None
             if base is None or base == digest:
-                return Encoded(self._plain(raw, digest, itemsize, floating, remember=self.base is None))
+                return Encoded(self._plain(raw, digest, itemsize, floating, remember=self.full))
             return self._with_base(raw, digest, base, itemsize, floating)
 
         return encode
@@ -131,9 +132,12 @@ class SaveEncoder:
             if delta * scale + codecs.DIGEST_BYTES >= DELTA_MARGIN * plain:
                 return Encoded(self._plain(raw, digest, itemsize, floating, remember=False))
         try:
+            self._protect(base)
             base_raw, base_bytes = self.chunks.base_raw(base, len(raw))
         except CkptflowError as e:  # a bad base only costs the saving; restore would refuse it anyway
-            log.warning("chunk %s… stored without delta: %s", digest[:16], e)
+            if not self._warned:
+                self._warned = True
+                log.warning("chunks stored without delta (base of %s… unusable): %s", digest[:16], e)
             return Encoded(self._plain(raw, digest, itemsize, floating, remember=False))
         if known is None:
             self.state.remember(base, base_raw)
@@ -142,16 +146,17 @@ class SaveEncoder:
             plain_parts = self._plain(raw, digest, itemsize, floating, remember=False)
             if planes.size(plain_parts) <= planes.size(delta_parts):
                 return Encoded(plain_parts)
-        self._protect(base)
         return Encoded(delta_parts, base, base_bytes)
 
     def _protect(self, base: str) -> None:
-        """Restart GC's grace period for a base this save starts to depend on (once per save)."""
+        """Restart GC's grace period for a base this save may depend on (once per save);
+        ``ObjectNotFoundError`` if it is gone. The save's lease keeps GC away meanwhile."""
         with self._lock:
             if base in self._touched:
                 return
-            self._touched.add(base)
         self.chunks.store.touch(chunk_key(base))
+        with self._lock:
+            self._touched.add(base)
 
 
 def newest_full(

@@ -225,7 +225,11 @@ class Checkpointer:
             return self._auto.for_save(self.chunks, kind, None)
         named = None
         if self.group.rank == 0:
-            found = newest_full(self.store, self.run, step, self._full, self._superseded)
+            known, last = self._full, self._last_commit
+            if known is not None and last is not None and known.step <= last < step:
+                found = known  # this process committed everything since that full: no listing
+            else:
+                found = newest_full(self.store, self.run, step, known, self._superseded)
             named = None if found is None else (found.step, found.digest)
         named = self.group.broadcast(named)
         base = None

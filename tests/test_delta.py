@@ -88,6 +88,24 @@ def test_a_later_save_reusing_a_delta_chunk_lists_its_base_too(ckpt_store_dir):
     assert_tensors_equal(drifting_state(2), target)
 
 
+def test_a_stored_delta_whose_base_is_gone_is_written_anew_when_reused(ckpt_store_dir):
+    store = _save(ckpt_store_dir, [1, 2])
+    two = catalog.read_manifest(store, RUN, 2)
+    for base in set(two.bases.values()):
+        store.delete(fmt.chunk_key(base))  # as if a GC had taken the base but not the delta
+    for step in (1, 2):
+        store.delete(fmt.manifest_key(RUN, step))
+    with Checkpointer(ckpt_store_dir, RUN, codec="auto", chunk_bytes=DRIFT_CHUNK) as ck:
+        ck.save(3, drifting_state(3), kind="full")
+        ck.save(4, drifting_state(2), kind="incremental")  # step 2's content again
+    four = catalog.read_manifest(store, RUN, 4)
+    assert not set(two.bases.values()) & set(four.chunks)
+    assert set(two.bases) & set(four.chunks)  # the same chunks, stored again
+    assert Checkpointer(ckpt_store_dir, RUN).verify(4).ok
+    target, _ = _restore(ckpt_store_dir, 4)
+    assert_tensors_equal(drifting_state(2), target)
+
+
 def test_gc_keeps_bases_of_live_deltas_and_frees_them_with_the_last_reference(ckpt_store_dir):
     store = _save(ckpt_store_dir, [1, 2, 3])
     bases = set(catalog.read_manifest(store, RUN, 2).bases.values()) | set(

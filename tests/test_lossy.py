@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptflow import Checkpointer, NoValidCheckpointError, catalog, lifecycle
+from ckptflow import Checkpointer, NoValidCheckpointError, catalog, inventory, lifecycle
 from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.lossy import ArchiveCodec, describe
 from ckptflow.retention import DAY, Candidate, plan
@@ -157,3 +157,13 @@ def test_a_bad_archive_codec_says_what_is_allowed():
         ArchiveCodec.parse("fp4")
     with pytest.raises(ValueError, match="weights must be one of"):
         ArchiveCodec.parse("weights=fp8")
+
+
+def test_the_inventory_shows_an_archive_only_lossy_copy_with_the_exact_commits_verdicts(tmp_path):
+    hot, arc, _, _ = _archive(tmp_path, "bf16+int8")
+    lifecycle.validate(hot, RUN, 1)
+    lifecycle.expire(hot, RUN, 1, keep_records=True)
+    [entry] = inventory.collect(hot, arc)
+    assert entry.tiers == ["archive"] and entry.validation == "passed"
+    assert entry.archive_lossy["weights"] == "bf16" and entry.candidate().archive_lossy
+    assert inventory.rows([entry])[0]["archive_copy"] == "lossy"
