@@ -226,9 +226,8 @@ class Checkpointer:
         named = None
         if self.group.rank == 0:
             known, last = self._full, self._last_commit
-            if known is not None and last is not None and known.step <= last < step:
-                found = known  # this process committed everything since that full: no listing
-            else:
+            found: Manifest | None = known  # when this process committed everything since: no listing
+            if known is None or last is None or not known.step <= last < step:
                 found = newest_full(self.store, self.run, step, known, self._superseded)
             named = None if found is None else (found.step, found.digest)
         named = self.group.broadcast(named)
