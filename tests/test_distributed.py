@@ -55,7 +55,7 @@ def session(tmp_path_factory) -> W.Session:
     random.setstate(rng[0])
     np.random.set_state(rng[1])
     torch.set_rng_state(rng[2])
-    return W.launch(["save_sharded", "load_sharded", "restore_agreement"], workdir)
+    return W.launch(["save_sharded", "load_sharded", "restore_agreement", "save_sharded_auto"], workdir)
 
 
 def test_two_rank_dtensor_save_loads_into_one_process(session, keep_rng):
@@ -137,3 +137,15 @@ def test_ranks_agree_to_fall_back_when_only_one_rank_hits_corruption(session):
         assert r["w_local_ok"] and r["w_full_ok"] and r["rep_ok"] and r["epoch"] == 1
         assert r["verify"] == {"1": True, "2": False, "3": False}
     assert results[0]["skipped"] == results[1]["skipped"]
+
+
+def test_two_ranks_store_their_changes_as_deltas_on_their_own_shards(session, keep_rng):
+    results = session.results("save_sharded_auto")
+    for r in results:
+        assert r["step"] == 2 and r["w_full_ok"]
+    assert results[0]["bases"] == 8  # every chunk of both shards moved a little: a delta each
+    root = str(session.workdir / "save_sharded_auto" / "store")
+    with Checkpointer(root, run=W.RUN) as ck:
+        target = {"w": torch.zeros(W.DRIFT_ROWS, 64)}
+        assert ck.restore(target).step == 2
+    assert torch.equal(target["w"], W.drifting_weight(2))
