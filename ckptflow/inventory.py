@@ -119,8 +119,12 @@ def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
         _scan(archive.metadata_store(), "archive", entries)
     for (run, step, digest), records in records_by_subject(hot).items():
         entry = entries.get((run, step))
-        if entry is not None and digest in (entry.digest, entry.source_digest):
-            entry.records = records
+        if entry is None:
+            continue
+        if digest == entry.digest:  # the commit's own verdicts
+            entry.records = {**entry.records, **records}
+        elif digest == entry.source_digest:  # a lossy copy: the exact commit's, unless it has its own
+            entry.records = {**records, **entry.records}
     return [entries[k] for k in sorted(entries)]
 
 
