@@ -142,28 +142,43 @@ class ChunkStore:
     def _decoded(self, digest: str, blob: bytes, expected_size: int | None = None) -> memoryview:
         key = chunk_key(digest)
         try:
-            raw = codecs.decode(blob, lambda base, size: self.base_raw(base, size)[0])
+            raw = codecs.decode(blob, self._base_blob)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
         if expected_size is not None and len(raw) != expected_size:
             raise CorruptChunkError(
                 f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {expected_size}"
             )
-        self._verify(digest, key, raw)
+        try:
+            self._verify(digest, key, raw)
+        except CorruptChunkError:
+            base = codecs.delta_base(blob)
+            if base is not None:  # a bad base makes bad bytes: say so if that is the cause
+                try:
+                    self.base_raw(base, len(raw))
+                except CorruptChunkError as e:
+                    raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
+            raise
         return raw
 
-    def base_raw(self, digest: str, size: int) -> tuple[memoryview, int]:
-        """A delta base's raw bytes, verified, and its stored size. A base is never itself
-        a delta: it is decoded without a base reader, so a delta there is refused."""
-        key = chunk_key(digest)
+    def _base_blob(self, digest: str, size: int) -> bytes:
+        """A delta's base as stored: listed by the manifest being read (if scoped), present.
+        Its bytes are checked through the delta's own address (``codecs.decode``)."""
         if self.scope is not None and self.scope.get(digest) != size:
             raise CorruptChunkError(
                 f"its delta base {digest[:16]}… ({size} bytes) is not among the chunks the manifest lists"
             )
         try:
-            blob = self.store.get(key)
+            return self.store.get(chunk_key(digest))
         except ObjectNotFoundError:
-            raise CorruptChunkError(f"its delta base {self.store.url}/{key} is missing") from None
+            raise CorruptChunkError(f"its delta base {self.store.url}/{chunk_key(digest)} is missing") from None
+
+    def base_raw(self, digest: str, size: int) -> tuple[memoryview, int]:
+        """A delta base's raw bytes, verified, and its stored size: what a delta is computed
+        against. A base is never itself a delta: it is decoded without a base reader, so
+        a delta there is refused."""
+        key = chunk_key(digest)
+        blob = self._base_blob(digest, size)
         try:
             raw = codecs.decode(blob)
             if len(raw) != size:

@@ -42,7 +42,7 @@ HEAD_BYTES = HEADER.size + DIGEST_BYTES  # enough of any chunk to know its codec
 _Q8 = struct.Struct("<II")
 _SECTION = struct.Struct("<I")
 
-BaseReader = Callable[[str, int], memoryview]  # (base digest, raw length) -> verified raw bytes
+BaseReader = Callable[[str, int], bytes | memoryview]  # (base digest, raw length) -> the base chunk as stored
 
 
 def _header(codec: int, itemsize: int, raw_len: int) -> bytes:
@@ -76,7 +76,9 @@ def encode_delta(
     *,
     floating: bool = False,
 ) -> list:
-    """``raw`` as the byte planes of ``raw XOR base``; the header names the base."""
+    """``raw`` as the byte planes of ``raw XOR base``; the header names the base. Laid out
+    like the base's own zstd planes (same element size and rotation), a reader XORs the
+    two plane by plane and joins once."""
     new = np.frombuffer(raw, dtype=np.uint8)
     old = np.frombuffer(base, dtype=np.uint8)
     if len(new) != len(old):
@@ -155,8 +157,10 @@ def raw_length(header: bytes | bytearray | memoryview) -> int | None:
 def decode(blob: bytes | memoryview, base: BaseReader | None = None) -> memoryview:
     """The raw bytes of an encoded chunk; ``CorruptChunkError`` if the framing is broken.
 
-    ``base`` supplies a delta chunk's base, verified; without it a delta cannot be
-    decoded (which is how a base that is itself a delta is refused).
+    ``base`` supplies a delta chunk's base as stored; without it a delta cannot be
+    decoded (which is how a base that is itself a delta is refused). The base is not
+    verified here: a wrong base makes wrong bytes, which the delta's own address check
+    catches (``ChunkStore`` then names the base).
     """
     if len(blob) < HEADER.size:
         raise CorruptChunkError(f"chunk is {len(blob)} bytes, shorter than its header")
@@ -183,9 +187,7 @@ def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: 
         digest = bytes(payload[:DIGEST_BYTES]).hex()
         if base is None:
             raise CorruptChunkError(f"delta chunk on base {digest[:16]}… cannot be a base itself")
-        out = planes.decode(payload[DIGEST_BYTES:], raw_len, itemsize)
-        np.bitwise_xor(out, np.frombuffer(base(digest, raw_len), dtype=np.uint8), out=out)
-        return planes.view(out)
+        return planes.view(_decode_delta(payload[DIGEST_BYTES:], raw_len, itemsize, memoryview(base(digest, raw_len))))
     if codec == BF16:
         halves = planes.decode(payload, raw_len // 2, 2).view("<u2")
         words = np.empty(raw_len // 4, dtype="<u4")
@@ -203,6 +205,36 @@ def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: 
         codes = planes.decode(payload[start + scale_len :], n, 1).view(np.int8)
         return planes.view(dequantize_q8(codes, scales, block))
     raise CorruptChunkError(f"chunk names unknown codec id {codec}")
+
+
+def _decode_delta(payload: memoryview, raw_len: int, itemsize: int, base: memoryview) -> np.ndarray:
+    """XOR the base back in: plane by plane when the base's zstd planes are laid out like
+    the delta's (one join for both), else on the joined bytes."""
+    mine, rotated = planes.decode_planes(payload, raw_len, itemsize)
+    try:
+        theirs = _base_planes(base, raw_len, itemsize, len(mine), rotated)
+        old = None if theirs is not None else np.frombuffer(decode(base), dtype=np.uint8)  # a delta base: refused
+    except CorruptChunkError as e:
+        raise CorruptChunkError(f"its delta base is unusable: {e}") from None
+    out = np.empty(raw_len, dtype=np.uint8)
+    if theirs is not None:
+        planes.join(planes.xor_planes(mine, theirs), rotated, out)
+        return out
+    if old is None or len(old) != raw_len:
+        raise CorruptChunkError(f"its delta base holds {0 if old is None else len(old)} bytes, not {raw_len}")
+    planes.join(mine, rotated, out)
+    np.bitwise_xor(out, old, out=out)
+    return out
+
+
+def _base_planes(base: memoryview, raw_len: int, itemsize: int, count: int, rotated: bool) -> list | None:
+    if len(base) < HEADER.size:
+        return None
+    magic, codec, base_itemsize, base_len = HEADER.unpack_from(base)
+    if magic != MAGIC or codec != ZSTD or base_itemsize != itemsize or base_len != raw_len:
+        return None
+    theirs, base_rotated = planes.decode_planes(base[HEADER.size :], raw_len, itemsize)
+    return theirs if len(theirs) == count and base_rotated == rotated else None
 
 
 def _decode_v1(payload: memoryview, raw_len: int, itemsize: int) -> memoryview:

@@ -13,7 +13,9 @@ would only add a frame), zstd, or *window nibbles*: an exponent plane whose valu
 nearly all fall in 15 consecutive values is stored as 4-bit offsets packed two per
 byte (the rest escaped), then zstd. zstd's fast match finder spends bits on spurious
 matches in such noisy low-entropy data; the packed form gets within 1 % of the plane's
-order-0 entropy at zstd's speed, which is what brings bf16 weights to about 0.66x.
+order-0 entropy, which is what brings bf16 weights to about 0.66x. It decodes at half
+zstd's speed, so it is used for 2-byte elements only, where the exponent plane is half
+the data (for fp32 it would save under 1 % of the chunk).
 
 Payload layout (all integers little-endian)::
 
@@ -44,6 +46,7 @@ _UINTS: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dty
 ROTATED = 1
 WINDOW = 15  # offsets 0..14 are values; 15 marks an escape
 SAMPLE_RUN = 16 << 10
+STORE_ABOVE = 0.93  # a plane zstd shrinks less than this is stored: decoding it would cost more than it saves
 _local = threading.local()
 
 
@@ -73,6 +76,20 @@ def _scratch(n: int, dtype: np.dtype) -> np.ndarray:
     if buf is None or len(buf) < n * dtype.itemsize:
         buf = _local.scratch = np.empty(n * dtype.itemsize, dtype=np.uint8)
     return buf[: n * dtype.itemsize].view(dtype)
+
+
+def xor_planes(mine: list[np.ndarray], theirs: list[np.ndarray]) -> list[np.ndarray]:
+    """``mine XOR theirs`` plane by plane, into a per-thread buffer (valid until this
+    thread's next call): XOR commutes with the split, so a delta and its base join once."""
+    total = sum(len(p) for p in mine)
+    buf = getattr(_local, "xor", None)
+    if buf is None or len(buf) < total:
+        buf = _local.xor = np.empty(total, dtype=np.uint8)
+    out, start = [], 0
+    for a, b in zip(mine, theirs):
+        out.append(np.bitwise_xor(a, b, out=buf[start : start + len(a)]))
+        start += len(a)
+    return out
 
 
 def split(raw: memoryview | bytes | np.ndarray, itemsize: int, floating: bool) -> tuple[list[np.ndarray], bool]:
@@ -201,14 +218,14 @@ def _ratio(data: np.ndarray, level: int) -> float:
     return len(_compressor(level).compress(view(data))) / max(1, len(data))
 
 
-def encode_plane(plane: np.ndarray, level: int) -> tuple[int, bytes | np.ndarray]:
-    """The smallest of stored, zstd and (for exponent-like planes) window nibbles, chosen
-    on a sample so that only the winner is computed in full."""
+def encode_plane(plane: np.ndarray, level: int, nibbles: bool = True) -> tuple[int, bytes | np.ndarray]:
+    """The smallest of stored, zstd and (for exponent-like planes, if ``nibbles``) window
+    nibbles, chosen on a sample so that only the winner is computed in full."""
     sample = _sample(plane)
     zstd_ratio = _ratio(sample, level)
-    if zstd_ratio > 0.97:
+    if zstd_ratio > STORE_ABOVE:
         return STORED, plane
-    if 0.15 < zstd_ratio < 0.8:  # neither noise nor nearly constant: an exponent plane?
+    if nibbles and 0.15 < zstd_ratio < 0.8:  # neither noise nor nearly constant: an exponent plane?
         lo, share = _window(sample)
         if share > 0.9 and len(_nibbles(sample, lo, level)) < zstd_ratio * len(sample):
             packed = _nibbles(plane, lo, level)
@@ -220,7 +237,8 @@ def encode_plane(plane: np.ndarray, level: int) -> tuple[int, bytes | np.ndarray
 def encode(raw: memoryview | bytes | np.ndarray, itemsize: int, floating: bool, level: int = 1) -> list[memoryview]:
     """The planes payload of ``raw`` as buffers (stored planes are not copied again)."""
     planes, rotated = split(raw, itemsize, floating)
-    bodies = [(mode, _as_view(body)) for mode, body in (encode_plane(p, level) for p in planes)]
+    nibbles = len(planes) <= 2  # where the exponent plane is half the data; wider, zstd decodes faster
+    bodies = [(mode, _as_view(body)) for mode, body in (encode_plane(p, level, nibbles) for p in planes)]
     head = _HEAD.pack(ROTATED if rotated else 0, len(planes))
     table = b"".join(_PLANE.pack(mode, len(body)) for mode, body in bodies)
     return [memoryview(head + table), *(body for _, body in bodies)]
@@ -235,8 +253,8 @@ def size(parts: list) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
 
-def decode(payload: memoryview, raw_len: int, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
-    """The raw bytes of a planes payload, as a uint8 array (``out`` if given)."""
+def decode_planes(payload: memoryview, raw_len: int, itemsize: int) -> tuple[list[np.ndarray], bool]:
+    """The planes of a planes payload, not yet joined, and whether its elements were rotated."""
     if len(payload) < _HEAD.size:
         raise CorruptChunkError("planes payload is shorter than its header")
     flags, count = _HEAD.unpack_from(payload)
@@ -265,6 +283,12 @@ def decode(payload: memoryview, raw_len: int, itemsize: int, out: np.ndarray | N
             raise CorruptChunkError(f"plane {j} has unknown mode {mode}")
     if offset != len(payload):
         raise CorruptChunkError(f"planes payload has {len(payload) - offset} trailing bytes")
-    out = np.empty(raw_len, dtype=np.uint8) if out is None else out
-    join(planes, bool(flags & ROTATED), out)
+    return planes, bool(flags & ROTATED)
+
+
+def decode(payload: memoryview, raw_len: int, itemsize: int) -> np.ndarray:
+    """The raw bytes of a planes payload, as a uint8 array."""
+    planes, rotated = decode_planes(payload, raw_len, itemsize)
+    out = np.empty(raw_len, dtype=np.uint8)
+    join(planes, rotated, out)
     return out

@@ -49,9 +49,16 @@ def test_every_codec_round_trips_every_dtype_bit_exactly(dtype, n):
     digest = hashlib.sha256(base).hexdigest()
     blob = _blob(codecs.encode_delta(raw, base, digest, t.element_size(), floating=floating))
     assert codecs.header_codec(blob) == "delta" and codecs.delta_base(blob) == digest
-    asked = []
-    assert bytes(codecs.decode(blob, lambda d, size: asked.append((d, size)) or memoryview(base))) == raw
-    assert asked == [(digest, len(raw))]
+    for stored in ("raw", "zstd"):  # XORed back plane by plane (zstd base) or on the bytes (raw base)
+        base_blob = _blob(codecs.encode(base, stored, t.element_size(), floating=floating))
+        asked: list = []
+
+        def base_reader(d, size, asked=asked, base_blob=base_blob):
+            asked.append((d, size))
+            return base_blob
+
+        assert bytes(codecs.decode(blob, base_reader)) == raw
+        assert asked == [(digest, len(raw))]
 
 
 def test_byte_planes_shrink_float_weights_and_bf16_to_two_thirds():
@@ -68,16 +75,18 @@ def test_a_delta_of_a_small_change_is_far_smaller_than_plain():
     old = np.frombuffer(_weights(1 << 16), dtype=np.float32)
     new = (old + np.float32(1e-5) * np.sign(old)).astype(np.float32)
     base = old.tobytes()
-    delta = _blob(codecs.encode_delta(new.tobytes(), base, hashlib.sha256(base).hexdigest(), 4, floating=True))
+    delta = _blob(codecs.encode_delta(new.tobytes(), base, hashlib.sha256(base).hexdigest(), 4))
     plain = _blob(codecs.encode(new.tobytes(), "zstd", 4, floating=True))
     assert len(delta) < 0.8 * len(plain)
 
 
-def test_a_delta_without_its_base_cannot_decode():
+def test_a_delta_without_its_base_cannot_decode_nor_serve_as_a_base():
     base = _weights()
     blob = _blob(codecs.encode_delta(_weights()[::-1], base, hashlib.sha256(base).hexdigest(), 4))
     with pytest.raises(CorruptChunkError, match="cannot be a base itself"):
         codecs.decode(blob)
+    with pytest.raises(CorruptChunkError, match="delta base is unusable.*cannot be a base itself"):
+        codecs.decode(blob, lambda _d, _n: blob)
     with pytest.raises(ValueError, match="same length"):
         codecs.encode_delta(b"abcd", b"abc", "00" * 32)
 
