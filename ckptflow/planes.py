@@ -214,23 +214,21 @@ def _sample(plane: np.ndarray) -> np.ndarray:
     return np.concatenate([plane[i * step : i * step + SAMPLE_RUN] for i in range(4)])
 
 
-def _ratio(data: np.ndarray, level: int) -> float:
-    return len(_compressor(level).compress(view(data))) / max(1, len(data))
-
-
 def encode_plane(plane: np.ndarray, level: int, nibbles: bool = True) -> tuple[int, bytes | np.ndarray]:
     """The smallest of stored, zstd and (for exponent-like planes, if ``nibbles``) window
     nibbles, chosen on a sample so that only the winner is computed in full."""
     sample = _sample(plane)
-    zstd_ratio = _ratio(sample, level)
+    frame = _compressor(level).compress(view(sample))
+    zstd_ratio = len(frame) / max(1, len(sample))
     if zstd_ratio > STORE_ABOVE:
         return STORED, plane
     if nibbles and 0.15 < zstd_ratio < 0.8:  # neither noise nor nearly constant: an exponent plane?
         lo, share = _window(sample)
-        if share > 0.9 and len(_nibbles(sample, lo, level)) < zstd_ratio * len(sample):
+        if share > 0.9 and len(_nibbles(sample, lo, level)) < len(frame):
             packed = _nibbles(plane, lo, level)
             return (NIBBLES, packed) if len(packed) < len(plane) else (STORED, plane)
-    frame = _compressor(level).compress(view(plane))
+    if sample is not plane:  # the sample was part of the plane: now the whole of it
+        frame = _compressor(level).compress(view(plane))
     return (ZSTD, frame) if len(frame) < len(plane) else (STORED, plane)
 
 
