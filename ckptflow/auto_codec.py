@@ -29,6 +29,7 @@ import numpy as np
 
 from ckptflow import catalog, codecs, planes
 from ckptflow.chunks import ChunkStore, Encoded, Encoder
+from ckptflow.distributed import Group
 from ckptflow.errors import CkptflowError
 from ckptflow.format import chunk_key
 from ckptflow.manifest import Manifest
@@ -180,3 +181,37 @@ def newest_full(
         if manifest.kind == "full":
             return manifest
     return None
+
+
+def delta_base(
+    store: Store,
+    run: str,
+    step: int,
+    group: Group,
+    known: Manifest | None,
+    last_commit: int | None,
+    superseded: Set[int] = frozenset(),
+) -> Manifest | None:
+    """The full checkpoint an incremental save at ``step`` deltas against, the same on
+    every rank of ``group`` (rank 0 names it, each rank reads it, checked by digest).
+
+    ``known`` is the newest full this process committed: while ``last_commit`` shows
+    the process committed everything since, it answers without listing the store.
+    """
+    named = None
+    if group.rank == 0:
+        found = known
+        if known is None or last_commit is None or not known.step <= last_commit < step:
+            found = newest_full(store, run, step, known, superseded)
+        named = None if found is None else (found.step, found.digest)
+    named = group.broadcast(named)
+    if named is None:
+        return None
+    if known is not None and known.digest == named[1]:
+        return known
+    try:
+        full = catalog.read_manifest(store, run, named[0])
+    except (CkptflowError, OSError) as e:
+        log.warning("incremental save of step %d stores no deltas: %s", step, e)
+        return None
+    return full if full.digest == named[1] else None

@@ -21,22 +21,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ckptflow import catalog, recoveries
+from ckptflow import catalog, lossy, recoveries
 from ckptflow import format as fmt
-from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, newest_full
+from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.codecs import CODECS
 from ckptflow.dcp_io import CheckpointReader, CheckpointWriter, Progress, SaveSpec, describe_failure, own_errors
 from ckptflow.distributed import Group
-from ckptflow.errors import (
-    CheckpointExistsError,
-    CkptflowError,
-    LossyCopyError,
-    ManifestError,
-    NoValidCheckpointError,
-)
-from ckptflow.lossy import describe as describe_lossy
-from ckptflow.lossy import dropped as lossy_dropped
+from ckptflow.errors import CheckpointExistsError, CkptflowError, LossyCopyError, ManifestError, NoValidCheckpointError
 from ckptflow.manifest import Manifest
 from ckptflow.save_policy import SavePolicy
 from ckptflow.state import capture_rng, flatten, load_state_dicts, restore_rng, to_state_dicts, unflatten
@@ -221,24 +213,10 @@ class Checkpointer:
         full checkpoint, which rank 0 names and every rank reads (checked by digest)."""
         if self._auto is None:
             return None
-        if kind == "full":
-            return self._auto.for_save(self.chunks, kind, None)
-        named = None
-        if self.group.rank == 0:
-            known, last = self._full, self._last_commit
-            found: Manifest | None = known  # when this process committed everything since: no listing
-            if known is None or last is None or not known.step <= last < step:
-                found = newest_full(self.store, self.run, step, known, self._superseded)
-            named = None if found is None else (found.step, found.digest)
-        named = self.group.broadcast(named)
         base = None
-        if named is not None:
-            full = self._full if self._full is not None and self._full.digest == named[1] else None
-            try:
-                full = full or catalog.read_manifest(self.store, self.run, named[0])
-            except (CkptflowError, OSError) as e:
-                log.warning("incremental save of step %d stores no deltas: %s", step, e)
-            if full is not None and full.digest == named[1]:
+        if kind == "incremental":
+            full = delta_base(self.store, self.run, step, self.group, self._full, self._last_commit, self._superseded)
+            if full is not None:
                 self._full, base = full, BaseIndex.of(full)
         return self._auto.for_save(self.chunks, kind, base)
 
@@ -333,7 +311,7 @@ class Checkpointer:
             failures = [f for f in self.group.all_gather(outcome[0]) if f]
             if not failures:
                 manifest, record, loaded = outcome[1]
-                dropped = lossy_dropped(manifest)  # entries a lossy copy does not hold stay as they are
+                dropped = lossy.dropped(manifest)  # entries a lossy copy does not hold stay as they are
                 kept = {k: v for k, v in state.items() if k not in dropped} if dropped else state
                 load_state_dicts(kept, unflatten(record.state, loaded))
                 if kept is not state:
@@ -344,10 +322,10 @@ class Checkpointer:
                     rng_ok = True
                 self._superseded = hot_rejected
                 self._last_commit = cand if index == 0 else None
-                lossy = dict(manifest.lossy) if manifest.lossy is not None else None
-                if lossy is not None:
-                    log.warning("restored a lossy copy of %s step %d: %s", self.run, cand, describe_lossy(lossy))
-                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url, lossy, dropped)
+                lost = dict(manifest.lossy) if manifest.lossy is not None else None
+                if lost is not None:
+                    log.warning("restored a lossy copy of %s step %d: %s", self.run, cand, lossy.describe(lost))
+                return RestoreResult(cand, skipped, dict(manifest.metadata), rng_ok, tier.url, lost, dropped)
             reason = "; ".join(dict.fromkeys(failures))
             if len(self.tiers) > 1:
                 reason = f"{tier.url}: {reason}"
@@ -371,10 +349,10 @@ class Checkpointer:
             if manifest.lossy is not None:
                 if not allow_lossy:
                     raise LossyCopyError(
-                        f"a lossy archive copy ({describe_lossy(manifest.lossy)}); "
+                        f"a lossy archive copy ({lossy.describe(manifest.lossy)}); "
                         "restore(..., allow_lossy=True) loads it"
                     )
-                dropped = lossy_dropped(manifest)
+                dropped = lossy.dropped(manifest)
                 live = {k: v for k, v in live.items() if k.split(".", 1)[0] not in dropped}
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = catalog.read_rank_record(tier.store, manifest, rank)
