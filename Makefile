@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/save_restore.py --size-mb 256
 	$(PY) benchmarks/save_restore.py --real
+	$(PY) benchmarks/codecs_motion.py --steps 100
 
 scale: $(STAMP)
 	$(PY) benchmarks/scale.py --checkpoints 10000

@@ -2,6 +2,7 @@
 
 from assets import maturity  # noqa: F401  (first: filters the warnings of the beta/preview APIs we opt into)
 from assets.checkpoints import INTEGRITY_KEY, archived, checkpoint, compressed, evaluation
+from assets.costs import storage_cost
 from assets.freshness import RPO_FRESHNESS_KEY, rpo_freshness
 from assets.inventory import checkpoint_inventory, retention_plan
 from assets.metrics import recovery_metrics
@@ -9,7 +10,7 @@ from assets.models import deployed_model
 from assets.partitions import checkpoint_key, checkpoints_partitions, parse_checkpoint_key
 
 PARTITIONED = [checkpoint, evaluation, compressed, archived]
-ALL_ASSETS = [*PARTITIONED, checkpoint_inventory, retention_plan, recovery_metrics, deployed_model]
+ALL_ASSETS = [*PARTITIONED, checkpoint_inventory, retention_plan, recovery_metrics, storage_cost, deployed_model]
 ALL_CHECKS = [rpo_freshness]
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "recovery_metrics",
     "retention_plan",
     "rpo_freshness",
+    "storage_cost",
 ]

@@ -196,16 +196,24 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
 
 @asset(deps=[compressed], automation_condition=DOWNSTREAM, **_COMMON)
 def archived(
-    context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
+    context: AssetExecutionContext,
+    store: CheckpointStoreResource,
+    archive: ArchiveTierResource,
+    evaluator: EvaluatorResource,
 ) -> MaterializeResult:
     """Copy to the archive tier with the same commit protocol, then verify it there
     (every chunk re-read from the archive and checked against its address; by size in
-    a cold storage class). After compression, so the archive holds the smaller encoding."""
+    a cold storage class). After compression, so the archive holds the smaller encoding.
+    With a lossy ``archive_codec`` the copy is rounded as configured, its manifest says
+    what was lost, and the run's evaluator scores it next to the exact checkpoint."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
     if not run_step_committed(hot, run, step) and run_step_committed(arc, run, step):
         return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
-    report = lifecycle.archive(hot, arc, run, step)
+    name, function = evaluator.evaluator_for(run)
+    report = lifecycle.archive(
+        hot, arc, run, step, codec=archive.codec(), evaluator=function, evaluator_name=name, key=evaluator.key
+    )
     if not report.ok:
         raise Failure(
             f"archive copy of {context.partition_key} in {arc.url} does not verify: {report.problems[0]}",
@@ -222,5 +230,20 @@ def archived(
             "chunks_verified": report.chunks_verified,
             "verified_by": report.verified_by,
             "manifest_digest": report.digest,
+            **_lossy_metadata(report),
         }
     )
+
+
+def _lossy_metadata(report: lifecycle.ArchiveReport) -> dict:
+    """What a lossy copy lost and, re-evaluated, what that cost in each metric."""
+    if report.lossy is None:
+        return {"archive_copy": "exact"}
+    change = (report.evaluation or {}).get("metric_change") or {}
+    return {
+        "archive_copy": "lossy",
+        "archive_codec": report.lossy.get("codec", ""),
+        "archive_digest": report.archive_digest,
+        "lossy_error": MetadataValue.json(report.lossy.get("error") or {}),
+        **{f"metric_change/{k}": MetadataValue.float(float(v)) for k, v in change.items()},
+    }

@@ -14,8 +14,9 @@ from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.metadata import ratio, rounded, size
 from assets.partitions import parse_checkpoint_key
-from ckptflow import inventory, lifecycle, stats
+from ckptflow import costs, inventory, lifecycle, stats
 from ckptflow.cli.output import human_bytes
+from ckptflow.lifecycle.ledger import expired
 from ckptflow.retention import RetentionPlan, default_policy
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
@@ -110,11 +111,13 @@ def checkpoint_inventory(
     store: CheckpointStoreResource, archive: ArchiveTierResource, registry: RegistryResource
 ) -> Output[pd.DataFrame]:
     """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
-    last recorded failure and the retention verdict. Also bytes per tier."""
+    last recorded failure and the retention verdict. Also bytes and monthly cost per
+    tier at default list prices (``storage_cost`` has the breakdown, at configured prices)."""
     hot, arc = store.open(), archive.open()
     entries, plan = compute_plan(RetentionConfig(), hot, arc, registry)
     df = pd.DataFrame(inventory.rows(entries, plan))
     hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
+    priced = costs.price({"hot": hot_stats, "archive": arc_stats}, expired(hot), costs.CostModel())
     counts = df["validation"].value_counts().to_dict() if len(df) else {}
     return Output(
         df,
@@ -126,6 +129,7 @@ def checkpoint_inventory(
             **size("archive_stored", arc_stats.stored_bytes),
             "hot_dedup_ratio": ratio(hot_stats.dedup_ratio),
             "hot_compression_ratio": ratio(hot_stats.compression_ratio),
+            **{f"{t.tier}_monthly_usd": MetadataValue.float(round(t.monthly_usd, 4)) for t in priced.tiers},
             "to_delete": len(plan.delete),
             "table": markdown(inventory_view(df)),
         },

@@ -54,6 +54,7 @@ class CheckpointInfo:
     bytes_written: int = 0
     base_step: int | None = None
     digest: str = ""  # sha256 of the manifest file: names this exact checkpoint
+    lossy: dict | None = None  # a lossy archive copy: what it lost and the exact commit it came from
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> CheckpointInfo:
@@ -70,6 +71,7 @@ class CheckpointInfo:
             bytes_written=m.stats.bytes_written,
             base_step=m.base_step,
             digest=m.digest,
+            lossy=dict(m.lossy) if m.lossy is not None else None,
         )
 
 
@@ -399,7 +401,7 @@ def verify_checkpoint(
     except (CkptflowError, OSError) as e:
         return VerifyReport(step, False, [problem_from(run, step, e).message], digest=fmt.digest_of(blob))
     report = VerifyReport(step=step, ok=True, problems=problems, digest=manifest.digest)
-    chunks = ChunkStore(store)
+    chunks = ChunkStore(store, manifest.chunks)  # a delta's base must be one of the manifest's own chunks
 
     def check(item: tuple[str, int]) -> str | None:
         digest, size = item

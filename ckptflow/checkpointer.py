@@ -22,12 +22,14 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
+from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.codecs import CODECS
 from ckptflow.dcp_io import CheckpointWriter, Progress, SaveSpec
 from ckptflow.distributed import Group
 from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, UnsupportedStateError
 from ckptflow.failures import own_errors
+from ckptflow.manifest import Manifest
 from ckptflow.restore import Restore, RestoreResult
 from ckptflow.save_policy import SavePolicy
 from ckptflow.sealed import json_problem
@@ -106,6 +108,8 @@ class Checkpointer:
         self._pending: SaveHandle | None = None
         self._superseded: set[int] = set()
         self._last_commit: int | None = None  # newest step this process committed or restored
+        self._auto = AutoCodec() if codec == "auto" else None
+        self._full: Manifest | None = None  # the newest full checkpoint this process committed: the delta base
 
     # ---- save -------------------------------------------------------------------------
     def save(
@@ -151,6 +155,7 @@ class Checkpointer:
             save_id=save_id,
             chunk_bytes=self.chunk_bytes,
             codec=self.codec,
+            encoder=self._encoder(step, kind),
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
@@ -159,6 +164,7 @@ class Checkpointer:
                 dcp.save(tensors, **kwargs)
             self._last_commit = step
             manifest = writer.manifest
+            self._full = manifest if manifest is not None and manifest.kind == "full" else self._full
             return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
@@ -167,6 +173,8 @@ class Checkpointer:
         def committed(done: Future) -> None:
             if done.exception() is None:
                 self._last_commit = step
+                if writer.manifest is not None and writer.manifest.kind == "full":
+                    self._full = writer.manifest
 
         future.add_done_callback(committed)
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
@@ -219,6 +227,18 @@ class Checkpointer:
             raise error
         return base, save_id
 
+    def _encoder(self, step: int, kind: str) -> SaveEncoder | None:
+        """Codec "auto": the save's encoder; an incremental one deltas against the newest
+        full checkpoint, which rank 0 names and every rank reads (checked by digest)."""
+        if self._auto is None:
+            return None
+        base = None
+        if kind == "incremental":
+            full = delta_base(self.store, self.run, step, self.group, self._full, self._last_commit, self._superseded)
+            if full is not None:
+                self._full, base = full, BaseIndex.of(full)
+        return self._auto.for_save(self.chunks, kind, base)
+
     def _newest_committed_before(self, step: int) -> int | None:
         """The base of an incremental save: known in a training loop without listing the store."""
         if self._last_commit is not None and self._last_commit < step:
@@ -252,7 +272,12 @@ class Checkpointer:
 
     # ---- restore ----------------------------------------------------------------------
     def restore(
-        self, state: MutableMapping[str, Any], *, step: int | None = None, strict: bool = True
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        step: int | None = None,
+        strict: bool = True,
+        allow_lossy: bool = False,
     ) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
 
@@ -269,12 +294,18 @@ class Checkpointer:
         A state whose structure differs from the checkpoint's raises ``StateMismatchError``
         listing the keys and restores nothing; ``strict=False`` loads what matches and
         lists the rest in ``result.missing_keys`` / ``result.unexpected_keys``.
+
+        A lossy archive copy (``ckptflow.lossy``) is skipped with the reason unless
+        ``allow_lossy``; loaded, ``result.lossy`` says what it lost and
+        ``result.not_restored`` which state entries it did not hold (left as they were).
         """
         started = time.perf_counter()
         self.wait()
         if step is not None:
             fmt.validate_step(step)
-        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng, strict)
+        restore = Restore(
+            self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng, strict, allow_lossy
+        )
         try:
             result = restore(state, step)
         except CkptflowError as e:

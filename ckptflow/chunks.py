@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ckptflow import codecs
@@ -35,6 +36,24 @@ class ChunkWrite:
     raw_bytes: int
     stored_bytes: int  # encoded size in the store, header included
     written: bool  # False when the chunk was already in the store and left alone
+    base: str | None = None  # the delta base its stored encoding needs: every manifest naming it lists this too
+    base_bytes: int = 0  # the base's stored size
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A chunk's header and payload buffers, and the delta base they need (if any)."""
+
+    parts: list
+    base: str | None = None
+    base_bytes: int = 0
+
+
+Encoder = Callable[[memoryview, str], Encoded]  # (raw bytes, their digest) -> how to store them
+
+
+class _NotRaw(Exception):
+    """Stops a verifying scan at the header of a chunk that is not stored raw."""
 
 
 def sha256(raw: memoryview | bytes) -> str:
@@ -44,9 +63,15 @@ def sha256(raw: memoryview | bytes) -> str:
 class ChunkStore:
     """Put and get verified chunks. Thread-safe; callers parallelise across chunks."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, scope: Mapping[str, int] | None = None):
         self.store = store
+        self.scope = scope  # the chunks of one manifest: the only delta bases a read may use
         self._local = threading.local()  # per-thread scratch buffers for ``check``
+
+    def scoped(self, chunks: Mapping[str, int]) -> ChunkStore:
+        """This store, reading for one manifest: a delta chunk whose base that manifest
+        does not list is refused, so a checkpoint never needs more than its own list."""
+        return ChunkStore(self.store, chunks)
 
     def put(
         self,
@@ -56,8 +81,16 @@ class ChunkStore:
         codec: str = "raw",
         itemsize: int = 1,
         rewrite: bool = False,
+        floating: bool = False,
+        encoder: Encoder | None = None,
     ) -> ChunkWrite:
-        """Store ``raw``. ``rewrite`` replaces an existing copy instead of trusting it."""
+        """Store ``raw`` (with ``encoder`` if given, else ``codec``). ``rewrite`` replaces
+        an existing copy instead of trusting it.
+
+        A reused chunk may be stored as a delta: its base is looked up (a read of its
+        header), checked to exist and touched with it, and returned, so the manifest of
+        every checkpoint that references the chunk also lists its base.
+        """
         digest = digest or sha256(raw)
         key = chunk_key(digest)
         if not rewrite:
@@ -66,15 +99,35 @@ class ChunkStore:
             except ObjectNotFoundError:
                 pass
             else:
-                self.store.touch(key)  # restart GC's grace period: this save now uses it
-                return ChunkWrite(digest, len(raw), existing.size, False)
-        parts = codecs.encode(raw, codec, itemsize)
-        size = sum(len(p) for p in parts)
+                reused = self._reuse(digest, existing.size, len(raw))
+                if reused is not None:
+                    return reused
+                rewrite = True  # a delta whose base is gone: store it anew
+        encoded = encoder(raw, digest) if encoder else Encoded(codecs.encode(raw, codec, itemsize, floating=floating))
+        size = sum(memoryview(p).nbytes for p in encoded.parts)
         if rewrite:
-            self.store.replace(key, parts)
-            return ChunkWrite(digest, len(raw), size, True)
-        written = self.store.put_if_absent(key, parts)
-        return ChunkWrite(digest, len(raw), size, written)
+            self.store.replace(key, encoded.parts)
+            return ChunkWrite(digest, len(raw), size, True, encoded.base, encoded.base_bytes)
+        if self.store.put_if_absent(key, encoded.parts):
+            return ChunkWrite(digest, len(raw), size, True, encoded.base, encoded.base_bytes)
+        return self._reuse(digest, self.store.stat(key).size, len(raw)) or self.put(
+            raw, digest=digest, rewrite=True, encoder=encoder, codec=codec, itemsize=itemsize, floating=floating
+        )
+
+    def _reuse(self, digest: str, size: int, raw_len: int) -> ChunkWrite | None:
+        """Keep a stored chunk (touching it and any delta base so GC's grace period
+        restarts for both); None if it is a delta whose base no longer exists."""
+        key = chunk_key(digest)
+        base = codecs.delta_base(self.store.read_head(key, codecs.HEAD_BYTES))
+        base_bytes = 0
+        if base is not None:
+            try:
+                base_bytes = self.store.stat(chunk_key(base)).size
+                self.store.touch(chunk_key(base))
+            except ObjectNotFoundError:
+                return None
+        self.store.touch(key)  # restart GC's grace period: this save now uses it
+        return ChunkWrite(digest, raw_len, size, False, base, base_bytes)
 
     def get(self, digest: str, size: int) -> memoryview:
         """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
@@ -95,13 +148,51 @@ class ChunkStore:
     def _decoded(self, digest: str, blob: bytes, size: int) -> memoryview:
         key = chunk_key(digest)
         try:
-            raw = codecs.decode(blob, expected=size)
+            raw = codecs.decode(blob, expected=size, base=self._base_blob)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
         if len(raw) != size:
             raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
-        self._verify(digest, key, raw)
+        try:
+            self._verify(digest, key, raw)
+        except CorruptChunkError:
+            base = codecs.delta_base(blob)
+            if base is not None:  # a bad base makes bad bytes: say so if that is the cause
+                try:
+                    self.base_raw(base, len(raw))
+                except CorruptChunkError as e:
+                    raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
+            raise
         return raw
+
+    def _base_blob(self, digest: str, size: int) -> bytes:
+        """A delta's base as stored: listed by the manifest being read (if scoped), present.
+        Its bytes are checked through the delta's own address (``codecs.decode``)."""
+        if self.scope is not None and self.scope.get(digest) != size:
+            raise CorruptChunkError(
+                f"its delta base {digest[:16]}… ({size} bytes) is not among the chunks the manifest lists"
+            )
+        try:
+            return self.store.get_bounded(chunk_key(digest), codecs.max_encoded_size(size))
+        except ObjectNotFoundError:
+            raise CorruptChunkError(f"its delta base {self.store.url}/{chunk_key(digest)} is missing") from None
+        except ObjectTooLargeError as e:
+            raise CorruptChunkError(f"its delta base {e} (the delta needs {size} raw bytes)") from None
+
+    def base_raw(self, digest: str, size: int) -> tuple[memoryview, int]:
+        """A delta base's raw bytes, verified, and its stored size: what a delta is computed
+        against. A base is never itself a delta: it is decoded without a base reader, so
+        a delta there is refused."""
+        key = chunk_key(digest)
+        blob = self._base_blob(digest, size)
+        try:
+            raw = codecs.decode(blob)
+            if len(raw) != size:
+                raise CorruptChunkError(f"holds {len(raw)} bytes, the delta needs {size}")
+            self._verify(digest, key, raw)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"its delta base is unusable: {e}") from None
+        return raw, len(blob)
 
     def check(self, digest: str, size: int) -> CheckedChunk:
         """Verify a chunk before anything is written from it (restore's first pass).
@@ -119,6 +210,8 @@ class ChunkStore:
                     take = codecs.HEADER.size - len(header)
                     header.extend(piece[:take])
                     piece = piece[take:]
+                    if len(header) == codecs.HEADER.size and codecs.raw_length(header) is None:
+                        raise _NotRaw  # an encoded chunk: decode it instead of hashing its payload
                 hasher.update(piece)
 
             try:
@@ -129,8 +222,15 @@ class ChunkStore:
                 raise self._missing(digest, chunk_key(digest)) from None
             except ObjectTooLargeError as e:
                 raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
-            if got == codecs.HEADER.size + size and codecs.raw_length(header) == size and hasher.hexdigest() == digest:
-                return CheckedChunk(digest, size, version=version)
+            except _NotRaw:
+                pass
+            else:
+                if (
+                    got == codecs.HEADER.size + size
+                    and codecs.raw_length(header) == size
+                    and hasher.hexdigest() == digest
+                ):
+                    return CheckedChunk(digest, size, version=version)
         return CheckedChunk(digest, size, data=self.get(digest, size))
 
     def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
@@ -164,18 +264,29 @@ class ChunkStore:
             )
 
     def reencode(
-        self, digest: str, size: int, codec: str, itemsize: int = 1, level: int = 3, *, only_if_smaller: bool = False
+        self,
+        digest: str,
+        size: int,
+        codec: str,
+        itemsize: int = 1,
+        level: int = 3,
+        *,
+        only_if_smaller: bool = False,
+        floating: bool = False,
     ) -> tuple[int, int]:
         """Verify then rewrite a chunk with another codec; (bytes before, bytes after).
 
         With ``only_if_smaller`` a chunk already in ``codec``, or one the codec would not
-        shrink, is left alone (after == before): what compaction of a store wants.
+        shrink, is left alone (after == before): what compaction of a store wants. Only
+        plain codecs are written here, so compaction never turns a chunk (a base above
+        all) into a delta; a delta it rewrites plainly stops needing its base, whose
+        reference in the manifests then merely keeps it a little longer.
         """
         blob = self._fetch(digest, size)
         if only_if_smaller and codecs.header_codec(blob) == codec:
             return len(blob), len(blob)
-        parts = codecs.encode(self._decoded(digest, blob, size), codec, itemsize, level)
-        after = sum(len(p) for p in parts)
+        parts = codecs.encode(self._decoded(digest, blob, size), codec, itemsize, level, floating=floating)
+        after = sum(len(memoryview(p).cast("B")) for p in parts)
         if only_if_smaller and after >= len(blob):
             return len(blob), len(blob)
         self.store.replace(chunk_key(digest), parts)

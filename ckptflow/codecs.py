@@ -2,61 +2,148 @@
 (raw -> zstd) never changes what references it.
 
 On-disk chunk = 14-byte header + payload. The header names the codec, the element
-size used for byte grouping and the raw length, so a reader needs nothing else.
+size and the raw length, so a reader needs nothing else, except for a delta chunk,
+whose header is followed by the 32-byte sha256 of its base chunk: the reader fetches
+that chunk, verifies it, and XORs it back in.
 
-Byte grouping: float weights compress poorly with plain zstd because sign/exponent
-bytes and noisy mantissa bytes interleave. Transposing an ``n x itemsize`` byte matrix
-puts all exponent bytes together, which zstd then shrinks well.
+Codecs (the id is header byte 4; every id a reader ever met stays readable):
+
+* 0 ``raw``: the bytes as they are.
+* 1 ``zstd-v1``: byte-grouped zstd as the first ckptflow wrote it (read only).
+* 2 ``zstd``: byte planes, each stored, zstd or window nibbles (``planes``).
+* 3 ``delta``: ``raw XOR base`` as byte planes; the base is the chunk of the same
+  tensor slice in the run's newest full checkpoint, and is never itself a delta
+  (chains stay one link long).
+* 4 ``bf16`` and 5 ``q8``: exact encodings of values a lossy archive codec already
+  rounded (fp32 values with zero low halves; 8-bit codes times a per-block scale). The
+  loss happens before the address is computed (``ckptflow.lossy``), so these decode
+  bit-exactly to the bytes their address names, like every other codec.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
+import numpy as np
 import zstandard
 
+from ckptflow import planes
 from ckptflow.errors import CorruptChunkError
 
 MAGIC = b"CKC1"
 HEADER = struct.Struct(">4sBBQ")
-RAW, ZSTD_BYTEGROUP = 0, 1
-CODEC_NAMES = {RAW: "raw", ZSTD_BYTEGROUP: "zstd"}
+RAW, ZSTD_V1, ZSTD, DELTA, BF16, Q8 = 0, 1, 2, 3, 4, 5
+CODEC_NAMES = {RAW: "raw", ZSTD_V1: "zstd-v1", ZSTD: "zstd", DELTA: "delta", BF16: "bf16", Q8: "q8"}
 CODEC_IDS = {v: k for k, v in CODEC_NAMES.items()}
-CODECS = tuple(CODEC_IDS)  # what a Checkpointer may write new chunks with
+CODECS = ("raw", "zstd", "auto")  # what a Checkpointer writes new chunks with ("auto": chosen per chunk)
+DIGEST_BYTES = 32
+HEAD_BYTES = HEADER.size + DIGEST_BYTES  # enough of any chunk to know its codec and base
+_Q8 = struct.Struct("<II")
+_SECTION = struct.Struct("<I")
+
+BaseReader = Callable[[str, int], bytes | memoryview]  # (base digest, raw length) -> the base chunk as stored
 
 
-def _group(raw: memoryview, itemsize: int) -> bytes:
-    import numpy as np  # only where floats are grouped: the CLI's listing commands never need it
-
-    arr = np.frombuffer(raw, dtype=np.uint8)
-    return np.ascontiguousarray(arr.reshape(-1, itemsize).T).tobytes()
+def _header(codec: int, itemsize: int, raw_len: int) -> bytes:
+    return HEADER.pack(MAGIC, codec, itemsize, raw_len)
 
 
-def _ungroup(grouped: bytes, itemsize: int) -> bytes:
-    import numpy as np
+def encode(
+    raw: bytes | memoryview, codec: str = "raw", itemsize: int = 1, level: int = 1, *, floating: bool = False
+) -> list:
+    """Header and payload buffers for ``raw`` (a list, so raw payloads are not copied).
 
-    arr = np.frombuffer(grouped, dtype=np.uint8)
-    return np.ascontiguousarray(arr.reshape(itemsize, -1).T).tobytes()
-
-
-def encode(raw: bytes | memoryview, codec: str = "raw", itemsize: int = 1, level: int = 3) -> list:
-    """Header and payload buffers for ``raw`` (a list, so raw payloads are not copied)."""
+    ``itemsize`` is the element size of the tensor the bytes belong to and ``floating``
+    whether it is a floating-point dtype (both from the dtype, never assumed).
+    """
     raw = memoryview(raw).cast("B")
     if codec == "raw":
-        return [HEADER.pack(MAGIC, RAW, 1, len(raw)), raw]
+        return [_header(RAW, 1, len(raw)), raw]
     if codec != "zstd":
-        raise ValueError(f"unknown codec {codec!r}; choose one of {sorted(CODEC_IDS)}")
-    if itemsize <= 1 or len(raw) % itemsize:
+        raise ValueError(f"unknown codec {codec!r}; choose one of raw, zstd")
+    if itemsize < 1 or itemsize > 255 or len(raw) % itemsize:
         itemsize = 1
-    grouped = _group(raw, itemsize) if itemsize > 1 else raw
-    payload = zstandard.ZstdCompressor(level=level).compress(grouped)
-    return [HEADER.pack(MAGIC, ZSTD_BYTEGROUP, itemsize, len(raw)), payload]
+    return [_header(ZSTD, itemsize, len(raw)), *planes.encode(raw, itemsize, floating, level)]
 
 
-def header_codec(blob: bytes) -> str:
-    if len(blob) < HEADER.size or blob[:4] != MAGIC:
+def encode_delta(
+    raw: bytes | memoryview,
+    base: bytes | memoryview,
+    base_digest: str,
+    itemsize: int = 1,
+    level: int = 1,
+    *,
+    floating: bool = False,
+) -> list:
+    """``raw`` as the byte planes of ``raw XOR base``; the header names the base. Laid out
+    like the base's own zstd planes (same element size and rotation), a reader XORs the
+    two plane by plane and joins once."""
+    new = np.frombuffer(raw, dtype=np.uint8)
+    old = np.frombuffer(base, dtype=np.uint8)
+    if len(new) != len(old):
+        raise ValueError(f"a delta needs a base of the same length ({len(old)} != {len(new)} bytes)")
+    if itemsize < 1 or itemsize > 255 or len(new) % itemsize:
+        itemsize = 1
+    head = _header(DELTA, itemsize, len(new)) + bytes.fromhex(base_digest)
+    return [head, *planes.encode(np.bitwise_xor(new, old), itemsize, floating, level)]
+
+
+def encode_bf16(raw: bytes | memoryview, level: int = 1) -> list:
+    """fp32 values that are exactly bf16 (low 16 bits zero) as their high halves."""
+    words = np.frombuffer(raw, dtype="<u4")
+    if np.any(words & np.uint32(0xFFFF)):
+        raise ValueError("bf16 encoding holds only fp32 values already rounded to bf16")
+    halves = (words >> np.uint32(16)).astype("<u2")
+    return [_header(BF16, 4, len(words) * 4), *planes.encode(halves, 2, True, level)]
+
+
+def dequantize_q8(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """``float32(code) * scale`` of each code's block: the values a q8 chunk holds.
+
+    The one definition the lossy archive codec (which computes the address) and the
+    decoder share, so the decoded bytes hash to the address bit for bit.
+    """
+    n = len(codes)
+    out = np.empty(n, dtype="<f4")
+    full = n // block * block
+    if full:
+        np.multiply(
+            codes[:full].reshape(-1, block).astype(np.float32),
+            scales[: full // block, None],
+            out=out[:full].reshape(-1, block),
+        )
+    if full < n:
+        np.multiply(codes[full:].astype(np.float32), scales[-1], out=out[full:])
+    return out
+
+
+def encode_q8(codes: np.ndarray, scales: np.ndarray, block: int, level: int = 1) -> tuple[np.ndarray, list]:
+    """(the values it holds, header and payload) for int8 ``codes`` with one fp32
+    ``scale`` per ``block`` codes."""
+    codes = np.ascontiguousarray(codes, dtype=np.int8)
+    scales = np.ascontiguousarray(scales, dtype="<f4")
+    if len(scales) != -(-len(codes) // block):
+        raise ValueError(f"{len(codes)} codes in blocks of {block} need {-(-len(codes) // block)} scales")
+    values = dequantize_q8(codes, scales, block)
+    scale_parts = planes.encode(scales, 4, True, level)
+    code_parts = planes.encode(codes, 1, False, level)
+    scale_len = sum(len(memoryview(p).cast("B")) for p in scale_parts)
+    head = _header(Q8, 4, len(values) * 4) + _Q8.pack(block, len(scales)) + _SECTION.pack(scale_len)
+    return values, [head, *scale_parts, *code_parts]
+
+
+def header_codec(blob: bytes | memoryview) -> str:
+    if len(blob) < HEADER.size or bytes(blob[:4]) != MAGIC:
         raise CorruptChunkError("chunk header is missing or has the wrong magic")
     return CODEC_NAMES.get(blob[4], f"unknown({blob[4]})")
+
+
+def delta_base(head: bytes | memoryview) -> str | None:
+    """The base digest a delta chunk's header names; None for any other chunk."""
+    if len(head) < HEAD_BYTES or bytes(head[:4]) != MAGIC or head[4] != DELTA:
+        return None
+    return bytes(head[HEADER.size : HEAD_BYTES]).hex()
 
 
 def raw_length(header: bytes | bytearray | memoryview) -> int | None:
@@ -68,15 +155,22 @@ def raw_length(header: bytes | bytearray | memoryview) -> int | None:
 
 
 def max_encoded_size(raw_len: int) -> int:
-    """The most bytes any codec stores for ``raw_len`` raw bytes (zstd's worst-case bound
-    plus the header): a chunk object larger than this is refused before it is read."""
-    return HEADER.size + raw_len + raw_len // 128 + 1024
+    """The most bytes any codec stores for ``raw_len`` raw bytes (a plane is stored as it is
+    when zstd would not shrink it; headers, plane table and zstd's worst case on top): a
+    chunk object larger than this is refused before it is read."""
+    return HEAD_BYTES + _Q8.size + _SECTION.size + 2 + 5 * 255 + raw_len + raw_len // 128 + 1024
 
 
-def decode(blob: bytes, expected: int | None = None) -> memoryview:
+def decode(blob: bytes | memoryview, expected: int | None = None, base: BaseReader | None = None) -> memoryview:
     """The raw bytes of an encoded chunk; ``CorruptChunkError`` if the framing is broken
     or the header announces another length than the ``expected`` one (checked before
-    anything is decompressed, so a small chunk cannot claim gigabytes)."""
+    anything is decompressed, so a small chunk cannot claim gigabytes).
+
+    ``base`` supplies a delta chunk's base as stored; without it a delta cannot be
+    decoded (which is how a base that is itself a delta is refused). The base is not
+    verified here: a wrong base makes wrong bytes, which the delta's own address check
+    catches (``ChunkStore`` then names the base).
+    """
     if len(blob) < HEADER.size:
         raise CorruptChunkError(f"chunk is {len(blob)} bytes, shorter than its header")
     magic, codec, itemsize, raw_len = HEADER.unpack_from(blob)
@@ -85,16 +179,83 @@ def decode(blob: bytes, expected: int | None = None) -> memoryview:
     if expected is not None and raw_len != expected:
         raise CorruptChunkError(f"chunk header announces {raw_len} raw bytes, the manifest expects {expected}")
     payload = memoryview(blob)[HEADER.size :]
+    try:
+        return _decode(codec, itemsize, raw_len, payload, base)
+    except (struct.error, ValueError) as e:
+        raise CorruptChunkError(f"{CODEC_NAMES.get(codec, codec)} chunk is malformed: {e}") from None
+
+
+def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: BaseReader | None) -> memoryview:
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptChunkError(f"raw chunk holds {len(payload)} bytes, header says {raw_len}")
         return payload
-    if codec == ZSTD_BYTEGROUP:
-        try:
-            grouped = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
-        except zstandard.ZstdError as e:
-            raise CorruptChunkError(f"zstd payload does not decompress: {e}") from None
-        if len(grouped) != raw_len:
-            raise CorruptChunkError(f"zstd chunk decodes to {len(grouped)} bytes, header says {raw_len}")
-        return memoryview(_ungroup(grouped, itemsize) if itemsize > 1 else grouped)
+    if codec == ZSTD_V1:
+        return _decode_v1(payload, raw_len, itemsize)
+    if codec == ZSTD:
+        return planes.view(planes.decode(payload, raw_len, itemsize))
+    if codec == DELTA:
+        digest = bytes(payload[:DIGEST_BYTES]).hex()
+        if base is None:
+            raise CorruptChunkError(f"delta chunk on base {digest[:16]}… cannot be a base itself")
+        return planes.view(_decode_delta(payload[DIGEST_BYTES:], raw_len, itemsize, memoryview(base(digest, raw_len))))
+    if codec == BF16:
+        halves = planes.decode(payload, raw_len // 2, 2).view("<u2")
+        words = np.empty(raw_len // 4, dtype="<u4")
+        np.copyto(words, halves, casting="unsafe")
+        words <<= np.uint32(16)
+        return planes.view(words)
+    if codec == Q8:
+        block, count = _Q8.unpack_from(payload)
+        (scale_len,) = _SECTION.unpack_from(payload, _Q8.size)
+        start = _Q8.size + _SECTION.size
+        n = raw_len // 4
+        if block < 1 or count != -(-n // block):
+            raise CorruptChunkError(f"q8 chunk names {count} scales for {n} values in blocks of {block}")
+        scales = planes.decode(payload[start : start + scale_len], count * 4, 4).view("<f4")
+        codes = planes.decode(payload[start + scale_len :], n, 1).view(np.int8)
+        return planes.view(dequantize_q8(codes, scales, block))
     raise CorruptChunkError(f"chunk names unknown codec id {codec}")
+
+
+def _decode_delta(payload: memoryview, raw_len: int, itemsize: int, base: memoryview) -> np.ndarray:
+    """XOR the base back in: plane by plane when the base's zstd planes are laid out like
+    the delta's (one join for both), else on the joined bytes."""
+    mine, rotated = planes.decode_planes(payload, raw_len, itemsize)
+    try:
+        theirs = _base_planes(base, raw_len, itemsize, len(mine), rotated)
+        old = None if theirs is not None else np.frombuffer(decode(base), dtype=np.uint8)  # a delta base: refused
+    except CorruptChunkError as e:
+        raise CorruptChunkError(f"its delta base is unusable: {e}") from None
+    out = np.empty(raw_len, dtype=np.uint8)
+    if theirs is not None:
+        planes.join(planes.xor_planes(mine, theirs), rotated, out)
+        return out
+    if old is None or len(old) != raw_len:
+        raise CorruptChunkError(f"its delta base holds {0 if old is None else len(old)} bytes, not {raw_len}")
+    planes.join(mine, rotated, out)
+    np.bitwise_xor(out, old, out=out)
+    return out
+
+
+def _base_planes(base: memoryview, raw_len: int, itemsize: int, count: int, rotated: bool) -> list | None:
+    if len(base) < HEADER.size:
+        return None
+    magic, codec, base_itemsize, base_len = HEADER.unpack_from(base)
+    if magic != MAGIC or codec != ZSTD or base_itemsize != itemsize or base_len != raw_len:
+        return None
+    theirs, base_rotated = planes.decode_planes(base[HEADER.size :], raw_len, itemsize)
+    return theirs if len(theirs) == count and base_rotated == rotated else None
+
+
+def _decode_v1(payload: memoryview, raw_len: int, itemsize: int) -> memoryview:
+    try:
+        grouped = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise CorruptChunkError(f"zstd payload does not decompress: {e}") from None
+    if len(grouped) != raw_len:
+        raise CorruptChunkError(f"zstd chunk decodes to {len(grouped)} bytes, header says {raw_len}")
+    if itemsize <= 1:
+        return memoryview(grouped)
+    arr = np.frombuffer(grouped, dtype=np.uint8)
+    return planes.view(np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1))

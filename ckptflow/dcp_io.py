@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from ckptflow import format as fmt
-from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite
+from ckptflow.auto_codec import SaveEncoder
+from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite, Encoder
 from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_index, metadata_to_json
 from ckptflow.errors import CheckpointExistsError, StoreFullError, StoreUnavailableError, UnsupportedStateError
@@ -63,6 +64,7 @@ class SaveSpec:
     chunk_bytes: int = 8 << 20
     codec: str = "raw"
     created_at: float = field(default_factory=time.time)
+    encoder: SaveEncoder | None = None  # codec "auto": chooses raw, zstd or a delta per chunk
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -108,11 +110,26 @@ class CheckpointWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
 
-    def _put(self, piece: memoryview, itemsize: int) -> ChunkWrite:
-        write = self.chunks.put(piece, codec=self.spec.codec, itemsize=itemsize, rewrite=self.spec.kind == "full")
+    def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None) -> ChunkWrite:
+        write = self.chunks.put(
+            piece,
+            codec="raw" if encoder else self.spec.codec,
+            itemsize=tensor.element_size(),
+            floating=tensor.is_floating_point(),
+            rewrite=self.spec.kind == "full",
+            encoder=encoder,
+        )
         if self.progress:
             self.progress(len(piece))
         return write
+
+    def _chunk_encoder(self, item: Any, tensor: torch.Tensor, index: int) -> Encoder | None:
+        if self.spec.encoder is None:
+            return None
+        offset = None if item.index.offset is None else tuple(item.index.offset)
+        return self.spec.encoder.for_chunk(
+            item.index.fqn, offset, dtype_name(tensor.dtype), index, tensor.element_size(), tensor.is_floating_point()
+        )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         try:
@@ -146,9 +163,12 @@ class CheckpointWriter(StorageWriter):
                 tensor = planner.resolve_data(item)
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
                 raw = _bytes_view(tensor)
+                step = self.spec.chunk_bytes
                 futures = [
-                    self.pool.submit(self._put, raw[off : off + self.spec.chunk_bytes], tensor.element_size())
-                    for off in range(0, len(raw), self.spec.chunk_bytes)
+                    self.pool.submit(
+                        self._put, raw[off : off + step], tensor, self._chunk_encoder(item, tensor, off // step)
+                    )
+                    for off in range(0, len(raw), step)
                 ]
                 pending.append((item, tensor, raw, futures))
             return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
@@ -165,7 +185,7 @@ class CheckpointWriter(StorageWriter):
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
             "chunks": [[w.digest, w.raw_bytes] for w in writes],
-            "_writes": [[w.stored_bytes, w.written] for w in writes],
+            "_writes": [[w.stored_bytes, w.written, w.base, w.base_bytes] for w in writes],
         }
         return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data)
 
@@ -181,20 +201,26 @@ class CheckpointWriter(StorageWriter):
         storage: dict[MetadataIndex, dict] = {}
         chunk_sizes: dict[str, int] = {}
         stored: dict[str, int] = {}
+        bases: dict[str, str] = {}
         written_digests: set[str] = set()
-        written_bytes = logical = 0
+        written_bytes = written_stored = logical = 0
         for rank_results in results:
             for wr in rank_results:
                 data = dict(wr.storage_data)
                 writes = data.pop("_writes")
                 storage[wr.index] = data
                 logical += wr.size_in_bytes
-                for (digest, raw_len), (size, was_written) in zip(data["chunks"], writes):
+                for (digest, raw_len), (size, was_written, base, base_bytes) in zip(data["chunks"], writes):
                     chunk_sizes[digest] = raw_len
                     stored[digest] = size
+                    if base is not None:  # restore, verify and GC must see the base: list it
+                        bases[digest] = base
+                        chunk_sizes[base] = raw_len
+                        stored.setdefault(base, base_bytes)
                     if was_written and digest not in written_digests:
                         written_digests.add(digest)
                         written_bytes += raw_len
+                        written_stored += size
         manifest = {
             "format_version": fmt.FORMAT_VERSION,
             "run": spec.run,
@@ -209,6 +235,7 @@ class CheckpointWriter(StorageWriter):
             "metadata": spec.metadata,
             "dcp": metadata_to_json(metadata, storage),
             "chunks": dict(sorted(chunk_sizes.items())),
+            **({"bases": dict(sorted(bases.items()))} if bases else {}),
             "stats": {
                 "logical_bytes": logical,
                 "unique_bytes": sum(chunk_sizes.values()),
@@ -216,6 +243,8 @@ class CheckpointWriter(StorageWriter):
                 "chunks": len(chunk_sizes),
                 "chunks_written": len(written_digests),
                 "bytes_written": written_bytes,
+                "stored_written": written_stored,
+                "delta_chunks": len(bases),
             },
             "rank_records": "by_save_id",
         }
@@ -252,7 +281,7 @@ class CheckpointReader(StorageReader):
         agree: Callable[[Failure | None], Failure | None] | None = None,
     ):
         super().__init__()
-        self.chunks, self.manifest, self.pool, self.progress = chunks, manifest, pool, progress
+        self.chunks, self.manifest, self.pool, self.progress = chunks.scoped(manifest.chunks), manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)
 

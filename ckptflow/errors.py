@@ -102,3 +102,7 @@ class PromotionError(CkptflowError):
 
 class ExpireError(CkptflowError):
     """A delete failed while expiring a checkpoint: it (or part of it) is still there."""
+
+
+class LossyCopyError(CkptflowError):
+    """A lossy archive copy was about to be restored without ``allow_lossy=True``."""

@@ -31,6 +31,7 @@ class Entry:
     world_size: int = 0
     base_step: int | None = None
     digest: str = ""
+    source_digest: str = ""  # an archive-only lossy copy: the exact commit its records are keyed by
     manifest_error: str = ""
     records: dict[str, dict] = field(default_factory=dict)  # lifecycle records by kind
     trainer_metadata: dict = field(default_factory=dict)
@@ -66,8 +67,22 @@ class Entry:
         """The archive tier holds this checkpoint and archival verified the copy there."""
         return "archive" in self.tiers and bool((self.records.get("archive") or {}).get("ok"))
 
+    @property
+    def archive_lossy(self) -> dict | None:
+        """What the archive copy lost, if archival wrote it with a lossy codec."""
+        return (self.records.get("archive") or {}).get("lossy") or None
+
     def candidate(self) -> Candidate:
-        return Candidate(self.run, self.step, self.kind, self.created_at, self.metrics, self.valid, self.archived)
+        return Candidate(
+            self.run,
+            self.step,
+            self.kind,
+            self.created_at,
+            self.metrics,
+            self.valid,
+            self.archived,
+            self.archive_lossy is not None,
+        )
 
 
 def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> None:
@@ -85,6 +100,7 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
             continue  # the hot copy describes it; the archive copy is the same commit (or reported as differing)
         entry.manifest_error = ""
         entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
+        entry.source_digest = (item.lossy or {}).get("source_digest", "")
         entry.base_step = item.base_step
         entry.logical_bytes, entry.stored_bytes, entry.chunks = item.logical_bytes, item.stored_bytes, item.chunks
         entry.world_size, entry.trainer_metadata = item.world_size, dict(item.metadata)
@@ -99,8 +115,12 @@ def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
         _scan(archive.metadata_store(), "archive", entries)
     for (run, step, digest), records in records_by_subject(hot).items():
         entry = entries.get((run, step))
-        if entry is not None and entry.digest == digest:
-            entry.records = records
+        if entry is None:
+            continue
+        if digest == entry.digest:  # the commit's own verdicts
+            entry.records = {**entry.records, **records}
+        elif digest == entry.source_digest:  # a lossy copy: the exact commit's, unless it has its own
+            entry.records = {**records, **entry.records}
     return [entries[k] for k in sorted(entries)]
 
 
@@ -130,6 +150,7 @@ def rows(entries: list[Entry], retention: RetentionPlan | None = None) -> list[d
             "logical_bytes": e.logical_bytes,
             "stored_bytes": compression.get("bytes_after", e.stored_bytes),
             "compression_ratio": compression.get("ratio"),
+            "archive_copy": "" if not e.archived else "lossy" if e.archive_lossy else "exact",
             "validation": e.validation,
             "problem": (e.manifest_error or "; ".join((e.records.get("validation") or {}).get("problems", [])))[:200],
             "last_failure": failure.get("message", "")[:200],

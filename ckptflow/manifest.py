@@ -31,6 +31,8 @@ class ManifestStats:
     chunks: int
     chunks_written: int
     bytes_written: int
+    stored_written: int = 0  # encoded bytes of the chunks this save wrote (absent before codec "auto")
+    delta_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,10 @@ class Manifest:
     codec: str
     metadata: Mapping[str, Any]
     dcp: DcpIndex
-    chunks: Mapping[str, int]  # digest -> raw length: every chunk a restore reads
+    chunks: Mapping[str, int]  # digest -> raw length: every chunk a restore reads, delta bases included
     stats: ManifestStats
+    bases: Mapping[str, str] = field(default_factory=dict)  # delta chunk -> its base (both in ``chunks``)
+    lossy: Mapping[str, Any] | None = None  # a lossy archive copy: what was lost (``ckptflow.lossy``)
     rank_records_by_save: bool = False  # rank records named by save id (see format.rank_key)
     digest: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields a newer writer added
@@ -99,6 +103,8 @@ class Manifest:
             "metadata": dict(self.metadata),
             "dcp": self.dcp.to_json(),
             "chunks": dict(self.chunks),
+            **({"bases": dict(self.bases)} if self.bases else {}),
+            **({"lossy": dict(self.lossy)} if self.lossy is not None else {}),
             "stats": dict(self.stats.__dict__),
             **({"rank_records": "by_save_id"} if self.rank_records_by_save else {}),
             **self.extra,
@@ -136,6 +142,10 @@ class Manifest:
         if not isinstance(metadata, dict):
             raise check.bad("has metadata that is not an object")
         dcp = parse_dcp_index(check, check.mapping(doc, "dcp"), chunks)
+        bases = _parse_bases(check, doc, chunks)
+        lossy = doc.get("lossy")
+        if lossy is not None and not isinstance(lossy, dict):
+            raise check.bad("has a 'lossy' record that is not an object")
         known = {*_MANIFEST_FIELDS, "format_version", "rank_records"}
         return cls(
             run=run,
@@ -153,6 +163,8 @@ class Manifest:
             dcp=dcp,
             chunks=chunks,
             stats=stats,
+            bases=bases,
+            lossy=lossy,
             rank_records_by_save=doc.get("rank_records") == "by_save_id",
             digest=digest,
             extra={k: v for k, v in doc.items() if k not in known},
@@ -169,6 +181,20 @@ class Manifest:
                 "it was copied to the wrong place"
             )
         return manifest
+
+
+def _parse_bases(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dict[str, str]:
+    """Delta chunk -> base: both listed with the same length, and no base is itself a
+    delta of this manifest (chains are one link long). Absent before codec "auto"."""
+    bases = doc.get("bases") or {}
+    if not isinstance(bases, dict):
+        raise check.bad("has 'bases' that is not an object")
+    for delta, base in bases.items():
+        if not isinstance(base, str) or delta not in chunks or base not in chunks or chunks[delta] != chunks[base]:
+            raise check.bad(f"has delta chunk {str(delta)[:16]}… whose base is not listed with its length")
+        if base in bases or base == delta:
+            raise check.bad(f"has delta chunk {delta[:16]}… on a base that is itself a delta")
+    return bases
 
 
 _REQUIRED_STATS = ("logical_bytes", "stored_bytes", "chunks", "bytes_written")

@@ -11,7 +11,7 @@ before its first step has no state tensors, and restoring it makes the live one 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,11 +41,19 @@ def entries(skeleton: Any) -> dict[str, Any]:
 
 
 def plan_load(
-    live: Any, live_tensors: Mapping[str, torch.Tensor], saved: Any, optimizers: list[str], *, strict: bool
+    live: Any,
+    live_tensors: Mapping[str, torch.Tensor],
+    saved: Any,
+    optimizers: list[str],
+    *,
+    strict: bool,
+    dropped: Sequence[str] = (),
 ) -> LoadPlan:
-    """What to load; ``StateMismatchError`` (strict) naming every difference otherwise."""
+    """What to load; ``StateMismatchError`` (strict) naming every difference otherwise.
+    ``dropped``: entries the checkpoint left out on purpose (a lossy copy without the
+    optimizer), which stay as they are and are no mismatch."""
     live_entries, saved_entries = entries(live), entries(saved)
-    absent = [name for name in live_entries if name not in saved_entries]
+    absent = [name for name in live_entries if name not in saved_entries and name not in dropped]
     missing: set[str] = set()
     unexpected: set[str] = set()
     names: set[str] = set()

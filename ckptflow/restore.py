@@ -25,11 +25,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckptflow import lossy
 from ckptflow.catalog import read_manifest, read_rank_record
 from ckptflow.dcp_io import CheckpointReader, Progress
 from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.distributed import Group
-from ckptflow.errors import ColdObjectError, NoValidCheckpointError, StateMismatchError, StoreUnavailableError
+from ckptflow.errors import (
+    ColdObjectError,
+    LossyCopyError,
+    NoValidCheckpointError,
+    StateMismatchError,
+    StoreUnavailableError,
+)
 from ckptflow.failures import Failure, failure_of
 from ckptflow.manifest import Manifest, RankRecord
 from ckptflow.matching import LoadPlan, entries, plan_load
@@ -50,6 +57,8 @@ class RestoreResult:
     hot_rejected: frozenset[int] = frozenset()  # hot steps skipped as damaged (a save may replace them)
     missing_keys: list[str] = field(default_factory=list)  # strict=False: live, not in the checkpoint
     unexpected_keys: list[str] = field(default_factory=list)  # strict=False: in the checkpoint, not live
+    lossy: dict | None = None  # a lossy archive copy was loaded (allow_lossy=True): what it lost
+    not_restored: list[str] = field(default_factory=list)  # state entries a lossy copy lacks, left as they were
 
 
 def agree(group: Group, failure: Failure | None) -> Failure | None:
@@ -77,9 +86,10 @@ class Restore:
         progress: Progress | None,
         restore_rng: bool,
         strict: bool = True,
+        allow_lossy: bool = False,
     ):
         self.tiers, self.run, self.group, self.pool = tiers, run, group, pool
-        self.progress, self.restore_rng, self.strict = progress, restore_rng, strict
+        self.progress, self.restore_rng, self.strict, self.allow_lossy = progress, restore_rng, strict, allow_lossy
 
     def __call__(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
         """Restore into the live objects of ``state``."""
@@ -87,14 +97,20 @@ class Restore:
         optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
         try:
             live_skeleton, live = flatten(to_state_dicts(state), rank=self.group.rank)
-            found = self._search(step, lambda _m, record: plan_load(live_skeleton, live, record.state, optimizers,
-                                                                   strict=self.strict))  # fmt: skip
+
+            def plan_for(manifest: Manifest, record: RankRecord) -> LoadPlan:
+                return plan_load(
+                    live_skeleton, live, record.state, optimizers, strict=self.strict, dropped=lossy.dropped(manifest)
+                )
+
+            found = self._search(step, plan_for)
             saved = entries(found.record.state)
             loaded = {e: unflatten(saved[e], found.plan.targets) for e in found.plan.entries}
             load_state_dicts(state, loaded, strict=self.strict)
         except BaseException:
             fresh.reset()  # nothing was loaded: the state is as it was
             raise
+        fresh.reset(loaded=found.plan.entries)  # an optimizer the checkpoint did not fill stays fresh
         return self._result(found)
 
     def load(self, step: int | None) -> tuple[RestoreResult, dict[str, Any]]:
@@ -114,13 +130,17 @@ class Restore:
         return self._result(found), unflatten(found.record.state, found.plan.targets)
 
     def _result(self, found: Found) -> RestoreResult:
-        record = found.record
+        record, manifest = found.record, found.manifest
         rng_ok = bool(self.restore_rng and record.rng and record.rank == self.group.rank)
         if rng_ok:
             restore_rng(record.rng)  # type: ignore[arg-type]
+        lost = dict(manifest.lossy) if manifest.lossy is not None else None
+        if lost is not None:
+            log.warning("restored a lossy copy of %s step %d: %s", self.run, found.step, lossy.describe(lost))
         return RestoreResult(
-            found.step, found.skipped, dict(found.manifest.metadata), rng_ok, found.tier.url,
+            found.step, found.skipped, dict(manifest.metadata), rng_ok, found.tier.url,
             frozenset(found.hot_rejected), found.plan.missing_keys, found.plan.unexpected_keys,
+            lost, lossy.dropped(manifest),
         )  # fmt: skip
 
     def _candidates(self, step: int | None) -> tuple[list[tuple[int, int]] | None, BaseException | None]:
@@ -177,11 +197,17 @@ class Restore:
         local: Failure | None = None
         try:
             manifest = read_manifest(tier.store, self.run, step)
+            if manifest.lossy is not None and not self.allow_lossy:
+                raise LossyCopyError(
+                    f"a lossy archive copy ({lossy.describe(manifest.lossy)}); restore(..., allow_lossy=True) loads it"
+                )
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = read_rank_record(tier.store, manifest, rank)
             plan = plan_for(manifest, record)
         except StateMismatchError as e:
             local = Failure(str(e), damage=False, mismatch=True)
+        except LossyCopyError as e:  # not damage, but never what a plain restore wants: try the next one
+            local = Failure(str(e), damage=True)
         except Exception as e:
             local = failure_of(e)
         agreed = agree(self.group, local)

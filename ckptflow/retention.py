@@ -44,6 +44,7 @@ class Candidate:
     metrics: Mapping[str, float] = field(default_factory=dict)
     valid: bool | None = True  # None: not validated yet (treated as valid for "newest valid")
     archived: bool = False  # a copy in the archive tier verified
+    archive_lossy: bool = False  # that copy was written with a lossy archive codec
 
     @property
     def ref(self) -> Ref:
@@ -239,7 +240,9 @@ def plan(
     """Split ``checkpoints`` into keep (with every reason) and delete (with why).
 
     The never-delete rules are always applied on top of ``policy``. With ``hot_days``,
-    kept checkpoints older than that with a verified archive copy go to ``archive_only``.
+    kept checkpoints older than that with a verified archive copy go to ``archive_only``,
+    except pinned, published and aliased ones whose archive copy is lossy: their exact
+    copy stays hot.
     """
     ctx = Context(now=now, pinned=frozenset(pinned), aliased=dict(aliased or {}))
     policy = policy or default_policy()
@@ -256,6 +259,8 @@ def plan(
     if hot_days is not None:
         newest = KeepNewestValid().preserve(checkpoints, ctx)
         for c in sorted(checkpoints, key=lambda c: c.ref):
+            exact_required = c.archive_lossy and (c.ref in ctx.pinned or c.ref in ctx.aliased)
             if c.ref in keep and c.ref not in newest and c.archived and now - c.created_at >= hot_days * DAY:
-                archive_only[c.ref] = f"archived and older than {hot_days:g} days"
+                if not exact_required:
+                    archive_only[c.ref] = f"archived and older than {hot_days:g} days"
     return RetentionPlan(keep=dict(sorted(keep.items())), delete=delete, archive_only=archive_only)

@@ -12,6 +12,12 @@ class SavePolicy:
     Full checkpoints rewrite every chunk and so never depend on bytes written earlier;
     incremental ones write only chunks whose content the store does not hold yet.
     Both restore on their own.
+
+    Full checkpoints are also where delta bases are (``codec="auto"``): a changed chunk
+    of an incremental save may be stored as an XOR delta against the same slice of the
+    newest full. So ``full_every`` bounds how far a delta reaches back (deltas grow
+    with the distance: about 0.4x of raw one step after the full, more later) and how
+    long a full's chunks outlive its own retention as bases.
     """
 
     full_every: int = 1000

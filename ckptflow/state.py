@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import random
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -96,9 +96,12 @@ class FreshOptimizers:
         for name in self.names:
             state_dicts[name] = {**state_dicts[name], "state": {}}
 
-    def reset(self) -> None:
-        """Put every fresh optimizer back exactly as it was: no state, the same gradients."""
-        for optim, grads, called in self._saved:
+    def reset(self, loaded: Collection[str] = ()) -> None:
+        """Put every fresh optimizer back exactly as it was: no state, the same gradients;
+        all but those named in ``loaded`` (a restore just filled them)."""
+        for name, (optim, grads, called) in zip(self.names, self._saved):
+            if name in loaded:
+                continue
             optim.state.clear()
             for param, grad in zip((p for g in optim.param_groups for p in g["params"]), grads):
                 param.grad = grad

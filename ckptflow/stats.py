@@ -10,6 +10,11 @@ Three byte measures, because each answers a different question:
 * unique: the raw bytes of the distinct chunks referenced (what dedup leaves);
 * stored: the on-disk sizes of those chunk files (what compression leaves, headers
   included).
+
+The stored bytes are further split by how the chunks are encoded, as far as manifests
+tell without reading a chunk: ``delta`` (a manifest lists a base for it), ``base``
+(kept only because a delta needs it), ``lossy`` (referenced only by lossy archive
+copies) and ``plain`` (raw or zstd). ``costs`` prices all of it.
 """
 
 from __future__ import annotations
@@ -63,6 +68,28 @@ class RunStats(_Ratios):
 
 
 @dataclass(frozen=True)
+class EncodingBytes:
+    """Raw and stored bytes of the present, referenced chunks of one kind of encoding."""
+
+    chunks: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"chunks": self.chunks, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes}
+
+
+@dataclass(frozen=True)
+class Held:
+    """One checkpoint a store holds: its logical bytes as stored, and those of the
+    exact checkpoint (larger for a lossy copy that dropped the optimizer)."""
+
+    logical_bytes: int
+    exact_logical_bytes: int
+    lossy: bool
+
+
+@dataclass(frozen=True)
 class StoreStats(_Ratios):
     """Per-run numbers plus the whole store, where dedup across runs shows up."""
 
@@ -76,6 +103,10 @@ class StoreStats(_Ratios):
     unreferenced_chunks: int  # referenced by no readable manifest (GC candidates once old)
     unreferenced_bytes: int
     unreadable_manifests: list[str] = field(default_factory=list)
+    encodings: dict[str, EncodingBytes] = field(default_factory=dict)  # "plain", "delta", "lossy", "base"
+    data_bytes: int = 0  # raw bytes of the distinct chunks tensors are made of (bases only deltas need excluded)
+    missing_raw_bytes: int = 0  # data chunks absent from the store
+    held: dict[tuple[str, int], Held] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
@@ -92,6 +123,9 @@ class StoreStats(_Ratios):
                 "unreferenced_chunks": self.unreferenced_chunks,
                 "unreferenced_bytes": self.unreferenced_bytes,
                 "unreadable_manifests": list(self.unreadable_manifests),
+                "encodings": {k: v.as_dict() for k, v in sorted(self.encodings.items())},
+                "data_bytes": self.data_bytes,
+                "missing_raw_bytes": self.missing_raw_bytes,
             },
         }
 
@@ -126,6 +160,46 @@ def _run_stats(run: str, manifests: list[Manifest], sizes: dict[str, int]) -> tu
     return stats, referenced
 
 
+def encodings(manifests: list[Manifest], sizes: dict[str, int]) -> tuple[dict[str, EncodingBytes], int, int]:
+    """Present referenced chunks split into plain / delta / lossy / base (needed only as
+    a delta's base); the raw bytes of the distinct data chunks (what the tensors need
+    after dedup), and of those that are missing."""
+    raw: dict[str, int] = {}
+    data: set[str] = set()
+    deltas: set[str] = set()
+    exact_refs: set[str] = set()
+    for m in manifests:
+        raw.update(m.chunks)
+        deltas.update(m.bases)
+        own = {d for item in m.items() for d, _ in item.chunks}
+        data |= own
+        if m.lossy is None:
+            exact_refs |= own
+    totals: dict[str, list[int]] = {k: [0, 0, 0] for k in ("plain", "delta", "lossy", "base")}
+    missing = 0
+    for digest, n in raw.items():
+        if digest not in sizes:
+            missing += n if digest in data else 0
+            continue
+        kind = (
+            "base"
+            if digest not in data
+            else "delta"
+            if digest in deltas
+            else "plain"
+            if digest in exact_refs
+            else "lossy"
+        )
+        t = totals[kind]
+        t[0], t[1], t[2] = t[0] + 1, t[1] + n, t[2] + sizes[digest]
+    return {k: EncodingBytes(*v) for k, v in totals.items()}, sum(raw[d] for d in data), missing
+
+
+def _held(m: Manifest) -> Held:
+    exact = (m.lossy or {}).get("source_logical_bytes", m.stats.logical_bytes)
+    return Held(m.stats.logical_bytes, int(exact), m.lossy is not None)
+
+
 def store_stats(store: Store) -> StoreStats:
     """Every run plus store-wide totals; reads each manifest once."""
     sizes = chunk_file_sizes(store)
@@ -143,6 +217,8 @@ def store_stats(store: Store) -> StoreStats:
         runs.append(stats)
         referenced.update(chunks)
     unreferenced = [d for d in sizes if d not in referenced]
+    every = [m for ms in by_run.values() for m in ms]
+    kinds, data, missing = encodings(every, sizes)
     return StoreStats(
         runs=runs,
         checkpoints=sum(r.checkpoints for r in runs),
@@ -154,4 +230,8 @@ def store_stats(store: Store) -> StoreStats:
         unreferenced_chunks=len(unreferenced),
         unreferenced_bytes=sum(sizes[d] for d in unreferenced),
         unreadable_manifests=unreadable,
+        encodings=kinds,
+        data_bytes=data,
+        missing_raw_bytes=missing,
+        held={m.ref: _held(m) for m in every},
     )

@@ -10,6 +10,7 @@ import os
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from ckptflow.lossy import ArchiveCodec
 from ckptflow.store import Store, open_store
 from resources.store import REPO
 
@@ -19,12 +20,31 @@ def default_archive_url() -> str:
     return os.environ.get("CKPTFLOW_ARCHIVE") or os.path.join(REPO, ".demo", "archive")
 
 
+def default_archive_codec() -> str:
+    """``CKPTFLOW_ARCHIVE_CODEC``, else exact copies."""
+    return os.environ.get("CKPTFLOW_ARCHIVE_CODEC") or "exact"
+
+
 class ArchiveTierResource(ConfigurableResource):
-    """What the lifecycle needs of an archive tier: ``open()`` gives its store. Assets
-    and jobs take this type, so either implementation below can be bound to ``archive``."""
+    """What the lifecycle needs of an archive tier: ``open()`` gives its store, and
+    ``archive_codec`` how archival writes into it. Assets and jobs take this type, so
+    either implementation below can be bound to ``archive``."""
+
+    archive_codec: str = Field(
+        default_factory=default_archive_codec,
+        description="exact, or a lossy archive codec: bf16, bf16+int8, int8, model-only, model-only-bf16, "
+        "or weights=exact|bf16,optimizer=exact|int8|drop (ckptflow.lossy)",
+    )
 
     def open(self) -> Store:
         raise NotImplementedError
+
+    def codec(self) -> ArchiveCodec:
+        return ArchiveCodec.parse(self.archive_codec)
+
+    def priced_class(self) -> str | None:
+        """The S3 storage class the archive writes (what the cost model prices it as), if known."""
+        return None
 
 
 class ArchiveResource(ArchiveTierResource):

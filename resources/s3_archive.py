@@ -44,6 +44,9 @@ class S3ArchiveResource(ResourceWithS3Configuration, ArchiveTierResource):
         """dagster-aws's ``S3Resource`` with this archive's S3 settings (it builds the client)."""
         return S3Resource(**{name: getattr(self, name) for name in ResourceWithS3Configuration.model_fields})
 
+    def priced_class(self) -> str | None:
+        return self.storage_class
+
     def open(self) -> Store:
         from ckptflow.store.s3 import S3Store  # boto3 only where an S3 archive is configured
 

@@ -55,7 +55,9 @@ def session(tmp_path_factory) -> W.Session:
     random.setstate(rng[0])
     np.random.set_state(rng[1])
     torch.set_rng_state(rng[2])
-    return W.launch(["save_sharded", "load_sharded", "restore_agreement", "per_rank_values"], workdir)
+    return W.launch(
+        ["save_sharded", "load_sharded", "restore_agreement", "per_rank_values", "save_sharded_auto"], workdir
+    )
 
 
 def test_two_rank_dtensor_save_loads_into_one_process(session, keep_rng):
@@ -144,3 +146,15 @@ def test_per_rank_values_come_back_to_their_own_rank_and_plain_ones_do_not(sessi
     assert [r["per_rank"] for r in results] == [[1.0] * 3, [2.0] * 3]
     # a plain tensor is deduplicated by DCP: every rank gets the one copy DCP kept (documented)
     assert results[0]["plain"] == results[1]["plain"] in ([1.0] * 3, [2.0] * 3)
+
+
+def test_two_ranks_store_their_changes_as_deltas_on_their_own_shards(session, keep_rng):
+    results = session.results("save_sharded_auto")
+    for r in results:
+        assert r["step"] == 2 and r["w_full_ok"]
+    assert results[0]["bases"] == 8  # every chunk of both shards moved a little: a delta each
+    root = str(session.workdir / "save_sharded_auto" / "store")
+    with Checkpointer(root, run=W.RUN) as ck:
+        target = {"w": torch.zeros(W.DRIFT_ROWS, 64)}
+        assert ck.restore(target).step == 2
+    assert torch.equal(target["w"], W.drifting_weight(2))

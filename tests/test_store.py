@@ -1,4 +1,4 @@
-"""LocalStore semantics, key and run-name validation, open_store, codecs and chunk re-encoding."""
+"""LocalStore semantics, key and run-name validation, open_store and chunk re-encoding (codecs: test_codecs)."""
 
 from __future__ import annotations
 
@@ -229,57 +229,9 @@ def test_open_store_file_url_with_host_is_refused(tmp_path):
         open_store("file://otherhost/tmp/x")
 
 
-# ---- codecs -------------------------------------------------------------------------------
-
-
 def _weights(n=4096) -> bytes:
     rng = np.random.default_rng(0)
     return (rng.standard_normal(n).astype(np.float32) * 0.02).tobytes()
-
-
-@pytest.mark.parametrize(
-    "codec, itemsize, data",
-    [
-        ("raw", 1, b""),
-        ("raw", 1, b"hello world"),
-        ("raw", 4, _weights()),
-        ("zstd", 1, b""),
-        ("zstd", 1, b"abc" * 1000),
-        ("zstd", 4, _weights()),
-        ("zstd", 2, _weights()[:2000]),
-        ("zstd", 4, b"12345"),  # length not a multiple of itemsize: falls back to 1
-        ("zstd", 8, _weights()[:4000]),
-    ],
-)
-def test_codec_round_trip(codec, itemsize, data):
-    blob = b"".join(bytes(p) for p in codecs.encode(data, codec, itemsize))
-    assert codecs.header_codec(blob) == codec
-    assert bytes(codecs.decode(blob)) == data
-
-
-def test_zstd_byte_grouping_shrinks_float_weights():
-    data = _weights(1 << 16)
-    raw = len(b"".join(bytes(p) for p in codecs.encode(data, "raw")))
-    plain = len(b"".join(bytes(p) for p in codecs.encode(data, "zstd", 1)))
-    grouped = len(b"".join(bytes(p) for p in codecs.encode(data, "zstd", 4)))
-    assert grouped < plain < raw + 64
-    assert grouped < 0.95 * len(data)
-
-
-def test_codec_errors():
-    with pytest.raises(ValueError, match="unknown codec"):
-        codecs.encode(b"x", "lz4")
-    with pytest.raises(CorruptChunkError):
-        codecs.decode(b"short")
-    blob = bytearray(b"".join(bytes(p) for p in codecs.encode(_weights(), "zstd", 4)))
-    blob[-10] ^= 0xFF
-    with pytest.raises(CorruptChunkError):
-        codecs.decode(bytes(blob))
-    raw_blob = b"".join(bytes(p) for p in codecs.encode(b"abcdef", "raw"))
-    with pytest.raises(CorruptChunkError, match="header says"):
-        codecs.decode(raw_blob[:-1])
-    with pytest.raises(CorruptChunkError, match="magic"):
-        codecs.decode(b"XXXX" + raw_blob[4:])
 
 
 # ---- chunk store and re-encoding ----------------------------------------------------------

@@ -25,6 +25,7 @@ from ckptflow.cli.commands import (
     duration_arg,
     size_arg,
 )
+from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.output import PROG, human_bytes
 from ckptflow.errors import CkptflowError
 from ckptflow.export import EXPORT_DTYPES
@@ -117,10 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser(
-        "stats", help="storage per run and tier; checkpoint frequency, recovery-readiness, recoveries, RPO and RTO"
+        "stats",
+        help="storage and its cost per run and tier; checkpoint frequency, recovery-readiness, recoveries, RPO, RTO",
     )
     p.add_argument("root", metavar="ROOT", help=root_help)
-    p.add_argument("--archive", metavar="URL", help="also count the archive tier at URL")
+    p.add_argument("--archive", metavar="URL", help="also count the archive tier at URL (priced in --archive-class)")
     p.add_argument("--window", type=duration_arg, default=86400.0, help="history for frequency and RPO (default 1d)")
     p.add_argument(
         "--detection",
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="time your scheduler takes to notice a crash and restart the job; added to restore times for RTO",
     )
     p.add_argument("--json", action="store_true")
+    cost_arguments(p)
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("gc", help="delete chunks no checkpoint references")

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from ckptflow import catalog, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
+from ckptflow.cli import costs as cost_section
 from ckptflow.cli.output import PROG, human_bytes, human_duration, progress, ratio, table, warn
 from ckptflow.errors import CkptflowError
 from ckptflow.gc import gc, parse_duration
@@ -237,10 +238,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     stats = store_stats(store)
     archive = store_stats(_open(args.archive)) if args.archive else None
     operations = recoveries.store_metrics(store, window_s=args.window, detection_s=args.detection)
+    costs = cost_section.report(store, args, _open)
     for problem in stats.unreadable_manifests:
         warn(f"not counted: {problem}")
     if args.json:
-        doc = {**stats.as_dict(), "operations": [m.as_dict() for m in operations]}
+        doc = {**stats.as_dict(), "operations": [m.as_dict() for m in operations], "costs": costs.as_dict()}
         if archive is not None:
             doc["archive"] = archive.as_dict()["store"]
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -284,6 +286,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(tiers)
     print()
     _print_operations(operations, args.window, args.detection)
+    print()
+    print(cost_section.render(costs))
     return 0
 
 

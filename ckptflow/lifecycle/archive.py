@@ -9,7 +9,10 @@ from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
 from ckptflow.errors import CkptflowError
+from ckptflow.lifecycle.archive_lossy import write_lossy_copy
+from ckptflow.lifecycle.evaluate import Evaluator, score
 from ckptflow.lifecycle.records import Subject, read_record, write_record
+from ckptflow.lossy import ArchiveCodec
 from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
 
@@ -24,6 +27,9 @@ class ArchiveReport:
     problems: list[str] = field(default_factory=list)
     chunks_verified: int = 0
     verified_by: str = "re-read"  # or "size" for a cold storage class (objects unreadable until thawed)
+    archive_digest: str = ""  # the archive's manifest: ``digest`` for an exact copy, its own for a lossy one
+    lossy: dict | None = None  # what a lossy copy lost (its manifest's ``lossy`` record)
+    evaluation: dict | None = None  # a lossy copy re-evaluated: metrics of both copies and the change
 
     @property
     def ok(self) -> bool:
@@ -31,7 +37,16 @@ class ArchiveReport:
 
 
 def archive(
-    src: Store, dst: Store, run: str, step: int, progress: Callable[[int], None] | None = None
+    src: Store,
+    dst: Store,
+    run: str,
+    step: int,
+    progress: Callable[[int], None] | None = None,
+    *,
+    codec: ArchiveCodec | None = None,
+    evaluator: Evaluator | None = None,
+    evaluator_name: str = "",
+    key: str = "model",
 ) -> ArchiveReport:
     """Copy ``(run, step)`` from ``src`` (the hot store) to ``dst`` with the same commit
     protocol (chunks, then rank records, then the manifest last, all create-only), verify
@@ -43,12 +58,21 @@ def archive(
     chunks are verified here before upload (the upload carries their SHA-256, which S3
     checks) and by size afterwards, and the small records go in a readable class
     (``Store.metadata_store``), so listing, inventory and restore planning need no thaw.
+
+    A ``codec`` that is not exact writes a lossy copy instead (``archive_lossy``),
+    unless the archive already holds the exact one; with an ``evaluator`` the copy is
+    then re-evaluated and the metric change recorded next to the exact metrics.
     """
     manifest = catalog.read_manifest(src, run, step)
-    report = ArchiveReport(url=dst.url, digest=manifest.digest)
-    sizes = _copy(src, dst, manifest, report, progress)
-    if not report.problems:
-        _verify(dst, manifest, report, sizes)
+    report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest)
+    if codec is None or codec.exact or _holds_exact(dst, manifest):
+        sizes = _copy(src, dst, manifest, report, progress)
+        if not report.problems:
+            _verify(dst, manifest, report, sizes)
+    else:
+        _lossy(src, dst, manifest, codec, report, progress)
+        if report.ok and evaluator is not None:
+            report.evaluation = _reevaluate(src, dst, manifest, evaluator, evaluator_name, key)
     write_record(
         src,
         Subject.of(manifest),
@@ -62,9 +86,50 @@ def archive(
             "problems": report.problems[:20],
             "chunks_verified": report.chunks_verified,
             "verified_by": report.verified_by,
+            "archive_digest": report.archive_digest,
+            "lossy": report.lossy,
+            "evaluation": report.evaluation,
         },
     )
     return report
+
+
+def _holds_exact(dst: Store, manifest: Manifest) -> bool:
+    try:
+        return catalog.read_manifest(dst.metadata_store(), manifest.run, manifest.step).digest == manifest.digest
+    except CkptflowError:
+        return False
+
+
+def _lossy(
+    src: Store,
+    dst: Store,
+    manifest: Manifest,
+    codec: ArchiveCodec,
+    report: ArchiveReport,
+    progress: Callable[[int], None] | None,
+) -> None:
+    try:
+        copy, sizes = write_lossy_copy(src, dst, manifest, codec, progress)
+    except CkptflowError as e:
+        report.problems.append(str(e))
+        return
+    report.archive_digest, report.lossy = copy.digest, dict(copy.lossy or {})
+    report.chunks_copied, report.bytes_copied = copy.stats.chunks, copy.stats.stored_bytes
+    _verify(dst, copy, report, sizes)
+
+
+def _reevaluate(src: Store, dst: Store, manifest: Manifest, evaluator: Evaluator, name: str, key: str) -> dict:
+    """Metrics of the exact checkpoint (its evaluation record, when an evaluator made
+    it) and of the lossy copy, and the change: what the archive codec cost."""
+    if dst.writes_cold:
+        return {"skipped": "the copy is in a cold storage class: thaw it, then evaluate it"}
+    record = read_record(src, Subject.of(manifest), "evaluation") or {}
+    exact = record.get("metrics") if record.get("source") == "evaluator" else None
+    exact = exact or score(src, manifest, evaluator, key)
+    lossy = score(dst, catalog.read_manifest(dst, manifest.run, manifest.step), evaluator, key)
+    change = {k: lossy[k] - exact[k] for k in lossy if isinstance(exact.get(k), (int, float))}
+    return {"evaluator": name or "evaluator", "metrics_exact": exact, "metrics_lossy": lossy, "metric_change": change}
 
 
 def _copy(
@@ -146,6 +211,9 @@ def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
         arc_manifest = catalog.read_manifest(archive.metadata_store(), run, step)
     except CkptflowError as e:
         return str(e)
-    if hot_manifest.digest != arc_manifest.digest:
-        return f"the archive's manifest differs ({arc_manifest.digest[:12]}… vs {hot_manifest.digest[:12]}…)"
+    expected = record.get("archive_digest") or hot_manifest.digest  # a lossy copy has its own digest
+    if arc_manifest.digest != expected:
+        return f"the archive's manifest differs ({arc_manifest.digest[:12]}… vs {expected[:12]}…)"
+    if arc_manifest.lossy is not None and arc_manifest.lossy.get("source_digest") != hot_manifest.digest:
+        return "the archive holds a lossy copy of another commit of this step"
     return None

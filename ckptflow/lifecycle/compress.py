@@ -1,7 +1,9 @@
 """Compaction: re-encode a checkpoint's chunks with a compressing codec, in place.
 
 Addresses hash the raw bytes, so re-encoding changes no reference: other checkpoints
-sharing a chunk are unaffected, and a chunk that would grow is left as it is.
+sharing a chunk are unaffected, and a chunk that would grow is left as it is (a delta
+chunk, already compressed against its base, nearly always is). Compaction writes plain
+codecs only, so it never turns a base into a delta.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from ckptflow import catalog
 from ckptflow.chunks import ChunkStore
 from ckptflow.format import DTYPE_SIZES
+from ckptflow.format import FLOATING_DTYPES as FLOATING
 from ckptflow.lifecycle.records import Subject, write_record
 from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
@@ -28,12 +31,13 @@ class CompressionReport:
         return self.bytes_before / self.bytes_after if self.bytes_after else None
 
 
-def itemsizes(manifest: Manifest) -> dict[str, int]:
-    """Element size of the tensor each chunk belongs to (for byte-grouped zstd)."""
-    sizes: dict[str, int] = {}
+def itemsizes(manifest: Manifest) -> dict[str, tuple[int, bool]]:
+    """Element size of the tensor each chunk belongs to, and whether it is floating
+    point (for the byte planes of zstd)."""
+    sizes: dict[str, tuple[int, bool]] = {}
     for item in manifest.items():
         for digest, _ in item.chunks:
-            sizes.setdefault(digest, DTYPE_SIZES[item.dtype])
+            sizes.setdefault(digest, (DTYPE_SIZES[item.dtype], item.dtype in FLOATING))
     return sizes
 
 
@@ -45,7 +49,8 @@ def compress(store: Store, run: str, step: int, codec: str = "zstd", level: int 
     report = CompressionReport()
     sizes = itemsizes(manifest)
     for digest, size in sorted(manifest.chunks.items()):
-        before, after = chunks.reencode(digest, size, codec, sizes.get(digest, 1), level, only_if_smaller=True)
+        itemsize, floating = sizes.get(digest, (1, False))
+        before, after = chunks.reencode(digest, size, codec, itemsize, level, only_if_smaller=True, floating=floating)
         report.chunks += 1
         report.bytes_before += before
         report.bytes_after += after

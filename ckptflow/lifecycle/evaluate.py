@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptflow import catalog
 from ckptflow.lifecycle.records import Subject, previous_record, write_record
+from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
 
 Evaluator = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, float]]
@@ -47,6 +48,20 @@ def numeric(values: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
+def score(source: Store, manifest: Manifest, evaluator: Evaluator, key: str = "model") -> dict[str, float]:
+    """``evaluator``'s metrics for the ``key`` tensors of a checkpoint (every chunk verified)."""
+    from ckptflow.export import load_tensors  # torch only where a model is scored
+
+    tensors, _ = load_tensors(source, manifest.run, manifest.step, prefix=key.rstrip(".") + ".")
+    info = {
+        "run": manifest.run,
+        "step": manifest.step,
+        "manifest_digest": manifest.digest,
+        "metadata": dict(manifest.metadata),
+    }
+    return numeric(evaluator(tensors, info))
+
+
 def evaluate(
     source: Store,
     records: Store,
@@ -70,11 +85,7 @@ def evaluate(
     if evaluator is None:
         metrics, by = trainer, TRAINER
     else:
-        from ckptflow.export import load_tensors  # torch only where a model is scored
-
-        tensors, _ = load_tensors(source, run, step, prefix=key.rstrip(".") + ".")
-        info = {"run": run, "step": step, "manifest_digest": manifest.digest, "metadata": dict(manifest.metadata)}
-        metrics, by = numeric(evaluator(tensors, info)), evaluator_name or "evaluator"
+        metrics, by = score(source, manifest, evaluator, key), evaluator_name or "evaluator"
     train = trainer.get(rule.train_metric)
     previous = previous_record(records, run, step, "evaluation")
     improvement = overfitting = None

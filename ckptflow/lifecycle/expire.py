@@ -3,8 +3,10 @@ knows what else references them."""
 
 from __future__ import annotations
 
+from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError, ExpireError
+from ckptflow.lifecycle.ledger import record_expiry
 from ckptflow.lifecycle.records import step_record_keys
 from ckptflow.store.base import Store
 
@@ -13,10 +15,15 @@ def expire(store: Store, run: str, step: int, *, keep_records: bool = False) -> 
     """Delete the commit record first (the checkpoint stops existing at once), then every
     other object of the step, then its lifecycle records unless ``keep_records`` (a hot
     copy expired while the archive keeps the checkpoint: its verdicts still describe it).
+    Before that, the commit goes into the ledger of expired checkpoints (``ledger``).
 
     Raises ``ExpireError`` naming what is left if any delete fails; calling again after
     the cause is fixed finishes the job. Returns the keys deleted.
     """
+    try:  # the cost model's "retention saved" counts what expiry removed
+        record_expiry(store, catalog.read_manifest(store, run, step))
+    except CkptflowError:
+        pass  # an unreadable commit record: nothing to account for
     manifest_key = fmt.manifest_key(run, step)
     keys = [manifest_key] + sorted(i.key for i in store.list(fmt.step_prefix(run, step)) if i.key != manifest_key)
     if not keep_records:

@@ -139,6 +139,11 @@ class Store(ABC):
             consume(data[start : start + len(buffer)])
         return len(data), None
 
+    def read_head(self, key: str, size: int) -> bytes:
+        """The first ``size`` bytes of the object (all of it if shorter): enough of a
+        chunk to learn its codec and delta base without reading its payload."""
+        return self.get(key)[:size]
+
     def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> tuple[int, Any]:
         """Read the object into ``buffers`` in order: (its size, its version).
 

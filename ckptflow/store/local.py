@@ -108,6 +108,13 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
+    def read_head(self, key: str, size: int) -> bytes:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                return f.read(size)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+
     def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> tuple[int, tuple]:
         """Scatter-read the object into ``buffers`` (in order): (its size, its version).
 

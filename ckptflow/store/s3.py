@@ -182,6 +182,13 @@ class S3Store(Store):
 
         return self._attempts("GetObject", key, attempt)
 
+    def read_head(self, key: str, size: int) -> bytes:
+        """A ranged GET: a chunk's header without its payload."""
+        response = self._call(
+            "GetObject", key, self.client.get_object, Key=self._key(key), Range=f"bytes=0-{max(0, size - 1)}"
+        )
+        return response["Body"].read()[:size]
+
     def stat(self, key: str) -> ObjectInfo:
         head = self._call("HeadObject", key, self.client.head_object, Key=self._key(key))
         return ObjectInfo(key, int(head["ContentLength"]), head["LastModified"].timestamp())

@@ -110,3 +110,70 @@ def state_tag(state: dict) -> int:
     assert torch.equal(state["model"]["w"], expected["model"]["w"]), f"weights w are not those of tag {tag}"
     assert torch.equal(state["z"], expected["z"]), f"tensor z is not that of tag {tag}"
     return tag
+
+
+# ---- drifting states (delta codec) ------------------------------------------------------------
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+)
+DRIFT_CHUNK = 64 << 10  # bytes: the large tensors span several chunks, each above the encoder's sample
+
+
+def drifting_state(step: int, *, dtypes: bool = True) -> dict:
+    """What training looks like to the delta codec, deterministic in ``step``: weights
+    that move a little every step (deltas win), a tensor redrawn every step (noise:
+    plain wins), an untouched one (dedup), and one small tensor of every dtype."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(64 << 10, generator=gen) * 0.02
+    drift = torch.randn(64 << 10, generator=gen) * 1e-5
+    state = {
+        "model": {
+            "w": base + drift * step,
+            "frozen": torch.arange(4096, dtype=torch.float32),
+        },
+        "noise": torch.randn(16 << 10, generator=torch.Generator().manual_seed(1000 + step)),
+        "step": step,
+    }
+    if dtypes:
+        small = torch.linspace(-3, 3, 3001) + 0.001 * step
+        for dtype in DTYPES:
+            name = str(dtype).removeprefix("torch.")
+            state["model"][name] = (small > 0) if dtype == torch.bool else (small * 40).to(dtype)
+    return state
+
+
+def blank_like(state: dict) -> dict:
+    """Same structure, every tensor zeroed (a restore target that must be fully overwritten)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = blank_like(value)
+        elif isinstance(value, torch.Tensor):
+            out[key] = torch.zeros_like(value)
+        else:
+            out[key] = None
+    return out
+
+
+def assert_tensors_equal(expected: dict, actual: dict) -> None:
+    """Bit-exact: same keys, same dtypes, same bytes (NaN-safe)."""
+    assert expected.keys() == actual.keys()
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert_tensors_equal(value, actual[key])
+        elif isinstance(value, torch.Tensor):
+            got = actual[key]
+            assert got.dtype == value.dtype and got.shape == value.shape, key
+            assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), f"{key} differs"
+        else:
+            assert actual[key] == value, key

@@ -1,0 +1,67 @@
+"""``storage_cost``: what the stores cost per month and what each saving bought.
+
+A snapshot refreshed with the inventory. Prices are run config (USD per GB-month per
+storage class, ckptflow's defaults being S3 list prices; see ``ckptflow.costs``), so
+the UI plots cost and savings over materializations as prices or data change.
+"""
+
+import pandas as pd
+from dagster import Config, MetadataValue, Output, asset
+
+from assets.checkpoints import archived, checkpoint, compressed
+from assets.inventory import GROUP, REFRESH, markdown
+from ckptflow import costs
+from resources import ArchiveTierResource, CheckpointStoreResource
+
+
+class CostConfig(Config):
+    """Prices override or extend ``ckptflow.costs.DEFAULT_PRICES``; the archive is priced
+    as its S3 storage class when it has one, else ``archive_class``."""
+
+    prices: dict[str, float] = {}
+    hot_class: str = "STANDARD"
+    archive_class: str = "GLACIER_IR"
+
+
+def cost_model(config: CostConfig, archive: ArchiveTierResource) -> costs.CostModel:
+    priced = archive.priced_class()
+    return costs.CostModel(
+        {**costs.DEFAULT_PRICES, **config.prices},
+        {
+            "hot": config.hot_class,
+            "archive": priced if priced in {**costs.DEFAULT_PRICES, **config.prices} else config.archive_class,
+        },
+    )
+
+
+@asset(group_name=GROUP, deps=[checkpoint, compressed, archived], automation_condition=REFRESH, kinds={"pandas"})
+def storage_cost(
+    config: CostConfig, store: CheckpointStoreResource, archive: ArchiveTierResource
+) -> Output[pd.DataFrame]:
+    """Bytes and monthly cost per tier, and what retention, tiering, dedup, compression,
+    delta and lossy archive codecs saved against keeping every checkpoint raw and hot."""
+    report = costs.storage_costs(store.open(), archive.open(), cost_model(config, archive))
+    rows = [
+        {"item": f"{t.tier} ({t.storage_class})", "bytes": t.stored_bytes, "usd_per_month": t.monthly_usd}
+        for t in report.tiers
+    ]
+    rows.append(
+        {"item": "every checkpoint raw and hot", "bytes": report.baseline_bytes, "usd_per_month": report.baseline_usd}
+    )
+    rows += [
+        {"item": f"saved by {name}", "bytes": report.savings_bytes[name], "usd_per_month": report.savings_usd[name]}
+        for name in costs.SAVINGS
+    ]
+    df = pd.DataFrame(rows)
+    return Output(
+        df,
+        metadata={
+            "monthly_usd": MetadataValue.float(report.monthly_usd),
+            "baseline_usd": MetadataValue.float(report.baseline_usd),
+            **{f"{t.tier}_monthly_usd": MetadataValue.float(t.monthly_usd) for t in report.tiers},
+            **{f"{t.tier}_stored_bytes": MetadataValue.int(t.stored_bytes) for t in report.tiers},
+            **{f"saved_usd/{k}": MetadataValue.float(v) for k, v in report.savings_usd.items()},
+            "prices_date": report.prices_date,
+            "table": markdown(df),
+        },
+    )

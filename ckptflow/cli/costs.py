@@ -1,0 +1,57 @@
+"""``ckptflow stats``'s cost section: bytes and monthly cost per tier, and what saved it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ckptflow.cli.output import human_bytes, table
+from ckptflow.costs import SAVINGS, CostModel, CostReport, storage_costs
+from ckptflow.errors import CkptflowError
+from ckptflow.store.base import Store
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prices", metavar="FILE", help='JSON {"prices": {CLASS: USD per GB-month}, "tiers": {...}}')
+    p.add_argument("--hot-class", help="storage class the hot store is priced as (default STANDARD)")
+    p.add_argument("--archive-class", help="storage class of the archive (default GLACIER_IR)")
+
+
+def report(store: Store, args: argparse.Namespace, open_store) -> CostReport:
+    try:
+        model = CostModel.from_json(Path(args.prices).read_text()) if args.prices else CostModel()
+        model = model.with_classes(args.hot_class, args.archive_class)
+    except (OSError, ValueError) as e:
+        raise CkptflowError(f"cost model {args.prices or '(defaults)'}: {e}") from None
+    return storage_costs(store, open_store(args.archive) if args.archive else None, model)
+
+
+def render(costs: CostReport) -> str:
+    tiers = table(
+        ["TIER", "CLASS", "USD/GB-MONTH", "CHECKPOINTS", "STORED", "USD/MONTH"],
+        [
+            [
+                t.tier,
+                t.storage_class,
+                f"{t.price:g}",
+                str(t.checkpoints),
+                human_bytes(t.stored_bytes),
+                _usd(t.monthly_usd),
+            ]
+            for t in costs.tiers
+        ],
+        right={2, 3, 4, 5},
+    )
+    rows = [["every checkpoint raw and hot", human_bytes(costs.baseline_bytes), _usd(costs.baseline_usd)]]
+    rows += [
+        [f"  - saved by {name}", human_bytes(costs.savings_bytes[name]), _usd(costs.savings_usd[name])]
+        for name in SAVINGS
+        if costs.savings_usd[name] or costs.savings_bytes[name]
+    ]
+    rows.append(["what the stores cost now", "", _usd(costs.monthly_usd)])
+    savings = table(["", "BYTES", "USD/MONTH"], rows, right={1, 2})
+    return f"{tiers}\n\n{savings}\n(list prices as of {costs.prices_date}; --prices FILE to use yours)"
+
+
+def _usd(x: float) -> str:
+    return f"{x:,.2f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2g}"

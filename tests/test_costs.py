@@ -1,0 +1,71 @@
+"""The cost model: bytes and monthly cost per tier, and savings that add up exactly to
+the difference between every checkpoint raw and hot and what the stores hold now."""
+
+import json
+
+import pytest
+
+from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow.costs import DEFAULT_PRICES, GB, SAVINGS, CostModel, storage_costs
+from ckptflow.lossy import ArchiveCodec
+from ckptflow.stats import chunk_file_sizes
+from ckptflow.store import open_store
+from support.cli import run_cli
+from support.states import DRIFT_CHUNK, drifting_state
+
+RUN = "c"
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    """Hot: full 1, incrementals 2-3 (deltas), full 4; step 2 archived lossily and step 1
+    archived exactly, then step 1 expired from every tier (the ledger remembers it)."""
+    hot, arc = open_store(str(tmp_path / "hot")), open_store(str(tmp_path / "arc"))
+    with Checkpointer(hot, RUN, codec="auto", chunk_bytes=DRIFT_CHUNK) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(step, drifting_state(step), kind="full" if step in (1, 4) else "incremental")
+    assert lifecycle.archive(hot, arc, RUN, 2, codec=ArchiveCodec.parse("bf16")).ok
+    expired = catalog.read_manifest(hot, RUN, 1)
+    lifecycle.expire(hot, RUN, 1)
+    return hot, arc, expired
+
+
+def test_savings_add_up_to_baseline_minus_what_the_stores_cost(tiers):
+    hot, arc, expired = tiers
+    model = CostModel()
+    report = storage_costs(hot, arc, model)
+    held = {m.ref: m.stats.logical_bytes for m in catalog.committed(hot)}
+    assert report.baseline_bytes == sum(held.values()) + expired.stats.logical_bytes
+    assert report.baseline_usd == pytest.approx(report.baseline_bytes / GB * DEFAULT_PRICES["STANDARD"])
+    assert report.baseline_usd - sum(report.savings_usd.values()) == pytest.approx(report.monthly_usd, rel=1e-9)
+    assert report.savings_bytes["retention"] == expired.stats.logical_bytes
+    for name in ("dedup", "compression", "delta", "lossy"):
+        assert report.savings_bytes[name] > 0, name
+    by_tier = {t.tier: t for t in report.tiers}
+    assert by_tier["hot"].stored_bytes == sum(chunk_file_sizes(hot).values())
+    assert by_tier["archive"].stored_bytes == sum(chunk_file_sizes(arc).values())
+    assert by_tier["archive"].monthly_usd == pytest.approx(by_tier["archive"].stored_bytes / GB * 0.004)
+    # a duplicate copy in the archive costs money: tiering saved nothing yet
+    assert report.savings_usd["tiering"] < 0
+
+
+def test_stats_prints_cost_per_tier_and_savings(tiers, tmp_path, capsys):
+    hot, arc, _ = tiers
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps({"prices": {"ONPREM": 0.01}, "tiers": {"hot": "ONPREM"}}))
+    code, out, _ = run_cli(capsys, "stats", hot.root, "--archive", arc.root, "--prices", str(prices))
+    assert code == 0
+    assert "ONPREM" in out and "GLACIER_IR" in out and "saved by delta" in out and "saved by retention" in out
+    code, out, _ = run_cli(
+        capsys, "stats", hot.root, "--archive", arc.root, "--archive-class", "DEEP_ARCHIVE", "--json"
+    )
+    costs = json.loads(out)["costs"]
+    assert {t["storage_class"] for t in costs["tiers"]} == {"STANDARD", "DEEP_ARCHIVE"}
+    assert set(costs["savings_usd"]) == set(SAVINGS)
+
+
+def test_a_tier_priced_as_an_unknown_class_is_refused(tiers, capsys):
+    with pytest.raises(ValueError, match="no price"):
+        CostModel(tiers={"hot": "PLATINUM"})
+    code, _, err = run_cli(capsys, "stats", tiers[0].root, "--hot-class", "PLATINUM")
+    assert code == 2 and "PLATINUM" in err
