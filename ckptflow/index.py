@@ -81,16 +81,13 @@ class ObjectIndex:
 
 
 def manifest_summary(info: ObjectInfo, blob: bytes) -> dict[str, Any]:
-    """What ``ls`` and the inventory need of a manifest (not its chunk list)."""
+    """What ``ls`` and the inventory need of a manifest (``CheckpointInfo``: not its chunk list)."""
+    import dataclasses
+
+    from ckptflow.catalog import CheckpointInfo
     from ckptflow.manifest import Manifest
 
-    m = Manifest.parse(blob, f"manifest {info.key}")
-    return {
-        "run": m.run, "step": m.step, "kind": m.kind, "created_at": m.created_at, "world_size": m.world_size,
-        "logical_bytes": m.stats.logical_bytes, "stored_bytes": m.stats.stored_bytes, "chunks": m.stats.chunks,
-        "bytes_written": m.stats.bytes_written, "base_step": m.base_step, "metadata": dict(m.metadata),
-        "digest": m.digest,
-    }  # fmt: skip
+    return dataclasses.asdict(CheckpointInfo.from_manifest(Manifest.parse(blob, f"manifest {info.key}")))
 
 
 def record_value(info: ObjectInfo, blob: bytes) -> Any:

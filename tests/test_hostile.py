@@ -13,7 +13,7 @@ import torch
 
 from ckptflow import Checkpointer, CkptflowError, catalog, gc, open_store, stats
 from ckptflow import format as fmt
-from ckptflow.codecs import HEADER, MAGIC, ZSTD_BYTEGROUP
+from ckptflow.codecs import HEADER, MAGIC, ZSTD
 from ckptflow.export import export_safetensors
 from support.cli import run_cli
 from support.corrupt import chunk_path, manifest_path, only_in, reseal_manifest
@@ -62,7 +62,7 @@ def test_a_small_chunk_declaring_gigabytes_is_refused_before_decompressing(root)
     import zstandard
 
     payload = zstandard.ZstdCompressor().compress(bytes(108 << 10))
-    chunk_path(root, digest).write_bytes(HEADER.pack(MAGIC, ZSTD_BYTEGROUP, 1, 3 << 30) + payload)
+    chunk_path(root, digest).write_bytes(HEADER.pack(MAGIC, ZSTD, 1, 3 << 30) + payload)
     tracemalloc.start()
     try:
         report = catalog.verify_checkpoint(open_store(root), RUN, 2)

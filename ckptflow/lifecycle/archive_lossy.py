@@ -89,9 +89,7 @@ def write_lossy_copy(
         raise CheckpointExistsError(f"{dst.url}/{key} already holds another commit of this step; not overwritten")
     for record in records:
         state = {k: v for k, v in record.state.items() if k not in dropped} if dropped else record.state
-        meta.replace(
-            fmt.rank_key(manifest.run, manifest.step, record.rank), dataclasses.replace(record, state=state).seal()
-        )
+        meta.replace(parsed.rank_key(record.rank), dataclasses.replace(record, state=state).seal())
     if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
         raise CheckpointExistsError(f"{dst.url}/{key} was committed by another writer meanwhile; not overwritten")
     return parsed, held
