@@ -161,7 +161,7 @@ def max_encoded_size(raw_len: int) -> int:
     return HEAD_BYTES + _Q8.size + _SECTION.size + 2 + 5 * 255 + raw_len + raw_len // 128 + 1024
 
 
-def decode(blob: bytes | memoryview, expected: int | None = None, base: BaseReader | None = None) -> memoryview:
+def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected: int | None = None) -> memoryview:
     """The raw bytes of an encoded chunk; ``CorruptChunkError`` if the framing is broken
     or the header announces another length than the ``expected`` one (checked before
     anything is decompressed, so a small chunk cannot claim gigabytes).

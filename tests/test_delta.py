@@ -204,10 +204,11 @@ def test_compaction_and_archival_keep_chains_one_link_long(ckpt_store_dir, tmp_p
 
 def test_a_base_that_is_itself_a_delta_is_refused(ckpt_store_dir):
     store = _save(ckpt_store_dir, [1, 2])
-    delta, base = next(iter(catalog.read_manifest(store, RUN, 2).bases.items()))
+    manifest = catalog.read_manifest(store, RUN, 2)
+    delta, base = next(iter(manifest.bases.items()))
     store.replace(fmt.chunk_key(base), store.get(fmt.chunk_key(delta)))  # a delta where a base belongs
     with pytest.raises(CorruptChunkError, match="delta base is unusable.*cannot be a base itself"):
-        ChunkStore(store).get(delta)
+        ChunkStore(store).get(delta, manifest.chunks[delta])
 
 
 def test_a_changed_tensor_layout_simply_stores_plainly(ckpt_store_dir):
