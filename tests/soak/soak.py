@@ -4,7 +4,8 @@ and check that every restore gives exactly what was saved and never something ol
 than what had committed.
 
 The worker (``--worker``) restores the newest checkpoint when it starts, then loops:
-sync or async, full or incremental saves, a restore now and then, a GC sweep now and
+sync or async, full or incremental saves (codec "auto": incremental chunks become deltas on
+the newest full), a restore now and then, a GC sweep now and
 then. Before each save it appends the step and the sha256 of the exact state it is
 about to save to an intent log (fsynced), so a restore can be checked against what was
 saved; after a save returns it prints ``committed N``. The parent kills the worker with
@@ -72,7 +73,7 @@ def worker(store: str, log: Path, seed: int) -> None:
     torch.set_num_threads(1)
     rng = random.Random(seed)
     intents = {int(line.split()[0]): line.split()[1] for line in log.read_text().splitlines()} if log.exists() else {}
-    ck = Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=2, restore_rng=False)
+    ck = Checkpointer(store, run=RUN, chunk_bytes=CHUNK, threads=2, restore_rng=False, codec="auto")  # deltas too
 
     def restore_and_check(phase: str) -> int:
         say("begin", phase)
@@ -168,6 +169,15 @@ def soak(kills: int, workdir: Path, seed: int) -> dict:
             "seconds": round(time.monotonic() - started)}  # fmt: skip
 
 
+def delta_chunks(store: Path) -> int:
+    """How many chunks of the checkpoints left at the end are deltas (codec "auto" at work)."""
+    from ckptflow import catalog
+    from ckptflow.store import open_store
+
+    opened = open_store(str(store))
+    return sum(len(catalog.read_manifest(opened, RUN, i.step).bases) for i in catalog.list_checkpoints(opened, RUN))
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))
@@ -181,10 +191,12 @@ def main() -> int:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         result = soak(args.kills, workdir, args.seed)
+        result["delta chunks committed"] = delta_chunks(workdir / "store")
     print(json.dumps(result, indent=2))
     print(f"\n{result['kills']} SIGKILLs ({', '.join(f'{k}: {v}' for k, v in result['killed in'].items())}); "
           f"{result['restores checked']} restores checked: {result['wrong']} wrong, {result['stale']} stale; "
           f"{result.get('worker failures', 0)} worker failures; newest committed step {result['committed']}; "
+          f"{result['delta chunks committed']} delta chunks in the surviving checkpoints; "
           f"{result['seconds']} s")  # fmt: skip
     return 0 if result["wrong"] == 0 and result["stale"] == 0 and not result.get("worker failures") else 1
 
