@@ -153,10 +153,13 @@ def list_runs(store: Store) -> list[str]:
     return out
 
 
-def _run_listing(store: Store, run: str) -> Iterator[StepListing | Problem]:
+def _run_listing(store: Store, run: str, from_step: int | None = None) -> Iterator[StepListing | Problem]:
     prefix = fmt.checkpoints_prefix(run)
     try:
-        listed = list(store.list(prefix))
+        if from_step is None:
+            listed = list(store.list(prefix))
+        else:  # every key of ``from_step`` sorts after its bare directory name
+            listed = list(store.list_after(prefix, f"{prefix}{fmt.validate_step(from_step):0{fmt.STEP_DIGITS}d}"))
     except SymlinkError:  # somewhere below: find which step, so only that step is a problem
         yield from _steps_one_by_one(store, run)
         return
@@ -199,9 +202,13 @@ def _grouped(store: Store, run: str, listed: list[ObjectInfo]) -> Iterator[StepL
         yield StepListing(run, step, manifest, tuple(files))
 
 
-def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Problem]:
+def listing(
+    store: Store, run: str | None = None, *, from_steps: dict[str, int] | None = None
+) -> Iterator[StepListing | Problem]:
     """Every step directory of ``run`` (or of every run), ascending, without reading a
-    record; a run directory that cannot be listed or is badly named is a ``Problem``."""
+    record; a run directory that cannot be listed or is badly named is a ``Problem``.
+    A run named in ``from_steps`` is listed from that step on (one listing of what
+    follows it, where the store can start a listing there)."""
     for name in [run] if run is not None else run_names(store):
         try:
             fmt.validate_run(name)
@@ -214,7 +221,7 @@ def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Prob
             )
             continue
         try:
-            yield from _run_listing(store, name)
+            yield from _run_listing(store, name, (from_steps or {}).get(name))
         except (CkptflowError, OSError) as e:
             yield problem_from(name, None, e)
 
@@ -222,6 +229,16 @@ def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Prob
 def committed_steps(store: Store, run: str) -> list[int]:
     """Steps of ``run`` that have a commit record (valid or not), ascending; no reads."""
     return [s.step for s in listing(store, run) if isinstance(s, StepListing) and s.committed]
+
+
+def step_dirs(store: Store, run: str) -> list[int]:
+    """Steps of ``run`` that have a directory (committed or not), ascending: one listing
+    of directory names, so its cost does not grow with the files (ranks) of each step."""
+    prefix = fmt.checkpoints_prefix(run)
+    steps = [
+        fmt.parse_step_dir(i.key[len(prefix) : -1]) for i in store.list(prefix, recursive=False) if i.key.endswith("/")
+    ]
+    return sorted(s for s in steps if s is not None)
 
 
 def _read_record(store: Store, key: str, what: str) -> bytes:

@@ -89,3 +89,20 @@ def test_a_commit_record_that_cannot_be_read_stops_gc_but_names_itself(root):
     store.fail_if = lambda op, key: op == "get" and key == fmt.manifest_key(RUN, 2)
     report = gc(store, grace="0s")
     assert report.skipped and fmt.manifest_key(RUN, 2) in report.skipped and report.deleted == []
+
+
+def test_step_dirs_names_each_step_once_committed_or_not(root):
+    """What restore's candidate search lists in the hot tier: directory names only, one
+    per step however many files (ranks) it holds; a file where a step belongs is not one."""
+    hostile(root)
+    os.makedirs(os.path.join(root, "runs", RUN, "checkpoints", f"{7:012d}", "ranks"))  # a save that died
+    os.makedirs(os.path.join(root, "runs", RUN, "checkpoints", "notastep"))
+    assert catalog.step_dirs(open_store(root), RUN) == [1, 2, 3, 4, 7]
+    assert catalog.step_dirs(open_store(root), "nothing-here") == []
+
+
+def test_a_listing_from_a_step_holds_that_step_and_the_newer_ones(root):
+    store = FaultyStore(open_store(root), count_reads=True)
+    listed = [e.step for e in catalog.listing(store, from_steps={RUN: 3}) if isinstance(e, catalog.StepListing)]
+    assert listed == [3, 4]
+    assert [op for _, op, _ in store.log] == ["list", "list_after"]

@@ -101,6 +101,12 @@ class Store(ABC):
         """Size and modification time; ``ObjectNotFoundError`` if absent."""
 
     # ---- optional capabilities, with defaults --------------------------------------
+    def list_after(self, prefix: str, start_after: str) -> Iterator[ObjectInfo]:
+        """``list(prefix)`` (recursive) from the first key sorting after ``start_after``:
+        a backend that can start a listing there (S3's ``StartAfter``) pays only for what
+        follows, so a reader that knows where new keys begin does not list the rest."""
+        return (info for info in self.list(prefix) if info.key > start_after)
+
     def get_bounded(self, key: str, limit: int | None) -> bytes:
         """``get``, refusing (``ObjectTooLargeError``) an object larger than ``limit`` bytes
         before reading it whole: a record or chunk is never allowed to make a reader

@@ -147,6 +147,9 @@ class FaultyStore(Store):
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
         return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix, recursive=recursive))))
 
+    def list_after(self, prefix: str, start_after: str) -> Iterator[ObjectInfo]:
+        return iter(self._call("list_after", prefix, lambda: list(self.inner.list_after(prefix, start_after))))
+
     def delete(self, key: str) -> None:
         return self._call("delete", key, self.inner.delete, key)
 
