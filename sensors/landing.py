@@ -92,9 +92,8 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     now = time.time() if now is None else now
     full_at = cursor.get("full_at")
     full = full_at is None or now - float(full_at) >= FULL_SCAN_S
-    listed = [
-        e for e in catalog.listing(store, from_steps=None if full else frontier) if isinstance(e, catalog.StepListing)
-    ]
+    steps = catalog.listing(store, from_steps=None if full else frontier, manifests_only=True)
+    listed = [e for e in steps if isinstance(e, catalog.StepListing)]
     fresh = [e for e in listed if e.manifest is not None and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
     fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
     taken = fresh[:limit]

@@ -106,3 +106,21 @@ def test_a_listing_from_a_step_holds_that_step_and_the_newer_ones(root):
     listed = [e.step for e in catalog.listing(store, from_steps={RUN: 3}) if isinstance(e, catalog.StepListing)]
     assert listed == [3, 4]
     assert [op for _, op, _ in store.log] == ["list", "list_after"]
+
+
+def test_a_listing_of_commit_records_names_each_steps_ranks_once(tmp_path):
+    """Four ranks' records of a step are one entry of a ``manifests_only`` listing, and
+    what ls reads (the summaries) is the same as from a full listing."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    store = open_store(root)
+    ranks = fmt.step_prefix(RUN, 1) + "ranks/"
+    record = next(store.list(ranks)).key
+    for rank in (1, 2, 3):  # stand-ins: only the listing is looked at
+        store.replace(record.replace("/0.", f"/{rank}."), store.get(record))
+    [full] = [e for e in catalog.listing(store, RUN) if isinstance(e, catalog.StepListing)]
+    [rolled] = [e for e in catalog.listing(store, RUN, manifests_only=True) if isinstance(e, catalog.StepListing)]
+    assert sum(f.key.startswith(ranks) for f in full.files) == 4
+    assert [f.key for f in rolled.files] == [fmt.manifest_key(RUN, 1), ranks] and rolled.manifest == full.manifest
+    assert [i.step for i in catalog.list_checkpoints(store, RUN)] == [1]

@@ -212,18 +212,18 @@ class S3Store(Store):
         return ObjectInfo(key, int(head["ContentLength"]), head["LastModified"].timestamp())
 
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
-        return self._list(prefix, recursive, None)
+        return self._list(prefix, "" if recursive else "/", "")
 
-    def list_after(self, prefix: str, start_after: str) -> Iterator[ObjectInfo]:
-        return self._list(prefix, True, start_after)
+    def list_after(self, prefix: str, start_after: str = "", *, roll_up: str = "") -> Iterator[ObjectInfo]:
+        return self._list(prefix, roll_up, start_after)
 
-    def _list(self, prefix: str, recursive: bool, start_after: str | None) -> Iterator[ObjectInfo]:
+    def _list(self, prefix: str, delimiter: str, start_after: str) -> Iterator[ObjectInfo]:
         if prefix:
             validate_key(prefix.rstrip("/"))
         full = self._key(prefix.rstrip("/")) + "/" if prefix else (f"{self.prefix}/" if self.prefix else "")
         kwargs: dict[str, Any] = {"Prefix": full}
-        if not recursive:
-            kwargs["Delimiter"] = "/"
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
         cut = len(self.prefix) + 1 if self.prefix else 0
         if start_after:
             kwargs["StartAfter"] = self.prefix + "/" + start_after if self.prefix else start_after
