@@ -80,7 +80,7 @@ def _held(store: Store, run: str, step: int | None, *, hot: bool) -> list[int]:
     if hot:
         return catalog.step_dirs(store, run)
     steps = []
-    for entry in catalog.listing(store, run):
+    for entry in catalog.listing(store, run, manifests_only=True):
         if isinstance(entry, catalog.Problem) and entry.step is None:
             raise StoreUnavailableError(entry.message)
         if isinstance(entry, catalog.StepListing) and entry.committed:
