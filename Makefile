@@ -40,7 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/codecs_motion.py --steps 100
 
 scale: $(STAMP)
-	$(PY) benchmarks/scale.py --checkpoints 10000
+	$(PY) benchmarks/scale.py --checkpoints 10000 --partitions 40000 --expire 10000
 
 soak: $(STAMP)
 	$(PY) tests/soak/soak.py --kills 200

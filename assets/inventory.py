@@ -38,6 +38,7 @@ class RetentionConfig(Config):
     pinned: list[str] = []  # partition keys kept forever, besides every published model version's source
     gc_grace: str = "1h"
     hot_days: float | None = None  # archived checkpoints older than this keep only their archive copy
+    archive_partitions: int = 10_000  # archive-only checkpoints that keep a partition (the newest)
 
 
 def compute_plan(

@@ -7,11 +7,15 @@ table measures round trips the way a real bucket charges them. The store is fill
 directly (not through the proxy): one real checkpoint, then its commit record and rank
 record re-sealed for every step, with a validation record each.
 
-Measured: the landing sensor's tick when nothing is new; the inventory (every checkpoint,
+Measured: the landing sensor's tick when nothing is new (and the full listing it does
+every ``FULL_SCAN_S``); the inventory (every checkpoint,
 its records); ``ckptflow ls``; a restore of the newest checkpoint. Cold is the first time
 (no index yet), warm the next (listing-validated indexes: ``ckptflow/index.py``).
 
-Run: ``.venv/bin/python benchmarks/scale.py --checkpoints 10000``
+Then the Dagster side (``partitions.py``): both automation sensors' ticks at
+``--partitions`` partitions and retention dropping ``--expire`` of them. One table at the end.
+
+Run: ``.venv/bin/python benchmarks/scale.py --checkpoints 10000 --partitions 40000``
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ import contextlib
 import io
 import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import partitions  # noqa: E402
 import torch  # noqa: E402
 from _latency_proxy import LatencyProxy  # noqa: E402
 
@@ -43,6 +51,15 @@ from ckptflow.store import open_store  # noqa: E402
 from ckptflow.store.s3 import S3Store  # noqa: E402
 
 RUN = "scale"
+TARGETS = {  # issue 14's acceptance figures, by the row names below
+    "landing tick, nothing new": "<= 2 s",
+    "ckptflow ls (warm)": "<= 5 s",
+    "inventory (warm)": "<= 20 s",
+    "restore newest": "<= 1 s + chunk reads",
+    "lifecycle_automation tick": "< the sensor interval (15 s)",
+    "evaluation_automation tick": "< the sensor interval (15 s)",
+    "retention: drop": "<= 30 s (+ the store's deletes)",
+}
 BUCKET = "ckptflow-scale"
 
 
@@ -83,24 +100,67 @@ def fill(client, prefix: str, count: int, tmp: str) -> None:
         list(pool.map(put, (o for step in range(1, count + 1) for o in objects(step))))
 
 
-def timed(fn) -> float:
+@contextlib.contextmanager
+def s3_server():
+    """moto's S3 server (``_s3_server.py``: listings paged the way a real bucket pages
+    them) in a process of its own: its work is not charged to the process under measurement."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_s3_server.py")), str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def timed(fn, profile: str | None = None) -> float:
+    """Seconds ``fn`` took; with ``profile`` its cProfile statistics are written there."""
+    import cProfile
+
+    profiler = cProfile.Profile() if profile else None
     started = time.perf_counter()
+    if profiler:
+        profiler.enable()
     fn()
-    return time.perf_counter() - started
+    if profiler:
+        profiler.disable()
+    seconds = time.perf_counter() - started
+    if profiler:
+        profiler.dump_stats(profile)  # type: ignore[arg-type]
+    return seconds
 
 
-def measure(url: str, store: S3Store, proxy: LatencyProxy, count: int) -> list[tuple[str, float, int]]:
+def measure(
+    url: str, store: S3Store, proxy: LatencyProxy, count: int, profile: str | None
+) -> list[tuple[str, float, float, int]]:
     from sensors.landing import new_commits
 
     rows = []
 
     def row(name: str, fn) -> None:
-        before = proxy.requests
-        rows.append((name, timed(fn), proxy.requests - before))
-        print(f"  {name}: {rows[-1][1]:.2f} s, {rows[-1][2]} requests", flush=True)
+        before, cpu = proxy.requests, time.process_time()
+        where = os.path.join(profile, f"{len(rows)}.prof") if profile else None
+        seconds = timed(fn, where)
+        rows.append((name, seconds, time.process_time() - cpu, proxy.requests - before))
+        print(f"  {name}: {seconds:.2f} s ({rows[-1][2]:.2f} s CPU), {rows[-1][3]} requests", flush=True)
 
     quiet = contextlib.redirect_stdout(io.StringIO())
-    row("landing tick, nothing new", lambda: new_commits(store, {"t": time.time() + 3600, "seen": []}, 500))
+    cursor = {"t": time.time() + 3600, "seen": []}  # everything landed already
+    row("landing tick, full listing (every 5 min)", lambda: cursor.update(new_commits(store, cursor, 500)[1]))
+    row("landing tick, nothing new", lambda: new_commits(store, cursor, 500))
     row("ckptflow ls (cold: no index)", lambda: _quiet(quiet, lambda: cli(["ls", url])))
     row("ckptflow ls (warm)", lambda: _quiet(quiet, lambda: cli(["ls", url])))
     row("inventory (records cold)", lambda: inventory.collect(store))
@@ -121,31 +181,37 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoints", type=int, default=10_000)
     parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--partitions", type=int, default=40_000, help="for the automation ticks (partitions.py)")
+    parser.add_argument("--expire", type=int, default=10_000, help="partitions retention drops (partitions.py)")
+    parser.add_argument("--profile", metavar="DIR", help="write each operation's cProfile statistics here")
     args = parser.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     import boto3
-    from moto.server import ThreadedMotoServer
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ.setdefault(name, "scale")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket=BUCKET)
-    with tempfile.TemporaryDirectory() as tmp:
-        started = time.perf_counter()
-        fill(client, "store", args.checkpoints, tmp)
-        print(f"filled {args.checkpoints} checkpoints in {time.perf_counter() - started:.0f} s (directly, no latency)")
-    with LatencyProxy(endpoint, args.latency_ms / 1000) as proxy:
-        url = f"s3://{BUCKET}/store?endpoint={proxy.url}"
-        rows = measure(url, open_store(url), proxy, args.checkpoints)  # type: ignore[arg-type]
-    server.stop()
-    print(f"\n{args.checkpoints} checkpoints on S3, {args.latency_ms:g} ms per request:\n")
-    print("| operation | seconds | requests |\n|---|---:|---:|")
-    for name, seconds, requests in rows:
-        print(f"| {name} | {seconds:.2f} | {requests} |")
+    with s3_server() as endpoint:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=BUCKET)
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.perf_counter()
+            fill(client, "store", args.checkpoints, tmp)
+            print(f"filled {args.checkpoints} checkpoints in {time.perf_counter() - started:.0f} s (no latency)")
+        with LatencyProxy(endpoint, args.latency_ms / 1000) as proxy:
+            url = f"s3://{BUCKET}/store?endpoint={proxy.url}"
+            rows = measure(url, open_store(url), proxy, args.checkpoints, args.profile)  # type: ignore[arg-type]
+    print(f"Dagster: {args.partitions} partitions, {args.expire} of them dropped by retention", flush=True)
+    rows += [(name, seconds, None, None) for name, seconds in partitions.measure(args.partitions, args.expire)]
+    print(
+        f"\n{args.checkpoints} checkpoints on S3 ({args.latency_ms:g} ms per request), {args.partitions} partitions:\n"
+    )
+    print("| operation | seconds | client CPU s | S3 requests | target |\n|---|---:|---:|---:|---|")
+    for name, seconds, cpu, requests in rows:
+        target = next((t for prefix, t in TARGETS.items() if name.startswith(prefix)), "")
+        cpu_text, requests_text = ("", "") if requests is None else (f"{cpu:.2f}", str(requests))
+        print(f"| {name} | {seconds:.2f} | {cpu_text} | {requests_text} | {target} |")
     return 0
 
 

@@ -94,6 +94,9 @@ class Problem:
         return f"{where}: {self.message}"
 
 
+RANKS_ROLLED = "/ranks/"  # what ``listing(manifests_only=True)`` rolls a step's rank records up at
+
+
 @dataclass(frozen=True)
 class StepListing:
     """A step directory as listed (nothing read): its commit record, if any, and files."""
@@ -153,10 +156,17 @@ def list_runs(store: Store) -> list[str]:
     return out
 
 
-def _run_listing(store: Store, run: str) -> Iterator[StepListing | Problem]:
+def _run_listing(
+    store: Store, run: str, from_step: int | None = None, manifests_only: bool = False
+) -> Iterator[StepListing | Problem]:
     prefix = fmt.checkpoints_prefix(run)
+    # every key of ``from_step`` sorts after its bare directory name
+    start = "" if from_step is None else f"{prefix}{fmt.validate_step(from_step):0{fmt.STEP_DIGITS}d}"
     try:
-        listed = list(store.list(prefix))
+        if from_step is None and not manifests_only:
+            listed = list(store.list(prefix))
+        else:
+            listed = list(store.list_after(prefix, start, roll_up=RANKS_ROLLED if manifests_only else ""))
     except SymlinkError:  # somewhere below: find which step, so only that step is a problem
         yield from _steps_one_by_one(store, run)
         return
@@ -199,9 +209,15 @@ def _grouped(store: Store, run: str, listed: list[ObjectInfo]) -> Iterator[StepL
         yield StepListing(run, step, manifest, tuple(files))
 
 
-def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Problem]:
+def listing(
+    store: Store, run: str | None = None, *, from_steps: dict[str, int] | None = None, manifests_only: bool = False
+) -> Iterator[StepListing | Problem]:
     """Every step directory of ``run`` (or of every run), ascending, without reading a
-    record; a run directory that cannot be listed or is badly named is a ``Problem``."""
+    record; a run directory that cannot be listed or is badly named is a ``Problem``.
+    A run named in ``from_steps`` is listed from that step on (one listing of what
+    follows it, where the store can start a listing there). ``manifests_only`` is for
+    readers of the commit records alone: each step's rank records are one entry of its
+    ``files`` (``<step>/ranks/``), so the listing does not grow with the ranks."""
     for name in [run] if run is not None else run_names(store):
         try:
             fmt.validate_run(name)
@@ -214,7 +230,7 @@ def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Prob
             )
             continue
         try:
-            yield from _run_listing(store, name)
+            yield from _run_listing(store, name, (from_steps or {}).get(name), manifests_only)
         except (CkptflowError, OSError) as e:
             yield problem_from(name, None, e)
 
@@ -222,6 +238,16 @@ def listing(store: Store, run: str | None = None) -> Iterator[StepListing | Prob
 def committed_steps(store: Store, run: str) -> list[int]:
     """Steps of ``run`` that have a commit record (valid or not), ascending; no reads."""
     return [s.step for s in listing(store, run) if isinstance(s, StepListing) and s.committed]
+
+
+def step_dirs(store: Store, run: str) -> list[int]:
+    """Steps of ``run`` that have a directory (committed or not), ascending: one listing
+    of directory names, so its cost does not grow with the files (ranks) of each step."""
+    prefix = fmt.checkpoints_prefix(run)
+    steps = [
+        fmt.parse_step_dir(i.key[len(prefix) : -1]) for i in store.list(prefix, recursive=False) if i.key.endswith("/")
+    ]
+    return sorted(s for s in steps if s is not None)
 
 
 def _read_record(store: Store, key: str, what: str) -> bytes:
@@ -307,7 +333,7 @@ def summaries(store: Store, run: str | None = None) -> Iterator[CheckpointInfo |
     """What ``committed`` tells of each checkpoint but its chunk lists (what ``ls``, the
     inventory and retention need), read through each run's listing-validated index: one
     read per run once the store is known, plus the manifests that are new."""
-    listed = list(listing(store, run))
+    listed = list(listing(store, run, manifests_only=True))
     for name in dict.fromkeys(e.run for e in listed if isinstance(e, StepListing)):
         steps = [e for e in listed if isinstance(e, StepListing) and e.run == name and e.manifest is not None]
         index = ObjectIndex(store, f"runs/{name}", manifest_summary)

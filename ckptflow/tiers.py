@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
-from ckptflow.errors import CkptflowError, ColdObjectError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, ColdObjectError, StoreUnavailableError, SymlinkError
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 
@@ -56,18 +56,36 @@ def candidates(tiers: Sequence[Tier], run: str, step: int | None = None) -> list
     """
     held: dict[int, list[int]] = {}
     for index, tier in enumerate(tiers):
-        for entry in catalog.listing(tier.store, run):
-            if isinstance(entry, catalog.Problem) and entry.step is None:  # not knowing what exists is no answer
-                raise StoreUnavailableError(
-                    f"could not list the checkpoints of run {run!r} in {tier.url}: {entry.message}"
-                )
-            # uncommitted steps too (in the hot tier): restore reports a crashed save as skipped
-            if isinstance(entry, catalog.StepListing) and (entry.committed or index == 0):
-                if step is None or entry.step == step:
-                    held.setdefault(entry.step, []).append(index)
+        try:
+            steps = _held(tier.store, run, step, hot=index == 0)
+        except (CkptflowError, OSError) as e:  # not knowing what exists is no answer
+            raise StoreUnavailableError(f"could not list the checkpoints of run {run!r} in {tier.url}: {e}") from e
+        for held_step in steps:
+            held.setdefault(held_step, []).append(index)
     if step is not None:
         return [(step, i) for i in held.get(step, [0])]
     return [(s, i) for s in sorted(held, reverse=True) for i in held[s]]
+
+
+def _held(store: Store, run: str, step: int | None, *, hot: bool) -> list[int]:
+    """The steps of ``run`` a tier offers: in the hot tier every step directory (one
+    listing of names, not of every file: a crashed save is reported as skipped), in the
+    others the committed steps; with ``step``, one listing of that step alone."""
+    if step is not None:
+        try:
+            files = [info.key for info in store.list(fmt.step_prefix(run, step))]
+        except SymlinkError:  # the step is a link: nothing ckptflow wrote
+            return []
+        return [step] if fmt.manifest_key(run, step) in files or (hot and files) else []
+    if hot:
+        return catalog.step_dirs(store, run)
+    steps = []
+    for entry in catalog.listing(store, run, manifests_only=True):
+        if isinstance(entry, catalog.Problem) and entry.step is None:
+            raise StoreUnavailableError(entry.message)
+        if isinstance(entry, catalog.StepListing) and entry.committed:
+            steps.append(entry.step)
+    return steps
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,21 @@ from dagster import (
 
 from assets.inventory import RetentionConfig, compute_plan
 from assets.models import deployed_model
-from assets.partitions import checkpoint_key, checkpoints_partitions
+from assets.partitions import checkpoint_key, drop_checkpoint_partitions
 from ckptflow import lifecycle
 from ckptflow.gc import gc
 from ckptflow.retention import DAY
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
+
+BATCH = 1000  # partitions dropped, and checkpoints named in one log line, at a time
+
+
+def batches(items: list) -> list[list]:
+    return [items[start : start + BATCH] for start in range(0, len(items), BATCH)]
+
+
+def _span(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else f"{keys[0]} .. {keys[-1]}"
 
 
 @op
@@ -37,22 +47,37 @@ def apply_retention(
 ) -> dict:
     """Recompute the plan now (never trust an older dry run), expire hot copies
     (``ckptflow.lifecycle.apply_retention``), drop the partitions of checkpoints gone
-    from every tier, then GC the hot tier. A checkpoint whose expiry failed keeps its
-    partition; the run fails after the rest is done, naming it."""
+    from every tier and of archive-only ones beyond the newest ``archive_partitions``
+    (bounding the partitions the automation evaluates), then GC the hot tier. A
+    checkpoint whose expiry failed keeps its partition; the run fails after the rest is
+    done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time."""
     hot, arc = store.open(), archive.open()
-    _, plan = compute_plan(config, hot, arc, registry)
+    entries, plan = compute_plan(config, hot, arc, registry)
     report = lifecycle.apply_retention(hot, arc, plan)
-    for ref in report.expired:
-        key = checkpoint_key(*ref)
-        if context.instance.has_dynamic_partition(checkpoints_partitions.name, key):
-            context.instance.delete_dynamic_partition(checkpoints_partitions.name, key)
-        context.log.info(f"expired {key}: {plan.delete[ref]}")
-    for ref in report.hot_copies_expired:
-        context.log.info(f"expired the hot copy of {checkpoint_key(*ref)}; the archive copy in {arc.url} stays")
-    for ref, why in report.left_hot:
-        context.log.warning(f"kept the hot copy of {checkpoint_key(*ref)}: {why}")
+    expired = [checkpoint_key(*ref) for ref in report.expired]
+    for batch in batches(expired):
+        drop_checkpoint_partitions(context.instance, batch)
+        context.log.info(f"expired {len(batch)} checkpoint(s) and dropped their partitions: {_span(batch)}")
+    for batch in batches([checkpoint_key(*ref) for ref in report.hot_copies_expired]):
+        context.log.info(
+            f"expired the hot copies of {len(batch)} checkpoint(s) ({_span(batch)}); {arc.url} keeps theirs"
+        )
+    for batch in batches(report.left_hot):
+        kept = "; ".join(f"{checkpoint_key(*ref)}: {why}" for ref, why in batch[:3])
+        more = f" (and {len(batch) - 3} more)" if len(batch) > 3 else ""
+        context.log.warning(
+            f"kept the hot copies of {len(batch)} checkpoint(s) not confirmed in the archive: {kept}{more}"
+        )
+    beyond = lifecycle.archive_only_beyond(entries, report, config.archive_partitions)
+    archived = [checkpoint_key(*ref) for ref in beyond]
+    for batch in batches(archived):
+        dropped = drop_checkpoint_partitions(context.instance, batch)
+        if dropped:
+            context.log.info(
+                f"dropped the partitions of {dropped} archive-only checkpoint(s) ({_span(batch)}): only the newest "
+                f"{config.archive_partitions} keep one; their archive copies and records stay"
+            )
     gc_report = gc(hot, grace=config.gc_grace)
-    keys = [checkpoint_key(*ref) for ref in report.expired]
     context.add_output_metadata(
         {
             "expired": len(report.expired),
@@ -60,10 +85,11 @@ def apply_retention(
             "left_hot": len(report.left_hot),
             "failed": len(report.failed),
             "kept": len(plan.keep),
+            "archive_only_unpartitioned": len(archived),
             "gc_deleted_objects": len(gc_report.deleted),
             "gc_deleted_bytes": MetadataValue.int(gc_report.bytes),
             "gc_skipped": gc_report.skipped or "",
-            "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in keys) or "none"),
+            "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in expired) or "none"),
         }
     )
     if report.failed:
@@ -74,7 +100,7 @@ def apply_retention(
             },
         )
     return {
-        "expired": keys,
+        "expired": expired,
         "hot_copies_expired": [checkpoint_key(*r) for r in report.hot_copies_expired],
         "left_hot": [checkpoint_key(*r) for r, _ in report.left_hot],
         "gc_bytes": gc_report.bytes,

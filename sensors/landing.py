@@ -14,6 +14,14 @@ and requests a run per commit whose run key holds the manifest digest. A commit 
 already has a validation record for its digest (the demo's in-process driver wrote
 one) gets its partition but no new run.
 
+A tick does not list every step of every run: the cursor keeps, per run, the newest
+step landed (its ``frontier``), and a tick lists each run from there on (S3
+``StartAfter``: two requests per run when nothing is new, at 10,000 checkpoints as at
+ten). A commit behind the frontier (a deeper fallback re-saving older steps, an import
+of old steps) is found by the full listing a tick does every ``FULL_SCAN_S``; a step
+committed again at the frontier (restore rejected the newest, training saved it anew)
+is found at once.
+
 ``MAX_PER_TICK`` pages a large backlog: commits are taken oldest first and the
 watermark moves only as far as the last one taken. ``SLACK`` absorbs clock skew
 between writers of a shared store. A commit record that cannot be read for a
@@ -21,6 +29,8 @@ transient reason (the store is unavailable) stops the tick there and is retried.
 """
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from dagster import (
@@ -46,6 +56,7 @@ from sensors.intervals import SENSOR_INTERVAL_S
 
 MAX_PER_TICK = 500
 SLACK = 60.0  # seconds
+FULL_SCAN_S = 300.0  # a tick lists every step of every run at least this often
 DIGEST_TAG = "ckptflow/manifest_digest"
 LANE_TAG = "ckptflow/lane"  # validation / evaluation / archival: what the run queue limits by
 
@@ -73,34 +84,58 @@ def _seen_id(entry: catalog.StepListing) -> str:
     return f"{entry.run}/{entry.step}@{entry.manifest.mtime!r}"
 
 
-def new_commits(store: Store, cursor: dict, limit: int) -> tuple[list[Landed], dict]:
+def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None) -> tuple[list[Landed], dict]:
     """Commit records not yet landed (oldest first, at most ``limit``) and the cursor after them."""
     t = float(cursor.get("t", float("-inf")))
     seen = set(cursor.get("seen", []))
-    fresh = [
-        e
-        for e in catalog.listing(store)
-        if isinstance(e, catalog.StepListing)
-        and e.manifest is not None
-        and e.manifest.mtime >= t - SLACK
-        and _seen_id(e) not in seen
-    ]
+    frontier = {str(k): int(v) for k, v in dict(cursor.get("frontier", {})).items()}
+    now = time.time() if now is None else now
+    full_at = cursor.get("full_at")
+    full = full_at is None or now - float(full_at) >= FULL_SCAN_S
+    steps = catalog.listing(store, from_steps=None if full else frontier, manifests_only=True)
+    listed = [e for e in steps if isinstance(e, catalog.StepListing)]
+    fresh = [e for e in listed if e.manifest is not None and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
     fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
     taken = fresh[:limit]
     landed: list[Landed] = []
-    for entry, item in zip(taken, catalog.committed(store, listed=taken)):
+    done: list[catalog.StepListing] = []
+    manifests = list(zip(taken, catalog.committed(store, listed=taken)))
+    with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-landing") as pool:
+        validated = list(pool.map(_validated, [store] * len(manifests), [item for _, item in manifests]))
+    for (entry, item), was_validated in zip(manifests, validated):
         key = checkpoint_key(entry.run, entry.step)
         if isinstance(item, Manifest):
-            validated = read_record(store, Subject.of(item), "validation") is not None
-            landed.append(Landed(key, item.digest, item.digest[:16], validated))
+            landed.append(Landed(key, item.digest, item.digest[:16], was_validated))
         elif item.kind == "unavailable":
             break  # retried next tick: a store that did not answer proves nothing about the checkpoint
         else:
             landed.append(Landed(key, "", f"unreadable-{entry.manifest.mtime:.0f}", False))  # type: ignore[union-attr]
         t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
         seen.add(_seen_id(entry))
+        done.append(entry)
     seen = {s for s in seen if float(s.rsplit("@", 1)[1]) >= t - SLACK}
-    return landed, {"t": t, "seen": sorted(seen)}
+    after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done)}
+    after["full_at"] = now if full else full_at
+    return landed, after
+
+
+def _validated(store: Store, item: Manifest | catalog.Problem) -> bool:
+    return isinstance(item, Manifest) and read_record(store, Subject.of(item), "validation") is not None
+
+
+def _frontier(
+    before: dict[str, int], listed: list[catalog.StepListing], fresh: list, done: list[catalog.StepListing]
+) -> dict[str, int]:
+    """Per run, the step the next quick tick lists from: the newest committed step, or
+    the oldest fresh commit this tick left for the next one (paging, an outage)."""
+    out = dict(before)
+    for entry in listed:
+        if entry.committed:
+            out[entry.run] = max(out.get(entry.run, entry.step), entry.step)
+    finished = set(done)
+    for entry in (e for e in fresh if e not in finished):
+        out[entry.run] = min(out[entry.run], entry.step)
+    return out
 
 
 @sensor(job=validation_job, minimum_interval_seconds=SENSOR_INTERVAL_S, default_status=DefaultSensorStatus.RUNNING)

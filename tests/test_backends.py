@@ -54,6 +54,16 @@ def test_store_semantics(store_url):
     assert [(i.key, i.size) for i in store.list("")] == [("a/b/obj", 3), ("a/top", 2), ("e", 3)]
     assert [i.key for i in store.list("", recursive=False)] == ["a/", "e"]
     assert [i.key for i in store.list("a/", recursive=False)] == ["a/b/", "a/top"]
+    assert [i.key for i in store.list_after("a/", "a/b")] == ["a/b/obj", "a/top"]  # keys sorting after it
+    assert [i.key for i in store.list_after("a/", "a/b/obj")] == ["a/top"]
+    assert list(store.list_after("a/", "a/top")) == []
+    store.replace("a/b/obj2", b"4444")  # rolled up with a/b/obj into one entry, as S3's Delimiter does
+    assert [(i.key, i.size) for i in store.list_after("a/", roll_up="/obj")] == [("a/b/obj", 0), ("a/top", 2)]
+    assert [i.key for i in store.list_after("a/", "a/b/obj2", roll_up="/obj")] == ["a/top"]
+    store.delete("a/b/obj2")
+    assert [i.mtime for i in store.list("e")] == [] and store.stat("a/top").mtime == pytest.approx(
+        next(i.mtime for i in store.list("a/") if i.key == "a/top"), abs=1.0
+    )  # a listing's times (parsed by the standard library on S3) are the objects' times
     assert list(store.list("missing/")) == []
     info = store.stat("e")
     assert info.size == 3 and abs(info.mtime - time.time()) < 60

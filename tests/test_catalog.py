@@ -89,3 +89,38 @@ def test_a_commit_record_that_cannot_be_read_stops_gc_but_names_itself(root):
     store.fail_if = lambda op, key: op == "get" and key == fmt.manifest_key(RUN, 2)
     report = gc(store, grace="0s")
     assert report.skipped and fmt.manifest_key(RUN, 2) in report.skipped and report.deleted == []
+
+
+def test_step_dirs_names_each_step_once_committed_or_not(root):
+    """What restore's candidate search lists in the hot tier: directory names only, one
+    per step however many files (ranks) it holds; a file where a step belongs is not one."""
+    hostile(root)
+    os.makedirs(os.path.join(root, "runs", RUN, "checkpoints", f"{7:012d}", "ranks"))  # a save that died
+    os.makedirs(os.path.join(root, "runs", RUN, "checkpoints", "notastep"))
+    assert catalog.step_dirs(open_store(root), RUN) == [1, 2, 3, 4, 7]
+    assert catalog.step_dirs(open_store(root), "nothing-here") == []
+
+
+def test_a_listing_from_a_step_holds_that_step_and_the_newer_ones(root):
+    store = FaultyStore(open_store(root), count_reads=True)
+    listed = [e.step for e in catalog.listing(store, from_steps={RUN: 3}) if isinstance(e, catalog.StepListing)]
+    assert listed == [3, 4]
+    assert [op for _, op, _ in store.log] == ["list", "list_after"]
+
+
+def test_a_listing_of_commit_records_names_each_steps_ranks_once(tmp_path):
+    """Four ranks' records of a step are one entry of a ``manifests_only`` listing, and
+    what ls reads (the summaries) is the same as from a full listing."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    store = open_store(root)
+    ranks = fmt.step_prefix(RUN, 1) + "ranks/"
+    record = next(store.list(ranks)).key
+    for rank in (1, 2, 3):  # stand-ins: only the listing is looked at
+        store.replace(record.replace("/0.", f"/{rank}."), store.get(record))
+    [full] = [e for e in catalog.listing(store, RUN) if isinstance(e, catalog.StepListing)]
+    [rolled] = [e for e in catalog.listing(store, RUN, manifests_only=True) if isinstance(e, catalog.StepListing)]
+    assert sum(f.key.startswith(ranks) for f in full.files) == 4
+    assert [f.key for f in rolled.files] == [fmt.manifest_key(RUN, 1), ranks] and rolled.manifest == full.manifest
+    assert [i.step for i in catalog.list_checkpoints(store, RUN)] == [1]

@@ -132,3 +132,22 @@ def test_hot_days_moves_archived_kept_checkpoints_to_the_archive_only():
     old_newest = [Candidate("r", 50, "full", NOW - 5 * DAY, {}, True, archived=True)]
     assert not plan(old_newest, NOW, hot_days=0).archive_only  # what a resume loads stays hot
     assert not plan(cands, NOW, policy=default_policy(recent_days=0, full_days=30, best_k=0)).archive_only
+
+
+def test_archive_only_checkpoints_beyond_the_newest_n_lose_their_partitions():
+    """After retention: 1, 2 were archive-only already, 3 just lost its hot copy, 4 was
+    expired from every tier, 5 is hot. Only the newest ``keep`` archive-only ones stay."""
+    from ckptflow.inventory import Entry
+    from ckptflow.lifecycle import RetentionReport, archive_only_beyond
+
+    entries = [
+        Entry("r", 1, created_at=10.0, tiers=["archive"]),
+        Entry("r", 2, created_at=20.0, tiers=["archive"]),
+        Entry("r", 3, created_at=30.0, tiers=["hot", "archive"]),
+        Entry("r", 4, created_at=40.0, tiers=["hot"]),
+        Entry("r", 5, created_at=50.0, tiers=["hot"]),
+    ]
+    report = RetentionReport(expired=[("r", 4)], hot_copies_expired=[("r", 3)])
+    assert archive_only_beyond(entries, report, keep=1) == [("r", 1), ("r", 2)]
+    assert archive_only_beyond(entries, report, keep=0) == [("r", 1), ("r", 2), ("r", 3)]
+    assert archive_only_beyond(entries, report, keep=3) == []

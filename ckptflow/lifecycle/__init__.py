@@ -10,7 +10,7 @@ from ckptflow.lifecycle.compress import CompressionReport, compress
 from ckptflow.lifecycle.evaluate import EvaluationRule, Evaluator, evaluate
 from ckptflow.lifecycle.expire import ExpireError, expire
 from ckptflow.lifecycle.records import KINDS, Subject, read_record, records_by_subject, write_record
-from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, current_plan
+from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, archive_only_beyond, current_plan
 from ckptflow.lifecycle.scrub import ScrubReport, scrub
 from ckptflow.lifecycle.validate import validate
 
@@ -25,6 +25,7 @@ __all__ = [
     "ScrubReport",
     "Subject",
     "apply_retention",
+    "archive_only_beyond",
     "archive",
     "compress",
     "copy_matches",

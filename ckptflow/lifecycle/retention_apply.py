@@ -79,3 +79,20 @@ def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan) -> R
             log.warning("retention could not expire %s step %d: %s", run, step, e)
             report.failed.append((ref, str(e)))
     return report
+
+
+def archive_only_beyond(entries: Iterable[inventory.Entry], report: RetentionReport, keep: int) -> list[Ref]:
+    """Archive-only checkpoints (after ``report``) other than the newest ``keep``, sorted.
+
+    An orchestrator that gives every checkpoint a partition pays for each one on every
+    evaluation of its automation; archive-only checkpoints have finished their lifecycle,
+    so past the newest ``keep`` of them their partitions can go (their archive copies,
+    lifecycle records and inventory rows stay). That bounds the partitions to the hot
+    checkpoints plus ``keep``.
+    """
+    expired = set(report.expired)
+    archive_only = {e.ref: e.created_at for e in entries if "hot" not in e.tiers and e.ref not in expired}
+    created = {e.ref: e.created_at for e in entries}
+    archive_only.update({ref: created.get(ref, 0.0) for ref in report.hot_copies_expired})
+    newest_first = sorted(archive_only, key=lambda ref: (archive_only[ref], ref), reverse=True)
+    return sorted(newest_first[max(0, keep) :])

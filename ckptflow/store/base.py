@@ -101,6 +101,26 @@ class Store(ABC):
         """Size and modification time; ``ObjectNotFoundError`` if absent."""
 
     # ---- optional capabilities, with defaults --------------------------------------
+    def list_after(self, prefix: str, start_after: str = "", *, roll_up: str = "") -> Iterator[ObjectInfo]:
+        """``list(prefix)`` (recursive) from the first key sorting after ``start_after``,
+        and with ``roll_up`` every key whose part after ``prefix`` contains it listed once
+        as that part up to and including it (size 0; S3's ``Delimiter``).
+
+        A backend that can do either itself (S3: ``StartAfter``, ``Delimiter``) pays only
+        for what is returned: a reader that knows where new keys begin does not list the
+        rest, and one that needs a step's commit record lists one entry for its rank
+        records, however many ranks saved it."""
+        seen: set[str] = set()
+        for info in self.list(prefix):
+            if info.key <= start_after:
+                continue
+            cut = info.key.find(roll_up, len(prefix)) if roll_up else -1
+            if cut < 0:
+                yield info
+            elif (rolled := info.key[: cut + len(roll_up)]) not in seen:
+                seen.add(rolled)
+                yield ObjectInfo(rolled, 0, 0.0)
+
     def get_bounded(self, key: str, limit: int | None) -> bytes:
         """``get``, refusing (``ObjectTooLargeError``) an object larger than ``limit`` bytes
         before reading it whole: a record or chunk is never allowed to make a reader

@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -34,6 +35,20 @@ _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 _STEP_KEY = re.compile(r"^runs/(?P<run>[^/]+)/checkpoints/(?P<step>\d+)/")  # names the step to thaw
 _EXISTS = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
 COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE")  # classes whose objects need a restore before a read
+
+
+def parse_timestamp(value: Any) -> datetime:
+    """botocore's timestamp parser for the ISO 8601 times S3 lists objects with, parsed by
+    the standard library: botocore's default (dateutil) costs more than the rest of a
+    10,000-object listing together. Anything else goes to botocore's own parser."""
+    if isinstance(value, str) and value.endswith("Z") and "T" in value:
+        try:
+            return datetime.fromisoformat(value[:-1]).replace(tzinfo=timezone.utc)
+        except ValueError:
+            pass
+    from botocore.utils import parse_timestamp as general
+
+    return general(value)
 
 
 def _sha256_b64(buffers: list[memoryview]) -> str:
@@ -95,10 +110,13 @@ class S3Store(Store):
         self.retry = retry or Retry(max_attempts=max(1, int(max_attempts)))
         if client is None:
             import boto3
+            import botocore.session
 
             # A private session: boto3's default one is not safe to share between threads
             # that open stores concurrently; the client it makes is.
-            client = boto3.session.Session().client(
+            core = botocore.session.get_session()
+            core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
+            client = boto3.session.Session(botocore_session=core).client(
                 "s3",
                 endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,  # else AWS_ENDPOINT_URL / AWS
                 region_name=region,
@@ -194,13 +212,21 @@ class S3Store(Store):
         return ObjectInfo(key, int(head["ContentLength"]), head["LastModified"].timestamp())
 
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
+        return self._list(prefix, "" if recursive else "/", "")
+
+    def list_after(self, prefix: str, start_after: str = "", *, roll_up: str = "") -> Iterator[ObjectInfo]:
+        return self._list(prefix, roll_up, start_after)
+
+    def _list(self, prefix: str, delimiter: str, start_after: str) -> Iterator[ObjectInfo]:
         if prefix:
             validate_key(prefix.rstrip("/"))
         full = self._key(prefix.rstrip("/")) + "/" if prefix else (f"{self.prefix}/" if self.prefix else "")
         kwargs: dict[str, Any] = {"Prefix": full}
-        if not recursive:
-            kwargs["Delimiter"] = "/"
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
         cut = len(self.prefix) + 1 if self.prefix else 0
+        if start_after:
+            kwargs["StartAfter"] = self.prefix + "/" + start_after if self.prefix else start_after
 
         def attempt() -> builtins.list[ObjectInfo]:  # a page that fails restarts the listing
             found: builtins.list[ObjectInfo] = []

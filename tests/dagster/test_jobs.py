@@ -128,6 +128,11 @@ def test_retention_job_expires_checkpoints_partitions_and_gcs(store_with_checkpo
     kept = {s for s in (10, 20, 30, 40) if store.exists(fmt.manifest_key(RUN, s))}
     assert {10, 40} <= kept and len(kept) < 4  # published + newest kept; best-1 may add one
     assert sorted(out["expired"]) == [checkpoint_key(RUN, s) for s in (10, 20, 30, 40) if s not in kept]
+    logged = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("expired ")]
+    assert logged == [
+        f"expired {len(out['expired'])} checkpoint(s) and dropped their partitions: "
+        + (out["expired"][0] if len(out["expired"]) == 1 else f"{out['expired'][0]} .. {out['expired'][-1]}")
+    ]  # one line per batch, not per checkpoint
     assert set(instance.get_dynamic_partitions("checkpoints")) == {checkpoint_key(RUN, s) for s in kept}
     assert out["gc_bytes"] > 0 and len(list(store.list("chunks/"))) < chunks_before
     for step in kept:
@@ -196,10 +201,12 @@ def test_bad_deploy_action_fails(defs, instance, action, store_with_checkpoints)
     )
 
 
+@pytest.mark.parametrize("archive_partitions", [10_000, 0])
 def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
-    store_with_checkpoints, defs, instance, paths
+    store_with_checkpoints, defs, instance, paths, archive_partitions
 ):
-    """10: archived and verified -> only its hot copy goes (partition and records stay);
+    """10: archived and verified -> only its hot copy goes (records stay; its partition
+    too unless ``archive_partitions`` archive-only checkpoints newer than it keep theirs);
     20: pinned, archive-only by ``hot_days`` but archived somewhere else -> stays hot;
     30: not archived -> gone entirely; 40: newest valid -> hot."""
     hot, arc = open_store(paths["store"]), open_store(paths["archive"])
@@ -210,14 +217,39 @@ def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
     lifecycle.write_record(hot, subject(hot, 20), "archive", {"url": "s3://elsewhere/ckpts", "ok": True})
     archived_chunks = {i.key for i in arc.list("chunks/")}
     first = subject(hot, 10)
-    config = {"recent_days": 0, "full_days": 0, "best_k": 0, "gc_grace": "0s", "hot_days": 0, "pinned": [KEYS[1]]}
+    config = {"recent_days": 0, "full_days": 0, "best_k": 0, "gc_grace": "0s", "hot_days": 0, "pinned": [KEYS[1]],
+              "archive_partitions": archive_partitions}  # fmt: skip
     result = defs.resolve_job_def("retention_job").execute_in_process(
         instance=instance, run_config={"ops": {"apply_retention": {"config": config}}}
     )
     out = result.output_for_node("apply_retention")
     assert out["hot_copies_expired"] == [KEYS[0]] and out["left_hot"] == [KEYS[1]] and out["expired"] == [KEYS[2]]
     assert [i.step for i in catalog.list_checkpoints(hot, RUN)] == [20, 40]
-    assert set(instance.get_dynamic_partitions("checkpoints")) == {KEYS[0], KEYS[1], KEYS[3]}
+    partitioned = {KEYS[1], KEYS[3]} | ({KEYS[0]} if archive_partitions else set())
+    assert set(instance.get_dynamic_partitions("checkpoints")) == partitioned
     assert lifecycle.read_record(hot, first, "archive")["ok"] is True  # its records stay with it
     assert {i.key for i in arc.list("chunks/")} == archived_chunks  # hot GC never touches the archive
     assert catalog.verify_checkpoint(arc, RUN, 10).ok and catalog.verify_checkpoint(hot, RUN, 20).ok
+
+
+@pytest.mark.parametrize("kind", ["ephemeral", "on disk"])
+def test_partitions_are_dropped_in_batches_and_only_those_named(tmp_path, kind):
+    from dagster import DagsterInstance
+
+    from assets.partitions import DROP_BATCH, _sql_event_storage, drop_checkpoint_partitions
+
+    if kind == "ephemeral":
+        context = DagsterInstance.ephemeral()
+    else:
+        os.makedirs(tmp_path / "home")
+        context = DagsterInstance.local_temp(tempdir=str(tmp_path / "home"))
+    with context as inst:
+        assert _sql_event_storage(inst) is not None  # the batched path, on Dagster's SQLite storages
+        keys = [checkpoint_key(RUN, step) for step in range(2 * DROP_BATCH + 7)]
+        inst.add_dynamic_partitions("checkpoints", keys)
+        inst.add_dynamic_partitions("elsewhere", keys[:3])
+        doomed = keys[1 : 2 * DROP_BATCH + 2] + [checkpoint_key(RUN, 10**6)]  # one that never existed
+        assert drop_checkpoint_partitions(inst, doomed) == 2 * DROP_BATCH + 1
+        assert list(inst.get_dynamic_partitions("checkpoints")) == [keys[0], *keys[2 * DROP_BATCH + 2 :]]
+        assert list(inst.get_dynamic_partitions("elsewhere")) == keys[:3]
+        assert drop_checkpoint_partitions(inst, doomed) == 0

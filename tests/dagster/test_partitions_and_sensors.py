@@ -10,9 +10,10 @@ from assets.partitions import checkpoint_key, parse_checkpoint_key
 from ckptflow import Checkpointer, catalog, lifecycle
 from ckptflow.store import open_store
 from pipelines import demo
-from sensors.landing import DIGEST_TAG, landing_sensor, new_commits
+from sensors.landing import DIGEST_TAG, FULL_SCAN_S, landing_sensor, new_commits
 from support.corrupt import corrupt_chunk, only_in
 from support.dagster import RUN, write_checkpoints
+from support.faulty_store import FaultyStore
 
 
 def test_partition_keys_round_trip_and_reject_garbage():
@@ -104,3 +105,36 @@ def test_sensor_passes_over_commits_already_validated(store_with_checkpoints, re
         checkpoint_key(RUN, s) for s in (10, 20, 30, 40)
     ]
     assert [r.partition_key for r in result.run_requests] == [checkpoint_key(RUN, s) for s in (30, 40)]
+
+
+def test_a_quick_tick_lists_from_the_frontier_and_a_full_listing_finds_what_is_behind_it(store_with_checkpoints):
+    """Steps 10..40 landed. A quick tick lists each run from its newest landed step only;
+    a commit at an older step (behind the frontier) is found by the full listing of the
+    next ``FULL_SCAN_S``; one at the frontier step or past it at once."""
+    inner = open_store(store_with_checkpoints)
+    store = FaultyStore(inner, count_reads=True)
+    landed, cursor = new_commits(store, {}, limit=100, now=0.0)
+    assert [c.key for c in landed] == [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
+    assert cursor["frontier"] == {RUN: 40}
+    store.reset_counts()
+    assert new_commits(store, cursor, limit=100, now=1.0)[0] == []
+    listings = [(op, key) for _, op, key in store.log if op.startswith("list")]
+    assert listings == [("list", "runs/"), ("list_after", f"runs/{RUN}/checkpoints/")]
+    write_checkpoints(store_with_checkpoints, steps=(50,))
+    with Checkpointer(inner, RUN) as ck:  # behind the frontier
+        ck.save(25, demo.build(), metadata={"train_loss": 1.0})
+    quick, cursor = new_commits(store, cursor, limit=100, now=2.0)
+    assert [c.key for c in quick] == [checkpoint_key(RUN, 50)]
+    assert new_commits(store, cursor, limit=100, now=3.0)[0] == []
+    full, cursor = new_commits(store, cursor, limit=100, now=2.0 + FULL_SCAN_S)
+    assert [c.key for c in full] == [checkpoint_key(RUN, 25)]
+    assert new_commits(store, cursor, limit=100, now=4.0 + FULL_SCAN_S)[0] == []
+
+
+def test_a_paged_backlog_keeps_the_frontier_at_the_oldest_commit_left(store_with_checkpoints):
+    store = open_store(store_with_checkpoints)
+    first, cursor = new_commits(store, {}, limit=2, now=0.0)
+    assert [c.key for c in first] == [checkpoint_key(RUN, s) for s in (10, 20)]
+    assert cursor["frontier"] == {RUN: 30}
+    rest, cursor = new_commits(store, cursor, limit=2, now=1.0)  # a quick tick
+    assert [c.key for c in rest] == [checkpoint_key(RUN, s) for s in (30, 40)]

@@ -147,6 +147,10 @@ class FaultyStore(Store):
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
         return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix, recursive=recursive))))
 
+    def list_after(self, prefix: str, start_after: str = "", *, roll_up: str = "") -> Iterator[ObjectInfo]:
+        listed = lambda: list(self.inner.list_after(prefix, start_after, roll_up=roll_up))
+        return iter(self._call("list_after", prefix, listed))
+
     def delete(self, key: str) -> None:
         return self._call("delete", key, self.inner.delete, key)
 
