@@ -41,6 +41,7 @@ bench: $(STAMP)
 
 scale: $(STAMP)
 	$(PY) benchmarks/scale.py --checkpoints 10000 --partitions 40000 --expire 10000
+	$(PY) benchmarks/ranks_s3.py
 
 soak: $(STAMP)
 	$(PY) tests/soak/soak.py --kills 200

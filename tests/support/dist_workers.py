@@ -1,7 +1,8 @@
 """Rank bodies for test_distributed.py, run in processes started with 'spawn'.
 
-``launch(scenario, world_size, workdir)`` starts one process per rank; each joins a gloo
-process group on 127.0.0.1, runs ``SCENARIOS[scenario](rank, world_size, workdir)`` and
+``launch(scenarios, workdir, world)`` starts one process per rank; each joins a gloo
+process group on 127.0.0.1, runs ``SCENARIOS[scenario](rank, world_size, workdir)`` for each
+scenario in turn (``SCENARIOS`` of this module, or of the module named by ``registry``) and
 writes its JSON result (or its traceback) to ``workdir``. Failures in any child fail the
 test with that child's traceback; a rank that hangs is killed at the deadline.
 """
@@ -279,7 +280,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(scenarios: list[str], rank: int, world: int, port: int, workdir: str) -> None:
+def _entry(registry: str, scenarios: list[str], rank: int, world: int, port: int, workdir: str) -> None:
+    import importlib
+
     import torch.distributed as dist
 
     out = Path(workdir)
@@ -296,7 +299,7 @@ def _entry(scenarios: list[str], rank: int, world: int, port: int, workdir: str)
         for current in scenarios:
             sub = out / current
             sub.mkdir(exist_ok=True)
-            result = SCENARIOS[current](rank, world, sub)
+            result = importlib.import_module(registry).SCENARIOS[current](rank, world, sub)
             tmp = out / f"result-{current}-{rank}.json.tmp"
             tmp.write_text(json.dumps(result))
             os.replace(tmp, out / f"result-{current}-{rank}.json")
@@ -323,14 +326,17 @@ class Session:
         raise AssertionError(f"scenario {scenario!r} gave no result on every rank ({self.note}):\n{detail}")
 
 
-def launch(scenarios: list[str], workdir: Path, world: int = 2, timeout: float = 60.0) -> Session:
-    """Run ``scenarios`` in order on ``world`` spawned ranks (one process group)."""
+def launch(
+    scenarios: list[str], workdir: Path, world: int = 2, timeout: float = 60.0, registry: str = __name__
+) -> Session:
+    """Run ``scenarios`` (names in ``registry``'s ``SCENARIOS``) in order on ``world`` spawned
+    ranks (one process group)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(list(scenarios), r, world, port, str(workdir)), daemon=True)
+        ctx.Process(target=_entry, args=(registry, list(scenarios), r, world, port, str(workdir)), daemon=True)
         for r in range(world)
     ]
     for p in procs:
