@@ -355,8 +355,10 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         return catalog.list_checkpoints(self.store, self.run)
 
-    def verify(self, step: int) -> VerifyReport:
-        return catalog.verify_checkpoint(self.store, self.run, fmt.validate_step(step), self.pool, self.progress)
+    def verify(self, step: int, *, deep: bool = True) -> VerifyReport:
+        """``deep``: every chunk re-hashed against its sha256 address; else the fast checksums restore checks."""
+        step = fmt.validate_step(step)
+        return catalog.verify_checkpoint(self.store, self.run, step, self.pool, self.progress, deep=deep)
 
     def close(self) -> None:
         self.wait()
