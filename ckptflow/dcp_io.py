@@ -268,13 +268,12 @@ class CheckpointWriter(StorageWriter):
 class CheckpointReader(StorageReader):
     """Reads one committed checkpoint in two passes, so a bad checkpoint touches nothing.
 
-        Pass one verifies every chunk this rank needs (against the fast checksum the manifest
-    records, else its address: ``ckptflow.checksum``); ``agree`` then
-        combines every rank's verdict (a collective: all ranks call ``read_data``). Only if
-        all ranks verified cleanly does pass two write into the destination tensors, straight
-        from the page cache for local raw chunks, re-verifying any chunk whose file changed
-        in between. So restore needs no second copy of the model in host memory, and a
-        rejected checkpoint leaves the caller's tensors as they were.
+    Pass one verifies every chunk this rank needs, against the fast checksum its manifest
+    records (``ckptflow.checksum``; the sha256 address for manifests without one); ``agree``
+    then combines every rank's verdict (a collective: all ranks call ``read_data``). Only
+    if all ranks verified cleanly does pass two read local raw chunks straight into the
+    destination tensors, checking them there again. So restore needs no second copy of
+    the model in host memory, and a rejected checkpoint leaves the caller's tensors as they were.
     """
 
     def __init__(
