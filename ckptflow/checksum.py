@@ -21,6 +21,7 @@ sha256 address, which ``verify --deep`` and scrub re-hash.
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 import xxhash
@@ -30,6 +31,7 @@ HEX_DIGITS = 48
 PIECE = 1 << 20  # hashed piece by piece while each stays in cache
 _WORD = 8
 _MASK = (1 << 64) - 1
+_HEX = re.compile(f"[0-9a-f]{{{HEX_DIGITS}}}")
 
 
 class FastChecksum:

@@ -10,12 +10,12 @@ import hashlib
 import pytest
 import torch
 
-from ckptflow import Checkpointer, NoValidCheckpointError, catalog, codecs
+from ckptflow import Checkpointer, ManifestError, NoValidCheckpointError, catalog, codecs
 from ckptflow import format as fmt
 from ckptflow.checksum import FastChecksum, address_and_checksum, fast_checksum
 from ckptflow.store import open_store
 from support.cli import run_cli
-from support.corrupt import chunk_path, flip_byte
+from support.corrupt import chunk_path, flip_byte, reseal_manifest
 from support.states import assert_tensors_equal, blank_like
 
 RUN = "fast"
@@ -176,3 +176,26 @@ def test_the_cli_verifies_fast_by_default_and_by_address_with_deep(saved, capsys
     for extra in ([], ["--deep"]):
         code, out, _ = run_cli(capsys, "verify", saved, "--run", RUN, *extra)
         assert code == 1 and "does not match its address" in out
+
+
+def test_restore_checks_against_the_recorded_checksum_and_refuses_a_malformed_one(saved):
+    """A sealed manifest whose recorded checksum does not fit its (intact) chunk is refused:
+    restore really checks what the manifest records. A malformed record is a bad manifest."""
+    digest = _own_chunks(saved)["raw"]
+
+    def wrong(record: dict) -> None:
+        record["fast_checksums"][digest] = "0" * 48
+
+    reseal_manifest(saved, RUN, 2, wrong)
+    with Checkpointer(saved, RUN) as ck:
+        target = blank_like(state(2))
+        assert ck.restore(target).step == 1
+        assert_tensors_equal(state(1), target)
+        assert ck.verify(2, deep=True).ok and not ck.verify(2, deep=False).ok
+
+    def malformed(record: dict) -> None:
+        record["fast_checksums"][digest] = "not hex"
+
+    reseal_manifest(saved, RUN, 2, malformed)
+    with pytest.raises(ManifestError, match="fast checksum"):
+        catalog.read_manifest(open_store(saved), RUN, 2)
