@@ -12,6 +12,11 @@ from _states import MiB
 
 FLOOR = 1.5  # ckptflow must stay within this factor of DCP (see the floor checks)
 ASYNC = "ckptflow save (full, async)"
+CLONE = "host copy (clone) of the state"
+DEEP = "ckptflow verify --deep (sha256)"
+SAFETENSORS = "safetensors save_file / load_file"
+DCP_SYNC = "DCP FileSystemWriter / dcp.load"
+SYNC = "ckptflow save (full) / restore"
 
 
 # ---- results ----------------------------------------------------------------------------
@@ -23,6 +28,8 @@ class Row:
     bytes: int | None
     restore_s: float | None
     save_cpu_s: float | None  # CPU seconds the process spent on the save, all threads
+    restore_cpu_s: float | None = None  # the same for the restore
+    warm_blocked_s: float | None = None  # async: the second save of the same Checkpointer
     note: str = ""
 
 
@@ -36,7 +43,15 @@ def median_row(method: str, note: str, samples: list[Sample]) -> Row:
 
     nbytes = med("bytes")
     return Row(
-        method, med("blocked"), med("total"), None if nbytes is None else int(nbytes), med("restore"), med("cpu"), note
+        method,
+        med("blocked"),
+        med("total"),
+        None if nbytes is None else int(nbytes),
+        med("restore"),
+        med("cpu"),
+        med("restore_cpu"),
+        med("warm_blocked"),
+        note,
     )
 
 
@@ -66,6 +81,7 @@ def table(rows: list[Row]) -> str:
         "restore s",
         "x torch",
         "save cpu s",
+        "restore cpu s",
         "note",
     ]
     body = [
@@ -80,6 +96,7 @@ def table(rows: list[Row]) -> str:
             _secs(r.restore_s),
             _ratio(r.restore_s, base.restore_s),
             _secs(r.save_cpu_s),
+            _secs(r.restore_cpu_s),
             r.note,
         ]
         for r in rows
@@ -101,22 +118,28 @@ def table(rows: list[Row]) -> str:
 def floor_checks(rows: list[Row]) -> list[dict]:
     by = {r.method: r for r in rows}
     specs = [
-        (
-            "ckptflow sync full total vs DCP FileSystemWriter total",
-            by["ckptflow save (full) / restore"].total_s,
-            by["DCP FileSystemWriter / dcp.load"].total_s,
-        ),
+        ("ckptflow sync full total vs DCP FileSystemWriter total", by[SYNC].total_s, by[DCP_SYNC].total_s),
         ("ckptflow async blocked vs DCP async_save blocked", by[ASYNC].blocked_s, by["DCP async_save"].blocked_s),
-        (
-            "ckptflow restore vs DCP load",
-            by["ckptflow save (full) / restore"].restore_s,
-            by["DCP FileSystemWriter / dcp.load"].restore_s,
-        ),
+        ("ckptflow restore vs DCP load", by[SYNC].restore_s, by[DCP_SYNC].restore_s),
     ]
-    checks = []
-    for name, ours, theirs in specs:
-        ratio = ours / theirs if ours is not None and theirs else float("inf")
-        checks.append(
-            {"check": name, "ckptflow_s": ours, "dcp_s": theirs, "ratio": ratio, "limit": FLOOR, "pass": ratio <= FLOOR}
-        )
-    return checks
+    return [_check(name, ours, theirs, FLOOR) for name, ours, theirs in specs]
+
+
+def target_checks(rows: list[Row]) -> list[dict]:
+    """The speed targets of issue 15, each a ratio within one run."""
+    by = {r.method: r for r in rows}
+    sync, clone = by[SYNC], by[CLONE].blocked_s
+    specs = [
+        ("verified restore vs safetensors load_file + copy", sync.restore_s, by[SAFETENSORS].restore_s, 1.5),
+        ("verified restore vs DCP load", sync.restore_s, by[DCP_SYNC].restore_s, 0.5),
+        ("sync full save vs safetensors save_file + fsync", sync.total_s, by[SAFETENSORS].total_s, 1.0),
+        ("save cpu vs DCP save cpu", sync.save_cpu_s, by[DCP_SYNC].save_cpu_s, 1.0),
+        ("first async save blocked (after prepare) vs clone", by[ASYNC].blocked_s, clone, 1.2),
+        ("later async save blocked vs clone", by[ASYNC].warm_blocked_s, clone, 0.5),
+    ]
+    return [_check(name, ours, theirs, limit) for name, ours, theirs, limit in specs]
+
+
+def _check(name: str, ours: float | None, theirs: float | None, limit: float) -> dict:
+    ratio = ours / theirs if ours is not None and theirs else float("inf")
+    return {"check": name, "ckptflow_s": ours, "dcp_s": theirs, "ratio": ratio, "limit": limit, "pass": ratio <= limit}

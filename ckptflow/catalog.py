@@ -409,9 +409,13 @@ def verify_checkpoint(
     step: int,
     pool: ThreadPoolExecutor | None = None,
     progress: Callable[[int], None] | None = None,
+    *,
+    deep: bool = True,
 ) -> VerifyReport:
     """Re-read everything a checkpoint needs: manifest, rank records, every chunk. Whatever
-    cannot be read (damaged, denied, a link, an outage) is a problem in the report."""
+    cannot be read (damaged, denied, a link, an outage) is a problem in the report.
+    ``deep`` re-hashes every chunk's sha256 address; otherwise chunks are checked as
+    restore checks them (the manifest's fast checksums, ``ckptflow.checksum``)."""
     key = fmt.manifest_key(run, step)
     try:
         blob = _read_record(store, key, "manifest")
@@ -427,7 +431,8 @@ def verify_checkpoint(
     except (CkptflowError, OSError) as e:
         return VerifyReport(step, False, [problem_from(run, step, e).message], digest=fmt.digest_of(blob))
     report = VerifyReport(step=step, ok=True, problems=problems, digest=manifest.digest)
-    chunks = ChunkStore(store, manifest.chunks)  # a delta's base must be one of the manifest's own chunks
+    # a delta's base must be one of the manifest's own chunks
+    chunks = ChunkStore(store, manifest.chunks, None if deep else manifest.fast_checksums)
 
     def check(item: tuple[str, int]) -> str | None:
         digest, size = item

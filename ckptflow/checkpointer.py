@@ -180,6 +180,14 @@ class Checkpointer:
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
         return self._pending
 
+    def prepare(self, state: MutableMapping[str, Any]) -> None:
+        """Allocate now the host buffers async saves copy ``state``'s tensors into (pinned
+        when CUDA is present), so even the first ``save(..., blocking=False)`` holds the
+        loop only for the copy. Buffers are kept per tensor storage: call it on every rank
+        after building the model and optimizer state, and again if tensors are replaced."""
+        _skeleton, tensors = self._flatten(state, None)
+        self._stager.stage(tensors)
+
     def wait(self) -> SaveResult | None:
         """Block until the async save in flight (if any) is committed."""
         pending, self._pending = self._pending, None
@@ -355,8 +363,10 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         return catalog.list_checkpoints(self.store, self.run)
 
-    def verify(self, step: int) -> VerifyReport:
-        return catalog.verify_checkpoint(self.store, self.run, fmt.validate_step(step), self.pool, self.progress)
+    def verify(self, step: int, *, deep: bool = True) -> VerifyReport:
+        """``deep``: every chunk re-hashed against its sha256 address; else the fast checksums restore checks."""
+        step = fmt.validate_step(step)
+        return catalog.verify_checkpoint(self.store, self.run, step, self.pool, self.progress, deep=deep)
 
     def close(self) -> None:
         self.wait()

@@ -2,7 +2,9 @@
 
 Chunks are immutable and named by the sha256 of their raw bytes, so identical data
 (a frozen embedding, a tensor shared by two runs) is stored once, and every read can
-be checked against its own name.
+be checked against its own name. A store scoped to one manifest checks reads against
+the fast checksum that manifest records for a chunk instead (``ckptflow.checksum``),
+and against the sha256 address where it records none (manifests written before).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ckptflow import codecs
+from ckptflow.checksum import FastChecksum, address_and_checksum, fast_checksum
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format import chunk_key
 from ckptflow.store.base import Store
@@ -38,6 +41,7 @@ class ChunkWrite:
     written: bool  # False when the chunk was already in the store and left alone
     base: str | None = None  # the delta base its stored encoding needs: every manifest naming it lists this too
     base_bytes: int = 0  # the base's stored size
+    checksum: str = ""  # the fast checksum of the raw bytes (``ckptflow.checksum``)
 
 
 @dataclass(frozen=True)
@@ -63,15 +67,20 @@ def sha256(raw: memoryview | bytes) -> str:
 class ChunkStore:
     """Put and get verified chunks. Thread-safe; callers parallelise across chunks."""
 
-    def __init__(self, store: Store, scope: Mapping[str, int] | None = None):
+    def __init__(
+        self, store: Store, scope: Mapping[str, int] | None = None, checksums: Mapping[str, str] | None = None
+    ):
         self.store = store
         self.scope = scope  # the chunks of one manifest: the only delta bases a read may use
+        self.checksums = checksums or {}  # digest -> fast checksum: what reads are checked against
         self._local = threading.local()  # per-thread scratch buffers for ``check``
 
-    def scoped(self, chunks: Mapping[str, int]) -> ChunkStore:
+    def scoped(self, chunks: Mapping[str, int], checksums: Mapping[str, str] | None = None) -> ChunkStore:
         """This store, reading for one manifest: a delta chunk whose base that manifest
-        does not list is refused, so a checkpoint never needs more than its own list."""
-        return ChunkStore(self.store, chunks)
+        does not list is refused, so a checkpoint never needs more than its own list.
+        With the manifest's ``checksums``, reads are checked against them (fast) instead
+        of re-hashing the sha256 address; without (``verify --deep``), the address."""
+        return ChunkStore(self.store, chunks, checksums)
 
     def put(
         self,
@@ -91,7 +100,10 @@ class ChunkStore:
         header), checked to exist and touched with it, and returned, so the manifest of
         every checkpoint that references the chunk also lists its base.
         """
-        digest = digest or sha256(raw)
+        if digest is None:
+            digest, checksum = address_and_checksum(raw)
+        else:
+            checksum = fast_checksum(raw)
         key = chunk_key(digest)
         if not rewrite:
             try:
@@ -99,22 +111,23 @@ class ChunkStore:
             except ObjectNotFoundError:
                 pass
             else:
-                reused = self._reuse(digest, existing.size, len(raw))
+                reused = self._reuse(digest, existing.size, len(raw), checksum)
                 if reused is not None:
                     return reused
                 rewrite = True  # a delta whose base is gone: store it anew
         encoded = encoder(raw, digest) if encoder else Encoded(codecs.encode(raw, codec, itemsize, floating=floating))
         size = sum(memoryview(p).nbytes for p in encoded.parts)
+        written = ChunkWrite(digest, len(raw), size, True, encoded.base, encoded.base_bytes, checksum)
         if rewrite:
             self.store.replace(key, encoded.parts)
-            return ChunkWrite(digest, len(raw), size, True, encoded.base, encoded.base_bytes)
+            return written
         if self.store.put_if_absent(key, encoded.parts):
-            return ChunkWrite(digest, len(raw), size, True, encoded.base, encoded.base_bytes)
-        return self._reuse(digest, self.store.stat(key).size, len(raw)) or self.put(
+            return written
+        return self._reuse(digest, self.store.stat(key).size, len(raw), checksum) or self.put(
             raw, digest=digest, rewrite=True, encoder=encoder, codec=codec, itemsize=itemsize, floating=floating
         )
 
-    def _reuse(self, digest: str, size: int, raw_len: int) -> ChunkWrite | None:
+    def _reuse(self, digest: str, size: int, raw_len: int, checksum: str) -> ChunkWrite | None:
         """Keep a stored chunk (touching it and any delta base so GC's grace period
         restarts for both); None if it is a delta whose base no longer exists."""
         key = chunk_key(digest)
@@ -127,7 +140,7 @@ class ChunkStore:
             except ObjectNotFoundError:
                 return None
         self.store.touch(key)  # restart GC's grace period: this save now uses it
-        return ChunkWrite(digest, raw_len, size, False, base, base_bytes)
+        return ChunkWrite(digest, raw_len, size, False, base, base_bytes, checksum)
 
     def get(self, digest: str, size: int) -> memoryview:
         """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
@@ -198,12 +211,12 @@ class ChunkStore:
         """Verify a chunk before anything is written from it (restore's first pass).
 
         A raw chunk on a store that can re-read cheaply (``Store.cheap_reread``) is
-        streamed through a small per-thread buffer into the hash, and only its file
+        streamed through a small per-thread buffer into the check, and only its file
         version is kept; anything else keeps the verified bytes, so the second pass
         never fetches twice. Any anomaly goes through ``get``, which names the problem.
         """
         if self.store.cheap_reread:
-            header, hasher = bytearray(), hashlib.sha256()
+            header, hasher = bytearray(), self._hasher(digest)
 
             def consume(piece: memoryview) -> None:
                 if len(header) < codecs.HEADER.size:
@@ -228,13 +241,16 @@ class ChunkStore:
                 if (
                     got == codecs.HEADER.size + size
                     and codecs.raw_length(header) == size
-                    and hasher.hexdigest() == digest
+                    and hasher.hexdigest() == self.checksums.get(digest, digest)
                 ):
                     return CheckedChunk(digest, size, version=version)
         return CheckedChunk(digest, size, data=self.get(digest, size))
 
     def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
-        """Fill ``out`` with a chunk ``check`` verified; re-verify if the file changed since."""
+        """Fill ``out`` with a chunk ``check`` verified, reading a raw chunk straight into
+        ``out`` and checking it there again (with the fast checksum, where the manifest
+        records one); a file changed since, or bytes that do not match, are read again
+        through ``get``, which verifies them or raises."""
         out = memoryview(out).cast("B")
         if checked.data is not None:
             out[:] = checked.data
@@ -244,8 +260,14 @@ class ChunkStore:
             got, version = self.store.get_into(chunk_key(checked.digest), [header, out])
         except ObjectNotFoundError:
             raise self._missing(checked.digest, chunk_key(checked.digest)) from None
-        if version != checked.version or got != len(header) + len(out) or codecs.raw_length(header) != len(out):
-            out[:] = self.get(checked.digest, len(out))  # replaced since: verify again
+        expected = self.checksums.get(checked.digest)
+        if (
+            version != checked.version
+            or got != len(header) + len(out)
+            or codecs.raw_length(header) != len(out)
+            or (expected is not None and fast_checksum(out) != expected)
+        ):
+            out[:] = self.get(checked.digest, len(out))  # replaced or damaged since: verify again
 
     def _scratch(self, size: int) -> memoryview:
         buf = getattr(self._local, "scratch", None)
@@ -256,7 +278,21 @@ class ChunkStore:
     def _missing(self, digest: str, key: str) -> CorruptChunkError:
         return CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}")
 
+    def _hasher(self, digest: str) -> FastChecksum | hashlib._Hash:
+        """What a read of ``digest`` is checked with: its fast checksum if the manifest
+        records one, else its sha256 address (``hexdigest`` compares to either)."""
+        return FastChecksum() if digest in self.checksums else hashlib.sha256()
+
     def _verify(self, digest: str, key: str, raw: memoryview | bytes) -> None:
+        expected = self.checksums.get(digest)
+        if expected is not None:
+            actual = fast_checksum(raw)
+            if actual != expected:
+                raise CorruptChunkError(
+                    f"chunk {self.store.url}/{key} does not match its address (its content fails the fast "
+                    f"checksum the manifest records: {actual[:16]}…, expected {expected[:16]}…)"
+                )
+            return
         actual = sha256(raw)
         if actual != digest:
             raise CorruptChunkError(

@@ -147,11 +147,12 @@ def delta_base(head: bytes | memoryview) -> str | None:
 
 
 def raw_length(header: bytes | bytearray | memoryview) -> int | None:
-    """The payload length a raw-codec header announces; None for any other header."""
+    """The payload length a raw-codec header announces; None for any other header (a raw
+    chunk is always written with element size 1, so another one there is damage)."""
     if len(header) < HEADER.size:
         return None
-    magic, codec, _itemsize, raw_len = HEADER.unpack_from(header)
-    return raw_len if magic == MAGIC and codec == RAW else None
+    magic, codec, itemsize, raw_len = HEADER.unpack_from(header)
+    return raw_len if magic == MAGIC and codec == RAW and itemsize == 1 else None
 
 
 def max_encoded_size(raw_len: int) -> int:
@@ -187,6 +188,8 @@ def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected
 
 def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: BaseReader | None) -> memoryview:
     if codec == RAW:
+        if itemsize != 1:
+            raise CorruptChunkError(f"raw chunk header names element size {itemsize}; raw chunks are written with 1")
         if len(payload) != raw_len:
             raise CorruptChunkError(f"raw chunk holds {len(payload)} bytes, header says {raw_len}")
         return payload

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from ckptflow import format as fmt
 from ckptflow.auto_codec import SaveEncoder
+from ckptflow.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite, Encoder
 from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_meta import dtype_from_name, dtype_name, metadata_from_index, metadata_to_json
@@ -185,7 +186,7 @@ class CheckpointWriter(StorageWriter):
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
             "chunks": [[w.digest, w.raw_bytes] for w in writes],
-            "_writes": [[w.stored_bytes, w.written, w.base, w.base_bytes] for w in writes],
+            "_writes": [[w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum] for w in writes],
         }
         return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data)
 
@@ -202,6 +203,7 @@ class CheckpointWriter(StorageWriter):
         chunk_sizes: dict[str, int] = {}
         stored: dict[str, int] = {}
         bases: dict[str, str] = {}
+        checksums: dict[str, str] = {}
         written_digests: set[str] = set()
         written_bytes = written_stored = logical = 0
         for rank_results in results:
@@ -210,8 +212,9 @@ class CheckpointWriter(StorageWriter):
                 writes = data.pop("_writes")
                 storage[wr.index] = data
                 logical += wr.size_in_bytes
-                for (digest, raw_len), (size, was_written, base, base_bytes) in zip(data["chunks"], writes):
+                for (digest, raw_len), (size, was_written, base, base_bytes, checksum) in zip(data["chunks"], writes):
                     chunk_sizes[digest] = raw_len
+                    checksums[digest] = checksum
                     stored[digest] = size
                     if base is not None:  # restore, verify and GC must see the base: list it
                         bases[digest] = base
@@ -236,6 +239,7 @@ class CheckpointWriter(StorageWriter):
             "dcp": metadata_to_json(metadata, storage),
             "chunks": dict(sorted(chunk_sizes.items())),
             **({"bases": dict(sorted(bases.items()))} if bases else {}),
+            FAST_CHECKSUMS: dict(sorted(checksums.items())),
             "stats": {
                 "logical_bytes": logical,
                 "unique_bytes": sum(chunk_sizes.values()),
@@ -264,12 +268,12 @@ class CheckpointWriter(StorageWriter):
 class CheckpointReader(StorageReader):
     """Reads one committed checkpoint in two passes, so a bad checkpoint touches nothing.
 
-    Pass one verifies every chunk this rank needs against its address; ``agree`` then
-    combines every rank's verdict (a collective: all ranks call ``read_data``). Only if
-    all ranks verified cleanly does pass two write into the destination tensors, straight
-    from the page cache for local raw chunks, re-verifying any chunk whose file changed
-    in between. So restore needs no second copy of the model in host memory, and a
-    rejected checkpoint leaves the caller's tensors as they were.
+    Pass one verifies every chunk this rank needs, against the fast checksum its manifest
+    records (``ckptflow.checksum``; the sha256 address for manifests without one); ``agree``
+    then combines every rank's verdict (a collective: all ranks call ``read_data``). Only
+    if all ranks verified cleanly does pass two read local raw chunks straight into the
+    destination tensors, checking them there again. So restore needs no second copy of
+    the model in host memory, and a rejected checkpoint leaves the caller's tensors as they were.
     """
 
     def __init__(
@@ -281,7 +285,8 @@ class CheckpointReader(StorageReader):
         agree: Callable[[Failure | None], Failure | None] | None = None,
     ):
         super().__init__()
-        self.chunks, self.manifest, self.pool, self.progress = chunks.scoped(manifest.chunks), manifest, pool, progress
+        self.chunks = chunks.scoped(manifest.chunks, manifest.fast_checksums)  # reads checked fast
+        self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)
 

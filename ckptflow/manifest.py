@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptflow import checksum
 from ckptflow import format as fmt
 from ckptflow.dcp_index import DcpIndex, StorageItem, parse_dcp_index
 from ckptflow.errors import ManifestError
@@ -54,6 +55,9 @@ class Manifest:
     chunks: Mapping[str, int]  # digest -> raw length: every chunk a restore reads, delta bases included
     stats: ManifestStats
     bases: Mapping[str, str] = field(default_factory=dict)  # delta chunk -> its base (both in ``chunks``)
+    # digest -> fast checksum of its raw bytes (``ckptflow.checksum``): what restore checks;
+    # absent in manifests written before, whose chunks restore checks by their address
+    fast_checksums: Mapping[str, str] = field(default_factory=dict)
     lossy: Mapping[str, Any] | None = None  # a lossy archive copy: what was lost (``ckptflow.lossy``)
     rank_records_by_save: bool = False  # rank records named by save id (see format.rank_key)
     digest: str = ""
@@ -104,6 +108,7 @@ class Manifest:
             "dcp": self.dcp.to_json(),
             "chunks": dict(self.chunks),
             **({"bases": dict(self.bases)} if self.bases else {}),
+            **({checksum.FIELD: dict(self.fast_checksums)} if self.fast_checksums else {}),
             **({"lossy": dict(self.lossy)} if self.lossy is not None else {}),
             "stats": dict(self.stats.__dict__),
             **({"rank_records": "by_save_id"} if self.rank_records_by_save else {}),
@@ -143,10 +148,11 @@ class Manifest:
             raise check.bad("has metadata that is not an object")
         dcp = parse_dcp_index(check, check.mapping(doc, "dcp"), chunks)
         bases = _parse_bases(check, doc, chunks)
+        fast_checksums = _parse_checksums(check, doc, chunks)
         lossy = doc.get("lossy")
         if lossy is not None and not isinstance(lossy, dict):
             raise check.bad("has a 'lossy' record that is not an object")
-        known = {*_MANIFEST_FIELDS, "format_version", "rank_records"}
+        known = {*_MANIFEST_FIELDS, "format_version", "rank_records", checksum.FIELD}
         return cls(
             run=run,
             step=step,
@@ -164,6 +170,7 @@ class Manifest:
             chunks=chunks,
             stats=stats,
             bases=bases,
+            fast_checksums=fast_checksums,
             lossy=lossy,
             rank_records_by_save=doc.get("rank_records") == "by_save_id",
             digest=digest,
@@ -197,9 +204,21 @@ def _parse_bases(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dict[st
     return bases
 
 
+def _parse_checksums(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dict[str, str]:
+    """Chunk -> fast checksum, each of a listed chunk and well formed. Absent in
+    manifests written before fast checksums (their chunks are checked by address)."""
+    checksums = doc.get(checksum.FIELD) or {}
+    if not isinstance(checksums, dict):
+        raise check.bad(f"has {checksum.FIELD!r} that is not an object")
+    for digest, value in checksums.items():
+        if digest not in chunks or not checksum.is_checksum(value):
+            raise check.bad(f"has a fast checksum for chunk {str(digest)[:16]}… that is malformed or not listed")
+    return checksums
+
+
 _REQUIRED_STATS = ("logical_bytes", "stored_bytes", "chunks", "bytes_written")
 _MANIFEST_FIELDS = tuple(
-    f for f in Manifest.__dataclass_fields__ if f not in ("digest", "extra", "rank_records_by_save")
+    f for f in Manifest.__dataclass_fields__ if f not in ("digest", "extra", "rank_records_by_save", "fast_checksums")
 )
 
 

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="this step (default: the latest committed one)")
     which.add_argument("--all", action="store_true", help="every step, also reporting uncommitted ones")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="re-hash every chunk's sha256 address (what dedup and GC trust) instead of checking the fast "
+        "checksums restore checks; slower, and also catches a chunk forged to pass the fast checksum",
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(

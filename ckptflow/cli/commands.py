@@ -121,7 +121,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         progress(f"verify {run}", total) as report_progress,
         ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool,
     ):
-        reports = [catalog.verify_checkpoint(store, run, step, pool, report_progress) for step in targets]
+        reports = [
+            catalog.verify_checkpoint(store, run, step, pool, report_progress, deep=args.deep) for step in targets
+        ]
     for report in reports:
         problems.extend(f"run {run} step {report.step}: {p}" for p in report.problems)
     if problems:
@@ -136,7 +138,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     chunks = sum(r.chunks_checked for r in reports)
     nbytes = sum(r.bytes_checked for r in reports)
     what = f"step {targets[0]}" if len(targets) == 1 else f"{len(targets)} checkpoints"
-    print(f"OK run {run}: {what} verified ({chunks} chunks, {human_bytes(nbytes)})")
+    how = "sha256 addresses" if args.deep else "fast checksums"
+    print(f"OK run {run}: {what} verified ({chunks} chunks, {human_bytes(nbytes)}, {how})")
     return 0
 
 

@@ -43,6 +43,7 @@ def write_lossy_copy(
     items: list[StorageItem] = []
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
+    checksums: dict[str, str] = {}
     for item in manifest.items():
         if item.fqn.split(".", 1)[0] in dropped:
             continue
@@ -64,6 +65,7 @@ def write_lossy_copy(
                 write = target.put(view(values), encoder=_fixed(parts))
             chunks.append((write.digest, size))
             sizes[write.digest], stored[write.digest] = size, write.stored_bytes
+            checksums[write.digest] = write.checksum
             if progress:
                 progress(size)
         items.append(dataclasses.replace(item, chunks=tuple(chunks)))
@@ -78,7 +80,8 @@ def write_lossy_copy(
         "source_digest": manifest.digest,
         "source_logical_bytes": manifest.stats.logical_bytes,
     }
-    blob = _copy_manifest(manifest, items, dropped, sizes, stored, lossy).seal()
+    copy = dataclasses.replace(_copy_manifest(manifest, items, dropped, sizes, stored, lossy), fast_checksums=checksums)
+    blob = copy.seal()
     key = fmt.manifest_key(manifest.run, manifest.step)
     parsed = Manifest.parse(blob, f"manifest {dst.url}/{key} (before commit)")
     meta = dst.metadata_store()
