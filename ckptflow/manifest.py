@@ -211,8 +211,10 @@ def _parse_checksums(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dic
     if not isinstance(checksums, dict):
         raise check.bad(f"has {checksum.FIELD!r} that is not an object")
     for digest, value in checksums.items():
-        if digest not in chunks or not checksum.is_checksum(value):
-            raise check.bad(f"has a fast checksum for chunk {str(digest)[:16]}… that is malformed or not listed")
+        if digest not in chunks:
+            raise check.bad(f"has a fast checksum for chunk {str(digest)[:16]}…, which it does not list")
+        if not checksum.is_checksum(value):
+            raise check.bad(f"has a malformed fast checksum for chunk {str(digest)[:16]}…: {str(value)[:60]!r}")
     return checksums
 
 
