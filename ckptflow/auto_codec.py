@@ -4,7 +4,7 @@ Full checkpoints are the delta bases (``SavePolicy.full_every`` places them): a 
 of an incremental save may be stored as ``chunk XOR base``, where the base is the
 chunk of the same tensor slice in the run's newest full checkpoint. A full save never
 writes a delta, so a base is never itself a delta and a chain is one link long. The
-address stays the sha256 of the raw bytes; the manifest lists each delta's base among
+address stays the hash of the raw bytes; the manifest lists each delta's base among
 its chunks, so restore, verify, GC and archival see bases like any other reference.
 
 Measuring the delta costs a read of the base (decoded and verified). A cheap sample

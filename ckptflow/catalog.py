@@ -432,7 +432,7 @@ def verify_checkpoint(
         return VerifyReport(step, False, [problem_from(run, step, e).message], digest=fmt.digest_of(blob))
     report = VerifyReport(step=step, ok=True, problems=problems, digest=manifest.digest)
     # a delta's base must be one of the manifest's own chunks
-    chunks = ChunkStore(store, manifest.chunks, None if deep else manifest.fast_checksums)
+    chunks = ChunkStore(store, manifest.chunks, None if deep else manifest.fast_checksums, manifest.address)
 
     def check(item: tuple[str, int]) -> str | None:
         digest, size = item

@@ -1,21 +1,30 @@
 """Content-addressed chunk I/O over any ``Store``.
 
-Chunks are immutable and named by the sha256 of their raw bytes, so identical data
-(a frozen embedding, a tensor shared by two runs) is stored once, and every read can
-be checked against its own name. A store scoped to one manifest checks reads against
-the fast checksum that manifest records for a chunk instead (``ckptflow.checksum``),
-and against the sha256 address where it records none (manifests written before).
+Chunks are immutable and named by a cryptographic hash of their raw bytes (their
+address: ``ckptflow.checksum``), so identical data (a frozen embedding, a tensor shared
+by two runs) is stored once, and every read can be checked against its own name. A
+store scoped to one manifest checks reads against the fast checksum that manifest
+records for a chunk instead, and against the manifest's kind of address where it
+records none (manifests written before fast checksums).
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ckptflow import codecs
-from ckptflow.checksum import FastChecksum, address_and_checksum, fast_checksum
+from ckptflow.checksum import (
+    ADDRESS,
+    ADDRESSES,
+    FastChecksum,
+    address_and_checksum,
+    address_hasher,
+    fast_checksum,
+    matches_address,
+)
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format import chunk_key
 from ckptflow.store.base import Store
@@ -60,27 +69,31 @@ class _NotRaw(Exception):
     """Stops a verifying scan at the header of a chunk that is not stored raw."""
 
 
-def sha256(raw: memoryview | bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
-
-
 class ChunkStore:
     """Put and get verified chunks. Thread-safe; callers parallelise across chunks."""
 
     def __init__(
-        self, store: Store, scope: Mapping[str, int] | None = None, checksums: Mapping[str, str] | None = None
+        self,
+        store: Store,
+        scope: Mapping[str, int] | None = None,
+        checksums: Mapping[str, str] | None = None,
+        address: str | None = None,
     ):
         self.store = store
         self.scope = scope  # the chunks of one manifest: the only delta bases a read may use
         self.checksums = checksums or {}  # digest -> fast checksum: what reads are checked against
+        self.address = address  # the manifest's kind of address: tried first (``checksum.matches_address``)
         self._local = threading.local()  # per-thread scratch buffers for ``check``
 
-    def scoped(self, chunks: Mapping[str, int], checksums: Mapping[str, str] | None = None) -> ChunkStore:
+    def scoped(
+        self, chunks: Mapping[str, int], checksums: Mapping[str, str] | None = None, address: str | None = None
+    ) -> ChunkStore:
         """This store, reading for one manifest: a delta chunk whose base that manifest
         does not list is refused, so a checkpoint never needs more than its own list.
         With the manifest's ``checksums``, reads are checked against them (fast) instead
-        of re-hashing the sha256 address; without (``verify --deep``), the address."""
-        return ChunkStore(self.store, chunks, checksums)
+        of re-hashing the ``address`` (the manifest's kind); without (``verify --deep``),
+        the address."""
+        return ChunkStore(self.store, chunks, checksums, address)
 
     def put(
         self,
@@ -278,10 +291,10 @@ class ChunkStore:
     def _missing(self, digest: str, key: str) -> CorruptChunkError:
         return CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}")
 
-    def _hasher(self, digest: str) -> FastChecksum | hashlib._Hash:
+    def _hasher(self, digest: str) -> Any:
         """What a read of ``digest`` is checked with: its fast checksum if the manifest
-        records one, else its sha256 address (``hexdigest`` compares to either)."""
-        return FastChecksum() if digest in self.checksums else hashlib.sha256()
+        records one, else its address (``hexdigest`` compares to either)."""
+        return FastChecksum() if digest in self.checksums else address_hasher(self.address or ADDRESS)
 
     def _verify(self, digest: str, key: str, raw: memoryview | bytes) -> None:
         expected = self.checksums.get(digest)
@@ -293,10 +306,10 @@ class ChunkStore:
                     f"checksum the manifest records: {actual[:16]}…, expected {expected[:16]}…)"
                 )
             return
-        actual = sha256(raw)
-        if actual != digest:
+        if not matches_address(digest, raw, self.address):
             raise CorruptChunkError(
-                f"chunk {self.store.url}/{key} does not match its address (content hashes to {actual[:16]}…)"
+                f"chunk {self.store.url}/{key} does not match its address (neither the "
+                f"{' nor the '.join(ADDRESSES)} of its content)"
             )
 
     def reencode(

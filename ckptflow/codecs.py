@@ -1,9 +1,9 @@
-"""Chunk encodings. A chunk's address is the sha256 of its RAW bytes, so re-encoding
+"""Chunk encodings. A chunk's address is the hash of its RAW bytes (``checksum``), so re-encoding
 (raw -> zstd) never changes what references it.
 
 On-disk chunk = 14-byte header + payload. The header names the codec, the element
 size and the raw length, so a reader needs nothing else, except for a delta chunk,
-whose header is followed by the 32-byte sha256 of its base chunk: the reader fetches
+whose header is followed by the 32-byte address of its base chunk: the reader fetches
 that chunk, verifies it, and XORs it back in.
 
 Codecs (the id is header byte 4; every id a reader ever met stays readable):

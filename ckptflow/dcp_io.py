@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from ckptflow import format as fmt
 from ckptflow.auto_codec import SaveEncoder
+from ckptflow.checksum import ADDRESS
 from ckptflow.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.chunks import CheckedChunk, ChunkStore, ChunkWrite, Encoder
 from ckptflow.dcp_index import StorageItem
@@ -236,6 +237,7 @@ class CheckpointWriter(StorageWriter):
             "world_size": spec.world_size,
             "codec": spec.codec,
             "metadata": spec.metadata,
+            "address": ADDRESS,
             "dcp": metadata_to_json(metadata, storage),
             "chunks": dict(sorted(chunk_sizes.items())),
             **({"bases": dict(sorted(bases.items()))} if bases else {}),
@@ -285,7 +287,7 @@ class CheckpointReader(StorageReader):
         agree: Callable[[Failure | None], Failure | None] | None = None,
     ):
         super().__init__()
-        self.chunks = chunks.scoped(manifest.chunks, manifest.fast_checksums)  # reads checked fast
+        self.chunks = chunks.scoped(manifest.chunks, manifest.fast_checksums, manifest.address)  # reads checked fast
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)

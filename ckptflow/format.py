@@ -2,7 +2,7 @@
 
 Layout (relative to the store root)::
 
-    chunks/<aa>/<sha256>                                   encoded chunk (codecs.py)
+    chunks/<aa>/<address>                                  encoded chunk (codecs.py; address: checksum.py)
     runs/<run>/checkpoints/<step:012d>/ranks/<rank>.json   rank record
     runs/<run>/checkpoints/<step:012d>/manifest.json       commit record, written last
 
@@ -19,7 +19,8 @@ import re
 
 from ckptflow.errors import InvalidNameError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this ckptflow writes; 2: chunks addressed by BLAKE3 (``checksum``)
+READABLE_FORMATS = (1, 2)
 STEP_DIGITS = 12
 IMPORT_FORMATS = ("dcp", "safetensors", "hf", "torch")  # what `ckptflow import` reads (ckptflow.importers)
 DIGEST_HEX = 64

@@ -9,7 +9,7 @@ an ``ArchiveCodec`` may trade exactness for size, per class of tensor:
 
 The loss happens once, when the copy is written: a rounded tensor is an ordinary
 tensor whose values happen to be bf16 (or code x scale), stored by an exact codec
-(``codecs`` "bf16" / "q8") and addressed by the sha256 of those values, so verify,
+(``codecs`` "bf16" / "q8") and addressed by the hash of those values, so verify,
 restore, GC and archival treat the copy like any other checkpoint. Its manifest's
 ``lossy`` record says what was lost (and how much: RMS and max error per class), and
 ``Checkpointer.restore`` refuses it unless called with ``allow_lossy=True``.

@@ -59,6 +59,7 @@ class Manifest:
     # absent in manifests written before, whose chunks restore checks by their address
     fast_checksums: Mapping[str, str] = field(default_factory=dict)
     lossy: Mapping[str, Any] | None = None  # a lossy archive copy: what was lost (``ckptflow.lossy``)
+    address: str = checksum.ADDRESS  # the hash naming its chunks: "sha256" in format 1 (``ckptflow.checksum``)
     rank_records_by_save: bool = False  # rank records named by save id (see format.rank_key)
     digest: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields a newer writer added
@@ -106,6 +107,7 @@ class Manifest:
             "codec": self.codec,
             "metadata": dict(self.metadata),
             "dcp": self.dcp.to_json(),
+            "address": self.address,
             "chunks": dict(self.chunks),
             **({"bases": dict(self.bases)} if self.bases else {}),
             **({checksum.FIELD: dict(self.fast_checksums)} if self.fast_checksums else {}),
@@ -129,11 +131,12 @@ class Manifest:
         world_size = check.integer(doc, "world_size", minimum=1)
         if world_size > MAX_WORLD_SIZE:
             raise check.bad(f"has world_size {world_size}, more than {MAX_WORLD_SIZE}")
+        address = _parse_address(check, doc)
         chunks = check.mapping(doc, "chunks")
         if not all(isinstance(d, str) and len(d) == 64 for d in chunks) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in chunks.values()
         ):
-            raise check.bad("has a chunk entry that is not a sha256 digest with a non-negative length")
+            raise check.bad(f"has a chunk entry that is not a {address} digest with a non-negative length")
         stats_doc = check.mapping(doc, "stats")
         stats = ManifestStats(
             **{
@@ -172,6 +175,7 @@ class Manifest:
             bases=bases,
             fast_checksums=fast_checksums,
             lossy=lossy,
+            address=address,
             rank_records_by_save=doc.get("rank_records") == "by_save_id",
             digest=digest,
             extra={k: v for k, v in doc.items() if k not in known},
@@ -188,6 +192,18 @@ class Manifest:
                 "it was copied to the wrong place"
             )
         return manifest
+
+
+def _parse_address(check: Fields, doc: dict) -> str:
+    """Format 1 names chunks by sha256 and says nothing; format 2 says which hash."""
+    if doc.get("format_version") == 1:
+        if "address" in doc:
+            raise check.bad("is format 1 but names an 'address' hash, which format 1 does not have")
+        return "sha256"
+    address = check.string(doc, "address")
+    if address not in checksum.ADDRESSES:
+        raise check.bad(f"names chunk address hash {address!r}, not one of {checksum.ADDRESSES}")
+    return address
 
 
 def _parse_bases(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dict[str, str]:

@@ -58,15 +58,15 @@ def json_problem(value: Any, where: str) -> str | None:
 
 
 def _depth_ok(obj: Any, limit: int) -> bool:
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
+    """Level by level over containers only: the leaves (most of a manifest) are never visited."""
+    level, depth = [obj], 1
+    while level:
         if depth > limit:
             return False
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
+        below: list[Any] = []
+        for node in level:
+            below.extend(c for c in (node.values() if type(node) is dict else node) if type(c) in (dict, list))
+        level, depth = below, depth + 1
     return True
 
 
@@ -92,10 +92,10 @@ def unseal(blob: bytes, where: str) -> dict:
         legacy = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
         if claimed != hashlib.sha256(legacy).hexdigest():
             raise ManifestError(f"{where} fails its checksum (stored {str(claimed)[:12]}…, computed {actual[:12]}…)")
-    if record.get("format_version") != fmt.FORMAT_VERSION:
+    if record.get("format_version") not in fmt.READABLE_FORMATS:
         raise ManifestError(
             f"{where} has format_version {record.get('format_version')!r}; this ckptflow reads "
-            f"{fmt.FORMAT_VERSION}: upgrade ckptflow to read it"
+            f"{' and '.join(map(str, fmt.READABLE_FORMATS))}: upgrade ckptflow to read it"
         )
     return record
 

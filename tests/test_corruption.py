@@ -239,7 +239,7 @@ def _rewrite_manifest(path: str, mutate) -> None:
 
 
 @pytest.mark.parametrize(
-    "field", ["run", "step", "kind", "stats", "dcp", "chunks", "world_size", "created_at", "format_version"]
+    "field", ["run", "step", "kind", "stats", "dcp", "chunks", "world_size", "created_at", "format_version", "address"]
 )
 def test_malformed_manifest_missing_field(scenario, field):
     _rewrite_manifest(scenario.manifest_path, lambda r: r.pop(field))

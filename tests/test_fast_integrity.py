@@ -9,6 +9,7 @@ import hashlib
 
 import pytest
 import torch
+from blake3 import blake3
 
 from ckptflow import Checkpointer, ManifestError, NoValidCheckpointError, catalog, codecs
 from ckptflow import format as fmt
@@ -160,7 +161,7 @@ def test_the_fast_checksum_misses_no_damage_within_one_word_and_streams_in_any_p
     for start, stop in [(0, 3), (3, 11), (11, 600), (600, len(data))]:
         pieces.update(data[start:stop])
     assert pieces.hexdigest() == whole
-    assert address_and_checksum(data) == (hashlib.sha256(data).hexdigest(), whole)
+    assert address_and_checksum(data) == (blake3(data).hexdigest(), whole)
     for position in range(len(data)):
         for flip in (0x01, 0x80, 0xFF):
             data[position] ^= flip
@@ -169,7 +170,7 @@ def test_the_fast_checksum_misses_no_damage_within_one_word_and_streams_in_any_p
 
 
 def test_the_cli_verifies_fast_by_default_and_by_address_with_deep(saved, capsys):
-    for extra, how in (([], "fast checksums"), (["--deep"], "sha256 addresses")):
+    for extra, how in (([], "fast checksums"), (["--deep"], "chunk addresses")):
         code, out, _ = run_cli(capsys, "verify", saved, "--run", RUN, *extra)
         assert code == 0 and how in out
     flip_byte(chunk_path(saved, _own_chunks(saved)["raw"]), -1)

@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--deep",
         action="store_true",
-        help="re-hash every chunk's sha256 address (what dedup and GC trust) instead of checking the fast "
-        "checksums restore checks; slower, and also catches a chunk forged to pass the fast checksum",
+        help="re-hash every chunk's address (BLAKE3, sha256 before format 2: what dedup and GC trust) instead "
+        "of checking the fast checksums restore checks; slower, and also catches a chunk forged to pass the "
+        "fast checksum",
     )
     p.set_defaults(func=cmd_verify)
 

@@ -138,7 +138,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     chunks = sum(r.chunks_checked for r in reports)
     nbytes = sum(r.bytes_checked for r in reports)
     what = f"step {targets[0]}" if len(targets) == 1 else f"{len(targets)} checkpoints"
-    how = "sha256 addresses" if args.deep else "fast checksums"
+    how = "chunk addresses (blake3, or sha256 before format 2)" if args.deep else "fast checksums"
     print(f"OK run {run}: {what} verified ({chunks} chunks, {human_bytes(nbytes)}, {how})")
     return 0
 

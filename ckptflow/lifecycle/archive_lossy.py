@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ckptflow import catalog
 from ckptflow import format as fmt
+from ckptflow.checksum import ADDRESS
 from ckptflow.chunks import ChunkStore, Encoded, Encoder
 from ckptflow.codecs import decode
 from ckptflow.dcp_index import DcpIndex, StorageItem
@@ -38,7 +39,7 @@ def write_lossy_copy(
     records = [catalog.read_rank_record(src, manifest, r) for r in range(manifest.world_size)]
     optimizers = optimizer_entries(records[0].state)
     dropped = sorted(optimizers) if codec.optimizer == "drop" else []
-    source, target = ChunkStore(src).scoped(manifest.chunks), ChunkStore(dst)
+    source, target = ChunkStore(src).scoped(manifest.chunks, address=manifest.address), ChunkStore(dst)
     stats, counts = LossStats(), {"exact": 0, "bf16": 0, "int8": 0}
     items: list[StorageItem] = []
     sizes: dict[str, int] = {}
@@ -125,6 +126,7 @@ def _copy_manifest(
         chunks=dict(sorted(sizes.items())),
         bases={},
         lossy=lossy,
+        address=ADDRESS,  # its chunks are new, written with the current address
         kind="full",
         base_step=None,
         codec=f"lossy:{lossy['codec']}",

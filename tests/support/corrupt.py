@@ -40,8 +40,11 @@ def tensor_chunk(root: str | os.PathLike, run: str, step: int, fqn: str) -> str:
 
 
 def corrupt_chunk(root: str | os.PathLike, run: str, step: int, digest: str | None = None) -> str:
-    """Flip the last byte of a chunk of ``(run, step)`` (its first by digest unless named)."""
-    digest = digest or sorted(chunks_of(root, run, step))[0]
+    """Flip the last byte of a chunk of ``(run, step)``: ``digest``, or by default the first
+    (by digest) that no other checkpoint of the run uses, so only this one is damaged."""
+    if digest is None:
+        others = [s for s in catalog.committed_steps(open_store(os.fspath(root)), run) if s != step]
+        digest = only_in(root, run, step, *others)[0]
     flip_byte(chunk_path(root, digest))
     return digest
 
