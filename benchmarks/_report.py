@@ -13,7 +13,7 @@ from _states import MiB
 FLOOR = 1.5  # ckptflow must stay within this factor of DCP (see the floor checks)
 ASYNC = "ckptflow save (full, async)"
 CLONE = "host copy (clone) of the state"
-DEEP = "ckptflow verify --deep (sha256)"
+DEEP = "ckptflow verify --deep (blake3)"
 SAFETENSORS = "safetensors save_file / load_file"
 DCP_SYNC = "DCP FileSystemWriter / dcp.load"
 SYNC = "ckptflow save (full) / restore"

@@ -157,7 +157,7 @@ class Bench:
         return dict(blocked=blocked, total=blocked, cpu=cpu)
 
     def ckptflow_verify_deep(self, _round: int) -> Sample:
-        """`ckptflow verify --deep`: every sha256 address re-hashed; restore checks fast checksums instead."""
+        """`ckptflow verify --deep`: every BLAKE3 address re-hashed; restore checks fast checksums instead."""
         root = fresh(self.work / "ckptflow_deep")
         with self._checkpointer(root) as ck:
             ck.save(1, {"model": self.state}, kind="full")
@@ -217,7 +217,7 @@ class Bench:
             (ASYNC, "", self.ckptflow_async),
             ("ckptflow save (incremental)", self._incremental_note(), self.ckptflow_incremental),
             ("ckptflow save (full, zstd)", "archive codec: byte-grouped zstd-3", self.ckptflow_zstd),
-            (DEEP, "restore s = time to re-hash every sha256 address", self.ckptflow_verify_deep),
+            (DEEP, "restore s = time to re-hash every BLAKE3 address", self.ckptflow_verify_deep),
         ]
         samples: dict[str, list[Sample]] = {name: [] for name, _, _ in methods}
         try:
@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("torch.load / load_file restores include the copy into the live tensors (as load_state_dict does).")
     print("ckptflow restore checks every chunk it reads against the fast checksum its manifest records")
-    print("(xxh3-128 + 64-bit word sum); 'verify --deep' re-hashes sha256. cpu columns count all threads.")
+    print("(xxh3-128 + 64-bit word sum); 'verify --deep' re-hashes the BLAKE3 addresses.")
+    print("cpu columns count all threads.")
     print()
     checks, targets = floor_checks(rows), target_checks(rows)
     for title, group in ((f"Performance floor (ckptflow <= {FLOOR}x DCP):", checks), ("Targets (issue 15):", targets)):
