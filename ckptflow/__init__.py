@@ -10,7 +10,8 @@ What needs torch (the ``Checkpointer`` and friends) is imported on first use, so
 
 from typing import TYPE_CHECKING, Any
 
-from ckptflow.catalog import CheckpointInfo, Problem, VerifyReport
+from ckptflow.catalog import CheckpointInfo, VerifyReport
+from ckptflow.catalog_listing import Problem
 from ckptflow.errors import (
     CheckpointExistsError,
     CkptflowError,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckptflow import catalog, codecs, planes
+from ckptflow import catalog, catalog_listing, codecs, planes
 from ckptflow.chunks import ChunkStore, Encoded, Encoder
 from ckptflow.distributed import Group
 from ckptflow.errors import CkptflowError
@@ -169,7 +169,7 @@ def newest_full(
     store when nothing newer than it can exist; steps in ``skip`` (rejected by restore)
     and manifests that do not parse are passed over.
     """
-    for step in reversed(catalog.committed_steps(store, run)):
+    for step in reversed(catalog_listing.committed_steps(store, run)):
         if step >= before or step in skip:
             continue
         if known is not None and known.step == step:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ckptflow import catalog, recoveries
+from ckptflow import catalog, catalog_listing, recoveries
 from ckptflow import format as fmt
 from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.catalog import CheckpointInfo, VerifyReport
@@ -251,7 +251,7 @@ class Checkpointer:
         """The base of an incremental save: known in a training loop without listing the store."""
         if self._last_commit is not None and self._last_commit < step:
             return self._last_commit
-        for older in reversed(catalog.committed_steps(self.store, self.run)):
+        for older in reversed(catalog_listing.committed_steps(self.store, self.run)):
             if older < step and older not in self._superseded:
                 return older
         return None

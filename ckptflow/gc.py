@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptflow import catalog
+from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError
 from ckptflow.leases import DEAD_AFTER, GC_LOCK, gc_lock, leases, wait_for_leases
@@ -68,10 +68,10 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
     (a commit record that cannot be read and whose chunks cannot be told)."""
     live: set[str] = set()
     loose: list[ObjectInfo] = []
-    listed = list(catalog.listing(store))
-    files = {(e.run, e.step): e.files for e in listed if isinstance(e, catalog.StepListing)}
+    listed = list(catalog_listing.listing(store))
+    files = {(e.run, e.step): e.files for e in listed if isinstance(e, catalog_listing.StepListing)}
     for entry in listed:
-        if isinstance(entry, catalog.StepListing) and not entry.committed:
+        if isinstance(entry, catalog_listing.StepListing) and not entry.committed:
             loose.extend(entry.files)
     for item in catalog.committed(store, listed=listed):
         if isinstance(item, Manifest):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ckptflow import catalog
-from ckptflow.catalog import Problem
+from ckptflow.catalog_listing import Problem
 from ckptflow.lifecycle.records import records_by_subject
 from ckptflow.retention import Candidate, RetentionPlan, RetentionPolicy, plan
 from ckptflow.store.base import Store

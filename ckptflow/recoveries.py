@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from ckptflow import catalog
+from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError, ObjectNotFoundError
 from ckptflow.lifecycle.records import records_by_subject
@@ -182,7 +182,7 @@ def store_metrics(
     }
     return [
         run_metrics(store, run, now=now, window_s=window_s, detection_s=detection_s)
-        for run in sorted(set(catalog.list_runs(store)) | recovered)
+        for run in sorted(set(catalog_listing.list_runs(store)) | recovered)
     ]
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptflow import catalog
+from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
 from ckptflow.errors import CkptflowError, ColdObjectError, StoreUnavailableError, SymlinkError
@@ -78,12 +78,12 @@ def _held(store: Store, run: str, step: int | None, *, hot: bool) -> list[int]:
             return []
         return [step] if fmt.manifest_key(run, step) in files or (hot and files) else []
     if hot:
-        return catalog.step_dirs(store, run)
+        return catalog_listing.step_dirs(store, run)
     steps = []
-    for entry in catalog.listing(store, run, manifests_only=True):
-        if isinstance(entry, catalog.Problem) and entry.step is None:
+    for entry in catalog_listing.listing(store, run, manifests_only=True):
+        if isinstance(entry, catalog_listing.Problem) and entry.step is None:
             raise StoreUnavailableError(entry.message)
-        if isinstance(entry, catalog.StepListing) and entry.committed:
+        if isinstance(entry, catalog_listing.StepListing) and entry.committed:
             steps.append(entry.step)
     return steps
 

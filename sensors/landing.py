@@ -47,7 +47,7 @@ from dagster import (
 from assets.checkpoints import checkpoint
 from assets.freshness import RPO_FRESHNESS_KEY
 from assets.partitions import checkpoint_key, checkpoints_partitions
-from ckptflow import catalog
+from ckptflow import catalog, catalog_listing
 from ckptflow.lifecycle.records import Subject, read_record
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store
@@ -79,7 +79,7 @@ class Landed:
     validated: bool  # a validation record exists for this digest already
 
 
-def _seen_id(entry: catalog.StepListing) -> str:
+def _seen_id(entry: catalog_listing.StepListing) -> str:
     assert entry.manifest is not None
     return f"{entry.run}/{entry.step}@{entry.manifest.mtime!r}"
 
@@ -92,13 +92,13 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     now = time.time() if now is None else now
     full_at = cursor.get("full_at")
     full = full_at is None or now - float(full_at) >= FULL_SCAN_S
-    steps = catalog.listing(store, from_steps=None if full else frontier, manifests_only=True)
-    listed = [e for e in steps if isinstance(e, catalog.StepListing)]
+    steps = catalog_listing.listing(store, from_steps=None if full else frontier, manifests_only=True)
+    listed = [e for e in steps if isinstance(e, catalog_listing.StepListing)]
     fresh = [e for e in listed if e.manifest is not None and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
     fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
     taken = fresh[:limit]
     landed: list[Landed] = []
-    done: list[catalog.StepListing] = []
+    done: list[catalog_listing.StepListing] = []
     manifests = list(zip(taken, catalog.committed(store, listed=taken)))
     with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-landing") as pool:
         validated = list(pool.map(_validated, [store] * len(manifests), [item for _, item in manifests]))
@@ -119,12 +119,15 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     return landed, after
 
 
-def _validated(store: Store, item: Manifest | catalog.Problem) -> bool:
+def _validated(store: Store, item: Manifest | catalog_listing.Problem) -> bool:
     return isinstance(item, Manifest) and read_record(store, Subject.of(item), "validation") is not None
 
 
 def _frontier(
-    before: dict[str, int], listed: list[catalog.StepListing], fresh: list, done: list[catalog.StepListing]
+    before: dict[str, int],
+    listed: list[catalog_listing.StepListing],
+    fresh: list,
+    done: list[catalog_listing.StepListing],
 ) -> dict[str, int]:
     """Per run, the step the next quick tick lists from: the newest committed step, or
     the oldest fresh commit this tick left for the next one (paging, an outage)."""

@@ -1,7 +1,7 @@
 """The one walk over a store: every unreadable checkpoint is a problem on its own line.
 
 ls, stats, gc, verify --all, the inventory and the landing sensor all walk the store
-through ``catalog``; a checkpoint that is corrupt, denied, cold or badly placed must
+through ``catalog`` and ``catalog_listing``; a checkpoint that is corrupt, denied, cold or badly placed must
 show up as that checkpoint's problem and never end the whole walk.
 """
 
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, ColdObjectError, Manifest, Problem, catalog, gc, inventory, stats
+from ckptflow import Checkpointer, ColdObjectError, Manifest, Problem, catalog, catalog_listing, gc, inventory, stats
 from ckptflow import format as fmt
 from ckptflow.store import open_store
 from support.cli import run_cli
@@ -97,13 +97,17 @@ def test_step_dirs_names_each_step_once_committed_or_not(root):
     hostile(root)
     os.makedirs(os.path.join(root, "runs", RUN, "checkpoints", f"{7:012d}", "ranks"))  # a save that died
     os.makedirs(os.path.join(root, "runs", RUN, "checkpoints", "notastep"))
-    assert catalog.step_dirs(open_store(root), RUN) == [1, 2, 3, 4, 7]
-    assert catalog.step_dirs(open_store(root), "nothing-here") == []
+    assert catalog_listing.step_dirs(open_store(root), RUN) == [1, 2, 3, 4, 7]
+    assert catalog_listing.step_dirs(open_store(root), "nothing-here") == []
 
 
 def test_a_listing_from_a_step_holds_that_step_and_the_newer_ones(root):
     store = FaultyStore(open_store(root), count_reads=True)
-    listed = [e.step for e in catalog.listing(store, from_steps={RUN: 3}) if isinstance(e, catalog.StepListing)]
+    listed = [
+        e.step
+        for e in catalog_listing.listing(store, from_steps={RUN: 3})
+        if isinstance(e, catalog_listing.StepListing)
+    ]
     assert listed == [3, 4]
     assert [op for _, op, _ in store.log] == ["list", "list_after"]
 
@@ -119,8 +123,12 @@ def test_a_listing_of_commit_records_names_each_steps_ranks_once(tmp_path):
     record = next(store.list(ranks)).key
     for rank in (1, 2, 3):  # stand-ins: only the listing is looked at
         store.replace(record.replace("/0.", f"/{rank}."), store.get(record))
-    [full] = [e for e in catalog.listing(store, RUN) if isinstance(e, catalog.StepListing)]
-    [rolled] = [e for e in catalog.listing(store, RUN, manifests_only=True) if isinstance(e, catalog.StepListing)]
+    [full] = [e for e in catalog_listing.listing(store, RUN) if isinstance(e, catalog_listing.StepListing)]
+    [rolled] = [
+        e
+        for e in catalog_listing.listing(store, RUN, manifests_only=True)
+        if isinstance(e, catalog_listing.StepListing)
+    ]
     assert sum(f.key.startswith(ranks) for f in full.files) == 4
     assert [f.key for f in rolled.files] == [fmt.manifest_key(RUN, 1), ranks] and rolled.manifest == full.manifest
     assert [i.step for i in catalog.list_checkpoints(store, RUN)] == [1]

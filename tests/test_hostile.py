@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 import torch
 
-from ckptflow import Checkpointer, CkptflowError, catalog, gc, open_store, stats
+from ckptflow import Checkpointer, CkptflowError, catalog, catalog_listing, gc, open_store, stats
 from ckptflow import format as fmt
 from ckptflow.codecs import HEADER, MAGIC, ZSTD
 from ckptflow.export import export_safetensors
@@ -129,7 +129,7 @@ def test_a_shape_no_machine_can_hold_is_a_clear_export_error(root, tmp_path):
 def test_a_manifest_larger_than_any_record_is_refused_unread(root):
     with open(manifest_path(root, RUN, 2), "r+b") as f:
         f.truncate(2 << 30)  # sparse, 2 GiB
-    problems = [p for p in catalog.committed(open_store(root)) if isinstance(p, catalog.Problem)]
+    problems = [p for p in catalog.committed(open_store(root)) if isinstance(p, catalog_listing.Problem)]
     assert [(p.step, p.kind) for p in problems] == [(2, "too_big")]
     assert stats.store_stats(open_store(root)).checkpoints == 1
     assert restore_step(root)[0] == 1

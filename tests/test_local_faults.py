@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError, catalog, gc, open_store
+from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError, catalog_listing, gc, open_store
 from ckptflow import format as fmt
 from ckptflow.errors import StoreFullError, SymlinkError
 from support.cli import run_cli
@@ -185,4 +185,4 @@ def test_a_full_disk_leaves_no_temp_file_and_says_what_the_save_needed(tmp_path,
         for t in (tagged_state(3)["model"]["shared"], tagged_state(3)["model"]["w"], tagged_state(3)["z"])
     )
     assert not [p for p in root.rglob(".tmp-*")]
-    assert catalog.committed_steps(open_store(str(root)), "a") == [1]
+    assert catalog_listing.committed_steps(open_store(str(root)), "a") == [1]

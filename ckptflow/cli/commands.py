@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from ckptflow import catalog, recoveries
+from ckptflow import catalog, catalog_listing, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
 from ckptflow.cli import costs as cost_section
@@ -35,7 +35,7 @@ def _open(root: str) -> Store:
 
 def _require_run(store: Store, run: str) -> str:
     fmt.validate_run(run)
-    runs = catalog.list_runs(store)
+    runs = catalog_listing.list_runs(store)
     if run not in runs:
         raise CkptflowError(
             f"no run {run!r} in {store.url} (runs there: {', '.join(runs) or 'none'}); "
@@ -94,14 +94,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args.root)
     run = _require_run(store, args.run)
-    listed = list(catalog.listing(store, run))
-    steps = [e.step for e in listed if isinstance(e, catalog.StepListing)]
-    committed = [e.step for e in listed if isinstance(e, catalog.StepListing) and e.committed]
+    listed = list(catalog_listing.listing(store, run))
+    steps = [e.step for e in listed if isinstance(e, catalog_listing.StepListing)]
+    committed = [e.step for e in listed if isinstance(e, catalog_listing.StepListing) and e.committed]
     problems: list[str] = []
     if args.all:
         targets = committed
         for entry in listed:
-            if isinstance(entry, catalog.Problem):
+            if isinstance(entry, catalog_listing.Problem):
                 problems.append(str(entry))
             elif not entry.committed and entry.files:
                 problems.append(
@@ -129,7 +129,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         for line in problems:
             print(line)
-        bad = sum(not r.ok for r in reports) + sum(isinstance(e, catalog.Problem) for e in listed if args.all)
+        bad = sum(not r.ok for r in reports) + sum(isinstance(e, catalog_listing.Problem) for e in listed if args.all)
         print(
             f"{PROG}: {len(problems)} problem(s); {bad} of {len(reports)} checkpoint(s) of run {run} failed",
             file=sys.stderr,
@@ -355,7 +355,7 @@ def cmd_thaw(args: argparse.Namespace) -> int:
     """Request S3 restores for a cold (Glacier / Deep Archive) checkpoint."""
     store = _open(args.root)
     run = _require_run(store, args.run)
-    committed = catalog.committed_steps(store, run)
+    committed = catalog_listing.committed_steps(store, run)
     step: int | None = args.step if args.step is not None else (committed[-1] if committed else None)
     if step not in committed:
         what = "committed checkpoint" if step is None else f"committed step {step}"

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptflow import catalog
+from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_io import CheckpointReader
@@ -77,10 +77,10 @@ def load_tensors(
 def newest_verified_step(store: Store, run: str, progress: Progress | None = None) -> tuple[int, list[tuple[int, str]]]:
     """The newest committed step that fully verifies, and why each newer one was skipped."""
     skipped: list[tuple[int, str]] = []
-    entries = [e for e in catalog.listing(store, run) if isinstance(e, catalog.Problem) or e.committed]
+    entries = [e for e in catalog_listing.listing(store, run) if isinstance(e, catalog_listing.Problem) or e.committed]
     with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool:
         for entry in sorted(entries, key=lambda e: -1 if e.step is None else e.step, reverse=True):
-            if isinstance(entry, catalog.Problem):  # could not even be listed or read: say so, go on
+            if isinstance(entry, catalog_listing.Problem):  # could not even be listed or read: say so, go on
                 skipped.append((-1 if entry.step is None else entry.step, entry.message))
                 continue
             report = catalog.verify_checkpoint(store, run, entry.step, pool, progress)

@@ -21,13 +21,13 @@ import hashlib
 import os
 import re
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ckptflow.errors import ColdObjectError, ObjectNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
+from ckptflow.store.s3_listing import fast_times_session, list_objects
 from ckptflow.store.s3_retry import AttemptsExhausted, Retry, botocore_config, error_code, http_status
 
 ENDPOINT_ENV = "CKPTFLOW_S3_ENDPOINT_URL"
@@ -35,20 +35,6 @@ _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 _STEP_KEY = re.compile(r"^runs/(?P<run>[^/]+)/checkpoints/(?P<step>\d+)/")  # names the step to thaw
 _EXISTS = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
 COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE")  # classes whose objects need a restore before a read
-
-
-def parse_timestamp(value: Any) -> datetime:
-    """botocore's timestamp parser for the ISO 8601 times S3 lists objects with, parsed by
-    the standard library: botocore's default (dateutil) costs more than the rest of a
-    10,000-object listing together. Anything else goes to botocore's own parser."""
-    if isinstance(value, str) and value.endswith("Z") and "T" in value:
-        try:
-            return datetime.fromisoformat(value[:-1]).replace(tzinfo=timezone.utc)
-        except ValueError:
-            pass
-    from botocore.utils import parse_timestamp as general
-
-    return general(value)
 
 
 def _sha256_b64(buffers: list[memoryview]) -> str:
@@ -110,13 +96,10 @@ class S3Store(Store):
         self.retry = retry or Retry(max_attempts=max(1, int(max_attempts)))
         if client is None:
             import boto3
-            import botocore.session
 
             # A private session: boto3's default one is not safe to share between threads
             # that open stores concurrently; the client it makes is.
-            core = botocore.session.get_session()
-            core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
-            client = boto3.session.Session(botocore_session=core).client(
+            client = boto3.session.Session(botocore_session=fast_times_session()).client(
                 "s3",
                 endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,  # else AWS_ENDPOINT_URL / AWS
                 region_name=region,
@@ -220,26 +203,13 @@ class S3Store(Store):
     def _list(self, prefix: str, delimiter: str, start_after: str) -> Iterator[ObjectInfo]:
         if prefix:
             validate_key(prefix.rstrip("/"))
-        full = self._key(prefix.rstrip("/")) + "/" if prefix else (f"{self.prefix}/" if self.prefix else "")
-        kwargs: dict[str, Any] = {"Prefix": full}
-        if delimiter:
-            kwargs["Delimiter"] = delimiter
-        cut = len(self.prefix) + 1 if self.prefix else 0
-        if start_after:
-            kwargs["StartAfter"] = self.prefix + "/" + start_after if self.prefix else start_after
-
-        def attempt() -> builtins.list[ObjectInfo]:  # a page that fails restarts the listing
-            found: builtins.list[ObjectInfo] = []
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **kwargs):
-                found += [
-                    ObjectInfo(o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp())
-                    for o in page.get("Contents", ())
-                ]
-                found += [ObjectInfo(p["Prefix"][cut:], 0, 0.0) for p in page.get("CommonPrefixes", ())]
-            return found
-
-        found = self._attempts("ListObjectsV2", prefix.rstrip("/"), attempt)
-        yield from sorted(found, key=lambda info: info.key)
+        yield from self._attempts(  # a page that fails restarts the listing
+            "ListObjectsV2",
+            prefix.rstrip("/"),
+            lambda: list_objects(
+                self.client, self.bucket, self.prefix, prefix, delimiter=delimiter, start_after=start_after
+            ),
+        )
 
     # ---- writes ------------------------------------------------------------------------
     def put_if_absent(self, key: str, data: Buffers) -> bool:
