@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptflow import lossy
 from ckptflow.catalog import read_manifest, read_rank_record
-from ckptflow.dcp_io import CheckpointReader, Progress
+from ckptflow.dcp_io import Progress
 from ckptflow.dcp_meta import dtype_from_name
+from ckptflow.dcp_reader import CheckpointReader
 from ckptflow.distributed import Group
 from ckptflow.errors import (
     ColdObjectError,

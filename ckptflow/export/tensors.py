@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
-from ckptflow.dcp_io import CheckpointReader
 from ckptflow.dcp_meta import dtype_from_name
+from ckptflow.dcp_reader import CheckpointReader
 from ckptflow.errors import CkptflowError, NoValidCheckpointError
 from ckptflow.failures import own_errors
 from ckptflow.manifest import Manifest
