@@ -1,8 +1,8 @@
 """``Checkpointer``: the API training code calls on every rank.
 
 Saves go through torch.distributed.checkpoint into a content-addressed store; restores
-pick the newest checkpoint that verifies, load it into staging buffers, and only touch
-the live model once every rank has loaded the same step cleanly.
+pick the newest checkpoint whose every chunk verifies on every rank, and only then read
+it into the live model, in place (``ckptflow.restore``).
 """
 
 from __future__ import annotations
@@ -293,7 +293,9 @@ class Checkpointer:
         ``state`` is written; damage found on any rank moves all ranks to the next older
         candidate together (``result.skipped`` says why), leaving ``state`` untouched. A
         store that cannot be read raises ``StoreUnavailableError`` instead: only proof of
-        damage falls back (``ckptflow.restore``). ``step=`` never falls back to another
+        damage falls back (``ckptflow.restore``). A failure after verification, while the
+        chunks are read into place, raises ``PartialRestoreError``: ``state`` is then partly
+        written, so restore again or rebuild it. ``step=`` never falls back to another
         step. With ``tiers``, a step is tried in each tier holding it (hot first) before
         moving to an older step. Rank 0 leaves a recovery record in the hot store
         (``ckptflow.recoveries``) either way.

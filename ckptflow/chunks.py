@@ -273,6 +273,8 @@ class ChunkStore:
             got, version = self.store.get_into(chunk_key(checked.digest), [header, out])
         except ObjectNotFoundError:
             raise self._missing(checked.digest, chunk_key(checked.digest)) from None
+        except OSError:  # an I/O error: read it once more, through ``get``, below
+            got, version = -1, None
         expected = self.checksums.get(checked.digest)
         if (
             version != checked.version

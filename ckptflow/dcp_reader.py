@@ -21,7 +21,7 @@ from ckptflow.chunks import CheckedChunk, ChunkStore
 from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_io import Progress, done
 from ckptflow.dcp_meta import dtype_from_name, metadata_from_index
-from ckptflow.failures import DAMAGE, Failure, ReadAborted, failure_of
+from ckptflow.failures import DAMAGE, Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
 from ckptflow.manifest import Manifest
 
 
@@ -29,11 +29,14 @@ class CheckpointReader(StorageReader):
     """Reads one committed checkpoint in two passes, so a bad checkpoint touches nothing.
 
     Pass one verifies every chunk this rank needs, against the fast checksum its manifest
-    records (``ckptflow.checksum``; the sha256 address for manifests without one); ``agree``
-    then combines every rank's verdict (a collective: all ranks call ``read_data``). Only
-    if all ranks verified cleanly does pass two read local raw chunks straight into the
-    destination tensors, checking them there again. So restore needs no second copy of
-    the model in host memory, and a rejected checkpoint leaves the caller's tensors as they were.
+    records (``ckptflow.checksum``; the address for manifests without one); ``agree`` then
+    combines every rank's verdict (a collective: all ranks call ``read_data``). Only if all
+    ranks verified cleanly does pass two read local raw chunks straight into the
+    destination tensors, checking them there again (a mismatch, or an I/O error, is read
+    once more and verified through ``ChunkStore.get``). So restore needs no second copy of
+    the model in host memory, and a rejected checkpoint leaves the caller's tensors as
+    they were. A failure in pass two raises ``IntoPlaceFailed``: those tensors are partly
+    written, which restore reports as ``PartialRestoreError``.
     """
 
     def __init__(
@@ -135,6 +138,8 @@ class CheckpointReader(StorageReader):
                     torch.cuda.current_stream().synchronize()  # copies done before commit and reuse
                 for req, target in zip(reqs, targets):
                     planner.commit_tensor(req, target)
+        except Exception as e:  # verified, yet not read into place: the caller's tensors are partly written
+            raise IntoPlaceFailed(describe(e)) from e
         finally:  # on failure: no read may write into the caller's tensors after this returns
             pending = [f for *_, futures in loading for f in futures]
             for f in pending:

@@ -61,6 +61,13 @@ class StoreError(CkptflowError):
     """
 
 
+class PartialRestoreError(CkptflowError):
+    """A restore failed after every chunk had verified, while it read them into place (an
+    I/O error, or a chunk damaged in the moment between the two passes): some tensors of
+    ``state`` already hold the checkpoint's values. Restore again (it verifies everything
+    afresh and falls back past damage) or rebuild the state; never train on it as it is."""
+
+
 class StoreUnavailableError(StoreError):
     """A store that did not answer (5xx, throttling, timeouts, resets) through every retry,
     or that could not be read at all. It proves nothing about the checkpoint: restore

@@ -31,6 +31,11 @@ class Failure:
     damage: bool
     cold: bool = False  # the store cannot be read until objects are thawed
     mismatch: bool = False  # the live state does not have the checkpoint's structure: the caller's error
+    partial: bool = False  # failed while reading into place: the live state is already partly overwritten
+
+
+class IntoPlaceFailed(CkptflowError):
+    """Reading verified chunks into the caller's tensors failed (``Failure.partial``)."""
 
 
 class ReadAborted(CkptflowError):
@@ -69,6 +74,8 @@ def failure_of(error: BaseException) -> Failure:
         if isinstance(cause, ReadAborted):
             return cause.failure
     message = "; ".join(dict.fromkeys(describe(c) for c in causes))
+    if any(isinstance(c, IntoPlaceFailed) for c in causes):
+        return Failure(message, damage=False, partial=True)
     damage = all(isinstance(c, DAMAGE) for c in causes)
     return Failure(message, damage=damage, cold=not damage and any(isinstance(c, ColdObjectError) for c in causes))
 

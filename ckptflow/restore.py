@@ -10,7 +10,11 @@ than silently resuming from an older step; a job that catches
 
 Every rank verifies every chunk it needs before any tensor in ``state`` is written, and
 the ranks agree on each verdict, so all of them load the same step or none does. A
-restore that does not succeed leaves ``state`` as it was, fresh optimizers included.
+restore rejected there (damage anywhere, on any rank, an unreadable store, a state that
+does not fit) leaves ``state`` as it was, fresh optimizers included. Only a failure
+after that point, while verified chunks are read into place (an I/O error, a chunk
+damaged in the moment between the passes), leaves it partly overwritten: that raises
+``PartialRestoreError`` on every rank, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ckptflow.errors import (
     ColdObjectError,
     LossyCopyError,
     NoValidCheckpointError,
+    PartialRestoreError,
     StateMismatchError,
     StoreUnavailableError,
 )
@@ -69,9 +74,12 @@ def agree(group: Group, failure: Failure | None) -> Failure | None:
     if not failures:
         return None
     fatal = [f for f in failures if not f.damage and not f.mismatch]
-    chosen = fatal or [f for f in failures if f.mismatch] or failures
+    chosen = [f for f in failures if f.partial] or fatal or [f for f in failures if f.mismatch] or failures
     message = "; ".join(dict.fromkeys(f.message for f in chosen))
-    return Failure(message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch)
+    return Failure(
+        message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch,
+        partial=chosen[0].partial,
+    )  # fmt: skip
 
 
 class Restore:
@@ -165,6 +173,13 @@ class Restore:
                 assert loaded is not None
                 return Found(cand, tier, *loaded, skipped, hot_rejected)
             where = f"run {self.run!r} step {cand} in {tier.url}"
+            if failure.partial:  # no fallback: an older step would not overwrite all of it under strict=False
+                raise PartialRestoreError(
+                    f"restoring {where} failed after every chunk had verified, while reading them into place: "
+                    f"{failure.message}. `state` is now partly overwritten with this step's values: restore "
+                    "again (it verifies everything afresh and falls back past damage) or rebuild the state "
+                    "before training on it"
+                )
             if failure.mismatch:
                 raise StateMismatchError(f"{where}: {failure.message}")
             if not failure.damage:
