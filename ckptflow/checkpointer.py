@@ -323,7 +323,7 @@ class Checkpointer:
             raise
         self._superseded = set(result.hot_rejected)
         self._last_commit = result.step if result.tier == self.store.url else None
-        self._record_recovery(True, result.step, result.skipped, result.tier, started)
+        self._record_recovery(True, result.step, result.skipped, result.tier, started, digest=result.digest)
         return result
 
     def load(self, *, step: int | None = None) -> tuple[RestoreResult, dict[str, Any]]:
@@ -343,11 +343,18 @@ class Checkpointer:
             raise
         self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
         self._last_commit = result.step if result.tier == self.store.url else None
-        self._record_recovery(True, result.step, result.skipped, result.tier, started)
+        self._record_recovery(True, result.step, result.skipped, result.tier, started, digest=result.digest)
         return result, state
 
     def _record_recovery(
-        self, ok: bool, step: int | None, skipped: list, tier: str | None, started: float, error: str | None = None
+        self,
+        ok: bool,
+        step: int | None,
+        skipped: list,
+        tier: str | None,
+        started: float,
+        error: str | None = None,
+        digest: str | None = None,
     ) -> None:
         if self.group.rank == 0:
             recoveries.record(
@@ -355,6 +362,7 @@ class Checkpointer:
                 self.run,
                 ok=ok,
                 step=step,
+                digest=digest,
                 skipped=skipped,
                 tier=tier,
                 duration_s=time.perf_counter() - started,

@@ -39,6 +39,7 @@ def record(
     tier: str | None,
     duration_s: float,
     error: str | None = None,
+    digest: str | None = None,
 ) -> None:
     """Write one recovery record; best effort, so a read-only restore still restores."""
     now = time.time()
@@ -49,6 +50,7 @@ def record(
         "at": now,
         "ok": ok,
         "step": step,
+        "digest": digest,  # the manifest digest of the commit loaded: which commit, not just which step
         "skipped": [[s, r] for s, r in skipped],
         "tier": tier,
         "duration_s": round(duration_s, 4),

@@ -65,6 +65,7 @@ class RestoreResult:
     unexpected_keys: list[str] = field(default_factory=list)  # strict=False: in the checkpoint, not live
     lossy: dict | None = None  # a lossy archive copy was loaded (allow_lossy=True): what it lost
     not_restored: list[str] = field(default_factory=list)  # state entries a lossy copy lacks, left as they were
+    digest: str = ""  # the manifest digest of exactly the commit that was loaded
 
 
 def agree(group: Group, failure: Failure | None) -> Failure | None:
@@ -149,7 +150,7 @@ class Restore:
         return RestoreResult(
             found.step, found.skipped, dict(manifest.metadata), rng_ok, found.tier.url,
             frozenset(found.hot_rejected), found.plan.missing_keys, found.plan.unexpected_keys,
-            lost, lossy.dropped(manifest),
+            lost, lossy.dropped(manifest), manifest.digest,
         )  # fmt: skip
 
     def _candidates(self, step: int | None) -> tuple[list[tuple[int, int]] | None, BaseException | None]:

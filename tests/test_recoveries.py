@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, NoValidCheckpointError, lifecycle, open_store, recoveries
+from ckptflow import Checkpointer, NoValidCheckpointError, catalog, lifecycle, open_store, recoveries
 from ckptflow import format as fmt
 from ckptflow.cli import main as cli
 from ckptflow.store.local import LocalStore
@@ -40,6 +40,8 @@ def test_every_restore_leaves_a_record_and_the_metrics_count_them(tmp_path):
     store = open_store(root)
     records = recoveries.read_all(store, "r")
     assert [(r["ok"], r["step"], len(r["skipped"])) for r in records] == [(True, 2, 0), (True, 1, 1)]
+    step1 = catalog.read_manifest(store, "r", 1).digest
+    assert records[1]["digest"] == result.digest == step1 != records[0]["digest"]  # which commit, by digest
     assert all(r["duration_s"] >= 0 and r["tier"] == store.url for r in records)
     (failed,) = recoveries.read_all(store, "empty")
     assert failed["ok"] is False and failed["step"] is None and "no valid checkpoint" in failed["error"]

@@ -179,10 +179,7 @@ class CkptflowIO(CheckpointIO):
         if last and result.step != pointer["step"]:
             log.warning("ckptflow: %s names step %d; resuming from step %d", path, pointer["step"], result.step)
         if ck is self._checkpointer:
-            self._steps[result.step] = (
-                frozenset(checkpoint),
-                catalog.read_manifest(ck.store, ck.run, result.step).digest,
-            )
+            self._steps[result.step] = (frozenset(checkpoint), result.digest)
         return _to_device(checkpoint, map_location) if map_location is not None else checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
