@@ -33,7 +33,8 @@ def drop_checkpoint_partitions(instance: DagsterInstance, keys: Sequence[str]) -
     storages Dagster ships (SQLite, PostgreSQL, MySQL) this deletes ``DROP_BATCH`` keys
     per statement in the table ``delete_dynamic_partition`` itself deletes from (Dagster's
     private schema, pinned by the dagster==1.13.27 requirement and covered by
-    tests/dagster/test_partitions_drop.py); any other storage gets the public call per key.
+    ``test_partitions_are_dropped_in_batches_and_only_those_named`` in tests/dagster/test_jobs.py);
+    any other storage gets the public call per key.
     """
     known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
     doomed = [key for key in dict.fromkeys(keys) if key in known]
