@@ -5,7 +5,9 @@ Flow. The landing sensor adds a partition and requests ``checkpoint`` for it.
 ``checkpoint`` materializes only a checkpoint that passed its integrity check: a corrupt
 one records the failed check (with the exact problem) and then fails the step, so its
 partition is *Failed* on the asset's Partitions tab and in the graph's partition
-counts, while every good checkpoint is *Materialized*. The check is declared on the
+counts, while every good checkpoint is *Materialized*. A store that could not be read
+proves nothing: the step is retried later (``CheckpointStoreResource.retry_unavailable``)
+and no check result or verdict is recorded. The check is declared on the
 asset (``check_specs``) because the same verification decides both.
 
 Everything downstream follows by declarative automation: ``AutomationCondition.eager()``
@@ -20,7 +22,9 @@ checkpoint, so each partition gets its own metadata (which is what Dagster plots
 across partitions) and the runs spread over the run queue's concurrency.
 
 Verdicts are also written to the store as lifecycle records (``ckptflow.lifecycle``),
-so the inventory and retention read them without querying Dagster's event log.
+so the inventory and retention read them without querying Dagster's event log. Each
+run is tagged with the digest of the commit it processes (``pin_commit``), so its
+failure is recorded against that commit.
 """
 
 from dagster import (
@@ -39,10 +43,10 @@ from dagster import (
 )
 
 from assets.metadata import bullet_list, metrics, ratio, size
-from assets.partitions import checkpoints_partitions, parse_checkpoint_key
+from assets.partitions import checkpoints_partitions, parse_checkpoint_key, pin_commit
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.lifecycle import EvaluationRule
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
@@ -102,11 +106,17 @@ def _describe(manifest) -> dict:
 def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource):
     """A committed checkpoint that passed its blocking integrity check (manifest checksum
     and structure, every rank record, every chunk re-hashed). A corrupt one fails: its
-    partition shows *Failed* and the ``integrity`` check holds the exact problem."""
+    partition shows *Failed* and the ``integrity`` check holds the exact problem; one
+    that could not be read is retried, with no verdict."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
     source = _source(hot, archive, run, step)
-    record = lifecycle.validate(source, run, step, records=hot)
+    pin_commit(context, source, run, step)
+    try:
+        record = lifecycle.validate(source, run, step, records=hot)
+    except StoreUnavailableError as e:
+        context.log.warning(f"{e} (attempt {context.retry_number + 1} of {store.unavailable_retries + 1})")
+        raise store.retry_unavailable(context.retry_number) from Failure(description=str(e))
     check = AssetCheckResult(
         check_name=INTEGRITY.name,
         passed=bool(record["ok"]),
@@ -147,9 +157,10 @@ def evaluation(
     hot = store.open()
     rule = EvaluationRule(evaluator.val_metric, evaluator.train_metric, evaluator.mode)
     path = evaluator.name_for(run)
+    source = _source(hot, archive, run, step)
+    pin_commit(context, source, run, step)
     try:
         name, function = evaluator.evaluator_for(run)
-        source = _source(hot, archive, run, step)
         record = lifecycle.evaluate(source, hot, run, step, function, evaluator_name=name, key=evaluator.key, rule=rule)
     except Exception as e:
         if path is None or isinstance(e, CkptflowError):
@@ -182,6 +193,7 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
     hot = store.open()
     if not run_step_committed(hot, run, step):
         return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
+    pin_commit(context, hot, run, step)
     report = lifecycle.compress(hot, run, step)
     return MaterializeResult(
         metadata={
@@ -210,6 +222,7 @@ def archived(
     hot, arc = store.open(), archive.open()
     if not run_step_committed(hot, run, step) and run_step_committed(arc, run, step):
         return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
+    pin_commit(context, hot, run, step)
     name, function = evaluator.evaluator_for(run)
     report = lifecycle.archive(
         hot, arc, run, step, codec=archive.codec(), evaluator=function, evaluator_name=name, key=evaluator.key

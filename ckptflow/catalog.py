@@ -184,18 +184,41 @@ def list_checkpoints(store: Store, run: str) -> list[CheckpointInfo]:
 # ---- verification ------------------------------------------------------------------------
 @dataclass
 class VerifyReport:
+    """What verifying one checkpoint found. Each finding is classified once
+    (``catalog_listing.problem_from``): proof of damage, or something that could not be
+    read (an outage, a cold or denied object, a link), which proves nothing."""
+
     step: int
-    ok: bool
-    problems: list[str] = field(default_factory=list)
+    findings: list[Problem] = field(default_factory=list)
     chunks_checked: int = 0
     bytes_checked: int = 0
     digest: str = ""  # sha256 of the manifest file that was verified ("" if there was none)
 
+    @property
+    def ok(self) -> bool:
+        """Everything was read and verified."""
+        return not self.findings
 
-def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
+    @property
+    def problems(self) -> list[str]:
+        return [p.message for p in self.findings]
+
+    @property
+    def damaged(self) -> bool:
+        """Proof the checkpoint is bad: a verdict (whatever else could not be read)."""
+        return any(not p.could_not_read for p in self.findings)
+
+    @property
+    def unavailable(self) -> bool:
+        """Something could not be read and nothing proved damage: no verdict either way."""
+        return bool(self.findings) and not self.damaged
+
+
+def _rank_problems(store: Store, manifest: Manifest) -> list[Problem]:
     """Rank records: one listing finds the missing ones (reported as one line however many,
     without a list the size of ``world_size``), then each present one is read and checked."""
-    prefix = fmt.step_prefix(manifest.run, manifest.step) + "ranks/"
+    run, step = manifest.run, manifest.step
+    prefix = fmt.step_prefix(run, step) + "ranks/"
     present = sorted({rank for rank in (manifest.rank_of(i.key) for i in store.list(prefix)) if rank is not None})
     problems = []
     missing_count = manifest.world_size - len(present)
@@ -208,20 +231,21 @@ def _rank_problems(store: Store, manifest: Manifest) -> list[str]:
                 if len(shown) == 8:
                     break
         if missing_count == 1:
-            problems.append(f"rank record {store.url}/{manifest.rank_key(shown[0])} is missing")
+            message = f"rank record {store.url}/{manifest.rank_key(shown[0])} is missing"
         else:
             listed = ", ".join(map(str, shown)) + (
                 f", … ({missing_count} in all)" if missing_count > len(shown) else ""
             )
-            problems.append(
+            message = (
                 f"rank records of {missing_count} of {manifest.world_size} ranks are missing from "
                 f"{store.url}/{prefix} (ranks {listed})"
             )
+        problems.append(Problem(run, step, "corrupt", message))
     for rank in present:
         try:
             read_rank_record(store, manifest, rank)
         except (CkptflowError, OSError) as e:
-            problems.append(problem_from(manifest.run, manifest.step, e).message)
+            problems.append(problem_from(run, step, e))
     return problems
 
 
@@ -235,33 +259,33 @@ def verify_checkpoint(
     deep: bool = True,
 ) -> VerifyReport:
     """Re-read everything a checkpoint needs: manifest, rank records, every chunk. Whatever
-    cannot be read (damaged, denied, a link, an outage) is a problem in the report.
+    is wrong is a finding in the report: damage, or what could not be read (denied, a
+    link, an outage), which the report keeps apart (``VerifyReport.unavailable``).
     ``deep`` re-hashes every chunk's sha256 address; otherwise chunks are checked as
     restore checks them (the manifest's fast checksums, ``ckptflow.checksum``)."""
     key = fmt.manifest_key(run, step)
     try:
         blob = _read_record(store, key, "manifest")
     except ObjectNotFoundError:
-        return VerifyReport(step, False, [f"no manifest at {store.url}/{key}: the checkpoint was never committed"])
+        message = f"no manifest at {store.url}/{key}: the checkpoint was never committed"
+        return VerifyReport(step, [Problem(run, step, "corrupt", message)])
     except (CkptflowError, OSError) as e:
-        return VerifyReport(step, False, [problem_from(run, step, e).message])
+        return VerifyReport(step, [problem_from(run, step, e)])
     try:
         manifest = Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
         problems = _rank_problems(store, manifest)
-    except ManifestError as e:
-        return VerifyReport(step, False, [str(e)], digest=fmt.digest_of(blob))
     except (CkptflowError, OSError) as e:
-        return VerifyReport(step, False, [problem_from(run, step, e).message], digest=fmt.digest_of(blob))
-    report = VerifyReport(step=step, ok=True, problems=problems, digest=manifest.digest)
+        return VerifyReport(step, [problem_from(run, step, e)], digest=fmt.digest_of(blob))
+    report = VerifyReport(step=step, findings=problems, digest=manifest.digest)
     # a delta's base must be one of the manifest's own chunks
     chunks = ChunkStore(store, manifest.chunks, None if deep else manifest.fast_checksums, manifest.address)
 
-    def check(item: tuple[str, int]) -> str | None:
+    def check(item: tuple[str, int]) -> Problem | None:
         digest, size = item
         try:
             chunks.get(digest, size)
         except (CkptflowError, OSError) as e:
-            return problem_from(run, step, e).message
+            return problem_from(run, step, e)
         finally:
             if progress:
                 progress(size)
@@ -271,11 +295,10 @@ def verify_checkpoint(
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(8)
     try:
-        report.problems.extend(p for p in pool.map(check, items) if p)
+        report.findings.extend(p for p in pool.map(check, items) if p)
     finally:
         if own_pool:
             pool.shutdown()
     report.chunks_checked = len(items)
     report.bytes_checked = sum(size for _, size in items)
-    report.ok = not report.problems
     return report

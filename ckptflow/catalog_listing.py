@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from ckptflow import format as fmt
 from ckptflow.errors import (
+    DAMAGE,
     CkptflowError,
     ColdObjectError,
     InvalidNameError,
-    ManifestError,
     RecordTooLargeError,
     StoreError,
     SymlinkError,
@@ -27,7 +27,9 @@ from ckptflow.store.base import ObjectInfo, Store
 
 @dataclass(frozen=True)
 class Problem:
-    """A run or checkpoint that cannot be read, and why. ``kind`` is one of ``KINDS``."""
+    """A run or checkpoint that cannot be read, and why. ``kind`` is one of ``KINDS``;
+    those in ``UNREAD`` say it could not be looked at (it might be fine), the others
+    prove damage or a store layout ckptflow never writes."""
 
     run: str
     step: int | None
@@ -38,6 +40,12 @@ class Problem:
         "corrupt", "too_big", "cold", "denied", "symlink", "loop", "unavailable", "bad_name", "not_a_directory",
         "unreadable",
     )  # fmt: skip
+    UNREAD = ("cold", "denied", "symlink", "loop", "unavailable", "unreadable")
+
+    @property
+    def could_not_read(self) -> bool:
+        """Nothing was proved: retry, thaw or fix access, never record the checkpoint as bad."""
+        return self.kind in self.UNREAD
 
     def __str__(self) -> str:
         where = f"run {self.run}" + ("" if self.step is None else f" step {self.step}")
@@ -62,11 +70,11 @@ class StepListing:
 
 
 def problem_from(run: str, step: int | None, error: BaseException) -> Problem:
-    """Classify a read failure. Only ``corrupt`` is proof of damage; the others say the
-    checkpoint could not be looked at (and might be fine)."""
+    """Classify a read failure. Only ``corrupt`` and ``too_big`` (``errors.DAMAGE``) are
+    proof of damage; the others say the checkpoint could not be looked at (and might be fine)."""
     if isinstance(error, RecordTooLargeError):
         kind = "too_big"
-    elif isinstance(error, ManifestError):
+    elif isinstance(error, DAMAGE):
         kind = "corrupt"
     elif isinstance(error, ColdObjectError):
         kind = "cold"

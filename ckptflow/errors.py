@@ -113,3 +113,6 @@ class ExpireError(CkptflowError):
 
 class LossyCopyError(CkptflowError):
     """A lossy archive copy was about to be restored without ``allow_lossy=True``."""
+
+
+DAMAGE = (ManifestError, CorruptChunkError)  # the errors that prove a checkpoint is damaged; any other proves nothing

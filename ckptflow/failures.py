@@ -17,9 +17,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptflow.errors import CkptflowError, ColdObjectError, CorruptChunkError, ManifestError
-
-DAMAGE = (ManifestError, CorruptChunkError)
+from ckptflow.errors import DAMAGE, CkptflowError, ColdObjectError
 
 
 @dataclass(frozen=True)

@@ -125,16 +125,30 @@ class ScrubConfig(Config):
 @op
 def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: CheckpointStoreResource) -> dict:
     """Re-verify every chunk of checkpoints older than N days (bit rot, lost objects) and
-    record each verdict; fails the run if any is corrupt so an operator hears of it."""
-    report = lifecycle.scrub(store.open(), older_than_s=config.older_than_days * DAY)
+    record each verdict; fails the run if any is corrupt so an operator hears of it. What
+    could not be read keeps its earlier verdict and is retried later (an outage proves
+    nothing)."""
+    hot = store.open()
+    report = lifecycle.scrub(hot, older_than_s=config.older_than_days * DAY)
     corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in report.corrupt]
     context.add_output_metadata(
         {"checked": report.checked, "corrupt": len(corrupt), "unreadable": len(report.unreadable)}
     )
-    if corrupt or report.unreadable:
+    listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))
+    if corrupt:
         raise Failure(
             f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read",
-            metadata={"corrupt": MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))},
+            metadata={"corrupt": listed},
+            allow_retries=False,
+        )
+    if report.unreadable:
+        context.log.warning(
+            f"{len(report.unreadable)} checkpoint(s) in {hot.url} could not be read (no verdict recorded); "
+            f"retrying: {report.unreadable[0][:300]}"
+        )
+        raise store.retry_unavailable(context.retry_number) from Failure(
+            f"the store {hot.url} could not be read: {len(report.unreadable)} checkpoint(s) not verified",
+            metadata={"unreadable": listed},
         )
     return {"checked": report.checked}
 

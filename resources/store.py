@@ -8,7 +8,7 @@ works with no configuration at all.
 
 import os
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, RetryRequested
 from pydantic import Field
 
 from ckptflow.registry import Registry
@@ -26,9 +26,22 @@ class CheckpointStoreResource(ConfigurableResource):
     """The hot store training writes to (a path, a ``file://`` or an ``s3://`` URL)."""
 
     url: str = Field(default_factory=default_store_url, description="store root URL")
+    unavailable_retries: int = Field(
+        default=4, description="times a run retries a store that could not be read (after its own retries)"
+    )
+    unavailable_wait_s: float = Field(
+        default=60.0, description="seconds before the first such retry; doubled for each next one"
+    )
 
     def open(self) -> Store:
         return open_store(self.url)
+
+    def retry_unavailable(self, attempt: int) -> RetryRequested:
+        """What a run raises when the store could not be read (an outage proves nothing
+        about a checkpoint): retry the step later, with exponential backoff. Raise it
+        ``from`` a ``Failure`` that says what could not be read: the step fails with that
+        once the retries are spent."""
+        return RetryRequested(self.unavailable_retries, self.unavailable_wait_s * 2**attempt)
 
 
 class RegistryResource(ConfigurableResource):

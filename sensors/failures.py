@@ -3,7 +3,13 @@ run is tagged with what failed and why.
 
 The record goes to the store as the checkpoint's ``failure`` lifecycle record (keyed by
 the manifest digest the run was about), so the inventory shows "last failure" per
-checkpoint whatever Dagster instance runs it. The tag (``ckptflow/failure``: the
+checkpoint whatever Dagster instance runs it. The digest is the run's
+``ckptflow/manifest_digest`` tag (the landing sensor sets it on validation runs, every
+per-checkpoint asset on its own run before it reads the checkpoint). A run without one
+failed before it read anything; its failure is recorded against the current commit only
+when that commit provably predates the run (committed ``CLOCK_SKEW_S`` before the run
+started), never against a step committed again since. A store that cannot be read stops
+the tick at that run, which the next tick retries. The tag (``ckptflow/failure``: the
 failed step and the first line of its error) puts the reason in the run list, next to
 the run's partition.
 
@@ -13,6 +19,8 @@ runs that failed before the daemon started (``make demo`` runs the lifecycle
 in-process, then ``make ui`` starts the daemon) would never be recorded. This one
 starts at the beginning of the instance's history; recording is idempotent.
 """
+
+from dataclasses import dataclass
 
 from dagster import (
     DagsterEventType,
@@ -25,15 +33,19 @@ from dagster import (
     sensor,
 )
 
-from assets.partitions import parse_checkpoint_key
+from assets.partitions import DIGEST_TAG, parse_checkpoint_key
 from ckptflow import catalog
-from ckptflow.errors import CkptflowError
+from ckptflow.catalog_listing import problem_from
+from ckptflow.errors import CkptflowError, ManifestError
 from ckptflow.lifecycle.records import Subject, write_record
+from ckptflow.store import Store
 from resources import CheckpointStoreResource
 from sensors.intervals import SENSOR_INTERVAL_S
-from sensors.landing import DIGEST_TAG
+from sensors.landing import SLACK
 
 FAILURE_TAG = "ckptflow/failure"
+UNATTRIBUTED_TAG = "ckptflow/failure_unattributed"  # why a failure was recorded against no commit
+CLOCK_SKEW_S = SLACK  # between the writer's clock (a manifest's created_at) and Dagster's
 PER_TICK = 200
 PARTITION_TAG = "dagster/partition"
 RANGE_TAGS = ("dagster/asset_partition_range_start", "dagster/asset_partition_range_end")
@@ -67,8 +79,34 @@ def failed_steps(instance: DagsterInstance, run_id: str) -> list[tuple[str, str]
     return out
 
 
+@dataclass(frozen=True)
+class Unattributed:
+    why: str
+
+
+def _commit_before(
+    instance: DagsterInstance, run: DagsterRun, hot: Store, ckpt_run: str, step: int
+) -> str | Unattributed:
+    """The digest of the current commit of ``(ckpt_run, step)`` if it provably is what the
+    untagged ``run`` was about: committed before the run started (a commit since then
+    would be newer). A store error propagates: nothing is decided on an outage."""
+    try:
+        manifest = catalog.read_manifest(hot, ckpt_run, step)
+    except ManifestError as e:
+        return Unattributed(f"its commit record cannot be read: {e}")
+    record = instance.get_run_record_by_id(run.run_id)
+    started = None if record is None else record.start_time or record.create_timestamp.timestamp()
+    if started is None or manifest.created_at + CLOCK_SKEW_S > started:
+        return Unattributed(
+            "the run carries no manifest digest and the step was committed (again) after it started, "
+            f"so which commit it was about is unknown (current commit {manifest.digest[:12]}…)"
+        )
+    return manifest.digest
+
+
 def record_failure(instance: DagsterInstance, run: DagsterRun, store) -> str:
-    """Tag the run with its reason and write the checkpoint's failure record; what was done, as a line."""
+    """Tag the run with its reason and write the checkpoint's failure record; what was done,
+    as a line. A store that cannot be read raises (the sensor retries the run next tick)."""
     steps = failed_steps(instance, run.run_id)
     reason = "; ".join(f"{step}: {why}" for step, why in steps) or "run failed before any step failed"
     instance.add_run_tags(run.run_id, {FAILURE_TAG: reason[:300]})
@@ -80,12 +118,10 @@ def record_failure(instance: DagsterInstance, run: DagsterRun, store) -> str:
     except ValueError:
         return f"run {run.run_id} failed for partition {key!r}, which is not a checkpoint name"
     hot = store.open()
-    digest = run.tags.get(DIGEST_TAG)
-    if not digest:
-        try:
-            digest = catalog.read_manifest(hot, ckpt_run, step).digest
-        except CkptflowError as e:
-            return f"run {run.run_id} failed for {key}, whose commit record cannot be read: {e}"
+    digest = run.tags.get(DIGEST_TAG) or _commit_before(instance, run, hot, ckpt_run, step)
+    if isinstance(digest, Unattributed):
+        instance.add_run_tags(run.run_id, {UNATTRIBUTED_TAG: digest.why[:300]})
+        return f"run {run.run_id} failed for {key} ({reason[:120]}); not recorded against a commit: {digest.why}"
     write_record(
         hot,
         Subject(ckpt_run, step, digest),
@@ -107,7 +143,13 @@ def failure_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
     for record in records:
         run = context.instance.get_run_by_id(record.event_log_entry.run_id)
         if run is not None:
-            context.log.info(record_failure(context.instance, run, store))
+            try:
+                context.log.info(record_failure(context.instance, run, store))
+            except (CkptflowError, OSError) as e:
+                if problem_from(run.run_id, None, e).kind == "unavailable":
+                    context.log.warning(f"the failure of run {run.run_id} is not recorded yet ({e}): retried next tick")
+                    break  # the cursor stays before this run
+                context.log.warning(f"the failure of run {run.run_id} cannot be recorded: {e}")
         after = record.storage_id
     context.update_cursor(str(after))
     if not records:

@@ -46,7 +46,7 @@ from dagster import (
 
 from assets.checkpoints import checkpoint
 from assets.freshness import RPO_FRESHNESS_KEY
-from assets.partitions import checkpoint_key, checkpoints_partitions
+from assets.partitions import DIGEST_TAG, checkpoint_key, checkpoints_partitions
 from ckptflow import catalog, catalog_listing
 from ckptflow.lifecycle.records import Subject, read_record
 from ckptflow.manifest import Manifest
@@ -57,7 +57,6 @@ from sensors.intervals import SENSOR_INTERVAL_S
 MAX_PER_TICK = 500
 SLACK = 60.0  # seconds
 FULL_SCAN_S = 300.0  # a tick lists every step of every run at least this often
-DIGEST_TAG = "ckptflow/manifest_digest"
 LANE_TAG = "ckptflow/lane"  # validation / evaluation / archival: what the run queue limits by
 
 validation_job = define_asset_job(

@@ -4,7 +4,9 @@ Each command is a thin wrapper over a library function (catalog, export, stats, 
 so scripts, the Dagster layer and humans get the same answers. Exit codes are part of
 the interface: 0 success, 1 "verify found problems" or "gc could not safely sweep",
 2 an error the user can act on
-(bad arguments, unknown run, unreadable checkpoint), always as one line on stderr.
+(bad arguments, unknown run, unreadable checkpoint), always as one line on stderr,
+3 "verify could not read the store" (unavailable, cold, denied, a link: nothing proved
+damage; retry, thaw or fix access).
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("verify", help="re-read and check checkpoints (exit 1 if any is corrupt)")
+    p = sub.add_parser(
+        "verify", help="re-read and check checkpoints (exit 1 if any is corrupt, 3 if the store could not be read)"
+    )
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--run", required=True)
     which = p.add_mutually_exclusive_group()

@@ -91,6 +91,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+CORRUPT = 1  # verify's exit status when it found proof of damage (or debris: uncommitted steps, bad names)
+UNAVAILABLE = 3  # ... when all it found was what could not be read: no verdict, retry
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args.root)
     run = _require_run(store, args.run)
@@ -98,12 +102,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     steps = [e.step for e in listed if isinstance(e, catalog_listing.StepListing)]
     committed = [e.step for e in listed if isinstance(e, catalog_listing.StepListing) and e.committed]
     problems: list[str] = []
+    proof = False  # a problem that is more than "could not be read"
     if args.all:
         targets = committed
         for entry in listed:
             if isinstance(entry, catalog_listing.Problem):
                 problems.append(str(entry))
+                proof = proof or not entry.could_not_read
             elif not entry.committed and entry.files:
+                proof = True
                 problems.append(
                     f"run {run} step {entry.step}: uncommitted: no manifest (a save crashed or is still "
                     f"running; `{PROG} gc` removes its files after the grace period)"
@@ -129,12 +136,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         for line in problems:
             print(line)
+        if not proof and not any(r.damaged for r in reports):
+            print(
+                f"{PROG}: {len(problems)} problem(s), none of them proof of damage: the store {store.url} could not "
+                "be read (unavailable, cold, denied or a link); retry when it answers, thaw or fix access",
+                file=sys.stderr,
+            )
+            return UNAVAILABLE
         bad = sum(not r.ok for r in reports) + sum(isinstance(e, catalog_listing.Problem) for e in listed if args.all)
         print(
             f"{PROG}: {len(problems)} problem(s); {bad} of {len(reports)} checkpoint(s) of run {run} failed",
             file=sys.stderr,
         )
-        return 1
+        return CORRUPT
     chunks = sum(r.chunks_checked for r in reports)
     nbytes = sum(r.bytes_checked for r in reports)
     what = f"step {targets[0]}" if len(targets) == 1 else f"{len(targets)} checkpoints"

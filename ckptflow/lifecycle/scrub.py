@@ -1,4 +1,7 @@
-"""Scrub: re-verify old checkpoints (bit rot, lost objects) and record each verdict."""
+"""Scrub: re-verify old checkpoints (bit rot, lost objects) and record each verdict.
+
+A checkpoint the store would not let it read (an outage) keeps its earlier verdict: it
+is listed as unreadable, never recorded as failed."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from ckptflow import catalog
+from ckptflow.errors import StoreUnavailableError
 from ckptflow.lifecycle.validate import validate
 from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
@@ -15,7 +19,7 @@ from ckptflow.store.base import Store
 class ScrubReport:
     checked: int = 0
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (run, step, problems)
-    unreadable: list[str] = field(default_factory=list)  # commit records that could not be looked at
+    unreadable: list[str] = field(default_factory=list)  # checkpoints that could not be looked at: no verdict
 
 
 def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = None) -> ScrubReport:
@@ -32,7 +36,11 @@ def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = No
             continue
         if item.created_at >= cutoff:
             continue
-        record = validate(store, item.run, item.step)
+        try:
+            record = validate(store, item.run, item.step)
+        except StoreUnavailableError as e:
+            report.unreadable.append(str(e))
+            continue
         report.checked += 1
         if not record["ok"]:
             report.corrupt.append((item.run, item.step, "; ".join(record["problems"])))

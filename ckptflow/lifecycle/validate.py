@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptflow import catalog
+from ckptflow.errors import StoreUnavailableError
 from ckptflow.lifecycle.records import Subject, write_record
 from ckptflow.store.base import Store
 
@@ -12,8 +13,19 @@ from ckptflow.store.base import Store
 def validate(store: Store, run: str, step: int, *, records: Store | None = None) -> dict[str, Any]:
     """Verify manifest, rank records and every chunk of ``(run, step)`` in ``store`` and
     record the verdict in ``records`` (the hot store, when ``store`` is the archive tier
-    holding the checkpoint). A checkpoint without a commit record gets no record."""
+    holding the checkpoint). A checkpoint without a commit record gets no record.
+
+    A verdict needs proof: when something could not be read (an outage, a cold or denied
+    object) and nothing proved damage, no record is written (an earlier verdict stands)
+    and ``StoreUnavailableError`` says what could not be read, to retry later."""
     report = catalog.verify_checkpoint(store, run, step)
+    if report.unavailable:
+        unread = report.problems
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise StoreUnavailableError(
+            f"could not verify run {run} step {step} in {store.url}: {unread[0]}{more}; nothing proved it "
+            "damaged, so no verdict was recorded: retry when the store answers"
+        )
     verdict = {
         "ok": report.ok,
         "problems": report.problems[:20],

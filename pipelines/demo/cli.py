@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         corrupt_newest(args.store, args.run)  # flip one byte of a chunk only the newest checkpoint uses
         print(f"== corrupted one chunk of step {newest.step} on purpose")
         report = ck.verify(newest.step)
-        print(f"  verify step {newest.step}: {'ok' if report.ok else 'CORRUPT'}; " + "; ".join(report.problems)[:160])
+        verdict = "ok" if report.ok else "CORRUPT" if report.damaged else "UNREADABLE"
+        print(f"  verify step {newest.step}: {verdict}; " + "; ".join(report.problems)[:160])
         result = ck.restore(build())
         print(f"  restore picked step {result.step}; skipped {[(s, r[:60] + '…') for s, r in result.skipped]}")
 

@@ -1,0 +1,111 @@
+"""The run-failure sensor records a failure against the commit the run processed, never
+against a step committed again since, and retries a store that does not answer."""
+
+import torch
+from dagster import asset, build_sensor_context, materialize
+
+from assets import PARTITIONED, checkpoint_key, evaluation
+from assets.partitions import DIGEST_TAG, checkpoints_partitions
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.lifecycle.records import Subject
+from ckptflow.store import open_store
+from pipelines import demo
+from resources import CheckpointStoreResource, EvaluatorResource
+from sensors import failure_sensor
+from sensors.failures import UNATTRIBUTED_TAG
+from support.corrupt import corrupt_chunk, only_in
+from support.dagster import RUN, subject
+from support.faulty_store import FaultyStore
+
+KEY = checkpoint_key(RUN, 40)
+
+
+@asset(partitions_def=checkpoints_partitions)
+def doomed() -> None:
+    """A run about a checkpoint that fails before it reads anything (so carries no digest)."""
+    raise RuntimeError("failed before reading the checkpoint")
+
+
+def recommit(store: str) -> None:
+    """Restore rejects step 40, training falls back to 30 and saves step 40 again."""
+    corrupt_chunk(store, RUN, 40, only_in(store, RUN, 40, 30)[0])
+    torch.manual_seed(1)
+    state = demo.build()
+    with Checkpointer(store, RUN) as ck:
+        assert ck.restore(state).step == 30
+        ck.save(40, state, metadata={"train_loss": 0.5})
+
+
+def tick(instance, resources, cursor=None):
+    with build_sensor_context(instance=instance, cursor=cursor, resources={"store": resources["store"]}) as context:
+        failure_sensor(context)
+        return context.cursor
+
+
+def failure(store: str, digest: str) -> dict | None:
+    return lifecycle.read_record(open_store(store), Subject(RUN, 40, digest), "failure")
+
+
+def fail_untagged(instance):
+    result = materialize([doomed], partition_key=KEY, instance=instance, raise_on_error=False)
+    assert not result.success and DIGEST_TAG not in instance.get_run_by_id(result.run_id).tags
+    return result.run_id
+
+
+def test_a_failure_belongs_to_the_commit_the_run_processed(store_with_checkpoints, resources, instance):
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    first = subject(store_with_checkpoints, 40).digest
+    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
+    run = materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
+        raise_on_error=False,
+    )  # fmt: skip
+    assert not run.success and instance.get_run_by_id(run.run_id).tags[DIGEST_TAG] == first
+    recommit(store_with_checkpoints)  # before the sensor looks (it lags, or starts later)
+    second = subject(store_with_checkpoints, 40).digest
+    assert second != first
+    tick(instance, resources)
+    assert failure(store_with_checkpoints, first)["run_id"] == run.run_id
+    assert failure(store_with_checkpoints, second) is None  # the new commit has failed nothing
+
+
+def test_an_untagged_run_is_attributed_only_to_a_commit_older_than_itself(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    monkeypatch.setattr("sensors.failures.CLOCK_SKEW_S", 0.0)  # one clock in a test
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    first = subject(store_with_checkpoints, 40).digest
+    before = fail_untagged(instance)
+    recommit(store_with_checkpoints)
+    second = subject(store_with_checkpoints, 40).digest
+    cursor = tick(instance, resources)
+    assert failure(store_with_checkpoints, first) is None and failure(store_with_checkpoints, second) is None
+    assert "committed (again) after it started" in instance.get_run_by_id(before).tags[UNATTRIBUTED_TAG]
+    after = fail_untagged(instance)  # a run that started after the new commit was about it
+    tick(instance, resources, cursor)
+    assert failure(store_with_checkpoints, second)["run_id"] == after
+
+
+def test_a_store_that_does_not_answer_is_retried_next_tick(store_with_checkpoints, resources, instance, monkeypatch):
+    monkeypatch.setattr("sensors.failures.CLOCK_SKEW_S", 0.0)
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    run_id = fail_untagged(instance)
+    opened = CheckpointStoreResource.open
+    down = {"now": True}
+
+    def flaky_open(resource):
+        store = FaultyStore(opened(resource))
+        store.fail_if = lambda op, key: down["now"] and unavailable(key)
+        return store
+
+    monkeypatch.setattr(CheckpointStoreResource, "open", flaky_open)
+    cursor = tick(instance, resources)
+    assert cursor in (None, "-1")  # not past the run whose failure is unrecorded
+    down["now"] = False
+    tick(instance, resources, cursor)
+    assert failure(store_with_checkpoints, subject(store_with_checkpoints, 40).digest)["run_id"] == run_id
+
+
+def unavailable(key: str) -> bool:
+    raise StoreUnavailableError(f"S3 GetObject of {key} failed after 10 attempts: SlowDown")

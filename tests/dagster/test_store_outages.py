@@ -1,0 +1,100 @@
+"""A store that does not answer is no verdict: the ``checkpoint`` asset and the scrub job
+retry it, record no failed integrity check and overwrite no earlier verdict."""
+
+import pytest
+from dagster import DagsterEventType, materialize
+
+from assets import PARTITIONED, checkpoint, checkpoint_key
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.store import open_store
+from pipelines.jobs import scrub_job
+from resources import CheckpointStoreResource
+from support.dagster import RUN, record
+from support.faulty_store import FaultyStore
+
+KEY = checkpoint_key(RUN, 20)
+
+
+class Brownout:
+    """Chunk reads of every store the resources open fail while ``failures`` lasts (-1: forever)."""
+
+    def __init__(self, monkeypatch):
+        self.failures = 0
+        self.raised = 0
+        opened = CheckpointStoreResource.open
+
+        def open_flaky(resource):
+            flaky = FaultyStore(opened(resource))
+            flaky.fail_if = self.fail_if
+            return flaky
+
+        monkeypatch.setattr(CheckpointStoreResource, "open", open_flaky)
+
+    def fail_if(self, op: str, key: str) -> bool:
+        if key.startswith("chunks/") and self.failures != 0:
+            self.failures -= self.failures > 0
+            self.raised += 1
+            raise StoreUnavailableError(f"S3 GetObject of {key} failed after 10 attempts: SlowDown")
+        return False
+
+
+@pytest.fixture
+def brownout(monkeypatch):
+    return Brownout(monkeypatch)
+
+
+def quick(resources):
+    """Retries without the production waits."""
+    return {**resources, "store": CheckpointStoreResource(url=resources["store"].url, unavailable_wait_s=0)}
+
+
+def events(result, kind):
+    return [e for e in result.all_events if e.event_type == kind]
+
+
+def test_validation_in_an_outage_is_retried_records_no_failed_check_and_passes_after(
+    store_with_checkpoints, resources, instance, brownout
+):
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    brownout.failures = -1
+    run = materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=quick(resources), selection=[checkpoint],
+        raise_on_error=False,
+    )  # fmt: skip
+    assert not run.success and brownout.raised
+    assert len(events(run, DagsterEventType.STEP_UP_FOR_RETRY)) == resources["store"].unavailable_retries
+    assert run.get_asset_check_evaluations() == []  # the partition holds no failed integrity check
+    [failure] = events(run, DagsterEventType.STEP_FAILURE)
+    description = failure.step_failure_data.user_failure_data.description
+    assert "could not verify" in description and open_store(store_with_checkpoints).url in description
+    assert "SlowDown" in description and "integrity check blocked" not in description
+    assert record(store_with_checkpoints, 20, "validation") is None  # the landing sensor would still ask
+
+    brownout.failures = 1  # one more failed read, then the store answers: the retry passes in the same run
+    run = materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=quick(resources), selection=[checkpoint],
+        raise_on_error=False,
+    )  # fmt: skip
+    assert run.success and len(events(run, DagsterEventType.STEP_UP_FOR_RETRY)) == 1
+    [check] = run.get_asset_check_evaluations()
+    assert check.passed
+    assert record(store_with_checkpoints, 20, "validation")["ok"] is True
+
+
+def test_scrub_in_an_outage_is_retried_and_keeps_every_verdict(store_with_checkpoints, resources, instance, brownout):
+    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+
+    def scrub():
+        return scrub_job.execute_in_process(
+            instance=instance, run_config=config, resources={"store": quick(resources)["store"]}, raise_on_error=False
+        )
+
+    assert scrub().success
+    before = {step: record(store_with_checkpoints, step, "validation") for step in (10, 20, 30, 40)}
+    assert all(r["ok"] is True for r in before.values())
+    brownout.failures = -1
+    result = scrub()
+    assert not result.success and events(result, DagsterEventType.STEP_UP_FOR_RETRY)
+    [failure] = events(result, DagsterEventType.STEP_FAILURE)
+    assert "could not be read" in failure.step_failure_data.user_failure_data.description
+    assert {step: record(store_with_checkpoints, step, "validation") for step in before} == before

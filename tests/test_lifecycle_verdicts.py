@@ -1,0 +1,104 @@
+"""A verdict needs proof: validation, scrub and ``ckptflow verify`` tell a checkpoint that
+is damaged from one the store would not let them read (an S3 brownout), and only the
+first is ever recorded as failed."""
+
+import pytest
+
+from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.store import open_store
+from support.cli import RUN as CLI_RUN
+from support.cli import make_store, run_cli
+from support.corrupt import chunk_path, flip_byte, only_in
+from support.faulty_store import FaultyStore
+from support.states import drifting_state
+
+
+def make(tmp_path):
+    """Run ``r``, steps 1 and 2 (sharing some chunks); the store and its root."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r", chunk_bytes=4096) as ck:
+        for step in (1, 2):
+            ck.save(step, drifting_state(step))
+    return open_store(root), root
+
+
+def subject(store, step):
+    return lifecycle.Subject.of(catalog.read_manifest(store, "r", step))
+
+
+def unavailable(key: str) -> bool:
+    raise StoreUnavailableError(f"S3 GetObject of {key} failed after 10 attempts: SlowDown")
+
+
+def brownout(store, spare: str = "") -> FaultyStore:
+    """``store`` whose chunk reads (but ``spare``'s) fail as an S3 backend's do after its own retries."""
+    flaky = FaultyStore(store)
+    flaky.fail_if = lambda op, key: key.startswith("chunks/") and not (spare and spare in key) and unavailable(key)
+    return flaky
+
+
+def test_an_outage_is_no_verdict_and_leaves_the_earlier_one(tmp_path):
+    store, _ = make(tmp_path)
+    report = catalog.verify_checkpoint(brownout(store), "r", 2)
+    assert not report.ok and report.unavailable and not report.damaged
+    with pytest.raises(StoreUnavailableError, match="no verdict was recorded"):
+        lifecycle.validate(brownout(store), "r", 2)
+    assert lifecycle.read_record(store, subject(store, 2), "validation") is None  # the landing sensor still asks
+    good = lifecycle.validate(store, "r", 2)
+    assert good["ok"] is True
+    with pytest.raises(StoreUnavailableError):
+        lifecycle.validate(brownout(store), "r", 2)
+    assert lifecycle.read_record(store, subject(store, 2), "validation") == good  # not overwritten
+
+
+def test_proof_of_damage_is_a_verdict_whatever_else_could_not_be_read(tmp_path):
+    store, root = make(tmp_path)
+    damaged = only_in(root, "r", 2, 1)[0]
+    flip_byte(chunk_path(root, damaged))
+    flaky = brownout(store, spare=damaged)
+    report = catalog.verify_checkpoint(flaky, "r", 2)
+    assert report.damaged and not report.unavailable and any("SlowDown" in p for p in report.problems)
+    record = lifecycle.validate(flaky, "r", 2)
+    assert record["ok"] is False and any(damaged in p for p in record["problems"])
+
+
+def test_scrub_during_an_outage_overwrites_no_verdict(tmp_path):
+    store, _ = make(tmp_path)
+    before = {step: lifecycle.validate(store, "r", step) for step in (1, 2)}
+    report = lifecycle.scrub(brownout(store), older_than_s=0)
+    assert report.checked == 0 and report.corrupt == [] and len(report.unreadable) == 2
+    assert "SlowDown" in report.unreadable[0]
+    for step in (1, 2):
+        assert lifecycle.read_record(store, subject(store, step), "validation") == before[step]
+    after = lifecycle.scrub(store, older_than_s=0)  # the store answers again
+    assert after.checked == 2 and not after.corrupt and not after.unreadable
+
+
+def test_cli_verify_says_the_store_is_unavailable_not_corrupt(tmp_path, capsys, monkeypatch):
+    root, _, _ = make_store(tmp_path)
+    monkeypatch.setattr("ckptflow.cli.commands._open", lambda url: brownout(open_store(url, create=False)))
+    code, out, err = run_cli(capsys, "verify", root, "--run", CLI_RUN, "--all")
+    assert code == 3 and "SlowDown" in out and "none of them proof of damage" in err and "retry" in err
+    flip_byte(chunk_path(root, only_in(root, CLI_RUN, 20, 10)[0]))
+    monkeypatch.undo()
+    assert run_cli(capsys, "verify", root, "--run", CLI_RUN, "--all")[0] == 1  # damage: the corrupt status
+
+
+def test_a_missing_chunk_is_damage_and_a_denied_record_is_not(tmp_path):
+    store, root = make(tmp_path)
+    chunk_path(root, only_in(root, "r", 2, 1)[0]).unlink()
+    assert catalog.verify_checkpoint(store, "r", 2).damaged
+    flaky = FaultyStore(store)
+    key = catalog.read_manifest(store, "r", 1).rank_key(0)
+
+    def denied(op: str, k: str) -> bool:
+        if k == key:
+            raise PermissionError(13, "Permission denied", k)
+        return False
+
+    flaky.fail_if = denied
+    report = catalog.verify_checkpoint(flaky, "r", 1)
+    assert report.unavailable and "Permission denied" in report.problems[0]
+    with pytest.raises(StoreUnavailableError, match="Permission denied"):
+        lifecycle.validate(flaky, "r", 1)
