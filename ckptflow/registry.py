@@ -85,7 +85,7 @@ class Registry:
         return f"{self._model_prefix(model)}versions/{version:06d}.json"
 
     def file_key(self, model: str, sha256: str) -> str:
-        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        if not fmt.is_digest(sha256):
             raise RegistryError(f"{sha256!r} is not a sha256 hex digest")
         return f"{self._model_prefix(model)}files/{sha256}"
 
