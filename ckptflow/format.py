@@ -101,8 +101,9 @@ def rank_key(run: str, step: int, rank: int, save_id: str = "") -> str:
     return f"{step_prefix(run, step)}ranks/{int(rank)}{'.' + save_id if save_id else ''}.json"
 
 
-def quarantine_key(run: str, step: int, stamp: str) -> str:
-    return f"runs/{validate_run(run)}/quarantine/{validate_step(step):0{STEP_DIGITS}d}-{stamp}.json"
+def quarantine_key(run: str, step: int, digest: str) -> str:
+    """Where a rejected manifest of ``step`` with sha256 ``digest`` is kept (``ckptflow.quarantine``)."""
+    return f"runs/{validate_run(run)}/quarantine/{validate_step(step):0{STEP_DIGITS}d}-{digest}.json"
 
 
 NAME_SEP = "__step-"
