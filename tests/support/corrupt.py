@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckptflow import catalog
+from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
 from ckptflow.store import open_store
 
@@ -43,7 +43,7 @@ def corrupt_chunk(root: str | os.PathLike, run: str, step: int, digest: str | No
     """Flip the last byte of a chunk of ``(run, step)``: ``digest``, or by default the first
     (by digest) that no other checkpoint of the run uses, so only this one is damaged."""
     if digest is None:
-        others = [s for s in catalog.committed_steps(open_store(os.fspath(root)), run) if s != step]
+        others = [s for s in catalog_listing.committed_steps(open_store(os.fspath(root)), run) if s != step]
         digest = only_in(root, run, step, *others)[0]
     flip_byte(chunk_path(root, digest))
     return digest
