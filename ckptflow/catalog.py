@@ -177,7 +177,10 @@ def summaries(store: Store, run: str | None = None) -> Iterator[CheckpointInfo |
 
 
 def list_checkpoints(store: Store, run: str) -> list[CheckpointInfo]:
-    """Committed checkpoints of ``run`` whose manifest is intact, ascending by step."""
+    """Committed checkpoints of ``run``, ascending by step, less those whose manifest did not
+    parse when last read. A manifest is read again only when the listing shows it written
+    since (``ckptflow.index``), so this lists commits: damage that no write records (bit rot
+    on the device) is not seen here, but by verify, restore and scrub, which read it."""
     return [i for i in summaries(store, run) if isinstance(i, CheckpointInfo)]
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ckptflow import catalog, catalog_listing, recoveries
+from ckptflow import catalog, catalog_listing, quarantine, recoveries
 from ckptflow import format as fmt
 from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.catalog import CheckpointInfo, VerifyReport
@@ -270,12 +270,10 @@ class Checkpointer:
                 f"step {step} of run {self.run!r} is already committed in {self.store.url}; "
                 "save under a new step, or delete that checkpoint first (retention / `ckptflow gc`)"
             )
-        key = fmt.manifest_key(self.run, step)
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        self.store.put_if_absent(fmt.quarantine_key(self.run, step, stamp), self.store.get(key))
-        self.store.delete(key)
         log.warning(
-            "moved the rejected manifest of step %d aside to %s", step, fmt.quarantine_key(self.run, step, stamp)
+            "moved the rejected manifest of step %d aside to %s",
+            step,
+            quarantine.move_aside(self.store, self.run, step),
         )
 
     # ---- restore ----------------------------------------------------------------------

@@ -155,6 +155,12 @@ def _check_metadata(md: Any, where: str) -> None:
         )
     ):
         raise bad("planner_data is not a map of flattened names to key paths")
+    # DCP flattens every element of a list to at least one item, so a list index is below
+    # the number of items; a larger one would only allocate (or, negative, fail) rebuilding
+    items = len(md.state_dict_metadata)
+    for fqn, path in (paths or {}).items():
+        if any(isinstance(k, int) and not 0 <= k < items for k in path):
+            raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
 
 
 def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:

@@ -23,7 +23,8 @@ FORMAT_VERSION = 2  # what this ckptflow writes; 2: chunks addressed by BLAKE3 (
 READABLE_FORMATS = (1, 2)
 STEP_DIGITS = 12
 IMPORT_FORMATS = ("dcp", "safetensors", "hf", "torch")  # what `ckptflow import` reads (ckptflow.importers)
-DIGEST_HEX = 64
+DIGEST_HEX = 64  # hex digits of every digest: chunk addresses (BLAKE3 or sha256) and manifests (sha256)
+_DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_HEX}}}")
 # bytes per element of every dtype a checkpoint may hold, by torch's name for it
 DTYPE_SIZES = {
     "float64": 8,
@@ -100,8 +101,9 @@ def rank_key(run: str, step: int, rank: int, save_id: str = "") -> str:
     return f"{step_prefix(run, step)}ranks/{int(rank)}{'.' + save_id if save_id else ''}.json"
 
 
-def quarantine_key(run: str, step: int, stamp: str) -> str:
-    return f"runs/{validate_run(run)}/quarantine/{validate_step(step):0{STEP_DIGITS}d}-{stamp}.json"
+def quarantine_key(run: str, step: int, digest: str) -> str:
+    """Where a rejected manifest of ``step`` with sha256 ``digest`` is kept (``ckptflow.quarantine``)."""
+    return f"runs/{validate_run(run)}/quarantine/{validate_step(step):0{STEP_DIGITS}d}-{digest}.json"
 
 
 NAME_SEP = "__step-"
@@ -124,6 +126,11 @@ def parse_checkpoint_name(name: str) -> tuple[str, int]:
 def parse_step_dir(name: str) -> int | None:
     name = name.rstrip("/").rsplit("/", 1)[-1]
     return int(name) if len(name) == STEP_DIGITS and name.isdigit() else None
+
+
+def is_digest(value: object) -> bool:
+    """A 64-digit lower-case hex digest: what chunk keys, record keys and registry files are named by."""
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
 
 def digest_of(blob: bytes) -> str:

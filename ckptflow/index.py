@@ -3,12 +3,19 @@ the next reader does one GET instead of thousands.
 
 On S3 every object read is a round trip: the inventory of 10,000 checkpoints is 10,000
 manifests plus their lifecycle records. An ``ObjectIndex`` keeps, per object key, the
-value derived from it together with the object's size and modification time as the
-listing showed them. A reader lists (which it does anyway), takes every entry whose
-object is listed unchanged, reads only the new or changed objects (in parallel), and
-writes the index back when it learnt something. The objects stay the truth: an entry is
-never used for an object the listing does not show exactly as recorded, and an index
-that fails its checksum or cannot be read is simply rebuilt.
+value derived from it together with the object's size, modification time and version
+(``ObjectInfo.version``: S3's ETag, a local file's inode and change time) as the listing
+showed them. A reader lists (which it does anyway), takes every entry whose object is
+listed unchanged, reads only the new or changed objects (in parallel), and writes the
+index back when it learnt something. An index that fails its checksum or cannot be read
+is simply rebuilt.
+
+What the index can see is what the listing shows: any write of an object, in place or
+by replace, with its times set back or not, changes its version and so is read anew. A
+change that no metadata records (bit rot below the filesystem, an object altered
+behind S3's back) is invisible to it, as it is to any listing: a value from the index
+says what was committed, not that the object is still intact. Reading the object
+(restore, verify, scrub) is what checks that.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from ckptflow.sealed import seal, unseal
 from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "index/"
-VERSION = 1
+VERSION = 2  # entries [size, mtime, version, value]
 log = logging.getLogger("ckptflow")
 Derive = Callable[[ObjectInfo, bytes], Any]
 
@@ -53,8 +60,8 @@ class ObjectIndex:
         stale: list[ObjectInfo] = []
         for info in listed:
             entry = known.get(info.key)
-            if isinstance(entry, list) and len(entry) == 3 and entry[0] == info.size and entry[1] == info.mtime:
-                out[info.key] = entry[2]
+            if isinstance(entry, list) and len(entry) == 4 and entry[:3] == _stamp(info):
+                out[info.key] = entry[3]
             else:
                 stale.append(info)
 
@@ -67,9 +74,9 @@ class ObjectIndex:
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptflow-index") as pool:
             fresh = dict(zip((i.key for i in stale), pool.map(read, stale)))
         out.update(fresh)
-        learnt = {i.key: [i.size, i.mtime, fresh[i.key]] for i in stale if not isinstance(fresh[i.key], Exception)}
+        learnt = any(not isinstance(value, Exception) for value in fresh.values())
         if learnt or len(known) != len(listed):
-            keep = {i.key: [i.size, i.mtime, out[i.key]] for i in listed if not isinstance(out[i.key], Exception)}
+            keep = {i.key: [*_stamp(i), out[i.key]] for i in listed if not isinstance(out[i.key], Exception)}
             self._save(keep)
         return out
 
@@ -78,6 +85,11 @@ class ObjectIndex:
             self.store.replace(self.key, seal({"format_version": 1, "index_version": VERSION, "entries": entries}))
         except (CkptflowError, OSError) as e:  # read-only credentials: the next reader reads again
             log.debug("could not write %s/%s: %s", self.store.url, self.key, e)
+
+
+def _stamp(info: ObjectInfo) -> list[Any]:
+    """What an entry must match to be used: the object as the listing shows it."""
+    return [info.size, info.mtime, info.version]
 
 
 def manifest_summary(info: ObjectInfo, blob: bytes) -> dict[str, Any]:

@@ -82,6 +82,7 @@ class Entry:
             self.valid,
             self.archived,
             self.archive_lossy is not None,
+            self.digest if not self.manifest_error else "",  # unknown: protected by any pin of its name
         )
 
 

@@ -133,7 +133,7 @@ class Manifest:
             raise check.bad(f"has world_size {world_size}, more than {MAX_WORLD_SIZE}")
         address = _parse_address(check, doc)
         chunks = check.mapping(doc, "chunks")
-        if not all(isinstance(d, str) and len(d) == 64 for d in chunks) or not all(
+        if not all(fmt.is_digest(d) for d in chunks) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in chunks.values()
         ):
             raise check.bad(f"has a chunk entry that is not a {address} digest with a non-negative length")

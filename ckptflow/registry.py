@@ -22,8 +22,8 @@ so a write whose response was lost is recognised as ours on the retry.
 Every version names where it came from (run, step, checkpoint partition key, manifest
 digest, validation, evaluation, training config, data) and how it was exported, so the
 files can be rebuilt from the checkpoint (``ckptflow.lifecycle.promote.rebuild``).
-Retention never deletes a checkpoint that a version was published from or an alias
-points to (``pinned`` / ``aliased``).
+Retention never deletes the commit (manifest digest) that a version was published from
+or an alias points to (``pinned`` / ``aliased``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Registry:
         return f"{self._model_prefix(model)}versions/{version:06d}.json"
 
     def file_key(self, model: str, sha256: str) -> str:
-        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        if not fmt.is_digest(sha256):
             raise RegistryError(f"{sha256!r} is not a sha256 hex digest")
         return f"{self._model_prefix(model)}files/{sha256}"
 
@@ -246,17 +246,18 @@ class Registry:
         return self.move(model, "rollback", swap)
 
     # ---- what retention must keep ------------------------------------------------------
-    def pinned(self) -> set[tuple[str, int]]:
-        """Checkpoints any version was published from."""
-        return {(v.run, v.step) for m in self.models() for v in self.versions(m)}
+    def pinned(self) -> set[tuple[str, int, str]]:
+        """The commits (run, step, manifest digest) any version was published from: what
+        ``rebuild`` needs, not whatever was committed under that name since."""
+        return {(v.run, v.step, v.manifest_digest) for m in self.models() for v in self.versions(m)}
 
-    def aliased(self) -> dict[tuple[str, int], list[str]]:
-        """Checkpoints an alias points to, with ``model:alias`` names."""
-        out: dict[tuple[str, int], list[str]] = {}
+    def aliased(self) -> dict[tuple[str, int, str], list[str]]:
+        """The commits an alias points to, with ``model:alias`` names."""
+        out: dict[tuple[str, int, str], list[str]] = {}
         for m in self.models():
             for alias, version in self.aliases(m).items():
                 v = self.get(m, version)
-                out.setdefault((v.run, v.step), []).append(f"{m}:{alias}")
+                out.setdefault((v.run, v.step, v.manifest_digest), []).append(f"{m}:{alias}")
         return out
 
 

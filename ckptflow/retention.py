@@ -8,7 +8,10 @@ manifests, then GC) is a separate, boring step.
 
 Checkpoints are named by ``(run, step)``: steps repeat across runs, so a step alone is
 ambiguous in a store that holds several runs. Rules that rank checkpoints (newest,
-best-K) rank within each run.
+best-K) rank within each run. A pin or alias belongs to a commit, ``(run, step,
+manifest digest)``: it protects the checkpoint whose manifest has that digest, not a
+later commit of the same step (a model version published from a rejected commit must
+not keep its replacement).
 
 Never-delete rules (``KeepPinned``, ``KeepAliased``, ``KeepNewestValid``) are part of
 ``default_policy`` and additionally enforced by ``plan`` itself, so a custom policy
@@ -31,6 +34,7 @@ from typing import Any, Protocol
 
 DAY = 86400.0
 Ref = tuple[str, int]  # (run, step)
+Commit = tuple[str, int, str]  # (run, step, manifest digest)
 
 
 @dataclass(frozen=True)
@@ -45,24 +49,36 @@ class Candidate:
     valid: bool | None = True  # None: not validated yet (treated as valid for "newest valid")
     archived: bool = False  # a copy in the archive tier verified
     archive_lossy: bool = False  # that copy was written with a lossy archive codec
+    digest: str = ""  # the hot copy's manifest digest; "" if it could not be read
 
     @property
     def ref(self) -> Ref:
         return (self.run, self.step)
+
+    def commits_in(self, commits: Iterable[Commit]) -> list[Commit]:
+        """Those of ``commits`` that are this checkpoint: its name and manifest digest. One
+        whose digest is unknown (its manifest could not be read just now) matches every
+        commit of its name: retention does not delete what it cannot tell apart."""
+        if self.digest:
+            return [commit] if (commit := (self.run, self.step, self.digest)) in commits else []
+        return [commit for commit in commits if commit[:2] == self.ref]
 
     @classmethod
     def from_info(cls, info: Any, *, valid: bool | None = True, metrics: Mapping[str, Any] | None = None) -> Candidate:
         """From a ``CheckpointInfo``; ``metrics`` (e.g. evaluation results) override the trainer's."""
         merged = {k: v for k, v in (info.metadata or {}).items() if _is_number(v)}
         merged.update({k: v for k, v in (metrics or {}).items() if _is_number(v)})
-        return cls(info.run, info.step, info.kind, info.created_at, merged, valid)
+        return cls(info.run, info.step, info.kind, info.created_at, merged, valid, digest=info.digest)
 
 
 @dataclass(frozen=True)
 class Context:
     now: float
-    pinned: frozenset[Ref] = frozenset()
-    aliased: Mapping[Ref, Sequence[str]] = field(default_factory=dict)  # ref -> alias names
+    pinned: frozenset[Commit] = frozenset()
+    aliased: Mapping[Commit, Sequence[str]] = field(default_factory=dict)  # commit -> alias names
+
+    def aliases_of(self, c: Candidate) -> list[str]:
+        return sorted(name for commit in c.commits_in(self.aliased) for name in self.aliased[commit])
 
 
 class RetentionPolicy(Protocol):
@@ -163,7 +179,7 @@ class KeepPinned:
     """Pinned or published checkpoints, forever: someone promised they stay."""
 
     def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
-        return {c.ref: "pinned / published" for c in checkpoints if c.ref in ctx.pinned}
+        return {c.ref: "pinned / published" for c in checkpoints if c.commits_in(ctx.pinned)}
 
 
 @dataclass(frozen=True)
@@ -172,9 +188,7 @@ class KeepAliased:
     must still exist when it is needed."""
 
     def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
-        return {
-            c.ref: "model alias " + ", ".join(sorted(ctx.aliased[c.ref])) for c in checkpoints if c.ref in ctx.aliased
-        }
+        return {c.ref: "model alias " + ", ".join(names) for c in checkpoints if (names := ctx.aliases_of(c))}
 
 
 @dataclass(frozen=True)
@@ -232,8 +246,8 @@ class RetentionPlan:
 def plan(
     checkpoints: Sequence[Candidate],
     now: float,
-    pinned: Iterable[Ref] = (),
-    aliased: Mapping[Ref, Sequence[str]] | None = None,
+    pinned: Iterable[Commit] = (),
+    aliased: Mapping[Commit, Sequence[str]] | None = None,
     policy: RetentionPolicy | None = None,
     hot_days: float | None = None,
 ) -> RetentionPlan:
@@ -259,7 +273,7 @@ def plan(
     if hot_days is not None:
         newest = KeepNewestValid().preserve(checkpoints, ctx)
         for c in sorted(checkpoints, key=lambda c: c.ref):
-            exact_required = c.archive_lossy and (c.ref in ctx.pinned or c.ref in ctx.aliased)
+            exact_required = c.archive_lossy and bool(c.commits_in(ctx.pinned) or c.commits_in(ctx.aliased))
             if c.ref in keep and c.ref not in newest and c.archived and now - c.created_at >= hot_days * DAY:
                 if not exact_required:
                     archive_only[c.ref] = f"archived and older than {hot_days:g} days"

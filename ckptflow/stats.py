@@ -19,14 +19,12 @@ copies) and ``plain`` (raw or zstd). ``costs`` prices all of it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from ckptflow import catalog
+from ckptflow import format as fmt
 from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
-
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
 class _Ratios:
@@ -139,7 +137,7 @@ def chunk_file_sizes(store: Store) -> dict[str, int]:
     sizes = {}
     for info in store.list("chunks/"):
         digest = info.key.rsplit("/", 1)[-1]
-        if _DIGEST.match(digest):  # skip claim files and other debris
+        if fmt.is_digest(digest):  # skip claim files and other debris
             sizes[digest] = info.size
     return sizes
 

@@ -145,3 +145,25 @@ def test_metadata_that_is_not_json_is_refused_before_any_chunk_is_written(tmp_pa
         assert not (root / "chunks").exists() and not (root / "runs").exists()
         assert ck.save(np.int64(2), {"w": torch.ones(4)}, metadata={"loss": 0.5}).step == 2  # numpy steps are fine
     assert json.loads((root / fmt.manifest_key(RUN, 2)).read_bytes())["step"] == 2
+
+
+@pytest.mark.parametrize("name", ["Z" * 64, "A" * 64, "a" * 63 + "\n", "a" * 65])
+def test_a_chunk_named_by_anything_but_a_digest_is_a_problem(root, name):
+    """One rule for a digest (``fmt.is_digest``): a manifest cannot name a chunk key that no
+    address could be, however long."""
+
+    def rename_first_chunk(record: dict) -> None:
+        chunks = record["chunks"]
+        first = next(iter(chunks))
+        chunks[name] = chunks.pop(first)
+
+    reseal_manifest(root, RUN, 2, rename_first_chunk)
+    problems = [p for p in catalog.committed(open_store(root)) if isinstance(p, catalog_listing.Problem)]
+    assert [(p.step, p.kind) for p in problems] == [(2, "corrupt")]
+    assert "digest" in problems[0].message
+    assert restore_step(root)[0] == 1
+
+
+def test_is_digest_is_64_lower_case_hex_digits_and_nothing_else():
+    assert fmt.is_digest(fmt.digest_of(b"x"))
+    assert not any(fmt.is_digest(v) for v in ["A" * 64, "a" * 64 + "\n", "a" * 63, "g" * 64, b"a" * 64, None, 64])

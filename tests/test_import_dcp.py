@@ -175,6 +175,18 @@ def test_item_outside_the_directory_is_refused(tmp_path):
         read_state(str(directory))
 
 
+@pytest.mark.parametrize("index", [-5, 10**9])
+def test_list_index_out_of_range_is_refused_before_anything_is_built(tmp_path, index):
+    directory = tmp_path / "dcp"
+    dcp.save({"a": {"b": torch.ones(3)}}, storage_writer=FileSystemWriter(str(directory)), no_dist=True)
+    md = pickle.loads((directory / ".metadata").read_bytes())
+    md.planner_data = {"a.b": ("a", index)}  # a list of a billion slots, or one before the first
+    (directory / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(DcpFormatError, match=r"'a\.b'.*list index outside 0\.\.0.*not written by DCP"):
+        import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+    assert not (tmp_path / "store" / "runs").exists()
+
+
 def test_truncated_item_is_refused(tmp_path):
     directory = tmp_path / "dcp"
     dcp.save({"w": torch.ones(1000)}, storage_writer=FileSystemWriter(str(directory)), no_dist=True)

@@ -3,11 +3,16 @@ objects stay the truth."""
 
 from __future__ import annotations
 
+import os
+import time
+
+import pytest
 import torch
 
 from ckptflow import Checkpointer, catalog, lifecycle, open_store
 from ckptflow import format as fmt
 from ckptflow.index import PREFIX
+from support.corrupt import flip_byte, manifest_path
 from support.faulty_store import FaultyStore
 
 RUN = "r"
@@ -68,3 +73,39 @@ def test_lifecycle_records_are_read_once(tmp_path):
     again = reads(store, lambda: lifecycle.records_by_subject(store))
     assert again == [f"{PREFIX}lifecycle/{RUN}.json"]
     assert all(r["validation"]["ok"] for r in lifecycle.records_by_subject(store).values())
+
+
+def test_a_manifest_rewritten_in_place_with_its_times_set_back_is_read_again(tmp_path):
+    root = str(tmp_path / "store")
+    saved(root, [1, 2])
+    store = open_store(root)
+    assert [i.step for i in catalog.list_checkpoints(store, RUN)] == [1, 2]
+    path = manifest_path(root, RUN, 2)
+    before = os.stat(path)
+    flip_byte(path, 40)  # same size; the times set back as a careless copy or restore would
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert [i.step for i in catalog.list_checkpoints(store, RUN)] == [1]
+    [problem] = [p for p in catalog.summaries(store, RUN) if isinstance(p, catalog.Problem)]
+    assert problem.step == 2 and problem.kind == "corrupt"
+
+
+def test_an_s3_object_rewritten_within_the_same_second_is_read_again(s3_store_url):
+    """S3's LastModified has whole seconds: only the ETag tells two writes in one second apart."""
+    saved(s3_store_url, [1])
+    store = open_store(s3_store_url)
+    key = fmt.manifest_key(RUN, 1)
+    good = store.get(key)
+    bad = bytearray(good)
+    bad[40] ^= 1
+    for _ in range(5):  # the three calls must fall within one second; a slow machine retries
+        time.sleep(1 - time.time() % 1)
+        store.replace(key, good)
+        assert [i.step for i in catalog.list_checkpoints(store, RUN)] == [1]
+        listed = store.stat(key).mtime
+        store.replace(key, bytes(bad))
+        if store.stat(key).mtime == listed:
+            break
+    else:
+        pytest.skip("could not rewrite within one second of the listing")
+    assert catalog.list_checkpoints(store, RUN) == []

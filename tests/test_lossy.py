@@ -129,10 +129,11 @@ def test_retention_keeps_exact_copies_of_pinned_published_and_aliased_checkpoint
     old = now - 20 * DAY
 
     def cand(step, lossy):
-        return Candidate("r", step, "full", old, {}, True, archived=True, archive_lossy=lossy)
+        return Candidate("r", step, "full", old, {}, True, archived=True, archive_lossy=lossy, digest=f"d{step}")
 
     checkpoints = [cand(1, True), cand(2, True), cand(3, True), cand(4, False), cand(9, False)]
-    result = plan(checkpoints, now, pinned={("r", 1)}, aliased={("r", 2): ["stable"], ("r", 4): ["latest"]}, hot_days=7)
+    aliased = {("r", 2, "d2"): ["stable"], ("r", 4, "d4"): ["latest"]}
+    result = plan(checkpoints, now, pinned={("r", 1, "d1")}, aliased=aliased, hot_days=7)
     assert ("r", 1) not in result.archive_only and ("r", 2) not in result.archive_only  # exact copy stays hot
     assert ("r", 3) in result.archive_only  # unprotected: the lossy copy will do
     assert ("r", 4) in result.archive_only  # protected, but its archive copy is exact

@@ -101,8 +101,12 @@ def test_versions_aliases_promote_and_rollback(store_url, tmp_path):
     assert reg.rollback("tinylm") == {"latest": 4, "stable": 2, "fallback": 4}
     assert reg.resolve("tinylm", "stable").step == 20
     assert reg.rollback("tinylm")["stable"] == 4  # a second rollback undoes the first
-    assert reg.pinned() == {("run-a", s) for s in (10, 20, 30, 40)}
-    assert reg.aliased() == {("run-a", 40): ["tinylm:latest", "tinylm:stable"], ("run-a", 20): ["tinylm:fallback"]}
+    digest = {v.step: v.manifest_digest for v in reg.versions("tinylm")}
+    assert reg.pinned() == {("run-a", s, digest[s]) for s in (10, 20, 30, 40)}
+    assert reg.aliased() == {
+        ("run-a", 40, digest[40]): ["tinylm:latest", "tinylm:stable"],
+        ("run-a", 20, digest[20]): ["tinylm:fallback"],
+    }
 
 
 def test_bad_moves_raise_and_change_nothing(tmp_path):

@@ -18,7 +18,12 @@ NOW = 1_000 * DAY
 
 
 def c(step, age_days, kind="incremental", run="r", valid=True, **metrics):
-    return Candidate(run, step, kind, NOW - age_days * DAY, metrics, valid)
+    return Candidate(run, step, kind, NOW - age_days * DAY, metrics, valid, digest=digest(run, step))
+
+
+def digest(run, step):
+    """The manifest digest of a hand-built candidate (any string names a commit here)."""
+    return f"{run}-{step}-first-commit"
 
 
 def history():
@@ -70,7 +75,8 @@ def test_best_k_ignores_invalid_and_unscored():
 
 def test_never_delete_pinned_and_aliased_even_under_an_empty_policy():
     cands = [c(10, 400, "full"), c(20, 300), c(30, 200), c(40, 100)]
-    p = plan(cands, NOW, pinned=[("r", 10)], aliased={("r", 20): ["stable", "fallback"]}, policy=AnyOf(()))
+    aliased = {("r", 20, digest("r", 20)): ["stable", "fallback"]}
+    p = plan(cands, NOW, pinned=[("r", 10, digest("r", 10))], aliased=aliased, policy=AnyOf(()))
     assert p.keep[("r", 10)] == ["pinned / published"]
     assert p.keep[("r", 20)] == ["model alias fallback, stable"]
     assert p.keep[("r", 40)] == ["newest valid checkpoint of its run"]
@@ -78,7 +84,7 @@ def test_never_delete_pinned_and_aliased_even_under_an_empty_policy():
 
 
 def test_never_delete_rules_apply_to_a_bare_rule_too():
-    p = plan([c(10, 100), c(20, 50)], NOW, pinned=[("r", 10)], policy=KeepRecent(7))
+    p = plan([c(10, 100), c(20, 50)], NOW, pinned=[("r", 10, digest("r", 10))], policy=KeepRecent(7))
     assert set(p.keep) == {("r", 10), ("r", 20)} and not p.delete
 
 

@@ -55,7 +55,7 @@ def step_prefix(run: str, step: int) -> str:
 def record_key(subject: Subject, what: str) -> str:
     if what not in KINDS:
         raise ValueError(f"lifecycle record {what!r} is not one of {KINDS}")
-    if len(subject.digest) != fmt.DIGEST_HEX or not all(c in "0123456789abcdef" for c in subject.digest):
+    if not fmt.is_digest(subject.digest):
         raise InvalidNameError(f"lifecycle records are keyed by a manifest's sha256 digest, got {subject.digest!r}")
     return f"{step_prefix(subject.run, subject.step)}{subject.digest}/{what}.json"
 

@@ -39,13 +39,15 @@ def current_plan(
     hot_days: float | None = None,
     now: float | None = None,
 ) -> tuple[list[inventory.Entry], RetentionPlan]:
-    """The inventory and the plan for it now: pinned = ``pinned`` plus every published
-    model version's source; aliased from the registry."""
+    """The inventory and the plan for it now: pinned = what is committed now under the
+    names in ``pinned`` plus the commit every published model version came from; aliased
+    from the registry."""
     entries = inventory.collect(hot, archive)
+    names = set(pinned)
     plan = inventory.retention_plan(
         entries,
         time.time() if now is None else now,
-        registry.pinned() | set(pinned),
+        registry.pinned() | {(e.run, e.step, e.digest) for e in entries if e.ref in names},
         registry.aliased(),
         policy,
         hot_days,

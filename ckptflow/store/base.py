@@ -46,6 +46,9 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float  # seconds since the epoch
+    #: A token every write of the object changes, even one that keeps its size and sets its
+    #: time back: S3's ETag, a local file's inode and change time. "" where a backend has none.
+    version: str = ""
 
 
 class Store(ABC):

@@ -31,6 +31,12 @@ from ckptflow.store.disk import Disk
 TEMP_PREFIX = ".tmp-"
 
 
+def _info(key: str, st: os.stat_result) -> ObjectInfo:
+    """A file's ``ObjectInfo``. Its version is what no write can keep: a replace makes a new
+    inode, and writing in place or setting the times back moves the change time."""
+    return ObjectInfo(key, st.st_size, st.st_mtime, f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}")
+
+
 class LocalStore(Store):
     cheap_reread = True  # the page cache
     compare_and_swap = True
@@ -252,8 +258,7 @@ class LocalStore(Store):
                     else:
                         yield ObjectInfo(key + "/", 0, entry.stat().st_mtime)
                 elif entry.is_file(follow_symlinks=False):
-                    st = entry.stat()
-                    yield ObjectInfo(key, st.st_size, st.st_mtime)
+                    yield _info(key, entry.stat())
             except FileNotFoundError:  # deleted while listing
                 continue
 
@@ -281,7 +286,7 @@ class LocalStore(Store):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
         if S_ISDIR(st.st_mode):
             raise ObjectNotFoundError(f"{self.url}/{key} is a directory, not an object")
-        return ObjectInfo(key, st.st_size, st.st_mtime)
+        return _info(key, st)
 
     def touch(self, key: str) -> None:
         try:

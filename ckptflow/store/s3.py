@@ -192,7 +192,7 @@ class S3Store(Store):
 
     def stat(self, key: str) -> ObjectInfo:
         head = self._call("HeadObject", key, self.client.head_object, Key=self._key(key))
-        return ObjectInfo(key, int(head["ContentLength"]), head["LastModified"].timestamp())
+        return ObjectInfo(key, int(head["ContentLength"]), head["LastModified"].timestamp(), head.get("ETag", ""))
 
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
         return self._list(prefix, "" if recursive else "/", "")

@@ -52,7 +52,7 @@ def list_objects(
     found: list[ObjectInfo] = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, **kwargs):
         found += [
-            ObjectInfo(o["Key"][len(base) :], int(o["Size"]), o["LastModified"].timestamp())
+            ObjectInfo(o["Key"][len(base) :], int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag", ""))
             for o in page.get("Contents", ())
         ]
         found += [ObjectInfo(p["Prefix"][len(base) :], 0, 0.0) for p in page.get("CommonPrefixes", ())]
