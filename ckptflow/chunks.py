@@ -29,7 +29,7 @@ from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLar
 from ckptflow.format import chunk_key
 from ckptflow.store.base import Store
 
-SCAN_PIECE = 1 << 20  # small enough to stay in cache between read and hash
+SCAN_PIECE = 256 << 10  # stays in L2 between read and hash; 8 threads hold 2 MiB of them in all
 
 
 @dataclass(frozen=True)
