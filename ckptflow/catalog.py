@@ -264,7 +264,7 @@ def verify_checkpoint(
     """Re-read everything a checkpoint needs: manifest, rank records, every chunk. Whatever
     is wrong is a finding in the report: damage, or what could not be read (denied, a
     link, an outage), which the report keeps apart (``VerifyReport.unavailable``).
-    ``deep`` re-hashes every chunk's sha256 address; otherwise chunks are checked as
+    ``deep`` re-hashes every chunk's address (``ckptflow.checksum``); otherwise chunks are checked as
     restore checks them (the manifest's fast checksums, ``ckptflow.checksum``)."""
     key = fmt.manifest_key(run, step)
     try:

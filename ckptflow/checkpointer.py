@@ -372,7 +372,7 @@ class Checkpointer:
         return catalog.list_checkpoints(self.store, self.run)
 
     def verify(self, step: int, *, deep: bool = True) -> VerifyReport:
-        """``deep``: every chunk re-hashed against its sha256 address; else the fast checksums restore checks."""
+        """``deep``: every chunk re-hashed against its address; else the fast checksums restore checks."""
         step = fmt.validate_step(step)
         return catalog.verify_checkpoint(self.store, self.run, step, self.pool, self.progress, deep=deep)
 
