@@ -89,7 +89,7 @@ def test_a_manifest_that_is_a_link_loop_is_that_checkpoints_problem(tmp_path, ca
     code, out, err = run_cli(
         capsys, "export", str(root), "--run", "a", "--out", str(tmp_path / "m.safetensors"), "--key", "model"
     )
-    assert code == 0 and "step 1" in out and "step 2" in err  # the newest good step, saying why not step 2
+    assert code == 3 and out == "" and "run 'a' step 2" in err and "symbolic link" in err  # no fallback: as restore
 
 
 # ---- two writers on one step --------------------------------------------------------------
