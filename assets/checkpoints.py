@@ -6,8 +6,9 @@ Flow. The landing sensor adds a partition and requests ``checkpoint`` for it.
 one records the failed check (with the exact problem) and then fails the step, so its
 partition is *Failed* on the asset's Partitions tab and in the graph's partition
 counts, while every good checkpoint is *Materialized*. A store that could not be read
-proves nothing: the step is retried later (``CheckpointStoreResource.retry_unavailable``)
-and no check result or verdict is recorded. The check is declared on the
+proves nothing: the step is retried later (``CheckpointStoreResource.retrying_outages``)
+and no check result or verdict is recorded; so are evaluation, compression and archival
+in an outage (an evaluator's own error fails its partition, never retried). The check is declared on the
 asset (``check_specs``) because the same verification decides both.
 
 Everything downstream follows by declarative automation: ``AutomationCondition.eager()``
@@ -46,7 +47,7 @@ from assets.metadata import bullet_list, metrics, ratio, size
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key, pin_commit
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
-from ckptflow.errors import CkptflowError, StoreUnavailableError
+from ckptflow.errors import CkptflowError
 from ckptflow.lifecycle import EvaluationRule
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
@@ -110,13 +111,10 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
     that could not be read is retried, with no verdict."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    source = _source(hot, archive, run, step)
-    pin_commit(context, source, run, step)
-    try:
+    with store.retrying_outages(context):
+        source = _source(hot, archive, run, step)
+        pin_commit(context, source, run, step)
         record = lifecycle.validate(source, run, step, records=hot)
-    except StoreUnavailableError as e:
-        context.log.warning(f"{e} (attempt {context.retry_number + 1} of {store.unavailable_retries + 1})")
-        raise store.retry_unavailable(context.retry_number) from Failure(description=str(e))
     check = AssetCheckResult(
         check_name=INTEGRITY.name,
         passed=bool(record["ok"]),
@@ -157,19 +155,22 @@ def evaluation(
     hot = store.open()
     rule = EvaluationRule(evaluator.val_metric, evaluator.train_metric, evaluator.mode)
     path = evaluator.name_for(run)
-    source = _source(hot, archive, run, step)
-    pin_commit(context, source, run, step)
-    try:
-        name, function = evaluator.evaluator_for(run)
-        record = lifecycle.evaluate(source, hot, run, step, function, evaluator_name=name, key=evaluator.key, rule=rule)
-    except Exception as e:
-        if path is None or isinstance(e, CkptflowError):
-            raise  # reading the checkpoint failed: the library's error says what and where
-        # an evaluator is anyone's code: its error is this partition's, said in one line
-        raise Failure(
-            description=f"evaluator {path} failed on {context.partition_key}: {type(e).__name__}: {e}"[:2000],
-            allow_retries=False,
-        ) from e
+    with store.retrying_outages(context):
+        source = _source(hot, archive, run, step)
+        pin_commit(context, source, run, step)
+        try:
+            name, function = evaluator.evaluator_for(run)
+            record = lifecycle.evaluate(
+                source, hot, run, step, function, evaluator_name=name, key=evaluator.key, rule=rule
+            )
+        except Exception as e:
+            if path is None or isinstance(e, CkptflowError):
+                raise  # reading the checkpoint failed: the library's error says what and where
+            # an evaluator is anyone's code: its error is this partition's, said in one line, never retried
+            raise Failure(
+                description=f"evaluator {path} failed on {context.partition_key}: {type(e).__name__}: {e}"[:2000],
+                allow_retries=False,
+            ) from e
     if record["overfitting"]:
         context.log.warning(f"{context.partition_key}: {rule.val_metric} got worse while {rule.train_metric} improved")
     extra = {} if record["improvement"] is None else metrics({f"improvement/{rule.val_metric}": record["improvement"]})
@@ -191,10 +192,13 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
     raw bytes, so nothing that references them changes; every chunk is verified first."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    if not run_step_committed(hot, run, step):
-        return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
-    pin_commit(context, hot, run, step)
-    report = lifecycle.compress(hot, run, step)
+    with store.retrying_outages(context):
+        if not run_step_committed(hot, run, step):
+            return MaterializeResult(
+                metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"}
+            )
+        pin_commit(context, hot, run, step)
+        report = lifecycle.compress(hot, run, step)
     return MaterializeResult(
         metadata={
             "chunks": report.chunks,
@@ -220,13 +224,14 @@ def archived(
     what was lost, and the run's evaluator scores it next to the exact checkpoint."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
-    if not run_step_committed(hot, run, step) and run_step_committed(arc, run, step):
-        return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
-    pin_commit(context, hot, run, step)
-    name, function = evaluator.evaluator_for(run)
-    report = lifecycle.archive(
-        hot, arc, run, step, codec=archive.codec(), evaluator=function, evaluator_name=name, key=evaluator.key
-    )
+    with store.retrying_outages(context):
+        if not run_step_committed(hot, run, step) and run_step_committed(arc, run, step):
+            return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
+        pin_commit(context, hot, run, step)
+        name, function = evaluator.evaluator_for(run)
+        report = lifecycle.archive(
+            hot, arc, run, step, codec=archive.codec(), evaluator=function, evaluator_name=name, key=evaluator.key
+        )
     if not report.ok:
         raise Failure(
             f"archive copy of {context.partition_key} in {arc.url} does not verify: {report.problems[0]}",

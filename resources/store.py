@@ -7,10 +7,13 @@ works with no configuration at all.
 """
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from dagster import ConfigurableResource, RetryRequested
+from dagster import AssetExecutionContext, ConfigurableResource, Failure, RetryRequested
 from pydantic import Field
 
+from ckptflow.errors import StoreUnavailableError
 from ckptflow.registry import Registry
 from ckptflow.store import Store, open_store
 
@@ -42,6 +45,17 @@ class CheckpointStoreResource(ConfigurableResource):
         ``from`` a ``Failure`` that says what could not be read: the step fails with that
         once the retries are spent."""
         return RetryRequested(self.unavailable_retries, self.unavailable_wait_s * 2**attempt)
+
+    @contextmanager
+    def retrying_outages(self, context: AssetExecutionContext) -> Iterator[None]:
+        """Around an asset's store work: a ``StoreUnavailableError`` (an outage, a cold or
+        denied object) retries the step later (``retry_unavailable``) instead of failing
+        its partition; proof of damage and every other error pass through unchanged."""
+        try:
+            yield
+        except StoreUnavailableError as e:
+            context.log.warning(f"{e} (attempt {context.retry_number + 1} of {self.unavailable_retries + 1})")
+            raise self.retry_unavailable(context.retry_number) from Failure(description=str(e))
 
 
 class RegistryResource(ConfigurableResource):

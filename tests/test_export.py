@@ -1,7 +1,8 @@
 """Exports of plain PyTorch models: fp16 refuses values it cannot hold, tied tensors are
 written once (``safetensors.torch.load_model(strict=True)`` loads them), int8 is
 dequantized by ckptflow's loader and refused by strict loaders, the same checkpoint
-always gives the same bytes, and the CLI writes a model directory."""
+always gives the same bytes, the CLI writes a model directory, and only proof of damage
+moves the export of "the newest checkpoint" to an older one."""
 
 from __future__ import annotations
 
@@ -13,10 +14,22 @@ from safetensors.torch import load_file, load_model
 from torch import nn
 
 from ckptflow import Checkpointer
-from ckptflow.errors import CkptflowError
-from ckptflow.export import ExportOptions, export_safetensors, load_exported, model_metadata, tied_weights
+from ckptflow import format as fmt
+from ckptflow.errors import CkptflowError, ColdObjectError, StoreUnavailableError
+from ckptflow.export import (
+    ExportOptions,
+    export_dcp,
+    export_safetensors,
+    load_exported,
+    model_metadata,
+    tied_weights,
+)
 from ckptflow.quantize import SCALE
+from ckptflow.store import open_store
 from support.cli import run_cli
+from support.corrupt import chunk_path, flip_byte, only_in
+from support.faulty_store import FaultyStore
+from support.states import CHUNK, tagged_state
 
 
 class TiedLM(nn.Module):
@@ -148,3 +161,47 @@ def test_cli_exports_a_model_directory_with_int8(tmp_path, capsys):
     code, _, err = run_cli(capsys, "export", root, "--run", "r", "--out", tmp_path / "h", "--dtype", "fp16")
     assert code == 0, err
     assert load_file(str(tmp_path / "h" / "model.safetensors"))["0.bias"].dtype == torch.float16
+
+
+class Outage:
+    """Reads of the chosen chunks fail as a store that does not answer (or holds them cold)."""
+
+    def __init__(self, root: str, error: type[StoreUnavailableError] = StoreUnavailableError):
+        self.store, self.keys, self.error = FaultyStore(open_store(root)), set(), error
+        self.store.fail_if = self.fail_if
+
+    def fail_if(self, op: str, key: str) -> bool:
+        if op == "get" and key in self.keys:
+            raise self.error(f"S3 GetObject of {self.store.url}/{key} failed after 10 attempts: SlowDown")
+        return False
+
+
+def three_steps(tmp_path) -> str:
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "a", chunk_bytes=CHUNK) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"model": tagged_state(step + 1)["model"]})
+    return root
+
+
+@pytest.mark.parametrize("error", [StoreUnavailableError, ColdObjectError])
+def test_export_passes_over_damage_only_and_stops_at_what_it_could_not_read(tmp_path, error):
+    root = three_steps(tmp_path)
+    flip_byte(chunk_path(root, only_in(root, "a", 3, 1, 2)[0]))
+    outage = Outage(root, error)
+    unread = only_in(root, "a", 2, 1, 3)[0]
+    outage.keys.add(fmt.chunk_key(unread))
+    for export, out in ((export_safetensors, tmp_path / "m.safetensors"), (export_dcp, tmp_path / "dcp")):
+        with pytest.raises(error) as refused:
+            export(outage.store, "a", out)
+        message = str(refused.value)
+        assert "run 'a' step 2" in message and unread in message and "stopped rather than fall back" in message
+        assert ("ckptflow thaw" in message) == (error is ColdObjectError)
+        assert not out.exists() and not list(tmp_path.glob(f"{out.name}.tmp-*"))
+        with pytest.raises(error, match=unread):  # the step named, but not readable: the same error
+            export(outage.store, "a", out, step=2)
+    outage.keys.clear()  # the store answers again: damage alone moves the export to an older step
+    result = export_safetensors(outage.store, "a", tmp_path / "m.safetensors")
+    assert result.step == 2 and [s for s, _ in result.skipped] == [3]
+    assert "does not match its address" in result.skipped[0][1]
+    assert export_dcp(outage.store, "a", tmp_path / "dcp").step == 2

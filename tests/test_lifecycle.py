@@ -6,6 +6,7 @@ import torch
 
 from ckptflow import Checkpointer, ExpireError, PromotionError, catalog, inventory, lifecycle
 from ckptflow import format as fmt
+from ckptflow.errors import StoreUnavailableError
 from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.registry import Registry
 from ckptflow.retention import KeepNewestValid
@@ -50,6 +51,23 @@ def test_archive_copies_commit_last_and_verifies_there(tmp_path):
         catalog.read_manifest(store, "r", 1).rank_key(0), b"{}"
     )  # a different record already there is reported, not overwritten
     assert not lifecycle.archive(store, dst, "r", 1).ok
+
+
+def test_an_archive_tier_that_could_not_be_read_back_raises_and_records_no_failed_copy(tmp_path):
+    store, _ = make(tmp_path)
+    dst = FaultyStore(open_store(str(tmp_path / "archive")))
+
+    def outage(op, key):
+        if op == "get" and key.startswith("chunks/"):
+            raise StoreUnavailableError(f"S3 GetObject of {dst.url}/{key} failed after 10 attempts: SlowDown")
+        return False
+
+    dst.fail_if = outage
+    with pytest.raises(StoreUnavailableError, match="could not verify the archive copy of run r step 1"):
+        lifecycle.archive(store, dst, "r", 1)
+    assert lifecycle.read_record(store, subject(store, 1), "archive") is None  # no verdict: archival retries
+    dst.fail_if = lambda op, key: False
+    assert lifecycle.archive(store, dst, "r", 1).ok
 
 
 def subject(store, step, run="r"):

@@ -17,7 +17,7 @@ from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError,
 from ckptflow import format as fmt
 from ckptflow.errors import StoreFullError, SymlinkError
 from support.cli import run_cli
-from support.corrupt import chunk_path, only_in
+from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, blank_state, state_tag, tagged_state
 
@@ -89,7 +89,7 @@ def test_a_manifest_that_is_a_link_loop_is_that_checkpoints_problem(tmp_path, ca
     code, out, err = run_cli(
         capsys, "export", str(root), "--run", "a", "--out", str(tmp_path / "m.safetensors"), "--key", "model"
     )
-    assert code == 0 and "step 1" in out and "step 2" in err  # the newest good step, saying why not step 2
+    assert code == 3 and out == "" and "run 'a' step 2" in err and "symbolic link" in err  # no fallback: as restore
 
 
 # ---- two writers on one step --------------------------------------------------------------
@@ -157,8 +157,32 @@ def test_a_denied_chunk_is_that_checkpoints_problem_for_verify_and_export(tmp_pa
     verify = _cli_without_root_privileges("verify", str(root), "--run", "a", "--all")
     assert verify.returncode == 3 and "none of them proof of damage" in verify.stderr, verify.stderr
     assert any(line.startswith("run a step 2:") and "Permission denied" in line for line in verify.stdout.splitlines())
-    export = _cli_without_root_privileges("export", str(root), "--run", "a", "--out", str(tmp_path / "m.safetensors"))
-    assert export.returncode == 0 and "step 1" in export.stdout and "Permission denied" in export.stderr
+    out = tmp_path / "m.safetensors"
+    export = _cli_without_root_privileges("export", str(root), "--run", "a", "--out", str(out))
+    # a denied read proves nothing: export stops at step 2, naming the object, rather than export step 1
+    assert export.returncode == 3 and export.stdout == "", export.stderr
+    assert "run 'a' step 2" in export.stderr and "Permission denied" in export.stderr and denied.name in export.stderr
+    assert not out.exists() and not list(tmp_path.glob("m.safetensors*"))
+    export = _cli_without_root_privileges("export", str(root), "--run", "a", "--step", "1", "--out", str(out))
+    assert export.returncode == 0 and "step 1" in export.stdout, export.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"), reason="needs setpriv to drop root's override")
+def test_export_passes_over_a_damaged_step_and_stops_at_a_denied_one(tmp_path):
+    root = tmp_path / "store"
+    with Checkpointer(str(root), "a", chunk_bytes=CHUNK) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"model": tagged_state(step + 1)["model"]})
+    flip_byte(chunk_path(root, only_in(root, "a", 3, 1, 2)[0]))
+    out = tmp_path / "m.safetensors"
+    export = _cli_without_root_privileges("export", str(root), "--run", "a", "--out", str(out))
+    assert export.returncode == 0 and "step 2" in export.stdout, export.stderr
+    assert "run a step 3 does not verify" in export.stderr and "does not match its address" in export.stderr
+    out.unlink()
+    chunk_path(root, only_in(root, "a", 2, 1, 3)[0]).chmod(0)
+    export = _cli_without_root_privileges("export", str(root), "--run", "a", "--out", str(out))
+    assert export.returncode == 3 and "run 'a' step 2" in export.stderr and "Permission denied" in export.stderr
+    assert not out.exists()
 
 
 # ---- a full disk ----------------------------------------------------------------------------

@@ -5,8 +5,8 @@ so scripts, the Dagster layer and humans get the same answers. Exit codes are pa
 the interface: 0 success, 1 "verify found problems" or "gc could not safely sweep",
 2 an error the user can act on
 (bad arguments, unknown run, unreadable checkpoint), always as one line on stderr,
-3 "verify could not read the store" (unavailable, cold, denied, a link: nothing proved
-damage; retry, thaw or fix access).
+3 "verify or export could not read the store" (unavailable, cold, denied, a link: nothing
+proved damage, so export does not fall back to an older step; retry, thaw or fix access).
 """
 
 from __future__ import annotations
@@ -76,11 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(
-        "export", help="write a checkpoint as a model directory, one safetensors file, or a plain DCP checkpoint"
+        "export",
+        help="write a checkpoint as a model directory, one safetensors file, or a plain DCP checkpoint "
+        "(exit 3 if the store could not be read)",
     )
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--run", required=True)
-    p.add_argument("--step", type=int, help="default: the newest checkpoint that verifies")
+    p.add_argument(
+        "--step",
+        type=int,
+        help="default: the newest checkpoint that verifies, past damaged ones only (exit 3 if one could not be read)",
+    )
     p.add_argument(
         "--out",
         required=True,

@@ -16,7 +16,7 @@ from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
 from ckptflow.cli import costs as cost_section
 from ckptflow.cli.output import PROG, human_bytes, human_duration, progress, ratio, table, warn
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.gc import gc, parse_duration
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.stats import store_stats
@@ -92,7 +92,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 CORRUPT = 1  # verify's exit status when it found proof of damage (or debris: uncommitted steps, bad names)
-UNAVAILABLE = 3  # ... when all it found was what could not be read: no verdict, retry
+UNAVAILABLE = 3  # ... when all it found was what could not be read: no verdict, retry (export too)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -211,18 +211,22 @@ def cmd_export(args: argparse.Namespace) -> int:
             allow_fp16_overflow=args.allow_fp16_overflow,
             max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
         )
-    with progress(f"export {run}") as report_progress:
-        skipped: list[tuple[int, str]] = []
-        step = args.step
-        if step is None:
-            step, skipped = newest_verified_step(store, run, report_progress)
-        if args.format == "dcp":
-            result = export_dcp(store, run, args.out, step=fmt.validate_step(step), progress=report_progress)
-        else:
-            lineage = lineage_of(store, catalog.read_manifest(store, run, fmt.validate_step(step)))
-            result = export_safetensors(
-                store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress
-            )
+    try:
+        with progress(f"export {run}") as report_progress:
+            skipped: list[tuple[int, str]] = []
+            step = args.step
+            if step is None:
+                step, skipped = newest_verified_step(store, run, report_progress)
+            if args.format == "dcp":
+                result = export_dcp(store, run, args.out, step=fmt.validate_step(step), progress=report_progress)
+            else:
+                lineage = lineage_of(store, catalog.read_manifest(store, run, fmt.validate_step(step)))
+                result = export_safetensors(
+                    store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress
+                )
+    except StoreUnavailableError as e:  # nothing proved damage: exit as verify does when it could not read
+        print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        return UNAVAILABLE
     for skipped_step, why in skipped:
         warn(f"run {run} step {skipped_step} does not verify, skipped: {why}")
     what = "state, DCP" if args.format == "dcp" else args.key or "model"

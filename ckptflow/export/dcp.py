@@ -57,8 +57,9 @@ def export_dcp(
     step: int | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:
-    """Write one checkpoint (default: the newest that fully verifies) to the new
-    directory ``out`` as a plain DCP checkpoint; the directory appears whole or not at all."""
+    """Write one checkpoint (default: the newest that fully verifies, past damaged ones
+    only: ``newest_verified_step``) to the new directory ``out`` as a plain DCP
+    checkpoint; the directory appears whole or not at all."""
     store = open_store(store)
     fmt.validate_run(run)
     out = os.path.abspath(os.fspath(out))

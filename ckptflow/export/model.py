@@ -76,7 +76,7 @@ class ExportResult:
     bytes: int  # tensor bytes written, after any conversion
     digest: str  # the source manifest's digest, also in every file's metadata
     files: tuple[str, ...] = ()  # names in the directory (a file export: its own name)
-    skipped: list[tuple[int, str]] = field(default_factory=list)  # newer steps that failed to verify
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # newer steps passed over: each proved damaged
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,8 @@ def export_safetensors(
     file, or otherwise a model directory).
 
     ``step=None`` picks the newest checkpoint that verifies completely (the whole
-    checkpoint, not only the exported tensors: a partly corrupt checkpoint is suspect).
+    checkpoint, not only the exported tensors: a partly corrupt checkpoint is suspect);
+    only damage moves it to an older one (``newest_verified_step``).
     ``lineage`` fills the model card (default: the checkpoint's name, digest and kind).
     """
     store = open_store(store)

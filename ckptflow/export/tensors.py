@@ -17,11 +17,12 @@ import torch.distributed.checkpoint as dcp
 
 from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
+from ckptflow.catalog_listing import Problem
 from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.dcp_reader import CheckpointReader
-from ckptflow.errors import CkptflowError, NoValidCheckpointError
-from ckptflow.failures import own_errors
+from ckptflow.errors import CkptflowError, ColdObjectError, NoValidCheckpointError, StoreUnavailableError
+from ckptflow.failures import failure_of, own_errors
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 
@@ -69,26 +70,53 @@ def load_tensors(
         try:
             with own_errors():
                 dcp.load(full, storage_reader=reader, no_dist=True)
-        except CkptflowError as e:
-            raise CkptflowError(f"run {run!r} step {step} cannot be exported: {e}") from None
+        except CkptflowError as e:  # keeps "could not be read" apart from damage, as restore does
+            failure = failure_of(e)
+            unread = not (failure.damage or failure.partial)
+            error = (ColdObjectError if failure.cold else StoreUnavailableError) if unread else CkptflowError
+            raise error(f"run {run!r} step {step} cannot be exported: {e}") from None
     return {n[len(prefix) :]: t for n, t in full.items()}, manifest
 
 
 def newest_verified_step(store: Store, run: str, progress: Progress | None = None) -> tuple[int, list[tuple[int, str]]]:
-    """The newest committed step that fully verifies, and why each newer one was skipped."""
+    """The newest committed step that fully verifies, and why each newer one was skipped.
+
+    As in restore, only proof of damage moves to an older step: a newer one that could
+    not be read (an outage, a cold or denied object, a link) raises
+    ``StoreUnavailableError`` (``ColdObjectError`` for a cold one) naming what could not
+    be read, rather than silently exporting an older model."""
     skipped: list[tuple[int, str]] = []
-    entries = [e for e in catalog_listing.listing(store, run) if isinstance(e, catalog_listing.Problem) or e.committed]
+    entries = [e for e in catalog_listing.listing(store, run) if isinstance(e, Problem) or e.committed]
     with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool:
         for entry in sorted(entries, key=lambda e: -1 if e.step is None else e.step, reverse=True):
-            if isinstance(entry, catalog_listing.Problem):  # could not even be listed or read: say so, go on
-                skipped.append((-1 if entry.step is None else entry.step, entry.message))
-                continue
-            report = catalog.verify_checkpoint(store, run, entry.step, pool, progress)
-            if report.ok:
-                return entry.step, skipped
-            skipped.append((entry.step, "; ".join(report.problems)))
+            if isinstance(entry, Problem):  # could not even be listed or read
+                findings = [entry]
+            else:
+                report = catalog.verify_checkpoint(store, run, entry.step, pool, progress)
+                if report.ok:
+                    return entry.step, skipped
+                findings = report.findings
+            if all(p.could_not_read for p in findings):
+                raise _unreadable(store, run, entry.step, findings)
+            skipped.append((-1 if entry.step is None else entry.step, "; ".join(p.message for p in findings)))
     detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "it has no committed checkpoints"
     raise NoValidCheckpointError(f"no checkpoint of run {run!r} in {store.url} verifies ({detail})", skipped)
+
+
+def _unreadable(store: Store, run: str, step: int | None, findings: list[Problem]) -> StoreUnavailableError:
+    """What stops an export that could not read a step (nothing proved it damaged)."""
+    where = f"run {run!r}" + ("" if step is None else f" step {step}") + f" in {store.url}"
+    more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
+    cold = any(p.kind == "cold" for p in findings)
+    then = (
+        f"Thaw it (`ckptflow thaw {store.url} --run {run} --step {step}`) and export again"
+        if cold
+        else "Fix access to the store and export again, or name an older step to export that one"
+    )
+    return (ColdObjectError if cold else StoreUnavailableError)(
+        f"could not read {where}, so export stopped rather than fall back to an older checkpoint (nothing "
+        f"shows that this one is damaged): {findings[0].message}{more}. {then}"
+    )
 
 
 def write_once(

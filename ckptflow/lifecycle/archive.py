@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.chunks import ChunkStore
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.lifecycle.archive_lossy import write_lossy_copy
 from ckptflow.lifecycle.evaluate import Evaluator, score
 from ckptflow.lifecycle.records import Subject, read_record, write_record
@@ -62,6 +62,9 @@ def archive(
     A ``codec`` that is not exact writes a lossy copy instead (``archive_lossy``),
     unless the archive already holds the exact one; with an ``evaluator`` the copy is
     then re-evaluated and the metric change recorded next to the exact metrics.
+
+    A tier that could not be read (an outage, a cold or denied object) proves nothing:
+    ``StoreUnavailableError`` is raised and no record is written, so archival can retry.
     """
     manifest = catalog.read_manifest(src, run, step)
     report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest)
@@ -112,7 +115,7 @@ def _lossy(
     try:
         copy, sizes = write_lossy_copy(src, dst, manifest, codec, progress)
     except CkptflowError as e:
-        report.problems.append(str(e))
+        _problem(report, e)
         return
     report.archive_digest, report.lossy = copy.digest, dict(copy.lossy or {})
     report.chunks_copied, report.bytes_copied = copy.stats.chunks, copy.stats.stored_bytes
@@ -150,7 +153,7 @@ def _copy(
             try:
                 source.get(digest, manifest.chunks[digest])  # cannot re-read after upload: verify first
             except CkptflowError as e:
-                report.problems.append(str(e))
+                _problem(report, e)
                 continue
             sizes[key] = len(blob)
         dst.put_if_absent(key, blob)
@@ -171,6 +174,11 @@ def _copy(
 def _verify(dst: Store, manifest: Manifest, report: ArchiveReport, sizes: dict[str, int]) -> None:
     if not dst.writes_cold:
         check = catalog.verify_checkpoint(dst, manifest.run, manifest.step)
+        if check.unavailable:
+            raise StoreUnavailableError(
+                f"could not verify the archive copy of run {manifest.run} step {manifest.step} in {dst.url}: "
+                f"{check.problems[0]}; nothing proved it damaged: retry when the store answers"
+            )
         report.problems.extend(check.problems)
         report.chunks_verified = check.chunks_checked
         return
@@ -181,17 +189,24 @@ def _verify(dst: Store, manifest: Manifest, report: ArchiveReport, sizes: dict[s
         for rank in range(stored.world_size):
             catalog.read_rank_record(meta, stored, rank)
     except CkptflowError as e:
-        report.problems.append(str(e))
+        _problem(report, e)
     for key, size in sizes.items():
         try:
             got = dst.stat(key).size
         except CkptflowError as e:
-            report.problems.append(str(e))
+            _problem(report, e)
             continue
         if got != size:
             report.problems.append(f"{dst.url}/{key} holds {got} bytes, the hot copy {size}")
         else:
             report.chunks_verified += 1
+
+
+def _problem(report: ArchiveReport, error: CkptflowError) -> None:
+    """A failed copy or check: a problem of the copy, unless the store could not be read."""
+    if isinstance(error, StoreUnavailableError):
+        raise error
+    report.problems.append(str(error))
 
 
 def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:

@@ -1,10 +1,11 @@
 """A store that does not answer is no verdict: the ``checkpoint`` asset and the scrub job
-retry it, record no failed integrity check and overwrite no earlier verdict."""
+retry it, record no failed integrity check and overwrite no earlier verdict; evaluation,
+compression and archival retry it too, and succeed once it answers."""
 
 import pytest
 from dagster import DagsterEventType, materialize
 
-from assets import PARTITIONED, checkpoint, checkpoint_key
+from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.store import open_store
 from pipelines.jobs import scrub_job
@@ -98,3 +99,33 @@ def test_scrub_in_an_outage_is_retried_and_keeps_every_verdict(store_with_checkp
     [failure] = events(result, DagsterEventType.STEP_FAILURE)
     assert "could not be read" in failure.step_failure_data.user_failure_data.description
     assert {step: record(store_with_checkpoints, step, "validation") for step in before} == before
+
+
+@pytest.mark.parametrize(
+    "asset, kind",
+    [(evaluation, "evaluation"), (compressed, "compression"), (archived, "archive")],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_an_outage_while_evaluating_compressing_or_archiving_is_retried_and_passes_after(
+    store_with_checkpoints, resources, instance, brownout, asset, kind
+):
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+
+    def attempt():
+        return materialize(
+            PARTITIONED, partition_key=KEY, instance=instance, resources=quick(resources), selection=[asset],
+            raise_on_error=False,
+        )  # fmt: skip
+
+    brownout.failures = -1  # retried, then failed with what could not be read; nothing recorded
+    run = attempt()
+    assert not run.success
+    assert len(events(run, DagsterEventType.STEP_UP_FOR_RETRY)) == resources["store"].unavailable_retries
+    [failure] = events(run, DagsterEventType.STEP_FAILURE)
+    assert "SlowDown" in failure.step_failure_data.user_failure_data.description
+    assert record(store_with_checkpoints, 20, kind) is None
+
+    brownout.failures, brownout.raised = 1, 0  # one more failed read, then the store answers: the retry passes
+    run = attempt()
+    assert run.success and brownout.raised == 1 and len(events(run, DagsterEventType.STEP_UP_FOR_RETRY)) == 1
+    assert record(store_with_checkpoints, 20, kind) is not None
