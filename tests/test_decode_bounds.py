@@ -36,7 +36,7 @@ from ckptflow.failures import failure_of
 from ckptflow.lifecycle import scrub, validate
 from support import decode_probe
 from support.cli import run_cli
-from support.corrupt import chunk_path, chunks_of, one_plane_zstd_chunk, only_in
+from support.corrupt import chunk_path, chunks_of, one_plane_zstd_chunk, only_in, reseal_manifest
 
 TESTS = Path(__file__).resolve().parent
 RUN = decode_probe.RUN
@@ -281,3 +281,43 @@ def test_a_frame_header_demanding_exabytes_falls_back_and_verify_reports_it(tmp_
     code, out, err = run_cli(capsys, "verify", root, "--run", RUN, *mode)
     assert code == 1, err
     assert any(line.startswith(f"run {RUN} step 2:") and digest in line for line in out.splitlines())
+
+
+# ---- item 7: load() allocates no more than the chunks on disk can hold -----------------------
+def test_load_refuses_a_shape_its_chunks_cannot_hold_as_damage(tmp_path):
+    root = str(tmp_path / "store")
+    _raw_then_zstd(root)
+    n = 1_000_000
+
+    def huge(record):
+        digest = next(iter(record["chunks"]))
+        record["chunks"] = {digest: 4 * n * n}
+        record["fast_checksums"] = {digest: record["fast_checksums"][digest]}
+        record["dcp"]["tensors"] = {
+            "model.w": {"dtype": "float32", "size": [n, n], "chunks": [{"offsets": [0, 0], "sizes": [n, n]}]}
+        }
+        item = {"fqn": "model.w", "offset": [0, 0], "index": None, "dtype": "float32", "shape": [n, n]}
+        record["dcp"]["items"] = [{**item, "chunks": [[digest, 4 * n * n]]}]
+
+    reseal_manifest(root, RUN, 2, huge)
+    with Checkpointer(root, RUN) as ck:
+        result, state = ck.load()
+    assert result.step == 1 and torch.equal(state["model"]["w"], torch.arange(4096, dtype=torch.float32))
+    assert "4000000000000 bytes" in result.skipped[0][1] and "hold at most" in result.skipped[0][1]
+
+
+def test_load_refuses_a_record_naming_a_tensor_its_manifest_lacks_as_damage(tmp_path):
+    root = str(tmp_path / "store")
+    for step in (1, 2):
+        with Checkpointer(root, RUN, chunk_bytes=4096) as ck:
+            ck.save(step, {"model": {"w": torch.ones(64) * step, "b": torch.ones(8) * step}})
+
+    def without_b(record):
+        del record["dcp"]["tensors"]["model.b"]
+        record["dcp"]["items"] = [i for i in record["dcp"]["items"] if i["fqn"] != "model.b"]
+
+    reseal_manifest(root, RUN, 2, without_b)
+    with Checkpointer(root, RUN) as ck:
+        result, state = ck.load()
+    assert result.step == 1 and torch.equal(state["model"]["b"], torch.ones(8))
+    assert "model.b" in result.skipped[0][1]
