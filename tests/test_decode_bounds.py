@@ -321,3 +321,20 @@ def test_load_refuses_a_record_naming_a_tensor_its_manifest_lacks_as_damage(tmp_
         result, state = ck.load()
     assert result.step == 1 and torch.equal(state["model"]["b"], torch.ones(8))
     assert "model.b" in result.skipped[0][1]
+
+
+# ---- item 8: verify says the store could not be read when a listing fails -------------------
+@pytest.mark.parametrize("mode", [["--step", "2"], [], ["--all"]], ids=["step", "latest", "all"])
+@pytest.mark.parametrize("listing", ["runs/", f"runs/{RUN}/checkpoints/"], ids=["runs", "run"])
+def test_verify_exits_3_when_a_listing_fails(tmp_path, monkeypatch, capsys, mode, listing):
+    from support.faulty_store import FaultyStore
+
+    root = str(tmp_path / "store")
+    _raw_then_zstd(root)
+    faulty = FaultyStore(open_store(root))
+    faulty.fail_if = lambda op, key: op in ("list", "list_after") and key == listing
+    monkeypatch.setattr("ckptflow.cli.commands.open_store", lambda *_a, **_k: faulty)
+    code, out, err = run_cli(capsys, "verify", root, "--run", RUN, *mode)
+    assert code == 3, (out, err)
+    assert "could not be read" in err and "injected fault" in err
+    assert "has no step" not in err and "no committed checkpoints" not in err
