@@ -79,7 +79,7 @@ def verify_code(root: str, *mode: str) -> int | str:
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return cli(["verify", root, "--run", RUN, *mode])
-    except BaseException as e:
+    except Exception as e:
         return f"verify raised {type(e).__name__}: {str(e)[:200]}"
 
 
