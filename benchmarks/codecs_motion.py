@@ -73,7 +73,7 @@ def decode_rate(store: Store, manifest: Manifest) -> float:
     raw = 0
     started = time.process_time()
     for digest in wanted:
-        raw += len(codecs.decode(blobs[digest], lambda base, _n: blobs[base]))
+        raw += len(codecs.decode(blobs[digest], lambda base, _n: blobs[base], expected=manifest.chunks[digest]))
     return raw / max(1e-9, time.process_time() - started) / 1e9
 
 

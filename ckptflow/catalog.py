@@ -23,6 +23,7 @@ from ckptflow import format as fmt
 from ckptflow.catalog_listing import Problem, StepListing, listing, problem_from
 from ckptflow.chunks import ChunkStore
 from ckptflow.errors import (
+    CHECK_ERRORS,
     CkptflowError,
     ManifestError,
     ObjectNotFoundError,
@@ -145,7 +146,7 @@ def committed(
             yield result
         elif isinstance(result, ObjectNotFoundError):
             continue  # deleted between the listing and the read: it no longer exists
-        elif isinstance(result, (CkptflowError, OSError)):
+        elif isinstance(result, CHECK_ERRORS):
             yield problem_from(entry.run, entry.step, result)
         else:
             raise result
@@ -247,7 +248,7 @@ def _rank_problems(store: Store, manifest: Manifest) -> list[Problem]:
     for rank in present:
         try:
             read_rank_record(store, manifest, rank)
-        except (CkptflowError, OSError) as e:
+        except CHECK_ERRORS as e:
             problems.append(problem_from(run, step, e))
     return problems
 
@@ -272,12 +273,12 @@ def verify_checkpoint(
     except ObjectNotFoundError:
         message = f"no manifest at {store.url}/{key}: the checkpoint was never committed"
         return VerifyReport(step, [Problem(run, step, "corrupt", message)])
-    except (CkptflowError, OSError) as e:
+    except (CkptflowError, OSError) as e:  # a read alone: nothing was decoded yet
         return VerifyReport(step, [problem_from(run, step, e)])
     try:
         manifest = Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
         problems = _rank_problems(store, manifest)
-    except (CkptflowError, OSError) as e:
+    except CHECK_ERRORS as e:
         return VerifyReport(step, [problem_from(run, step, e)], digest=fmt.digest_of(blob))
     report = VerifyReport(step=step, findings=problems, digest=manifest.digest)
     # a delta's base must be one of the manifest's own chunks
@@ -287,7 +288,7 @@ def verify_checkpoint(
         digest, size = item
         try:
             chunks.get(digest, size)
-        except (CkptflowError, OSError) as e:
+        except CHECK_ERRORS as e:
             return problem_from(run, step, e)
         finally:
             if progress:

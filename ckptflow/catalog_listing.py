@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from ckptflow import format as fmt
 from ckptflow.errors import (
-    DAMAGE,
     CkptflowError,
     ColdObjectError,
     InvalidNameError,
     RecordTooLargeError,
     StoreError,
     SymlinkError,
+    is_damage,
 )
 from ckptflow.store.base import ObjectInfo, Store
 
@@ -70,11 +70,11 @@ class StepListing:
 
 
 def problem_from(run: str, step: int | None, error: BaseException) -> Problem:
-    """Classify a read failure. Only ``corrupt`` and ``too_big`` (``errors.DAMAGE``) are
+    """Classify a read failure. Only ``corrupt`` and ``too_big`` (``errors.is_damage``) are
     proof of damage; the others say the checkpoint could not be looked at (and might be fine)."""
     if isinstance(error, RecordTooLargeError):
         kind = "too_big"
-    elif isinstance(error, DAMAGE):
+    elif is_damage(error):
         kind = "corrupt"
     elif isinstance(error, ColdObjectError):
         kind = "cold"

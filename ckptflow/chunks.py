@@ -212,7 +212,7 @@ class ChunkStore:
         key = chunk_key(digest)
         blob = self._base_blob(digest, size)
         try:
-            raw = codecs.decode(blob)
+            raw = codecs.decode(blob, expected=size)
             if len(raw) != size:
                 raise CorruptChunkError(f"holds {len(raw)} bytes, the delta needs {size}")
             self._verify(digest, key, raw)

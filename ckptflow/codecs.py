@@ -26,10 +26,9 @@ import struct
 from collections.abc import Callable
 
 import numpy as np
-import zstandard
 
 from ckptflow import planes
-from ckptflow.errors import CorruptChunkError
+from ckptflow.errors import CorruptChunkError, decoding
 
 MAGIC = b"CKC1"
 HEADER = struct.Struct(">4sBBQ")
@@ -162,10 +161,27 @@ def max_encoded_size(raw_len: int) -> int:
     return HEAD_BYTES + _Q8.size + _SECTION.size + 2 + 5 * 255 + raw_len + raw_len // 128 + 1024
 
 
-def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected: int | None = None) -> memoryview:
-    """The raw bytes of an encoded chunk; ``CorruptChunkError`` if the framing is broken
-    or the header announces another length than the ``expected`` one (checked before
-    anything is decompressed, so a small chunk cannot claim gigabytes).
+# The most raw bytes one stored byte can decode to: a zstd RLE block holds up to 128 KiB in
+# 4 bytes (2**15), a window-nibbles plane doubles that, and bf16 and q8 widen their planes
+# to fp32 (2x and 4x).
+MAX_EXPANSION = 1 << 17
+
+
+def max_raw_size(stored: int) -> int:
+    """The most raw bytes a chunk object of ``stored`` bytes can hold, whatever its codec:
+    what bounds a size a manifest declares by the bytes on disk."""
+    return max(0, stored - HEADER.size) * MAX_EXPANSION
+
+
+def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected: int) -> memoryview:
+    """The raw bytes of an encoded chunk, the ``expected`` length its manifest records.
+
+    ``CorruptChunkError`` if the header announces another length (checked before anything
+    is decompressed, so a small chunk cannot claim gigabytes), if any zstd frame in it
+    declares more than its part of that length (``planes.zstd_exact``), or if anything
+    else goes wrong while decoding: every error but a store's, met while decoding bytes
+    that were read, is damage (``errors.decoding``). No decoder allocates more than a
+    small multiple of ``expected``.
 
     ``base`` supplies a delta chunk's base as stored; without it a delta cannot be
     decoded (which is how a base that is itself a delta is refused). The base is not
@@ -177,13 +193,11 @@ def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected
     magic, codec, itemsize, raw_len = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptChunkError(f"chunk header magic is {magic!r}, expected {MAGIC!r}")
-    if expected is not None and raw_len != expected:
+    if raw_len != expected:
         raise CorruptChunkError(f"chunk header announces {raw_len} raw bytes, the manifest expects {expected}")
     payload = memoryview(blob)[HEADER.size :]
-    try:
+    with decoding(f"{CODEC_NAMES.get(codec, codec)} chunk is malformed"):
         return _decode(codec, itemsize, raw_len, payload, base)
-    except (struct.error, ValueError) as e:
-        raise CorruptChunkError(f"{CODEC_NAMES.get(codec, codec)} chunk is malformed: {e}") from None
 
 
 def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: BaseReader | None) -> memoryview:
@@ -202,6 +216,8 @@ def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: 
         if base is None:
             raise CorruptChunkError(f"delta chunk on base {digest[:16]}… cannot be a base itself")
         return planes.view(_decode_delta(payload[DIGEST_BYTES:], raw_len, itemsize, memoryview(base(digest, raw_len))))
+    if codec in (BF16, Q8) and raw_len % 4:
+        raise CorruptChunkError(f"{CODEC_NAMES[codec]} chunk announces {raw_len} raw bytes, not whole fp32 values")
     if codec == BF16:
         halves = planes.decode(payload, raw_len // 2, 2).view("<u2")
         words = np.empty(raw_len // 4, dtype="<u4")
@@ -225,11 +241,13 @@ def _decode_delta(payload: memoryview, raw_len: int, itemsize: int, base: memory
     """XOR the base back in: plane by plane when the base's zstd planes are laid out like
     the delta's (one join for both), else on the joined bytes."""
     mine, rotated = planes.decode_planes(payload, raw_len, itemsize)
-    try:
-        theirs = _base_planes(base, raw_len, itemsize, len(mine), rotated)
-        old = None if theirs is not None else np.frombuffer(decode(base), dtype=np.uint8)  # a delta base: refused
-    except CorruptChunkError as e:
-        raise CorruptChunkError(f"its delta base is unusable: {e}") from None
+    with decoding("its delta base is unusable"):
+        try:
+            theirs = _base_planes(base, raw_len, itemsize, len(mine), rotated)
+            # decoded without a base reader: a base that is itself a delta is refused
+            old = None if theirs is not None else np.frombuffer(decode(base, expected=raw_len), dtype=np.uint8)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"its delta base is unusable: {e}") from None
     out = np.empty(raw_len, dtype=np.uint8)
     if theirs is not None:
         planes.join(planes.xor_planes(mine, theirs), rotated, out)
@@ -252,12 +270,7 @@ def _base_planes(base: memoryview, raw_len: int, itemsize: int, count: int, rota
 
 
 def _decode_v1(payload: memoryview, raw_len: int, itemsize: int) -> memoryview:
-    try:
-        grouped = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
-    except zstandard.ZstdError as e:
-        raise CorruptChunkError(f"zstd payload does not decompress: {e}") from None
-    if len(grouped) != raw_len:
-        raise CorruptChunkError(f"zstd chunk decodes to {len(grouped)} bytes, header says {raw_len}")
+    grouped = planes.zstd_exact(payload, raw_len, "zstd-v1 payload")
     if itemsize <= 1:
         return memoryview(grouped)
     arr = np.frombuffer(grouped, dtype=np.uint8)

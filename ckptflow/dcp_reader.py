@@ -21,7 +21,8 @@ from ckptflow.chunks import CheckedChunk, ChunkStore
 from ckptflow.dcp_index import StorageItem
 from ckptflow.dcp_io import Progress, done
 from ckptflow.dcp_meta import dtype_from_name, metadata_from_index
-from ckptflow.failures import DAMAGE, Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
+from ckptflow.errors import is_damage
+from ckptflow.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
 from ckptflow.manifest import Manifest
 
 
@@ -94,7 +95,7 @@ class CheckpointReader(StorageReader):
                 errors.append(e)
         if not errors:
             return checked, None
-        damage = [e for e in errors if isinstance(e, DAMAGE)]
+        damage = [e for e in errors if is_damage(e)]
         return {}, failure_of(damage[0] if damage else errors[0])
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:

@@ -2,7 +2,19 @@
 
 Messages say what went wrong, where (store URL, run, step, key) and what to do,
 so an operator can act on a log line without reading the source.
+
+The one rule every reader (restore, verify, validate, scrub, export, the catalog) applies
+to what went wrong also lives here (``is_damage``, ``decoding``): only failing to read is
+an outage; an error while decoding or checking bytes that were read is damage.
 """
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterator
+
+import zstandard
 
 
 class CkptflowError(Exception):
@@ -45,8 +57,10 @@ class NoValidCheckpointError(CkptflowError):
 
 
 class StateMismatchError(CkptflowError):
-    """The state passed to ``restore`` does not have the checkpoint's structure: the
-    caller's error, not a damaged checkpoint (restore falls back on damage only)."""
+    """The state passed to ``restore`` does not have the checkpoint's structure, or a
+    tensor ``load`` must allocate does not fit this machine's memory though its chunks
+    can hold it: the caller's side, not a damaged checkpoint (restore falls back on
+    damage only)."""
 
 
 class UnsupportedStateError(CkptflowError, TypeError):
@@ -115,4 +129,41 @@ class LossyCopyError(CkptflowError):
     """A lossy archive copy was about to be restored without ``allow_lossy=True``."""
 
 
-DAMAGE = (ManifestError, CorruptChunkError)  # the errors that prove a checkpoint is damaged; any other proves nothing
+DAMAGE = (ManifestError, CorruptChunkError)  # the errors that prove a checkpoint is damaged
+
+# What decoding or checking bytes that were already read raises when they are bad: a zstd
+# frame that does not decode, a length that does not unpack, a record the parser chokes on,
+# an allocation a damaged size demanded.
+MALFORMED: tuple[type[Exception], ...] = (
+    MemoryError, ValueError, TypeError, LookupError, ArithmeticError, RecursionError, struct.error,
+    zstandard.ZstdError,
+)  # fmt: skip
+CHECK_ERRORS: tuple[type[Exception], ...] = (CkptflowError, OSError, *MALFORMED)  # sorted by ``is_damage``
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether ``error`` proves the checkpoint it was raised for is damaged.
+
+    Our own errors say so themselves (``DAMAGE``); a store error or an ``OSError`` is a
+    failure to read (an outage, a denied or cold object), which proves nothing; any other
+    error in ``MALFORMED`` was raised while decoding or checking bytes that were read, so
+    those bytes are bad. This is the only place the line is drawn."""
+    if isinstance(error, CkptflowError):
+        return isinstance(error, DAMAGE)
+    return isinstance(error, MALFORMED) and not isinstance(error, OSError)
+
+
+@contextlib.contextmanager
+def decoding(what: str, damage: type[CkptflowError] = CorruptChunkError) -> Iterator[None]:
+    """Decode or check bytes that were read: an error of ours or of the store passes
+    through as it is (a delta's base is read while decoding), any other error in
+    ``MALFORMED`` becomes ``damage`` ("``what``: the error")."""
+    try:
+        yield
+    except CkptflowError:
+        raise
+    except MALFORMED as e:
+        if isinstance(e, OSError):
+            raise
+        name = "struct.error" if isinstance(e, struct.error) else type(e).__name__
+        raise damage(f"{what}: {name}" + (f": {e}" if str(e) else "")) from None

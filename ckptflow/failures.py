@@ -2,8 +2,9 @@
 
 DCP wraps every rank's failure as ``rank -> (exception, traceback)`` in a
 ``CheckpointException`` that derives from ``BaseException`` (``except Exception`` does
-not catch it). Restore needs the causes: a hash mismatch or a malformed record proves
-the checkpoint is damaged (fall back to an older one), anything else only says the store
+not catch it). Restore needs the causes, each judged by ``errors.is_damage``: a hash
+mismatch, a malformed record or any error while decoding bytes that were read proves the
+checkpoint is damaged (fall back to an older one); failing to read only says the store
 could not be read (stop). ``ReadAborted`` carries the verdict the ranks agreed on out of
 the reader.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptflow.errors import DAMAGE, CkptflowError, ColdObjectError
+from ckptflow.errors import CkptflowError, ColdObjectError, is_damage
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def failure_of(error: BaseException) -> Failure:
     message = "; ".join(dict.fromkeys(describe(c) for c in causes))
     if any(isinstance(c, IntoPlaceFailed) for c in causes):
         return Failure(message, damage=False, partial=True)
-    damage = all(isinstance(c, DAMAGE) for c in causes)
+    damage = all(is_damage(c) for c in causes)
     return Failure(message, damage=damage, cold=not damage and any(isinstance(c, ColdObjectError) for c in causes))
 
 

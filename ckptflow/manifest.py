@@ -16,7 +16,7 @@ from typing import Any
 from ckptflow import checksum
 from ckptflow import format as fmt
 from ckptflow.dcp_index import DcpIndex, StorageItem, parse_dcp_index
-from ckptflow.errors import ManifestError
+from ckptflow.errors import ManifestError, decoding
 from ckptflow.sealed import Fields, seal, unseal
 
 MAX_WORLD_SIZE = 1 << 20
@@ -185,7 +185,8 @@ class Manifest:
     def parse(cls, blob: bytes, where: str, *, run: str | None = None, step: int | None = None) -> Manifest:
         """Verify and parse a sealed manifest; with ``run``/``step``, also that it sits
         where it claims to (a manifest copied to another step is not that step)."""
-        manifest = cls.from_json(unseal(blob, where), where, fmt.digest_of(blob))
+        with decoding(where, ManifestError):  # whatever the checks miss is damage too, never a crash
+            manifest = cls.from_json(unseal(blob, where), where, fmt.digest_of(blob))
         if (run is not None and manifest.run != run) or (step is not None and manifest.step != step):
             raise ManifestError(
                 f"{where} describes run {manifest.run!r} step {manifest.step}, not run {run!r} step {step}: "
@@ -272,7 +273,11 @@ class RankRecord:
     @classmethod
     def parse(cls, blob: bytes, where: str, manifest: Manifest, rank: int) -> RankRecord:
         """Verify a rank record and that it belongs to ``manifest``'s save attempt."""
-        doc = unseal(blob, where)
+        with decoding(where, ManifestError):
+            return cls._parse(unseal(blob, where), where, manifest, rank)
+
+    @classmethod
+    def _parse(cls, doc: dict, where: str, manifest: Manifest, rank: int) -> RankRecord:
         check = Fields(where)
         if doc.get("save_id") != manifest.save_id or doc.get("rank") != rank:
             raise ManifestError(

@@ -182,7 +182,7 @@ def _nibbles(plane: np.ndarray, lo: int, level: int) -> bytes:
 def _unnibble(body: memoryview, n: int) -> np.ndarray:
     lo, size = _NIBBLE_HEAD.unpack_from(body)
     start = _NIBBLE_HEAD.size
-    packed = np.frombuffer(_zstd_decode(body[start : start + size], (n + 1) // 2), dtype=np.uint8)
+    packed = np.frombuffer(zstd_exact(body[start : start + size], (n + 1) // 2, "nibble plane"), dtype=np.uint8)
     offsets = np.empty((len(packed), 2), dtype=np.uint8)
     np.right_shift(packed, 4, out=offsets[:, 0])
     np.bitwise_and(packed, 15, out=offsets[:, 1])
@@ -196,14 +196,53 @@ def _unnibble(body: memoryview, n: int) -> np.ndarray:
     return plane
 
 
-def _zstd_decode(frame: memoryview, size: int) -> bytes:
+MIN_WINDOW = 1 << 10  # zstd's smallest window: what a frame of up to 1 KiB may name
+
+
+def zstd_exact(frame: memoryview | bytes, size: int, what: str = "zstd plane") -> bytes:
+    """Exactly ``size`` bytes from one zstd frame, never more memory than that.
+
+    The frame's header is read first: a declared content size other than ``size``, a
+    window larger than ``size`` needs (a compressor never names one larger than its
+    input) or a dictionary is refused before anything is decompressed, since
+    python-zstandard allocates whatever a frame declares (``max_output_size`` only
+    bounds frames that declare nothing). A frame without a declared size (ckptflow
+    never writes one) is streamed and stopped one byte past ``size``.
+    """
     try:
-        out = _decompressor().decompress(frame, max_output_size=size)
+        params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as e:
-        raise CorruptChunkError(f"zstd plane does not decompress: {e}") from None
+        raise CorruptChunkError(f"{what} has no readable zstd frame header: {e}") from None
+    if params.dict_id:
+        raise CorruptChunkError(f"{what} names zstd dictionary {params.dict_id}; ckptflow never uses one")
+    if params.window_size > max(size, MIN_WINDOW):
+        raise CorruptChunkError(f"{what} asks for a {params.window_size}-byte zstd window to decode {size} bytes")
+    try:
+        if params.content_size != zstandard.CONTENTSIZE_UNKNOWN:
+            if params.content_size != size:
+                raise CorruptChunkError(f"{what} declares {params.content_size} bytes, expected {size}")
+            out = _decompressor().decompress(frame)
+        else:
+            out = _streamed(frame, size)
+    except zstandard.ZstdError as e:
+        raise CorruptChunkError(f"{what} does not decompress: {e}") from None
     if len(out) != size:
-        raise CorruptChunkError(f"zstd plane decodes to {len(out)} bytes, expected {size}")
+        more = "more than" if len(out) > size else f"{len(out)} bytes, not"
+        raise CorruptChunkError(f"{what} decodes to {more} {size} bytes")
     return out
+
+
+def _streamed(frame: memoryview | bytes, size: int) -> bytes:
+    """At most ``size + 1`` bytes of a frame that does not declare its size."""
+    pieces, got = [], 0
+    with _decompressor().stream_reader(frame, read_across_frames=False) as reader:
+        while got <= size:
+            piece = reader.read(size + 1 - got)
+            if not piece:
+                break
+            pieces.append(piece)
+            got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _sample(plane: np.ndarray) -> np.ndarray:
@@ -256,7 +295,7 @@ def decode_planes(payload: memoryview, raw_len: int, itemsize: int) -> tuple[lis
     if len(payload) < _HEAD.size:
         raise CorruptChunkError("planes payload is shorter than its header")
     flags, count = _HEAD.unpack_from(payload)
-    if count not in (1, itemsize) or raw_len % count or (flags & ROTATED and count not in _UINTS):
+    if count not in (1, itemsize) or raw_len % count or ((flags & ROTATED or count > 1) and count not in _UINTS):
         raise CorruptChunkError(f"planes payload names {count} planes for {itemsize}-byte elements of {raw_len} bytes")
     n = raw_len // count
     offset = _HEAD.size + count * _PLANE.size
@@ -274,7 +313,7 @@ def decode_planes(payload: memoryview, raw_len: int, itemsize: int) -> tuple[lis
                 raise CorruptChunkError(f"stored plane {j} holds {size} bytes, expected {n}")
             planes.append(np.frombuffer(body, dtype=np.uint8))
         elif mode == ZSTD:
-            planes.append(np.frombuffer(_zstd_decode(body, n), dtype=np.uint8))
+            planes.append(np.frombuffer(zstd_exact(body, n), dtype=np.uint8))
         elif mode == NIBBLES:
             planes.append(_unnibble(body, n))
         else:

@@ -30,9 +30,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptflow import lossy
+from ckptflow.allocation import empty_tensor
 from ckptflow.catalog import read_manifest, read_rank_record
 from ckptflow.dcp_io import Progress
-from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.dcp_reader import CheckpointReader
 from ckptflow.distributed import Group
 from ckptflow.errors import (
@@ -108,7 +108,7 @@ class Restore:
         try:
             live_skeleton, live = flatten(to_state_dicts(state), rank=self.group.rank)
 
-            def plan_for(manifest: Manifest, record: RankRecord) -> LoadPlan:
+            def plan_for(manifest: Manifest, record: RankRecord, _tier: Tier) -> LoadPlan:
                 return plan_load(
                     live_skeleton, live, record.state, optimizers, strict=self.strict, dropped=lossy.dropped(manifest)
                 )
@@ -128,12 +128,10 @@ class Restore:
         JSON values, for code that has no live objects to restore into (an integration
         handing a framework its checkpoint dict)."""
 
-        def everything(manifest: Manifest, record: RankRecord) -> LoadPlan:
-            names = set(tensor_refs(record.state))
-            targets = {
-                n: torch.empty(manifest.dcp.tensors[n].size, dtype=dtype_from_name(manifest.dcp.tensors[n].dtype))
-                for n in sorted(names)
-            }
+        def everything(manifest: Manifest, record: RankRecord, tier: Tier) -> LoadPlan:
+            where = f"run {manifest.run!r} step {manifest.step}"
+            names = sorted(set(tensor_refs(record.state)))
+            targets = {n: empty_tensor(tier.store, manifest, n, where) for n in names}
             return LoadPlan(sorted(entries(record.state)), targets)
 
         found = self._search(step, everything, collective=False)
@@ -220,7 +218,7 @@ class Restore:
                 )
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = read_rank_record(tier.store, manifest, rank)
-            plan = plan_for(manifest, record)
+            plan = plan_for(manifest, record, tier)
         except StateMismatchError as e:
             local = Failure(str(e), damage=False, mismatch=True)
         except LossyCopyError as e:  # not damage, but never what a plain restore wants: try the next one
@@ -246,7 +244,7 @@ class Restore:
         return (agreed, None) if agreed else (None, (manifest, record, plan))
 
 
-PlanFor = Callable[[Manifest, RankRecord], LoadPlan]
+PlanFor = Callable[[Manifest, RankRecord, Tier], LoadPlan]  # the targets to load a checkpoint into
 
 
 @dataclass(frozen=True)

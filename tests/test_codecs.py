@@ -44,7 +44,7 @@ def test_every_codec_round_trips_every_dtype_bit_exactly(dtype, n):
     for codec in ("raw", "zstd"):
         blob = _blob(codecs.encode(raw, codec, t.element_size(), floating=floating))
         assert codecs.header_codec(blob) == codec
-        assert bytes(codecs.decode(blob)) == raw
+        assert bytes(codecs.decode(blob, expected=len(raw))) == raw
     base = _raw(_tensor(dtype, n, seed=1))
     digest = hashlib.sha256(base).hexdigest()
     blob = _blob(codecs.encode_delta(raw, base, digest, t.element_size(), floating=floating))
@@ -57,7 +57,7 @@ def test_every_codec_round_trips_every_dtype_bit_exactly(dtype, n):
             asked.append((d, size))
             return base_blob
 
-        assert bytes(codecs.decode(blob, base_reader)) == raw
+        assert bytes(codecs.decode(blob, base_reader, expected=len(raw))) == raw
         assert asked == [(digest, len(raw))]
 
 
@@ -84,9 +84,9 @@ def test_a_delta_without_its_base_cannot_decode_nor_serve_as_a_base():
     base = _weights()
     blob = _blob(codecs.encode_delta(_weights()[::-1], base, hashlib.sha256(base).hexdigest(), 4))
     with pytest.raises(CorruptChunkError, match="cannot be a base itself"):
-        codecs.decode(blob)
+        codecs.decode(blob, expected=len(base))
     with pytest.raises(CorruptChunkError, match="delta base is unusable.*cannot be a base itself"):
-        codecs.decode(blob, lambda _d, _n: blob)
+        codecs.decode(blob, lambda _d, _n: blob, expected=len(base))
     with pytest.raises(ValueError, match="same length"):
         codecs.encode_delta(b"abcd", b"abc", "00" * 32)
 
@@ -95,12 +95,12 @@ def test_broken_framing_is_refused():
     with pytest.raises(ValueError, match="unknown codec"):
         codecs.encode(b"x", "lz4")
     with pytest.raises(CorruptChunkError):
-        codecs.decode(b"short")
+        codecs.decode(b"short", expected=5)
     raw_blob = _blob(codecs.encode(b"abcdef", "raw"))
     with pytest.raises(CorruptChunkError, match="header says"):
-        codecs.decode(raw_blob[:-1])
+        codecs.decode(raw_blob[:-1], expected=6)
     with pytest.raises(CorruptChunkError, match="magic"):
-        codecs.decode(b"XXXX" + raw_blob[4:])
+        codecs.decode(b"XXXX" + raw_blob[4:], expected=6)
     blob = bytearray(_blob(codecs.encode(_weights(), "zstd", 4, floating=True)))
     head = codecs.HEADER.size
     for damage in (
@@ -111,7 +111,7 @@ def test_broken_framing_is_refused():
         lambda b: b[: head + 2] + bytes([9]) + b[head + 3 :],  # unknown plane mode
     ):
         with pytest.raises(CorruptChunkError):
-            codecs.decode(bytes(damage(bytearray(blob))))
+            codecs.decode(bytes(damage(bytearray(blob))), expected=len(_weights()))
 
 
 def test_legacy_byte_grouped_zstd_chunks_still_read():
@@ -121,14 +121,14 @@ def test_legacy_byte_grouped_zstd_chunks_still_read():
 
     blob = codecs.HEADER.pack(codecs.MAGIC, codecs.ZSTD_V1, 4, len(data)) + zstandard.compress(grouped)
     assert codecs.header_codec(blob) == "zstd-v1"
-    assert bytes(codecs.decode(blob)) == data
+    assert bytes(codecs.decode(blob, expected=len(data))) == data
 
 
 def test_bf16_encoding_holds_exactly_bf16_values():
     exact = np.frombuffer(_weights(3000), dtype=np.float32)
     rounded = torch.from_numpy(exact.copy()).bfloat16().float().numpy()
     blob = _blob(codecs.encode_bf16(rounded.tobytes()))
-    assert bytes(codecs.decode(blob)) == rounded.tobytes()
+    assert bytes(codecs.decode(blob, expected=rounded.nbytes)) == rounded.tobytes()
     assert len(blob) < 0.4 * rounded.nbytes
     with pytest.raises(ValueError, match="already rounded"):
         codecs.encode_bf16(exact.tobytes())
@@ -140,7 +140,7 @@ def test_q8_encoding_holds_exactly_code_times_scale(n):
     codes, scales = quantize_q8(values, 256)
     held, parts = codecs.encode_q8(codes, scales, 256)
     blob = _blob(parts)
-    assert bytes(codecs.decode(blob)) == held.tobytes()
+    assert bytes(codecs.decode(blob, expected=held.nbytes)) == held.tobytes()
     assert np.max(np.abs(held - values)) <= np.max(scales) / 2 * 1.0001
     with pytest.raises(ValueError, match="need"):
         codecs.encode_q8(codes, scales[:0], 256)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from ckptflow.cli.commands import (
+    UNAVAILABLE,
     cmd_export,
     cmd_gc,
     cmd_import,
@@ -29,7 +30,7 @@ from ckptflow.cli.commands import (
 )
 from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.output import PROG, human_bytes
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.export import EXPORT_DTYPES
 from ckptflow.format import IMPORT_FORMATS
 
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status instead of exiting (testable, embeddable)."""
+    args = None
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
@@ -202,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         message = " ".join(str(e).split("\n"))
         print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
+        unread = isinstance(e, StoreUnavailableError) and getattr(args, "func", None) in (cmd_verify, cmd_export)
+        return UNAVAILABLE if unread else 2  # verify and export keep "3: the store could not be read"
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

@@ -35,7 +35,10 @@ def _open(root: str) -> Store:
 
 def _require_run(store: Store, run: str) -> str:
     fmt.validate_run(run)
-    runs = catalog_listing.list_runs(store)
+    try:
+        runs = catalog_listing.list_runs(store)
+    except (CkptflowError, OSError) as e:  # not knowing which runs exist is no "no such run"
+        raise StoreUnavailableError(f"could not list the runs in {store.url}: {e}") from e
     if run not in runs:
         raise CkptflowError(
             f"no run {run!r} in {store.url} (runs there: {', '.join(runs) or 'none'}); "
@@ -97,8 +100,14 @@ UNAVAILABLE = 3  # ... when all it found was what could not be read: no verdict,
 
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args.root)
-    run = _require_run(store, args.run)
+    try:
+        run = _require_run(store, args.run)
+    except StoreUnavailableError as e:
+        return _could_not_read(store, str(e))
     listed = list(catalog_listing.listing(store, run))
+    unlisted = [e for e in listed if isinstance(e, catalog_listing.Problem) and e.step is None and e.could_not_read]
+    if unlisted:  # which steps exist is unknown: no "no step N", no "no committed checkpoints"
+        return _could_not_read(store, f"could not list the checkpoints of run {run}: {unlisted[0].message}")
     steps = [e.step for e in listed if isinstance(e, catalog_listing.StepListing)]
     committed = [e.step for e in listed if isinstance(e, catalog_listing.StepListing) and e.committed]
     problems: list[str] = []
@@ -155,6 +164,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     how = "chunk addresses (blake3, or sha256 before format 2)" if args.deep else "fast checksums"
     print(f"OK run {run}: {what} verified ({chunks} chunks, {human_bytes(nbytes)}, {how})")
     return 0
+
+
+def _could_not_read(store: Store, why: str) -> int:
+    print(
+        f"{PROG}: the store {store.url} could not be read, so nothing was verified: {' '.join(why.splitlines())}; "
+        "retry when it answers, thaw or fix access",
+        file=sys.stderr,
+    )
+    return UNAVAILABLE
 
 
 def _short(steps: list[int]) -> str:

@@ -17,9 +17,9 @@ import torch.distributed.checkpoint as dcp
 
 from ckptflow import catalog, catalog_listing
 from ckptflow import format as fmt
+from ckptflow.allocation import empty_tensor
 from ckptflow.catalog_listing import Problem
 from ckptflow.chunks import ChunkStore
-from ckptflow.dcp_meta import dtype_from_name
 from ckptflow.dcp_reader import CheckpointReader
 from ckptflow.errors import CkptflowError, ColdObjectError, NoValidCheckpointError, StoreUnavailableError
 from ckptflow.failures import failure_of, own_errors
@@ -55,16 +55,7 @@ def load_tensors(
             f"run {run!r} step {step} has no tensors under {prefix!r}; its state holds {tops}: "
             "pass one of those as --key"
         )
-    full = {}
-    for name in names:
-        try:
-            full[name] = torch.empty(index[name].size, dtype=dtype_from_name(index[name].dtype))
-        except (RuntimeError, MemoryError) as e:  # a declared shape no machine can hold
-            raise CkptflowError(
-                f"run {run!r} step {step}: tensor {name!r} declares shape {list(index[name].size)} "
-                f"({index[name].nbytes} bytes), which cannot be allocated here ({type(e).__name__}: {e}); "
-                "the manifest is corrupt or the tensor is larger than this machine's memory"
-            ) from None
+    full = {name: empty_tensor(store, manifest, name, f"run {run!r} step {step}") for name in names}
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-export") as pool:
         reader = CheckpointReader(ChunkStore(store), manifest, pool, progress)
         try:

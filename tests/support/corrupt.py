@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 from ckptflow import catalog, catalog_listing
@@ -79,3 +80,49 @@ def rank_files(store, run: str, step: int) -> set[str]:
 
     store = _open(os.fspath(store)) if isinstance(store, (str, os.PathLike)) else store
     return {info.key for info in store.list(fmt.step_prefix(run, step) + "ranks/")}
+
+
+# ---- inside an encoded chunk: its zstd frames ---------------------------------------------
+# The chunk layout (``ckptflow.codecs``, ``ckptflow.planes``), parsed here independently so
+# that a bug in the decoder cannot hide the frames a test must damage.
+CHUNK_HEADER = 14  # magic (4), codec id (1), element size (1), raw length (8)
+DIGEST = 32  # a delta's base address, after its header
+PLANE_CODECS = {2: "zstd", 3: "delta", 4: "bf16"}  # codec ids whose payload is one planes payload
+
+
+def codec_of(blob: bytes) -> str:
+    return PLANE_CODECS.get(blob[4], "raw" if blob[4] == 0 else f"id {blob[4]}")
+
+
+def zstd_frames(blob: bytes) -> list[tuple[int, int, str]]:
+    """``(offset, length, plane mode)`` of every zstd frame in a zstd, delta or bf16 chunk:
+    a zstd plane's body, and the packed offsets of a window-nibbles plane."""
+    start = CHUNK_HEADER + (DIGEST if codec_of(blob) == "delta" else 0)
+    count = blob[start + 1]
+    body = start + 2 + 5 * count
+    frames = []
+    for j in range(count):
+        mode, size = struct.unpack_from("<BI", blob, start + 2 + 5 * j)
+        if mode == 1:
+            frames.append((body, size, "zstd"))
+        elif mode == 2:
+            (packed,) = struct.unpack_from("<I", blob, body + 1)
+            frames.append((body + 5, packed, "nibbles"))
+        body += size
+    return frames
+
+
+def flip_bit(path: str | os.PathLike, offset: int, bit: int) -> None:
+    """XOR one bit of ``path`` (flipping it again restores the file)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+def one_plane_zstd_chunk(raw_len: int, frame: bytes) -> bytes:
+    """A zstd chunk (element size 1) announcing ``raw_len`` raw bytes, its one plane ``frame``:
+    what a forger writes to make a small chunk of a manifest decode to whatever it likes."""
+    header = b"CKC1" + struct.pack(">BBQ", 2, 1, raw_len)
+    return header + struct.pack("<BB", 0, 1) + struct.pack("<BI", 1, len(frame)) + frame
