@@ -14,7 +14,11 @@ torch 2.13 has no safe mode for either, so this module reads them itself:
   called, and the result is checked field by field;
 - tensors and BYTE_IO items with ``torch.load(weights_only=True)`` only, which refuses
   any pickled object that is not plain data;
-- items only from plain file names inside the directory.
+- items only from plain file names inside the directory;
+- nothing read or allocated before every tensor's pieces are proved to tile it exactly
+  and every item to fit in its file (``_check_items``), so a crafted ``.metadata`` can
+  neither import uninitialised memory nor make the reader allocate what the files
+  cannot hold; items that are not ``torch.save``'s uncompressed zip are refused unloaded.
 
 The state comes back nested as it was saved (``Metadata.planner_data`` holds each
 flattened name's path): a string in a path is a dict key, an integer a list index.
@@ -28,6 +32,7 @@ import io
 import math
 import os
 import pickle
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +41,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import CkptflowError
+from ckptflow.tiling import tiling_problem
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
@@ -163,7 +169,82 @@ def _check_metadata(md: Any, where: str) -> None:
             raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
 
 
+def _piece_offsets(index: dcp_metadata.MetadataIndex, item: dcp_metadata.TensorStorageMetadata) -> tuple[int, ...]:
+    return tuple(index.offset) if index.offset is not None else (0,) * len(item.size)
+
+
+def _check_items(md: dcp_metadata.Metadata, directory: str) -> dict[str, dict[tuple[int, ...], tuple[int, ...]]]:
+    """Each tensor's pieces (offsets -> sizes), once proved to tile it exactly, each
+    non-empty one with an item that can hold it; and every item's bytes inside its file
+    and no other item's. So the files hold every byte a tensor declares.
+
+    Empty pieces hold no bytes and may lack an item: the empty shards of a DTensor (a
+    tensor with fewer rows than ranks) all start at its end, and DCP keeps one item."""
+    where = f"DCP metadata {os.path.join(directory, METADATA_FILE)}"
+    pieces: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+    itemless: dict[str, set[tuple[int, ...]]] = {}  # non-empty pieces no item has claimed yet
+    for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
+            continue
+        boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks]
+        problem = tiling_problem(tuple(item.size), boxes)
+        if problem:
+            raise DcpFormatError(
+                f"{where}: tensor {fqn!r} of shape {list(item.size)}: {problem}. Its pieces must cover it exactly "
+                "(importing it would leave elements unwritten or written twice); the metadata is damaged or was "
+                "not written by DCP"
+            )
+        pieces[fqn] = dict(sorted(boxes, key=lambda box: math.prod(box[1]) > 0))  # a non-empty piece wins its offset
+        itemless[fqn] = {offsets for offsets, sizes in boxes if math.prod(sizes)}
+    file_sizes: dict[str, int] = {}
+    spans: list[tuple[str, int, int, str]] = []  # file, start, end, fqn
+    for index, info in md.storage_data.items():
+        path = os.path.join(directory, info.relative_path)
+        if info.relative_path not in file_sizes:
+            try:
+                file_sizes[info.relative_path] = os.stat(path).st_size
+            except OSError as e:
+                raise DcpFormatError(f"cannot read {index.fqn!r} from {path}: {e}") from None
+        if info.offset + info.length > file_sizes[info.relative_path]:
+            raise DcpFormatError(
+                f"{where}: {index.fqn!r} claims bytes {info.offset}..{info.offset + info.length} of {path}, which "
+                f"has {file_sizes[info.relative_path]} bytes: the file is truncated or the metadata is damaged"
+            )
+        spans.append((info.relative_path, info.offset, info.offset + info.length, index.fqn))
+        item = md.state_dict_metadata[index.fqn]
+        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
+            continue
+        offsets = _piece_offsets(index, item)
+        sizes = pieces[index.fqn].get(offsets)
+        if sizes is None:
+            raise DcpFormatError(
+                f"{where}: an item of {index.fqn!r} is at {list(offsets)}, where none of its pieces is"
+            )
+        itemless[index.fqn].discard(offsets)
+        needs = math.prod(sizes) * item.properties.dtype.itemsize
+        if needs > info.length:
+            raise DcpFormatError(
+                f"{where}: the piece of {index.fqn!r} at {list(offsets)} of size {list(sizes)} needs {needs} bytes, "
+                f"but its item holds {info.length}: the metadata is damaged"
+            )
+    for fqn, missing in itemless.items():
+        if missing:
+            raise DcpFormatError(
+                f"{where}: tensor {fqn!r}: the piece at {list(min(missing))} has no stored item (a file or shard "
+                "is missing, or the metadata is damaged)"
+            )
+    spans.sort()
+    for (name, _, end, fqn), (next_name, start, next_end, next_fqn) in zip(spans, spans[1:]):
+        if name == next_name and start < end:
+            raise DcpFormatError(
+                f"{where}: the items of {fqn!r} and {next_fqn!r} share bytes {start}..{min(end, next_end)} of "
+                f"{os.path.join(directory, name)}; DCP writes each item to bytes of its own"
+            )
+    return pieces
+
+
 def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:
+    """The item's bytes; ``_check_items`` has bounded its length by its file's size."""
     path = os.path.join(directory, info.relative_path)
     try:
         with open(path, "rb") as f:
@@ -178,7 +259,27 @@ def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:
     return data
 
 
+def _check_stored(data: bytes, what: str) -> None:
+    """``torch.save`` writes a zip whose entries are stored uncompressed, so what
+    ``torch.load`` allocates for them fits in the item's bytes. A compressed entry could
+    inflate to any size (a few KiB to gigabytes) before a byte of it is checked: refused."""
+    try:
+        entries = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
+        raise DcpFormatError(f"{what} is not in torch.save's zip format, which DCP writes ({e})") from None
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
+            raise DcpFormatError(
+                f"{what} holds {entry.filename!r} compressed ({entry.compress_size} bytes declaring "
+                f"{entry.file_size}); torch.save never compresses, and inflating it could take any amount of memory"
+            )
+    declared = sum(entry.file_size for entry in entries)
+    if declared > len(data):
+        raise DcpFormatError(f"{what} declares {declared} bytes of entries in its {len(data)} bytes")
+
+
 def _torch_load(data: bytes, what: str) -> Any:
+    _check_stored(data, what)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -194,45 +295,64 @@ def _torch_load(data: bytes, what: str) -> Any:
 
 
 def read_state(directory: str) -> dict[str, Any]:
-    """The state saved in a plain DCP directory: full tensors (every chunk copied into
-    place) and the non-tensor values, nested as they were saved."""
+    """The state saved in a plain DCP directory: full tensors (every piece copied into
+    place) and the non-tensor values, nested as they were saved.
+
+    Before anything is read or allocated, ``_check_items`` proves that every tensor's
+    pieces tile it exactly, each has one item whose bytes lie in its file and no other
+    item's, and the item can hold the piece; each piece read must then be a tensor of the
+    declared dtype and shape. So every element imported was written from bytes read, and
+    nothing larger than the directory's files is allocated.
+    """
     directory = os.path.abspath(directory)
     md = read_metadata(directory)
-    flat: dict[str, Any] = {}  # in the order the state was saved
-    for fqn, item in md.state_dict_metadata.items():
-        flat[fqn] = _PENDING
-        if isinstance(item, dcp_metadata.TensorStorageMetadata):
-            try:
-                flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
-            except (RuntimeError, MemoryError) as e:
-                raise DcpFormatError(
-                    f"tensor {fqn!r} of {directory} declares shape {list(item.size)}, which cannot be allocated "
-                    f"here ({type(e).__name__}); the metadata is damaged or the tensor is larger than this memory"
-                ) from None
-    filled = {fqn: 0 for fqn, v in flat.items() if isinstance(v, torch.Tensor)}
+    pieces = _check_items(md, directory)
+    flat: dict[str, Any] = dict.fromkeys(md.state_dict_metadata, _PENDING)  # in the order the state was saved
     for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
         what = f"{index.fqn!r} in {os.path.join(directory, info.relative_path)}"
         value = _torch_load(_item_bytes(directory, info, index.fqn), what)
-        if index.fqn not in filled:
+        item = md.state_dict_metadata[index.fqn]
+        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
             flat[index.fqn] = value
             continue
-        full = flat[index.fqn]
-        offsets = tuple(index.offset or (0,) * full.dim())
-        if not isinstance(value, torch.Tensor) or value.dtype != full.dtype or len(offsets) != full.dim():
-            raise DcpFormatError(f"{what} is not a {full.dtype} piece of a {full.dim()}-d tensor")
-        target = full
-        for dim, (start, length) in enumerate(zip(offsets, value.shape)):
-            if start < 0 or start + length > full.shape[dim]:
-                raise DcpFormatError(f"{what} lies outside its tensor of shape {list(full.shape)}")
+        offsets = _piece_offsets(index, item)
+        sizes = pieces[index.fqn][offsets]
+        if not isinstance(value, torch.Tensor) or value.dtype != item.properties.dtype:
+            kind = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+            raise DcpFormatError(f"{what} holds {kind}, not the {item.properties.dtype} piece declared")
+        if tuple(value.shape) != sizes:
+            raise DcpFormatError(
+                f"{what} holds a tensor of shape {list(value.shape)}, not the {list(sizes)} declared at {list(offsets)}"
+            )
+        if sizes == tuple(item.size):  # the whole tensor in one piece: no copy
+            flat[index.fqn] = value
+            continue
+        if not math.prod(sizes):
+            continue
+        if flat[index.fqn] is _PENDING:
+            flat[index.fqn] = _allocate(item, index.fqn, directory)
+        target = flat[index.fqn]
+        for dim, (start, length) in enumerate(zip(offsets, sizes)):
             target = target.narrow(dim, start, length)
         target.copy_(value)
-        filled[index.fqn] += value.numel()
-    unstored = [fqn for fqn, v in flat.items() if v is _PENDING] + [
-        fqn for fqn, count in filled.items() if count < math.prod(flat[fqn].shape)
-    ]
+    for fqn, value in flat.items():
+        item = md.state_dict_metadata[fqn]
+        if value is _PENDING and isinstance(item, dcp_metadata.TensorStorageMetadata):
+            flat[fqn] = _allocate(item, fqn, directory)  # no elements (its pieces, if any, are empty)
+    unstored = [fqn for fqn, v in flat.items() if v is _PENDING]
     if unstored:
         raise DcpFormatError(f"{directory} does not store all of {unstored[:12]}: a file or shard is missing")
     return _nested(flat, md.planner_data or {})
+
+
+def _allocate(item: dcp_metadata.TensorStorageMetadata, fqn: str, directory: str) -> torch.Tensor:
+    try:
+        return torch.empty(item.size, dtype=item.properties.dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise DcpFormatError(
+            f"tensor {fqn!r} of {directory} has shape {list(item.size)}, which cannot be allocated here "
+            f"({type(e).__name__}); it is larger than this memory"
+        ) from None
 
 
 def _nested(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict[str, Any]:

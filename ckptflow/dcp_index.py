@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptflow import format as fmt
 from ckptflow.sealed import Fields
+from ckptflow.tiling import tiling_problem
 
 
 # ---- the DCP index ---------------------------------------------------------------------
@@ -88,33 +89,10 @@ class DcpIndex:
         }
 
 
-def _overlap(a: Shard, b: Shard) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
-
-
 def _check_cover(check: Fields, t: TensorEntry) -> None:
-    """Shards inside the tensor, pairwise disjoint, volumes adding up to the tensor's:
-    together that is an exact tiling."""
-    volume = 0
-    for s in t.shards:
-        if len(s.offsets) != len(t.size) or len(s.sizes) != len(t.size):
-            raise check.bad(f"has a shard of tensor {t.fqn!r} with {len(s.offsets)} dimensions, not {len(t.size)}")
-        if any(o + n > d for o, n, d in zip(s.offsets, s.sizes, t.size)):
-            raise check.bad(f"has a shard of tensor {t.fqn!r} at {list(s.offsets)} that leaves its size {list(t.size)}")
-        volume += math.prod(s.sizes)
-    if volume != math.prod(t.size):
-        raise check.bad(f"has shards of tensor {t.fqn!r} covering {volume} of its {math.prod(t.size)} elements")
-    live = [s for s in t.shards if math.prod(s.sizes)]
-    if len(t.size) and len(live) > 1:  # sweep along dim 0: compare only shards whose rows meet
-        live.sort(key=lambda s: s.offsets[0])
-        active: list[Shard] = []
-        for s in live:
-            active = [a for a in active if a.offsets[0] + a.sizes[0] > s.offsets[0]]
-            if any(_overlap(a, s) for a in active):
-                raise check.bad(f"has overlapping shards of tensor {t.fqn!r} at {list(s.offsets)}")
-            active.append(s)
-    elif len(live) > 1:
-        raise check.bad(f"has {len(live)} shards of the scalar {t.fqn!r}")
+    problem = tiling_problem(t.size, [(s.offsets, s.sizes) for s in t.shards])
+    if problem:
+        raise check.bad(f"has shards of tensor {t.fqn!r} (shape {list(t.size)}) that do not tile it: {problem}")
 
 
 def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpIndex:

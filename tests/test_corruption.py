@@ -359,12 +359,12 @@ def test_malformed_manifest_wrong_shape(scenario, mutate):
 @pytest.mark.parametrize(
     "mutate, why",
     [
-        pytest.param(grow_first_tensor, "covering", id="tensor-larger-than-its-shards"),
+        pytest.param(grow_first_tensor, "that do not tile it: no piece covers", id="tensor-larger-than-its-shards"),
         pytest.param(
             lambda r: r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"].append(
                 r["dcp"]["tensors"][next(iter(r["dcp"]["tensors"]))]["chunks"][0]
             ),
-            "covering",
+            "overlap in",
             id="shard-twice",
         ),
         pytest.param(lambda r: r["dcp"]["items"][0].update(chunks=[]), "adding up", id="item-without-chunk-bytes"),

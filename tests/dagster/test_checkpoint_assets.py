@@ -164,6 +164,6 @@ def test_integrity_check_refuses_a_manifest_whose_shards_do_not_cover_a_tensor(
     reseal_manifest(store_with_checkpoints, RUN, 20, grow_first_tensor)
     result = mat(instance, resources, KEYS[1])
     [check] = result.get_asset_check_evaluations()
-    assert not check.passed and "covering" in check.metadata["problems"].value
+    assert not check.passed and "do not tile it: no piece covers" in check.metadata["problems"].value
     for asset in (evaluation, compressed, archived):
         assert latest(instance, asset, KEYS[1]) is None, asset.key
