@@ -243,6 +243,7 @@ def archived(
             "manifest_key": fmt.manifest_key(run, step),
             "chunks_copied": report.chunks_copied,
             "chunks_already_there": report.chunks_present,
+            "chunks_reencoded": report.chunks_reencoded,
             **size("copied", report.bytes_copied),
             "verified": True,
             "chunks_verified": report.chunks_verified,

@@ -65,6 +65,14 @@ class Encoded:
 Encoder = Callable[[memoryview, str], Encoded]  # (raw bytes, their digest) -> how to store them
 
 
+def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False) -> list:
+    """``raw`` as zstd, or as raw where zstd would not shrink it: an encoding that needs no base."""
+    parts = codecs.encode(raw, "zstd", itemsize, floating=floating)
+    if sum(memoryview(p).nbytes for p in parts) < len(raw) + codecs.HEADER.size:
+        return parts
+    return codecs.encode(raw, "raw")
+
+
 class _NotRaw(Exception):
     """Stops a verifying scan at the header of a chunk that is not stored raw."""
 
@@ -111,7 +119,9 @@ class ChunkStore:
 
         A reused chunk may be stored as a delta: its base is looked up (a read of its
         header), checked to exist and touched with it, and returned, so the manifest of
-        every checkpoint that references the chunk also lists its base.
+        every checkpoint that references the chunk also lists its base. An existing copy
+        is never replaced by a delta (it is stored plainly instead): another save may be
+        committing a reference to the chunk that lists no such base.
         """
         if digest is None:
             digest, checksum = address_and_checksum(raw)
@@ -129,6 +139,8 @@ class ChunkStore:
                     return reused
                 rewrite = True  # a delta whose base is gone: store it anew
         encoded = encoder(raw, digest) if encoder else Encoded(codecs.encode(raw, codec, itemsize, floating=floating))
+        if rewrite and encoded.base is not None:
+            encoded = Encoded(plain_encoding(raw, itemsize=itemsize, floating=floating))
         size = sum(memoryview(p).nbytes for p in encoded.parts)
         written = ChunkWrite(digest, len(raw), size, True, encoded.base, encoded.base_bytes, checksum)
         if rewrite:
@@ -161,6 +173,35 @@ class ChunkStore:
         it is read or decompressed, so a damaged or hostile chunk cannot make the reader
         allocate more than the manifest promised."""
         return self._decoded(digest, self._fetch(digest, size), size)
+
+    def read_stored(self, digest: str, size: int) -> tuple[bytes, memoryview]:
+        """A chunk as stored and its raw bytes, verified as ``get`` verifies them: what a
+        copy into another tier uploads, once it is known to be sound."""
+        blob = self._fetch(digest, size)
+        return blob, self._decoded(digest, blob, size)
+
+    def replace_verified(self, digest: str, size: int, parts: list) -> int:
+        """Put ``parts`` (a plain encoding of the chunk's ``size`` raw bytes) in place of
+        whatever is stored as ``digest``; their stored size.
+
+        This is how an existing chunk object is rewritten (compaction; a tier that holds
+        a chunk in an encoding a checkpoint cannot use): ``parts`` are decoded without a
+        base reader, so a delta is refused, and checked against the chunk's address
+        before the object is swapped atomically (``Store.replace``). The address is the
+        hash of the raw bytes, so every checkpoint sharing the chunk reads the same bytes
+        after, and one that needed a base for it merely needs it no longer.
+        """
+        key = chunk_key(digest)
+        blob = b"".join(memoryview(p).cast("B") for p in parts)
+        try:
+            self._verify(digest, key, codecs.decode(blob, expected=size))
+        except CorruptChunkError as e:
+            raise CorruptChunkError(
+                f"a new encoding of chunk {self.store.url}/{key} does not decode to its content ({e}); "
+                "the stored copy was left as it is"
+            ) from None
+        self.store.replace(key, blob)
+        return len(blob)
 
     def _fetch(self, digest: str, size: int) -> bytes:
         key = chunk_key(digest)
@@ -340,5 +381,4 @@ class ChunkStore:
         after = sum(len(memoryview(p).cast("B")) for p in parts)
         if only_if_smaller and after >= len(blob):
             return len(blob), len(blob)
-        self.store.replace(chunk_key(digest), parts)
-        return len(blob), after
+        return len(blob), self.replace_verified(digest, size, parts)

@@ -1,19 +1,23 @@
-"""Archival: copy a checkpoint to another tier with the commit protocol, then verify it there."""
+"""Archival: copy a checkpoint to another tier, verify it there, and only then commit it there."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptflow import catalog
+from ckptflow import catalog, planes
 from ckptflow import format as fmt
-from ckptflow.chunks import ChunkStore
-from ckptflow.errors import CkptflowError, StoreUnavailableError
+from ckptflow.catalog_listing import Problem, problem_from
+from ckptflow.chunks import ChunkStore, plain_encoding
+from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, StoreUnavailableError
 from ckptflow.lifecycle.archive_lossy import write_lossy_copy
+from ckptflow.lifecycle.compress import itemsizes
 from ckptflow.lifecycle.evaluate import Evaluator, score
 from ckptflow.lifecycle.records import Subject, read_record, write_record
 from ckptflow.lossy import ArchiveCodec
 from ckptflow.manifest import Manifest
+from ckptflow.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import Store
 
 
@@ -23,6 +27,7 @@ class ArchiveReport:
     digest: str = ""
     chunks_copied: int = 0
     chunks_present: int = 0
+    chunks_reencoded: int = 0  # chunks the tier held in an encoding this copy cannot use, stored anew plainly
     bytes_copied: int = 0
     problems: list[str] = field(default_factory=list)
     chunks_verified: int = 0
@@ -49,15 +54,22 @@ def archive(
     key: str = "model",
 ) -> ArchiveReport:
     """Copy ``(run, step)`` from ``src`` (the hot store) to ``dst`` with the same commit
-    protocol (chunks, then rank records, then the manifest last, all create-only), verify
-    it there, and record the outcome in ``src`` for the manifest's digest.
+    protocol (chunks, then rank records, then the manifest last), and record the outcome
+    in ``src`` for the manifest's digest.
 
-    Verification re-reads every chunk from ``dst`` and checks it against its address,
-    and the manifest and rank records against their checksums. A ``dst`` that writes
-    cold objects (S3 GLACIER / DEEP_ARCHIVE) cannot be read back until thawed: its
-    chunks are verified here before upload (the upload carries their SHA-256, which S3
-    checks) and by size afterwards, and the small records go in a readable class
-    (``Store.metadata_store``), so listing, inventory and restore planning need no thaw.
+    The copy must verify on its own manifest, so the manifest is committed only once
+    every chunk has been checked in ``dst``: re-read as a restore of this manifest reads
+    it (``verified_by="re-read"``). ``dst`` may already hold a chunk in an encoding this
+    manifest cannot use (a delta an archived incremental left, on a base a later full
+    does not list); it is stored anew plainly from the verified source, which changes
+    no reference (the address is the hash of the raw bytes). A ``dst`` that writes cold
+    objects (S3 GLACIER / DEEP_ARCHIVE) cannot be read back until thawed: chunks are
+    verified in the source before upload (the upload carries their SHA-256, which S3
+    checks), one it holds at another size than the source's copy is stored anew
+    plainly, and all are checked by size (``verified_by="size"``); the small records go
+    in a readable class (``Store.metadata_store``), so listing, inventory and restore
+    planning need no thaw. An archival that fails commits nothing, and a retry repairs
+    what an earlier one left.
 
     A ``codec`` that is not exact writes a lossy copy instead (``archive_lossy``),
     unless the archive already holds the exact one; with an ``evaluator`` the copy is
@@ -69,9 +81,7 @@ def archive(
     manifest = catalog.read_manifest(src, run, step)
     report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest)
     if codec is None or codec.exact or _holds_exact(dst, manifest):
-        sizes = _copy(src, dst, manifest, report, progress)
-        if not report.problems:
-            _verify(dst, manifest, report, sizes)
+        _exact(src, dst, manifest, report, progress)
     else:
         _lossy(src, dst, manifest, codec, report, progress)
         if report.ok and evaluator is not None:
@@ -85,6 +95,7 @@ def archive(
             "ok": report.ok,
             "chunks_copied": report.chunks_copied,
             "chunks_present": report.chunks_present,
+            "chunks_reencoded": report.chunks_reencoded,
             "bytes_copied": report.bytes_copied,
             "problems": report.problems[:20],
             "chunks_verified": report.chunks_verified,
@@ -104,6 +115,77 @@ def _holds_exact(dst: Store, manifest: Manifest) -> bool:
         return False
 
 
+def _exact(
+    src: Store, dst: Store, manifest: Manifest, report: ArchiveReport, progress: Callable[[int], None] | None
+) -> None:
+    source = ChunkStore(src).scoped(manifest.chunks, manifest.fast_checksums, manifest.address)
+    target = ChunkStore(dst).scoped(manifest.chunks, manifest.fast_checksums, manifest.address)
+    kinds = itemsizes(manifest)
+
+    def reencode(digest: str, held: int | None = None) -> int:
+        """Store a chunk anew plainly in ``dst`` from its verified bytes in ``src``, unless
+        ``dst`` holds it at the ``held`` size of that very encoding; the stored size."""
+        itemsize, floating = kinds.get(digest, (1, False))
+        raw = source.read_stored(digest, manifest.chunks[digest])[1]
+        parts = plain_encoding(raw, itemsize=itemsize, floating=floating)
+        if held is not None and planes.size(parts) == held:
+            return held  # stored plainly by an earlier archival
+        stored = target.replace_verified(digest, len(raw), parts)
+        report.chunks_reencoded += 1
+        return stored
+
+    sizes = _place(source, target, manifest, report, progress, reencode)
+    if report.ok:
+        _check_chunks(target, manifest, report, sizes, reencode)
+    if not report.ok:
+        return
+    try:
+        records = [(key, src.get(key)) for key in manifest.rank_keys()]
+        blob = src.get(fmt.manifest_key(manifest.run, manifest.step))
+    except CkptflowError as e:
+        _problem(report, e)
+        return
+    if fmt.digest_of(blob) != manifest.digest:
+        report.problems.append(f"{src.url}/{fmt.manifest_key(manifest.run, manifest.step)} changed while it was copied")
+        return
+    _commit(dst, manifest, blob, records, report, replace_records=False)
+
+
+def _place(
+    source: ChunkStore,
+    target: ChunkStore,
+    manifest: Manifest,
+    report: ArchiveReport,
+    progress: Callable[[int], None] | None,
+    reencode: Callable[[str, int | None], int],
+) -> dict[str, int]:
+    """Upload each chunk ``dst`` lacks, verified in the source first; in a cold tier,
+    store anew plainly one it holds at a size neither of the source's copy nor of that
+    plain encoding (another encoding, which it cannot read back to check). The stored
+    size of each chunk in a cold ``dst`` by key."""
+    src, dst = source.store, target.store
+    sizes: dict[str, int] = {}
+    for digest, size in sorted(manifest.chunks.items()):
+        key = fmt.chunk_key(digest)
+        try:
+            if not dst.exists(key):
+                blob, _ = source.read_stored(digest, size)
+                if dst.put_if_absent(key, blob):
+                    report.chunks_copied += 1
+                    report.bytes_copied += len(blob)
+                    sizes[key] = len(blob)
+                    if progress:
+                        progress(len(blob))
+                    continue
+            report.chunks_present += 1
+            if dst.writes_cold:
+                held = dst.stat(key).size
+                sizes[key] = held if held == src.stat(key).size else reencode(digest, held)
+        except CkptflowError as e:
+            _problem(report, e)
+    return sizes
+
+
 def _lossy(
     src: Store,
     dst: Store,
@@ -113,13 +195,17 @@ def _lossy(
     progress: Callable[[int], None] | None,
 ) -> None:
     try:
-        copy, sizes = write_lossy_copy(src, dst, manifest, codec, progress)
+        copy = write_lossy_copy(src, dst, manifest, codec, progress)
     except CkptflowError as e:
         _problem(report, e)
         return
-    report.archive_digest, report.lossy = copy.digest, dict(copy.lossy or {})
-    report.chunks_copied, report.bytes_copied = copy.stats.chunks, copy.stats.stored_bytes
-    _verify(dst, copy, report, sizes)
+    report.archive_digest, report.lossy = copy.manifest.digest, dict(copy.manifest.lossy or {})
+    report.chunks_copied, report.bytes_copied = copy.manifest.stats.chunks, copy.manifest.stats.stored_bytes
+    report.chunks_reencoded = copy.reencoded
+    target = ChunkStore(dst).scoped(copy.manifest.chunks, copy.manifest.fast_checksums, copy.manifest.address)
+    _check_chunks(target, copy.manifest, report, copy.sizes, None)
+    if report.ok:
+        _commit(dst, copy.manifest, copy.blob, copy.records, report, replace_records=True)
 
 
 def _reevaluate(src: Store, dst: Store, manifest: Manifest, evaluator: Evaluator, name: str, key: str) -> dict:
@@ -135,71 +221,104 @@ def _reevaluate(src: Store, dst: Store, manifest: Manifest, evaluator: Evaluator
     return {"evaluator": name or "evaluator", "metrics_exact": exact, "metrics_lossy": lossy, "metric_change": change}
 
 
-def _copy(
-    src: Store, dst: Store, manifest: Manifest, report: ArchiveReport, progress: Callable[[int], None] | None
-) -> dict[str, int]:
-    """Chunks, then records; the hot copy's size of each chunk (what a cold copy must match)."""
-    source = ChunkStore(src)
-    sizes: dict[str, int] = {}
-    for digest in sorted(manifest.chunks):
-        key = fmt.chunk_key(digest)
-        if dst.exists(key):
-            report.chunks_present += 1
-            if dst.writes_cold:
-                sizes[key] = src.stat(key).size
-            continue
-        blob = src.get(key)
-        if dst.writes_cold:
+def _check_chunks(
+    target: ChunkStore,
+    manifest: Manifest,
+    report: ArchiveReport,
+    sizes: dict[str, int],
+    reencode: Callable[[str, int | None], int] | None,
+) -> None:
+    """Check every chunk in the tier before the manifest commits. In a readable tier each
+    is read back as a restore of this manifest reads it; one that fails for a cause
+    other than an outage (a delta on a base the manifest does not list or that is a
+    delta itself, damaged bytes) is stored anew plainly with ``reencode`` (when the
+    source can supply it) and read back again. A cold tier is checked by size."""
+    if target.store.writes_cold:
+        report.verified_by = "size"
+        for key, size in sizes.items():
             try:
-                source.get(digest, manifest.chunks[digest])  # cannot re-read after upload: verify first
+                got = target.store.stat(key).size
             except CkptflowError as e:
                 _problem(report, e)
                 continue
-            sizes[key] = len(blob)
-        dst.put_if_absent(key, blob)
-        report.chunks_copied += 1
-        report.bytes_copied += len(blob)
-        if progress:
-            progress(len(blob))
-    if report.problems:
-        return sizes
-    meta = dst.metadata_store()
-    for key in manifest.rank_keys() + [fmt.manifest_key(manifest.run, manifest.step)]:
-        blob = src.get(key)
-        if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
-            report.problems.append(f"{dst.url}/{key} already holds a different record; not overwritten")
-    return sizes
-
-
-def _verify(dst: Store, manifest: Manifest, report: ArchiveReport, sizes: dict[str, int]) -> None:
-    if not dst.writes_cold:
-        check = catalog.verify_checkpoint(dst, manifest.run, manifest.step)
-        if check.unavailable:
-            raise StoreUnavailableError(
-                f"could not verify the archive copy of run {manifest.run} step {manifest.step} in {dst.url}: "
-                f"{check.problems[0]}; nothing proved it damaged: retry when the store answers"
-            )
-        report.problems.extend(check.problems)
-        report.chunks_verified = check.chunks_checked
+            if got != size:
+                report.problems.append(f"{target.store.url}/{key} holds {got} bytes, {size} were stored")
+            else:
+                report.chunks_verified += 1
         return
-    report.verified_by = "size"
-    meta = dst.metadata_store()
+    failed = _unverified(target, manifest, manifest.chunks)
+    if failed and reencode is not None:
+        for digest in sorted(failed):
+            try:
+                reencode(digest, None)
+            except CkptflowError as e:
+                _problem(report, e)
+        failed = _unverified(target, manifest, {d: manifest.chunks[d] for d in failed})
+    report.problems.extend(failed.values())
+    report.chunks_verified = len(manifest.chunks) - len(failed)
+
+
+def _unverified(target: ChunkStore, manifest: Manifest, chunks: Mapping[str, int]) -> dict[str, str]:
+    """The chunks that fail verification in the tier, with why; ``StoreUnavailableError``
+    if one could not be read (that proves nothing)."""
+
+    def check(item: tuple[str, int]) -> Problem | None:
+        try:
+            target.get(*item)
+        except (CkptflowError, OSError) as e:
+            return problem_from(manifest.run, manifest.step, e)
+        return None
+
+    with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-archive") as pool:
+        found = dict(zip(sorted(chunks), pool.map(check, sorted(chunks.items()))))
+    for problem in found.values():
+        if problem is not None and problem.could_not_read:
+            raise StoreUnavailableError(
+                f"could not verify the archive copy of run {manifest.run} step {manifest.step} in "
+                f"{target.store.url}: {problem.message}; nothing proved it damaged: retry when the store answers"
+            )
+    return {d: p.message for d, p in found.items() if p is not None}
+
+
+def _commit(
+    dst: Store,
+    manifest: Manifest,
+    blob: bytes,
+    records: list[tuple[str, bytes]],
+    report: ArchiveReport,
+    *,
+    replace_records: bool,
+) -> None:
+    """Rank records, checked as read back, then the manifest, create-only, then the
+    manifest read back. Another commit of this step already in ``dst`` is left as it is.
+    Rank records are replaced (``replace_records``) only while no manifest names them."""
+    meta, key = dst.metadata_store(), fmt.manifest_key(manifest.run, manifest.step)
     try:
-        stored = catalog.read_manifest(meta, manifest.run, manifest.step)
-        for rank in range(stored.world_size):
-            catalog.read_rank_record(meta, stored, rank)
+        try:
+            held: bytes | None = meta.get_bounded(key, MAX_RECORD_BYTES)
+        except ObjectNotFoundError:
+            held = None
+        except ObjectTooLargeError:
+            held = b""
+        if held is not None and held != blob:
+            report.problems.append(f"{dst.url}/{key} already holds another commit of this step; not overwritten")
+            return
+        for record_key, record in records:
+            if replace_records and held is None:
+                meta.replace(record_key, record)
+            elif not meta.put_if_absent(record_key, record) and meta.get(record_key) != record:
+                report.problems.append(f"{dst.url}/{record_key} already holds a different record; not overwritten")
+        if report.problems:
+            return
+        for rank in range(manifest.world_size):
+            catalog.read_rank_record(meta, manifest, rank)
+        if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
+            report.problems.append(f"{dst.url}/{key} was committed by another writer meanwhile; not overwritten")
+            return
+        if catalog.read_manifest(meta, manifest.run, manifest.step).digest != manifest.digest:
+            report.problems.append(f"{dst.url}/{key} does not read back as the manifest committed")
     except CkptflowError as e:
         _problem(report, e)
-    for key, size in sizes.items():
-        try:
-            got = dst.stat(key).size
-        except CkptflowError as e:
-            _problem(report, e)
-            continue
-        if got != size:
-            report.problems.append(f"{dst.url}/{key} holds {got} bytes, the hot copy {size}")
-        else:
-            report.chunks_verified += 1
 
 
 def _problem(report: ArchiveReport, error: CkptflowError) -> None:

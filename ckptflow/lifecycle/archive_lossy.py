@@ -1,10 +1,11 @@
 """A lossy archive copy: the checkpoint rewritten with an ``ArchiveCodec`` into another tier.
 
 The copy is a checkpoint of its own (same run and step, chunks addressed by the
-rounded values, committed with the same protocol: chunks, rank records, manifest
-last), whose manifest's ``lossy`` record names what was lost and the digest of the
-exact checkpoint it came from. Tensors the codec keeps exact are decoded (so a delta
-in the source becomes a plain chunk: a copy never needs a base it does not hold).
+rounded values, committed by ``archive`` with the same protocol: chunks, rank records,
+manifest last), whose manifest's ``lossy`` record names what was lost and the digest
+of the exact checkpoint it came from. Tensors the codec keeps exact are decoded (so a
+delta in the source becomes a plain chunk), and a chunk the tier already holds as a
+delta is stored anew plainly: the copy lists no bases, so it never needs one.
 """
 
 from __future__ import annotations
@@ -12,30 +13,39 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
-from ckptflow import catalog
+from ckptflow import catalog, codecs, planes
 from ckptflow import format as fmt
-from ckptflow.checksum import ADDRESS
-from ckptflow.chunks import ChunkStore, Encoded, Encoder
+from ckptflow.checksum import ADDRESS, address_and_checksum, fast_checksum
+from ckptflow.chunks import ChunkStore
 from ckptflow.codecs import decode
 from ckptflow.dcp_index import DcpIndex, StorageItem
-from ckptflow.errors import CheckpointExistsError, CorruptChunkError
+from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
 from ckptflow.lossy import Q8_BLOCK, ArchiveCodec, LossStats, encode_lossy, optimizer_entries, tensor_class
 from ckptflow.manifest import Manifest, ManifestStats
 from ckptflow.planes import view
 from ckptflow.store.base import Store
 
 
+@dataclass(frozen=True)
+class LossyCopy:
+    """A lossy copy whose chunks are in the tier, ready to commit."""
+
+    manifest: Manifest  # parsed from ``blob``
+    blob: bytes  # the sealed manifest, committed last
+    records: list[tuple[str, bytes]]  # (key, sealed rank record)
+    sizes: dict[str, int]  # the stored size of each chunk by key (what a cold copy is checked against)
+    reencoded: int  # chunks the tier held as deltas, stored anew plainly
+
+
 def write_lossy_copy(
     src: Store, dst: Store, manifest: Manifest, codec: ArchiveCodec, progress: Callable[[int], None] | None = None
-) -> tuple[Manifest, dict[str, int]]:
-    """Write ``manifest``'s checkpoint into ``dst`` with ``codec`` and commit it there:
-    (the copy's manifest, the stored size of each of its chunks by key).
-
-    Raises ``CheckpointExistsError`` if ``dst`` already holds a different commit of
-    that step (nothing of it is touched), and any read error of the source (every
-    source chunk is verified).
-    """
+) -> LossyCopy:
+    """Write the chunks of ``manifest``'s checkpoint into ``dst`` with ``codec`` and make
+    (not commit) the copy's manifest and rank records. Raises any read error of the
+    source (every source chunk is verified)."""
     records = [catalog.read_rank_record(src, manifest, r) for r in range(manifest.world_size)]
     optimizers = optimizer_entries(records[0].state)
     dropped = sorted(optimizers) if codec.optimizer == "drop" else []
@@ -45,6 +55,7 @@ def write_lossy_copy(
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
     checksums: dict[str, str] = {}
+    reencoded = 0
     for item in manifest.items():
         if item.fqn.split(".", 1)[0] in dropped:
             continue
@@ -55,19 +66,22 @@ def write_lossy_copy(
         for digest, size in item.chunks:
             raw = source.get(digest, size)
             if how == "exact":
-                itemsize = fmt.DTYPE_SIZES[item.dtype]
-                write = target.put(
-                    raw, digest=digest, codec="zstd", itemsize=itemsize, floating=item.dtype in fmt.FLOATING_DTYPES
-                )
+                checksum = fast_checksum(raw)
+                itemsize, floating = fmt.DTYPE_SIZES[item.dtype], item.dtype in fmt.FLOATING_DTYPES
+                parts: Callable[[], list] = partial(codecs.encode, raw, "zstd", itemsize, floating=floating)
+                written, again = _store(target, digest, raw, parts)
             else:
-                values, parts = encode_lossy(raw, how, stats, what)
-                encoded = b"".join(map(bytes, parts)) if dst.writes_cold else None  # checked before it goes cold
-                if encoded is not None and bytes(decode(encoded, expected=values.nbytes)) != values.tobytes():
+                values, encoded = encode_lossy(raw, how, stats, what)
+                if (
+                    dst.writes_cold
+                    and bytes(decode(b"".join(bytes(p) for p in encoded), expected=values.nbytes)) != values.tobytes()
+                ):
                     raise CorruptChunkError(f"the {how} encoding of a chunk of {item.fqn!r} does not round-trip")
-                write = target.put(view(values), encoder=_fixed(parts))
-            chunks.append((write.digest, size))
-            sizes[write.digest], stored[write.digest] = size, write.stored_bytes
-            checksums[write.digest] = write.checksum
+                digest, checksum = address_and_checksum(view(values))
+                written, again = _store(target, digest, view(values), partial(list, encoded))
+            reencoded += again
+            chunks.append((digest, size))
+            sizes[digest], stored[digest], checksums[digest] = size, written, checksum
             if progress:
                 progress(size)
         items.append(dataclasses.replace(item, chunks=tuple(chunks)))
@@ -84,25 +98,39 @@ def write_lossy_copy(
     }
     copy = dataclasses.replace(_copy_manifest(manifest, items, dropped, sizes, stored, lossy), fast_checksums=checksums)
     blob = copy.seal()
-    key = fmt.manifest_key(manifest.run, manifest.step)
-    parsed = Manifest.parse(blob, f"manifest {dst.url}/{key} (before commit)")
-    meta = dst.metadata_store()
+    parsed = Manifest.parse(blob, f"manifest {dst.url}/{fmt.manifest_key(manifest.run, manifest.step)} (before commit)")
+    kept = [
+        (parsed.rank_key(r.rank), dataclasses.replace(r, state={k: v for k, v in r.state.items() if k not in dropped}))
+        for r in records
+    ]
     held = {fmt.chunk_key(d): n for d, n in stored.items()}
-    if meta.exists(key):
-        if meta.get(key) == blob:
-            return parsed, held  # this very copy was committed before
-        raise CheckpointExistsError(f"{dst.url}/{key} already holds another commit of this step; not overwritten")
-    for record in records:
-        state = {k: v for k, v in record.state.items() if k not in dropped} if dropped else record.state
-        meta.replace(parsed.rank_key(record.rank), dataclasses.replace(record, state=state).seal())
-    if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
-        raise CheckpointExistsError(f"{dst.url}/{key} was committed by another writer meanwhile; not overwritten")
-    return parsed, held
+    return LossyCopy(parsed, blob, [(key, record.seal()) for key, record in kept], held, reencoded)
 
 
-def _fixed(parts: list) -> Encoder:
-    """An encoder that stores ``parts``: the chunk was encoded while it was rounded."""
-    return lambda _raw, _digest: Encoded(parts)
+def _store(target: ChunkStore, digest: str, raw: memoryview, encode: Callable[[], list]) -> tuple[int, bool]:
+    """Put a chunk of the copy in the tier: (its stored size, whether a copy the tier held
+    was stored anew). One already there is kept if the copy can use it as it is: not a
+    delta (the copy lists no bases), or, in a cold tier that cannot be read back, as
+    large as this encoding; otherwise it is replaced, verified first
+    (``ChunkStore.replace_verified``)."""
+    store, key = target.store, fmt.chunk_key(digest)
+    try:
+        held = store.stat(key).size
+    except ObjectNotFoundError:
+        parts = encode()
+        if store.put_if_absent(key, parts):
+            return planes.size(parts), False
+        held = store.stat(key).size
+    if store.writes_cold:
+        parts = encode()
+        if planes.size(parts) == held:
+            return held, False
+    elif codecs.delta_base(store.read_head(key, codecs.HEAD_BYTES)) is None:
+        store.touch(key)  # restart GC's grace period: this copy now uses it
+        return held, False
+    else:
+        parts = encode()
+    return target.replace_verified(digest, len(raw), parts), True
 
 
 def _copy_manifest(
