@@ -29,6 +29,7 @@ from ckptflow.dcp_io import CheckpointWriter, Progress, SaveSpec
 from ckptflow.distributed import Group
 from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, UnsupportedStateError
 from ckptflow.failures import own_errors
+from ckptflow.lossy import record_problem as lossy_record_problem
 from ckptflow.manifest import Manifest
 from ckptflow.restore import Restore, RestoreResult
 from ckptflow.save_policy import SavePolicy
@@ -36,7 +37,7 @@ from ckptflow.sealed import json_problem
 from ckptflow.state import FreshOptimizers, capture_rng, to_state_dicts
 from ckptflow.store import Store, open_store
 from ckptflow.tiers import Tier, open_tiers
-from ckptflow.tree import flatten
+from ckptflow.tree import flatten, shared_storage
 
 log = logging.getLogger("ckptflow")
 
@@ -121,6 +122,7 @@ class Checkpointer:
         kind: str | None = None,
         blocking: bool = True,
         rng: bool = True,
+        lossy: dict | None = None,
     ) -> SaveResult | SaveHandle | None:
         """Write a checkpoint of ``state`` at ``step``.
 
@@ -129,6 +131,11 @@ class Checkpointer:
         ``blocking=False`` the caller is held only while tensors are copied to host
         memory; the returned handle's ``wait()`` gives the result. ``rng=False`` stores no
         RNG state (a checkpoint brought in from elsewhere: this process's RNG is not the run's).
+        ``lossy``: the ``lossy`` record of the lossy archive copy ``state`` was read from (an
+        import of its export), so this checkpoint too restores only with ``allow_lossy``.
+
+        Tensors of ``state`` that share one storage (tied weights) are recorded in the
+        manifest (``tied``), so an export writes them once.
         """
         step = fmt.validate_step(step)
         if kind is None:
@@ -139,6 +146,9 @@ class Checkpointer:
             raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
         self.wait()
         started = time.perf_counter()
+        problem = lossy_record_problem(lossy) if lossy is not None else None
+        if problem:
+            raise UnsupportedStateError(f"{problem}; nothing was saved")
         skeleton, tensors = self._flatten(state, metadata)  # refused here: nothing written, nothing moved
         base, save_id = self._prepare_step(step)
         if base is None:
@@ -156,6 +166,8 @@ class Checkpointer:
             chunk_bytes=self.chunk_bytes,
             codec=self.codec,
             encoder=self._encoder(step, kind),
+            tied=shared_storage(tensors),
+            lossy=lossy,
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)

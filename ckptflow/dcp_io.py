@@ -64,6 +64,8 @@ class SaveSpec:
     codec: str = "raw"
     created_at: float = field(default_factory=time.time)
     encoder: SaveEncoder | None = None  # codec "auto": chooses raw, zstd or a delta per chunk
+    tied: list[list[str]] = field(default_factory=list)  # tensor names sharing one storage (manifest "tied")
+    lossy: dict | None = None  # the state is a lossy copy's (an import of its export): its ``lossy`` record
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -239,6 +241,8 @@ class CheckpointWriter(StorageWriter):
             "chunks": dict(sorted(chunk_sizes.items())),
             **({"bases": dict(sorted(bases.items()))} if bases else {}),
             FAST_CHECKSUMS: dict(sorted(checksums.items())),
+            **({"tied": spec.tied} if spec.tied else {}),
+            **({"lossy": spec.lossy} if spec.lossy is not None else {}),
             "stats": {
                 "logical_bytes": logical,
                 "unique_bytes": sum(chunk_sizes.values()),

@@ -18,7 +18,9 @@ Hugging Face model dir    ``{"model": the model's state dict}``: tied names     
 ========================  ====================================================  ============================
 
 Every import records ``metadata["import"] = {"format", "source"}``. No RNG state is stored:
-the importing process's RNG is not the run's.
+the importing process's RNG is not the run's. An export of a lossy archive copy carries
+its ``lossy`` record (a DCP export's ``ckptflow.json``, a safetensors header): the import
+commits it again (``carried_lossy``), so the new checkpoint restores only with ``allow_lossy``.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ckptflow import format as fmt
+from ckptflow import lossy as lossy_codecs
 from ckptflow.checkpointer import Checkpointer, SaveResult
 from ckptflow.dcp_dir import METADATA_FILE, read_state
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.export.architecture import from_transformers_config
 from ckptflow.export.dcp import SIDECAR
-from ckptflow.export.files import INDEX, TIED_KEY, WEIGHTS
+from ckptflow.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS
 from ckptflow.store import Store
 
 FORMATS = fmt.IMPORT_FORMATS
@@ -57,6 +60,7 @@ class ImportResult:
     tensors: int
     bytes: int  # tensor bytes
     digest: str  # the new manifest's digest
+    lossy: dict | None = None  # the source was exported from a lossy archive copy: its ``lossy`` record
 
 
 def detect_format(src: str) -> str:
@@ -128,24 +132,28 @@ def _from_safetensors(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"model": _read_safetensors([src])}, {}
 
 
-def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _hf_weights(src: str) -> tuple[list[str], set[str]]:
+    """A model directory's safetensors files (its index's, else model.safetensors) and the
+    tensor names its index lists."""
     index = os.path.join(src, INDEX)
-    if os.path.isfile(index):
-        doc = _read_json(index)
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CkptflowError(f"{index} has no weight_map of tensor names to files")
-        files = sorted(set(weight_map.values()))
-        outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]
-        if outside:
-            raise CkptflowError(f"{index} names files outside the directory: {outside[:4]}")
-        tensors = _read_safetensors([os.path.join(src, f) for f in files])
-        if set(weight_map) - set(tensors):
-            raise CkptflowError(
-                f"{src}: tensors listed in {INDEX} are missing: {sorted(set(weight_map) - set(tensors))[:8]}"
-            )
-    else:
-        tensors = _read_safetensors([os.path.join(src, WEIGHTS)])
+    if not os.path.isfile(index):
+        return [os.path.join(src, WEIGHTS)], set()
+    doc = _read_json(index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CkptflowError(f"{index} has no weight_map of tensor names to files")
+    files = sorted(set(weight_map.values()))
+    outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]
+    if outside:
+        raise CkptflowError(f"{index} names files outside the directory: {outside[:4]}")
+    return [os.path.join(src, f) for f in files], set(weight_map)
+
+
+def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    files, listed = _hf_weights(src)
+    tensors = _read_safetensors(files)
+    if listed - set(tensors):
+        raise CkptflowError(f"{src}: tensors listed in {INDEX} are missing: {sorted(listed - set(tensors))[:8]}")
     config_path = os.path.join(src, "config.json")
     if not os.path.isfile(config_path):
         return {"model": tensors}, {}
@@ -189,6 +197,37 @@ def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
 _READERS = {"dcp": _from_dcp, "safetensors": _from_safetensors, "hf": _from_hf, "torch": _from_torch}
 
 
+def carried_lossy(src: str, format: str) -> dict | None:
+    """The ``lossy`` record an export of a lossy archive copy carries: a DCP export's
+    ``ckptflow.json``, the header of a safetensors file (of any in a model directory)."""
+    found: Any = None
+    if format == "dcp" and os.path.isfile(os.path.join(src, SIDECAR)):
+        doc = _read_json(os.path.join(src, SIDECAR))
+        found = doc.get("lossy") if isinstance(doc, dict) else None
+    elif format in ("safetensors", "hf"):
+        for path in [src] if format == "safetensors" else _hf_weights(src)[0]:
+            try:
+                with safe_open(path, "pt") as f:
+                    text = (f.metadata() or {}).get(LOSSY_KEY)
+            except (OSError, ValueError, SafetensorError) as e:
+                raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+            if text is not None:
+                try:
+                    found = json.loads(text)
+                except (ValueError, RecursionError):
+                    found = text  # refused below as not an object
+                break
+    if found is None:
+        return None
+    problem = lossy_codecs.record_problem(found)
+    if problem:
+        raise CkptflowError(
+            f"{src} says it was exported from a lossy archive copy, but its record is malformed ({problem}); "
+            "refused, since the checkpoint would lose that mark"
+        )
+    return found
+
+
 def read_source(src: str | os.PathLike, format: str = "auto") -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(format, state, metadata) of ``src``, read without unpickling anything."""
     src = os.path.abspath(os.fspath(src))
@@ -216,15 +255,18 @@ def import_checkpoint(
     fmt.validate_step(step)
     source = os.path.abspath(os.fspath(src))
     chosen, state, found = read_source(source, format)
+    lossy = carried_lossy(source, chosen)
     meta = {**found, **(metadata or {}), "import": {"format": chosen, "source": source}}
     with Checkpointer(root, run=run, chunk_bytes=chunk_bytes, codec=codec, local=True) as ck:
         try:
-            saved = ck.save(step, state, metadata=meta, kind="full", rng=False)
+            saved = ck.save(step, state, metadata=meta, kind="full", rng=False, lossy=lossy)
         except UnsupportedStateError as e:
             raise UnsupportedStateError(f"importing {source} ({chosen}): {e}") from None
     assert isinstance(saved, SaveResult) and saved.info is not None  # blocking, and its own coordinator
     info = saved.info
-    return ImportResult(run, step, chosen, source, list(state), _count_tensors(state), info.logical_bytes, info.digest)
+    return ImportResult(
+        run, step, chosen, source, list(state), _count_tensors(state), info.logical_bytes, info.digest, lossy
+    )
 
 
 def _count_tensors(tree: Any) -> int:

@@ -12,7 +12,10 @@ tensor whose values happen to be bf16 (or code x scale), stored by an exact code
 (``codecs`` "bf16" / "q8") and addressed by the hash of those values, so verify,
 restore, GC and archival treat the copy like any other checkpoint. Its manifest's
 ``lossy`` record says what was lost (and how much: RMS and max error per class), and
-``Checkpointer.restore`` refuses it unless called with ``allow_lossy=True``.
+``Checkpointer.restore`` refuses it unless called with ``allow_lossy=True``, and
+``export`` unless called with ``allow_lossy=True`` (``--allow-lossy``): one rule,
+``check_allowed``. What is made from a copy keeps the record: an export carries it in
+every file, and an import of that export commits it again (``Checkpointer.save(lossy=)``).
 
 Which tensors are optimizer state is read from the state's JSON skeleton: an entry
 saved from an optimizer is ``{"state": ..., "param_groups": ...}`` (DCP's optimizer
@@ -29,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from ckptflow import codecs
+from ckptflow.errors import LossyCopyError
+from ckptflow.sealed import json_problem
 
 WEIGHTS = ("exact", "bf16")
 OPTIMIZER = ("exact", "int8", "drop")
@@ -166,3 +171,26 @@ def describe(lossy: Mapping[str, Any]) -> str:
 def dropped(manifest: Any) -> list[str]:
     """State entries a manifest's lossy copy does not hold (none for an exact checkpoint)."""
     return list((manifest.lossy or {}).get("dropped") or [])
+
+
+def check_allowed(manifest: Any, *, allow_lossy: bool, how_to_allow: str, where: str = "") -> None:
+    """The rule restore and export share: a lossy copy is used only when asked for.
+    Raises ``LossyCopyError`` (``where`` names it; ``how_to_allow`` says how to ask)."""
+    if manifest.lossy is None or allow_lossy:
+        return
+    prefix = f"{where} is " if where else ""
+    raise LossyCopyError(f"{prefix}a lossy archive copy ({describe(manifest.lossy)}); {how_to_allow}")
+
+
+def record_problem(record: Any) -> str | None:
+    """Why ``record`` cannot be a manifest's ``lossy`` record (None if it can): a JSON
+    object whose ``dropped``, if present, lists state entry names."""
+    if not isinstance(record, dict):
+        return f"a lossy record must be a JSON object, not {type(record).__name__}"
+    problem = json_problem(record, "the lossy record")
+    if problem:
+        return problem
+    names = record.get("dropped", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return "the lossy record's 'dropped' is not a list of state entry names"
+    return None

@@ -59,6 +59,7 @@ class Manifest:
     # absent in manifests written before, whose chunks restore checks by their address
     fast_checksums: Mapping[str, str] = field(default_factory=dict)
     lossy: Mapping[str, Any] | None = None  # a lossy archive copy: what was lost (``ckptflow.lossy``)
+    tied: tuple[tuple[str, ...], ...] = ()  # tensor names that were one tensor when saved (``_parse_tied``)
     address: str = checksum.ADDRESS  # the hash naming its chunks: "sha256" in format 1 (``ckptflow.checksum``)
     rank_records_by_save: bool = False  # rank records named by save id (see format.rank_key)
     digest: str = ""
@@ -112,6 +113,7 @@ class Manifest:
             **({"bases": dict(self.bases)} if self.bases else {}),
             **({checksum.FIELD: dict(self.fast_checksums)} if self.fast_checksums else {}),
             **({"lossy": dict(self.lossy)} if self.lossy is not None else {}),
+            **({"tied": [list(group) for group in self.tied]} if self.tied else {}),
             "stats": dict(self.stats.__dict__),
             **({"rank_records": "by_save_id"} if self.rank_records_by_save else {}),
             **self.extra,
@@ -175,6 +177,7 @@ class Manifest:
             bases=bases,
             fast_checksums=fast_checksums,
             lossy=lossy,
+            tied=_parse_tied(check, doc),
             address=address,
             rank_records_by_save=doc.get("rank_records") == "by_save_id",
             digest=digest,
@@ -233,6 +236,22 @@ def _parse_checksums(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dic
         if not checksum.is_checksum(value):
             raise check.bad(f"has a malformed fast checksum for chunk {str(digest)[:16]}…: {str(value)[:60]!r}")
     return checksums
+
+
+def _parse_tied(check: Fields, doc: dict) -> tuple[tuple[str, ...], ...]:
+    """Groups of tensor names the saver saw sharing one storage (``tree.shared_storage``),
+    each of two or more names, no name in two groups. Absent before the record existed.
+    A name need not be in this manifest's index (a lossy copy may drop its entry): readers
+    use the names present."""
+    tied = doc.get("tied", [])
+    if not isinstance(tied, list) or not all(
+        isinstance(group, list) and len(group) > 1 and all(isinstance(n, str) for n in group) for group in tied
+    ):
+        raise check.bad("has a 'tied' record that is not a list of groups of two or more tensor names")
+    names = [n for group in tied for n in group]
+    if len(set(names)) != len(names):
+        raise check.bad("has a 'tied' record that names one tensor twice")
+    return tuple(tuple(group) for group in tied)
 
 
 _REQUIRED_STATS = ("logical_bytes", "stored_bytes", "chunks", "bytes_written")

@@ -212,10 +212,9 @@ class Restore:
         local: Failure | None = None
         try:
             manifest = read_manifest(tier.store, self.run, step)
-            if manifest.lossy is not None and not self.allow_lossy:
-                raise LossyCopyError(
-                    f"a lossy archive copy ({lossy.describe(manifest.lossy)}); restore(..., allow_lossy=True) loads it"
-                )
+            lossy.check_allowed(
+                manifest, allow_lossy=self.allow_lossy, how_to_allow="restore(..., allow_lossy=True) loads it"
+            )
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = read_rank_record(tier.store, manifest, rank)
             plan = plan_for(manifest, record, tier)

@@ -89,6 +89,21 @@ def flatten(tree: Any, rank: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(tree, (), ""), tensors
 
 
+def shared_storage(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Groups of names in ``tensors`` that are one tensor (a tied weight under each of its
+    modules' names), in ``tensors``' order: the same storage, offset, shape, strides and
+    dtype. Equal values are no proof (every fresh LayerNorm weight is all ones); sharing
+    is. Only plain tensors that hold memory are compared (not meta, empty or subclassed
+    ones such as DTensor shards)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, t in tensors.items():
+        if type(t) is not torch.Tensor or t.device.type == "meta" or t.numel() == 0:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        groups.setdefault(key, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def _mapping(node: Mapping, path: tuple, walk: Any) -> Any:
     for k in node:
         if not isinstance(k, (str, int)) or isinstance(k, bool):

@@ -117,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=size_arg,
         help="shard a model directory's weights past this size (default 5GB, as transformers counts)",
     )
+    p.add_argument(
+        "--config",
+        metavar="CONFIG_JSON",
+        help="hf: the model's transformers config.json, for a checkpoint that recorded none: written (declaring "
+        "the dtype and int8 quantization) as the directory's config.json; needed for --dtype int8",
+    )
+    p.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="export a lossy archive copy (refused otherwise, as restore refuses it); every file says it is lossy",
+    )
+    p.add_argument(
+        "--allow-failed",
+        action="store_true",
+        help="export a checkpoint whose validation verdict is failed (refused otherwise, saying when and why)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(

@@ -210,14 +210,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         export_dcp,
         export_safetensors,
         newest_verified_step,
+        read_config,
     )
+    from ckptflow.lossy import describe
 
     store = _open(args.root)
     run = _require_run(store, args.run)
     if args.format == "dcp":
         given = [flag for flag, value in (("--key", args.key), ("--dtype", args.dtype),
-                 ("--allow-fp16-overflow", args.allow_fp16_overflow), ("--max-shard-size", args.max_shard_size))
-                 if value]  # fmt: skip
+                 ("--allow-fp16-overflow", args.allow_fp16_overflow), ("--max-shard-size", args.max_shard_size),
+                 ("--config", args.config)) if value]  # fmt: skip
         if given:
             raise CkptflowError(
                 f"{', '.join(given)} apply to model exports (--format hf); --format dcp writes the whole state as saved"
@@ -229,6 +231,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             allow_fp16_overflow=args.allow_fp16_overflow,
             max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
         )
+    model_config = read_config(args.config) if args.config else None
+    allowed = {"allow_lossy": args.allow_lossy, "allow_failed": args.allow_failed}
     try:
         with progress(f"export {run}") as report_progress:
             skipped: list[tuple[int, str]] = []
@@ -236,28 +240,38 @@ def cmd_export(args: argparse.Namespace) -> int:
             if step is None:
                 step, skipped = newest_verified_step(store, run, report_progress)
             if args.format == "dcp":
-                result = export_dcp(store, run, args.out, step=fmt.validate_step(step), progress=report_progress)
+                result = export_dcp(
+                    store, run, args.out, step=fmt.validate_step(step), progress=report_progress, **allowed
+                )
             else:
                 lineage = lineage_of(store, catalog.read_manifest(store, run, fmt.validate_step(step)))
                 result = export_safetensors(
-                    store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress
-                )
+                    store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress,
+                    model_config=model_config, **allowed,
+                )  # fmt: skip
     except StoreUnavailableError as e:  # nothing proved damage: exit as verify does when it could not read
         print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return UNAVAILABLE
     for skipped_step, why in skipped:
         warn(f"run {run} step {skipped_step} does not verify, skipped: {why}")
+    if result.lossy is not None:
+        warn(f"run {run} step {result.step} is a lossy archive copy, not the exact checkpoint that was trained")
+    if result.failed_validation is not None:
+        why = "; ".join(map(str, (result.failed_validation.get("problems") or ["no problem recorded"])[:1]))
+        warn(f"run {run} step {result.step} failed validation, exported as asked: {why}")
     what = "state, DCP" if args.format == "dcp" else args.key or "model"
     print(
         f"exported run {run} step {result.step} ({what}): {result.tensors} tensors, "
         f"{human_bytes(result.bytes)} -> {result.path}"
         + (f" ({', '.join(result.files)})" if len(result.files) > 1 else "")
+        + (f"; LOSSY copy ({describe(result.lossy)}), marked in every file" if result.lossy is not None else "")
     )
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from ckptflow.importers import import_checkpoint  # torch, when importing
+    from ckptflow.lossy import describe
 
     try:
         store = open_store(args.root)
@@ -268,6 +282,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         f"imported {result.source} ({result.format}) as run {result.run} step {result.step}: "
         f"entries {', '.join(result.entries)}; {result.tensors} tensors, {human_bytes(result.bytes)}; "
         f"manifest {result.digest[:12]}"
+        + (f"; LOSSY copy ({describe(result.lossy)}): restores only with allow_lossy" if result.lossy else "")
     )
     return 0
 

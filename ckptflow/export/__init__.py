@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 from ckptflow.export.options import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
 
 _LAZY = {  # torch is imported when one of these is first used
-    "model_metadata": "architecture", "tied_weights": "architecture", "Lineage": "card",
+    "model_metadata": "architecture", "tied_weights": "architecture", "read_config": "architecture",
+    "Lineage": "card",
     "lineage_metadata": "files", "load_exported": "files", "write_safetensors": "files",
     "ExportOptions": "model", "ExportResult": "model", "export_safetensors": "model", "option_problems": "model",
     "DTYPES": "tensors", "load_tensors": "tensors", "newest_verified_step": "tensors", "export_dcp": "dcp",
 }  # fmt: skip
 
 if TYPE_CHECKING:
-    from ckptflow.export.architecture import model_metadata, tied_weights
+    from ckptflow.export.architecture import model_metadata, read_config, tied_weights
     from ckptflow.export.card import Lineage
     from ckptflow.export.dcp import export_dcp
     from ckptflow.export.files import lineage_metadata, load_exported, write_safetensors
@@ -51,6 +52,7 @@ __all__ = [
     "model_metadata",
     "newest_verified_step",
     "option_problems",
+    "read_config",
     "tied_weights",
     "write_safetensors",
 ]

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow import format as fmt
+from ckptflow import lossy as lossy_codecs
 from ckptflow.manifest import Manifest
 
 
@@ -66,8 +67,32 @@ def _json(value: Any) -> str:
     return "```json\n" + json.dumps(value, indent=2, sort_keys=True, default=str) + "\n```"
 
 
-def render(lineage: Lineage, *, export: Mapping[str, Any], tensors: int, architecture: str) -> str:
-    """README.md: YAML front matter (as the Hugging Face hub reads it), then the lineage."""
+def _lossy_section(lossy: Mapping[str, Any]) -> list[str]:
+    """What a card says first when the weights come from a lossy archive copy."""
+    errors = lossy.get("error")
+    errors = errors if isinstance(errors, Mapping) else {}
+    return [
+        "## Lossy copy",
+        "",
+        f"**These weights are not the checkpoint that was trained.** They come from a lossy archive copy "
+        f"({lossy_codecs.describe(lossy)}) of the exact commit `{lossy.get('source_digest') or 'unknown'}`.",
+        "",
+        *[f"- {what}: RMS relative error {e.get('rms_relative_error')}, max abs error {e.get('max_abs_error')}"
+          for what, e in sorted(errors.items()) if isinstance(e, Mapping)],
+        "",
+    ]  # fmt: skip
+
+
+def render(
+    lineage: Lineage,
+    *,
+    export: Mapping[str, Any],
+    tensors: int,
+    architecture: str,
+    lossy: Mapping[str, Any] | None = None,
+) -> str:
+    """README.md: YAML front matter (as the Hugging Face hub reads it), then the lineage;
+    first of all, for weights from a lossy copy (``lossy``: its record), that they are."""
     validation = lineage.validation
     verdict = "not validated"
     if validation:
@@ -80,10 +105,12 @@ def render(lineage: Lineage, *, export: Mapping[str, Any], tensors: int, archite
         "library_name: " + ("transformers" if architecture else "safetensors"),
         "tags:",
         "- ckptflow",
+        *(["- lossy"] if lossy is not None else []),
         "---",
         "",
         f"# {architecture or 'Model'} from {lineage.partition_key}",
         "",
+        *(_lossy_section(lossy) if lossy is not None else []),
         "Exported by ckptflow from one committed checkpoint; every tensor was verified against",
         "its content address on the way.",
         "",

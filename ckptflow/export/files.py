@@ -25,6 +25,8 @@ from ckptflow.quantize import dequantize_weights
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TIED_KEY = "ckptflow.tied"  # header metadata: {dropped name: kept name} for tensors written once
+LOSSY_KEY = "ckptflow.lossy"  # header metadata: the lossy copy's ``lossy`` record (JSON) it was exported from
+FAILED_KEY = "ckptflow.failed_validation"  # header metadata: the failed verdict it was exported despite (JSON)
 
 _DTYPE_NAMES = {
     torch.float64: "F64",

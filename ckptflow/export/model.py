@@ -4,11 +4,15 @@
 ``--out x.safetensors`` writes one file. Any other ``--out`` is a directory in the
 Hugging Face layout: ``model.safetensors`` (past ``max_shard_bytes``, shards and
 ``model.safetensors.index.json``), ``config.json`` when the run recorded its model config
-(``ck.save(step, state, metadata={"model_config": model.config.to_dict()})``), and a
-``README.md`` model card with the lineage. Tied tensors are written once; fp16 refuses
-values it cannot hold; int8 is a format a loader dequantizes or refuses (``quantize``).
-The same checkpoint and options always give the same bytes, so a deleted model version
-can be rebuilt and checked against its recorded hashes.
+(``ck.save(step, state, metadata=model_metadata(model))``) or one is given
+(``model_config``, ``--config``), and a ``README.md`` model card with the lineage. Tied
+tensors are written once; fp16 refuses values it cannot hold; int8 is a format a loader
+dequantizes or refuses (``quantize``), and is written only into a directory whose
+config.json declares it. The same checkpoint and options always give the same bytes, so
+a deleted model version can be rebuilt and checked against its recorded hashes.
+
+A lossy archive copy is exported only with ``allow_lossy`` and a commit whose validation
+failed only with ``allow_failed`` (``tensors.admit``); every file then says so.
 """
 
 from __future__ import annotations
@@ -17,23 +21,42 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError
-from ckptflow.export.architecture import Architecture, from_transformers_config
+from ckptflow.export.architecture import Architecture, check_fits, structure
 from ckptflow.export.card import Lineage, render
-from ckptflow.export.files import TIED_KEY, lineage_metadata, nbytes, write_json, write_safetensors, write_weights
+from ckptflow.export.files import (
+    FAILED_KEY,
+    LOSSY_KEY,
+    TIED_KEY,
+    lineage_metadata,
+    nbytes,
+    write_json,
+    write_safetensors,
+    write_weights,
+)
 from ckptflow.export.options import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
-from ckptflow.export.tensors import Progress, convert_dtype, load_tensors, newest_verified_step, write_once
+from ckptflow.export.tensors import (
+    Admitted,
+    Progress,
+    admit,
+    convert_dtype,
+    load_tensors,
+    newest_verified_step,
+    write_once,
+)
 from ckptflow.manifest import Manifest
 from ckptflow.quantize import ERROR_BOUND, quantization_config, quantize_weights
 from ckptflow.store import Store, open_store
 
 CONFIG, CARD = "config.json", "README.md"
+LOSSY_CONFIG_KEY = "ckptflow_lossy"  # config.json: the lossy copy's ``lossy`` record it was exported from
 _CONFIG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -77,6 +100,8 @@ class ExportResult:
     digest: str  # the source manifest's digest, also in every file's metadata
     files: tuple[str, ...] = ()  # names in the directory (a file export: its own name)
     skipped: list[tuple[int, str]] = field(default_factory=list)  # newer steps passed over: each proved damaged
+    lossy: dict[str, Any] | None = None  # exported from a lossy copy (allow_lossy): its ``lossy`` record
+    failed_validation: dict[str, Any] | None = None  # exported despite this failed verdict (allow_failed)
 
 
 @dataclass(frozen=True)
@@ -86,60 +111,74 @@ class Prepared:
     config: dict[str, Any] | None  # config.json
     architecture: str
     manifest: Manifest
+    lossy: dict[str, Any] | None
 
 
-def _structure(metadata: dict[str, Any]) -> tuple[Architecture, dict[str, Any] | None]:
-    model_config = metadata.get("model_config")
-    if model_config is not None:
-        if not isinstance(model_config, dict):
-            raise CkptflowError("the checkpoint's metadata 'model_config' is not a JSON object")
-        return from_transformers_config(model_config), model_config
-    tied = metadata.get("tied_weights") or []
-    if not isinstance(tied, list) or not all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in tied):
-        raise CkptflowError("the checkpoint's metadata 'tied_weights' is not a list of lists of tensor names")
-    return Architecture("", tuple(tuple(g) for g in tied), frozenset(), frozenset()), None
+def _int8_names(arch: Architecture, tensors: dict[str, torch.Tensor], where: str) -> list[str]:
+    """The weights an int8 export quantizes: the nn.Linear weights, all that compressed-tensors
+    (the format transformers loads int8 through) can hold."""
+    names = sorted(n for n in arch.linear_weights if n in tensors and tensors[n].is_floating_point())
+    if not names:
+        raise CkptflowError(
+            f"int8 export of {where}: no weight to quantize: int8 covers the weights of {arch.name}'s nn.Linear "
+            "layers not tied to another tensor, and it has none (GPT-2's projections, for one, are transformers "
+            "Conv1D layers, which compressed-tensors, the format transformers loads int8 through, cannot hold); "
+            "export bf16"
+        )
+    return names
 
 
-def prepare(store: Store, run: str, step: int, options: ExportOptions, progress: Progress | None = None) -> Prepared:
+def _int8_needs_config(where: str) -> CkptflowError:
+    return CkptflowError(
+        f"int8 export of {where}: the checkpoint records no model config, so the export would have no config.json "
+        "declaring its quantization, and the model's ordinary config.json put beside it would load the int8 codes "
+        "as float weights without an error. Pass the model's config.json (--config path/to/config.json; library: "
+        "model_config=json.load(open(path))), or record ckptflow.export.model_metadata(model) in the metadata of "
+        "its saves; or export bf16"
+    )
+
+
+def prepare(
+    store: Store,
+    admitted: Admitted,
+    options: ExportOptions,
+    progress: Progress | None = None,
+    *,
+    model_config: Mapping[str, Any] | None = None,
+) -> Prepared:
     """The tensors, header metadata and config.json of one export, all in memory."""
-    tensors, manifest = load_tensors(store, run, step, prefix=options.key.rstrip(".") + ".", progress=progress)
-    arch, model_config = _structure(dict(manifest.metadata))
+    run, step = admitted.manifest.run, admitted.manifest.step
     where = f"run {run!r} step {step}"
-    source = f"the {arch.name} architecture" if arch.name else "the run's recorded tied_weights"
+    arch, config = structure(admitted.manifest, options.key, model_config)
+    if options.dtype == "int8" and config is None:
+        raise _int8_needs_config(where)
+    tensors, manifest = load_tensors(store, run, step, prefix=options.key.rstrip(".") + ".", progress=progress)
+    admitted.check_same(manifest)
+    source = f"the {arch.name} architecture" if arch.name else "the tie groups recorded at save time"
     tensors, tied = write_once(tensors, arch.shared, source)
-    config = dict(model_config) if model_config is not None else None
+    if model_config is not None:
+        check_fits(arch, tensors, where)
     extra: dict[str, str] = {TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {}
     if options.dtype == "int8":
-        if arch.name:  # only what compressed-tensors (and so transformers) can load: nn.Linear
-            names = sorted(n for n in arch.linear_weights if n in tensors and tensors[n].is_floating_point())
-        else:
-            names = sorted(
-                n
-                for n, t in tensors.items()
-                if (n == "weight" or n.endswith(".weight")) and t.is_floating_point() and t.dim() >= 2
-            )
-        if not names:
-            covered = (
-                f"the weights of {arch.name}'s nn.Linear layers not tied to another tensor, and it has none "
-                "(GPT-2's projections, for one, are transformers Conv1D layers, which compressed-tensors, the "
-                "format transformers loads int8 through, cannot hold)"
-                if arch.name
-                else "floating-point '*.weight' tensors of 2+ dimensions not tied to another tensor"
-            )
-            raise CkptflowError(f"int8 export of {where}: no weight to quantize: int8 covers {covered}; export bf16")
+        assert config is not None  # refused above, before any tensor was read
+        names = _int8_names(arch, tensors, where)
         tensors = quantize_weights(tensors, names)
-        qconfig = quantization_config(arch.linear_modules - {n[: -len(".weight")] for n in names})
-        extra["ckptflow.quantization"] = json.dumps(qconfig, sort_keys=True)
-        if config is not None:
-            config["quantization_config"] = qconfig
+        config["quantization_config"] = quantization_config(arch.linear_modules - {n[: -len(".weight")] for n in names})
+        extra["ckptflow.quantization"] = json.dumps(config["quantization_config"], sort_keys=True)
     elif options.dtype:
         tensors = convert_dtype(tensors, options.dtype, allow_fp16_overflow=options.allow_fp16_overflow, where=where)
         if config is not None:
             config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = _CONFIG_DTYPES[
                 options.dtype
             ]
+    if admitted.lossy is not None:
+        extra[LOSSY_KEY] = json.dumps(admitted.lossy, sort_keys=True)
+        if config is not None:
+            config[LOSSY_CONFIG_KEY] = admitted.lossy
+    if admitted.failed_validation is not None:
+        extra[FAILED_KEY] = json.dumps(admitted.failed_validation, sort_keys=True)
     metadata = lineage_metadata(run, step, manifest.digest, options.key, **extra)
-    return Prepared(tensors, metadata, config, arch.name, manifest)
+    return Prepared(tensors, metadata, config, arch.name, manifest, admitted.lossy)
 
 
 def _check_out(out: str, as_dir: bool) -> None:
@@ -164,7 +203,13 @@ def write_model_dir(out: str, prepared: Prepared, lineage: Lineage, options: Exp
             write_json(prepared.config, os.path.join(tmp, CONFIG))
             files.append(CONFIG)
         export = {**options.to_json(), **({"int8_error": ERROR_BOUND} if options.dtype == "int8" else {})}
-        card = render(lineage, export=export, tensors=len(prepared.tensors), architecture=prepared.architecture)
+        card = render(
+            lineage,
+            export=export,
+            tensors=len(prepared.tensors),
+            architecture=prepared.architecture,
+            lossy=prepared.lossy,
+        )
         with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
             f.write(card)
         files.append(CARD)
@@ -186,6 +231,9 @@ def export_safetensors(
     options: ExportOptions | None = None,
     lineage: Lineage | None = None,
     progress: Progress | None = None,
+    model_config: Mapping[str, Any] | None = None,
+    allow_lossy: bool = False,
+    allow_failed: bool = False,
 ) -> ExportResult:
     """Export ``options.key``'s tensors of one checkpoint to ``out`` (a ``.safetensors``
     file, or otherwise a model directory).
@@ -194,6 +242,10 @@ def export_safetensors(
     checkpoint, not only the exported tensors: a partly corrupt checkpoint is suspect);
     only damage moves it to an older one (``newest_verified_step``).
     ``lineage`` fills the model card (default: the checkpoint's name, digest and kind).
+    ``model_config``: the model's transformers config (its config.json as a dict), for a
+    checkpoint that did not record one; it must describe the tensors saved.
+    ``allow_lossy`` exports a lossy archive copy, ``allow_failed`` a commit whose validation
+    verdict is failed; both are refused otherwise, and marked in the files when allowed.
     """
     store = open_store(store)
     options = options or ExportOptions()
@@ -201,15 +253,26 @@ def export_safetensors(
     out = os.path.abspath(os.fspath(out))
     as_dir = not out.endswith(".safetensors")
     _check_out(out, as_dir)
+    if options.dtype == "int8" and not as_dir:
+        raise CkptflowError(
+            f"int8 export to the single file {out} refused: int8 weights load right only beside a config.json "
+            "that declares their quantization, which a model directory holds and a file cannot. Pass --out DIR"
+        )
     skipped: list[tuple[int, str]] = []
     if step is None:
         step, skipped = newest_verified_step(store, run, progress)
-    prepared = prepare(store, run, step, options, progress)
-    digest = prepared.manifest.digest
+    admitted = admit(store, run, step, allow_lossy=allow_lossy, allow_failed=allow_failed)
+    prepared = prepare(store, admitted, options, progress, model_config=model_config)
     if as_dir:
-        files = write_model_dir(out, prepared, lineage or Lineage.of(prepared.manifest), options)
+        lineage = lineage or Lineage.of(prepared.manifest)
+        if admitted.failed_validation is not None and not lineage.validation:
+            lineage = replace(lineage, validation={"ok": False, **admitted.failed_validation})
+        files = write_model_dir(out, prepared, lineage, options)
     else:
         write_safetensors(prepared.tensors, out, prepared.metadata)
         files = [os.path.basename(out)]
     nbytes_written = sum(nbytes(t) for t in prepared.tensors.values())
-    return ExportResult(run, step, out, len(prepared.tensors), nbytes_written, digest, tuple(files), skipped)
+    return ExportResult(
+        run, step, out, len(prepared.tensors), nbytes_written, prepared.manifest.digest, tuple(files), skipped,
+        admitted.lossy, admitted.failed_validation,
+    )  # fmt: skip

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptflow import catalog, catalog_listing
+from ckptflow import catalog, catalog_listing, lossy
 from ckptflow import format as fmt
 from ckptflow.allocation import empty_tensor
 from ckptflow.catalog_listing import Problem
@@ -23,12 +25,51 @@ from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_reader import CheckpointReader
 from ckptflow.errors import CkptflowError, ColdObjectError, NoValidCheckpointError, StoreUnavailableError
 from ckptflow.failures import failure_of, own_errors
+from ckptflow.lifecycle.validate import check_not_failed
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 
 Progress = Callable[[int], None]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A commit export may read, and what its files must say about it."""
+
+    manifest: Manifest
+    lossy: dict[str, Any] | None  # a lossy copy (exported with allow_lossy): its ``lossy`` record
+    failed_validation: dict[str, Any] | None  # its failed verdict (allow_failed): recorded_at, problems, tier
+
+    def check_same(self, manifest: Manifest) -> None:
+        """``manifest`` (what was read) is the commit that was admitted, not a new one."""
+        if manifest.digest != self.manifest.digest:
+            raise CkptflowError(
+                f"run {manifest.run!r} step {manifest.step} was committed again while it was being exported "
+                "(another manifest digest); export again"
+            )
+
+
+def admit(store: Store, run: str, step: int, *, allow_lossy: bool, allow_failed: bool) -> Admitted:
+    """The commit of ``(run, step)`` if export may use it: a lossy archive copy only with
+    ``allow_lossy`` (restore's rule, ``lossy.check_allowed``), a commit whose validation
+    failed only with ``allow_failed`` (``lifecycle.validate.check_not_failed``; verdicts
+    are read from ``store``). Read before any tensor, so a refusal costs one manifest."""
+    manifest = catalog.read_manifest(store, run, step)
+    source = (manifest.lossy or {}).get("source_digest") or "unknown"
+    lossy.check_allowed(
+        manifest,
+        allow_lossy=allow_lossy,
+        where=f"run {run!r} step {step} in {store.url}",
+        how_to_allow=f"it is not the model that was trained (exact commit {source}). Export that one, or pass "
+        "--allow-lossy (allow_lossy=True) to export this copy, marked lossy in every file written",
+    )
+    verdict = check_not_failed(
+        store, manifest, allow_failed=allow_failed, how_to_allow="pass --allow-failed (allow_failed=True) to export it"
+    )
+    failed = {k: verdict[k] for k in ("recorded_at", "problems", "tier") if k in verdict} if verdict else None
+    return Admitted(manifest, dict(manifest.lossy) if manifest.lossy is not None else None, failed)
 
 
 def load_tensors(

@@ -72,11 +72,16 @@ def test_promotion_alias_moves_and_rollback_with_lineage(
     tensors = load_file(str(tmp_path / "v2" / "model.safetensors"))
     assert tensors["head.weight"].dtype == torch.bfloat16
 
-    assert deploy(defs, instance, stage="latest", partition_key=KEYS[3], dtype="int8").success
+    # int8 needs a config.json declaring it, and TinyLM records no model config: refused, nothing moves
+    refused = deploy(defs, instance, stage="latest", partition_key=KEYS[3], dtype="int8")
+    assert not refused.success
+    [failure] = [e for e in refused.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    assert "records no model config" in str(failure.event_specific_data.error.message)
+    assert reg.aliases("tinylm") == {"latest": 2, "stable": 2, "fallback": 1}
+    assert deploy(defs, instance, stage="latest", partition_key=KEYS[3], dtype="fp16").success
     assert reg.aliases("tinylm") == {"latest": 3, "stable": 2, "fallback": 1}
     reg.download(reg.get("tinylm", 3), tmp_path / "v3")
-    int8 = load_file(str(tmp_path / "v3" / "model.safetensors"))
-    assert int8["head.weight"].dtype == torch.int8 and "head.weight_scale" in int8
+    assert load_file(str(tmp_path / "v3" / "model.safetensors"))["head.weight"].dtype == torch.float16
 
     rolled = deploy(defs, instance, job="rollback")
     assert rolled.success
