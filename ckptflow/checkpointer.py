@@ -7,7 +7,6 @@ it into the live model, in place (``ckptflow.restore``).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import uuid
@@ -20,14 +19,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ckptflow import catalog, catalog_listing, quarantine, recoveries
+from ckptflow import catalog, catalog_listing, recoveries
 from ckptflow import format as fmt
 from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.catalog import CheckpointInfo, VerifyReport
 from ckptflow.codecs import CODECS
+from ckptflow.commit import check_step
 from ckptflow.dcp_io import CheckpointWriter, Progress, SaveSpec
 from ckptflow.distributed import Group
-from ckptflow.errors import CheckpointExistsError, CkptflowError, ManifestError, UnsupportedStateError
+from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.failures import own_errors
 from ckptflow.lossy import record_problem as lossy_record_problem
 from ckptflow.manifest import Manifest
@@ -38,8 +38,6 @@ from ckptflow.state import FreshOptimizers, capture_rng, to_state_dicts
 from ckptflow.store import Store, open_store
 from ckptflow.tiers import Tier, open_tiers
 from ckptflow.tree import flatten, shared_storage
-
-log = logging.getLogger("ckptflow")
 
 
 @dataclass(frozen=True)
@@ -69,8 +67,13 @@ class SaveHandle:
             if self._future.done():  # the save's own failure (not a wait timeout): reported now,
                 self.error_reported = True  # so Checkpointer.wait() must not raise it again
             raise
-        manifest = self._writer.manifest
+        manifest = self.manifest
         return SaveResult(self.step, self.kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """What the save committed (on the coordinator rank, once it has)."""
+        return self._writer.manifest
 
 
 class Checkpointer:
@@ -150,7 +153,7 @@ class Checkpointer:
         if problem:
             raise UnsupportedStateError(f"{problem}; nothing was saved")
         skeleton, tensors = self._flatten(state, metadata)  # refused here: nothing written, nothing moved
-        base, save_id = self._prepare_step(step)
+        base, save_id, replaces = self._prepare_step(step)
         if base is None:
             kind = "full"
         spec = SaveSpec(
@@ -168,29 +171,29 @@ class Checkpointer:
             encoder=self._encoder(step, kind),
             tied=shared_storage(tensors),
             lossy=lossy,
+            replaces=replaces,
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
         if blocking:
             with own_errors():
                 dcp.save(tensors, **kwargs)
-            self._last_commit = step
             manifest = writer.manifest
-            self._full = manifest if manifest is not None and manifest.kind == "full" else self._full
+            self._committed(step, manifest)
             return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
         assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
-
-        def committed(done: Future) -> None:
-            if done.exception() is None:
-                self._last_commit = step
-                if writer.manifest is not None and writer.manifest.kind == "full":
-                    self._full = writer.manifest
-
-        future.add_done_callback(committed)
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
         return self._pending
+
+    def _committed(self, step: int, manifest: Manifest | None) -> None:
+        """What this process knows once it committed ``step``: the newest commit, the
+        newest full (the delta base), and that its own commit is no longer one restore rejected."""
+        self._last_commit = step
+        self._superseded.discard(step)
+        if manifest is not None and manifest.kind == "full":
+            self._full = manifest
 
     def prepare(self, state: MutableMapping[str, Any]) -> None:
         """Allocate now the host buffers async saves copy ``state``'s tensors into (pinned
@@ -205,7 +208,9 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None or pending.error_reported:
             return None  # a failure already raised by the handle's own wait() is not raised again
-        return pending.wait()
+        result = pending.wait()
+        self._committed(pending.step, pending.manifest)
+        return result
 
     def _flatten(self, state: MutableMapping[str, Any], metadata: dict | None) -> tuple[Any, dict[str, torch.Tensor]]:
         """The state as a JSON skeleton and tensors, and the metadata checked, on every rank
@@ -230,22 +235,24 @@ class Checkpointer:
             raise error or errors[0]
         return skeleton, tensors
 
-    def _prepare_step(self, step: int) -> tuple[int | None, str]:
-        """Rank 0 checks the step is free, finds the base step and names the attempt;
-        every rank gets the same answer or raises the same error (a lone raise would
-        hang the others in DCP's collectives)."""
+    def _prepare_step(self, step: int) -> tuple[int | None, str, str | None]:
+        """Rank 0 checks the step is free (or holds a manifest proved damaged, which the
+        commit moves aside), finds the base step and names the attempt; every rank gets
+        the same answer or raises the same error (a lone raise would hang the others in
+        DCP's collectives)."""
         base: int | None = None
+        replaces: str | None = None
         error: CkptflowError | None = None
         if self.group.rank == 0:
             try:
-                self._clear_step(step)
+                replaces = check_step(self.store, self.run, step, self.pool, rejected=step in self._superseded)
                 base = self._newest_committed_before(step)
             except CkptflowError as e:
                 error = e
-        base, error, save_id = self.group.broadcast((base, error, uuid.uuid4().hex))
+        base, replaces, error, save_id = self.group.broadcast((base, replaces, error, uuid.uuid4().hex))
         if error is not None:
             raise error
-        return base, save_id
+        return base, save_id, replaces
 
     def _encoder(self, step: int, kind: str) -> SaveEncoder | None:
         """Codec "auto": the save's encoder; an incremental one deltas against the newest
@@ -267,26 +274,6 @@ class Checkpointer:
             if older < step and older not in self._superseded:
                 return older
         return None
-
-    def _clear_step(self, step: int) -> None:
-        """Refuse to overwrite a good commit; move aside one that restore rejected."""
-        if not self.store.exists(fmt.manifest_key(self.run, step)):
-            return
-        try:
-            catalog.read_manifest(self.store, self.run, step)
-            valid = step not in self._superseded
-        except ManifestError:
-            valid = False
-        if valid:
-            raise CheckpointExistsError(
-                f"step {step} of run {self.run!r} is already committed in {self.store.url}; "
-                "save under a new step, or delete that checkpoint first (retention / `ckptflow gc`)"
-            )
-        log.warning(
-            "moved the rejected manifest of step %d aside to %s",
-            step,
-            quarantine.move_aside(self.store, self.run, step),
-        )
 
     # ---- restore ----------------------------------------------------------------------
     def restore(

@@ -27,8 +27,9 @@ from ckptflow.auto_codec import SaveEncoder
 from ckptflow.checksum import ADDRESS
 from ckptflow.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.chunks import ChunkStore, ChunkWrite, Encoder
+from ckptflow.commit import commit_manifest
 from ckptflow.dcp_meta import dtype_name, metadata_to_json
-from ckptflow.errors import CheckpointExistsError, StoreFullError, StoreUnavailableError, UnsupportedStateError
+from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.leases import save_lease
 from ckptflow.manifest import Manifest, RankRecord
 from ckptflow.sealed import seal
@@ -66,6 +67,7 @@ class SaveSpec:
     encoder: SaveEncoder | None = None  # codec "auto": chooses raw, zstd or a delta per chunk
     tied: list[list[str]] = field(default_factory=list)  # tensor names sharing one storage (manifest "tied")
     lossy: dict | None = None  # the state is a lossy copy's (an import of its export): its ``lossy`` record
+    replaces: str | None = None  # sha256 of a manifest at the step proved damaged when the save began
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -260,9 +262,5 @@ class CheckpointWriter(StorageWriter):
         parsed = Manifest.parse(
             blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
         )  # never commit what a reader refuses
-        if not self.chunks.store.put_if_absent(key, blob):
-            raise CheckpointExistsError(
-                f"step {spec.step} of run {spec.run!r} was committed by another writer while this save ran "
-                f"({self.chunks.store.url}/{key}); this save's data is unreferenced and GC will reclaim it"
-            )
+        commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
         self.manifest = parsed

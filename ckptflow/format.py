@@ -106,6 +106,12 @@ def quarantine_key(run: str, step: int, digest: str) -> str:
     return f"runs/{validate_run(run)}/quarantine/{validate_step(step):0{STEP_DIGITS}d}-{digest}.json"
 
 
+def run_lock_key(run: str) -> str:
+    """The lock a save holds while it decides whether a manifest already at its step may be
+    replaced (``ckptflow.commit``); on a local store a hidden ``flock`` file, never an object."""
+    return f"locks/runs/{validate_run(run)}"
+
+
 NAME_SEP = "__step-"
 
 

@@ -16,6 +16,12 @@ two GCs can never both hold it, and a save stops waiting for it. The lock's rene
 compare-and-swap too: a GC that finds its lock taken over stops before deleting more.
 Liveness compares the object's modification time with this machine's clock, so the
 machines sharing a store need clocks within a few seconds of each other (NTP).
+
+A lease also says which process holds it: the machine (the kernel's boot id and the PID
+namespace, so a pid means the same process only where both match), the pid and the
+process's start time (``/proc/<pid>/stat`` field 22, so a pid reused by another process
+is not mistaken for it). GC on that machine clears the lease of a holder that is gone
+(SIGKILL, the OOM killer) at once; elsewhere only ``DEAD_AFTER`` bounds it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ckptflow.errors import CkptflowError, ObjectNotFoundError
 from ckptflow.store.base import ObjectInfo, Store
@@ -45,7 +52,53 @@ log = logging.getLogger("ckptflow")
 
 def _owner(what: str) -> bytes:
     return json.dumps({"what": what, "host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex,
-                       "time": time.time()}).encode()  # fmt: skip
+                       "time": time.time(), **_this_process()}).encode()  # fmt: skip
+
+
+def _this_process() -> dict:
+    """This process as a GC on the same machine can check it: ``machine`` (boot id and PID
+    namespace) and ``started`` (clock ticks after boot). Empty off Linux, or where /proc
+    is not this process's own (its pid there differs from ``os.getpid()``)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+        pid, _state, started = _stat("self")
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"machine": f"{boot} {namespace}", "started": started} if pid == os.getpid() else {}
+
+
+def _stat(pid: str) -> tuple[int, str, int]:
+    """Pid, state and start time from ``/proc/<pid>/stat`` (fields 1, 3 and 22; the command
+    name, field 2, may hold spaces and parentheses, so fields are counted after its last ')')."""
+    line = Path(f"/proc/{pid}/stat").read_text()
+    fields = line[line.rindex(")") + 2 :].split()
+    return int(line.split(" ", 1)[0]), fields[0], int(fields[19])
+
+
+def _holder_gone(body: bytes) -> bool:
+    """Whether the process that wrote the lease ``body`` ran on this machine and is gone: no
+    such pid, a zombie (killed, not yet reaped), or another process under its pid. Only
+    what this machine can see counts; anything else (another machine, an old lease
+    without the fields, a process whose stat cannot be read) is left to ``DEAD_AFTER``."""
+    try:
+        holder = json.loads(body)
+        machine, pid, started = holder["machine"], holder["pid"], holder["started"]
+    except (ValueError, TypeError, KeyError):
+        return False
+    if type(pid) is not int or pid <= 0 or machine != _this_process().get("machine"):
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the pid exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: it exists
+        pass
+    try:
+        _pid, state, now = _stat(str(pid))
+    except (OSError, ValueError, IndexError):
+        return False
+    return state in ("Z", "X") or now != started
 
 
 def _age(info: ObjectInfo) -> float:
@@ -177,16 +230,30 @@ class Leases:
     dead: list[ObjectInfo] = field(default_factory=list)  # left by writers that died
 
 
-def leases(store: Store) -> Leases:
+def leases(store: Store, holders: dict[str, bytes] | None = None) -> Leases:
+    """The leases in ``store``: dead if not renewed for ``DEAD_AFTER`` or if their holder is
+    gone from this machine. ``holders`` caches lease bodies (never rewritten) across calls."""
     found = Leases()
+    holders = {} if holders is None else holders
     for info in store.list(LEASES):
-        (found.live if _age(info) < DEAD_AFTER else found.dead).append(info)
+        if _age(info) < DEAD_AFTER:
+            try:
+                body = holders.get(info.key) or holders.setdefault(info.key, store.get_bounded(info.key, 1 << 16))
+            except ObjectNotFoundError:
+                continue  # released since the listing
+            except (CkptflowError, OSError):  # unreadable: it proves nothing, so it holds
+                body = b""
+            if not _holder_gone(body):
+                found.live.append(info)
+                continue
+        found.dead.append(info)
     return found
 
 
 def wait_for_leases(store: Store, timeout: float) -> Leases:
     """Wait up to ``timeout`` s for live leases to clear; what is held after it."""
     deadline = time.monotonic() + timeout
-    while (found := leases(store)).live and time.monotonic() < deadline:
+    holders: dict[str, bytes] = {}
+    while (found := leases(store, holders)).live and time.monotonic() < deadline:
         time.sleep(POLL)
     return found

@@ -19,7 +19,7 @@ import pytest
 
 from ckptflow import Checkpointer, NoValidCheckpointError, StoreUnavailableError, gc, open_store
 from ckptflow import format as fmt
-from ckptflow.errors import ObjectNotFoundError
+from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError
 from support.corrupt import rank_files
 from support.faulty_store import FaultyStore, InjectedFault
 from support.states import CHUNK, RUN, assert_state_equals, blank_state, snapshot, state_tag, tagged_state
@@ -75,6 +75,25 @@ def test_store_semantics(store_url):
         with pytest.raises(ObjectNotFoundError):
             op()
     assert not store.exists("e") and store.exists("a/top")
+
+
+def test_conditional_delete_removes_only_the_version_read(store_url):
+    store = open_store(store_url)
+    store.put_if_absent("m/manifest", b"damaged")
+    _, old = store.get_versioned("m/manifest")
+    store.delete("m/manifest")
+    store.put_if_absent("m/manifest", b"a valid commit made meanwhile")
+    assert store.delete_if("m/manifest", old) is False
+    assert store.get("m/manifest") == b"a valid commit made meanwhile"  # kept, and nothing left aside
+    assert [i.key for i in store.list("m/")] == ["m/manifest"]
+    if "://" not in store_url:  # the local backend took it aside to compare, then put it back
+        assert os.listdir(os.path.join(store_url, "m")) == ["manifest"]
+    _, current = store.get_versioned("m/manifest")
+    assert store.delete_if("m/manifest", current) is True and not store.exists("m/manifest")
+    assert store.delete_if("m/manifest", current) is False  # absent
+    store.put_if_absent("m/big", b"x" * 100)
+    with pytest.raises(ObjectTooLargeError):
+        store.get_versioned("m/big", 99)
 
 
 # ---- round trip and dedup ------------------------------------------------------------------

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +149,49 @@ def test_leases_of_dead_writers_are_cleared_and_live_ones_waited_for(tmp_path):
     store.put_if_absent(f"{leases.LEASES}live.json", b"{}")
     report = gc(store, grace="1h", wait=0)
     assert report.skipped and "1 save(s) are writing chunks" in report.skipped and not report.deleted
+
+
+def test_the_lease_of_a_killed_saver_on_this_machine_holds_no_gc(tmp_path):
+    """Same machine: GC sees the saver's process is gone and clears its lease at once, long
+    before the 30 s after which any lease not renewed counts as dead."""
+    root = str(tmp_path / "store")
+    store = open_store(root)
+    script = Path(__file__).parent / "support" / "lease_holder.py"
+    saver = subprocess.Popen([sys.executable, str(script), root, RUN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert saver.stdout is not None and saver.stdout.readline().strip() == "holding"
+        [lease] = [i.key for i in store.list(leases.LEASES)]
+        report = gc(store, grace="1h", wait=0)
+        assert report.skipped and "1 save(s) are writing chunks" in report.skipped  # alive: its lease holds
+        os.kill(saver.pid, signal.SIGKILL)
+        saver.wait(30)
+    finally:
+        if saver.poll() is None:
+            saver.kill()
+    report = gc(store, grace="1h", wait=0)
+    assert report.skipped is None and report.dead_leases == [lease]
+    assert not list(store.list(leases.LEASES))
+
+
+def test_a_lease_whose_holder_exited_or_whose_pid_names_another_process_is_dead_on_this_machine(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    mine = json.loads(leases._owner("save"))
+    assert mine["pid"] == os.getpid() and mine["started"] > 0
+    reaped = subprocess.Popen(["true"])
+    reaped.wait()
+    zombie = subprocess.Popen(["true"])  # exits at once, and is not reaped until the end
+    while leases._stat(str(zombie.pid))[1] != "Z":
+        time.sleep(0.01)
+    holders = {
+        "elsewhere": dict(mine, machine="another machine", pid=reaped.pid),  # not this machine's to judge
+        "exited": dict(mine, pid=reaped.pid),
+        "mine": mine,
+        "reused": dict(mine, started=mine["started"] - 1),  # this pid, but a process that started earlier
+        "zombie": dict(mine, pid=zombie.pid, started=leases._stat(str(zombie.pid))[2]),
+    }
+    for name, holder in holders.items():
+        store.put_if_absent(f"{leases.LEASES}{name}.json", json.dumps(holder).encode())
+    found = leases.leases(store)
+    zombie.wait()
+    assert [i.key.split("/")[-1] for i in found.dead] == ["exited.json", "reused.json", "zombie.json"]
+    assert [i.key.split("/")[-1] for i in found.live] == ["elsewhere.json", "mine.json"]

@@ -79,7 +79,7 @@ def test_conditional_commit_refuses_a_second_writer(s3_store_url):
     finally:
         pause.release()
         writer_b.join(30)
-    assert len(errors) == 1 and "committed by another writer" in str(errors[0])
+    assert len(errors) == 1 and "another writer committed the step while this save ran" in str(errors[0])
     with Checkpointer(store, run=RUN, restore_rng=False) as ck:
         state = blank_state()
         assert ck.restore(state).step == 1 and state_tag(state) == 2

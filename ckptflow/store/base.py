@@ -7,6 +7,7 @@ parallel filesystem) is one class; the optional capabilities have defaults. Keys
 
 from __future__ import annotations
 
+import contextlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -201,11 +202,27 @@ class Store(ABC):
         not cold or a thaw is already under way."""
         raise CkptflowError(f"{self.url} has no cold storage classes: thaw applies to s3:// stores")
 
+    @contextlib.contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        """Hold the exclusive lock ``name`` (a key) while the block runs, against every
+        thread and process of this store that asks for it. The default holds nothing: a
+        store without locks keeps its callers right with conditional writes alone
+        (``put_if_absent``, ``delete_if``); the lock only spares them duplicate work."""
+        validate_key(name)
+        yield
+
     # ---- compare-and-swap (optional capability) -------------------------------------
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        """A small object's bytes and an opaque version token for ``replace_if``;
-        ``ObjectNotFoundError`` if absent."""
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        """A small object's bytes and an opaque version token for ``replace_if`` and
+        ``delete_if``; ``ObjectNotFoundError`` if absent, ``ObjectTooLargeError`` (before
+        reading it) if larger than ``limit``."""
         raise CkptflowError(f"{self.url} cannot replace objects conditionally (no compare-and-swap)")
+
+    def delete_if(self, key: str, expected: str) -> bool:
+        """Delete ``key`` only if it is still the version ``expected`` (from
+        ``get_versioned``): True if this call deleted it; False if it is absent or another
+        writer changed it in between (nothing is deleted)."""
+        raise CkptflowError(f"{self.url} cannot delete objects conditionally (no compare-and-swap)")
 
     def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
         """Replace ``key`` only if it is still the version ``expected`` (from

@@ -24,7 +24,14 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISDIR, S_ISLNK
 
-from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, StoreFullError, StoreNotFoundError, SymlinkError
+from ckptflow.errors import (
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreError,
+    StoreFullError,
+    StoreNotFoundError,
+    SymlinkError,
+)
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.disk import Disk
 
@@ -185,8 +192,15 @@ class LocalStore(Store):
         path = self._path(key)
         if os.path.exists(path):
             return False
-        directory = os.path.dirname(path)
-        tmp = self._write_temp(directory, data)
+        tmp = self._write_temp(os.path.dirname(path), data)
+        try:
+            return self._link_new(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                self.disk.unlink(tmp)
+
+    def _link_new(self, tmp: str, path: str) -> bool:
+        """Give the file ``tmp`` the name ``path`` unless that exists (create-only), durably."""
         try:
             self.disk.link(tmp, path)
         except FileExistsError:
@@ -195,10 +209,7 @@ class LocalStore(Store):
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
             return self._claim_and_rename(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                self.disk.unlink(tmp)
-        self.disk.fsync_dir(directory)
+        self.disk.fsync_dir(os.path.dirname(path))
         return True
 
     def _claim_and_rename(self, tmp: str, path: str) -> bool:
@@ -314,27 +325,68 @@ class LocalStore(Store):
             except FileNotFoundError:
                 pass
 
-    # ---- compare-and-swap: a lock file per key; the content's sha256 is its version ---------
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        data = self.get(key)
-        return data, hashlib.sha256(data).hexdigest()
-
-    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
-        """Check and replace under an exclusive ``flock`` on ``.<name>.lock`` beside the
-        object (held per open file, so threads and processes both queue on it); the
-        replace itself is the usual temp file + rename. A version is the sha256 of the
-        bytes, so an object rewritten with identical bytes still matches (same state)."""
-        path = self._path(key)
+    # ---- locks and compare-and-swap: a lock file per key; the content's sha256 is its version ----
+    @contextlib.contextmanager
+    def _flock(self, path: str) -> Iterator[None]:
+        """An exclusive ``flock`` on ``.<name>.lock`` beside ``path`` (hidden: never listed),
+        held per open file, so threads and processes both queue on it; the kernel drops it
+        when its holder dies, so a killed holder never blocks anyone."""
         directory = os.path.dirname(path)
         self.disk.makedirs(directory)
         with open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+            yield
+
+    @contextlib.contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        with self._flock(self._path(name)):
+            yield
+
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        data = self.get_bounded(key, limit)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
+        """Check and replace under the key's lock (``_flock``); the replace itself is the
+        usual temp file + rename. A version is the sha256 of the bytes, so an object
+        rewritten with identical bytes still matches (same state)."""
+        path = self._path(key)
+        with self._flock(path):
             try:
-                with open(path, "rb") as f:
-                    current: str | None = hashlib.sha256(f.read()).hexdigest()
+                current: str | None = _sha256_file(path)
             except FileNotFoundError:
                 current = None
             if current != expected:
                 return False
             self.replace(key, data)
             return True
+
+    def delete_if(self, key: str, expected: str) -> bool:
+        """Take the file aside with one rename, which takes exactly one file whatever other
+        writers do, then compare what was taken: the expected version is deleted; another
+        (the object was deleted and created again since the caller read it) is linked
+        back, create-only. So there is no moment between the check and the delete in
+        which a new object could be deleted in the old one's place."""
+        path = self._path(key)
+        aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            self.disk.rename(path, aside)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        matches = _sha256_file(aside) == expected
+        if not matches and not self._link_new(aside, path):
+            raise StoreError(
+                f"{self.url}/{key} was replaced while it was being deleted and then created a third time at once; "
+                f"the version taken is kept in {aside}: compare the two and keep the right one"
+            )
+        if os.path.exists(aside):
+            self.disk.unlink(aside)
+        return matches
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()

@@ -355,12 +355,32 @@ class S3Store(Store):
         return True
 
     # ---- compare-and-swap: conditional puts on the ETag ------------------------------------
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
         response = self._call("GetObject", key, self.client.get_object, Key=self._key(key))
+        size = int(response.get("ContentLength", 0))
+        if limit is not None and size > limit:
+            response["Body"].close()
+            raise ObjectTooLargeError(f"{self._where(key)} holds {size} bytes, more than the {limit} expected")
         try:
             return response["Body"].read(), str(response["ETag"])
         except (BotoCoreError, OSError) as e:
             raise StoreError(f"S3 GetObject of {self._where(key)} failed while reading the body: {e}") from e
+
+    def delete_if(self, key: str, expected: str) -> bool:
+        """``DeleteObject`` with ``If-Match: <ETag>``: S3 refuses it (412) if the object
+        changed since it was read, and answers 404 if it is gone."""
+        try:
+            self._call(
+                "DeleteObject",
+                key,
+                self.client.delete_object,
+                passthrough=_EXISTS,
+                Key=self._key(key),
+                IfMatch=expected,
+            )
+        except (ClientError, ObjectNotFoundError):  # changed (412, 409) or gone: nothing deleted by this call
+            return False
+        return True
 
     def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
         """``If-Match: <ETag>`` (or ``If-None-Match: *`` to create): S3 refuses the put

@@ -167,8 +167,14 @@ class FaultyStore(Store):
     def compare_and_swap(self) -> bool:  # type: ignore[override]
         return self.inner.compare_and_swap
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        return self._call("get", key, self.inner.get_versioned, key)
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        return self._call("get", key, self.inner.get_versioned, key, limit)
+
+    def delete_if(self, key: str, expected: str) -> bool:
+        return self._call("delete", key, self.inner.delete_if, key, expected)
+
+    def locked(self, name: str):
+        return self.inner.locked(name)
 
     def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
         return self._call("replace", key, self.inner.replace_if, key, data, expected)
