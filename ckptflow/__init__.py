@@ -10,8 +10,6 @@ What needs torch (the ``Checkpointer`` and friends) is imported on first use, so
 
 from typing import TYPE_CHECKING, Any
 
-from ckptflow.catalog import CheckpointInfo, VerifyReport
-from ckptflow.catalog_listing import Problem
 from ckptflow.errors import (
     CheckpointExistsError,
     CkptflowError,
@@ -31,22 +29,34 @@ from ckptflow.errors import (
     StoreUnavailableError,
     UnsupportedStateError,
 )
-from ckptflow.gc import GCReport, gc
-from ckptflow.manifest import Manifest
-from ckptflow.save_policy import SavePolicy
-from ckptflow.store import Store, open_store
 
+# Loaded on first use: a training rank that imports ``ckptflow`` pays only for what it touches.
 _LAZY = {
+    "CheckpointInfo": "ckptflow.catalog",
     "Checkpointer": "ckptflow.checkpointer",
+    "GCReport": "ckptflow.gc",
+    "Manifest": "ckptflow.manifest",
+    "Problem": "ckptflow.catalog_listing",
     "RestoreResult": "ckptflow.restore",
     "SaveHandle": "ckptflow.checkpointer",
+    "SavePolicy": "ckptflow.save_policy",
     "SaveResult": "ckptflow.checkpointer",
+    "Store": "ckptflow.store",
+    "VerifyReport": "ckptflow.catalog",
+    "gc": "ckptflow.gc",
+    "open_store": "ckptflow.store",
     "per_rank": "ckptflow.tree",
 }
 
 if TYPE_CHECKING:
+    from ckptflow.catalog import CheckpointInfo, VerifyReport
+    from ckptflow.catalog_listing import Problem
     from ckptflow.checkpointer import Checkpointer, SaveHandle, SaveResult
+    from ckptflow.gc import GCReport, gc
+    from ckptflow.manifest import Manifest
     from ckptflow.restore import RestoreResult
+    from ckptflow.save_policy import SavePolicy
+    from ckptflow.store import Store, open_store
     from ckptflow.tree import per_rank
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow import format as fmt
@@ -30,10 +30,10 @@ from ckptflow.errors import (
     ObjectTooLargeError,
     RecordTooLargeError,
 )
-from ckptflow.index import ObjectIndex, manifest_summary
+from ckptflow.index import ObjectIndex
 from ckptflow.manifest import Manifest, RankRecord
 from ckptflow.sealed import MAX_RECORD_BYTES
-from ckptflow.store.base import Store
+from ckptflow.store.base import ObjectInfo, Store
 
 
 @dataclass(frozen=True)
@@ -306,3 +306,8 @@ def verify_checkpoint(
     report.chunks_checked = len(items)
     report.bytes_checked = sum(size for _, size in items)
     return report
+
+
+def manifest_summary(info: ObjectInfo, blob: bytes) -> dict[str, Any]:
+    """What ``ls`` and the inventory need of a manifest (``CheckpointInfo``: not its chunk list)."""
+    return asdict(CheckpointInfo.from_manifest(Manifest.parse(blob, f"manifest {info.key}")))

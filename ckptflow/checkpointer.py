@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ckptflow import catalog, catalog_listing, recoveries
+from ckptflow import catalog, catalog_listing, recovery_log
 from ckptflow import format as fmt
 from ckptflow.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.catalog import CheckpointInfo, VerifyReport
@@ -354,7 +354,7 @@ class Checkpointer:
         digest: str | None = None,
     ) -> None:
         if self.group.rank == 0:
-            recoveries.record(
+            recovery_log.record(
                 self.store,
                 self.run,
                 ok=ok,

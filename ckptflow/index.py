@@ -92,16 +92,6 @@ def _stamp(info: ObjectInfo) -> list[Any]:
     return [info.size, info.mtime, info.version]
 
 
-def manifest_summary(info: ObjectInfo, blob: bytes) -> dict[str, Any]:
-    """What ``ls`` and the inventory need of a manifest (``CheckpointInfo``: not its chunk list)."""
-    import dataclasses
-
-    from ckptflow.catalog import CheckpointInfo
-    from ckptflow.manifest import Manifest
-
-    return dataclasses.asdict(CheckpointInfo.from_manifest(Manifest.parse(blob, f"manifest {info.key}")))
-
-
 def record_value(info: ObjectInfo, blob: bytes) -> Any:
     import json
 

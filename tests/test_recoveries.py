@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, NoValidCheckpointError, catalog, lifecycle, open_store, recoveries
+from ckptflow import Checkpointer, NoValidCheckpointError, catalog, lifecycle, open_store, recoveries, recovery_log
 from ckptflow import format as fmt
 from ckptflow.cli import main as cli
 from ckptflow.store.local import LocalStore
@@ -38,12 +38,12 @@ def test_every_restore_leaves_a_record_and_the_metrics_count_them(tmp_path):
         ck.restore(_state(0.0))
 
     store = open_store(root)
-    records = recoveries.read_all(store, "r")
+    records = recovery_log.read_all(store, "r")
     assert [(r["ok"], r["step"], len(r["skipped"])) for r in records] == [(True, 2, 0), (True, 1, 1)]
     step1 = catalog.read_manifest(store, "r", 1).digest
     assert records[1]["digest"] == result.digest == step1 != records[0]["digest"]  # which commit, by digest
     assert all(r["duration_s"] >= 0 and r["tier"] == store.url for r in records)
-    (failed,) = recoveries.read_all(store, "empty")
+    (failed,) = recovery_log.read_all(store, "empty")
     assert failed["ok"] is False and failed["step"] is None and "no valid checkpoint" in failed["error"]
 
     lifecycle.validate(store, "r", 1)
@@ -70,7 +70,7 @@ def test_a_store_that_refuses_the_record_still_restores(tmp_path):
         state = _state(0.0)
         assert ck.restore(state).step == 1
     assert torch.equal(state["model"]["w"], torch.full((64,), 1.0))
-    assert recoveries.read_all(store) == []
+    assert recovery_log.read_all(store) == []
 
 
 def test_stats_reports_recoveries(tmp_path, capsys):

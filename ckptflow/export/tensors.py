@@ -25,7 +25,7 @@ from ckptflow.chunks import ChunkStore
 from ckptflow.dcp_reader import CheckpointReader
 from ckptflow.errors import CkptflowError, ColdObjectError, NoValidCheckpointError, StoreUnavailableError
 from ckptflow.failures import failure_of, own_errors
-from ckptflow.lifecycle.validate import check_not_failed
+from ckptflow.lifecycle.records import check_not_failed
 from ckptflow.manifest import Manifest
 from ckptflow.store import Store, open_store
 
@@ -54,7 +54,7 @@ class Admitted:
 def admit(store: Store, run: str, step: int, *, allow_lossy: bool, allow_failed: bool) -> Admitted:
     """The commit of ``(run, step)`` if export may use it: a lossy archive copy only with
     ``allow_lossy`` (restore's rule, ``lossy.check_allowed``), a commit whose validation
-    failed only with ``allow_failed`` (``lifecycle.validate.check_not_failed``; verdicts
+    failed only with ``allow_failed`` (``lifecycle.records.check_not_failed``; verdicts
     are read from ``store``). Read before any tensor, so a refusal costs one manifest."""
     manifest = catalog.read_manifest(store, run, step)
     source = (manifest.lossy or {}).get("source_digest") or "unknown"

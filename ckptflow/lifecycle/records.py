@@ -19,6 +19,7 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from ckptflow import format as fmt
@@ -132,3 +133,31 @@ def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, 
         if found:
             return older, max(found, key=lambda r: r.get("recorded_at", 0))
     return None
+
+
+def check_not_failed(records: Store, manifest: Manifest, *, allow_failed: bool, how_to_allow: str) -> dict | None:
+    """The failed validation verdict of exactly this commit (its manifest digest), or None.
+
+    Without ``allow_failed`` a failed verdict raises ``CkptflowError`` saying when it was
+    recorded, what failed and how to go on (``how_to_allow``: the caller's opt-in). The
+    verdict stands until validation runs again, even if the bytes verify now: a record
+    is history, and only a new validation replaces it."""
+    verdict = read_record(records, Subject.of(manifest), "validation")
+    if verdict is None or verdict.get("ok"):
+        return None
+    if not allow_failed:
+        recorded = verdict.get("recorded_at")
+        when = (
+            datetime.fromtimestamp(recorded, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            if isinstance(recorded, (int, float))
+            else "at an unknown time"
+        )
+        problems = [str(p) for p in verdict.get("problems") or []] or ["no problem recorded"]
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CkptflowError(
+            f"run {manifest.run!r} step {manifest.step} failed validation (recorded {when} for manifest "
+            f"{manifest.digest[:12]}…, in {verdict.get('tier') or records.url}): {'; '.join(problems[:3])}{more}. "
+            "Refused: part of this commit was proved damaged, so none of it is trusted. Choose another step, "
+            f"validate this one again if it was repaired, or {how_to_allow}"
+        )
+    return verdict

@@ -4,7 +4,7 @@ import pytest
 from dagster import materialize
 
 from assets import PARTITIONED, checkpoint_key
-from ckptflow import Checkpointer, recoveries
+from ckptflow import Checkpointer, recovery_log
 from pipelines import demo
 from support.corrupt import corrupt_chunk
 from support.dagster import RUN
@@ -28,7 +28,7 @@ def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
     with Checkpointer(store_with_checkpoints, RUN) as ck:
         assert ck.restore(demo.build()).step == 30  # one recovery, with a fallback past step 40
         infos = {i.step: i for i in ck.list()}
-        restore_s = recoveries.read_all(ck.store, RUN)[0]["duration_s"]
+        restore_s = recovery_log.read_all(ck.store, RUN)[0]["duration_s"]
 
     run_config = {"ops": {"recovery_metrics": {"config": {"detection": "30s"}}}}
     result = materialize(
