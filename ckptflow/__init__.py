@@ -43,6 +43,10 @@ _LAZY = {
     "SaveResult": "ckptflow.checkpointer",
     "Store": "ckptflow.store",
     "VerifyReport": "ckptflow.catalog",
+    "export_dcp": "ckptflow.export",
+    "export_safetensors": "ckptflow.export",
+    "import_checkpoint": "ckptflow.importers",
+    "model_metadata": "ckptflow.export",
     "gc": "ckptflow.gc",
     "open_store": "ckptflow.store",
     "per_rank": "ckptflow.tree",
@@ -51,8 +55,10 @@ _LAZY = {
 if TYPE_CHECKING:
     from ckptflow.catalog import CheckpointInfo, VerifyReport
     from ckptflow.catalog_listing import Problem
+    from ckptflow.export import export_dcp, export_safetensors, model_metadata
     from ckptflow.checkpointer import Checkpointer, SaveHandle, SaveResult
     from ckptflow.gc import GCReport, gc
+    from ckptflow.importers import import_checkpoint
     from ckptflow.manifest import Manifest
     from ckptflow.restore import RestoreResult
     from ckptflow.save_policy import SavePolicy
@@ -99,7 +105,11 @@ __all__ = [
     "StoreUnavailableError",
     "UnsupportedStateError",
     "VerifyReport",
+    "export_dcp",
+    "export_safetensors",
     "gc",
+    "import_checkpoint",
+    "model_metadata",
     "open_store",
     "per_rank",
 ]
