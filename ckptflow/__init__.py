@@ -55,8 +55,8 @@ _LAZY = {
 if TYPE_CHECKING:
     from ckptflow.catalog import CheckpointInfo, VerifyReport
     from ckptflow.catalog_listing import Problem
-    from ckptflow.export import export_dcp, export_safetensors, model_metadata
     from ckptflow.checkpointer import Checkpointer, SaveHandle, SaveResult
+    from ckptflow.export import export_dcp, export_safetensors, model_metadata
     from ckptflow.gc import GCReport, gc
     from ckptflow.importers import import_checkpoint
     from ckptflow.manifest import Manifest
