@@ -3,7 +3,7 @@
 Every sensor of the code location (landing, run failures, the two automation sensors)
 uses ``SENSOR_INTERVAL_S``: ``CKPTFLOW_SENSOR_INTERVAL_S`` when set (read when the code
 location loads; tests shorten it this way), else ``DEFAULT_SENSOR_INTERVAL_S``. The
-default is what keeps commit -> archived within a minute (README, "Latency") while a
+default is what keeps commit -> archived within a minute (docs/lifecycle.md, "Latency") while a
 tick stays cheap: the landing sensor lists commit records only, and the automation
 sensors evaluate conditions over what changed since their cursor.
 """
