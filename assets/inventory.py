@@ -15,10 +15,10 @@ from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.metadata import ratio, rounded, size
 from assets.partitions import parse_checkpoint_key
 from ckptflow import costs, inventory, lifecycle, stats
-from ckptflow.cli.output import human_bytes
 from ckptflow.lifecycle.ledger import expired
 from ckptflow.retention import RetentionPlan, default_policy
 from ckptflow.store import Store
+from ckptflow.units import human_bytes
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 GROUP = "inventory"
