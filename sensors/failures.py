@@ -37,11 +37,11 @@ from assets.partitions import DIGEST_TAG, parse_checkpoint_key
 from ckptflow import catalog
 from ckptflow.catalog_listing import problem_from
 from ckptflow.errors import CkptflowError, ManifestError
+from ckptflow.lifecycle.landing import SLACK
 from ckptflow.lifecycle.records import Subject, write_record
 from ckptflow.store import Store
 from resources import CheckpointStoreResource
 from sensors.intervals import SENSOR_INTERVAL_S
-from sensors.landing import SLACK
 
 FAILURE_TAG = "ckptflow/failure"
 UNATTRIBUTED_TAG = "ckptflow/failure_unattributed"  # why a failure was recorded against no commit
