@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from dagster import AssetExecutionContext, DagsterInstance, DynamicPartitionsDefinition
 
@@ -12,6 +11,7 @@ from ckptflow import catalog
 from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError
 from ckptflow.store import Store
+from resources.dagster_private import delete_dynamic_partitions, sql_event_storage
 
 checkpoints_partitions = DynamicPartitionsDefinition(name="checkpoints")
 DIGEST_TAG = "ckptflow/manifest_digest"  # the commit a run is about (see ``pin_commit``)
@@ -47,39 +47,18 @@ def drop_checkpoint_partitions(instance: DagsterInstance, keys: Sequence[str]) -
 
     Dagster's public API deletes one partition per call, and on SQLite each call is a
     transaction of its own (about 20 ms: 10,000 expiries took minutes). On the SQL event
-    storages Dagster ships (SQLite, PostgreSQL, MySQL) this deletes ``DROP_BATCH`` keys
-    per statement in the table ``delete_dynamic_partition`` itself deletes from (Dagster's
-    private schema, pinned by the dagster==1.13.27 requirement and covered by
+    storages Dagster ships this deletes ``DROP_BATCH`` keys per statement, through
+    Dagster's private schema (``resources.dagster_private``, covered by
     ``test_partitions_are_dropped_in_batches_and_only_those_named`` in tests/dagster/test_jobs.py);
     any other storage gets the public call per key.
     """
     known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
     doomed = [key for key in dict.fromkeys(keys) if key in known]
-    storage = _sql_event_storage(instance)
+    storage = sql_event_storage(instance)
     if storage is None:
         for key in doomed:
             instance.delete_dynamic_partition(checkpoints_partitions.name, key)
         return len(doomed)
-    from dagster._core.storage.event_log.schema import DynamicPartitionsTable
-
-    table = DynamicPartitionsTable.c
     for start in range(0, len(doomed), DROP_BATCH):
-        batch = doomed[start : start + DROP_BATCH]
-        with storage.index_connection() as conn:
-            conn.execute(
-                DynamicPartitionsTable.delete().where(
-                    (table.partitions_def_name == checkpoints_partitions.name) & table.partition.in_(batch)
-                )
-            )
+        delete_dynamic_partitions(storage, checkpoints_partitions.name, doomed[start : start + DROP_BATCH])
     return len(doomed)
-
-
-def _sql_event_storage(instance: DagsterInstance) -> Any:
-    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
-
-    storage = instance.event_log_storage
-    inner = getattr(getattr(storage, "_storage", None), "event_log_storage", None)  # behind `storage:` config
-    for candidate in (storage, inner):
-        if isinstance(candidate, SqlEventLogStorage):
-            return candidate
-    return None

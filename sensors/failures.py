@@ -41,6 +41,7 @@ from ckptflow.lifecycle.landing import SLACK
 from ckptflow.lifecycle.records import Subject, write_record
 from ckptflow.store import Store
 from resources import CheckpointStoreResource
+from resources.dagster_private import FAILURE_CLASS_PREFIX
 from sensors.intervals import SENSOR_INTERVAL_S
 
 FAILURE_TAG = "ckptflow/failure"
@@ -75,7 +76,7 @@ def failed_steps(instance: DagsterInstance, run_id: str) -> list[tuple[str, str]
         else:
             text = data.error.message if data and data.error else ""
         first = next((line.strip() for line in text.splitlines() if line.strip()), "failed")
-        out.append((event.step_key or "?", first.removeprefix("dagster._core.definitions.events.Failure: ")))
+        out.append((event.step_key or "?", first.removeprefix(FAILURE_CLASS_PREFIX)))
     return out
 
 
