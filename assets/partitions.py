@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dagster import AssetExecutionContext, DagsterInstance, DynamicPartitionsDefinition
 
-from ckptflow import catalog
 from ckptflow import format as fmt
-from ckptflow.errors import CkptflowError
-from ckptflow.store import Store
 from resources.dagster_private import delete_dynamic_partitions, sql_event_storage
 
 checkpoints_partitions = DynamicPartitionsDefinition(name="checkpoints")
@@ -25,17 +22,16 @@ def parse_checkpoint_key(key: str) -> tuple[str, int]:
     return fmt.parse_checkpoint_name(key)
 
 
-def pin_commit(context: AssetExecutionContext, source: Store, run: str, step: int) -> None:
-    """Tag the run with the digest of the commit it is about to process, so a failure is
-    recorded against that commit even if the step is committed again before the failure
-    sensor looks (``sensors.failures``). A commit record that cannot be read leaves the
-    tag as it was: the asset's own read reports why."""
-    try:
-        digest = catalog.read_manifest(source, run, step).digest
-    except (CkptflowError, OSError):
-        return
-    if context.run.tags.get(DIGEST_TAG) != digest:
-        context.instance.add_run_tags(context.run.run_id, {DIGEST_TAG: digest})
+def pin_commit(context: AssetExecutionContext) -> Callable[[str], None]:
+    """The run's ``on_commit`` (``ckptflow.lifecycle.per_checkpoint``): tags the run with
+    the digest of the commit it is about to process, so a failure is recorded against
+    that commit even if the step is committed again before the failure sensor looks."""
+
+    def pin(digest: str) -> None:
+        if context.run.tags.get(DIGEST_TAG) != digest:
+            context.instance.add_run_tags(context.run.run_id, {DIGEST_TAG: digest})
+
+    return pin
 
 
 DROP_BATCH = 500  # keys per DELETE statement (SQLite allows 32,766 bound parameters)
