@@ -47,10 +47,10 @@ from assets.metadata import bullet_list, metrics, ratio, size
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key, pin_commit
 from ckptflow import catalog, lifecycle
 from ckptflow import format as fmt
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import EvaluatorError
 from ckptflow.lifecycle import EvaluationRule
-from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
+from resources.evaluator import load_function
 
 GROUP = "checkpoints"
 BACKFILL = BackfillPolicy.multi_run(max_partitions_per_run=1)
@@ -67,19 +67,6 @@ INTEGRITY = AssetCheckSpec(
     description="Manifest checksum and structure, every rank record, every chunk present and matching its hash.",
 )
 INTEGRITY_KEY = AssetCheckKey(AssetKey("checkpoint"), INTEGRITY.name)
-
-
-def _source(hot: Store, archive: ArchiveTierResource, run: str, step: int) -> Store:
-    """Where the checkpoint's data is: the hot store, or the archive tier once retention
-    expired the hot copy (the partition stays; lifecycle records stay in the hot store)."""
-    if run_step_committed(hot, run, step):
-        return hot
-    arc = archive.open()
-    return arc if run_step_committed(arc, run, step) else hot
-
-
-def run_step_committed(store: Store, run: str, step: int) -> bool:
-    return store.exists(fmt.manifest_key(run, step))
 
 
 def _describe(manifest) -> dict:
@@ -112,9 +99,8 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
     with store.retrying_outages(context):
-        source = _source(hot, archive, run, step)
-        pin_commit(context, source, run, step)
-        record = lifecycle.validate(source, run, step, records=hot)
+        validated = lifecycle.validate_checkpoint(hot, run, step, archive=archive.open, on_commit=pin_commit(context))
+    record = validated.record
     check = AssetCheckResult(
         check_name=INTEGRITY.name,
         passed=bool(record["ok"]),
@@ -127,7 +113,7 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
             "problems": bullet_list(record["problems"]),
         },
     )
-    if not record["ok"]:
+    if validated.manifest is None:
         yield check
         problems = record["problems"] or ["no problem recorded"]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -136,8 +122,9 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
             metadata={"problems": bullet_list(problems)},
             allow_retries=False,
         )
-    manifest = catalog.read_manifest(source, run, step)
-    yield MaterializeResult(metadata={**_describe(manifest), "tier": source.url}, check_results=[check])
+    yield MaterializeResult(
+        metadata={**_describe(validated.manifest), "tier": validated.source.url}, check_results=[check]
+    )
 
 
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
@@ -154,23 +141,21 @@ def evaluation(
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
     rule = EvaluationRule(evaluator.val_metric, evaluator.train_metric, evaluator.mode)
-    path = evaluator.name_for(run)
     with store.retrying_outages(context):
-        source = _source(hot, archive, run, step)
-        pin_commit(context, source, run, step)
         try:
-            name, function = evaluator.evaluator_for(run)
-            record = lifecycle.evaluate(
-                source, hot, run, step, function, evaluator_name=name, key=evaluator.key, rule=rule
+            record = lifecycle.evaluate_checkpoint(
+                hot,
+                run,
+                step,
+                archive=archive.open,
+                on_commit=pin_commit(context),
+                evaluator=evaluator.name_for(run),
+                load=load_function,
+                key=evaluator.key,
+                rule=rule,
             )
-        except Exception as e:
-            if path is None or isinstance(e, CkptflowError):
-                raise  # reading the checkpoint failed: the library's error says what and where
-            # an evaluator is anyone's code: its error is this partition's, said in one line, never retried
-            raise Failure(
-                description=f"evaluator {path} failed on {context.partition_key}: {type(e).__name__}: {e}"[:2000],
-                allow_retries=False,
-            ) from e
+        except EvaluatorError as e:  # this partition's, said in one line, never retried
+            raise Failure(description=str(e), allow_retries=False) from e.__cause__
     if record["overfitting"]:
         context.log.warning(f"{context.partition_key}: {rule.val_metric} got worse while {rule.train_metric} improved")
     extra = {} if record["improvement"] is None else metrics({f"improvement/{rule.val_metric}": record["improvement"]})
@@ -193,12 +178,9 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
     with store.retrying_outages(context):
-        if not run_step_committed(hot, run, step):
-            return MaterializeResult(
-                metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"}
-            )
-        pin_commit(context, hot, run, step)
-        report = lifecycle.compress(hot, run, step)
+        report = lifecycle.compress_checkpoint(hot, run, step, on_commit=pin_commit(context))
+    if report is None:
+        return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
     return MaterializeResult(
         metadata={
             "chunks": report.chunks,
@@ -225,13 +207,19 @@ def archived(
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
     with store.retrying_outages(context):
-        if not run_step_committed(hot, run, step) and run_step_committed(arc, run, step):
-            return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
-        pin_commit(context, hot, run, step)
-        name, function = evaluator.evaluator_for(run)
-        report = lifecycle.archive(
-            hot, arc, run, step, codec=archive.codec(), evaluator=function, evaluator_name=name, key=evaluator.key
+        report = lifecycle.archive_checkpoint(
+            hot,
+            arc,
+            run,
+            step,
+            on_commit=pin_commit(context),
+            codec=archive.codec(),
+            evaluator=evaluator.name_for(run),
+            load=load_function,
+            key=evaluator.key,
         )
+    if report is None:
+        return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
     if not report.ok:
         raise Failure(
             f"archive copy of {context.partition_key} in {arc.url} does not verify: {report.problems[0]}",

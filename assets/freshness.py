@@ -16,8 +16,8 @@ from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSeverity, Automat
 
 from assets.checkpoints import checkpoint
 from ckptflow import recoveries
-from ckptflow.cli.output import human_duration
 from ckptflow.gc import parse_duration
+from ckptflow.units import human_duration
 from resources import CheckpointStoreResource
 
 RPO_TARGET_ENV = "CKPTFLOW_RPO_TARGET"

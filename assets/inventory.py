@@ -15,10 +15,10 @@ from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.metadata import ratio, rounded, size
 from assets.partitions import parse_checkpoint_key
 from ckptflow import costs, inventory, lifecycle, stats
-from ckptflow.cli.output import human_bytes
 from ckptflow.lifecycle.ledger import expired
 from ckptflow.retention import RetentionPlan, default_policy
 from ckptflow.store import Store
+from ckptflow.units import human_bytes
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 GROUP = "inventory"
@@ -147,30 +147,7 @@ def retention_plan(
     recomputes the plan when it runs, so this view can never make it delete something
     newly pinned or aliased."""
     entries, plan = compute_plan(config, store.open(), archive.open(), registry)
-    archived = {e.ref for e in entries if e.archived}
-
-    def row(ref, action, why):
-        hot = "expire" if ref in plan.archive_only or ref in plan.delete else "keep"
-        return {
-            "run": ref[0],
-            "step": ref[1],
-            "action": action,
-            "hot": hot,
-            "archive": "keep" if ref in archived else "-",
-            "why": why,
-        }
-
-    df = pd.DataFrame(
-        [
-            row(
-                ref,
-                "archive only" if ref in plan.archive_only else "keep",
-                "; ".join(([plan.archive_only[ref]] if ref in plan.archive_only else []) + why),
-            )
-            for ref, why in plan.keep.items()
-        ]
-        + [row(ref, "delete", why) for ref, why in plan.delete.items()]
-    )
+    df = pd.DataFrame(inventory.plan_rows(entries, plan))
     return Output(
         df,
         metadata={

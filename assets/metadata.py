@@ -13,8 +13,8 @@ from typing import Any
 
 from dagster import MetadataValue
 
-from ckptflow.cli.output import human_bytes
 from ckptflow.lifecycle.evaluate import numeric
+from ckptflow.units import human_bytes
 
 SIGNIFICANT = 4
 

@@ -18,8 +18,8 @@ from assets.checkpoints import checkpoint
 from assets.inventory import GROUP, REFRESH, markdown
 from assets.metadata import rounded, size
 from ckptflow import recoveries, stats
-from ckptflow.cli.output import human_duration
 from ckptflow.gc import parse_duration
+from ckptflow.units import human_duration
 from resources import ArchiveTierResource, CheckpointStoreResource
 
 MAX_RUNS = 10

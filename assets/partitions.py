@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from dagster import AssetExecutionContext, DagsterInstance, DynamicPartitionsDefinition
 
-from ckptflow import catalog
 from ckptflow import format as fmt
-from ckptflow.errors import CkptflowError
-from ckptflow.store import Store
+from resources.dagster_private import delete_dynamic_partitions, sql_event_storage
 
 checkpoints_partitions = DynamicPartitionsDefinition(name="checkpoints")
 DIGEST_TAG = "ckptflow/manifest_digest"  # the commit a run is about (see ``pin_commit``)
@@ -25,17 +22,16 @@ def parse_checkpoint_key(key: str) -> tuple[str, int]:
     return fmt.parse_checkpoint_name(key)
 
 
-def pin_commit(context: AssetExecutionContext, source: Store, run: str, step: int) -> None:
-    """Tag the run with the digest of the commit it is about to process, so a failure is
-    recorded against that commit even if the step is committed again before the failure
-    sensor looks (``sensors.failures``). A commit record that cannot be read leaves the
-    tag as it was: the asset's own read reports why."""
-    try:
-        digest = catalog.read_manifest(source, run, step).digest
-    except (CkptflowError, OSError):
-        return
-    if context.run.tags.get(DIGEST_TAG) != digest:
-        context.instance.add_run_tags(context.run.run_id, {DIGEST_TAG: digest})
+def pin_commit(context: AssetExecutionContext) -> Callable[[str], None]:
+    """The run's ``on_commit`` (``ckptflow.lifecycle.per_checkpoint``): tags the run with
+    the digest of the commit it is about to process, so a failure is recorded against
+    that commit even if the step is committed again before the failure sensor looks."""
+
+    def pin(digest: str) -> None:
+        if context.run.tags.get(DIGEST_TAG) != digest:
+            context.instance.add_run_tags(context.run.run_id, {DIGEST_TAG: digest})
+
+    return pin
 
 
 DROP_BATCH = 500  # keys per DELETE statement (SQLite allows 32,766 bound parameters)
@@ -47,39 +43,18 @@ def drop_checkpoint_partitions(instance: DagsterInstance, keys: Sequence[str]) -
 
     Dagster's public API deletes one partition per call, and on SQLite each call is a
     transaction of its own (about 20 ms: 10,000 expiries took minutes). On the SQL event
-    storages Dagster ships (SQLite, PostgreSQL, MySQL) this deletes ``DROP_BATCH`` keys
-    per statement in the table ``delete_dynamic_partition`` itself deletes from (Dagster's
-    private schema, pinned by the dagster==1.13.27 requirement and covered by
+    storages Dagster ships this deletes ``DROP_BATCH`` keys per statement, through
+    Dagster's private schema (``resources.dagster_private``, covered by
     ``test_partitions_are_dropped_in_batches_and_only_those_named`` in tests/dagster/test_jobs.py);
     any other storage gets the public call per key.
     """
     known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
     doomed = [key for key in dict.fromkeys(keys) if key in known]
-    storage = _sql_event_storage(instance)
+    storage = sql_event_storage(instance)
     if storage is None:
         for key in doomed:
             instance.delete_dynamic_partition(checkpoints_partitions.name, key)
         return len(doomed)
-    from dagster._core.storage.event_log.schema import DynamicPartitionsTable
-
-    table = DynamicPartitionsTable.c
     for start in range(0, len(doomed), DROP_BATCH):
-        batch = doomed[start : start + DROP_BATCH]
-        with storage.index_connection() as conn:
-            conn.execute(
-                DynamicPartitionsTable.delete().where(
-                    (table.partitions_def_name == checkpoints_partitions.name) & table.partition.in_(batch)
-                )
-            )
+        delete_dynamic_partitions(storage, checkpoints_partitions.name, doomed[start : start + DROP_BATCH])
     return len(doomed)
-
-
-def _sql_event_storage(instance: DagsterInstance) -> Any:
-    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
-
-    storage = instance.event_log_storage
-    inner = getattr(getattr(storage, "_storage", None), "event_log_storage", None)  # behind `storage:` config
-    for candidate in (storage, inner):
-        if isinstance(candidate, SqlEventLogStorage):
-            return candidate
-    return None

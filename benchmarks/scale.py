@@ -146,7 +146,7 @@ def timed(fn, profile: str | None = None) -> float:
 def measure(
     url: str, store: S3Store, proxy: LatencyProxy, count: int, profile: str | None
 ) -> list[tuple[str, float, float, int]]:
-    from sensors.landing import new_commits
+    from ckptflow.lifecycle.landing import new_commits
 
     rows = []
 

@@ -129,6 +129,11 @@ class LossyCopyError(CkptflowError):
     """A lossy archive copy was about to be restored without ``allow_lossy=True``."""
 
 
+class EvaluatorError(CkptflowError):
+    """A run's evaluator (anyone's code) could not be loaded or raised: the checkpoint's
+    evaluation failed, not its store or its bytes, and a retry would only repeat it."""
+
+
 DAMAGE = (ManifestError, CorruptChunkError)  # the errors that prove a checkpoint is damaged
 
 # What decoding or checking bytes that were already read raises when they are bad: a zstd

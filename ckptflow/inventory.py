@@ -162,3 +162,31 @@ def rows(entries: list[Entry], retention: RetentionPlan | None = None) -> list[d
             row["retention"] = retention.verdict(e.ref) if "hot" in e.tiers else "archive only"
         out.append(row)
     return out
+
+
+def plan_rows(entries: list[Entry], retention: RetentionPlan) -> list[dict]:
+    """The retention plan as a table: per checkpoint the action (keep, archive only,
+    delete) and why, and what happens to each copy: retention expires hot copies only,
+    so an archived checkpoint keeps its archive copy whatever the action."""
+    archived = {e.ref for e in entries if e.archived}
+
+    def row(ref, action: str, why: str) -> dict:
+        hot = "expire" if ref in retention.archive_only or ref in retention.delete else "keep"
+        return {
+            "run": ref[0],
+            "step": ref[1],
+            "action": action,
+            "hot": hot,
+            "archive": "keep" if ref in archived else "-",
+            "why": why,
+        }
+
+    kept = [
+        row(
+            ref,
+            "archive only" if ref in retention.archive_only else "keep",
+            "; ".join(([retention.archive_only[ref]] if ref in retention.archive_only else []) + why),
+        )
+        for ref, why in retention.keep.items()
+    ]
+    return kept + [row(ref, "delete", why) for ref, why in retention.delete.items()]

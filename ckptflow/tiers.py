@@ -13,7 +13,7 @@ archive's objects and an archive's chunks are protected by the archive's manifes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,6 +43,22 @@ def open_tiers(hot: Store, extra: Sequence[str | Store] = ()) -> list[Tier]:
         if all(store.url != s.url for s in stores):
             stores.append(store)
     return [Tier(s, ChunkStore(s)) for s in stores]
+
+
+def holds_commit(store: Store, run: str, step: int) -> bool:
+    """Whether ``store`` holds the commit record of ``(run, step)`` (one existence check)."""
+    return store.exists(fmt.manifest_key(run, step))
+
+
+def source_tier(hot: Store, run: str, step: int, archive: Callable[[], Store]) -> Store:
+    """The tier one checkpoint's data is read from, in the order restore tries tiers:
+    the hot store while it holds the commit record, else the archive (``archive`` opens
+    it, only then) once retention expired the hot copy; the hot store when neither
+    holds it, so reading it there says why."""
+    if holds_commit(hot, run, step):
+        return hot
+    cold = archive()
+    return cold if holds_commit(cold, run, step) else hot
 
 
 def candidates(tiers: Sequence[Tier], run: str, step: int | None = None) -> list[tuple[int, int]]:

@@ -56,8 +56,3 @@ class EvaluatorResource(ConfigurableResource):
 
     def name_for(self, run: str) -> str | None:
         return next((path for pattern, path in self.evaluators.items() if fnmatch.fnmatchcase(run, pattern)), None)
-
-    def evaluator_for(self, run: str) -> tuple[str, Evaluator | None]:
-        """(name, function) for ``run``; (trainer metrics, None) when no pattern matches."""
-        path = self.name_for(run)
-        return (path, load_function(path)) if path else ("trainer metrics", None)

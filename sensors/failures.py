@@ -1,14 +1,12 @@
 """Run-failure sensor: a failed run about a checkpoint is recorded next to it, and the
 run is tagged with what failed and why.
 
-The record goes to the store as the checkpoint's ``failure`` lifecycle record (keyed by
-the manifest digest the run was about), so the inventory shows "last failure" per
-checkpoint whatever Dagster instance runs it. The digest is the run's
+Which commit the failure belongs to, and its record in the store, are the library's
+(``ckptflow.lifecycle.attribution``): the commit a run is about is its
 ``ckptflow/manifest_digest`` tag (the landing sensor sets it on validation runs, every
-per-checkpoint asset on its own run before it reads the checkpoint). A run without one
-failed before it read anything; its failure is recorded against the current commit only
-when that commit provably predates the run (committed ``CLOCK_SKEW_S`` before the run
-started), never against a step committed again since. A store that cannot be read stops
+per-checkpoint asset on its own run before it reads the checkpoint), else the current
+commit only if it provably predates the run; a run recorded against no commit is
+tagged ``ckptflow/failure_unattributed`` with why. A store that cannot be read stops
 the tick at that run, which the next tick retries. The tag (``ckptflow/failure``: the
 failed step and the first line of its error) puts the reason in the run list, next to
 the run's partition.
@@ -19,8 +17,6 @@ runs that failed before the daemon started (``make demo`` runs the lifecycle
 in-process, then ``make ui`` starts the daemon) would never be recorded. This one
 starts at the beginning of the instance's history; recording is idempotent.
 """
-
-from dataclasses import dataclass
 
 from dagster import (
     DagsterEventType,
@@ -33,19 +29,16 @@ from dagster import (
     sensor,
 )
 
-from assets.partitions import DIGEST_TAG, parse_checkpoint_key
-from ckptflow import catalog
+from assets.partitions import DIGEST_TAG
 from ckptflow.catalog_listing import problem_from
-from ckptflow.errors import CkptflowError, ManifestError
-from ckptflow.lifecycle.records import Subject, write_record
-from ckptflow.store import Store
+from ckptflow.errors import CkptflowError
+from ckptflow.lifecycle import attribution
 from resources import CheckpointStoreResource
+from resources.dagster_private import FAILURE_CLASS_PREFIX
 from sensors.intervals import SENSOR_INTERVAL_S
-from sensors.landing import SLACK
 
 FAILURE_TAG = "ckptflow/failure"
 UNATTRIBUTED_TAG = "ckptflow/failure_unattributed"  # why a failure was recorded against no commit
-CLOCK_SKEW_S = SLACK  # between the writer's clock (a manifest's created_at) and Dagster's
 PER_TICK = 200
 PARTITION_TAG = "dagster/partition"
 RANGE_TAGS = ("dagster/asset_partition_range_start", "dagster/asset_partition_range_end")
@@ -75,60 +68,31 @@ def failed_steps(instance: DagsterInstance, run_id: str) -> list[tuple[str, str]
         else:
             text = data.error.message if data and data.error else ""
         first = next((line.strip() for line in text.splitlines() if line.strip()), "failed")
-        out.append((event.step_key or "?", first.removeprefix("dagster._core.definitions.events.Failure: ")))
+        out.append((event.step_key or "?", first.removeprefix(FAILURE_CLASS_PREFIX)))
     return out
 
 
-@dataclass(frozen=True)
-class Unattributed:
-    why: str
+def started_at(instance: DagsterInstance, run_id: str) -> float | None:
+    record = instance.get_run_record_by_id(run_id)
+    return None if record is None else record.start_time or record.create_timestamp.timestamp()
 
 
-def _commit_before(
-    instance: DagsterInstance, run: DagsterRun, hot: Store, ckpt_run: str, step: int
-) -> str | Unattributed:
-    """The digest of the current commit of ``(ckpt_run, step)`` if it provably is what the
-    untagged ``run`` was about: committed before the run started (a commit since then
-    would be newer). A store error propagates: nothing is decided on an outage."""
-    try:
-        manifest = catalog.read_manifest(hot, ckpt_run, step)
-    except ManifestError as e:
-        return Unattributed(f"its commit record cannot be read: {e}")
-    record = instance.get_run_record_by_id(run.run_id)
-    started = None if record is None else record.start_time or record.create_timestamp.timestamp()
-    if started is None or manifest.created_at + CLOCK_SKEW_S > started:
-        return Unattributed(
-            "the run carries no manifest digest and the step was committed (again) after it started, "
-            f"so which commit it was about is unknown (current commit {manifest.digest[:12]}…)"
-        )
-    return manifest.digest
-
-
-def record_failure(instance: DagsterInstance, run: DagsterRun, store) -> str:
+def record_failure(instance: DagsterInstance, run: DagsterRun, store: CheckpointStoreResource) -> str:
     """Tag the run with its reason and write the checkpoint's failure record; what was done,
     as a line. A store that cannot be read raises (the sensor retries the run next tick)."""
-    steps = failed_steps(instance, run.run_id)
-    reason = "; ".join(f"{step}: {why}" for step, why in steps) or "run failed before any step failed"
-    instance.add_run_tags(run.run_id, {FAILURE_TAG: reason[:300]})
-    key = partition_of(run)
-    if not key:
-        return f"run {run.run_id} of {run.job_name} failed ({reason[:120]}); it names no checkpoint partition"
-    try:
-        ckpt_run, step = parse_checkpoint_key(key)
-    except ValueError:
-        return f"run {run.run_id} failed for partition {key!r}, which is not a checkpoint name"
-    hot = store.open()
-    digest = run.tags.get(DIGEST_TAG) or _commit_before(instance, run, hot, ckpt_run, step)
-    if isinstance(digest, Unattributed):
-        instance.add_run_tags(run.run_id, {UNATTRIBUTED_TAG: digest.why[:300]})
-        return f"run {run.run_id} failed for {key} ({reason[:120]}); not recorded against a commit: {digest.why}"
-    write_record(
-        hot,
-        Subject(ckpt_run, step, digest),
-        "failure",
-        {"run_id": run.run_id, "job": run.job_name, "steps": [s for s, _ in steps], "message": reason},
+    failed = attribution.FailedRun(
+        run.run_id,
+        run.job_name,
+        failed_steps(instance, run.run_id),
+        checkpoint=partition_of(run),
+        digest=run.tags.get(DIGEST_TAG),
+        started_at=started_at(instance, run.run_id),
     )
-    return f"recorded the failure of run {run.run_id} for {key}: {reason[:120]}"
+    instance.add_run_tags(run.run_id, {FAILURE_TAG: failed.reason[:300]})
+    done = attribution.record_failure(failed, store.open)
+    if done.unattributed is not None:
+        instance.add_run_tags(run.run_id, {UNATTRIBUTED_TAG: done.unattributed[:300]})
+    return done.message
 
 
 @sensor(default_status=DefaultSensorStatus.RUNNING, minimum_interval_seconds=SENSOR_INTERVAL_S)

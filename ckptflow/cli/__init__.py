@@ -29,10 +29,11 @@ from ckptflow.cli.commands import (
     size_arg,
 )
 from ckptflow.cli.costs import add_arguments as cost_arguments
-from ckptflow.cli.output import PROG, human_bytes
+from ckptflow.cli.output import PROG
 from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.export import EXPORT_DTYPES
 from ckptflow.format import IMPORT_FORMATS
+from ckptflow.units import human_bytes
 
 EXPORT_FORMATS = ("hf", "dcp")
 

@@ -15,13 +15,14 @@ from ckptflow import catalog, catalog_listing, recoveries
 from ckptflow import format as fmt
 from ckptflow.catalog import CheckpointInfo
 from ckptflow.cli import costs as cost_section
-from ckptflow.cli.output import PROG, human_bytes, human_duration, progress, ratio, table, warn
+from ckptflow.cli.output import PROG, progress, ratio, table, warn
 from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.gc import gc, parse_duration
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.stats import store_stats
 from ckptflow.store import Store, open_store
 from ckptflow.tiers import thaw
+from ckptflow.units import human_bytes, human_duration
 
 
 def _open(root: str) -> Store:

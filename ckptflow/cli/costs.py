@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ckptflow.cli.output import human_bytes, table
+from ckptflow.cli.output import table
 from ckptflow.costs import SAVINGS, CostModel, CostReport, storage_costs
 from ckptflow.errors import CkptflowError
 from ckptflow.store.base import Store
+from ckptflow.units import human_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

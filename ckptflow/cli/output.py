@@ -1,4 +1,4 @@
-"""How the CLI prints: human units, aligned tables, warnings, progress bars."""
+"""How the CLI prints: aligned tables, warnings, progress bars (human units: ``ckptflow.units``)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 PROG = "ckptflow"
-
-
-def human_bytes(n: int | float) -> str:
-    """Binary units, one decimal: what `ls -h` users expect."""
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "PiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def ratio(x: float | None) -> str:
@@ -64,14 +52,3 @@ def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], No
                 bar.update(n)
 
         yield update
-
-
-def human_duration(seconds: float | None) -> str:
-    """Seconds up to two minutes, minutes up to two hours, then hours."""
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"

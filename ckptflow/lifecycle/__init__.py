@@ -9,6 +9,13 @@ from ckptflow.lifecycle.archive import ArchiveReport, archive, copy_matches
 from ckptflow.lifecycle.compress import CompressionReport, compress
 from ckptflow.lifecycle.evaluate import EvaluationRule, Evaluator, evaluate
 from ckptflow.lifecycle.expire import ExpireError, expire
+from ckptflow.lifecycle.per_checkpoint import (
+    Validated,
+    archive_checkpoint,
+    compress_checkpoint,
+    evaluate_checkpoint,
+    validate_checkpoint,
+)
 from ckptflow.lifecycle.records import KINDS, Subject, read_record, records_by_subject, write_record
 from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, archive_only_beyond, current_plan
 from ckptflow.lifecycle.scrub import ScrubReport, scrub
@@ -24,17 +31,22 @@ __all__ = [
     "RetentionReport",
     "ScrubReport",
     "Subject",
+    "Validated",
     "apply_retention",
     "archive_only_beyond",
     "archive",
+    "archive_checkpoint",
     "compress",
+    "compress_checkpoint",
     "copy_matches",
     "current_plan",
     "evaluate",
+    "evaluate_checkpoint",
     "expire",
     "read_record",
     "records_by_subject",
     "scrub",
     "validate",
+    "validate_checkpoint",
     "write_record",
 ]

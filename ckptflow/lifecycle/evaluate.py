@@ -9,11 +9,13 @@ time (``Checkpointer.save(..., metadata={"val_loss": ...})``), marked as such.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from ckptflow import catalog
+from ckptflow.errors import CkptflowError, EvaluatorError
 from ckptflow.lifecycle.records import Subject, previous_record, write_record
 from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
@@ -46,6 +48,22 @@ def numeric(values: Mapping[str, Any]) -> dict[str, float]:
         for k, v in values.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
+
+
+@contextmanager
+def evaluator_errors(evaluator: str | None, checkpoint: str) -> Iterator[None]:
+    """Around loading and running the evaluator named ``evaluator`` on ``checkpoint``:
+    an error of the evaluator's (anyone's code) becomes ``EvaluatorError``, one line
+    naming the evaluator, the checkpoint and the error, which fails that checkpoint's
+    evaluation and is not worth retrying. ckptflow's own errors (reading the checkpoint
+    failed: they say what and where) pass through unchanged, and so does every error
+    when no evaluator is configured (``None``: the trainer's metrics are the evaluation)."""
+    try:
+        yield
+    except Exception as e:
+        if evaluator is None or isinstance(e, CkptflowError):
+            raise
+        raise EvaluatorError(f"evaluator {evaluator} failed on {checkpoint}: {type(e).__name__}: {e}"[:2000]) from e
 
 
 def score(source: Store, manifest: Manifest, evaluator: Evaluator, key: str = "model") -> dict[str, float]:

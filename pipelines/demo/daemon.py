@@ -21,15 +21,11 @@ from dataclasses import dataclass, field
 
 from dagster import AssetKey, AssetPartitionStatus, AssetRecordsFilter, DagsterInstance
 
-# Dagster 1.13 has no public API for a partition's latest check execution; these two are what
-# its own UI queries use (the pinned version keeps them stable)
-from dagster._core.event_api import PartitionKeyFilter
-from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
-
 from assets.checkpoints import INTEGRITY_KEY
 from assets.partitions import checkpoint_key, checkpoints_partitions
 from ckptflow import catalog
 from ckptflow.store import open_store
+from resources.dagster_private import latest_check_passed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOWNSTREAM = ("checkpoint", "evaluation", "compressed", "archived")
@@ -67,11 +63,7 @@ def observe(instance: DagsterInstance, root: str, run: str) -> list[Outcome]:
             ).records
             if records:
                 outcome.after_s[asset] = records[0].timestamp - info.created_at
-        latest = instance.event_log_storage.get_latest_asset_check_execution_by_key(
-            [INTEGRITY_KEY], partition_filter=PartitionKeyFilter(key=key)
-        ).get(INTEGRITY_KEY)
-        if latest is not None and latest.status != AssetCheckExecutionRecordStatus.PLANNED:
-            outcome.check_passed = latest.status == AssetCheckExecutionRecordStatus.SUCCEEDED
+        outcome.check_passed = latest_check_passed(instance, INTEGRITY_KEY, key)
         status = instance.get_status_by_partition(AssetKey("checkpoint"), [key], checkpoints_partitions) or {}
         outcome.failed = status.get(key) == AssetPartitionStatus.FAILED
         out.append(outcome)

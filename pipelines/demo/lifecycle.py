@@ -19,11 +19,11 @@ from dagster import AssetSelection, DagsterInstance, materialize
 
 from assets import RPO_FRESHNESS_KEY
 from ckptflow import inventory
-from ckptflow.cli.output import human_duration
 from ckptflow.registry import Registry, describe
 from ckptflow.retention import DAY
 from ckptflow.stats import store_stats
 from ckptflow.store import open_store
+from ckptflow.units import human_duration
 from pipelines.definitions import build_definitions
 from pipelines.demo import daemon as real_daemon
 from pipelines.inprocess import QUIET, Driver

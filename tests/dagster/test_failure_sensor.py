@@ -73,7 +73,7 @@ def test_a_failure_belongs_to_the_commit_the_run_processed(store_with_checkpoint
 def test_an_untagged_run_is_attributed_only_to_a_commit_older_than_itself(
     store_with_checkpoints, resources, instance, monkeypatch
 ):
-    monkeypatch.setattr("sensors.failures.CLOCK_SKEW_S", 0.0)  # one clock in a test
+    monkeypatch.setattr("ckptflow.lifecycle.attribution.CLOCK_SKEW_S", 0.0)  # one clock in a test
     instance.add_dynamic_partitions("checkpoints", [KEY])
     first = subject(store_with_checkpoints, 40).digest
     before = fail_untagged(instance)
@@ -88,7 +88,7 @@ def test_an_untagged_run_is_attributed_only_to_a_commit_older_than_itself(
 
 
 def test_a_store_that_does_not_answer_is_retried_next_tick(store_with_checkpoints, resources, instance, monkeypatch):
-    monkeypatch.setattr("sensors.failures.CLOCK_SKEW_S", 0.0)
+    monkeypatch.setattr("ckptflow.lifecycle.attribution.CLOCK_SKEW_S", 0.0)
     instance.add_dynamic_partitions("checkpoints", [KEY])
     run_id = fail_untagged(instance)
     opened = CheckpointStoreResource.open

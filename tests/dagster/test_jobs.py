@@ -241,7 +241,8 @@ def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
 def test_partitions_are_dropped_in_batches_and_only_those_named(tmp_path, kind):
     from dagster import DagsterInstance
 
-    from assets.partitions import DROP_BATCH, _sql_event_storage, drop_checkpoint_partitions
+    from assets.partitions import DROP_BATCH, drop_checkpoint_partitions
+    from resources.dagster_private import sql_event_storage
 
     if kind == "ephemeral":
         context = DagsterInstance.ephemeral()
@@ -249,7 +250,7 @@ def test_partitions_are_dropped_in_batches_and_only_those_named(tmp_path, kind):
         os.makedirs(tmp_path / "home")
         context = DagsterInstance.local_temp(tempdir=str(tmp_path / "home"))
     with context as inst:
-        assert _sql_event_storage(inst) is not None  # the batched path, on Dagster's SQLite storages
+        assert sql_event_storage(inst) is not None  # the batched path, on Dagster's SQLite storages
         keys = [checkpoint_key(RUN, step) for step in range(2 * DROP_BATCH + 7)]
         inst.add_dynamic_partitions("checkpoints", keys)
         inst.add_dynamic_partitions("elsewhere", keys[:3])

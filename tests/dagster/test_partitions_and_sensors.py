@@ -8,9 +8,10 @@ from dagster import SensorResult, build_sensor_context
 
 from assets.partitions import checkpoint_key, parse_checkpoint_key
 from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow.lifecycle.landing import FULL_SCAN_S, new_commits
 from ckptflow.store import open_store
 from pipelines import demo
-from sensors.landing import DIGEST_TAG, FULL_SCAN_S, landing_sensor, new_commits
+from sensors.landing import DIGEST_TAG, landing_sensor
 from support.corrupt import corrupt_chunk, only_in
 from support.dagster import RUN, write_checkpoints
 from support.faulty_store import FaultyStore

@@ -1,0 +1,98 @@
+"""Which commit a failed run belongs to, and the failure record written against it.
+
+A failed run about a checkpoint is recorded as that checkpoint's ``failure`` lifecycle
+record, keyed by the manifest digest of the commit the run was about, so the inventory
+shows "last failure" per checkpoint whatever orchestrator ran it. That digest is the
+one the run pinned before it read the checkpoint. A run without one failed before it
+read anything; its failure is recorded against the current commit only when that
+commit provably predates the run (committed ``CLOCK_SKEW_S`` before the run started),
+never against a step committed again since: a restore that rejected the first commit
+and a save of the same step make a new commit that has failed nothing. A store that
+cannot be read raises: nothing is decided on an outage, and the caller retries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ckptflow import catalog
+from ckptflow import format as fmt
+from ckptflow.errors import ManifestError
+from ckptflow.lifecycle.landing import SLACK
+from ckptflow.lifecycle.records import Subject, write_record
+from ckptflow.store.base import Store
+
+CLOCK_SKEW_S = SLACK  # between the writer's clock (a manifest's created_at) and the orchestrator's
+
+
+@dataclass(frozen=True)
+class FailedRun:
+    """What the orchestrator knows of a failed run."""
+
+    run_id: str
+    job: str
+    steps: Sequence[tuple[str, str]]  # (step, the first line of its error) for every failed step
+    checkpoint: str | None = None  # the checkpoint name (partition key) it was about, if any
+    digest: str | None = None  # the commit it pinned before reading the checkpoint, if it got that far
+    started_at: float | None = None  # when it started, by the orchestrator's clock
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"{step}: {why}" for step, why in self.steps) or "run failed before any step failed"
+
+
+@dataclass(frozen=True)
+class Unattributed:
+    why: str
+
+
+@dataclass(frozen=True)
+class Attribution:
+    message: str  # what was done, as a line
+    unattributed: str | None = None  # why the failure was recorded against no commit
+
+
+def commit_before(store: Store, run: str, step: int, started_at: float | None) -> str | Unattributed:
+    """The digest of the current commit of ``(run, step)`` if it provably is what a run
+    that started at ``started_at`` and pinned no commit was about: committed before the
+    run started (a commit since then would be newer). A store error propagates."""
+    try:
+        manifest = catalog.read_manifest(store, run, step)
+    except ManifestError as e:
+        return Unattributed(f"its commit record cannot be read: {e}")
+    if started_at is None or manifest.created_at + CLOCK_SKEW_S > started_at:
+        return Unattributed(
+            "the run carries no manifest digest and the step was committed (again) after it started, "
+            f"so which commit it was about is unknown (current commit {manifest.digest[:12]}…)"
+        )
+    return manifest.digest
+
+
+def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attribution:
+    """Write the failure record of the commit ``failed`` belongs to, in the hot store
+    ``open_store`` opens (only for a run about a checkpoint); what was done, as a line."""
+    reason = failed.reason
+    key = failed.checkpoint
+    if not key:
+        return Attribution(
+            f"run {failed.run_id} of {failed.job} failed ({reason[:120]}); it names no checkpoint partition"
+        )
+    try:
+        run, step = fmt.parse_checkpoint_name(key)
+    except ValueError:
+        return Attribution(f"run {failed.run_id} failed for partition {key!r}, which is not a checkpoint name")
+    hot = open_store()
+    digest = failed.digest or commit_before(hot, run, step, failed.started_at)
+    if isinstance(digest, Unattributed):
+        return Attribution(
+            f"run {failed.run_id} failed for {key} ({reason[:120]}); not recorded against a commit: {digest.why}",
+            digest.why,
+        )
+    write_record(
+        hot,
+        Subject(run, step, digest),
+        "failure",
+        {"run_id": failed.run_id, "job": failed.job, "steps": [s for s, _ in failed.steps], "message": reason},
+    )
+    return Attribution(f"recorded the failure of run {failed.run_id} for {key}: {reason[:120]}")

@@ -1,0 +1,122 @@
+"""Landing: which commit records are new since a cursor, read from the store alone.
+
+What is new is decided by the commit record itself, not by its step: a step can be
+committed twice (restore rejected the first commit, training fell back and saved that
+step again), and the second commit needs its own validation. So the cursor is a
+watermark on the commit records' modification times (``{"t": newest seen, "seen":
+[commits within SLACK of it]}``): a tick lists the store (names, sizes and times; no
+reads), reads only the commit records at or after the watermark that it has not seen,
+and names each commit by its manifest digest (``Landed.marker``). A commit that already
+has a validation record for its digest (the demo's in-process driver wrote one) is
+``validated``: it needs a partition but no new validation.
+
+A tick does not list every step of every run: the cursor keeps, per run, the newest
+step landed (its ``frontier``), and a tick lists each run from there on (S3
+``StartAfter``: two requests per run when nothing is new, at 10,000 checkpoints as at
+ten). A commit behind the frontier (a deeper fallback re-saving older steps, an import
+of old steps) is found by the full listing a tick does every ``FULL_SCAN_S``; a step
+committed again at the frontier (restore rejected the newest, training saved it anew)
+is found at once.
+
+``MAX_PER_TICK`` pages a large backlog: commits are taken oldest first and the
+watermark moves only as far as the last one taken. ``SLACK`` absorbs clock skew
+between writers of a shared store. A commit record that cannot be read for a
+transient reason (the store is unavailable) stops the tick there and is retried.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckptflow import catalog, catalog_listing
+from ckptflow import format as fmt
+from ckptflow.lifecycle.records import Subject, read_record
+from ckptflow.manifest import Manifest
+from ckptflow.store.base import Store
+
+MAX_PER_TICK = 500
+SLACK = 60.0  # seconds
+FULL_SCAN_S = 300.0  # a tick lists every step of every run at least this often
+
+
+@dataclass(frozen=True)
+class Landed:
+    key: str  # the checkpoint's name (``format.checkpoint_name``)
+    digest: str  # "" when the commit record could not be read (its validation will say why)
+    marker: str  # what tells this commit from another commit of the same step
+    validated: bool  # a validation record exists for this digest already
+
+
+def land(store: Store, cursor: str | None, *, limit: int = MAX_PER_TICK) -> tuple[list[Landed], str]:
+    """``new_commits`` over a cursor as a sensor keeps it (JSON text, or None before the
+    first tick); a cursor of an older layout starts over (validated commits are passed over)."""
+    state = json.loads(cursor) if cursor else {}
+    if not isinstance(state.get("seen", []), list):
+        state = {}
+    landed, after = new_commits(store, state, limit)
+    return landed, json.dumps(after, sort_keys=True)
+
+
+def _seen_id(entry: catalog_listing.StepListing) -> str:
+    assert entry.manifest is not None
+    return f"{entry.run}/{entry.step}@{entry.manifest.mtime!r}"
+
+
+def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None) -> tuple[list[Landed], dict]:
+    """Commit records not yet landed (oldest first, at most ``limit``) and the cursor after them."""
+    t = float(cursor.get("t", float("-inf")))
+    seen = set(cursor.get("seen", []))
+    frontier = {str(k): int(v) for k, v in dict(cursor.get("frontier", {})).items()}
+    now = time.time() if now is None else now
+    full_at = cursor.get("full_at")
+    full = full_at is None or now - float(full_at) >= FULL_SCAN_S
+    steps = catalog_listing.listing(store, from_steps=None if full else frontier, manifests_only=True)
+    listed = [e for e in steps if isinstance(e, catalog_listing.StepListing)]
+    fresh = [e for e in listed if e.manifest is not None and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
+    fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
+    taken = fresh[:limit]
+    landed: list[Landed] = []
+    done: list[catalog_listing.StepListing] = []
+    manifests = list(zip(taken, catalog.committed(store, listed=taken)))
+    with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-landing") as pool:
+        validated = list(pool.map(_validated, [store] * len(manifests), [item for _, item in manifests]))
+    for (entry, item), was_validated in zip(manifests, validated):
+        key = fmt.checkpoint_name(entry.run, entry.step)
+        if isinstance(item, Manifest):
+            landed.append(Landed(key, item.digest, item.digest[:16], was_validated))
+        elif item.kind == "unavailable":
+            break  # retried next tick: a store that did not answer proves nothing about the checkpoint
+        else:
+            landed.append(Landed(key, "", f"unreadable-{entry.manifest.mtime:.0f}", False))  # type: ignore[union-attr]
+        t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
+        seen.add(_seen_id(entry))
+        done.append(entry)
+    seen = {s for s in seen if float(s.rsplit("@", 1)[1]) >= t - SLACK}
+    after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done)}
+    after["full_at"] = now if full else full_at
+    return landed, after
+
+
+def _validated(store: Store, item: Manifest | catalog_listing.Problem) -> bool:
+    return isinstance(item, Manifest) and read_record(store, Subject.of(item), "validation") is not None
+
+
+def _frontier(
+    before: dict[str, int],
+    listed: list[catalog_listing.StepListing],
+    fresh: list,
+    done: list[catalog_listing.StepListing],
+) -> dict[str, int]:
+    """Per run, the step the next quick tick lists from: the newest committed step, or
+    the oldest fresh commit this tick left for the next one (paging, an outage)."""
+    out = dict(before)
+    for entry in listed:
+        if entry.committed:
+            out[entry.run] = max(out.get(entry.run, entry.step), entry.step)
+    finished = set(done)
+    for entry in (e for e in fresh if e not in finished):
+        out[entry.run] = min(out[entry.run], entry.step)
+    return out

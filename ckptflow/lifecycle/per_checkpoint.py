@@ -1,0 +1,110 @@
+"""Each per-checkpoint operation as an orchestrator runs it on one landed checkpoint:
+which tier to read, which commit the work is about, then the operation.
+
+The tier: retention may have expired the hot copy, leaving the archive's
+(``tiers.source_tier``); compression works on hot copies only, and archival has nothing
+to do for a checkpoint the archive alone holds. The commit: before the work reads the
+checkpoint, ``on_commit`` is told the digest of the commit it is about, so a failure is
+recorded against that commit even if the step is committed again before anyone looks
+(``lifecycle.attribution``); a commit record that cannot be read tells nothing (the
+work's own read reports why). Lifecycle records go to the hot store whichever tier is
+read. Evaluators are named by import path and loaded by the caller's ``load``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptflow import catalog
+from ckptflow import format as fmt
+from ckptflow.errors import CkptflowError
+from ckptflow.lifecycle.archive import ArchiveReport, archive
+from ckptflow.lifecycle.compress import CompressionReport, compress
+from ckptflow.lifecycle.evaluate import TRAINER, EvaluationRule, Evaluator, evaluate, evaluator_errors
+from ckptflow.lifecycle.validate import validate
+from ckptflow.lossy import ArchiveCodec
+from ckptflow.manifest import Manifest
+from ckptflow.store.base import Store
+from ckptflow.tiers import holds_commit, source_tier
+
+OnCommit = Callable[[str], None]  # told the manifest digest of the commit about to be processed
+
+
+def tell_commit(source: Store, run: str, step: int, on_commit: OnCommit) -> None:
+    try:
+        digest = catalog.read_manifest(source, run, step).digest
+    except (CkptflowError, OSError):
+        return
+    on_commit(digest)
+
+
+@dataclass(frozen=True)
+class Validated:
+    record: dict[str, Any]  # the validation verdict (``lifecycle.validate``)
+    source: Store  # the tier that was verified
+    manifest: Manifest | None  # its commit record, when it passed
+
+
+def validate_checkpoint(
+    hot: Store, run: str, step: int, *, archive: Callable[[], Store], on_commit: OnCommit
+) -> Validated:
+    """Verify ``(run, step)`` in the tier that holds it and record the verdict in ``hot``."""
+    source = source_tier(hot, run, step, archive)
+    tell_commit(source, run, step, on_commit)
+    record = validate(source, run, step, records=hot)
+    return Validated(record, source, catalog.read_manifest(source, run, step) if record["ok"] else None)
+
+
+def evaluate_checkpoint(
+    hot: Store,
+    run: str,
+    step: int,
+    *,
+    archive: Callable[[], Store],
+    on_commit: OnCommit,
+    evaluator: str | None,
+    load: Callable[[str], Evaluator],
+    key: str,
+    rule: EvaluationRule,
+) -> dict[str, Any]:
+    """Evaluate ``(run, step)`` in the tier that holds it with the run's ``evaluator``
+    (None: the trainer's metrics) and record it in ``hot``. The evaluator's own error,
+    loading it included, raises ``EvaluatorError`` (``evaluate.evaluator_errors``)."""
+    source = source_tier(hot, run, step, archive)
+    tell_commit(source, run, step, on_commit)
+    with evaluator_errors(evaluator, fmt.checkpoint_name(run, step)):
+        function = None if evaluator is None else load(evaluator)
+        return evaluate(source, hot, run, step, function, evaluator_name=evaluator or TRAINER, key=key, rule=rule)
+
+
+def compress_checkpoint(hot: Store, run: str, step: int, *, on_commit: OnCommit) -> CompressionReport | None:
+    """Compress the hot copy of ``(run, step)``; None when retention expired it (the
+    archive keeps its bytes as they are)."""
+    if not holds_commit(hot, run, step):
+        return None
+    tell_commit(hot, run, step, on_commit)
+    return compress(hot, run, step)
+
+
+def archive_checkpoint(
+    hot: Store,
+    cold: Store,
+    run: str,
+    step: int,
+    *,
+    on_commit: OnCommit,
+    codec: ArchiveCodec,
+    evaluator: str | None,
+    load: Callable[[str], Evaluator],
+    key: str,
+) -> ArchiveReport | None:
+    """Archive the hot copy of ``(run, step)`` into ``cold`` (``lifecycle.archive``; a
+    lossy copy is scored by the run's ``evaluator``); None when the hot copy expired
+    and ``cold`` holds the checkpoint (archived earlier)."""
+    if not holds_commit(hot, run, step) and holds_commit(cold, run, step):
+        return None
+    tell_commit(hot, run, step, on_commit)
+    function = None if evaluator is None else load(evaluator)
+    return archive(hot, cold, run, step, codec=codec, evaluator=function, evaluator_name=evaluator or TRAINER, key=key)

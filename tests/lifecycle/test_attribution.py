@@ -1,0 +1,98 @@
+"""Which commit a failed run belongs to: the one it pinned, else a commit older than the
+run itself, else none; and a store that does not answer decides nothing."""
+
+import pytest
+
+from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow import format as fmt
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.lifecycle.attribution import CLOCK_SKEW_S, FailedRun, record_failure
+from ckptflow.store import open_store
+from support.corrupt import flip_byte, manifest_path
+from support.faulty_store import FaultyStore
+from support.states import tiny_state
+
+RUN = "r"
+KEY = fmt.checkpoint_name(RUN, 2)
+STEPS = [("evaluation", "evaluator team.eval:score failed"), ("archived", "archive copy does not verify")]
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        ck.save(2, tiny_state())
+    return root
+
+
+def current(root: str):
+    return catalog.read_manifest(open_store(root), RUN, 2)
+
+
+def failure(root: str, digest: str) -> dict | None:
+    return lifecycle.read_record(open_store(root), lifecycle.Subject(RUN, 2, digest), "failure")
+
+
+def never_opened():
+    raise AssertionError("a run about no checkpoint needs no store")
+
+
+def test_the_reason_names_every_failed_step_or_says_none_failed():
+    assert FailedRun("id", "job", STEPS).reason == (
+        "evaluation: evaluator team.eval:score failed; archived: archive copy does not verify"
+    )
+    assert FailedRun("id", "job", []).reason == "run failed before any step failed"
+
+
+@pytest.mark.parametrize("checkpoint", [None, "", "not-a-checkpoint"])
+def test_a_run_about_no_checkpoint_is_recorded_nowhere(checkpoint):
+    done = record_failure(FailedRun("id", "validate_checkpoint", STEPS, checkpoint=checkpoint), never_opened)
+    assert done.unattributed is None
+    assert ("names no checkpoint partition" if not checkpoint else "which is not a checkpoint name") in done.message
+
+
+def test_a_pinned_commit_gets_the_failure_even_after_the_step_was_committed_again(root):
+    pinned = "ab" * 32  # an earlier commit of the step, since replaced
+    failed = FailedRun("id", "evaluation_job", STEPS, checkpoint=KEY, digest=pinned, started_at=0.0)
+    done = record_failure(failed, lambda: open_store(root))
+    assert done.unattributed is None and done.message.startswith(f"recorded the failure of run id for {KEY}")
+    record = failure(root, pinned)
+    assert {k: record[k] for k in ("run_id", "job", "steps", "message")} == {
+        "run_id": "id",
+        "job": "evaluation_job",
+        "steps": ["evaluation", "archived"],
+        "message": failed.reason,
+    }
+    assert failure(root, current(root).digest) is None
+
+
+def test_an_unpinned_run_gets_the_current_commit_only_if_that_is_older_than_the_run(root):
+    manifest = current(root)
+    late = FailedRun("late", "job", STEPS, checkpoint=KEY, started_at=manifest.created_at + CLOCK_SKEW_S - 1)
+    done = record_failure(late, lambda: open_store(root))
+    assert "committed (again) after it started" in done.unattributed
+    assert failure(root, manifest.digest) is None
+    unknown = FailedRun("unknown", "job", STEPS, checkpoint=KEY, started_at=None)
+    assert "committed (again) after it started" in record_failure(unknown, lambda: open_store(root)).unattributed
+    after = FailedRun("after", "job", STEPS, checkpoint=KEY, started_at=manifest.created_at + CLOCK_SKEW_S + 1)
+    assert record_failure(after, lambda: open_store(root)).unattributed is None
+    assert failure(root, manifest.digest)["run_id"] == "after"
+
+
+def test_an_unreadable_commit_record_leaves_the_failure_unattributed(root):
+    flip_byte(manifest_path(root, RUN, 2))
+    done = record_failure(FailedRun("id", "job", STEPS, checkpoint=KEY, started_at=1e12), lambda: open_store(root))
+    assert done.unattributed.startswith("its commit record cannot be read")
+    assert KEY in done.message and "not recorded against a commit" in done.message
+
+
+def test_a_store_that_does_not_answer_decides_nothing(root):
+    store = FaultyStore(open_store(root))
+
+    def unavailable(op, key):
+        raise StoreUnavailableError(f"{op} {key}: SlowDown")
+
+    store.fail_if = unavailable
+    with pytest.raises(StoreUnavailableError):
+        record_failure(FailedRun("id", "job", STEPS, checkpoint=KEY, started_at=1e12), lambda: store)
+    assert failure(root, current(root).digest) is None

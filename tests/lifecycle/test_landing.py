@@ -1,0 +1,134 @@
+"""Landing without Dagster: which commit records are new since a cursor, and the cursor after."""
+
+import json
+import os
+
+import pytest
+
+from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow import format as fmt
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.lifecycle.landing import SLACK, land, new_commits
+from ckptflow.store import open_store
+from support.corrupt import flip_byte, manifest_path
+from support.faulty_store import FaultyStore
+from support.states import tiny_state
+
+RUN = "r"
+T0 = 1_000_000.0
+
+
+@pytest.fixture
+def root(tmp_path):
+    """Steps 1, 2, 3 of ``RUN`` committed at T0 + 10, + 20, + 30 (their commit records' times)."""
+    root = str(tmp_path / "store")
+    state = tiny_state()
+    with Checkpointer(root, RUN) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state)
+    for step in (1, 2, 3):
+        committed_at(root, step, T0 + 10 * step)
+    return root
+
+
+def committed_at(root: str, step: int, when: float, run: str = RUN) -> None:
+    os.utime(manifest_path(root, run, step), (when, when))
+
+
+def keys(landed) -> list[str]:
+    return [c.key for c in landed]
+
+
+def name(step: int, run: str = RUN) -> str:
+    return fmt.checkpoint_name(run, step)
+
+
+def test_commits_land_oldest_first_once_each_named_by_their_digest(root):
+    store = open_store(root)
+    committed_at(root, 1, T0 + 40)  # newer than steps 2 and 3
+    landed, cursor = land(store, None)
+    assert keys(landed) == [name(2), name(3), name(1)]
+    for c in landed:
+        digest = catalog.read_manifest(store, RUN, fmt.parse_checkpoint_name(c.key)[1]).digest
+        assert (c.digest, c.marker, c.validated) == (digest, digest[:16], False)
+    assert land(store, cursor)[0] == []
+    assert json.loads(cursor)["t"] == T0 + 40
+
+
+def test_a_cursor_of_an_older_layout_starts_over(root):
+    store = open_store(root)
+    _, cursor = land(store, None)
+    assert land(store, cursor)[0] == []
+    older = json.dumps({"t": T0 + 10 * SLACK, "seen": {}})  # "seen" was not a list; its watermark is past all
+
+    assert keys(land(store, older)[0]) == [name(1), name(2), name(3)]
+
+
+def test_a_validated_commit_lands_marked_so(root):
+    store = open_store(root)
+    lifecycle.validate(store, RUN, 2)
+    landed, _ = land(store, None)
+    assert [c.validated for c in landed] == [False, True, False]
+
+
+def test_paging_moves_the_watermark_only_as_far_as_what_was_taken(root):
+    store = open_store(root)
+    first, cursor = new_commits(store, {}, limit=2, now=T0)
+    assert keys(first) == [name(1), name(2)] and cursor["t"] == T0 + 20
+    rest, cursor = new_commits(store, cursor, limit=2, now=T0 + 1)
+    assert keys(rest) == [name(3)] and cursor["t"] == T0 + 30
+
+
+def test_a_commit_within_slack_behind_the_watermark_lands_one_beyond_it_does_not(root):
+    """A writer whose clock lags by less than ``SLACK`` is still landed."""
+    store = open_store(root)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    state = tiny_state()
+    with Checkpointer(root, "lagging") as ck:
+        ck.save(1, state)
+        ck.save(2, state)
+    committed_at(root, 1, T0 + 30 - SLACK / 2, run="lagging")
+    committed_at(root, 2, T0 + 30 - SLACK * 2, run="lagging")
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + 1)
+    assert keys(landed) == [name(1, "lagging")]
+    assert new_commits(store, cursor, limit=10, now=T0 + 2)[0] == []
+
+
+def test_seen_keeps_only_commits_within_slack_of_the_watermark(root):
+    store = open_store(root)
+    committed_at(root, 1, T0 + 30 - SLACK - 1)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    assert cursor["seen"] == sorted(f"{RUN}/{s}@{T0 + 10 * s!r}" for s in (2, 3))
+
+
+def test_a_step_committed_again_lands_again(root):
+    store = open_store(root)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    committed_at(root, 3, T0 + 31)  # the same step, a new commit record time
+    landed, _ = new_commits(store, cursor, limit=10, now=T0 + 1)
+    assert keys(landed) == [name(3)]
+
+
+def test_an_unreadable_commit_record_lands_without_a_digest(root):
+    flip_byte(manifest_path(root, RUN, 2))
+    committed_at(root, 2, T0 + 20)
+    landed, _ = land(open_store(root), None)
+    assert [(c.key, c.digest, c.marker) for c in landed][1] == (name(2), "", f"unreadable-{T0 + 20:.0f}")
+
+
+def test_a_store_that_does_not_answer_stops_the_tick_there_and_the_next_tick_retries(root):
+    store = FaultyStore(open_store(root))
+    down = {"now": True}
+
+    def unavailable(op, key):
+        if down["now"] and op == "get" and key == fmt.manifest_key(RUN, 2):
+            raise StoreUnavailableError(f"GetObject of {key}: SlowDown")
+        return False
+
+    store.fail_if = unavailable
+    landed, cursor = new_commits(store, {}, limit=10, now=T0)
+    assert keys(landed) == [name(1)]
+    assert cursor["t"] == T0 + 10 and cursor["frontier"] == {RUN: 2}  # step 2 left for the next tick
+    down["now"] = False
+    landed, _ = new_commits(store, cursor, limit=10, now=T0 + 1)
+    assert keys(landed) == [name(2), name(3)]

@@ -1,0 +1,128 @@
+"""The per-checkpoint operations as an orchestrator runs them: the tier read, the commit
+told before the work, the skips of an expired hot copy, the evaluator policy."""
+
+import pytest
+
+from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow import format as fmt
+from ckptflow.errors import EvaluatorError
+from ckptflow.lifecycle import EvaluationRule
+from ckptflow.lossy import ArchiveCodec
+from ckptflow.store import open_store
+from support.corrupt import corrupt_chunk, flip_byte, manifest_path
+from support.states import tiny_state
+
+RUN = "r"
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    """Steps 1, 2, 3 in the hot store; step 1 archived and its hot copy expired."""
+    hot, arc = open_store(str(tmp_path / "hot")), open_store(str(tmp_path / "archive"))
+    with Checkpointer(hot, RUN) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, tiny_state(seed=step), metadata={"val_loss": 1.0 / step, "train_loss": 2.0 / step})
+    assert lifecycle.archive(hot, arc, RUN, 1).ok
+    lifecycle.expire(hot, RUN, 1, keep_records=True)
+    return hot, arc
+
+
+def digest(store, step):
+    return catalog.read_manifest(store, RUN, step).digest
+
+
+def told():
+    digests: list[str] = []
+    return digests, digests.append
+
+
+def test_validation_reads_the_tier_holding_the_checkpoint_and_records_in_the_hot_store(tiers):
+    hot, arc = tiers
+    digests, on_commit = told()
+    archived = lifecycle.validate_checkpoint(hot, RUN, 1, archive=lambda: arc, on_commit=on_commit)
+    assert archived.source is arc and archived.record["tier"] == arc.url and archived.manifest is not None
+    assert digests == [digest(arc, 1)]
+    assert lifecycle.read_record(hot, lifecycle.Subject.of(archived.manifest), "validation")["ok"] is True
+    fresh = lifecycle.validate_checkpoint(hot, RUN, 2, archive=lambda: arc, on_commit=on_commit)
+    assert fresh.source is hot and fresh.manifest.digest == digest(hot, 2)
+
+
+def test_a_corrupt_checkpoint_is_told_and_fails_without_a_manifest(tiers, tmp_path):
+    hot, arc = tiers
+    corrupt_chunk(tmp_path / "hot", RUN, 3)
+    digests, on_commit = told()
+    validated = lifecycle.validate_checkpoint(hot, RUN, 3, archive=lambda: arc, on_commit=on_commit)
+    assert validated.manifest is None and not validated.record["ok"] and validated.record["problems"]
+    assert digests == [digest(hot, 3)]  # its failure belongs to this commit
+
+
+def test_an_unreadable_commit_record_is_not_told(tiers, tmp_path):
+    hot, arc = tiers
+    flip_byte(manifest_path(tmp_path / "hot", RUN, 3))
+    digests, on_commit = told()
+    validated = lifecycle.validate_checkpoint(hot, RUN, 3, archive=lambda: arc, on_commit=on_commit)
+    assert digests == [] and validated.manifest is None and not validated.record["ok"]
+
+
+def test_an_expired_hot_copy_is_not_compressed(tiers):
+    hot, _ = tiers
+    digests, on_commit = told()
+    assert lifecycle.compress_checkpoint(hot, RUN, 1, on_commit=on_commit) is None
+    assert digests == []
+    report = lifecycle.compress_checkpoint(hot, RUN, 2, on_commit=on_commit)
+    assert report is not None and report.chunks > 0 and digests == [digest(hot, 2)]
+
+
+def test_archival_skips_what_the_archive_alone_holds_and_loads_the_runs_evaluator(tiers):
+    hot, arc = tiers
+    loaded: list[str] = []
+
+    def load(path):
+        loaded.append(path)
+        return lambda tensors, info: {"score": 1.0}
+
+    def run(step, evaluator):
+        return lifecycle.archive_checkpoint(
+            hot, arc, RUN, step, on_commit=lambda d: None, codec=ArchiveCodec.parse("exact"),
+            evaluator=evaluator, load=load, key="model",
+        )  # fmt: skip
+
+    assert run(1, "team.eval:score") is None and loaded == []
+    assert run(2, None).ok and loaded == []
+    assert run(3, "team.eval:score").ok and loaded == ["team.eval:score"]
+    assert catalog.read_manifest(arc, RUN, 3).digest == digest(hot, 3)
+
+
+def evaluate(hot, arc, step, evaluator, load):
+    return lifecycle.evaluate_checkpoint(
+        hot, RUN, step, archive=lambda: arc, on_commit=lambda d: None, evaluator=evaluator, load=load,
+        key="model", rule=EvaluationRule(),
+    )  # fmt: skip
+
+
+def test_evaluation_without_an_evaluator_is_the_trainers_metrics(tiers):
+    hot, arc = tiers
+
+    def load(path):
+        raise AssertionError("no evaluator is configured")
+
+    record = evaluate(hot, arc, 1, None, load)  # the archive's copy
+    assert record["source"] == "trainer" and record["metrics"] == {"val_loss": 1.0, "train_loss": 2.0}
+
+
+def test_an_evaluator_that_raises_or_cannot_be_loaded_fails_with_one_line(tiers):
+    hot, arc = tiers
+
+    def broken(tensors, info):
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(EvaluatorError, match=rf"evaluator team.eval:score failed on {fmt.checkpoint_name(RUN, 2)}: "):
+        evaluate(hot, arc, 2, "team.eval:score", lambda path: broken)
+
+    def missing(path):
+        raise ModuleNotFoundError("No module named 'team'")
+
+    with pytest.raises(EvaluatorError, match="ModuleNotFoundError: No module named 'team'"):
+        evaluate(hot, arc, 2, "team.eval:score", missing)
+    record = evaluate(hot, arc, 2, "team.eval:score", lambda path: lambda tensors, info: {"val_loss": 0.25})
+    assert record["evaluator"] == "team.eval:score" and record["metrics"] == {"val_loss": 0.25}
