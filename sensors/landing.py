@@ -70,7 +70,7 @@ validation_job = define_asset_job(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Landed:
     key: str  # the partition key
     digest: str  # "" when the commit record could not be read (its validation will say why)
@@ -104,11 +104,12 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     for (entry, item), was_validated in zip(manifests, validated):
         key = checkpoint_key(entry.run, entry.step)
         if isinstance(item, Manifest):
-            landed.append(Landed(key, item.digest, item.digest[:16], was_validated))
+            landed.append(Landed(key=key, digest=item.digest, marker=item.digest[:16], validated=was_validated))
         elif item.kind == "unavailable":
             break  # retried next tick: a store that did not answer proves nothing about the checkpoint
         else:
-            landed.append(Landed(key, "", f"unreadable-{entry.manifest.mtime:.0f}", False))  # type: ignore[union-attr]
+            marker = f"unreadable-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
+            landed.append(Landed(key=key, digest="", marker=marker, validated=False))
         t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
         seen.add(_seen_id(entry))
         done.append(entry)
