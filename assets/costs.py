@@ -40,7 +40,7 @@ def storage_cost(
 ) -> Output[pd.DataFrame]:
     """Bytes and monthly cost per tier, and what retention, tiering, dedup, compression,
     delta and lossy archive codecs saved against keeping every checkpoint raw and hot."""
-    report = costs.storage_costs(store.open(), archive.open(), cost_model(config, archive))
+    report = costs.storage_costs(store.open(), archive.open(), model=cost_model(config, archive))
     rows = [
         {"item": f"{t.tier} ({t.storage_class})", "bytes": t.stored_bytes, "usd_per_month": t.monthly_usd}
         for t in report.tiers

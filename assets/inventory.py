@@ -44,7 +44,13 @@ class RetentionConfig(Config):
 def compute_plan(
     config: RetentionConfig, hot: Store, archive: Store, registry: RegistryResource
 ) -> tuple[list[inventory.Entry], RetentionPlan]:
-    policy = default_policy(config.recent_days, config.full_days, config.best_k, config.metric, config.mode)
+    policy = default_policy(
+        recent_days=config.recent_days,
+        full_days=config.full_days,
+        best_k=config.best_k,
+        metric=config.metric,
+        mode=config.mode,
+    )
     return lifecycle.current_plan(
         hot,
         archive,

@@ -38,7 +38,7 @@ def metrics(values: Mapping[str, Any], prefix: str = "") -> dict[str, MetadataVa
     return {f"{prefix}{k}": MetadataValue.float(rounded(v)) for k, v in numeric(values).items()}
 
 
-def bullet_list(lines: list[str], empty: str = "none", limit: int = 20) -> MetadataValue:
+def bullet_list(lines: list[str], *, empty: str = "none", limit: int = 20) -> MetadataValue:
     shown = [f"- {line}" for line in lines[:limit]]
     if len(lines) > limit:
         shown.append(f"- … {len(lines) - limit} more")

@@ -68,12 +68,12 @@ def deployed_model(
             request = PromotionRequest(
                 config.model,
                 parse_checkpoint_key(config.partition_key) if config.partition_key else None,
-                config.metric,
-                config.mode,
-                config.stage,
-                config.dtype,
-                config.key,
-                config.allow_fp16_overflow,
+                metric=config.metric,
+                mode=config.mode,
+                stage=config.stage,
+                dtype=config.dtype,
+                key=config.key,
+                allow_fp16_overflow=config.allow_fp16_overflow,
             )
             version = promote(store.open(), reg, request)
             context.log.info(f"registered {config.model} v{version.version} from {version.partition_key}")

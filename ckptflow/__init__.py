@@ -2,7 +2,10 @@
 
 The library has no Dagster dependency; the Dagster layer (assets/, sensors/,
 pipelines/) is a thin orchestration shell over it. Every error ckptflow raises on
-purpose derives from ``CkptflowError`` and is importable from here.
+purpose derives from ``CkptflowError``; every one a caller can receive is defined in
+``ckptflow.errors`` and importable from here. (``ckptflow.failures`` keeps two more that
+carry a verdict out of DCP's load and never reach a caller; the command line reports
+its ``UsageError`` itself.)
 
 What needs torch (the ``Checkpointer`` and friends) is imported on first use, so the
 ``ckptflow`` command can list, verify and collect a store without paying for it.
@@ -15,18 +18,24 @@ from ckptflow.errors import (
     CkptflowError,
     ColdObjectError,
     CorruptChunkError,
+    DcpFormatError,
     ExpireError,
     InvalidNameError,
+    LossyCopyError,
     ManifestError,
     NoValidCheckpointError,
     ObjectNotFoundError,
+    ObjectTooLargeError,
     PartialRestoreError,
     PromotionError,
+    RecordTooLargeError,
     RegistryError,
     StateMismatchError,
     StoreError,
+    StoreFullError,
     StoreNotFoundError,
     StoreUnavailableError,
+    SymlinkError,
     UnsupportedStateError,
 )
 
@@ -83,16 +92,20 @@ __all__ = [
     "CkptflowError",
     "ColdObjectError",
     "CorruptChunkError",
+    "DcpFormatError",
     "ExpireError",
     "GCReport",
     "InvalidNameError",
+    "LossyCopyError",
     "Manifest",
     "ManifestError",
     "NoValidCheckpointError",
-    "PartialRestoreError",
     "ObjectNotFoundError",
+    "ObjectTooLargeError",
+    "PartialRestoreError",
     "Problem",
     "PromotionError",
+    "RecordTooLargeError",
     "RegistryError",
     "RestoreResult",
     "SaveHandle",
@@ -101,8 +114,10 @@ __all__ = [
     "StateMismatchError",
     "Store",
     "StoreError",
+    "StoreFullError",
     "StoreNotFoundError",
     "StoreUnavailableError",
+    "SymlinkError",
     "UnsupportedStateError",
     "VerifyReport",
     "export_dcp",

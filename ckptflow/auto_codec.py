@@ -88,7 +88,7 @@ class AutoCodec:
         if kind == "full":
             with self._lock:
                 self._samples = {}  # this save is the new base: older samples are no use
-        return SaveEncoder(self, chunks, kind == "full", base if kind == "incremental" else None)
+        return SaveEncoder(self, chunks, base if kind == "incremental" else None, full=kind == "full")
 
     def remember(self, digest: str, raw: memoryview | np.ndarray) -> None:
         self._samples[digest] = sample(raw)
@@ -100,38 +100,41 @@ class AutoCodec:
 class SaveEncoder:
     """One save's encoder: ``for_chunk`` gives ``ChunkStore.put`` the encoder of one chunk."""
 
-    def __init__(self, state: AutoCodec, chunks: ChunkStore, full: bool, base: BaseIndex | None):
+    def __init__(self, state: AutoCodec, chunks: ChunkStore, base: BaseIndex | None, *, full: bool):
         self.state, self.chunks, self.full, self.base = state, chunks, full, base
         self._touched: set[str] = set()
         self._lock = threading.Lock()
         self._warned = False
 
     def for_chunk(
-        self, fqn: str, offset: tuple[int, ...] | None, dtype: str, index: int, itemsize: int, floating: bool
+        self, fqn: str, offset: tuple[int, ...] | None, dtype: str, index: int, itemsize: int, *, floating: bool
     ) -> Encoder:
         def encode(raw: memoryview, digest: str) -> Encoded:
             base = self.base.chunk(fqn, offset, dtype, index, len(raw)) if self.base else None
             if base is None or base == digest:
-                return Encoded(self._plain(raw, digest, itemsize, floating, remember=self.full))
-            return self._with_base(raw, digest, base, itemsize, floating)
+                return Encoded(self._plain(raw, digest, itemsize, floating=floating, remember=self.full))
+            return self._with_base(raw, digest, base, itemsize, floating=floating)
 
         return encode
 
-    def _plain(self, raw: memoryview, digest: str, itemsize: int, floating: bool, *, remember: bool) -> list:
+    def _plain(self, raw: memoryview, digest: str, itemsize: int, *, floating: bool, remember: bool) -> list:
         if remember:  # a full save: its chunks are the next incremental saves' bases
             self.state.remember(digest, raw)
-        parts = codecs.encode(raw, "zstd", itemsize, self.state.level, floating=floating)
+        parts = codecs.encode(raw, "zstd", itemsize, level=self.state.level, floating=floating)
         return parts if planes.size(parts) < len(raw) + codecs.HEADER.size else codecs.encode(raw, "raw")
 
-    def _with_base(self, raw: memoryview, digest: str, base: str, itemsize: int, floating: bool) -> Encoded:
+    def _with_base(self, raw: memoryview, digest: str, base: str, itemsize: int, *, floating: bool) -> Encoded:
         known = self.state.sample_of(base)
         if known is not None:
             mine = sample(raw)
             scale = len(raw) / max(1, len(mine))
-            plain = min(planes.size(planes.encode(mine, itemsize, floating, self.state.level)), len(mine)) * scale
-            delta = planes.size(planes.encode(np.bitwise_xor(mine, known), itemsize, floating, self.state.level))
+            plain_bytes = planes.size(planes.encode(mine, itemsize, floating=floating, level=self.state.level))
+            plain = min(plain_bytes, len(mine)) * scale
+            delta = planes.size(
+                planes.encode(np.bitwise_xor(mine, known), itemsize, floating=floating, level=self.state.level)
+            )
             if delta * scale + codecs.DIGEST_BYTES >= DELTA_MARGIN * plain:
-                return Encoded(self._plain(raw, digest, itemsize, floating, remember=False))
+                return Encoded(self._plain(raw, digest, itemsize, floating=floating, remember=False))
         try:
             self._protect(base)
             base_raw, base_bytes = self.chunks.base_raw(base, len(raw))
@@ -139,12 +142,12 @@ class SaveEncoder:
             if not self._warned:
                 self._warned = True
                 log.warning("chunks stored without delta (base of %s… unusable): %s", digest[:16], e)
-            return Encoded(self._plain(raw, digest, itemsize, floating, remember=False))
+            return Encoded(self._plain(raw, digest, itemsize, floating=floating, remember=False))
         if known is None:
             self.state.remember(base, base_raw)
-        delta_parts = codecs.encode_delta(raw, base_raw, base, itemsize, self.state.level, floating=floating)
+        delta_parts = codecs.encode_delta(raw, base_raw, base, itemsize, level=self.state.level, floating=floating)
         if known is None or planes.size(delta_parts) >= len(raw):  # no sample said which wins: measure both
-            plain_parts = self._plain(raw, digest, itemsize, floating, remember=False)
+            plain_parts = self._plain(raw, digest, itemsize, floating=floating, remember=False)
             if planes.size(plain_parts) <= planes.size(delta_parts):
                 return Encoded(plain_parts)
         return Encoded(delta_parts, base, base_bytes)
@@ -161,7 +164,7 @@ class SaveEncoder:
 
 
 def newest_full(
-    store: Store, run: str, before: int, known: Manifest | None = None, skip: Set[int] = frozenset()
+    store: Store, run: str, before: int, *, known: Manifest | None = None, skip: Set[int] = frozenset()
 ) -> Manifest | None:
     """The newest full checkpoint of ``run`` older than ``before``: the delta base.
 
@@ -202,7 +205,7 @@ def delta_base(
     if group.rank == 0:
         found = known
         if known is None or last_commit is None or not known.step <= last_commit < step:
-            found = newest_full(store, run, step, known, superseded)
+            found = newest_full(store, run, step, known=known, skip=superseded)
         named = None if found is None else (found.step, found.digest)
     named = group.broadcast(named)
     if named is None:

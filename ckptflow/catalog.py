@@ -282,7 +282,12 @@ def verify_checkpoint(
         return VerifyReport(step, [problem_from(run, step, e)], digest=fmt.digest_of(blob))
     report = VerifyReport(step=step, findings=problems, digest=manifest.digest)
     # a delta's base must be one of the manifest's own chunks
-    chunks = ChunkStore(store, manifest.chunks, None if deep else manifest.fast_checksums, manifest.address)
+    chunks = ChunkStore(
+        store,
+        scope=manifest.chunks,
+        checksums=None if deep else manifest.fast_checksums,
+        address=manifest.address,
+    )
 
     def check(item: tuple[str, int]) -> Problem | None:
         digest, size = item

@@ -115,7 +115,7 @@ def list_runs(store: Store) -> list[str]:
 
 
 def _run_listing(
-    store: Store, run: str, from_step: int | None = None, manifests_only: bool = False
+    store: Store, run: str, *, from_step: int | None, manifests_only: bool
 ) -> Iterator[StepListing | Problem]:
     prefix = fmt.checkpoints_prefix(run)
     # every key of ``from_step`` sorts after its bare directory name
@@ -188,7 +188,7 @@ def listing(
             )
             continue
         try:
-            yield from _run_listing(store, name, (from_steps or {}).get(name), manifests_only)
+            yield from _run_listing(store, name, from_step=(from_steps or {}).get(name), manifests_only=manifests_only)
         except (CkptflowError, OSError) as e:
             yield problem_from(name, None, e)
 

@@ -57,6 +57,7 @@ class SaveHandle:
         self.error_reported = False
 
     def done(self) -> bool:
+        """Whether the save has finished (committed or failed): ``wait()`` would not block."""
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
@@ -68,7 +69,9 @@ class SaveHandle:
                 self.error_reported = True  # so Checkpointer.wait() must not raise it again
             raise
         manifest = self.manifest
-        return SaveResult(self.step, self.kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
+        return SaveResult(
+            step=self.step, kind=self.kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None
+        )
 
     @property
     def manifest(self) -> Manifest | None:
@@ -108,7 +111,11 @@ class Checkpointer:
         # local=True: saves and restores by this process alone, even in a torch.distributed job
         self.group = Group(process_group, local=local)
         cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+            )
+        )
         self._pending: SaveHandle | None = None
         self._superseded: set[int] = set()
         self._last_commit: int | None = None  # newest step this process committed or restored
@@ -180,7 +187,7 @@ class Checkpointer:
                 dcp.save(tensors, **kwargs)
             manifest = writer.manifest
             self._committed(step, manifest)
-            return SaveResult(step, kind, CheckpointInfo.from_manifest(manifest) if manifest else None)
+            return SaveResult(step=step, kind=kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
         assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
@@ -311,16 +318,23 @@ class Checkpointer:
         if step is not None:
             fmt.validate_step(step)
         restore = Restore(
-            self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng, strict, allow_lossy
+            self.tiers,
+            self.run,
+            self.group,
+            self.pool,
+            self.progress,
+            restore_rng=self.restore_rng,
+            strict=strict,
+            allow_lossy=allow_lossy,
         )
         try:
             result = restore(state, step)
         except CkptflowError as e:
-            self._record_recovery(False, None, getattr(e, "skipped", []), None, started, str(e))
+            self._record_recovery(started, error=e)
             raise
         self._superseded = set(result.hot_rejected)
         self._last_commit = result.step if result.tier == self.store.url else None
-        self._record_recovery(True, result.step, result.skipped, result.tier, started, digest=result.digest)
+        self._record_recovery(started, result=result)
         return result
 
     def load(self, *, step: int | None = None) -> tuple[RestoreResult, dict[str, Any]]:
@@ -332,38 +346,32 @@ class Checkpointer:
         self.wait()
         if step is not None:
             fmt.validate_step(step)
-        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, self.restore_rng)
+        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, restore_rng=self.restore_rng)
         try:
             result, state = restore.load(step)
         except CkptflowError as e:
-            self._record_recovery(False, None, getattr(e, "skipped", []), None, started, str(e))
+            self._record_recovery(started, error=e)
             raise
         self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
         self._last_commit = result.step if result.tier == self.store.url else None
-        self._record_recovery(True, result.step, result.skipped, result.tier, started, digest=result.digest)
+        self._record_recovery(started, result=result)
         return result, state
 
     def _record_recovery(
-        self,
-        ok: bool,
-        step: int | None,
-        skipped: list,
-        tier: str | None,
-        started: float,
-        error: str | None = None,
-        digest: str | None = None,
+        self, started: float, *, result: RestoreResult | None = None, error: CkptflowError | None = None
     ) -> None:
+        """Rank 0 records a restore or load begun at ``started``: what it loaded, or the error it raised."""
         if self.group.rank == 0:
             recovery_log.record(
                 self.store,
                 self.run,
-                ok=ok,
-                step=step,
-                digest=digest,
-                skipped=skipped,
-                tier=tier,
+                ok=result is not None,
+                step=result.step if result else None,
+                digest=result.digest if result else None,
+                skipped=result.skipped if result else getattr(error, "skipped", []),
+                tier=result.tier if result else None,
                 duration_s=time.perf_counter() - started,
-                error=error,
+                error=None if result else str(error),
             )
 
     # ---- inspection -------------------------------------------------------------------

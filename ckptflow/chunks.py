@@ -42,7 +42,7 @@ class CheckedChunk:
     data: memoryview | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChunkWrite:
     digest: str
     raw_bytes: int
@@ -83,6 +83,7 @@ class ChunkStore:
     def __init__(
         self,
         store: Store,
+        *,
         scope: Mapping[str, int] | None = None,
         checksums: Mapping[str, str] | None = None,
         address: str | None = None,
@@ -94,14 +95,14 @@ class ChunkStore:
         self._local = threading.local()  # per-thread scratch buffers for ``check``
 
     def scoped(
-        self, chunks: Mapping[str, int], checksums: Mapping[str, str] | None = None, address: str | None = None
+        self, chunks: Mapping[str, int], *, checksums: Mapping[str, str] | None = None, address: str | None = None
     ) -> ChunkStore:
         """This store, reading for one manifest: a delta chunk whose base that manifest
         does not list is refused, so a checkpoint never needs more than its own list.
         With the manifest's ``checksums``, reads are checked against them (fast) instead
         of re-hashing the ``address`` (the manifest's kind); without (``verify --deep``),
         the address."""
-        return ChunkStore(self.store, chunks, checksums, address)
+        return ChunkStore(self.store, scope=chunks, checksums=checksums, address=address)
 
     def put(
         self,
@@ -142,7 +143,15 @@ class ChunkStore:
         if rewrite and encoded.base is not None:
             encoded = Encoded(plain_encoding(raw, itemsize=itemsize, floating=floating))
         size = sum(memoryview(p).nbytes for p in encoded.parts)
-        written = ChunkWrite(digest, len(raw), size, True, encoded.base, encoded.base_bytes, checksum)
+        written = ChunkWrite(
+            digest=digest,
+            raw_bytes=len(raw),
+            stored_bytes=size,
+            written=True,
+            base=encoded.base,
+            base_bytes=encoded.base_bytes,
+            checksum=checksum,
+        )
         if rewrite:
             self.store.replace(key, encoded.parts)
             return written
@@ -165,7 +174,15 @@ class ChunkStore:
             except ObjectNotFoundError:
                 return None
         self.store.touch(key)  # restart GC's grace period: this save now uses it
-        return ChunkWrite(digest, raw_len, size, False, base, base_bytes, checksum)
+        return ChunkWrite(
+            digest=digest,
+            raw_bytes=raw_len,
+            stored_bytes=size,
+            written=False,
+            base=base,
+            base_bytes=base_bytes,
+            checksum=checksum,
+        )
 
     def get(self, digest: str, size: int) -> memoryview:
         """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
@@ -360,9 +377,9 @@ class ChunkStore:
         digest: str,
         size: int,
         codec: str,
+        *,
         itemsize: int = 1,
         level: int = 3,
-        *,
         only_if_smaller: bool = False,
         floating: bool = False,
     ) -> tuple[int, int]:
@@ -377,7 +394,7 @@ class ChunkStore:
         blob = self._fetch(digest, size)
         if only_if_smaller and codecs.header_codec(blob) == codec:
             return len(blob), len(blob)
-        parts = codecs.encode(self._decoded(digest, blob, size), codec, itemsize, level, floating=floating)
+        parts = codecs.encode(self._decoded(digest, blob, size), codec, itemsize, level=level, floating=floating)
         after = sum(len(memoryview(p).cast("B")) for p in parts)
         if only_if_smaller and after >= len(blob):
             return len(blob), len(blob)

@@ -49,7 +49,7 @@ def _header(codec: int, itemsize: int, raw_len: int) -> bytes:
 
 
 def encode(
-    raw: bytes | memoryview, codec: str = "raw", itemsize: int = 1, level: int = 1, *, floating: bool = False
+    raw: bytes | memoryview, codec: str = "raw", itemsize: int = 1, *, level: int = 1, floating: bool = False
 ) -> list:
     """Header and payload buffers for ``raw`` (a list, so raw payloads are not copied).
 
@@ -63,7 +63,7 @@ def encode(
         raise ValueError(f"unknown codec {codec!r}; choose one of raw, zstd")
     if itemsize < 1 or itemsize > 255 or len(raw) % itemsize:
         itemsize = 1
-    return [_header(ZSTD, itemsize, len(raw)), *planes.encode(raw, itemsize, floating, level)]
+    return [_header(ZSTD, itemsize, len(raw)), *planes.encode(raw, itemsize, floating=floating, level=level)]
 
 
 def encode_delta(
@@ -71,8 +71,8 @@ def encode_delta(
     base: bytes | memoryview,
     base_digest: str,
     itemsize: int = 1,
-    level: int = 1,
     *,
+    level: int = 1,
     floating: bool = False,
 ) -> list:
     """``raw`` as the byte planes of ``raw XOR base``; the header names the base. Laid out
@@ -85,7 +85,7 @@ def encode_delta(
     if itemsize < 1 or itemsize > 255 or len(new) % itemsize:
         itemsize = 1
     head = _header(DELTA, itemsize, len(new)) + bytes.fromhex(base_digest)
-    return [head, *planes.encode(np.bitwise_xor(new, old), itemsize, floating, level)]
+    return [head, *planes.encode(np.bitwise_xor(new, old), itemsize, floating=floating, level=level)]
 
 
 def encode_bf16(raw: bytes | memoryview, level: int = 1) -> list:
@@ -94,7 +94,7 @@ def encode_bf16(raw: bytes | memoryview, level: int = 1) -> list:
     if np.any(words & np.uint32(0xFFFF)):
         raise ValueError("bf16 encoding holds only fp32 values already rounded to bf16")
     halves = (words >> np.uint32(16)).astype("<u2")
-    return [_header(BF16, 4, len(words) * 4), *planes.encode(halves, 2, True, level)]
+    return [_header(BF16, 4, len(words) * 4), *planes.encode(halves, 2, floating=True, level=level)]
 
 
 def dequantize_q8(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
@@ -125,8 +125,8 @@ def encode_q8(codes: np.ndarray, scales: np.ndarray, block: int, level: int = 1)
     if len(scales) != -(-len(codes) // block):
         raise ValueError(f"{len(codes)} codes in blocks of {block} need {-(-len(codes) // block)} scales")
     values = dequantize_q8(codes, scales, block)
-    scale_parts = planes.encode(scales, 4, True, level)
-    code_parts = planes.encode(codes, 1, False, level)
+    scale_parts = planes.encode(scales, 4, floating=True, level=level)
+    code_parts = planes.encode(codes, 1, floating=False, level=level)
     scale_len = sum(len(memoryview(p).cast("B")) for p in scale_parts)
     head = _header(Q8, 4, len(values) * 4) + _Q8.pack(block, len(scales)) + _SECTION.pack(scale_len)
     return values, [head, *scale_parts, *code_parts]
@@ -243,23 +243,23 @@ def _decode_delta(payload: memoryview, raw_len: int, itemsize: int, base: memory
     mine, rotated = planes.decode_planes(payload, raw_len, itemsize)
     with decoding("its delta base is unusable"):
         try:
-            theirs = _base_planes(base, raw_len, itemsize, len(mine), rotated)
+            theirs = _base_planes(base, raw_len, itemsize, len(mine), rotated=rotated)
             # decoded without a base reader: a base that is itself a delta is refused
             old = None if theirs is not None else np.frombuffer(decode(base, expected=raw_len), dtype=np.uint8)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"its delta base is unusable: {e}") from None
     out = np.empty(raw_len, dtype=np.uint8)
     if theirs is not None:
-        planes.join(planes.xor_planes(mine, theirs), rotated, out)
+        planes.join(planes.xor_planes(mine, theirs), out, rotated=rotated)
         return out
     if old is None or len(old) != raw_len:
         raise CorruptChunkError(f"its delta base holds {0 if old is None else len(old)} bytes, not {raw_len}")
-    planes.join(mine, rotated, out)
+    planes.join(mine, out, rotated=rotated)
     np.bitwise_xor(out, old, out=out)
     return out
 
 
-def _base_planes(base: memoryview, raw_len: int, itemsize: int, count: int, rotated: bool) -> list | None:
+def _base_planes(base: memoryview, raw_len: int, itemsize: int, count: int, *, rotated: bool) -> list | None:
     if len(base) < HEADER.size:
         return None
     magic, codec, base_itemsize, base_len = HEADER.unpack_from(base)

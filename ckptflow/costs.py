@@ -70,7 +70,7 @@ class CostModel:
             raise ValueError("a cost model is a JSON object with 'prices' and/or 'tiers'")
         return cls({**DEFAULT_PRICES, **doc.get("prices", {})}, {**DEFAULT_TIERS, **doc.get("tiers", {})})
 
-    def with_classes(self, hot: str | None = None, archive: str | None = None) -> CostModel:
+    def with_classes(self, *, hot: str | None = None, archive: str | None = None) -> CostModel:
         tiers = dict(self.tiers)
         tiers.update({k: v for k, v in (("hot", hot), ("archive", archive)) if v})
         return CostModel(self.prices, tiers)
@@ -79,7 +79,7 @@ class CostModel:
         return nbytes / GB * self.prices[self.tiers[tier]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TierCost:
     tier: str
     storage_class: str
@@ -89,7 +89,7 @@ class TierCost:
     checkpoints: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CostReport:
     tiers: list[TierCost]
     baseline_bytes: int  # every checkpoint ever committed, raw
@@ -114,7 +114,7 @@ class CostReport:
         }
 
 
-def storage_costs(hot: Store, archive: Store | None = None, model: CostModel | None = None) -> CostReport:
+def storage_costs(hot: Store, archive: Store | None = None, *, model: CostModel | None = None) -> CostReport:
     """Bytes and monthly cost per tier, and the savings against every checkpoint raw and hot."""
     model = model or CostModel()
     stats = {"hot": store_stats(hot)}
@@ -156,10 +156,23 @@ def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: C
             nbytes[name] += n
         stored = s.stored_bytes + s.unreferenced_bytes
         tiers.append(
-            TierCost(tier, model.tiers[tier], model.prices[model.tiers[tier]], stored, stored * unit, len(s.held))
+            TierCost(
+                tier=tier,
+                storage_class=model.tiers[tier],
+                price=model.prices[model.tiers[tier]],
+                stored_bytes=stored,
+                monthly_usd=stored * unit,
+                checkpoints=len(s.held),
+            )
         )
     usd["tiering"] = sum(held.values()) * hot_price - tiered
-    return CostReport(tiers, baseline, baseline * hot_price, usd, nbytes)
+    return CostReport(
+        tiers=tiers,
+        baseline_bytes=baseline,
+        baseline_usd=baseline * hot_price,
+        savings_usd=usd,
+        savings_bytes=nbytes,
+    )
 
 
 def _saved(kinds: Mapping[str, Any], kind: str) -> int:

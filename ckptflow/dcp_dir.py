@@ -40,7 +40,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import DcpFormatError
 from ckptflow.tiling import tiling_problem
 
 METADATA_FILE = ".metadata"
@@ -66,10 +66,6 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("pathlib", "PurePosixPath"): None,
     ("pathlib", "PureWindowsPath"): None,
 }
-
-
-class DcpFormatError(CkptflowError):
-    """A DCP directory that is not one, is damaged, or holds what ckptflow will not unpickle."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -26,7 +26,7 @@ class Shard:
     sizes: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorEntry:
     """One tensor of the saved state: dtype, global size, and how its shards tile it."""
 
@@ -40,7 +40,7 @@ class TensorEntry:
         return fmt.DTYPE_SIZES[self.dtype] * math.prod(self.size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StorageItem:
     """One written shard: where it sits in its tensor and the chunks holding its bytes."""
 
@@ -56,7 +56,7 @@ class StorageItem:
         return fmt.DTYPE_SIZES[self.dtype] * math.prod(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DcpIndex:
     version: Any
     tensors: Mapping[str, TensorEntry]
@@ -113,10 +113,10 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
                 )
             )
         entry = TensorEntry(
-            fqn,
-            check.dtype(t.get("dtype"), f"tensor {fqn!r}"),
-            check.ints(t.get("size"), f"size of {fqn!r}"),
-            tuple(shards),
+            fqn=fqn,
+            dtype=check.dtype(t.get("dtype"), f"tensor {fqn!r}"),
+            size=check.ints(t.get("size"), f"size of {fqn!r}"),
+            shards=tuple(shards),
         )
         _check_cover(check, entry)
         tensors[fqn] = entry
@@ -143,12 +143,12 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
                 raise check.bad(f"has item {fqn!r} referencing a chunk missing from its chunk list")
             refs.append((ref[0], ref[1]))
         item = StorageItem(
-            fqn,
-            offset,
-            index,
-            check.dtype(it.get("dtype"), f"item {fqn!r}"),
-            check.ints(it.get("shape"), f"shape of item {fqn!r}"),
-            tuple(refs),
+            fqn=fqn,
+            offset=offset,
+            index=index,
+            dtype=check.dtype(it.get("dtype"), f"item {fqn!r}"),
+            shape=check.ints(it.get("shape"), f"shape of item {fqn!r}"),
+            chunks=tuple(refs),
         )
         tensor = tensors.get(fqn)
         if tensor is None:
@@ -174,4 +174,6 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
         stored = per_tensor.get(fqn, 0)
         if stored != len(tensor.shards):
             raise check.bad(f"stores {stored} of the {len(tensor.shards)} shards of tensor {fqn!r}")
-    return DcpIndex(doc.get("version"), tensors, tuple(items), doc.get("planner_data"))
+    return DcpIndex(
+        version=doc.get("version"), tensors=tensors, items=tuple(items), planner_data=doc.get("planner_data")
+    )

@@ -79,7 +79,9 @@ def _plan_bytes(plan: SavePlan) -> int:
     )
 
 
-def done(value: Any) -> torch.futures.Future:
+def completed_future(value: Any) -> torch.futures.Future:
+    """A torch future already holding ``value``: how DCP's storage interface is answered
+    for work finished before the call returns."""
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
@@ -131,7 +133,12 @@ class CheckpointWriter(StorageWriter):
             return None
         offset = None if item.index.offset is None else tuple(item.index.offset)
         return self.spec.encoder.for_chunk(
-            item.index.fqn, offset, dtype_name(tensor.dtype), index, tensor.element_size(), tensor.is_floating_point()
+            item.index.fqn,
+            offset,
+            dtype_name(tensor.dtype),
+            index,
+            tensor.element_size(),
+            floating=tensor.is_floating_point(),
         )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
@@ -151,7 +158,7 @@ class CheckpointWriter(StorageWriter):
                 f"for its tensors in {self.chunks.store.url} (less where chunks are already stored): {e}",
                 needed=needed,
             ) from e
-        return done(results)
+        return completed_future(results)
 
     def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         pending: list[tuple[Any, torch.Tensor, memoryview, list[Future]]] = []
@@ -195,7 +202,14 @@ class CheckpointWriter(StorageWriter):
     def _write_rank_record(self, results: list[WriteResult]) -> None:
         spec = self.spec
         record = RankRecord(
-            spec.run, spec.step, self.rank, spec.world_size, spec.save_id, spec.skeleton, spec.rng, len(results)
+            run=spec.run,
+            step=spec.step,
+            rank=self.rank,
+            world_size=spec.world_size,
+            save_id=spec.save_id,
+            state=spec.skeleton,
+            rng=spec.rng,
+            items=len(results),
         )
         self.chunks.store.put_if_absent(fmt.rank_key(spec.run, spec.step, self.rank, spec.save_id), record.seal())
 

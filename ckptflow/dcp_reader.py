@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptflow.chunks import CheckedChunk, ChunkStore
 from ckptflow.dcp_index import StorageItem
-from ckptflow.dcp_io import Progress, done
+from ckptflow.dcp_io import Progress, completed_future
 from ckptflow.dcp_meta import dtype_from_name, metadata_from_index
 from ckptflow.errors import is_damage
 from ckptflow.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
@@ -46,10 +46,13 @@ class CheckpointReader(StorageReader):
         manifest: Manifest,
         pool: ThreadPoolExecutor,
         progress: Progress | None = None,
+        *,
         agree: Callable[[Failure | None], Failure | None] | None = None,
     ):
         super().__init__()
-        self.chunks = chunks.scoped(manifest.chunks, manifest.fast_checksums, manifest.address)  # reads checked fast
+        self.chunks = chunks.scoped(
+            manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address
+        )  # reads checked fast
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)
@@ -146,7 +149,7 @@ class CheckpointReader(StorageReader):
             for f in pending:
                 f.cancel()
             wait(pending)
-        return done(None)
+        return completed_future(None)
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:

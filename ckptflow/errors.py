@@ -1,4 +1,5 @@
-"""Every error ckptflow raises on purpose derives from ``CkptflowError``.
+"""Every error ckptflow raises on purpose derives from ``CkptflowError``; every one a
+caller can receive is defined here (and exported by ``ckptflow``).
 
 Messages say what went wrong, where (store URL, run, step, key) and what to do,
 so an operator can act on a log line without reading the source.
@@ -132,6 +133,10 @@ class LossyCopyError(CkptflowError):
 class EvaluatorError(CkptflowError):
     """A run's evaluator (anyone's code) could not be loaded or raised: the checkpoint's
     evaluation failed, not its store or its bytes, and a retry would only repeat it."""
+
+
+class DcpFormatError(CkptflowError):
+    """A DCP directory that is not one, is damaged, or holds what ckptflow will not unpickle."""
 
 
 DAMAGE = (ManifestError, CorruptChunkError)  # the errors that prove a checkpoint is damaged

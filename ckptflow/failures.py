@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -27,6 +27,7 @@ class Failure:
     back to an older one); otherwise the store could not be read (stop)."""
 
     message: str
+    _: KW_ONLY
     damage: bool
     cold: bool = False  # the store cannot be read until objects are thawed
     mismatch: bool = False  # the live state does not have the checkpoint's structure: the caller's error
@@ -34,11 +35,19 @@ class Failure:
 
 
 class IntoPlaceFailed(CkptflowError):
-    """Reading verified chunks into the caller's tensors failed (``Failure.partial``)."""
+    """Reading verified chunks into the caller's tensors failed (``Failure.partial``).
+
+    Private control flow, not in ``ckptflow.errors``: the reader raises it inside DCP's
+    load, and the readers' callers (restore, export) judge it with ``failure_of`` and
+    raise an error of ``ckptflow.errors`` instead (restore: ``PartialRestoreError``)."""
 
 
 class ReadAborted(CkptflowError):
-    """The ranks agreed that a checkpoint cannot be loaded; ``failure`` says why."""
+    """The ranks agreed that a checkpoint cannot be loaded; ``failure`` says why.
+
+    Private control flow, not in ``ckptflow.errors``: it carries the agreed verdict out
+    of DCP's load to ``failure_of``; restore and export raise an error of
+    ``ckptflow.errors`` for that verdict instead."""
 
     def __init__(self, failure: Failure):
         super().__init__(failure.message)

@@ -1,12 +1,16 @@
-"""Store layout, names, and the JSON records that make a checkpoint exist.
+"""Store layout: the names of the objects that make a checkpoint exist.
 
 Layout (relative to the store root)::
 
-    chunks/<aa>/<address>                                  encoded chunk (codecs.py; address: checksum.py)
-    runs/<run>/checkpoints/<step:012d>/ranks/<rank>.json   rank record
-    runs/<run>/checkpoints/<step:012d>/manifest.json       commit record, written last
+    chunks/<aa>/<address>                                      encoded chunk (codecs.py; address: checksum.py)
+    runs/<run>/checkpoints/<step:012d>/ranks/<rank>.<id>.json  rank record of the save attempt <id> (rank_key)
+    runs/<run>/checkpoints/<step:012d>/manifest.json           commit record, written last
+    runs/<run>/quarantine/<step:012d>-<digest>.json            a manifest moved aside (quarantine.py)
+    locks/runs/<run>                                           the run's lock (commit.py; not an object)
 
-Every JSON record carries ``checksum`` (``manifest.seal``): the sha256 of its canonical
+Checkpoints written before rank records were named by the save attempt have
+``ranks/<rank>.json``; their manifest lacks ``rank_records`` (``Manifest.rank_key``).
+Every JSON record carries ``checksum`` (``sealed.seal``): the sha256 of its canonical
 JSON without that field, so a flipped byte anywhere in a record is detected before it is
 trusted. This module holds names only; it imports neither torch nor any backend.
 """

@@ -50,7 +50,7 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 MAX_JSON_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImportResult:
     run: str
     step: int
@@ -265,7 +265,15 @@ def import_checkpoint(
     assert isinstance(saved, SaveResult) and saved.info is not None  # blocking, and its own coordinator
     info = saved.info
     return ImportResult(
-        run, step, chosen, source, list(state), _count_tensors(state), info.logical_bytes, info.digest, lossy
+        run=run,
+        step=step,
+        format=chosen,
+        source=source,
+        entries=list(state),
+        tensors=_count_tensors(state),
+        bytes=info.logical_bytes,
+        digest=info.digest,
+        lossy=lossy,
     )
 
 

@@ -74,15 +74,15 @@ class Entry:
 
     def candidate(self) -> Candidate:
         return Candidate(
-            self.run,
-            self.step,
-            self.kind,
-            self.created_at,
-            self.metrics,
-            self.valid,
-            self.archived,
-            self.archive_lossy is not None,
-            self.digest if not self.manifest_error else "",  # unknown: protected by any pin of its name
+            run=self.run,
+            step=self.step,
+            kind=self.kind,
+            created_at=self.created_at,
+            metrics=self.metrics,
+            valid=self.valid,
+            archived=self.archived,
+            archive_lossy=self.archive_lossy is not None,
+            digest=self.digest if not self.manifest_error else "",  # unknown: protected by any pin of its name
         )
 
 
@@ -128,13 +128,21 @@ def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
 def retention_plan(
     entries: list[Entry],
     now: float,
+    *,
     pinned=(),
     aliased=None,
     policy: RetentionPolicy | None = None,
     hot_days: float | None = None,
 ) -> RetentionPlan:
     """The plan for the hot tier (archive-only checkpoints are not retention's to delete)."""
-    return plan([e.candidate() for e in entries if "hot" in e.tiers], now, pinned, aliased, policy, hot_days)
+    return plan(
+        [e.candidate() for e in entries if "hot" in e.tiers],
+        now,
+        pinned=pinned,
+        aliased=aliased,
+        policy=policy,
+        hot_days=hot_days,
+    )
 
 
 def rows(entries: list[Entry], retention: RetentionPlan | None = None) -> list[dict]:

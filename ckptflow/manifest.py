@@ -260,7 +260,7 @@ _MANIFEST_FIELDS = tuple(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankRecord:
     """What one rank wrote besides its chunks: its JSON state skeleton and RNG states."""
 

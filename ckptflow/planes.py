@@ -92,7 +92,7 @@ def xor_planes(mine: list[np.ndarray], theirs: list[np.ndarray]) -> list[np.ndar
     return out
 
 
-def split(raw: memoryview | bytes | np.ndarray, itemsize: int, floating: bool) -> tuple[list[np.ndarray], bool]:
+def split(raw: memoryview | bytes | np.ndarray, itemsize: int, *, floating: bool) -> tuple[list[np.ndarray], bool]:
     """Planes of ``raw`` (most significant byte first) and whether elements were rotated.
 
     Byte j of an element rotated left by one bit is its bits ``8(k-1-j)-1 ..``, so the
@@ -125,7 +125,7 @@ def split(raw: memoryview | bytes | np.ndarray, itemsize: int, floating: bool) -
     return planes, floating
 
 
-def join(planes: list[np.ndarray], rotated: bool, out: np.ndarray) -> None:
+def join(planes: list[np.ndarray], out: np.ndarray, *, rotated: bool) -> None:
     """Inverse of ``split``: write the element bytes into ``out`` (uint8, the raw length)."""
     k = len(planes)
     if k == 1:
@@ -253,7 +253,7 @@ def _sample(plane: np.ndarray) -> np.ndarray:
     return np.concatenate([plane[i * step : i * step + SAMPLE_RUN] for i in range(4)])
 
 
-def encode_plane(plane: np.ndarray, level: int, nibbles: bool = True) -> tuple[int, bytes | np.ndarray]:
+def encode_plane(plane: np.ndarray, level: int, *, nibbles: bool = True) -> tuple[int, bytes | np.ndarray]:
     """The smallest of stored, zstd and (for exponent-like planes, if ``nibbles``) window
     nibbles, chosen on a sample so that only the winner is computed in full."""
     sample = _sample(plane)
@@ -271,11 +271,11 @@ def encode_plane(plane: np.ndarray, level: int, nibbles: bool = True) -> tuple[i
     return (ZSTD, frame) if len(frame) < len(plane) else (STORED, plane)
 
 
-def encode(raw: memoryview | bytes | np.ndarray, itemsize: int, floating: bool, level: int = 1) -> list[memoryview]:
+def encode(raw: memoryview | bytes | np.ndarray, itemsize: int, *, floating: bool, level: int = 1) -> list[memoryview]:
     """The planes payload of ``raw`` as buffers (stored planes are not copied again)."""
-    planes, rotated = split(raw, itemsize, floating)
+    planes, rotated = split(raw, itemsize, floating=floating)
     nibbles = len(planes) <= 2  # where the exponent plane is half the data; wider, zstd decodes faster
-    bodies = [(mode, _as_view(body)) for mode, body in (encode_plane(p, level, nibbles) for p in planes)]
+    bodies = [(mode, _as_view(body)) for mode, body in (encode_plane(p, level, nibbles=nibbles) for p in planes)]
     head = _HEAD.pack(ROTATED if rotated else 0, len(planes))
     table = b"".join(_PLANE.pack(mode, len(body)) for mode, body in bodies)
     return [memoryview(head + table), *(body for _, body in bodies)]
@@ -327,5 +327,5 @@ def decode(payload: memoryview, raw_len: int, itemsize: int) -> np.ndarray:
     """The raw bytes of a planes payload, as a uint8 array."""
     planes, rotated = decode_planes(payload, raw_len, itemsize)
     out = np.empty(raw_len, dtype=np.uint8)
-    join(planes, rotated, out)
+    join(planes, out, rotated=rotated)
     return out

@@ -135,7 +135,7 @@ def store_metrics(
     ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Freshness:
     """How old the newest recovery-ready checkpoint of the store is, against an RPO target."""
 
@@ -154,6 +154,6 @@ def freshness(metrics: list[RunMetrics], target_s: float, now: float | None = No
     now = time.time() if now is None else now
     ready = [(m.newest_ready_at, m.run) for m in metrics if m.newest_ready_at is not None]
     if not ready:
-        return Freshness(target_s, None, None, None)
+        return Freshness(target_s=target_s, newest_ready_at=None, run=None, age_s=None)
     at, run = max(ready)
-    return Freshness(target_s, at, run, max(0.0, now - at))
+    return Freshness(target_s=target_s, newest_ready_at=at, run=run, age_s=max(0.0, now - at))

@@ -53,7 +53,7 @@ from ckptflow.tree import flatten, tensor_refs, unflatten
 log = logging.getLogger("ckptflow")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RestoreResult:
     step: int
     skipped: list[tuple[int, str]] = field(default_factory=list)  # newest first
@@ -94,6 +94,7 @@ class Restore:
         group: Group,
         pool: ThreadPoolExecutor,
         progress: Progress | None,
+        *,
         restore_rng: bool,
         strict: bool = True,
         allow_lossy: bool = False,
@@ -146,10 +147,18 @@ class Restore:
         if lost is not None:
             log.warning("restored a lossy copy of %s step %d: %s", self.run, found.step, lossy.describe(lost))
         return RestoreResult(
-            found.step, found.skipped, dict(manifest.metadata), rng_ok, found.tier.url,
-            frozenset(found.hot_rejected), found.plan.missing_keys, found.plan.unexpected_keys,
-            lost, lossy.dropped(manifest), manifest.digest,
-        )  # fmt: skip
+            step=found.step,
+            skipped=found.skipped,
+            metadata=dict(manifest.metadata),
+            rng_restored=rng_ok,
+            tier=found.tier.url,
+            hot_rejected=frozenset(found.hot_rejected),
+            missing_keys=found.plan.missing_keys,
+            unexpected_keys=found.plan.unexpected_keys,
+            lossy=lost,
+            not_restored=lossy.dropped(manifest),
+            digest=manifest.digest,
+        )
 
     def _candidates(self, step: int | None) -> tuple[list[tuple[int, int]] | None, BaseException | None]:
         try:
@@ -157,7 +166,7 @@ class Restore:
         except Exception as e:  # every rank raises it, not only rank 0 (the others would hang)
             return None, e
 
-    def _search(self, step: int | None, plan_for: PlanFor, collective: bool = True) -> Found:
+    def _search(self, step: int | None, plan_for: PlanFor, *, collective: bool = True) -> Found:
         """The newest candidate whose chunks all verify, loaded into its plan's targets;
         damage moves to the next candidate, anything else raises."""
         pairs, error = self.group.broadcast(self._candidates(step) if self.group.rank == 0 else None)
@@ -167,10 +176,19 @@ class Restore:
         hot_rejected: set[int] = set()
         for cand, index in pairs:
             tier = self.tiers[index]
-            failure, loaded = self._try_load(cand, plan_for, tier, collective)
+            failure, loaded = self._try_load(cand, plan_for, tier, collective=collective)
             if failure is None:
                 assert loaded is not None
-                return Found(cand, tier, *loaded, skipped, hot_rejected)
+                manifest, record, plan = loaded
+                return Found(
+                    step=cand,
+                    tier=tier,
+                    manifest=manifest,
+                    record=record,
+                    plan=plan,
+                    skipped=skipped,
+                    hot_rejected=hot_rejected,
+                )
             where = f"run {self.run!r} step {cand} in {tier.url}"
             if failure.partial:  # no fallback: an older step would not overwrite all of it under strict=False
                 raise PartialRestoreError(
@@ -205,7 +223,7 @@ class Restore:
         raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
 
     def _try_load(
-        self, step: int, plan_for: PlanFor, tier: Tier, collective: bool
+        self, step: int, plan_for: PlanFor, tier: Tier, *, collective: bool
     ) -> tuple[Failure | None, tuple[Manifest, RankRecord, LoadPlan] | None]:
         """(the agreed failure, or None and what was loaded). The plan is made from the
         records before any chunk is read, so a mismatch costs no I/O and changes nothing."""
@@ -246,7 +264,7 @@ class Restore:
 PlanFor = Callable[[Manifest, RankRecord, Tier], LoadPlan]  # the targets to load a checkpoint into
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Found:
     step: int
     tier: Tier

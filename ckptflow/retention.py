@@ -37,7 +37,7 @@ Ref = tuple[str, int]  # (run, step)
 Commit = tuple[str, int, str]  # (run, step, manifest digest)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
     """What retention needs to know of one checkpoint (``CheckpointInfo`` plus verdicts)."""
 
@@ -68,7 +68,15 @@ class Candidate:
         """From a ``CheckpointInfo``; ``metrics`` (e.g. evaluation results) override the trainer's."""
         merged = {k: v for k, v in (info.metadata or {}).items() if _is_number(v)}
         merged.update({k: v for k, v in (metrics or {}).items() if _is_number(v)})
-        return cls(info.run, info.step, info.kind, info.created_at, merged, valid, digest=info.digest)
+        return cls(
+            run=info.run,
+            step=info.step,
+            kind=info.kind,
+            created_at=info.created_at,
+            metrics=merged,
+            valid=valid,
+            digest=info.digest,
+        )
 
 
 @dataclass(frozen=True)
@@ -212,7 +220,7 @@ NEVER_DELETE: tuple[RetentionPolicy, ...] = (KeepPinned(), KeepAliased(), KeepNe
 
 
 def default_policy(
-    recent_days: float = 7, full_days: float = 30, best_k: int = 3, metric: str = "val_loss", mode: str = "min"
+    *, recent_days: float = 7, full_days: float = 30, best_k: int = 3, metric: str = "val_loss", mode: str = "min"
 ) -> AnyOf:
     """The default policy: recent, full-within, best K, and the never-delete rules."""
     rules: list[RetentionPolicy] = [KeepRecent(recent_days), KeepFullWithin(full_days)]
@@ -246,6 +254,7 @@ class RetentionPlan:
 def plan(
     checkpoints: Sequence[Candidate],
     now: float,
+    *,
     pinned: Iterable[Commit] = (),
     aliased: Mapping[Commit, Sequence[str]] | None = None,
     policy: RetentionPolicy | None = None,

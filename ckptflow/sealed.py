@@ -110,13 +110,13 @@ class Fields:
     def bad(self, what: str) -> ManifestError:
         return ManifestError(f"{self.where} {what}; it is malformed")
 
-    def _get(self, doc: Mapping, name: str, optional: bool) -> Any:
+    def _get(self, doc: Mapping, name: str, *, optional: bool) -> Any:
         if name not in doc and not optional:
             raise self.bad(f"lacks field {name!r}")
         return doc.get(name)
 
     def integer(self, doc: Mapping, name: str, *, minimum: int = 0, optional: bool = False) -> Any:
-        value = self._get(doc, name, optional)
+        value = self._get(doc, name, optional=optional)
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -124,13 +124,13 @@ class Fields:
         return value
 
     def number(self, doc: Mapping, name: str) -> float:
-        value = self._get(doc, name, False)
+        value = self._get(doc, name, optional=False)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise self.bad(f"has field {name!r} = {value!r}, not a finite number")
         return float(value)
 
     def string(self, doc: Mapping, name: str, *, optional: bool = False) -> Any:
-        value = self._get(doc, name, optional)
+        value = self._get(doc, name, optional=optional)
         if value is None and optional:
             return None
         if not isinstance(value, str):
@@ -138,7 +138,7 @@ class Fields:
         return value
 
     def mapping(self, doc: Mapping, name: str) -> dict:
-        value = self._get(doc, name, False)
+        value = self._get(doc, name, optional=False)
         if not isinstance(value, dict):
             raise self.bad(f"has field {name!r} of type {type(value).__name__}, not an object")
         return value

@@ -77,7 +77,7 @@ class EncodingBytes:
         return {"chunks": self.chunks, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Held:
     """One checkpoint a store holds: its logical bytes as stored, and those of the
     exact checkpoint (larger for a lossy copy that dropped the optimizer)."""
@@ -195,7 +195,7 @@ def encodings(manifests: list[Manifest], sizes: dict[str, int]) -> tuple[dict[st
 
 def _held(m: Manifest) -> Held:
     exact = (m.lossy or {}).get("source_logical_bytes", m.stats.logical_bytes)
-    return Held(m.stats.logical_bytes, int(exact), m.lossy is not None)
+    return Held(logical_bytes=m.stats.logical_bytes, exact_logical_bytes=int(exact), lossy=m.lossy is not None)
 
 
 def store_stats(store: Store) -> StoreStats:

@@ -104,7 +104,7 @@ def _held(store: Store, run: str, step: int | None, *, hot: bool) -> list[int]:
     return steps
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ThawReport:
     requested: int  # restore requests issued (objects that were cold and not yet restoring)
     objects: int  # objects of the checkpoint looked at
@@ -131,4 +131,4 @@ def thaw(store: Store, run: str, step: int, *, days: int = 1, tier: str = "Stand
         keys += [fmt.chunk_key(d) for d in sorted(manifest.chunks)]
     with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-thaw") as pool:
         requested = sum(pool.map(lambda key: store.request_thaw(key, days=days, tier=tier), keys))
-    return ThawReport(requested, len(keys), manifest is None)
+    return ThawReport(requested=requested, objects=len(keys), manifest_cold=manifest is None)

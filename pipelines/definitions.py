@@ -43,7 +43,7 @@ from sensors.landing import LANE_TAG
 DEMO_EVALUATORS = {"tinylm-demo": "pipelines.demo.evaluate:evaluate"}
 
 
-def resources_for(deployment: str, store: str | None = None, archive: str | None = None) -> dict:
+def resources_for(deployment: str, *, store: str | None = None, archive: str | None = None) -> dict:
     """Resources of a deployment; ``store`` / ``archive`` override the local defaults."""
     evaluator = EvaluatorResource(evaluators=evaluators_from_env(DEMO_EVALUATORS if deployment == "local" else {}))
     archive_url = archive or os.environ.get("CKPTFLOW_ARCHIVE") or ""
@@ -102,7 +102,7 @@ evaluation_automation = AutomationConditionSensorDefinition(
 
 
 def build_definitions(
-    deployment: str | None = None, store: str | None = None, archive: str | None = None
+    deployment: str | None = None, *, store: str | None = None, archive: str | None = None
 ) -> Definitions:
     return Definitions(
         assets=ALL_ASSETS,
@@ -110,7 +110,9 @@ def build_definitions(
         jobs=[validation_job, retention_job, scrub_job, promotion_job, rollback_job],
         schedules=[scrub_schedule, retention_schedule],
         sensors=[landing_sensor, failure_sensor, lifecycle_automation, evaluation_automation],
-        resources=resources_for(deployment or os.environ.get("CKPTFLOW_DEPLOYMENT", "local"), store, archive),
+        resources=resources_for(
+            deployment or os.environ.get("CKPTFLOW_DEPLOYMENT", "local"), store=store, archive=archive
+        ),
         # One process per run: the multiprocess executor would start a Python process per
         # step, each importing torch and the code location again (seconds per step).
         executor=in_process_executor,

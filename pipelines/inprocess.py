@@ -120,7 +120,7 @@ def run_automation(
 class Driver:
     """Holds the cursors the daemon would keep: the sensors' and each automation sensor's."""
 
-    def __init__(self, defs: Definitions, instance: DagsterInstance, quiet: bool = False):
+    def __init__(self, defs: Definitions, instance: DagsterInstance, *, quiet: bool = False):
         self.defs, self.instance = defs, instance
         self.run_config = QUIET if quiet else None
         self.sensor_cursor: str | None = None

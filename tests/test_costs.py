@@ -33,7 +33,7 @@ def tiers(tmp_path):
 def test_savings_add_up_to_baseline_minus_what_the_stores_cost(tiers):
     hot, arc, expired = tiers
     model = CostModel()
-    report = storage_costs(hot, arc, model)
+    report = storage_costs(hot, arc, model=model)
     held = {m.ref: m.stats.logical_bytes for m in catalog.committed(hot)}
     assert report.baseline_bytes == sum(held.values()) + expired.stats.logical_bytes
     assert report.baseline_usd == pytest.approx(report.baseline_bytes / GB * DEFAULT_PRICES["STANDARD"])

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptflow import Checkpointer, CkptflowError
-from ckptflow.dcp_dir import DcpFormatError, read_state
+from ckptflow.dcp_dir import read_state
+from ckptflow.errors import DcpFormatError
 from ckptflow.export import export_dcp
 from ckptflow.importers import import_checkpoint
 from support.states import tiny_state, tiny_train

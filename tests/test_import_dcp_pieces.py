@@ -27,7 +27,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from ckptflow import Checkpointer
-from ckptflow.dcp_dir import DcpFormatError, read_state
+from ckptflow.dcp_dir import read_state
+from ckptflow.errors import DcpFormatError
 from ckptflow.importers import import_checkpoint
 from support import dcp_plain_workers, dist_workers
 from support.cli import run_cli

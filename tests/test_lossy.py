@@ -128,10 +128,25 @@ def test_retention_keeps_exact_copies_of_pinned_published_and_aliased_checkpoint
     now = 100 * DAY
     old = now - 20 * DAY
 
-    def cand(step, lossy):
-        return Candidate("r", step, "full", old, {}, True, archived=True, archive_lossy=lossy, digest=f"d{step}")
+    def cand(step, *, lossy):
+        return Candidate(
+            run="r",
+            step=step,
+            kind="full",
+            created_at=old,
+            valid=True,
+            archived=True,
+            archive_lossy=lossy,
+            digest=f"d{step}",
+        )
 
-    checkpoints = [cand(1, True), cand(2, True), cand(3, True), cand(4, False), cand(9, False)]
+    checkpoints = [
+        cand(1, lossy=True),
+        cand(2, lossy=True),
+        cand(3, lossy=True),
+        cand(4, lossy=False),
+        cand(9, lossy=False),
+    ]
     aliased = {("r", 2, "d2"): ["stable"], ("r", 4, "d4"): ["latest"]}
     result = plan(checkpoints, now, pinned={("r", 1, "d1")}, aliased=aliased, hot_days=7)
     assert ("r", 1) not in result.archive_only and ("r", 2) not in result.archive_only  # exact copy stays hot

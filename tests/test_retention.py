@@ -18,7 +18,15 @@ NOW = 1_000 * DAY
 
 
 def c(step, age_days, kind="incremental", run="r", valid=True, **metrics):
-    return Candidate(run, step, kind, NOW - age_days * DAY, metrics, valid, digest=digest(run, step))
+    return Candidate(
+        run=run,
+        step=step,
+        kind=kind,
+        created_at=NOW - age_days * DAY,
+        metrics=metrics,
+        valid=valid,
+        digest=digest(run, step),
+    )
 
 
 def digest(run, step):
@@ -125,17 +133,17 @@ def test_hot_days_moves_archived_kept_checkpoints_to_the_archive_only():
     """Tiers: kept + archived + older than ``hot_days`` -> archive only (hot copy expires);
     unarchived ones and the newest valid checkpoint stay hot whatever their age."""
     cands = [
-        Candidate("r", 10, "full", NOW - 20 * DAY, {}, True, archived=True),
-        Candidate("r", 20, "full", NOW - 10 * DAY, {}, True, archived=False),
-        Candidate("r", 30, "full", NOW - 9 * DAY, {}, True, archived=True),
-        Candidate("r", 40, "full", NOW - 1 * DAY, {}, True, archived=True),
+        Candidate(run="r", step=10, kind="full", created_at=NOW - 20 * DAY, valid=True, archived=True),
+        Candidate(run="r", step=20, kind="full", created_at=NOW - 10 * DAY, valid=True, archived=False),
+        Candidate(run="r", step=30, kind="full", created_at=NOW - 9 * DAY, valid=True, archived=True),
+        Candidate(run="r", step=40, kind="full", created_at=NOW - 1 * DAY, valid=True, archived=True),
     ]
     p = plan(cands, NOW, policy=default_policy(recent_days=0, full_days=30, best_k=0), hot_days=2)
     assert set(p.keep) == {("r", 10), ("r", 20), ("r", 30), ("r", 40)} and not p.delete
     assert set(p.archive_only) == {("r", 10), ("r", 30)}  # 20: no archive copy; 40: young
     assert p.expire_hot == [("r", 10), ("r", 30)]
     assert p.verdict(("r", 10)).startswith("keep in archive only (hot copy expires): archived and older than 2 days")
-    old_newest = [Candidate("r", 50, "full", NOW - 5 * DAY, {}, True, archived=True)]
+    old_newest = [Candidate(run="r", step=50, kind="full", created_at=NOW - 5 * DAY, valid=True, archived=True)]
     assert not plan(old_newest, NOW, hot_days=0).archive_only  # what a resume loads stays hot
     assert not plan(cands, NOW, policy=default_policy(recent_days=0, full_days=30, best_k=0)).archive_only
 

@@ -14,7 +14,7 @@ NOW = 1_000 * DAY
 
 
 def c(step, digest, valid=True, **kw):
-    return Candidate("r", step, "full", NOW - 100 * DAY, {}, valid, digest=digest, **kw)
+    return Candidate(run="r", step=step, kind="full", created_at=NOW - 100 * DAY, valid=valid, digest=digest, **kw)
 
 
 def test_a_pin_or_alias_of_another_commit_of_the_step_protects_nothing():

@@ -21,10 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def report(store: Store, args: argparse.Namespace, open_store) -> CostReport:
     try:
         model = CostModel.from_json(Path(args.prices).read_text()) if args.prices else CostModel()
-        model = model.with_classes(args.hot_class, args.archive_class)
+        model = model.with_classes(hot=args.hot_class, archive=args.archive_class)
     except (OSError, ValueError) as e:
         raise CkptflowError(f"cost model {args.prices or '(defaults)'}: {e}") from None
-    return storage_costs(store, open_store(args.archive) if args.archive else None, model)
+    return storage_costs(store, open_store(args.archive) if args.archive else None, model=model)
 
 
 def render(costs: CostReport) -> str:

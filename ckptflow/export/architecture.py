@@ -32,7 +32,7 @@ from ckptflow.manifest import Manifest
 MAX_CONFIG_BYTES = 16 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Architecture:
     name: str
     shared: tuple[tuple[str, ...], ...]  # groups of state-dict names of one tensor; the kept one first
@@ -128,7 +128,7 @@ def structure(
     prefix = key.rstrip(".") + "."
     saw = [[n[len(prefix) :] for n in group if n.startswith(prefix)] for group in manifest.tied]
     groups = [tuple(g) for g in recorded] + [tuple(g) for g in saw if len(g) > 1]
-    return Architecture("", tuple(groups), frozenset(), frozenset()), None
+    return Architecture(name="", shared=tuple(groups), linear_weights=frozenset(), linear_modules=frozenset()), None
 
 
 def check_fits(arch: Architecture, tensors: Mapping[str, torch.Tensor], where: str) -> None:

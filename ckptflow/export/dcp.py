@@ -93,6 +93,14 @@ def export_dcp(
         raise
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return ExportResult(
-        run, step, out, len(tensors), nbytes, manifest.digest, tuple(sorted(os.listdir(out))), skipped,
-        admitted.lossy, admitted.failed_validation,
-    )  # fmt: skip
+        run=run,
+        step=step,
+        path=out,
+        tensors=len(tensors),
+        bytes=nbytes,
+        digest=manifest.digest,
+        files=tuple(sorted(os.listdir(out))),
+        skipped=skipped,
+        lossy=admitted.lossy,
+        failed_validation=admitted.failed_validation,
+    )

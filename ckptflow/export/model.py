@@ -72,7 +72,7 @@ def option_problems(key: str, dtype: str, max_shard_bytes: int = DEFAULT_MAX_SHA
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExportOptions:
     """How to export; recorded with a model version, so the same files can be rebuilt."""
 
@@ -90,7 +90,7 @@ class ExportOptions:
         return asdict(self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExportResult:
     run: str
     step: int
@@ -104,7 +104,7 @@ class ExportResult:
     failed_validation: dict[str, Any] | None = None  # exported despite this failed verdict (allow_failed)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prepared:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
@@ -178,10 +178,17 @@ def prepare(
     if admitted.failed_validation is not None:
         extra[FAILED_KEY] = json.dumps(admitted.failed_validation, sort_keys=True)
     metadata = lineage_metadata(run, step, manifest.digest, options.key, **extra)
-    return Prepared(tensors, metadata, config, arch.name, manifest, admitted.lossy)
+    return Prepared(
+        tensors=tensors,
+        metadata=metadata,
+        config=config,
+        architecture=arch.name,
+        manifest=manifest,
+        lossy=admitted.lossy,
+    )
 
 
-def _check_out(out: str, as_dir: bool) -> None:
+def _check_out(out: str, *, as_dir: bool) -> None:
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise CkptflowError(f"output directory {parent} does not exist; create it first")
@@ -252,7 +259,7 @@ def export_safetensors(
     fmt.validate_run(run)
     out = os.path.abspath(os.fspath(out))
     as_dir = not out.endswith(".safetensors")
-    _check_out(out, as_dir)
+    _check_out(out, as_dir=as_dir)
     if options.dtype == "int8" and not as_dir:
         raise CkptflowError(
             f"int8 export to the single file {out} refused: int8 weights load right only beside a config.json "
@@ -273,6 +280,14 @@ def export_safetensors(
         files = [os.path.basename(out)]
     nbytes_written = sum(nbytes(t) for t in prepared.tensors.values())
     return ExportResult(
-        run, step, out, len(prepared.tensors), nbytes_written, prepared.manifest.digest, tuple(files), skipped,
-        admitted.lossy, admitted.failed_validation,
-    )  # fmt: skip
+        run=run,
+        step=step,
+        path=out,
+        tensors=len(prepared.tensors),
+        bytes=nbytes_written,
+        digest=prepared.manifest.digest,
+        files=tuple(files),
+        skipped=skipped,
+        lossy=admitted.lossy,
+        failed_validation=admitted.failed_validation,
+    )

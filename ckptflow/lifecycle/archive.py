@@ -118,8 +118,8 @@ def _holds_exact(dst: Store, manifest: Manifest) -> bool:
 def _exact(
     src: Store, dst: Store, manifest: Manifest, report: ArchiveReport, progress: Callable[[int], None] | None
 ) -> None:
-    source = ChunkStore(src).scoped(manifest.chunks, manifest.fast_checksums, manifest.address)
-    target = ChunkStore(dst).scoped(manifest.chunks, manifest.fast_checksums, manifest.address)
+    source = ChunkStore(src).scoped(manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address)
+    target = ChunkStore(dst).scoped(manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address)
     kinds = itemsizes(manifest)
 
     def reencode(digest: str, held: int | None = None) -> int:
@@ -202,7 +202,9 @@ def _lossy(
     report.archive_digest, report.lossy = copy.manifest.digest, dict(copy.manifest.lossy or {})
     report.chunks_copied, report.bytes_copied = copy.manifest.stats.chunks, copy.manifest.stats.stored_bytes
     report.chunks_reencoded = copy.reencoded
-    target = ChunkStore(dst).scoped(copy.manifest.chunks, copy.manifest.fast_checksums, copy.manifest.address)
+    target = ChunkStore(dst).scoped(
+        copy.manifest.chunks, checksums=copy.manifest.fast_checksums, address=copy.manifest.address
+    )
     _check_chunks(target, copy.manifest, report, copy.sizes, None)
     if report.ok:
         _commit(dst, copy.manifest, copy.blob, copy.records, report, replace_records=True)

@@ -29,7 +29,7 @@ from ckptflow.planes import view
 from ckptflow.store.base import Store
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossyCopy:
     """A lossy copy whose chunks are in the tier, ready to commit."""
 
@@ -104,7 +104,13 @@ def write_lossy_copy(
         for r in records
     ]
     held = {fmt.chunk_key(d): n for d, n in stored.items()}
-    return LossyCopy(parsed, blob, [(key, record.seal()) for key, record in kept], held, reencoded)
+    return LossyCopy(
+        manifest=parsed,
+        blob=blob,
+        records=[(key, record.seal()) for key, record in kept],
+        sizes=held,
+        reencoded=reencoded,
+    )
 
 
 def _store(target: ChunkStore, digest: str, raw: memoryview, encode: Callable[[], list]) -> tuple[int, bool]:
@@ -151,7 +157,7 @@ def _copy_manifest(
     logical = sum(i.nbytes for i in items)
     return dataclasses.replace(
         manifest,
-        dcp=DcpIndex(manifest.dcp.version, tensors, tuple(items), planner),
+        dcp=DcpIndex(version=manifest.dcp.version, tensors=tensors, items=tuple(items), planner_data=planner),
         chunks=dict(sorted(sizes.items())),
         bases={},
         lossy=lossy,

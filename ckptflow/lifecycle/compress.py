@@ -41,7 +41,7 @@ def itemsizes(manifest: Manifest) -> dict[str, tuple[int, bool]]:
     return sizes
 
 
-def compress(store: Store, run: str, step: int, codec: str = "zstd", level: int = 3) -> CompressionReport:
+def compress(store: Store, run: str, step: int, *, codec: str = "zstd", level: int = 3) -> CompressionReport:
     """Re-encode every chunk of a checkpoint with ``codec`` (every chunk is verified
     first) and record the result for the checkpoint's digest."""
     manifest = catalog.read_manifest(store, run, step)
@@ -50,7 +50,9 @@ def compress(store: Store, run: str, step: int, codec: str = "zstd", level: int 
     sizes = itemsizes(manifest)
     for digest, size in sorted(manifest.chunks.items()):
         itemsize, floating = sizes.get(digest, (1, False))
-        before, after = chunks.reencode(digest, size, codec, itemsize, level, only_if_smaller=True, floating=floating)
+        before, after = chunks.reencode(
+            digest, size, codec, itemsize=itemsize, level=level, only_if_smaller=True, floating=floating
+        )
         report.chunks += 1
         report.bytes_before += before
         report.bytes_after += after

@@ -42,7 +42,7 @@ SLACK = 60.0  # seconds
 FULL_SCAN_S = 300.0  # a tick lists every step of every run at least this often
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Landed:
     key: str  # the checkpoint's name (``format.checkpoint_name``)
     digest: str  # "" when the commit record could not be read (its validation will say why)
@@ -86,11 +86,12 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     for (entry, item), was_validated in zip(manifests, validated):
         key = fmt.checkpoint_name(entry.run, entry.step)
         if isinstance(item, Manifest):
-            landed.append(Landed(key, item.digest, item.digest[:16], was_validated))
+            landed.append(Landed(key=key, digest=item.digest, marker=item.digest[:16], validated=was_validated))
         elif item.kind == "unavailable":
             break  # retried next tick: a store that did not answer proves nothing about the checkpoint
         else:
-            landed.append(Landed(key, "", f"unreadable-{entry.manifest.mtime:.0f}", False))  # type: ignore[union-attr]
+            marker = f"unreadable-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
+            landed.append(Landed(key=key, digest="", marker=marker, validated=False))
         t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
         seen.add(_seen_id(entry))
         done.append(entry)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from ckptflow import catalog, inventory
 from ckptflow import format as fmt
@@ -39,6 +39,7 @@ class PromotionRequest:
 
     model: str
     checkpoint: Ref | None = None
+    _: KW_ONLY
     metric: str = "val_loss"
     mode: str = "min"
     stage: str = "latest"

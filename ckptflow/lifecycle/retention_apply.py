@@ -47,10 +47,10 @@ def current_plan(
     plan = inventory.retention_plan(
         entries,
         time.time() if now is None else now,
-        registry.pinned() | {(e.run, e.step, e.digest) for e in entries if e.ref in names},
-        registry.aliased(),
-        policy,
-        hot_days,
+        pinned=registry.pinned() | {(e.run, e.step, e.digest) for e in entries if e.ref in names},
+        aliased=registry.aliased(),
+        policy=policy,
+        hot_days=hot_days,
     )
     return entries, plan
 

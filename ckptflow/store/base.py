@@ -197,7 +197,7 @@ class Store(ABC):
         that writes cold objects a view of the same root in a readable class."""
         return self
 
-    def request_thaw(self, key: str, days: int = 1, tier: str = "Standard") -> bool:
+    def request_thaw(self, key: str, *, days: int = 1, tier: str = "Standard") -> bool:
         """Ask the backend to make a cold object readable for ``days``; False if it is
         not cold or a thaw is already under way."""
         raise CkptflowError(f"{self.url} has no cold storage classes: thaw applies to s3:// stores")

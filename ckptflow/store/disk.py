@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 
 class Disk:
-    def __init__(self, fsync: bool = True):
+    def __init__(self, *, fsync: bool = True):
         self.fsync = fsync
 
     def makedirs(self, path: str) -> None:

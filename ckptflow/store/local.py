@@ -51,7 +51,7 @@ class LocalStore(Store):
     def __init__(self, root: str, *, fsync: bool = True, create: bool = True, disk: Disk | None = None):
         self.root = os.path.realpath(os.path.expanduser(root))
         self.url = "file://" + self.root
-        self.disk = disk or Disk(fsync)
+        self.disk = disk or Disk(fsync=fsync)
         if create:
             os.makedirs(self.root, exist_ok=True)
         elif not os.path.isdir(self.root):
@@ -245,9 +245,9 @@ class LocalStore(Store):
         base = self.root if not prefix else self._path(prefix.rstrip("/"))
         if not os.path.isdir(base):
             return
-        yield from self._scan(base, prefix.rstrip("/"), recursive)
+        yield from self._scan(base, prefix.rstrip("/"), recursive=recursive)
 
-    def _scan(self, directory: str, key_prefix: str, recursive: bool) -> Iterator[ObjectInfo]:
+    def _scan(self, directory: str, key_prefix: str, *, recursive: bool) -> Iterator[ObjectInfo]:
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except FileNotFoundError:
@@ -265,7 +265,7 @@ class LocalStore(Store):
                     )
                 elif entry.is_dir(follow_symlinks=False):
                     if recursive:
-                        yield from self._scan(entry.path, key, True)
+                        yield from self._scan(entry.path, key, recursive=True)
                     else:
                         yield ObjectInfo(key + "/", 0, entry.stat().st_mtime)
                 elif entry.is_file(follow_symlinks=False):

@@ -338,7 +338,7 @@ class S3Store(Store):
             **extra,
         )
 
-    def request_thaw(self, key: str, days: int = 1, tier: str = "Standard") -> bool:
+    def request_thaw(self, key: str, *, days: int = 1, tier: str = "Standard") -> bool:
         """Ask S3 to restore a cold object for ``days``; False if it is not in a cold
         class (nothing to do) or a restore is already under way."""
         try:

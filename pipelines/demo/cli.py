@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             os.path.abspath(args.store),
             os.path.abspath(archive),
             os.path.abspath(home),
-            fresh,
+            fresh=fresh,
             daemon=not args.no_daemon,
         )
     print(

@@ -75,10 +75,10 @@ def settled(outcomes: list[Outcome], corrupt: set[str]) -> bool:
     return bool(outcomes) and all(o.blocked if o.key in corrupt else o.complete for o in outcomes)
 
 
-def wait_until(done: Callable[[], bool], timeout_s: float, poll_s: float = 1.0) -> bool:
-    """Poll ``done`` until it holds or ``timeout_s`` passes; whether it held."""
+def wait_until(condition: Callable[[], bool], timeout_s: float, *, poll_s: float = 1.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout_s`` passes; whether it held."""
     deadline = time.monotonic() + timeout_s
-    while not done():
+    while not condition():
         if time.monotonic() > deadline:
             return False
         time.sleep(poll_s)

@@ -40,7 +40,7 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def run_lifecycle(store: str, archive: str, dagster_home: str, fresh: bool, daemon: bool = True) -> int:
+def run_lifecycle(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: bool = True) -> int:
     if fresh:
         shutil.rmtree(dagster_home, ignore_errors=True)
         shutil.rmtree(archive, ignore_errors=True)
@@ -115,7 +115,10 @@ def run_lifecycle(store: str, archive: str, dagster_home: str, fresh: bool, daem
     print(f"== retention plan (dry run, default policy): keep {len(df) - len(deletes)}, delete {len(deletes)}")
     registry = Registry(open_store(store))
     later = inventory.retention_plan(
-        inventory.collect(open_store(store)), time.time() + 40 * DAY, registry.pinned(), registry.aliased()
+        inventory.collect(open_store(store)),
+        time.time() + 40 * DAY,
+        pinned=registry.pinned(),
+        aliased=registry.aliased(),
     )
     print(
         f"   the same checkpoints 40 days from now: keep {len(later.keep)} "
