@@ -112,7 +112,7 @@ def test_backfill_reevaluates_several_partitions_with_a_new_evaluator(store_with
             selection=[checkpoint, evaluation],
         ).success
     first = {k: latest(instance, evaluation, k)["val_loss"].value for k in KEYS}
-    new = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "test_checkpoint_assets:constant_evaluator"})}
+    new = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: f"{__name__}:constant_evaluator"})}
     for key in KEYS[1:]:  # the backfill: a range of old partitions, evaluation only
         assert materialize(
             PER_CHECKPOINT, partition_key=key, instance=instance, resources=new, selection=[evaluation]
@@ -131,14 +131,14 @@ def test_a_failing_evaluator_fails_its_partition_with_its_error_and_nothing_else
     for that partition, with the evaluator's error, while compression and archival (their
     own run, as the automation sensors request them) succeed."""
     instance.add_dynamic_partitions("checkpoints", KEYS[:1])
-    wrong = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "test_checkpoint_assets:wrong_model"})}
+    wrong = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: f"{__name__}:wrong_model"})}
     assert mat(instance, wrong, KEYS[0], selection=[checkpoint]).success
     evaluated = mat(instance, wrong, KEYS[0], selection=[evaluation])
     archival = mat(instance, wrong, KEYS[0], selection=[compressed, archived])
     assert not evaluated.success and archival.success
     [failure] = [e for e in evaluated.all_events if e.is_step_failure]
     description = failure.step_failure_data.user_failure_data.description
-    assert description.startswith(f"evaluator test_checkpoint_assets:wrong_model failed on {KEYS[0]}: RuntimeError")
+    assert description.startswith(f"evaluator {__name__}:wrong_model failed on {KEYS[0]}: RuntimeError")
     assert "Unexpected key(s) in state_dict" in description
     assert status(instance, evaluation, KEYS[:1]) == {KEYS[0]: AssetPartitionStatus.FAILED}
     assert latest(instance, archived, KEYS[0])["verified"].value is True

@@ -1,4 +1,4 @@
-"""Rank bodies for test_import_dcp_pieces.py: a plain ``dcp.save`` (no ckptflow) of
+"""Rank bodies for interop/test_import_dcp_pieces.py: a plain ``dcp.save`` (no ckptflow) of
 DTensors sharded along different dimensions by two gloo ranks, the kind of directory an
 import must assemble from several pieces per tensor (run by ``dist_workers.launch``)."""
 

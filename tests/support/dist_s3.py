@@ -1,4 +1,4 @@
-"""Rank bodies for test_distributed_s3.py: many ranks saving to and restoring from S3.
+"""Rank bodies for dcp/test_distributed_s3.py: many ranks saving to and restoring from S3.
 
 Each rank holds a DTensor-sharded model (rows split over the ranks, unevenly) and its
 AdamW state, trains it with gradients that are a function of the step, and saves it to a

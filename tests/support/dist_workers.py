@@ -1,4 +1,4 @@
-"""Rank bodies for test_distributed.py, run in processes started with 'spawn'.
+"""Rank bodies for dcp/test_distributed.py, run in processes forked from a clean server.
 
 ``launch(scenarios, workdir, world)`` starts one process per rank; each joins a gloo
 process group on 127.0.0.1, runs ``SCENARIOS[scenario](rank, world_size, workdir)`` for each
@@ -333,7 +333,10 @@ def launch(
     ranks (one process group)."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # Each rank is forked from a server process that imported torch once (for all the
+    # groups this test process starts): fresh processes like spawned ones, minus the import.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
     port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(registry, list(scenarios), r, world, port, str(workdir)), daemon=True)

@@ -1,4 +1,4 @@
-"""Child process for test_leases.py: a real save that holds its GC lease, stopped mid-way.
+"""Child process for chunks/test_leases.py: a real save that holds its GC lease, stopped mid-way.
 
 usage: lease_holder.py STORE RUN
 

@@ -1,4 +1,4 @@
-"""Child process for test_faults.py's SIGKILL test: resume, then save forever.
+"""Child process for training/test_crashes.py's SIGKILL test: resume, then save forever.
 
 usage: sigkill_saver.py STORE RUN N CHUNK_BYTES
 

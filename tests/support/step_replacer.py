@@ -1,4 +1,4 @@
-"""Child process for test_replace_step.py: restore past a damaged step, then race to save it.
+"""Child process for catalog/test_commit.py: restore past a damaged step, then race to save it.
 
 usage: step_replacer.py STORE RUN STEP VALUE GO_FILE DELAY
 

@@ -38,7 +38,7 @@ from support import decode_probe
 from support.cli import run_cli
 from support.corrupt import chunk_path, chunks_of, one_plane_zstd_chunk, only_in, reseal_manifest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 RUN = decode_probe.RUN
 PLANE = 64 << 10  # the raw bytes a forged chunk announces
 GIB = 1 << 30

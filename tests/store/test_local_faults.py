@@ -21,7 +21,7 @@ from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, blank_state, state_tag, tagged_state
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def two_runs(root: Path) -> None:

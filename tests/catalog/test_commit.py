@@ -21,7 +21,7 @@ from support.corrupt import corrupt_chunk, manifest_path, only_in
 from support.faulty_store import FaultyStore
 
 RUN = "r"
-HERE = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def state(value: float) -> dict:
@@ -213,7 +213,7 @@ def test_savers_racing_to_replace_a_damaged_step_in_processes_one_wins(tmp_path)
     root = str(tmp_path / "store")
     damaged = with_damaged_step_2(root)
     go = tmp_path / "go"
-    script = str(HERE / "support" / "step_replacer.py")
+    script = str(TESTS / "support" / "step_replacer.py")
     children = [  # two at once; the third a second later, after one of them has committed
         subprocess.Popen(
             [sys.executable, script, root, RUN, "2", str(10.0 + i), str(go), str(delay)],

@@ -22,7 +22,7 @@ from ckptflow.store import open_store
 from support.corrupt import flip_byte
 from support.states import assert_tensors_equal, blank_like
 
-FIXTURE = Path(__file__).parent / "fixtures" / "store_v1"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "store_v1"
 RUN = "fixture"
 
 

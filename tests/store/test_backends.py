@@ -3,8 +3,9 @@ test on a local directory and on a bucket of a real S3 API server (moto over HTT
 
 Store semantics, round trip, dedup, corruption detection and fallback (damage done
 through the store API, so the same test works on both), crash-point enumeration
-(FaultyStore over the backend) and GC. The local-only suites (test_store, test_faults,
-test_gc, test_corruption) go deeper with file-level damage and SIGKILL.
+(FaultyStore over the backend) and GC. The local-only suites (store/test_local_store,
+training/test_crashes, catalog/test_gc, catalog/test_corruption) go deeper with file-level
+damage and SIGKILL.
 """
 
 from __future__ import annotations

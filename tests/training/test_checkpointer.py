@@ -2,7 +2,7 @@
 across runs, save policies, saving to an already committed step, and stored metadata.
 
 Restore-side behaviour (RNG, explicit step vs fallback, mismatched or unsupported state)
-is in test_restore.py; shared helpers are in tests/support/ and conftest.py (``make_ck``).
+is in training/test_restore.py; shared helpers are in tests/support/ and conftest.py (``make_ck``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ protects (and grace=0 destroys) a save in flight; only stale temp files go; a sw
 a deduplicating save is serialised by the lease/lock handshake.
 
 Uses tests/support/faulty_store.py (FaultyStore) to pause a save just before its commit record, or
-a GC sweep just before it deletes. Crash and SIGKILL tests are in test_faults.py; the tagged
+a GC sweep just before it deletes. Crash and SIGKILL tests are in training/test_crashes.py; the tagged
 states both files use are in tests/support/states.py.
 """
 

@@ -2,7 +2,7 @@
 (never falls back) vs the newest valid one, restoring into mismatched state, and the
 UnsupportedStateError for state values and keys that cannot be checkpointed.
 
-Save-side behaviour is in test_checkpointer.py; shared helpers are in tests/support/ and
+Save-side behaviour is in training/test_checkpointer.py; shared helpers are in tests/support/ and
 conftest.py (``make_ck``).
 """
 

@@ -1,4 +1,4 @@
-"""LocalStore semantics, key and run-name validation, open_store and chunk re-encoding (codecs: test_codecs)."""
+"""LocalStore semantics, key and run-name validation, open_store and chunk re-encoding (codecs: chunks/test_codecs)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 SMOKE = """
 import torch, ckptflow
@@ -36,6 +36,7 @@ def _has(venv: Path, dist: str) -> bool:
     return subprocess.run([str(venv / "bin" / "python"), "-c", code]).returncode == 0
 
 
+@pytest.mark.slow  # a fresh venv and pip installs from the package index: make test-e2e
 @pytest.mark.timeout(900)
 def test_core_install_has_no_dagster_and_saves_and_restores(tmp_path):
     src = tmp_path / "src"

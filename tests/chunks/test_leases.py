@@ -156,7 +156,7 @@ def test_the_lease_of_a_killed_saver_on_this_machine_holds_no_gc(tmp_path):
     before the 30 s after which any lease not renewed counts as dead."""
     root = str(tmp_path / "store")
     store = open_store(root)
-    script = Path(__file__).parent / "support" / "lease_holder.py"
+    script = Path(__file__).parents[1] / "support" / "lease_holder.py"
     saver = subprocess.Popen([sys.executable, str(script), root, RUN], stdout=subprocess.PIPE, text=True)
     try:
         assert saver.stdout is not None and saver.stdout.readline().strip() == "holding"

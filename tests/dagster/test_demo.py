@@ -1,8 +1,11 @@
 """The demo is the project's front door: it must run and tell the truth."""
 
+import pytest
+
 from pipelines.demo.cli import main
 
 
+@pytest.mark.slow  # the whole demo in-process (trains, crashes, restores, drives the lifecycle): make test-e2e
 def test_demo_trains_crashes_restores_and_skips_the_corrupt_checkpoint(tmp_path, capsys):
     """The demo without its last part (the real daemon: tests/dagster/test_daemon.py and the
     browser test run that)."""

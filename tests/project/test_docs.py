@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINKED = [*PAGES, REPO / "benchmarks" / "README.md"]  # pages whose links must resolve
 README_MAX_LINES = 200

@@ -3,7 +3,7 @@ to end over real checkpoints in a temp store, plus one test that runs the instal
 script to prove the entry point works.
 
 Commands run in-process through ``main([...])`` (exit status returned, output captured).
-``export``, ``gc`` and argument errors are in test_cli_export_gc.py; the shared helpers are
+``export``, ``gc`` and argument errors are in cli/test_write_commands.py; the shared helpers are
 in tests/support/.
 """
 
@@ -214,5 +214,5 @@ def test_inspecting_commands_do_not_import_torch(store, command):
     argv = [a.format(root=store[0]) for a in command]
     code = f"import sys; from ckptflow.cli import main; main({argv!r}); assert 'torch' not in sys.modules, 'torch'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

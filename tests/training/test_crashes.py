@@ -3,7 +3,7 @@ mid-save; every case must leave a store whose newest commit restores whole, neve
 
 Uses tests/support/faulty_store.py (FaultyStore) to number the store operations of a save and
 fail at each one in turn. GC safety (retention, grace periods, concurrent saves) is in
-test_gc.py; the tagged states both files use are in tests/support/states.py.
+catalog/test_gc.py; the tagged states both files use are in tests/support/states.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ckptflow.errors import StoreUnavailableError
 from support.faulty_store import FaultyStore, InjectedFault
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -152,17 +152,18 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(int(p.parent.name) for p in d.glob("*/manifest.json"))
 
 
+@pytest.mark.slow  # three savers, each starting torch, SIGKILLed mid-save: make test-e2e
 @pytest.mark.timeout(120)
 def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
     root = tmp_path / "store"
     rng = random.Random(20240601)
     kills = []
     deadline = time.monotonic() + 75
-    script = HERE / "support" / "sigkill_saver.py"
+    script = TESTS / "support" / "sigkill_saver.py"
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
     )
     for attempt in range(3):
         before = committed_steps(root)

@@ -3,7 +3,7 @@ failing on corrupt checkpoints, consolidating a two-rank sharded checkpoint) and
 (dry run, deletion, leases), plus the one-line exit-2 errors of every command.
 
 Commands run in-process through ``main([...])`` (exit status returned, output captured).
-``ls``, ``verify``, ``stats`` and the console script are in test_cli.py; the shared helpers
+``ls``, ``verify``, ``stats`` and the console script are in cli/test_inspect_commands.py; the shared helpers
 are in tests/support/.
 """
 
@@ -108,7 +108,7 @@ def test_gc_deletes_unreferenced_chunks(store, capsys):
     code, out, _ = run_cli(capsys, "gc", root, "--grace", "1h")
     assert code == 0 and out.startswith("deleted 0 object(s)")  # everything is younger than 1h
     before = all_files(root)
-    code, _, err = run_cli(capsys, "gc", root, "--grace", "0")  # shown unsafe: tests/test_gc.py
+    code, _, err = run_cli(capsys, "gc", root, "--grace", "0")  # shown unsafe: tests/catalog/test_gc.py
     assert code == 2 and "--force" in err and "save still running" in err
     assert all_files(root) == before
     code, out, _ = run_cli(capsys, "gc", root, "--grace", "0", "--force")
@@ -197,7 +197,8 @@ SHARDED_SAVE = textwrap.dedent(
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        mp.spawn(worker, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+        # forked ranks share this process's imports: torch is imported once, not three times
+        mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=2, start_method="fork")
     """
 )
 
