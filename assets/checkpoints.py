@@ -45,9 +45,10 @@ from dagster import (
 
 from assets.metadata import bullet_list, metrics, ratio, size
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key, pin_commit
-from ckptflow import catalog, lifecycle
-from ckptflow import format as fmt
+from ckptflow import lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import EvaluatorError
+from ckptflow.format import layout as fmt
 from ckptflow.lifecycle import EvaluationRule
 from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
 from resources.evaluator import load_function

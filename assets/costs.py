@@ -1,7 +1,7 @@
 """``storage_cost``: what the stores cost per month and what each saving bought.
 
 A snapshot refreshed with the inventory. Prices are run config (USD per GB-month per
-storage class, ckptflow's defaults being S3 list prices; see ``ckptflow.costs``), so
+storage class, ckptflow's defaults being S3 list prices; see ``ckptflow.reports.costs``), so
 the UI plots cost and savings over materializations as prices or data change.
 """
 
@@ -10,12 +10,12 @@ from dagster import Config, MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed
 from assets.inventory import GROUP, REFRESH, markdown
-from ckptflow import costs
+from ckptflow.reports import costs
 from resources import ArchiveTierResource, CheckpointStoreResource
 
 
 class CostConfig(Config):
-    """Prices override or extend ``ckptflow.costs.DEFAULT_PRICES``; the archive is priced
+    """Prices override or extend ``ckptflow.reports.costs.DEFAULT_PRICES``; the archive is priced
     as its S3 storage class when it has one, else ``archive_class``."""
 
     prices: dict[str, float] = {}

@@ -5,7 +5,7 @@ A non-blocking check of severity WARN on the checkpoint asset as a whole (not pe
 partition), evaluated every five minutes by the lifecycle automation sensor. The
 target is ``CKPTFLOW_RPO_TARGET`` (a duration such as ``30m``, ``1h``; default 1h):
 how much training an operator accepts to lose to a crash. The numbers come from
-``ckptflow.recoveries`` over the store (the commit time of the newest checkpoint whose
+``ckptflow.reports.recoveries`` over the store (the commit time of the newest checkpoint whose
 validation passed), so they agree with ``ckptflow stats``.
 """
 
@@ -15,9 +15,9 @@ import time
 from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSeverity, AutomationCondition, MetadataValue, asset_check
 
 from assets.checkpoints import checkpoint
-from ckptflow import recoveries
-from ckptflow.gc import parse_duration
-from ckptflow.units import human_duration
+from ckptflow.catalog.gc import parse_duration
+from ckptflow.reports import recoveries
+from ckptflow.reports.units import human_duration
 from resources import CheckpointStoreResource
 
 RPO_TARGET_ENV = "CKPTFLOW_RPO_TARGET"

@@ -14,11 +14,12 @@ from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.metadata import ratio, rounded, size
 from assets.partitions import parse_checkpoint_key
-from ckptflow import costs, inventory, lifecycle, stats
-from ckptflow.lifecycle.ledger import expired
-from ckptflow.retention import RetentionPlan, default_policy
+from ckptflow import lifecycle
+from ckptflow.catalog.ledger import expired
+from ckptflow.policy.retention import RetentionPlan, default_policy
+from ckptflow.reports import costs, inventory, stats
+from ckptflow.reports.units import human_bytes
 from ckptflow.store import Store
-from ckptflow.units import human_bytes
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 GROUP = "inventory"

@@ -14,7 +14,7 @@ from typing import Any
 from dagster import MetadataValue
 
 from ckptflow.lifecycle.evaluate import numeric
-from ckptflow.units import human_bytes
+from ckptflow.reports.units import human_bytes
 
 SIGNIFICANT = 4
 

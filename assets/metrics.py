@@ -1,7 +1,7 @@
 """Operational numbers: checkpoint frequency, storage per tier, recoveries and their
 success rate, time from commit to recovery-ready, RPO and RTO.
 
-A snapshot of the store's records (``ckptflow.recoveries``, ``ckptflow.stats``: the
+A snapshot of the store's records (``ckptflow.reports.recoveries``, ``ckptflow.reports.stats``: the
 same numbers as ``ckptflow stats``), refreshed with the inventory. Every figure is
 numeric metadata, so the UI plots it over materializations: store-wide figures, and
 the headline figures of each run that committed checkpoints in the window (prefixed
@@ -17,9 +17,9 @@ from dagster import Config, MetadataValue, Output, asset
 from assets.checkpoints import checkpoint
 from assets.inventory import GROUP, REFRESH, markdown
 from assets.metadata import rounded, size
-from ckptflow import recoveries, stats
-from ckptflow.gc import parse_duration
-from ckptflow.units import human_duration
+from ckptflow.catalog.gc import parse_duration
+from ckptflow.reports import recoveries, stats
+from ckptflow.reports.units import human_duration
 from resources import ArchiveTierResource, CheckpointStoreResource
 
 MAX_RUNS = 10

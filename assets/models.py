@@ -15,7 +15,7 @@ from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, M
 from assets.checkpoints import checkpoint, evaluation
 from assets.partitions import parse_checkpoint_key
 from ckptflow.errors import CkptflowError
-from ckptflow.registry import ALIASES, Registry, describe
+from ckptflow.interop.registry import ALIASES, Registry, describe
 from resources import CheckpointStoreResource, RegistryResource
 
 

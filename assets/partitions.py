@@ -1,5 +1,5 @@
 """The one partitions definition. Keys are ckptflow's checkpoint names
-(``ckptflow.format.checkpoint_name``): ``<run>__step-<12-digit step>``."""
+(``ckptflow.format.layout.checkpoint_name``): ``<run>__step-<12-digit step>``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from dagster import AssetExecutionContext, DagsterInstance, DynamicPartitionsDefinition
 
-from ckptflow import format as fmt
+from ckptflow.format import layout as fmt
 from resources.dagster_private import delete_dynamic_partitions, sql_event_storage
 
 checkpoints_partitions = DynamicPartitionsDefinition(name="checkpoints")

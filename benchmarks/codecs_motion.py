@@ -36,10 +36,12 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from _motion import REAL_PACKAGE, Task, build, evaluator, model_files, train_step  # noqa: E402
 
-from ckptflow import Checkpointer, SavePolicy, catalog, codecs, gc, lifecycle  # noqa: E402
-from ckptflow.format import chunk_key  # noqa: E402
-from ckptflow.lossy import ArchiveCodec  # noqa: E402
-from ckptflow.manifest import Manifest  # noqa: E402
+from ckptflow import Checkpointer, SavePolicy, gc, lifecycle  # noqa: E402
+from ckptflow.catalog import checkpoints as catalog  # noqa: E402
+from ckptflow.chunks import codecs  # noqa: E402
+from ckptflow.chunks.lossy import ArchiveCodec  # noqa: E402
+from ckptflow.format.layout import chunk_key  # noqa: E402
+from ckptflow.format.manifest import Manifest  # noqa: E402
 from ckptflow.store import Store, open_store  # noqa: E402
 
 CODECS = ("raw", "zstd", "auto")

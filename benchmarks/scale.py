@@ -10,7 +10,7 @@ record re-sealed for every step, with a validation record each.
 Measured: the landing sensor's tick when nothing is new (and the full listing it does
 every ``FULL_SCAN_S``); the inventory (every checkpoint,
 its records); ``ckptflow ls``; a restore of the newest checkpoint. Cold is the first time
-(no index yet), warm the next (listing-validated indexes: ``ckptflow/index.py``).
+(no index yet), warm the next (listing-validated indexes: ``ckptflow/catalog/object_index.py``).
 
 Then the Dagster side (``partitions.py``): both automation sensors' ticks at
 ``--partitions`` partitions and retention dropping ``--expire`` of them. One table at the end.
@@ -42,11 +42,12 @@ import partitions  # noqa: E402
 import torch  # noqa: E402
 from _latency_proxy import LatencyProxy  # noqa: E402
 
-from ckptflow import Checkpointer, inventory  # noqa: E402
-from ckptflow import format as fmt  # noqa: E402
+from ckptflow import Checkpointer  # noqa: E402
+from ckptflow.catalog.verdicts import Subject, record_key  # noqa: E402
 from ckptflow.cli import main as cli  # noqa: E402
-from ckptflow.lifecycle.records import Subject, record_key  # noqa: E402
-from ckptflow.sealed import seal  # noqa: E402
+from ckptflow.format import layout as fmt  # noqa: E402
+from ckptflow.format.sealed import seal  # noqa: E402
+from ckptflow.reports import inventory  # noqa: E402
 from ckptflow.store import open_store  # noqa: E402
 from ckptflow.store.s3 import S3Store  # noqa: E402
 

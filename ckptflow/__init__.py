@@ -3,7 +3,7 @@
 The library has no Dagster dependency; the Dagster layer (assets/, sensors/,
 pipelines/) is a thin orchestration shell over it. Every error ckptflow raises on
 purpose derives from ``CkptflowError``; every one a caller can receive is defined in
-``ckptflow.errors`` and importable from here. (``ckptflow.failures`` keeps two more that
+``ckptflow.errors`` and importable from here. (``ckptflow.dcp.failures`` keeps two more that
 carry a verdict out of DCP's load and never reach a caller; the command line reports
 its ``UsageError`` itself.)
 
@@ -42,38 +42,38 @@ from ckptflow.errors import (
 
 # Loaded on first use: a training rank that imports ``ckptflow`` pays only for what it touches.
 _LAZY = {
-    "CheckpointInfo": "ckptflow.catalog",
-    "Checkpointer": "ckptflow.checkpointer",
-    "GCReport": "ckptflow.gc",
-    "Manifest": "ckptflow.manifest",
-    "Problem": "ckptflow.catalog_listing",
-    "RestoreResult": "ckptflow.restore",
-    "SaveHandle": "ckptflow.checkpointer",
-    "SavePolicy": "ckptflow.save_policy",
-    "SaveResult": "ckptflow.checkpointer",
+    "CheckpointInfo": "ckptflow.catalog.checkpoints",
+    "Checkpointer": "ckptflow.training.checkpointer",
+    "GCReport": "ckptflow.catalog.gc",
+    "Manifest": "ckptflow.format.manifest",
+    "Problem": "ckptflow.catalog.listing",
+    "RestoreResult": "ckptflow.training.restore",
+    "SaveHandle": "ckptflow.training.checkpointer",
+    "SavePolicy": "ckptflow.policy.save",
+    "SaveResult": "ckptflow.training.checkpointer",
     "Store": "ckptflow.store",
-    "VerifyReport": "ckptflow.catalog",
-    "export_dcp": "ckptflow.export",
-    "export_safetensors": "ckptflow.export",
-    "import_checkpoint": "ckptflow.importers",
-    "model_metadata": "ckptflow.export",
-    "gc": "ckptflow.gc",
+    "VerifyReport": "ckptflow.catalog.checkpoints",
+    "export_dcp": "ckptflow.interop.export",
+    "export_safetensors": "ckptflow.interop.export",
+    "import_checkpoint": "ckptflow.interop.importers",
+    "model_metadata": "ckptflow.interop.export",
+    "gc": "ckptflow.catalog.gc",
     "open_store": "ckptflow.store",
-    "per_rank": "ckptflow.tree",
+    "per_rank": "ckptflow.training.tree",
 }
 
 if TYPE_CHECKING:
-    from ckptflow.catalog import CheckpointInfo, VerifyReport
-    from ckptflow.catalog_listing import Problem
-    from ckptflow.checkpointer import Checkpointer, SaveHandle, SaveResult
-    from ckptflow.export import export_dcp, export_safetensors, model_metadata
-    from ckptflow.gc import GCReport, gc
-    from ckptflow.importers import import_checkpoint
-    from ckptflow.manifest import Manifest
-    from ckptflow.restore import RestoreResult
-    from ckptflow.save_policy import SavePolicy
+    from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
+    from ckptflow.catalog.gc import GCReport, gc
+    from ckptflow.catalog.listing import Problem
+    from ckptflow.format.manifest import Manifest
+    from ckptflow.interop.export import export_dcp, export_safetensors, model_metadata
+    from ckptflow.interop.importers import import_checkpoint
+    from ckptflow.policy.save import SavePolicy
     from ckptflow.store import Store, open_store
-    from ckptflow.tree import per_rank
+    from ckptflow.training.checkpointer import Checkpointer, SaveHandle, SaveResult
+    from ckptflow.training.restore import RestoreResult
+    from ckptflow.training.tree import per_rank
 
 
 def __getattr__(name: str) -> Any:

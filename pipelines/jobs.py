@@ -22,8 +22,8 @@ from assets.inventory import RetentionConfig, compute_plan
 from assets.models import deployed_model
 from assets.partitions import checkpoint_key, drop_checkpoint_partitions
 from ckptflow import lifecycle
-from ckptflow.gc import gc
-from ckptflow.retention import DAY
+from ckptflow.catalog.gc import gc
+from ckptflow.policy.retention import DAY
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 BATCH = 1000  # partitions dropped, and checkpoints named in one log line, at a time

@@ -10,7 +10,7 @@ import os
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from ckptflow.lossy import ArchiveCodec
+from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.store import Store, open_store
 from resources.store import REPO
 
@@ -33,7 +33,7 @@ class ArchiveTierResource(ConfigurableResource):
     archive_codec: str = Field(
         default_factory=default_archive_codec,
         description="exact, or a lossy archive codec: bf16, bf16+int8, int8, model-only, model-only-bf16, "
-        "or weights=exact|bf16,optimizer=exact|int8|drop (ckptflow.lossy)",
+        "or weights=exact|bf16,optimizer=exact|int8|drop (ckptflow.chunks.lossy)",
     )
 
     def open(self) -> Store:

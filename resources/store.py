@@ -14,7 +14,7 @@ from dagster import AssetExecutionContext, ConfigurableResource, Failure, RetryR
 from pydantic import Field
 
 from ckptflow.errors import StoreUnavailableError
-from ckptflow.registry import Registry
+from ckptflow.interop.registry import Registry
 from ckptflow.store import Store, open_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,7 +30,7 @@ from dagster import (
 )
 
 from assets.partitions import DIGEST_TAG
-from ckptflow.catalog_listing import problem_from
+from ckptflow.catalog.listing import problem_from
 from ckptflow.errors import CkptflowError
 from ckptflow.lifecycle import attribution
 from resources import CheckpointStoreResource

@@ -31,9 +31,9 @@ from ckptflow.cli.commands import (
 from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.output import PROG
 from ckptflow.errors import CkptflowError, StoreUnavailableError
-from ckptflow.export import EXPORT_DTYPES
-from ckptflow.format import IMPORT_FORMATS
-from ckptflow.units import human_bytes
+from ckptflow.format.layout import IMPORT_FORMATS
+from ckptflow.interop.export import EXPORT_DTYPES
+from ckptflow.reports.units import human_bytes
 
 EXPORT_FORMATS = ("hf", "dcp")
 

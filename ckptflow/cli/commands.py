@@ -11,18 +11,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from ckptflow import catalog, catalog_listing, recoveries
-from ckptflow import format as fmt
-from ckptflow.catalog import CheckpointInfo
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.catalog.checkpoints import CheckpointInfo
+from ckptflow.catalog.gc import gc, parse_duration
+from ckptflow.catalog.tiers import thaw
 from ckptflow.cli import costs as cost_section
 from ckptflow.cli.output import PROG, progress, ratio, table, warn
 from ckptflow.errors import CkptflowError, StoreUnavailableError
-from ckptflow.gc import gc, parse_duration
+from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.lineage import lineage_of
-from ckptflow.stats import store_stats
+from ckptflow.reports import recoveries
+from ckptflow.reports.stats import store_stats
+from ckptflow.reports.units import human_bytes, human_duration
 from ckptflow.store import Store, open_store
-from ckptflow.tiers import thaw
-from ckptflow.units import human_bytes, human_duration
 
 
 def _open(root: str) -> Store:
@@ -205,7 +207,8 @@ def size_arg(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ckptflow.export import (  # torch, when exporting
+    from ckptflow.chunks.lossy import describe
+    from ckptflow.interop.export import (  # torch, when exporting
         DEFAULT_MAX_SHARD_BYTES,
         ExportOptions,
         export_dcp,
@@ -213,7 +216,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         newest_verified_step,
         read_config,
     )
-    from ckptflow.lossy import describe
 
     store = _open(args.root)
     run = _require_run(store, args.run)
@@ -271,8 +273,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from ckptflow.importers import import_checkpoint  # torch, when importing
-    from ckptflow.lossy import describe
+    from ckptflow.chunks.lossy import describe
+    from ckptflow.interop.importers import import_checkpoint  # torch, when importing
 
     try:
         store = open_store(args.root)

@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 
 from ckptflow.cli.output import table
-from ckptflow.costs import SAVINGS, CostModel, CostReport, storage_costs
 from ckptflow.errors import CkptflowError
+from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, storage_costs
+from ckptflow.reports.units import human_bytes
 from ckptflow.store.base import Store
-from ckptflow.units import human_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

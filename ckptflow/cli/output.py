@@ -1,4 +1,4 @@
-"""How the CLI prints: aligned tables, warnings, progress bars (human units: ``ckptflow.units``)."""
+"""How the CLI prints: aligned tables, warnings, progress bars (human units: ``ckptflow.reports.units``)."""
 
 from __future__ import annotations
 

@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from ckptflow.checkpointer import Checkpointer
 from ckptflow.errors import CkptflowError
-from ckptflow.export.architecture import model_metadata
-from ckptflow.state import capture_rng, load_state_dicts, restore_rng
+from ckptflow.interop.export.architecture import model_metadata
+from ckptflow.training.checkpointer import Checkpointer
+from ckptflow.training.state import capture_rng, load_state_dicts, restore_rng
 
 try:
     from transformers import Trainer

@@ -51,10 +51,10 @@ from typing import Any
 import torch
 from safetensors.torch import load, save
 
-from ckptflow import catalog
-from ckptflow.checkpointer import Checkpointer, SaveResult
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import CheckpointExistsError, CkptflowError, UnsupportedStateError
 from ckptflow.store import Store
+from ckptflow.training.checkpointer import Checkpointer, SaveResult
 
 try:
     from lightning_fabric.plugins import CheckpointIO

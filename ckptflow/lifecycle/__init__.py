@@ -5,6 +5,7 @@ manifest digest of the checkpoint it looked at (``records``). The Dagster assets
 jobs call these and turn the results into metadata and partitions.
 """
 
+from ckptflow.catalog.verdicts import KINDS, Subject, read_record, records_by_subject, write_record
 from ckptflow.lifecycle.archive import ArchiveReport, archive, copy_matches
 from ckptflow.lifecycle.compress import CompressionReport, compress
 from ckptflow.lifecycle.evaluate import EvaluationRule, Evaluator, evaluate
@@ -16,7 +17,6 @@ from ckptflow.lifecycle.per_checkpoint import (
     evaluate_checkpoint,
     validate_checkpoint,
 )
-from ckptflow.lifecycle.records import KINDS, Subject, read_record, records_by_subject, write_record
 from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, archive_only_beyond, current_plan
 from ckptflow.lifecycle.scrub import ScrubReport, scrub
 from ckptflow.lifecycle.validate import validate

@@ -6,18 +6,19 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptflow import catalog, planes
-from ckptflow import format as fmt
-from ckptflow.catalog_listing import Problem, problem_from
-from ckptflow.chunks import ChunkStore, plain_encoding
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.listing import Problem, problem_from
+from ckptflow.catalog.verdicts import Subject, read_record, write_record
+from ckptflow.chunks import planes
+from ckptflow.chunks.io import ChunkStore, plain_encoding
+from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, StoreUnavailableError
+from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
+from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.lifecycle.archive_lossy import write_lossy_copy
 from ckptflow.lifecycle.compress import itemsizes
 from ckptflow.lifecycle.evaluate import Evaluator, score
-from ckptflow.lifecycle.records import Subject, read_record, write_record
-from ckptflow.lossy import ArchiveCodec
-from ckptflow.manifest import Manifest
-from ckptflow.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import Store
 
 

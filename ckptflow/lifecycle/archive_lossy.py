@@ -16,16 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from ckptflow import catalog, codecs, planes
-from ckptflow import format as fmt
-from ckptflow.checksum import ADDRESS, address_and_checksum, fast_checksum
-from ckptflow.chunks import ChunkStore
-from ckptflow.codecs import decode
-from ckptflow.dcp_index import DcpIndex, StorageItem
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import codecs, planes
+from ckptflow.chunks.codecs import decode
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.chunks.lossy import Q8_BLOCK, ArchiveCodec, LossStats, encode_lossy, optimizer_entries, tensor_class
+from ckptflow.chunks.planes import view
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
-from ckptflow.lossy import Q8_BLOCK, ArchiveCodec, LossStats, encode_lossy, optimizer_entries, tensor_class
-from ckptflow.manifest import Manifest, ManifestStats
-from ckptflow.planes import view
+from ckptflow.format import layout as fmt
+from ckptflow.format.checksum import ADDRESS, address_and_checksum, fast_checksum
+from ckptflow.format.dcp_index import DcpIndex, StorageItem
+from ckptflow.format.manifest import Manifest, ManifestStats
 from ckptflow.store.base import Store
 
 

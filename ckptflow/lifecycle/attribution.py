@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ckptflow import catalog
-from ckptflow import format as fmt
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.verdicts import Subject, write_record
 from ckptflow.errors import ManifestError
+from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.landing import SLACK
-from ckptflow.lifecycle.records import Subject, write_record
 from ckptflow.store.base import Store
 
 CLOCK_SKEW_S = SLACK  # between the writer's clock (a manifest's created_at) and the orchestrator's

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptflow import catalog
-from ckptflow.chunks import ChunkStore
-from ckptflow.format import DTYPE_SIZES
-from ckptflow.format import FLOATING_DTYPES as FLOATING
-from ckptflow.lifecycle.records import Subject, write_record
-from ckptflow.manifest import Manifest
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.verdicts import Subject, write_record
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.format.layout import DTYPE_SIZES
+from ckptflow.format.layout import FLOATING_DTYPES as FLOATING
+from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
 
 

@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.verdicts import Subject, previous_record, write_record
 from ckptflow.errors import CkptflowError, EvaluatorError
-from ckptflow.lifecycle.records import Subject, previous_record, write_record
-from ckptflow.manifest import Manifest
+from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
 
 Evaluator = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, float]]
@@ -68,7 +68,7 @@ def evaluator_errors(evaluator: str | None, checkpoint: str) -> Iterator[None]:
 
 def score(source: Store, manifest: Manifest, evaluator: Evaluator, key: str = "model") -> dict[str, float]:
     """``evaluator``'s metrics for the ``key`` tensors of a checkpoint (every chunk verified)."""
-    from ckptflow.export import load_tensors  # torch only where a model is scored
+    from ckptflow.interop.export import load_tensors  # torch only where a model is scored
 
     tensors, _ = load_tensors(source, manifest.run, manifest.step, prefix=key.rstrip(".") + ".")
     info = {

@@ -3,11 +3,11 @@ knows what else references them."""
 
 from __future__ import annotations
 
-from ckptflow import catalog
-from ckptflow import format as fmt
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.ledger import record_expiry
+from ckptflow.catalog.verdicts import step_record_keys
 from ckptflow.errors import CkptflowError, ExpireError
-from ckptflow.lifecycle.ledger import record_expiry
-from ckptflow.lifecycle.records import step_record_keys
+from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
 

@@ -31,10 +31,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptflow import catalog, catalog_listing
-from ckptflow import format as fmt
-from ckptflow.lifecycle.records import Subject, read_record
-from ckptflow.manifest import Manifest
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.catalog.verdicts import Subject, read_record
+from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
 
 MAX_PER_TICK = 500

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ckptflow.export.card import Lineage
-from ckptflow.lifecycle.records import Subject, read_record
-from ckptflow.manifest import Manifest
+from ckptflow.catalog.verdicts import Subject, read_record
+from ckptflow.format.manifest import Manifest
+from ckptflow.interop.export.card import Lineage
 from ckptflow.store.base import Store
 
 _VALIDATION_FIELDS = ("ok", "problems", "chunks_checked", "bytes_checked", "tier", "recorded_at")

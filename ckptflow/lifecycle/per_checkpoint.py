@@ -17,17 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow import catalog
-from ckptflow import format as fmt
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.tiers import holds_commit, source_tier
+from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CkptflowError
+from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.archive import ArchiveReport, archive
 from ckptflow.lifecycle.compress import CompressionReport, compress
 from ckptflow.lifecycle.evaluate import TRAINER, EvaluationRule, Evaluator, evaluate, evaluator_errors
 from ckptflow.lifecycle.validate import validate
-from ckptflow.lossy import ArchiveCodec
-from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
-from ckptflow.tiers import holds_commit, source_tier
 
 OnCommit = Callable[[str], None]  # told the manifest digest of the commit about to be processed
 

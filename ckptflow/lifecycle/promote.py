@@ -2,9 +2,9 @@
 
 The whole request is validated when it is built (``PromotionRequest``), before anything
 is exported, registered or moved, so a bad stage or dtype changes nothing. A promotion
-exports a model directory (``ckptflow.export``), uploads its files streamed and
+exports a model directory (``ckptflow.interop.export``), uploads its files streamed and
 content-addressed, then claims a version and moves the aliases in one compare-and-swap
-(``ckptflow.registry``). Exports are deterministic, so a version whose files were
+(``ckptflow.interop.registry``). Exports are deterministic, so a version whose files were
 deleted is rebuilt from its source checkpoint (hot or archive) and checked against the
 hashes it recorded.
 """
@@ -16,15 +16,16 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 
-from ckptflow import catalog, inventory
-from ckptflow import format as fmt
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.verdicts import Subject, read_record
 from ckptflow.errors import CkptflowError, PromotionError, RegistryError
-from ckptflow.export import ExportOptions, Lineage, export_safetensors, option_problems
+from ckptflow.format import layout as fmt
+from ckptflow.interop.export import ExportOptions, Lineage, export_safetensors, option_problems
+from ckptflow.interop.registry import ModelVersion, Registry, sha256_file
 from ckptflow.lifecycle.lineage import lineage_of
-from ckptflow.lifecycle.records import Subject, read_record
 from ckptflow.lifecycle.validate import validate
-from ckptflow.registry import ModelVersion, Registry, sha256_file
-from ckptflow.retention import Ref, rank_by_metric
+from ckptflow.policy.retention import Ref, rank_by_metric
+from ckptflow.reports import inventory
 from ckptflow.store.base import Store
 
 STAGES = ("latest", "stable")
@@ -35,7 +36,7 @@ class PromotionRequest:
     """What to promote. ``checkpoint`` None: the best validated checkpoint by ``metric``.
     ``stage`` "latest" moves only ``latest``; "stable" also makes it stable (the old stable
     becomes ``fallback``). ``dtype`` "" keeps the saved dtypes; "int8" quantizes the
-    nn.Linear weights (``ckptflow.quantize``)."""
+    nn.Linear weights (``ckptflow.interop.export.quantize``)."""
 
     model: str
     checkpoint: Ref | None = None

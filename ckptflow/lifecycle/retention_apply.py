@@ -1,6 +1,6 @@
 """Applying a retention plan: expire hot copies, keep what the archive holds.
 
-The plan itself is pure (``ckptflow.retention``); this is the one place it touches a
+The plan itself is pure (``ckptflow.policy.retention``); this is the one place it touches a
 store, so the Dagster job, a cron script and the tests apply it the same way.
 """
 
@@ -11,11 +11,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ckptflow import inventory
+from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.lifecycle.expire import ExpireError, expire
-from ckptflow.registry import Registry
-from ckptflow.retention import Ref, RetentionPlan, RetentionPolicy
+from ckptflow.policy.retention import Ref, RetentionPlan, RetentionPolicy
+from ckptflow.reports import inventory
 from ckptflow.store.base import Store
 
 log = logging.getLogger("ckptflow")

@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.validate import validate
-from ckptflow.manifest import Manifest
 from ckptflow.store.base import Store
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.verdicts import Subject, write_record
 from ckptflow.errors import StoreUnavailableError
-from ckptflow.lifecycle.records import Subject, write_record
 from ckptflow.store.base import Store
 
 

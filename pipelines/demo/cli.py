@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from ckptflow import Checkpointer, SavePolicy, gc, recoveries
-from ckptflow.catalog import list_checkpoints
+from ckptflow import Checkpointer, SavePolicy, gc
+from ckptflow.catalog.checkpoints import list_checkpoints
+from ckptflow.reports import recoveries
 from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
 

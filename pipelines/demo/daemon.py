@@ -23,7 +23,7 @@ from dagster import AssetKey, AssetPartitionStatus, AssetRecordsFilter, DagsterI
 
 from assets.checkpoints import INTEGRITY_KEY
 from assets.partitions import checkpoint_key, checkpoints_partitions
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
 from resources.dagster_private import latest_check_passed
 

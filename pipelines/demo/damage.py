@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from ckptflow import catalog
-from ckptflow import format as fmt
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 
 

@@ -18,12 +18,12 @@ import pandas as pd
 from dagster import AssetSelection, DagsterInstance, materialize
 
 from assets import RPO_FRESHNESS_KEY
-from ckptflow import inventory
-from ckptflow.registry import Registry, describe
-from ckptflow.retention import DAY
-from ckptflow.stats import store_stats
+from ckptflow.interop.registry import Registry, describe
+from ckptflow.policy.retention import DAY
+from ckptflow.reports import inventory
+from ckptflow.reports.stats import store_stats
+from ckptflow.reports.units import human_duration
 from ckptflow.store import open_store
-from ckptflow.units import human_duration
 from pipelines.definitions import build_definitions
 from pipelines.demo import daemon as real_daemon
 from pipelines.inprocess import QUIET, Driver

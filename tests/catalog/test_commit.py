@@ -1,6 +1,6 @@
 """Saving over a step: a manifest already there is moved aside only when it is proved damaged
 (when the save begins, and at commit under the run's lock for any other version found
-then); a valid one never is (``ckptflow.commit``)."""
+then); a valid one never is (``ckptflow.catalog.commit``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError, open_store
-from ckptflow import format as fmt
+from ckptflow.format import layout as fmt
 from support.corrupt import corrupt_chunk, manifest_path, only_in
 from support.faulty_store import FaultyStore
 

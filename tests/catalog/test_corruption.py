@@ -10,10 +10,11 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, CkptflowError, ManifestError, NoValidCheckpointError, catalog
-from ckptflow import format as fmt
-from ckptflow.export import export_safetensors
-from ckptflow.sealed import seal
+from ckptflow import Checkpointer, CkptflowError, ManifestError, NoValidCheckpointError
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
+from ckptflow.format.sealed import seal
+from ckptflow.interop.export import export_safetensors
 from ckptflow.store import open_store
 from support.corrupt import grow_first_tensor, reseal_manifest
 

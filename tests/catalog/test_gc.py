@@ -15,8 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from ckptflow import Checkpointer, catalog, gc, open_store
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, gc, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
 from support.corrupt import rank_files
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state

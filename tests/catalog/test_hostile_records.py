@@ -11,10 +11,13 @@ import tracemalloc
 import pytest
 import torch
 
-from ckptflow import Checkpointer, CkptflowError, catalog, catalog_listing, gc, open_store, stats
-from ckptflow import format as fmt
-from ckptflow.codecs import HEADER, MAGIC, ZSTD
-from ckptflow.export import export_safetensors
+from ckptflow import Checkpointer, CkptflowError, gc, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.chunks.codecs import HEADER, MAGIC, ZSTD
+from ckptflow.format import layout as fmt
+from ckptflow.interop.export import export_safetensors
+from ckptflow.reports import stats
 from support.cli import run_cli
 from support.corrupt import chunk_path, manifest_path, only_in, reseal_manifest
 

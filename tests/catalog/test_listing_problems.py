@@ -10,8 +10,11 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, ColdObjectError, Manifest, Problem, catalog, catalog_listing, gc, inventory, stats
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, ColdObjectError, Manifest, Problem, gc
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.format import layout as fmt
+from ckptflow.reports import inventory, stats
 from ckptflow.store import open_store
 from support.cli import run_cli
 from support.corrupt import flip_byte, manifest_path

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from ckptflow import Checkpointer, catalog, lifecycle, open_store
-from ckptflow import format as fmt
-from ckptflow.index import PREFIX
+from ckptflow import Checkpointer, lifecycle, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.object_index import PREFIX
+from ckptflow.format import layout as fmt
 from support.corrupt import flip_byte, manifest_path
 from support.faulty_store import FaultyStore
 

@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from ckptflow import Checkpointer, catalog, open_store
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
 from support.corrupt import flip_byte, manifest_path
 from support.faulty_store import FaultyStore, InjectedFault
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow import Checkpointer, catalog, gc, lifecycle
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, gc, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import ColdObjectError, NoValidCheckpointError
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from support.states import assert_state_equals, snapshot
 
@@ -127,7 +128,7 @@ def test_archive_gc_is_protected_by_the_archives_own_manifests(
 def test_cold_archive_keeps_metadata_readable_and_restore_says_to_thaw(
     tmp_path, s3_client, s3_bucket, tiny_state_factory, tiny_train_step
 ):
-    from ckptflow import inventory
+    from ckptflow.reports import inventory
     from ckptflow.store.s3 import S3Store
 
     hot_root = str(tmp_path / "hot")

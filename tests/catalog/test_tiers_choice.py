@@ -6,9 +6,9 @@ import os
 import pytest
 
 from ckptflow import Checkpointer, lifecycle
-from ckptflow import format as fmt
+from ckptflow.catalog.tiers import holds_commit, source_tier
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
-from ckptflow.tiers import holds_commit, source_tier
 from support.states import tiny_state
 
 RUN = "r"

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from ckptflow import codecs
-from ckptflow.chunks import ChunkStore
+from ckptflow.chunks import codecs
+from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import CorruptChunkError
-from ckptflow.format import chunk_key
+from ckptflow.format.layout import chunk_key
 from ckptflow.store import open_store
 
 

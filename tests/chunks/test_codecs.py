@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow import CorruptChunkError, codecs
-from ckptflow.lossy import quantize_q8
+from ckptflow import CorruptChunkError
+from ckptflow.chunks import codecs
+from ckptflow.chunks.lossy import quantize_q8
 from support.states import DTYPES
 
 

@@ -20,19 +20,13 @@ import pytest
 import torch
 import zstandard
 
-from ckptflow import (
-    Checkpointer,
-    CkptflowError,
-    CorruptChunkError,
-    StoreUnavailableError,
-    catalog,
-    catalog_listing,
-    codecs,
-    open_store,
-)
-from ckptflow.codecs import BF16, DELTA, HEADER, MAGIC, Q8, ZSTD, ZSTD_V1
-from ckptflow.export.tensors import load_tensors
-from ckptflow.failures import failure_of
+from ckptflow import Checkpointer, CkptflowError, CorruptChunkError, StoreUnavailableError, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.chunks import codecs
+from ckptflow.chunks.codecs import BF16, DELTA, HEADER, MAGIC, Q8, ZSTD, ZSTD_V1
+from ckptflow.dcp.failures import failure_of
+from ckptflow.interop.export.tensors import load_tensors
 from ckptflow.lifecycle import scrub, validate
 from support import decode_probe
 from support.cli import run_cli
@@ -100,7 +94,7 @@ def declared_bomb() -> bytes:
 
 
 def _planes(mode: int, body: bytes) -> bytes:
-    """A planes payload of one plane (``ckptflow.planes``)."""
+    """A planes payload of one plane (``ckptflow.chunks.planes``)."""
     return struct.pack("<BB", 0, 1) + struct.pack("<BI", mode, len(body)) + body
 
 
@@ -223,7 +217,7 @@ def test_any_error_while_decoding_read_bytes_is_damage_to_every_reader(tmp_path,
     def broken_join(*_args, **_kwargs):
         raise error
 
-    monkeypatch.setattr("ckptflow.planes.join", broken_join)
+    monkeypatch.setattr("ckptflow.chunks.planes.join", broken_join)
     assert is_damage(error) and failure_of(error).damage
     assert catalog_listing.problem_from(RUN, 2, error).kind == "corrupt"
     step, skipped = _restored_step(root)

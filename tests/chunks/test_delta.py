@@ -10,9 +10,11 @@ the chain one link long.
 import pytest
 import torch
 
-from ckptflow import Checkpointer, CorruptChunkError, ManifestError, SavePolicy, catalog, codecs, gc, lifecycle
-from ckptflow import format as fmt
-from ckptflow.chunks import ChunkStore
+from ckptflow import Checkpointer, CorruptChunkError, ManifestError, SavePolicy, gc, lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import codecs
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, reseal_manifest
 from support.faulty_store import FaultyStore

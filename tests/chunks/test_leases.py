@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow import Checkpointer, CkptflowError, gc, leases, open_store
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, CkptflowError, gc, open_store
+from ckptflow.chunks import leases
+from ckptflow.format import layout as fmt
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, RUN, tagged_state
 

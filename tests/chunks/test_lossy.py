@@ -11,10 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from ckptflow import Checkpointer, NoValidCheckpointError, catalog, inventory, lifecycle
+from ckptflow import Checkpointer, NoValidCheckpointError, lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks.lossy import ArchiveCodec, describe
 from ckptflow.lifecycle.archive import copy_matches
-from ckptflow.lossy import ArchiveCodec, describe
-from ckptflow.retention import DAY, Candidate, plan
+from ckptflow.policy.retention import DAY, Candidate, plan
+from ckptflow.reports import inventory
 from ckptflow.store import open_store
 
 RUN = "l"

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from ckptflow import Checkpointer
-from ckptflow import format as fmt
 from ckptflow.cli import human_bytes
+from ckptflow.format import layout as fmt
 from support.cli import RUN, make_store, run_cli
 from support.corrupt import chunk_path, chunks_of, flip_byte, tensor_chunk
 from support.states import tensor_bytes, tiny_state

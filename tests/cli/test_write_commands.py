@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ckptflow import format as fmt
-from ckptflow.catalog import read_manifest
+from ckptflow.catalog.checkpoints import read_manifest
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from support.cli import RUN, make_store, run_cli
 from support.corrupt import chunk_path, chunks_of, flip_byte, rank_files, tensor_chunk

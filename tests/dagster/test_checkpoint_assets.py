@@ -7,7 +7,7 @@ from dagster import AssetPartitionStatus, AssetRecordsFilter, evaluate_automatio
 
 from assets import INTEGRITY_KEY, PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation
 from assets.partitions import checkpoints_partitions
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
 from resources import EvaluatorResource
 from support.corrupt import corrupt_chunk, grow_first_tensor, reseal_manifest

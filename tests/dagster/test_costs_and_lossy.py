@@ -4,7 +4,7 @@ loss and metric change as metadata) and the ``storage_cost`` asset."""
 from dagster import materialize
 
 from assets import PARTITIONED, archived, checkpoint_key
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
 from resources import ArchiveResource
 from support.dagster import RUN, record

@@ -9,9 +9,10 @@ import torch
 from dagster import DagsterInstance, materialize
 
 from assets import checkpoint_key
-from ckptflow import Checkpointer, catalog
-from ckptflow import format as fmt
-from ckptflow.registry import Registry
+from ckptflow import Checkpointer
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
+from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
 from pipelines import demo
 from pipelines.inprocess import Driver, dynamic_keys

@@ -7,8 +7,8 @@ from dagster import asset, build_sensor_context, materialize
 from assets import PARTITIONED, checkpoint_key, evaluation
 from assets.partitions import DIGEST_TAG, checkpoints_partitions
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog.verdicts import Subject
 from ckptflow.errors import StoreUnavailableError
-from ckptflow.lifecycle.records import Subject
 from ckptflow.store import open_store
 from pipelines import demo
 from resources import CheckpointStoreResource, EvaluatorResource

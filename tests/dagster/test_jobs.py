@@ -8,9 +8,10 @@ from dagster import DagsterEventType, build_sensor_context, materialize
 from safetensors.torch import load_file
 
 from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
-from ckptflow import catalog, lifecycle
-from ckptflow import format as fmt
-from ckptflow.registry import Registry
+from ckptflow import lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
+from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
 from sensors import failure_sensor
 from sensors.failures import FAILURE_TAG

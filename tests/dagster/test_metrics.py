@@ -4,7 +4,8 @@ import pytest
 from dagster import materialize
 
 from assets import PARTITIONED, checkpoint_key
-from ckptflow import Checkpointer, recovery_log
+from ckptflow import Checkpointer
+from ckptflow.catalog import recovery_log
 from pipelines import demo
 from support.corrupt import corrupt_chunk
 from support.dagster import RUN

@@ -7,7 +7,8 @@ import torch
 from dagster import SensorResult, build_sensor_context
 
 from assets.partitions import checkpoint_key, parse_checkpoint_key
-from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.lifecycle.landing import FULL_SCAN_S, new_commits
 from ckptflow.store import open_store
 from pipelines import demo

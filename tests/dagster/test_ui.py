@@ -21,7 +21,7 @@ import pytest
 from dagster import DagsterInstance, DagsterRunStatus
 
 from assets.partitions import checkpoint_key
-from ckptflow.registry import Registry
+from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
 from pipelines.demo import daemon
 from sensors.failures import partition_of

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ckptflow import Checkpointer
-from ckptflow import format as fmt
+from ckptflow.format import layout as fmt
 from support import dist_workers as W
 
 pytestmark = [

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
 from support import dist_s3 as S
 from support import dist_workers as W

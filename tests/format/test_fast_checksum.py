@@ -11,9 +11,11 @@ import pytest
 import torch
 from blake3 import blake3
 
-from ckptflow import Checkpointer, ManifestError, NoValidCheckpointError, PartialRestoreError, catalog, codecs
-from ckptflow import format as fmt
-from ckptflow.checksum import FastChecksum, address_and_checksum, fast_checksum
+from ckptflow import Checkpointer, ManifestError, NoValidCheckpointError, PartialRestoreError
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import codecs
+from ckptflow.format import layout as fmt
+from ckptflow.format.checksum import FastChecksum, address_and_checksum, fast_checksum
 from ckptflow.store import open_store
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, reseal_manifest
@@ -119,7 +121,7 @@ def test_a_chunk_damaged_between_verification_and_the_read_into_place_is_caught(
     place (same file, so the same version) after the first pass is not trusted. By then
     other tensors hold step 2's values, so restore says the state is partly written (no
     silent fallback), and a second restore verifies afresh and falls back cleanly."""
-    from ckptflow.chunks import ChunkStore
+    from ckptflow.chunks.io import ChunkStore
 
     own = _own_chunks(saved)
     path = chunk_path(saved, own["raw"])

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow import Checkpointer, NoValidCheckpointError, catalog, codecs
-from ckptflow import format as fmt
-from ckptflow.gc import gc
+from ckptflow import Checkpointer, NoValidCheckpointError
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.gc import gc
+from ckptflow.chunks import codecs
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from support.corrupt import flip_byte
 from support.states import assert_tensors_equal, blank_like

@@ -1,4 +1,4 @@
-"""The one rule for a tensor's pieces (``ckptflow.tiling``): they tile it exactly. Checked
+"""The one rule for a tensor's pieces (``ckptflow.format.tiling``): they tile it exactly. Checked
 against counting every element, on many pieces, and where a manifest applies it."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import random
 import numpy as np
 import torch
 
-from ckptflow import Checkpointer, catalog, open_store
-from ckptflow.tiling import tiling_problem
+from ckptflow import Checkpointer, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format.tiling import tiling_problem
 from support.corrupt import reseal_manifest
 
 

@@ -19,8 +19,8 @@ import transformers
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from ckptflow import Checkpointer, CkptflowError, NoValidCheckpointError
-from ckptflow.export import export_safetensors
 from ckptflow.integrations.hf import CkptflowTrainer
+from ckptflow.interop.export import export_safetensors
 from support.corrupt import corrupt_chunk, only_in
 
 MAX_STEPS, SAVE_STEPS = 12, 4  # 10 steps per epoch: the run crosses an epoch boundary

@@ -13,7 +13,7 @@ class Absent(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {"transformers", "pytorch_lightning", "lightning_fabric", "lightning", "accelerate"}:
             raise ImportError(f"No module named {name!r} (hidden by the test)")
 sys.meta_path.insert(0, Absent())
-import ckptflow, ckptflow.importers, ckptflow.export, ckptflow.cli, ckptflow.integrations
+import ckptflow, ckptflow.interop.importers, ckptflow.interop.export, ckptflow.cli, ckptflow.integrations
 for name, extra in (("lightning", "lightning"), ("hf", "hf")):
     try:
         __import__(f"ckptflow.integrations.{name}")

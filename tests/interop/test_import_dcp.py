@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptflow import Checkpointer, CkptflowError
-from ckptflow.dcp_dir import read_state
 from ckptflow.errors import DcpFormatError
-from ckptflow.export import export_dcp
-from ckptflow.importers import import_checkpoint
+from ckptflow.interop.dcp_dir import read_state
+from ckptflow.interop.export import export_dcp
+from ckptflow.interop.importers import import_checkpoint
 from support.states import tiny_state, tiny_train
 
 

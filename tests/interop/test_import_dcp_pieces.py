@@ -27,9 +27,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from ckptflow import Checkpointer
-from ckptflow.dcp_dir import read_state
 from ckptflow.errors import DcpFormatError
-from ckptflow.importers import import_checkpoint
+from ckptflow.interop.dcp_dir import read_state
+from ckptflow.interop.importers import import_checkpoint
 from support import dcp_plain_workers, dist_workers
 from support.cli import run_cli
 
@@ -198,7 +198,7 @@ def test_items_sharing_bytes_of_a_file_are_refused(tmp_path):
 
 RSS_PROBE = """
 import json, sys
-from ckptflow.importers import read_source
+from ckptflow.interop.importers import read_source
 def memory(field):  # VmHWM: peak resident set of this process (ru_maxrss would count its forked parent's)
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from ckptflow import Checkpointer, CkptflowError
-from ckptflow.export import export_safetensors
-from ckptflow.importers import detect_format, import_checkpoint
+from ckptflow.interop.export import export_safetensors
+from ckptflow.interop.importers import detect_format, import_checkpoint
 from support.cli import run_cli
 from support.states import tiny_state, tiny_train
 

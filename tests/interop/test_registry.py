@@ -15,11 +15,11 @@ from safetensors import safe_open
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
-from ckptflow.catalog import read_manifest
+from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.errors import ObjectNotFoundError, RegistryError
-from ckptflow.export import load_exported, model_metadata
+from ckptflow.interop.export import load_exported, model_metadata
+from ckptflow.interop.registry import Registry, describe
 from ckptflow.lifecycle.promote import PromotionRequest, promote, rebuild, rollback
-from ckptflow.registry import Registry, describe
 from ckptflow.store import LocalStore, open_store
 
 

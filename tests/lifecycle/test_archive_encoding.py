@@ -14,11 +14,13 @@ import time
 import pytest
 import torch
 
-from ckptflow import Checkpointer, catalog, codecs, gc, lifecycle
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, gc, lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import codecs
+from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CorruptChunkError, StoreUnavailableError
+from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.archive import copy_matches
-from ckptflow.lossy import ArchiveCodec
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, flip_byte
 from support.faulty_store import FaultyStore
@@ -169,8 +171,8 @@ def test_a_cold_archive_replaces_a_chunk_it_holds_in_another_encoding(tmp_path, 
     """A cold archive cannot be read back: a chunk whose stored size differs from the
     verified hot copy's is stored anew plainly, so the copy checked by size is the one
     that verifies, and restores once thawed."""
+    from ckptflow.catalog.tiers import thaw
     from ckptflow.store.s3 import S3Store
-    from ckptflow.tiers import thaw
 
     cold = S3Store(s3_bucket, "arc", client=s3_client, storage_class="DEEP_ARCHIVE")
     hot_root = str(tmp_path / "hot")

@@ -3,9 +3,10 @@ run itself, else none; and a store that does not answer decides nothing."""
 
 import pytest
 
-from ckptflow import Checkpointer, catalog, lifecycle
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.attribution import CLOCK_SKEW_S, FailedRun, record_failure
 from ckptflow.store import open_store
 from support.corrupt import flip_byte, manifest_path

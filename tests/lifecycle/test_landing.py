@@ -5,9 +5,10 @@ import os
 
 import pytest
 
-from ckptflow import Checkpointer, catalog, lifecycle
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.landing import SLACK, land, new_commits
 from ckptflow.store import open_store
 from support.corrupt import flip_byte, manifest_path

@@ -4,12 +4,14 @@ expire, inventory."""
 import pytest
 import torch
 
-from ckptflow import Checkpointer, ExpireError, PromotionError, catalog, inventory, lifecycle
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, ExpireError, PromotionError, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.format import layout as fmt
+from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
-from ckptflow.registry import Registry
-from ckptflow.retention import KeepNewestValid
+from ckptflow.policy.retention import KeepNewestValid
+from ckptflow.reports import inventory
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore

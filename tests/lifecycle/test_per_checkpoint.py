@@ -3,11 +3,12 @@ told before the work, the skips of an expired hot copy, the evaluator policy."""
 
 import pytest
 
-from ckptflow import Checkpointer, catalog, lifecycle
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import EvaluatorError
+from ckptflow.format import layout as fmt
 from ckptflow.lifecycle import EvaluationRule
-from ckptflow.lossy import ArchiveCodec
 from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, flip_byte, manifest_path
 from support.states import tiny_state

@@ -4,7 +4,8 @@ first is ever recorded as failed."""
 
 import pytest
 
-from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.store import open_store
 from support.cli import RUN as CLI_RUN

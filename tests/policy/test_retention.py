@@ -2,8 +2,8 @@
 
 import pytest
 
-from ckptflow.catalog import CheckpointInfo
-from ckptflow.retention import (
+from ckptflow.catalog.checkpoints import CheckpointInfo
+from ckptflow.policy.retention import (
     DAY,
     AnyOf,
     Candidate,
@@ -151,8 +151,8 @@ def test_hot_days_moves_archived_kept_checkpoints_to_the_archive_only():
 def test_archive_only_checkpoints_beyond_the_newest_n_lose_their_partitions():
     """After retention: 1, 2 were archive-only already, 3 just lost its hot copy, 4 was
     expired from every tier, 5 is hot. Only the newest ``keep`` archive-only ones stay."""
-    from ckptflow.inventory import Entry
     from ckptflow.lifecycle import RetentionReport, archive_only_beyond
+    from ckptflow.reports.inventory import Entry
 
     entries = [
         Entry("r", 1, created_at=10.0, tiers=["archive"]),

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle, open_store
-from ckptflow.catalog import read_manifest
+from ckptflow.catalog.checkpoints import read_manifest
+from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote, rebuild
-from ckptflow.registry import Registry
-from ckptflow.retention import DAY, AnyOf, Candidate, KeepRecent, plan
+from ckptflow.policy.retention import DAY, AnyOf, Candidate, KeepRecent, plan
 
 NOW = 1_000 * DAY
 

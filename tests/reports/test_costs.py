@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from ckptflow import Checkpointer, catalog, lifecycle
-from ckptflow.costs import DEFAULT_PRICES, GB, SAVINGS, CostModel, storage_costs
-from ckptflow.lossy import ArchiveCodec
-from ckptflow.stats import chunk_file_sizes
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks.lossy import ArchiveCodec
+from ckptflow.reports.costs import DEFAULT_PRICES, GB, SAVINGS, CostModel, storage_costs
+from ckptflow.reports.stats import chunk_file_sizes
 from ckptflow.store import open_store
 from support.cli import run_cli
 from support.states import DRIFT_CHUNK, drifting_state

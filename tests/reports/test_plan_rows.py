@@ -1,7 +1,7 @@
 """The retention plan as a table: each checkpoint's action and why, and the fate of each copy."""
 
-from ckptflow.inventory import Entry, plan_rows
-from ckptflow.retention import RetentionPlan
+from ckptflow.policy.retention import RetentionPlan
+from ckptflow.reports.inventory import Entry, plan_rows
 
 ARCHIVED = {"archive": {"ok": True}}
 

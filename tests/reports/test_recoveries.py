@@ -6,9 +6,12 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, NoValidCheckpointError, catalog, lifecycle, open_store, recoveries, recovery_log
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, NoValidCheckpointError, lifecycle, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import recovery_log
 from ckptflow.cli import main as cli
+from ckptflow.format import layout as fmt
+from ckptflow.reports import recoveries
 from ckptflow.store.local import LocalStore
 
 

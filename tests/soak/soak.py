@@ -171,7 +171,7 @@ def soak(kills: int, workdir: Path, seed: int) -> dict:
 
 def delta_chunks(store: Path) -> int:
     """How many chunks of the checkpoints left at the end are deltas (codec "auto" at work)."""
-    from ckptflow import catalog
+    from ckptflow.catalog import checkpoints as catalog
     from ckptflow.store import open_store
 
     opened = open_store(str(store))

@@ -19,8 +19,8 @@ from urllib.parse import urlparse, urlunparse
 import pytest
 
 from ckptflow import Checkpointer, NoValidCheckpointError, StoreUnavailableError, gc, open_store
-from ckptflow import format as fmt
 from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError
+from ckptflow.format import layout as fmt
 from support.corrupt import rank_files
 from support.faulty_store import FaultyStore, InjectedFault
 from support.states import CHUNK, RUN, assert_state_equals, blank_state, snapshot, state_tag, tagged_state

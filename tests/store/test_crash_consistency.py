@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow import Checkpointer, catalog, gc, open_store
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, gc, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
 from ckptflow.store.local import LocalStore
 from support.crashfs import RecordingDisk, durable_after, snapshot
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError, catalog_listing, gc, open_store
-from ckptflow import format as fmt
+from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError, gc, open_store
+from ckptflow.catalog import listing as catalog_listing
 from ckptflow.errors import StoreFullError, SymlinkError
+from ckptflow.format import layout as fmt
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore

@@ -10,11 +10,13 @@ import pytest
 import torch
 from blake3 import blake3
 
-from ckptflow import Checkpointer, CorruptChunkError, InvalidNameError, catalog, codecs, open_store
-from ckptflow import format as fmt
-from ckptflow.checksum import address_of
-from ckptflow.chunks import ChunkStore
+from ckptflow import Checkpointer, CorruptChunkError, InvalidNameError, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import codecs
+from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import ObjectNotFoundError
+from ckptflow.format import layout as fmt
+from ckptflow.format.checksum import address_of
 from ckptflow.store import LocalStore, Store
 
 

@@ -15,9 +15,9 @@ import torch
 from botocore.exceptions import ReadTimeoutError
 
 from ckptflow import Checkpointer, CheckpointExistsError, open_store
-from ckptflow import format as fmt
 from ckptflow.cli import main
 from ckptflow.errors import ColdObjectError, StoreError, StoreUnavailableError
+from ckptflow.format import layout as fmt
 from ckptflow.store.s3 import S3Store
 from support.faulty_store import FaultyStore
 from support.s3_faults import server_error, timeout

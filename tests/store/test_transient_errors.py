@@ -60,7 +60,7 @@ def test_an_outage_that_outlasts_the_retries_stops_restore_and_names_the_object(
 
 
 def only_in_s3(store, step: int, other: int) -> list[str]:
-    from ckptflow import catalog
+    from ckptflow.catalog import checkpoints as catalog
 
     return sorted(
         set(catalog.read_manifest(store, RUN, step).chunks) - set(catalog.read_manifest(store, RUN, other).chunks)

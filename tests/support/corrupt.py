@@ -6,8 +6,9 @@ import os
 import struct
 from pathlib import Path
 
-from ckptflow import catalog, catalog_listing
-from ckptflow import format as fmt
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 
 
@@ -59,7 +60,7 @@ def reseal_manifest(root: str | os.PathLike, run: str, step: int, mutate) -> Non
     is valid but whose content a buggy or hostile writer got wrong."""
     import json
 
-    from ckptflow.sealed import seal
+    from ckptflow.format.sealed import seal
 
     path = manifest_path(root, run, step)
     record = json.loads(path.read_bytes())
@@ -83,7 +84,7 @@ def rank_files(store, run: str, step: int) -> set[str]:
 
 
 # ---- inside an encoded chunk: its zstd frames ---------------------------------------------
-# The chunk layout (``ckptflow.codecs``, ``ckptflow.planes``), parsed here independently so
+# The chunk layout (``ckptflow.chunks.codecs``, ``ckptflow.chunks.planes``), parsed here independently so
 # that a bug in the decoder cannot hide the frames a test must damage.
 CHUNK_HEADER = 14  # magic (4), codec id (1), element size (1), raw length (8)
 DIGEST = 32  # a delta's base address, after its header

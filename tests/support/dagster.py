@@ -2,7 +2,8 @@
 
 import torch
 
-from ckptflow import Checkpointer, catalog, lifecycle
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import Store, open_store
 from pipelines import demo
 

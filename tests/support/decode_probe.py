@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import zstandard
 
-from ckptflow import Checkpointer, catalog
+from ckptflow import Checkpointer
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.cli import main as cli
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, codec_of, flip_bit, one_plane_zstd_chunk, only_in, zstd_frames

@@ -159,7 +159,7 @@ def restore_agreement(rank: int, world: int, workdir: Path) -> dict:
     import torch.distributed as dist
 
     from ckptflow import Checkpointer
-    from ckptflow import format as fmt
+    from ckptflow.format import layout as fmt
 
     mesh = _mesh(world)
     root = workdir / "store"
@@ -244,7 +244,8 @@ def save_sharded_auto(rank: int, world: int, workdir: Path) -> dict:
     shard's chunks of the full; restore brings back the exact shards."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from ckptflow import Checkpointer, catalog
+    from ckptflow import Checkpointer
+    from ckptflow.catalog import checkpoints as catalog
 
     mesh = _mesh(world)
     ck = Checkpointer(str(workdir / "store"), run=RUN, codec="auto", chunk_bytes=DRIFT_CHUNK, threads=2)

@@ -16,12 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow import (
-    CheckpointExistsError,
-    SavePolicy,
-    catalog,
-    gc,
-)
+from ckptflow import CheckpointExistsError, SavePolicy, gc
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
 from support.corrupt import manifest_path
 from support.states import assert_state_equals, snapshot

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ckptflow import catalog
+from ckptflow.catalog import checkpoints as catalog
 from support.corrupt import corrupt_chunk, only_in
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ckptflow import Checkpointer, gc, open_store
-from ckptflow import format as fmt
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.format import layout as fmt
 from support.faulty_store import FaultyStore, InjectedFault
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 

@@ -15,13 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow import (
-    NoValidCheckpointError,
-    StateMismatchError,
-    UnsupportedStateError,
-    catalog,
-)
-from ckptflow import format as fmt
+from ckptflow import NoValidCheckpointError, StateMismatchError, UnsupportedStateError
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from support.corrupt import manifest_path
 from support.states import assert_state_equals, snapshot

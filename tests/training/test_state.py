@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptflow import Checkpointer, StateMismatchError, UnsupportedStateError, open_store, per_rank
-from ckptflow.chunks import ChunkStore
-from ckptflow.dcp_io import CheckpointWriter, SaveSpec
-from ckptflow.failures import own_errors
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.dcp.failures import own_errors
+from ckptflow.dcp.writer import CheckpointWriter, SaveSpec
 from support.faulty_store import FaultyStore
 from support.states import tiny_state, tiny_train
 
@@ -138,7 +138,7 @@ def test_per_rank_values_keep_one_copy_per_rank(tmp_path):
         ck.restore(live)
         manifest = ck.list()[0]
     assert torch.equal(live["bn"].value["running_mean"], stats)
-    from ckptflow import catalog
+    from ckptflow.catalog import checkpoints as catalog
 
     names = set(catalog.read_manifest(open_store(str(tmp_path)), "r", manifest.step).dcp.tensors)
     assert names == {"bn.running_mean@rank0", "w"}

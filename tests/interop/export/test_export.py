@@ -14,9 +14,9 @@ from safetensors.torch import load_file, load_model
 from torch import nn
 
 from ckptflow import Checkpointer
-from ckptflow import format as fmt
 from ckptflow.errors import CkptflowError, ColdObjectError, StoreUnavailableError
-from ckptflow.export import (
+from ckptflow.format import layout as fmt
+from ckptflow.interop.export import (
     ExportOptions,
     export_dcp,
     export_safetensors,

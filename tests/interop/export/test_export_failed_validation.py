@@ -17,9 +17,9 @@ from safetensors import safe_open
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
-from ckptflow.catalog import read_manifest
+from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.errors import CkptflowError
-from ckptflow.export import export_dcp, export_safetensors
+from ckptflow.interop.export import export_dcp, export_safetensors
 from ckptflow.store import open_store
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, tensor_chunk

@@ -29,10 +29,10 @@ from transformers import (
 )
 
 from ckptflow import Checkpointer
-from ckptflow.catalog import read_manifest
+from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.errors import CkptflowError
-from ckptflow.export import ExportOptions, export_safetensors, load_exported, model_metadata
-from ckptflow.quantize import SCALE
+from ckptflow.interop.export import ExportOptions, export_safetensors, load_exported, model_metadata
+from ckptflow.interop.export.quantize import SCALE
 from ckptflow.store import open_store
 
 VOCAB = 96

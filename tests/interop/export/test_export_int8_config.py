@@ -19,7 +19,7 @@ from transformers import AutoModel, BertConfig, BertModel
 
 from ckptflow import Checkpointer
 from ckptflow.errors import CkptflowError
-from ckptflow.export import ExportOptions, export_safetensors, load_exported
+from ckptflow.interop.export import ExportOptions, export_safetensors, load_exported
 from support.cli import run_cli
 
 BERT = {

@@ -17,11 +17,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModel, BertConfig, BertModel
 
-from ckptflow import Checkpointer, NoValidCheckpointError, catalog, lifecycle
+from ckptflow import Checkpointer, NoValidCheckpointError, lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CkptflowError, LossyCopyError
-from ckptflow.export import ExportOptions, export_dcp, export_safetensors, model_metadata
-from ckptflow.importers import import_checkpoint
-from ckptflow.lossy import ArchiveCodec
+from ckptflow.interop.export import ExportOptions, export_dcp, export_safetensors, model_metadata
+from ckptflow.interop.importers import import_checkpoint
 from ckptflow.store import open_store
 from support.cli import run_cli
 
@@ -78,7 +79,7 @@ def test_every_artifact_of_a_lossy_export_carries_the_mark(archived, tmp_path):
     result = export_safetensors(arc, RUN, file, allow_lossy=True)
     assert result.lossy == lossy
     with safe_open(str(file), "pt") as f:
-        assert json.loads(f.metadata()["ckptflow.lossy"]) == lossy
+        assert json.loads(f.metadata()["ckptflow.chunks.lossy"]) == lossy
         assert torch.equal(f.get_tensor("pooler.dense.weight"), rounded["pooler.dense.weight"])
 
     directory = tmp_path / "dir"

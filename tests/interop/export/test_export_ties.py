@@ -16,9 +16,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from ckptflow import Checkpointer
-from ckptflow.catalog import read_manifest
+from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.errors import ManifestError
-from ckptflow.export import ExportOptions, export_safetensors
+from ckptflow.interop.export import ExportOptions, export_safetensors
 from ckptflow.store import open_store
 from support.corrupt import reseal_manifest
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from ckptflow.quantize import (
+from ckptflow.interop.export.quantize import (
     SCALE,
     dequantize_int8,
     dequantize_weights,

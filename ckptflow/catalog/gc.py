@@ -1,0 +1,160 @@
+"""Garbage collection: mark from every live manifest, sweep what nothing references.
+
+A chunk is deleted only if no committed manifest references it AND it is older than
+the grace period. The grace period must exceed the slowest save: a save that has
+written (or touched) its chunks has not yet committed the manifest that marks them.
+Saves that are writing chunks right now hold leases (see ``leases``); GC takes a lock
+and waits for them, so a chunk is never deleted while a save is deciding to reuse it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, gc_lock, leases, wait_for_leases
+from ckptflow.errors import CkptflowError
+from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
+from ckptflow.store import open_store
+from ckptflow.store.base import ObjectInfo, Store
+
+
+@dataclass
+class GCReport:
+    dry_run: bool
+    deleted: list[tuple[str, int]] = field(default_factory=list)  # (key, bytes)
+    kept_chunks: int = 0
+    live_manifests: int = 0
+    unreadable_manifests: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
+    dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
+    skipped: str | None = None  # why nothing was swept, when nothing could safely be
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.deleted)
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``90``, ``"90s"``, ``"15m"``, ``"1h"``, ``"7d"``."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise ValueError(f"duration {text!r} is not understood; use e.g. 30s, 15m, 1h or 7d") from None
+
+
+def _salvage_chunks(store: Store, key: str) -> set[str] | None:
+    """Chunks an unverifiable manifest names, if its JSON still says; None if it cannot."""
+    try:
+        chunks = json.loads(store.get(key)).get("chunks")
+    except (ValueError, AttributeError, RecursionError, CkptflowError, OSError):
+        return None
+    return set(chunks) if isinstance(chunks, dict) and all(isinstance(d, str) for d in chunks) else None
+
+
+def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] | None:
+    """Referenced chunks, and step files no manifest owns; None if marking is unsafe
+    (a commit record that cannot be read and whose chunks cannot be told)."""
+    live: set[str] = set()
+    loose: list[ObjectInfo] = []
+    listed = list(catalog_listing.listing(store))
+    files = {(e.run, e.step): e.files for e in listed if isinstance(e, catalog_listing.StepListing)}
+    for entry in listed:
+        if isinstance(entry, catalog_listing.StepListing) and not entry.committed:
+            loose.extend(entry.files)
+    for item in catalog.committed(store, listed=listed):
+        if isinstance(item, Manifest):
+            report.live_manifests += 1
+            live |= set(item.chunks)
+            own = fmt.manifest_key(item.run, item.step)
+            loose.extend(info for info in files[item.ref] if info.key != own and item.rank_of(info.key) is None)
+            continue
+        if item.kind in ("bad_name", "not_a_directory"):  # nothing restore could read: leave it, say so
+            report.ignored.append(str(item))
+            continue
+        report.unreadable_manifests.append(str(item))
+        salvaged = (
+            _salvage_chunks(store, fmt.manifest_key(item.run, item.step))
+            if item.kind == "corrupt" and item.step is not None
+            else None
+        )
+        if salvaged is None:
+            return None
+        live |= salvaged  # an unverifiable manifest might still be repaired: keep its data
+    return live, loose
+
+
+def gc(
+    store: Store | str,
+    grace: str | float = "1h",
+    *,
+    dry_run: bool = False,
+    now: float | None = None,
+    wait: float = 60.0,
+    progress: Callable[[int], None] | None = None,
+) -> GCReport:
+    """Delete unreferenced chunks, stray rank records and temp files older than ``grace``,
+    and the leases of saves that died.
+
+    Waits up to ``wait`` seconds for saves in flight (live leases) to finish writing
+    chunks; if they do not, nothing is swept and ``report.skipped`` says why. ``progress`` is called
+    with each deleted object's size (not on a dry run).
+    """
+    store = open_store(store)
+    cutoff = (now if now is not None else time.time()) - parse_duration(grace)
+    report = GCReport(dry_run=dry_run)
+    with contextlib.nullcontext() if dry_run else gc_lock(store) as lock:
+        held = leases(store) if dry_run else wait_for_leases(store, wait)
+        report.dead_leases = [info.key for info in held.dead]
+        if held.live:
+            report.skipped = (
+                f"{len(held.live)} save(s) are writing chunks ({held.live[0].key}, renewed within the last "
+                f"{DEAD_AFTER:.0f} s); run gc again when they finish"
+            )
+            if not dry_run:
+                return report
+        marked = _mark(store, report)
+        if marked is None:
+            report.skipped = (
+                "a commit record cannot be read and its chunks cannot be told, so GC cannot tell what is "
+                f"garbage: {report.unreadable_manifests[-1]} — inspect it, then delete it (or restore it from a "
+                "copy) and run gc again"
+            )
+            return report
+        live, loose = marked
+        doomed = [info for info in loose if info.mtime < cutoff] + held.dead  # dead leases go whatever their age
+        for info in store.list("chunks/"):
+            if info.key.rsplit("/", 1)[-1] in live or info.mtime >= cutoff:
+                report.kept_chunks += 1
+            else:
+                doomed.append(info)
+        temps = list(store.stale_temp_files(cutoff))
+        report.deleted = [(info.key, info.size) for info in doomed + temps]
+        if dry_run:
+            return report
+        for info in doomed:
+            if lock is not None and lock.lost:  # another GC took over: it decides from here
+                raise CkptflowError(
+                    f"garbage collection of {store.url} lost its lock ({GC_LOCK}) mid-sweep and stopped; "
+                    "the GC that holds it now finishes the job"
+                )
+            store.delete(info.key)
+            if progress:
+                progress(info.size)
+        for info in temps:
+            store.delete_temp(info.key)
+            if progress:
+                progress(info.size)
+    return report

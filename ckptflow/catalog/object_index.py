@@ -1,0 +1,101 @@
+"""Listing-validated indexes: what was read from many small objects, kept in the store so
+the next reader does one GET instead of thousands.
+
+On S3 every object read is a round trip: the inventory of 10,000 checkpoints is 10,000
+manifests plus their lifecycle records. An ``ObjectIndex`` keeps, per object key, the
+value derived from it together with the object's size, modification time and version
+(``ObjectInfo.version``: S3's ETag, a local file's inode and change time) as the listing
+showed them. A reader lists (which it does anyway), takes every entry whose object is
+listed unchanged, reads only the new or changed objects (in parallel), and writes the
+index back when it learnt something. An index that fails its checksum or cannot be read
+is simply rebuilt.
+
+What the index can see is what the listing shows: any write of an object, in place or
+by replace, with its times set back or not, changes its version and so is read anew. A
+change that no metadata records (bit rot below the filesystem, an object altered
+behind S3's back) is invisible to it, as it is to any listing: a value from the index
+says what was committed, not that the object is still intact. Reading the object
+(restore, verify, scrub) is what checks that.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ckptflow.errors import CkptflowError, ManifestError, ObjectNotFoundError
+from ckptflow.format.sealed import seal, unseal
+from ckptflow.store.base import ObjectInfo, Store
+
+PREFIX = "index/"
+VERSION = 2  # entries [size, mtime, version, value]
+log = logging.getLogger("ckptflow")
+Derive = Callable[[ObjectInfo, bytes], Any]
+
+
+class ObjectIndex:
+    def __init__(self, store: Store, name: str, derive: Derive, *, threads: int | None = None):
+        self.store, self.key, self.derive = store, f"{PREFIX}{name}.json", derive
+        self.threads = threads or (2 if store.cheap_reread else 32)
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            doc = unseal(self.store.get(self.key), f"index {self.store.url}/{self.key}")
+        except ObjectNotFoundError:
+            return {}
+        except (CkptflowError, OSError) as e:  # damaged or unreadable: rebuild it
+            log.debug("rebuilding %s/%s: %s", self.store.url, self.key, e)
+            return {}
+        entries = doc.get("entries")
+        return entries if doc.get("index_version") == VERSION and isinstance(entries, dict) else {}
+
+    def values(self, listed: Iterable[ObjectInfo]) -> dict[str, Any]:
+        """``derive`` of every listed object (or the exception reading it raised), from the
+        index where the object is unchanged, read otherwise."""
+        listed = list(listed)
+        known = self._load()
+        out: dict[str, Any] = {}
+        stale: list[ObjectInfo] = []
+        for info in listed:
+            entry = known.get(info.key)
+            if isinstance(entry, list) and len(entry) == 4 and entry[:3] == _stamp(info):
+                out[info.key] = entry[3]
+            else:
+                stale.append(info)
+
+        def read(info: ObjectInfo) -> Any:
+            try:
+                return self.derive(info, self.store.get(info.key))
+            except (CkptflowError, OSError) as e:
+                return e
+
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptflow-index") as pool:
+            fresh = dict(zip((i.key for i in stale), pool.map(read, stale)))
+        out.update(fresh)
+        learnt = any(not isinstance(value, Exception) for value in fresh.values())
+        if learnt or len(known) != len(listed):
+            keep = {i.key: [*_stamp(i), out[i.key]] for i in listed if not isinstance(out[i.key], Exception)}
+            self._save(keep)
+        return out
+
+    def _save(self, entries: dict[str, Any]) -> None:
+        try:
+            self.store.replace(self.key, seal({"format_version": 1, "index_version": VERSION, "entries": entries}))
+        except (CkptflowError, OSError) as e:  # read-only credentials: the next reader reads again
+            log.debug("could not write %s/%s: %s", self.store.url, self.key, e)
+
+
+def _stamp(info: ObjectInfo) -> list[Any]:
+    """What an entry must match to be used: the object as the listing shows it."""
+    return [info.size, info.mtime, info.version]
+
+
+def record_value(info: ObjectInfo, blob: bytes) -> Any:
+    import json
+
+    try:
+        return json.loads(blob)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"record {info.key} is not JSON: {e}") from None

@@ -1,0 +1,163 @@
+"""Lifecycle records: verdicts about one committed checkpoint, keyed by what was committed.
+
+A record lives at ``lifecycle/<run>/<step:012d>/<manifest digest>/<what>.json`` in the
+hot store, next to the data rather than only in an orchestrator's database, so the
+inventory, retention, the CLI and a fresh Dagster instance read the same answers.
+
+The key holds the manifest digest because a step can be committed twice (restore
+rejects step 20, training falls back and saves step 20 again): the verdicts about the
+first commit are history, and the new commit starts with none. Readers ask for the
+records of the digest they are looking at (``read_record``) or of every checkpoint's
+current digest (``records_by_subject``).
+
+GC never sweeps ``lifecycle/``; expiring a checkpoint deletes its records.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from ckptflow.catalog.object_index import ObjectIndex, record_value
+from ckptflow.errors import CkptflowError, InvalidNameError, ObjectNotFoundError
+from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
+from ckptflow.store.base import ObjectInfo, Store
+
+PREFIX = "lifecycle/"
+KINDS = ("validation", "evaluation", "compression", "archive", "failure")
+
+
+@dataclass(frozen=True)
+class Subject:
+    """The checkpoint a record is about: ``(run, step)`` and the digest of its manifest."""
+
+    run: str
+    step: int
+    digest: str
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> Subject:
+        return cls(manifest.run, manifest.step, manifest.digest)
+
+    @property
+    def ref(self) -> tuple[str, int]:
+        return (self.run, self.step)
+
+
+def step_prefix(run: str, step: int) -> str:
+    return f"{PREFIX}{fmt.validate_run(run)}/{fmt.validate_step(step):0{fmt.STEP_DIGITS}d}/"
+
+
+def record_key(subject: Subject, what: str) -> str:
+    if what not in KINDS:
+        raise ValueError(f"lifecycle record {what!r} is not one of {KINDS}")
+    if not fmt.is_digest(subject.digest):
+        raise InvalidNameError(f"lifecycle records are keyed by a manifest's sha256 digest, got {subject.digest!r}")
+    return f"{step_prefix(subject.run, subject.step)}{subject.digest}/{what}.json"
+
+
+def write_record(store: Store, subject: Subject, what: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Replace the ``what`` record of ``subject`` (stamped with ``recorded_at``)."""
+    body = {**data, "manifest_digest": subject.digest, "recorded_at": data.get("recorded_at", time.time())}
+    store.replace(record_key(subject, what), json.dumps(body, sort_keys=True, allow_nan=True).encode())
+    return body
+
+
+def read_record(store: Store, subject: Subject, what: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(store.get(record_key(subject, what)))
+    except (ObjectNotFoundError, ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def records_by_subject(store: Store, run: str | None = None) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
+    """Every record under ``lifecycle/`` (or one run's) by ``(run, step, digest)``, then
+    kind: one listing plus small reads."""
+    return _read(store, PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/")
+
+
+def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
+    """One listing; the records' contents through each run's listing-validated index, so
+    a store with thousands of records costs one read per run once they are known."""
+    by_run: dict[str, list[ObjectInfo]] = defaultdict(list)
+    for info in store.list(prefix):
+        parts = info.key[len(PREFIX) :].split("/")
+        if len(parts) != 4 or not parts[3].endswith(".json") or parts[3][:-5] not in KINDS:
+            continue  # records of the layout before digests, or debris: history nobody reads
+        if fmt.parse_step_dir(parts[1]) is not None:
+            by_run[parts[0]].append(info)
+    out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for run, infos in by_run.items():
+        try:
+            values = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value).values(infos)
+        except CkptflowError:
+            continue  # a stray directory under lifecycle/: not a run's records
+        for info in infos:
+            record = values[info.key]
+            _, step, digest, name = info.key[len(PREFIX) :].split("/")
+            if isinstance(record, dict):
+                out[(run, int(step), digest)][name[:-5]] = record
+    return dict(out)
+
+
+def step_record_keys(store: Store, run: str, step: int) -> list[str]:
+    """Keys of every record of a step (all digests), for ``expire`` to delete."""
+    return [info.key for info in store.list(step_prefix(run, step))]
+
+
+def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, dict[str, Any]] | None:
+    """The newest ``what`` record of the nearest older step of ``run`` that has one: one
+    listing of key names, then reads of that step's records only."""
+    prefix = f"{PREFIX}{fmt.validate_run(run)}/"
+    steps: dict[int, list[str]] = defaultdict(list)
+    for info in store.list(prefix):
+        parts = info.key[len(prefix) :].split("/")
+        older = fmt.parse_step_dir(parts[0])
+        if len(parts) == 3 and parts[2] == f"{what}.json" and older is not None and older < step:
+            steps[older].append(info.key)
+    for older in sorted(steps, reverse=True):
+        found = []
+        for key in steps[older]:
+            try:
+                record = json.loads(store.get(key))
+            except (CkptflowError, ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                found.append(record)
+        if found:
+            return older, max(found, key=lambda r: r.get("recorded_at", 0))
+    return None
+
+
+def check_not_failed(records: Store, manifest: Manifest, *, allow_failed: bool, how_to_allow: str) -> dict | None:
+    """The failed validation verdict of exactly this commit (its manifest digest), or None.
+
+    Without ``allow_failed`` a failed verdict raises ``CkptflowError`` saying when it was
+    recorded, what failed and how to go on (``how_to_allow``: the caller's opt-in). The
+    verdict stands until validation runs again, even if the bytes verify now: a record
+    is history, and only a new validation replaces it."""
+    verdict = read_record(records, Subject.of(manifest), "validation")
+    if verdict is None or verdict.get("ok"):
+        return None
+    if not allow_failed:
+        recorded = verdict.get("recorded_at")
+        when = (
+            datetime.fromtimestamp(recorded, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            if isinstance(recorded, (int, float))
+            else "at an unknown time"
+        )
+        problems = [str(p) for p in verdict.get("problems") or []] or ["no problem recorded"]
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CkptflowError(
+            f"run {manifest.run!r} step {manifest.step} failed validation (recorded {when} for manifest "
+            f"{manifest.digest[:12]}…, in {verdict.get('tier') or records.url}): {'; '.join(problems[:3])}{more}. "
+            "Refused: part of this commit was proved damaged, so none of it is trusted. Choose another step, "
+            f"validate this one again if it was repaired, or {how_to_allow}"
+        )
+    return verdict

@@ -1,0 +1,1 @@
+"""Content-addressed chunks over a ``Store``: encodings, byte planes, lossy codecs, save leases."""

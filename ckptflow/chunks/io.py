@@ -1,0 +1,401 @@
+"""Content-addressed chunk I/O over any ``Store``.
+
+Chunks are immutable and named by a cryptographic hash of their raw bytes (their
+address: ``ckptflow.format.checksum``), so identical data (a frozen embedding, a tensor shared
+by two runs) is stored once, and every read can be checked against its own name. A
+store scoped to one manifest checks reads against the fast checksum that manifest
+records for a chunk instead, and against the manifest's kind of address where it
+records none (manifests written before fast checksums).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptflow.chunks import codecs
+from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
+from ckptflow.format.checksum import (
+    ADDRESS,
+    ADDRESSES,
+    FastChecksum,
+    address_and_checksum,
+    address_hasher,
+    fast_checksum,
+    matches_address,
+)
+from ckptflow.format.layout import chunk_key
+from ckptflow.store.base import Store
+
+SCAN_PIECE = 256 << 10  # stays in L2 between read and hash; 8 threads hold 2 MiB of them in all
+
+
+@dataclass(frozen=True)
+class CheckedChunk:
+    """A chunk that passed verification: its bytes, or the version of the file holding them."""
+
+    digest: str
+    size: int
+    version: tuple | None = None
+    data: memoryview | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkWrite:
+    digest: str
+    raw_bytes: int
+    stored_bytes: int  # encoded size in the store, header included
+    written: bool  # False when the chunk was already in the store and left alone
+    base: str | None = None  # the delta base its stored encoding needs: every manifest naming it lists this too
+    base_bytes: int = 0  # the base's stored size
+    checksum: str = ""  # the fast checksum of the raw bytes (``ckptflow.format.checksum``)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A chunk's header and payload buffers, and the delta base they need (if any)."""
+
+    parts: list
+    base: str | None = None
+    base_bytes: int = 0
+
+
+Encoder = Callable[[memoryview, str], Encoded]  # (raw bytes, their digest) -> how to store them
+
+
+def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False) -> list:
+    """``raw`` as zstd, or as raw where zstd would not shrink it: an encoding that needs no base."""
+    parts = codecs.encode(raw, "zstd", itemsize, floating=floating)
+    if sum(memoryview(p).nbytes for p in parts) < len(raw) + codecs.HEADER.size:
+        return parts
+    return codecs.encode(raw, "raw")
+
+
+class _NotRaw(Exception):
+    """Stops a verifying scan at the header of a chunk that is not stored raw."""
+
+
+class ChunkStore:
+    """Put and get verified chunks. Thread-safe; callers parallelise across chunks."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        scope: Mapping[str, int] | None = None,
+        checksums: Mapping[str, str] | None = None,
+        address: str | None = None,
+    ):
+        self.store = store
+        self.scope = scope  # the chunks of one manifest: the only delta bases a read may use
+        self.checksums = checksums or {}  # digest -> fast checksum: what reads are checked against
+        self.address = address  # the manifest's kind of address: tried first (``checksum.matches_address``)
+        self._local = threading.local()  # per-thread scratch buffers for ``check``
+
+    def scoped(
+        self, chunks: Mapping[str, int], *, checksums: Mapping[str, str] | None = None, address: str | None = None
+    ) -> ChunkStore:
+        """This store, reading for one manifest: a delta chunk whose base that manifest
+        does not list is refused, so a checkpoint never needs more than its own list.
+        With the manifest's ``checksums``, reads are checked against them (fast) instead
+        of re-hashing the ``address`` (the manifest's kind); without (``verify --deep``),
+        the address."""
+        return ChunkStore(self.store, scope=chunks, checksums=checksums, address=address)
+
+    def put(
+        self,
+        raw: memoryview,
+        *,
+        digest: str | None = None,
+        codec: str = "raw",
+        itemsize: int = 1,
+        rewrite: bool = False,
+        floating: bool = False,
+        encoder: Encoder | None = None,
+    ) -> ChunkWrite:
+        """Store ``raw`` (with ``encoder`` if given, else ``codec``). ``rewrite`` replaces
+        an existing copy instead of trusting it.
+
+        A reused chunk may be stored as a delta: its base is looked up (a read of its
+        header), checked to exist and touched with it, and returned, so the manifest of
+        every checkpoint that references the chunk also lists its base. An existing copy
+        is never replaced by a delta (it is stored plainly instead): another save may be
+        committing a reference to the chunk that lists no such base.
+        """
+        if digest is None:
+            digest, checksum = address_and_checksum(raw)
+        else:
+            checksum = fast_checksum(raw)
+        key = chunk_key(digest)
+        if not rewrite:
+            try:
+                existing = self.store.stat(key)
+            except ObjectNotFoundError:
+                pass
+            else:
+                reused = self._reuse(digest, existing.size, len(raw), checksum)
+                if reused is not None:
+                    return reused
+                rewrite = True  # a delta whose base is gone: store it anew
+        encoded = encoder(raw, digest) if encoder else Encoded(codecs.encode(raw, codec, itemsize, floating=floating))
+        if rewrite and encoded.base is not None:
+            encoded = Encoded(plain_encoding(raw, itemsize=itemsize, floating=floating))
+        size = sum(memoryview(p).nbytes for p in encoded.parts)
+        written = ChunkWrite(
+            digest=digest,
+            raw_bytes=len(raw),
+            stored_bytes=size,
+            written=True,
+            base=encoded.base,
+            base_bytes=encoded.base_bytes,
+            checksum=checksum,
+        )
+        if rewrite:
+            self.store.replace(key, encoded.parts)
+            return written
+        if self.store.put_if_absent(key, encoded.parts):
+            return written
+        return self._reuse(digest, self.store.stat(key).size, len(raw), checksum) or self.put(
+            raw, digest=digest, rewrite=True, encoder=encoder, codec=codec, itemsize=itemsize, floating=floating
+        )
+
+    def _reuse(self, digest: str, size: int, raw_len: int, checksum: str) -> ChunkWrite | None:
+        """Keep a stored chunk (touching it and any delta base so GC's grace period
+        restarts for both); None if it is a delta whose base no longer exists."""
+        key = chunk_key(digest)
+        base = codecs.delta_base(self.store.read_head(key, codecs.HEAD_BYTES))
+        base_bytes = 0
+        if base is not None:
+            try:
+                base_bytes = self.store.stat(chunk_key(base)).size
+                self.store.touch(chunk_key(base))
+            except ObjectNotFoundError:
+                return None
+        self.store.touch(key)  # restart GC's grace period: this save now uses it
+        return ChunkWrite(
+            digest=digest,
+            raw_bytes=raw_len,
+            stored_bytes=size,
+            written=False,
+            base=base,
+            base_bytes=base_bytes,
+            checksum=checksum,
+        )
+
+    def get(self, digest: str, size: int) -> memoryview:
+        """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
+        its address. The object's size and its header are checked against ``size`` before
+        it is read or decompressed, so a damaged or hostile chunk cannot make the reader
+        allocate more than the manifest promised."""
+        return self._decoded(digest, self._fetch(digest, size), size)
+
+    def read_stored(self, digest: str, size: int) -> tuple[bytes, memoryview]:
+        """A chunk as stored and its raw bytes, verified as ``get`` verifies them: what a
+        copy into another tier uploads, once it is known to be sound."""
+        blob = self._fetch(digest, size)
+        return blob, self._decoded(digest, blob, size)
+
+    def replace_verified(self, digest: str, size: int, parts: list) -> int:
+        """Put ``parts`` (a plain encoding of the chunk's ``size`` raw bytes) in place of
+        whatever is stored as ``digest``; their stored size.
+
+        This is how an existing chunk object is rewritten (compaction; a tier that holds
+        a chunk in an encoding a checkpoint cannot use): ``parts`` are decoded without a
+        base reader, so a delta is refused, and checked against the chunk's address
+        before the object is swapped atomically (``Store.replace``). The address is the
+        hash of the raw bytes, so every checkpoint sharing the chunk reads the same bytes
+        after, and one that needed a base for it merely needs it no longer.
+        """
+        key = chunk_key(digest)
+        blob = b"".join(memoryview(p).cast("B") for p in parts)
+        try:
+            self._verify(digest, key, codecs.decode(blob, expected=size))
+        except CorruptChunkError as e:
+            raise CorruptChunkError(
+                f"a new encoding of chunk {self.store.url}/{key} does not decode to its content ({e}); "
+                "the stored copy was left as it is"
+            ) from None
+        self.store.replace(key, blob)
+        return len(blob)
+
+    def _fetch(self, digest: str, size: int) -> bytes:
+        key = chunk_key(digest)
+        try:
+            return self.store.get_bounded(key, codecs.max_encoded_size(size))
+        except ObjectNotFoundError:
+            raise self._missing(digest, key) from None
+        except ObjectTooLargeError as e:
+            raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
+
+    def _decoded(self, digest: str, blob: bytes, size: int) -> memoryview:
+        key = chunk_key(digest)
+        try:
+            raw = codecs.decode(blob, expected=size, base=self._base_blob)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
+        if len(raw) != size:
+            raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
+        try:
+            self._verify(digest, key, raw)
+        except CorruptChunkError:
+            base = codecs.delta_base(blob)
+            if base is not None:  # a bad base makes bad bytes: say so if that is the cause
+                try:
+                    self.base_raw(base, len(raw))
+                except CorruptChunkError as e:
+                    raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
+            raise
+        return raw
+
+    def _base_blob(self, digest: str, size: int) -> bytes:
+        """A delta's base as stored: listed by the manifest being read (if scoped), present.
+        Its bytes are checked through the delta's own address (``codecs.decode``)."""
+        if self.scope is not None and self.scope.get(digest) != size:
+            raise CorruptChunkError(
+                f"its delta base {digest[:16]}… ({size} bytes) is not among the chunks the manifest lists"
+            )
+        try:
+            return self.store.get_bounded(chunk_key(digest), codecs.max_encoded_size(size))
+        except ObjectNotFoundError:
+            raise CorruptChunkError(f"its delta base {self.store.url}/{chunk_key(digest)} is missing") from None
+        except ObjectTooLargeError as e:
+            raise CorruptChunkError(f"its delta base {e} (the delta needs {size} raw bytes)") from None
+
+    def base_raw(self, digest: str, size: int) -> tuple[memoryview, int]:
+        """A delta base's raw bytes, verified, and its stored size: what a delta is computed
+        against. A base is never itself a delta: it is decoded without a base reader, so
+        a delta there is refused."""
+        key = chunk_key(digest)
+        blob = self._base_blob(digest, size)
+        try:
+            raw = codecs.decode(blob, expected=size)
+            if len(raw) != size:
+                raise CorruptChunkError(f"holds {len(raw)} bytes, the delta needs {size}")
+            self._verify(digest, key, raw)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"its delta base is unusable: {e}") from None
+        return raw, len(blob)
+
+    def check(self, digest: str, size: int) -> CheckedChunk:
+        """Verify a chunk before anything is written from it (restore's first pass).
+
+        A raw chunk on a store that can re-read cheaply (``Store.cheap_reread``) is
+        streamed through a small per-thread buffer into the check, and only its file
+        version is kept; anything else keeps the verified bytes, so the second pass
+        never fetches twice. Any anomaly goes through ``get``, which names the problem.
+        """
+        if self.store.cheap_reread:
+            header, hasher = bytearray(), self._hasher(digest)
+
+            def consume(piece: memoryview) -> None:
+                if len(header) < codecs.HEADER.size:
+                    take = codecs.HEADER.size - len(header)
+                    header.extend(piece[:take])
+                    piece = piece[take:]
+                    if len(header) == codecs.HEADER.size and codecs.raw_length(header) is None:
+                        raise _NotRaw  # an encoded chunk: decode it instead of hashing its payload
+                hasher.update(piece)
+
+            try:
+                got, version = self.store.scan(
+                    chunk_key(digest), self._scratch(SCAN_PIECE), consume, limit=codecs.max_encoded_size(size)
+                )
+            except ObjectNotFoundError:
+                raise self._missing(digest, chunk_key(digest)) from None
+            except ObjectTooLargeError as e:
+                raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
+            except _NotRaw:
+                pass
+            else:
+                if (
+                    got == codecs.HEADER.size + size
+                    and codecs.raw_length(header) == size
+                    and hasher.hexdigest() == self.checksums.get(digest, digest)
+                ):
+                    return CheckedChunk(digest, size, version=version)
+        return CheckedChunk(digest, size, data=self.get(digest, size))
+
+    def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
+        """Fill ``out`` with a chunk ``check`` verified, reading a raw chunk straight into
+        ``out`` and checking it there again (with the fast checksum, where the manifest
+        records one); a file changed since, or bytes that do not match, are read again
+        through ``get``, which verifies them or raises."""
+        out = memoryview(out).cast("B")
+        if checked.data is not None:
+            out[:] = checked.data
+            return
+        header = bytearray(codecs.HEADER.size)
+        try:
+            got, version = self.store.get_into(chunk_key(checked.digest), [header, out])
+        except ObjectNotFoundError:
+            raise self._missing(checked.digest, chunk_key(checked.digest)) from None
+        except OSError:  # an I/O error: read it once more, through ``get``, below
+            got, version = -1, None
+        expected = self.checksums.get(checked.digest)
+        if (
+            version != checked.version
+            or got != len(header) + len(out)
+            or codecs.raw_length(header) != len(out)
+            or (expected is not None and fast_checksum(out) != expected)
+        ):
+            out[:] = self.get(checked.digest, len(out))  # replaced or damaged since: verify again
+
+    def _scratch(self, size: int) -> memoryview:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.scratch = bytearray(size)
+        return memoryview(buf)[:size]
+
+    def _missing(self, digest: str, key: str) -> CorruptChunkError:
+        return CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}")
+
+    def _hasher(self, digest: str) -> Any:
+        """What a read of ``digest`` is checked with: its fast checksum if the manifest
+        records one, else its address (``hexdigest`` compares to either)."""
+        return FastChecksum() if digest in self.checksums else address_hasher(self.address or ADDRESS)
+
+    def _verify(self, digest: str, key: str, raw: memoryview | bytes) -> None:
+        expected = self.checksums.get(digest)
+        if expected is not None:
+            actual = fast_checksum(raw)
+            if actual != expected:
+                raise CorruptChunkError(
+                    f"chunk {self.store.url}/{key} does not match its address (its content fails the fast "
+                    f"checksum the manifest records: {actual[:16]}…, expected {expected[:16]}…)"
+                )
+            return
+        if not matches_address(digest, raw, self.address):
+            raise CorruptChunkError(
+                f"chunk {self.store.url}/{key} does not match its address (neither the "
+                f"{' nor the '.join(ADDRESSES)} of its content)"
+            )
+
+    def reencode(
+        self,
+        digest: str,
+        size: int,
+        codec: str,
+        *,
+        itemsize: int = 1,
+        level: int = 3,
+        only_if_smaller: bool = False,
+        floating: bool = False,
+    ) -> tuple[int, int]:
+        """Verify then rewrite a chunk with another codec; (bytes before, bytes after).
+
+        With ``only_if_smaller`` a chunk already in ``codec``, or one the codec would not
+        shrink, is left alone (after == before): what compaction of a store wants. Only
+        plain codecs are written here, so compaction never turns a chunk (a base above
+        all) into a delta; a delta it rewrites plainly stops needing its base, whose
+        reference in the manifests then merely keeps it a little longer.
+        """
+        blob = self._fetch(digest, size)
+        if only_if_smaller and codecs.header_codec(blob) == codec:
+            return len(blob), len(blob)
+        parts = codecs.encode(self._decoded(digest, blob, size), codec, itemsize, level=level, floating=floating)
+        after = sum(len(memoryview(p).cast("B")) for p in parts)
+        if only_if_smaller and after >= len(blob):
+            return len(blob), len(blob)
+        return len(blob), self.replace_verified(digest, size, parts)

@@ -1,0 +1,1 @@
+"""torch.distributed.checkpoint over a ckptflow store: the writer, the reader, their metadata."""

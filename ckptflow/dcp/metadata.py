@@ -1,0 +1,83 @@
+"""DCP ``Metadata`` <-> JSON, so a checkpoint's index is never pickled.
+
+Only the fields ckptflow's reader needs survive the round trip: per-tensor dtype,
+global size and shard layout, the storage index (our chunk lists), and planner data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptflow.errors import ManifestError
+from ckptflow.format.dcp_index import DcpIndex, StorageItem
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ManifestError(f"manifest names unknown dtype {name!r}; was it written by a newer torch?")
+    return dtype
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def metadata_to_json(md: Metadata, storage: dict[MetadataIndex, dict]) -> dict:
+    tensors: dict[str, Any] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise ManifestError(f"state entry {fqn!r} is not a tensor; ckptflow stores only tensors through DCP")
+        tensors[fqn] = {
+            "dtype": dtype_name(item.properties.dtype),
+            "size": list(item.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
+        }
+    items = [
+        {
+            "fqn": idx.fqn,
+            "offset": None if idx.offset is None else list(idx.offset),
+            "index": idx.index,
+            **data,
+        }
+        for idx, data in sorted(storage.items(), key=lambda kv: (kv[0].fqn, list(kv[0].offset or ())))
+    ]
+    return {"version": md.version, "tensors": tensors, "items": items, "planner_data": _plain(md.planner_data)}
+
+
+def metadata_from_index(index: DcpIndex) -> tuple[Metadata, dict[MetadataIndex, StorageItem]]:
+    """DCP ``Metadata`` for a parsed manifest's index (already validated by ``Manifest.parse``)."""
+    sdm: dict[str, Any] = {
+        fqn: TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype_from_name(t.dtype)),
+            size=torch.Size(t.size),
+            chunks=[ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.sizes)) for s in t.shards],
+        )
+        for fqn, t in index.tensors.items()
+    }
+    storage = {
+        MetadataIndex(item.fqn, None if item.offset is None else torch.Size(item.offset), item.index): item
+        for item in index.items
+    }
+    planner = index.planner_data
+    if isinstance(planner, dict):
+        planner = {k: tuple(v) if isinstance(v, list) else v for k, v in planner.items()}
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage, version=index.version)
+    return md, storage

@@ -1,0 +1,170 @@
+"""torch.distributed.checkpoint ``StorageReader`` over a ckptflow store (the writer: ``dcp_io``).
+
+DCP plans the load (resharding included); this class only moves bytes, and verifies
+every chunk before any of them is written into the caller's tensors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+import torch.futures
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from ckptflow.chunks.io import CheckedChunk, ChunkStore
+from ckptflow.dcp.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
+from ckptflow.dcp.metadata import dtype_from_name, metadata_from_index
+from ckptflow.dcp.writer import Progress, completed_future
+from ckptflow.errors import is_damage
+from ckptflow.format.dcp_index import StorageItem
+from ckptflow.format.manifest import Manifest
+
+
+class CheckpointReader(StorageReader):
+    """Reads one committed checkpoint in two passes, so a bad checkpoint touches nothing.
+
+    Pass one verifies every chunk this rank needs, against the fast checksum its manifest
+    records (``ckptflow.format.checksum``; the address for manifests without one); ``agree`` then
+    combines every rank's verdict (a collective: all ranks call ``read_data``). Only if all
+    ranks verified cleanly does pass two read local raw chunks straight into the
+    destination tensors, checking them there again (a mismatch, or an I/O error, is read
+    once more and verified through ``ChunkStore.get``). So restore needs no second copy of
+    the model in host memory, and a rejected checkpoint leaves the caller's tensors as
+    they were. A failure in pass two raises ``IntoPlaceFailed``: those tensors are partly
+    written, which restore reports as ``PartialRestoreError``.
+    """
+
+    def __init__(
+        self,
+        chunks: ChunkStore,
+        manifest: Manifest,
+        pool: ThreadPoolExecutor,
+        progress: Progress | None = None,
+        *,
+        agree: Callable[[Failure | None], Failure | None] | None = None,
+    ):
+        super().__init__()
+        self.chunks = chunks.scoped(
+            manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address
+        )  # reads checked fast
+        self.manifest, self.pool, self.progress = manifest, pool, progress
+        self.agree = agree or (lambda failure: failure)
+        self.metadata, self.storage = metadata_from_index(manifest.dcp)
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _check(self, digest: str, size: int) -> CheckedChunk:
+        checked = self.chunks.check(digest, size)
+        if self.progress:
+            self.progress(size)
+        return checked
+
+    def _verify_all(self, indexes: list[MetadataIndex]) -> tuple[dict[str, CheckedChunk], Failure | None]:
+        """Every chunk checked; a damaged chunk anywhere outweighs a read that failed
+        elsewhere (the checkpoint is bad whatever else happened)."""
+        needed: dict[str, int] = {}
+        for index in indexes:
+            needed.update(self.storage[index].chunks)  # lengths add up: Manifest.parse checked
+        futures = {digest: self.pool.submit(self._check, digest, size) for digest, size in needed.items()}
+        checked: dict[str, CheckedChunk] = {}
+        errors: list[BaseException] = []
+        for digest, future in futures.items():
+            try:
+                checked[digest] = future.result()
+            except Exception as e:
+                errors.append(e)
+        if not errors:
+            return checked, None
+        damage = [e for e in errors if is_damage(e)]
+        return {}, failure_of(damage[0] if damage else errors[0])
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        by_storage: dict[MetadataIndex, list] = defaultdict(list)
+        for req in plan.items:
+            by_storage[req.storage_index].append(req)
+        try:
+            checked, failure = self._verify_all(list(by_storage))
+        except Exception as e:  # never skip ``agree``: the other ranks wait in it
+            checked, failure = {}, failure_of(e)
+        failure = self.agree(failure)
+        if failure:
+            raise ReadAborted(failure)
+        loading = []
+        try:
+            for index, reqs in by_storage.items():
+                item = self.storage[index]
+                targets = [planner.resolve_tensor(req).detach() for req in reqs]
+                if len(reqs) == 1 and _whole_item_target(item, reqs[0], targets[0]):
+                    buffer = targets[0]  # chunks land in place: no staging tensor, no copy
+                else:  # resharding, another device or dtype: read the item, then copy slices
+                    to_gpu = any(t.device.type == "cuda" for t in targets)
+                    buffer = torch.empty(item.shape, dtype=dtype_from_name(item.dtype), pin_memory=to_gpu)
+                raw, offset, futures = _writable_bytes(buffer), 0, []
+                for digest, size in item.chunks:
+                    futures.append(
+                        self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size])
+                    )
+                    offset += size
+                loading.append((reqs, targets, buffer, futures))
+            for reqs, targets, buffer, futures in loading:
+                for f in futures:
+                    f.result()
+                for req, target in zip(reqs, targets):
+                    if target is not buffer:
+                        src = buffer
+                        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                            src = src.narrow(dim, start, length)
+                        target.copy_(src, non_blocking=buffer.is_pinned())
+                if buffer.is_pinned():
+                    torch.cuda.current_stream().synchronize()  # copies done before commit and reuse
+                for req, target in zip(reqs, targets):
+                    planner.commit_tensor(req, target)
+        except Exception as e:  # verified, yet not read into place: the caller's tensors are partly written
+            raise IntoPlaceFailed(describe(e)) from e
+        finally:  # on failure: no read may write into the caller's tensors after this returns
+            pending = [f for *_, futures in loading for f in futures]
+            for f in pending:
+                f.cancel()
+            wait(pending)
+        return completed_future(None)
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as writable bytes (no copy)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def _whole_item_target(item: StorageItem, req: Any, target: torch.Tensor) -> bool:
+    """Whether ``req`` reads the whole stored item into a tensor laid out exactly like it."""
+    return (
+        type(target) is torch.Tensor
+        and target.device.type == "cpu"
+        and target.dtype == dtype_from_name(item.dtype)
+        and tuple(target.shape) == item.shape
+        and target.is_contiguous()
+        and tuple(req.lengths) == item.shape
+        and not any(req.storage_offsets)
+    )

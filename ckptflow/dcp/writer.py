@@ -1,0 +1,280 @@
+"""torch.distributed.checkpoint ``StorageWriter`` over a ckptflow store (the reader: ``dcp_reader``).
+
+DCP does the planning (replicated-tensor dedup, resharding on load, async staging);
+this class only moves bytes: each rank splits its write items into content-addressed
+chunks, hashes and writes them from a thread pool, writes its rank record, and the
+coordinator commits the manifest last.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.futures
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ckptflow.catalog.commit import commit_manifest
+from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
+from ckptflow.chunks.leases import save_lease
+from ckptflow.dcp.auto_codec import SaveEncoder
+from ckptflow.dcp.metadata import dtype_name, metadata_to_json
+from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
+from ckptflow.format import layout as fmt
+from ckptflow.format.checksum import ADDRESS
+from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
+from ckptflow.format.manifest import Manifest, RankRecord
+from ckptflow.format.sealed import seal
+
+Progress = Callable[[int], None]
+
+# Single-process use (no process group) is a supported mode here, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+@dataclass
+class SaveSpec:
+    """Everything one rank's writer needs beyond the tensors DCP hands it."""
+
+    run: str
+    step: int
+    kind: str  # "full" rewrites every chunk; "incremental" trusts chunks already stored
+    base_step: int | None
+    skeleton: Any
+    rng: dict | None
+    metadata: dict
+    world_size: int
+    save_id: str  # one id per save attempt, shared by all ranks; ties rank records to their manifest
+    chunk_bytes: int = 8 << 20
+    codec: str = "raw"
+    created_at: float = field(default_factory=time.time)
+    encoder: SaveEncoder | None = None  # codec "auto": chooses raw, zstd or a delta per chunk
+    tied: list[list[str]] = field(default_factory=list)  # tensor names sharing one storage (manifest "tied")
+    lossy: dict | None = None  # the state is a lossy copy's (an import of its export): its ``lossy`` record
+    replaces: str | None = None  # sha256 of a manifest at the step proved damaged when the save began
+
+
+def _plan_bytes(plan: SavePlan) -> int:
+    """The tensor bytes one rank's plan writes, before dedup."""
+    return sum(
+        math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        for item in plan.items
+        if item.tensor_data is not None and item.tensor_data.properties.dtype is not None
+    )
+
+
+def completed_future(value: Any) -> torch.futures.Future:
+    """A torch future already holding ``value``: how DCP's storage interface is answered
+    for work finished before the call returns."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class CheckpointWriter(StorageWriter):
+    def __init__(self, chunks: ChunkStore, spec: SaveSpec, pool: ThreadPoolExecutor, progress: Progress | None = None):
+        super().__init__()
+        self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
+        self.rank = 0
+        self.is_coordinator = True
+        self.manifest: Manifest | None = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
+
+    def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None) -> ChunkWrite:
+        write = self.chunks.put(
+            piece,
+            codec="raw" if encoder else self.spec.codec,
+            itemsize=tensor.element_size(),
+            floating=tensor.is_floating_point(),
+            rewrite=self.spec.kind == "full",
+            encoder=encoder,
+        )
+        if self.progress:
+            self.progress(len(piece))
+        return write
+
+    def _chunk_encoder(self, item: Any, tensor: torch.Tensor, index: int) -> Encoder | None:
+        if self.spec.encoder is None:
+            return None
+        offset = None if item.index.offset is None else tuple(item.index.offset)
+        return self.spec.encoder.for_chunk(
+            item.index.fqn,
+            offset,
+            dtype_name(tensor.dtype),
+            index,
+            tensor.element_size(),
+            floating=tensor.is_floating_point(),
+        )
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
+        try:
+            with save_lease(self.chunks.store) as lease:
+                results = self._write_chunks(plan, planner)
+                if lease.lost:  # GC may have taken the store for dead-writer chunks meanwhile
+                    raise StoreUnavailableError(
+                        f"the save lease of run {self.spec.run!r} step {self.spec.step} in {self.chunks.store.url} "
+                        "could not be renewed while chunks were written, so GC may have swept some; save again"
+                    )
+            self._write_rank_record(results)
+        except StoreFullError as e:
+            needed = _plan_bytes(plan)
+            raise StoreFullError(
+                f"saving run {self.spec.run!r} step {self.spec.step} (rank {self.rank}) needs up to {needed} bytes "
+                f"for its tensors in {self.chunks.store.url} (less where chunks are already stored): {e}",
+                needed=needed,
+            ) from e
+        return completed_future(results)
+
+    def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        pending: list[tuple[Any, torch.Tensor, memoryview, list[Future]]] = []
+        try:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise UnsupportedStateError(
+                        f"{item.index.fqn!r} is not a tensor, so DCP would store it as a BYTE_IO item, which would "
+                        "be pickled, and ckptflow never pickles: save it through a Checkpointer, which keeps "
+                        "every non-tensor value of the state as JSON in its rank record, or convert it to a tensor"
+                    )
+                tensor = planner.resolve_data(item)
+                assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
+                raw = _bytes_view(tensor)
+                step = self.spec.chunk_bytes
+                futures = [
+                    self.pool.submit(
+                        self._put, raw[off : off + step], tensor, self._chunk_encoder(item, tensor, off // step)
+                    )
+                    for off in range(0, len(raw), step)
+                ]
+                pending.append((item, tensor, raw, futures))
+            return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
+        finally:  # on failure: no chunk write may outlive the lease
+            queued = [f for *_, futures in pending for f in futures]
+            for f in queued:
+                f.cancel()
+            wait(queued)
+
+    @staticmethod
+    def _result(item: Any, tensor: torch.Tensor, raw: memoryview, futures: list[Future]) -> WriteResult:
+        writes = [f.result() for f in futures]
+        data = {
+            "dtype": dtype_name(tensor.dtype),
+            "shape": list(tensor.shape),
+            "chunks": [[w.digest, w.raw_bytes] for w in writes],
+            "_writes": [[w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum] for w in writes],
+        }
+        return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data)
+
+    def _write_rank_record(self, results: list[WriteResult]) -> None:
+        spec = self.spec
+        record = RankRecord(
+            run=spec.run,
+            step=spec.step,
+            rank=self.rank,
+            world_size=spec.world_size,
+            save_id=spec.save_id,
+            state=spec.skeleton,
+            rng=spec.rng,
+            items=len(results),
+        )
+        self.chunks.store.put_if_absent(fmt.rank_key(spec.run, spec.step, self.rank, spec.save_id), record.seal())
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        spec = self.spec
+        storage: dict[MetadataIndex, dict] = {}
+        chunk_sizes: dict[str, int] = {}
+        stored: dict[str, int] = {}
+        bases: dict[str, str] = {}
+        checksums: dict[str, str] = {}
+        written_digests: set[str] = set()
+        written_bytes = written_stored = logical = 0
+        for rank_results in results:
+            for wr in rank_results:
+                data = dict(wr.storage_data)
+                writes = data.pop("_writes")
+                storage[wr.index] = data
+                logical += wr.size_in_bytes
+                for (digest, raw_len), (size, was_written, base, base_bytes, checksum) in zip(data["chunks"], writes):
+                    chunk_sizes[digest] = raw_len
+                    checksums[digest] = checksum
+                    stored[digest] = size
+                    if base is not None:  # restore, verify and GC must see the base: list it
+                        bases[digest] = base
+                        chunk_sizes[base] = raw_len
+                        stored.setdefault(base, base_bytes)
+                    if was_written and digest not in written_digests:
+                        written_digests.add(digest)
+                        written_bytes += raw_len
+                        written_stored += size
+        manifest = {
+            "format_version": fmt.FORMAT_VERSION,
+            "run": spec.run,
+            "step": spec.step,
+            "kind": spec.kind,
+            "save_id": spec.save_id,
+            "base_step": spec.base_step,
+            "created_at": spec.created_at,
+            "committed_at": time.time(),
+            "world_size": spec.world_size,
+            "codec": spec.codec,
+            "metadata": spec.metadata,
+            "address": ADDRESS,
+            "dcp": metadata_to_json(metadata, storage),
+            "chunks": dict(sorted(chunk_sizes.items())),
+            **({"bases": dict(sorted(bases.items()))} if bases else {}),
+            FAST_CHECKSUMS: dict(sorted(checksums.items())),
+            **({"tied": spec.tied} if spec.tied else {}),
+            **({"lossy": spec.lossy} if spec.lossy is not None else {}),
+            "stats": {
+                "logical_bytes": logical,
+                "unique_bytes": sum(chunk_sizes.values()),
+                "stored_bytes": sum(stored.values()),
+                "chunks": len(chunk_sizes),
+                "chunks_written": len(written_digests),
+                "bytes_written": written_bytes,
+                "stored_written": written_stored,
+                "delta_chunks": len(bases),
+            },
+            "rank_records": "by_save_id",
+        }
+        key = fmt.manifest_key(spec.run, spec.step)
+        blob = seal(manifest)
+        parsed = Manifest.parse(
+            blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
+        )  # never commit what a reader refuses
+        commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
+        self.manifest = parsed

@@ -1,0 +1,179 @@
+"""The DCP index of a checkpoint, typed, and the rule that it describes whole tensors.
+
+Every tensor's shards must tile it exactly (no gap, no overlap, nothing out of
+bounds), every shard must have one storage item whose chunk lengths add up to its
+bytes, and every chunk an item names must be in the manifest's chunk list with the
+same length. ``Manifest.parse`` applies this, so verify, restore and export cannot
+disagree about whether a checkpoint's tensors are whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptflow.format import layout as fmt
+from ckptflow.format.sealed import Fields
+from ckptflow.format.tiling import tiling_problem
+
+
+# ---- the DCP index ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shard:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorEntry:
+    """One tensor of the saved state: dtype, global size, and how its shards tile it."""
+
+    fqn: str
+    dtype: str
+    size: tuple[int, ...]
+    shards: tuple[Shard, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return fmt.DTYPE_SIZES[self.dtype] * math.prod(self.size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageItem:
+    """One written shard: where it sits in its tensor and the chunks holding its bytes."""
+
+    fqn: str
+    offset: tuple[int, ...] | None
+    index: int | None
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[tuple[str, int], ...]  # (digest, raw length), in byte order
+
+    @property
+    def nbytes(self) -> int:
+        return fmt.DTYPE_SIZES[self.dtype] * math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpIndex:
+    version: Any
+    tensors: Mapping[str, TensorEntry]
+    items: tuple[StorageItem, ...]
+    planner_data: Any
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "tensors": {
+                fqn: {
+                    "dtype": t.dtype,
+                    "size": list(t.size),
+                    "chunks": [{"offsets": list(s.offsets), "sizes": list(s.sizes)} for s in t.shards],
+                }
+                for fqn, t in self.tensors.items()
+            },
+            "items": [
+                {
+                    "fqn": i.fqn,
+                    "offset": None if i.offset is None else list(i.offset),
+                    "index": i.index,
+                    "dtype": i.dtype,
+                    "shape": list(i.shape),
+                    "chunks": [[d, n] for d, n in i.chunks],
+                }
+                for i in self.items
+            ],
+            "planner_data": self.planner_data,
+        }
+
+
+def _check_cover(check: Fields, t: TensorEntry) -> None:
+    problem = tiling_problem(t.size, [(s.offsets, s.sizes) for s in t.shards])
+    if problem:
+        raise check.bad(f"has shards of tensor {t.fqn!r} (shape {list(t.size)}) that do not tile it: {problem}")
+
+
+def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpIndex:
+    tensors_doc, items_doc = doc.get("tensors"), doc.get("items")
+    if not isinstance(tensors_doc, dict) or not isinstance(items_doc, list):
+        raise check.bad("has a DCP index without 'tensors' and 'items'")
+    tensors: dict[str, TensorEntry] = {}
+    for fqn, t in tensors_doc.items():
+        if not isinstance(t, dict) or not isinstance(t.get("chunks"), list):
+            raise check.bad(f"has a DCP index entry {fqn!r} without dtype and chunks")
+        shards = []
+        for c in t["chunks"]:
+            if not isinstance(c, dict):
+                raise check.bad(f"has a shard of {fqn!r} that is not an object")
+            shards.append(
+                Shard(
+                    check.ints(c.get("offsets"), f"offsets of {fqn!r}"), check.ints(c.get("sizes"), f"sizes of {fqn!r}")
+                )
+            )
+        entry = TensorEntry(
+            fqn=fqn,
+            dtype=check.dtype(t.get("dtype"), f"tensor {fqn!r}"),
+            size=check.ints(t.get("size"), f"size of {fqn!r}"),
+            shards=tuple(shards),
+        )
+        _check_cover(check, entry)
+        tensors[fqn] = entry
+    items: list[StorageItem] = []
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    per_tensor: dict[str, int] = {}
+    for it in items_doc:
+        if not isinstance(it, dict) or not isinstance(it.get("chunks"), list) or not isinstance(it.get("fqn"), str):
+            raise check.bad("has a DCP storage item without fqn or chunks")
+        fqn = it["fqn"]
+        offset = None if it.get("offset") is None else check.ints(it["offset"], f"offset of item {fqn!r}")
+        index = it.get("index")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+            raise check.bad(f"has item {fqn!r} with index {index!r}")
+        refs = []
+        for ref in it["chunks"]:
+            if not (
+                isinstance(ref, list)
+                and len(ref) == 2
+                and isinstance(ref[0], str)
+                and chunks.get(ref[0]) == ref[1]
+                and not isinstance(ref[1], bool)
+            ):
+                raise check.bad(f"has item {fqn!r} referencing a chunk missing from its chunk list")
+            refs.append((ref[0], ref[1]))
+        item = StorageItem(
+            fqn=fqn,
+            offset=offset,
+            index=index,
+            dtype=check.dtype(it.get("dtype"), f"item {fqn!r}"),
+            shape=check.ints(it.get("shape"), f"shape of item {fqn!r}"),
+            chunks=tuple(refs),
+        )
+        tensor = tensors.get(fqn)
+        if tensor is None:
+            raise check.bad(f"has a storage item for {fqn!r}, which is not in its tensor index")
+        if item.dtype != tensor.dtype:
+            raise check.bad(f"stores {fqn!r} as {item.dtype} but indexes it as {tensor.dtype}")
+        shard = Shard(offset or tuple(0 for _ in tensor.size), item.shape)
+        if shard not in tensor.shards:
+            raise check.bad(
+                f"has an item of {fqn!r} at {list(shard.offsets)} shaped {list(item.shape)} that is no shard of it"
+            )
+        if (fqn, shard.offsets) in seen:
+            raise check.bad(f"stores the shard of {fqn!r} at {list(shard.offsets)} twice")
+        seen.add((fqn, shard.offsets))
+        per_tensor[fqn] = per_tensor.get(fqn, 0) + 1
+        if sum(n for _, n in refs) != item.nbytes:
+            raise check.bad(
+                f"has chunks of {fqn!r} adding up to {sum(n for _, n in refs)} bytes, but its shape and dtype "
+                f"need {item.nbytes}"
+            )
+        items.append(item)
+    for fqn, tensor in tensors.items():
+        stored = per_tensor.get(fqn, 0)
+        if stored != len(tensor.shards):
+            raise check.bad(f"stores {stored} of the {len(tensor.shards)} shards of tensor {fqn!r}")
+    return DcpIndex(
+        version=doc.get("version"), tensors=tensors, items=tuple(items), planner_data=doc.get("planner_data")
+    )

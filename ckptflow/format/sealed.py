@@ -1,0 +1,158 @@
+"""Sealed JSON records: a record carries the sha256 of its own canonical JSON.
+
+A flipped byte anywhere in a manifest or rank record is detected before it is
+trusted. Bounds keep a hostile or broken record from making a reader allocate without
+limit: its size is capped before it is parsed, its nesting depth after.
+
+``Fields`` reads typed fields out of a parsed record, raising one ``ManifestError``
+that names the record for whatever is missing or of the wrong type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ckptflow.errors import ManifestError
+from ckptflow.format import layout as fmt
+
+MAX_RECORD_BYTES = 1 << 30  # a manifest listing 10 TB in 8 MiB chunks is ~150 MiB
+MAX_DEPTH = 128  # JSON nesting; a real state dict is a handful of levels deep
+
+
+# ---- sealing -------------------------------------------------------------------------
+def canonical(obj: Any) -> bytes:
+    """The bytes a record's checksum covers: compact JSON in the record's own key order
+    (the order it was written in, which parsing keeps)."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+
+
+def seal(record: Mapping[str, Any]) -> bytes:
+    """Serialize ``record`` followed by its own checksum."""
+    body = {k: v for k, v in record.items() if k != "checksum"}
+    return canonical({**body, "checksum": hashlib.sha256(canonical(body)).hexdigest()})
+
+
+def json_problem(value: Any, where: str) -> str | None:
+    """Why ``value`` cannot be stored as JSON exactly (None if it can): only dicts with
+    string keys, lists, str, int, float, bool and None, no deeper than ``MAX_DEPTH``."""
+    stack: list[tuple[Any, str, int]] = [(value, where, 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"{path} is nested deeper than {MAX_DEPTH} levels"
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if not isinstance(key, str):
+                    return f"{path} has the key {key!r} of type {type(key).__name__}; JSON keys are strings"
+                stack.append((child, f"{path}[{key!r}]", depth + 1))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(node))
+        elif node is not None and type(node) not in (str, int, float, bool):
+            hint = " (convert it with float() or int(), e.g. loss.item())" if hasattr(node, "item") else ""
+            return f"{path} is a {type(node).__module__}.{type(node).__name__}, not a JSON value{hint}"
+    return None
+
+
+def _depth_ok(obj: Any, limit: int) -> bool:
+    """Level by level over containers only: the leaves (most of a manifest) are never visited."""
+    level, depth = [obj], 1
+    while level:
+        if depth > limit:
+            return False
+        below: list[Any] = []
+        for node in level:
+            below.extend(c for c in (node.values() if type(node) is dict else node) if type(c) in (dict, list))
+        level, depth = below, depth + 1
+    return True
+
+
+def unseal(blob: bytes, where: str) -> dict:
+    """Parse and verify a sealed record; ``ManifestError`` naming ``where`` otherwise."""
+    if len(blob) > MAX_RECORD_BYTES:
+        raise ManifestError(f"{where} is {len(blob)} bytes, more than any ckptflow record ({MAX_RECORD_BYTES})")
+    try:
+        record = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{where} is not valid JSON ({e}); the record is corrupt") from None
+    except RecursionError:
+        raise ManifestError(f"{where} is nested deeper than any ckptflow record; it is corrupt or hostile") from None
+    if not isinstance(record, dict) or "checksum" not in record:
+        raise ManifestError(f"{where} has no checksum field; it is not a ckptflow record")
+    if not _depth_ok(record, MAX_DEPTH):
+        raise ManifestError(f"{where} is nested deeper than {MAX_DEPTH} levels; it is corrupt or hostile")
+    claimed = record.pop("checksum")
+    body = canonical(record)
+    actual = hashlib.sha256(body).hexdigest()
+    if claimed != actual:
+        # records written before key order was kept were sealed over sorted keys
+        legacy = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+        if claimed != hashlib.sha256(legacy).hexdigest():
+            raise ManifestError(f"{where} fails its checksum (stored {str(claimed)[:12]}…, computed {actual[:12]}…)")
+    if record.get("format_version") not in fmt.READABLE_FORMATS:
+        raise ManifestError(
+            f"{where} has format_version {record.get('format_version')!r}; this ckptflow reads "
+            f"{' and '.join(map(str, fmt.READABLE_FORMATS))}: upgrade ckptflow to read it"
+        )
+    return record
+
+
+# ---- field checks --------------------------------------------------------------------
+class Fields:
+    """Typed field access that raises one ``ManifestError`` naming the record."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def bad(self, what: str) -> ManifestError:
+        return ManifestError(f"{self.where} {what}; it is malformed")
+
+    def _get(self, doc: Mapping, name: str, *, optional: bool) -> Any:
+        if name not in doc and not optional:
+            raise self.bad(f"lacks field {name!r}")
+        return doc.get(name)
+
+    def integer(self, doc: Mapping, name: str, *, minimum: int = 0, optional: bool = False) -> Any:
+        value = self._get(doc, name, optional=optional)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.bad(f"has field {name!r} = {value!r}, not an integer >= {minimum}")
+        return value
+
+    def number(self, doc: Mapping, name: str) -> float:
+        value = self._get(doc, name, optional=False)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.bad(f"has field {name!r} = {value!r}, not a finite number")
+        return float(value)
+
+    def string(self, doc: Mapping, name: str, *, optional: bool = False) -> Any:
+        value = self._get(doc, name, optional=optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            raise self.bad(f"has field {name!r} of type {type(value).__name__}, not a string")
+        return value
+
+    def mapping(self, doc: Mapping, name: str) -> dict:
+        value = self._get(doc, name, optional=False)
+        if not isinstance(value, dict):
+            raise self.bad(f"has field {name!r} of type {type(value).__name__}, not an object")
+        return value
+
+    def ints(self, value: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        ):
+            raise self.bad(f"has {what} {value!r}, not a list of non-negative integers")
+        return tuple(value)
+
+    def dtype(self, value: Any, what: str) -> str:
+        if not isinstance(value, str) or value not in fmt.DTYPE_SIZES:
+            raise ManifestError(
+                f"{self.where}: {what} names unknown dtype {value!r}; was it written by a newer ckptflow or torch?"
+            )
+        return value

@@ -1,0 +1,171 @@
+"""What a model's structure says about its tensors: which names are one shared tensor,
+and which are ``nn.Linear`` weights.
+
+A checkpoint holds every state-dict name, tied ones included (``lm_head.weight`` and
+``transformer.wte.weight`` are two entries with the same bytes), but not that they are
+tied: equal bytes do not prove it (every fresh LayerNorm weight is all ones). The
+structure does. For a transformers model it comes from its config (``architectures``)
+through transformers, building the model on the meta device (no memory, no weights);
+for any other model from the tie groups the ``Checkpointer`` saw at save time (the
+manifest's ``tied``: names sharing one storage) and any the run recorded in its metadata.
+``model_metadata(model)`` is what a trainer records in the save's metadata for either; a
+config can also be given at export (``--config``), and must then fit the tensors saved.
+Shared names are the state-dict names of one parameter object, the first one (in
+registration order, the owner transformers and ``safetensors.torch.load_model`` keep)
+first, as ``safetensors.torch.save_model`` groups them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptflow.errors import CkptflowError
+from ckptflow.format.manifest import Manifest
+
+MAX_CONFIG_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    name: str
+    shared: tuple[tuple[str, ...], ...]  # groups of state-dict names of one tensor; the kept one first
+    linear_weights: frozenset[str]  # ``<module>.weight`` of every nn.Linear
+    linear_modules: frozenset[str]
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # state-dict name -> shape (from a config)
+
+
+def model_metadata(model: nn.Module) -> dict[str, Any]:
+    """What an export needs to know of ``model``'s structure, as save metadata:
+    ``ck.save(step, state, metadata={**model_metadata(model), "val_loss": v})``.
+
+    A transformers model: ``model_config`` (its config, naming its class), which also
+    becomes the export's config.json. Any other model: ``tied_weights``, if it has any.
+    """
+    config: Any = getattr(model, "config", None)
+    if callable(getattr(config, "to_json_string", None)):
+        as_dict = json.loads(config.to_json_string(use_diff=False))
+        return {"model_config": {**as_dict, "architectures": [type(model).__name__]}}
+    tied = tied_weights(model)
+    return {"tied_weights": tied} if tied else {}
+
+
+def tied_weights(model: nn.Module) -> list[list[str]]:
+    """Groups of state-dict names that are one tensor in ``model`` (first: the one to keep)."""
+    keys = set(model.state_dict())
+    owners: dict[int, list[str]] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if name in keys:
+            owners.setdefault(id(tensor), []).append(name)
+    return [names for names in owners.values() if len(names) > 1]
+
+
+def from_module(model: nn.Module, name: str) -> Architecture:
+    linear = {m for m, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    return Architecture(
+        name=name,
+        shared=tuple(tuple(g) for g in tied_weights(model)),
+        linear_weights=frozenset(f"{m}.weight" for m in linear),
+        linear_modules=frozenset(linear),
+        shapes={n: tuple(t.shape) for n, t in model.state_dict().items()},
+    )
+
+
+def from_transformers_config(config: Mapping[str, Any], *, fix: str | None = None) -> Architecture:
+    """Build ``config["architectures"][0]`` on the meta device and read its structure
+    (``fix``: what to do about a config that names no class)."""
+    architectures = config.get("architectures") or []
+    if not architectures or not isinstance(architectures[0], str):
+        raise CkptflowError(
+            "the model config has no 'architectures' entry naming its transformers class "
+            f"(e.g. ['GPT2LMHeadModel']); {fix or 'record ckptflow.interop.export.model_metadata(model) when saving'}"
+        )
+    try:
+        import transformers
+    except ImportError:
+        raise CkptflowError(
+            "exporting a transformers model (its config names "
+            f"{architectures[0]}) needs transformers installed: pip install 'ckptflow[hf]'"
+        ) from None
+    cls = getattr(transformers, architectures[0], None)
+    if cls is None:
+        raise CkptflowError(f"transformers {transformers.__version__} has no model class {architectures[0]!r}")
+    with torch.device("meta"):
+        model = cls(cls.config_class.from_dict(dict(config)))
+    return from_module(model, architectures[0])
+
+
+def structure(
+    manifest: Manifest, key: str, given: Mapping[str, Any] | None = None
+) -> tuple[Architecture, dict[str, Any] | None]:
+    """(the structure of the model under state entry ``key``, its config.json or None).
+
+    A transformers config (``given`` at export, else the run's ``model_config``) decides;
+    without one, the tie groups the saver saw (the manifest's ``tied``, names under
+    ``key``) and those the run recorded (metadata ``tied_weights``)."""
+    metadata = dict(manifest.metadata)
+    config = given if given is not None else metadata.get("model_config")
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise CkptflowError(
+                "the model config " + ("given" if given is not None else "in the checkpoint's metadata 'model_config'")
+                + " is not a JSON object"
+            )  # fmt: skip
+        fix = "add it to the config given (model.save_pretrained writes it)" if given is not None else None
+        return from_transformers_config(config, fix=fix), dict(config)
+    recorded = metadata.get("tied_weights") or []
+    if not isinstance(recorded, list) or not all(
+        isinstance(g, list) and all(isinstance(n, str) for n in g) for g in recorded
+    ):
+        raise CkptflowError("the checkpoint's metadata 'tied_weights' is not a list of lists of tensor names")
+    prefix = key.rstrip(".") + "."
+    saw = [[n[len(prefix) :] for n in group if n.startswith(prefix)] for group in manifest.tied]
+    groups = [tuple(g) for g in recorded] + [tuple(g) for g in saw if len(g) > 1]
+    return Architecture(name="", shared=tuple(groups), linear_weights=frozenset(), linear_modules=frozenset()), None
+
+
+def check_fits(arch: Architecture, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse a config that does not describe the tensors saved (names and shapes): its
+    config.json would load them wrongly, or not at all. ``tensors``: one name per tie."""
+    aliases = {n for group in arch.shared for n in group[1:]}
+    expected = {n: s for n, s in arch.shapes.items() if n not in aliases}
+    saved = {n: tuple(t.shape) for n, t in tensors.items()}
+    differ = sorted(n for n in expected.keys() & saved.keys() if expected[n] != saved[n])
+    problems = [
+        f"{what}: {', '.join(names[:5])}" + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+        for what, names in (
+            ("not in the checkpoint", sorted(expected.keys() - saved.keys())),
+            ("not in the config's model", sorted(saved.keys() - expected.keys())),
+            ("shape saved / in the config", [f"{n} {list(saved[n])} / {list(expected[n])}" for n in differ]),
+        )
+        if names
+    ]
+    if problems:
+        raise CkptflowError(
+            f"the config given ({arch.name}) does not describe {where}: {'; '.join(problems)}. "
+            "Pass the config.json of the model that was trained"
+        )
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A model's config.json, for ``--config``: a JSON object, read bounded."""
+    path = os.fspath(path)
+    try:
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            raise CkptflowError(f"--config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a model config")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CkptflowError(f"--config {path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise CkptflowError(
+            f"--config {path} holds a {type(config).__name__}, not a JSON object (a model's config.json)"
+        )
+    return config

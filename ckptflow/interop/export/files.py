@@ -1,0 +1,159 @@
+"""safetensors files written deterministically, one file or sharded the way transformers shards.
+
+The ``safetensors`` package writes its header from a hash map, so two exports of the
+same tensors differ in header byte order (and hash). A model version must be
+rebuildable to the same bytes, so the few lines of the format are written here: the
+8-byte header length, the header JSON with sorted keys (padded with spaces to 8 bytes),
+then every tensor's bytes in name order, streamed to the file one tensor at a time.
+Readers (``safetensors``, transformers) accept any order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from collections.abc import Mapping
+
+import torch
+from safetensors import safe_open
+
+from ckptflow.errors import CkptflowError
+from ckptflow.interop.export.quantize import dequantize_weights
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TIED_KEY = "ckptflow.tied"  # header metadata: {dropped name: kept name} for tensors written once
+LOSSY_KEY = "ckptflow.chunks.lossy"  # header metadata: the lossy copy's ``lossy`` record (JSON) it was exported from
+FAILED_KEY = "ckptflow.failed_validation"  # header metadata: the failed verdict it was exported despite (JSON)
+
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def lineage_metadata(run: str, step: int, digest: str, key: str, **extra: str) -> dict[str, str]:
+    """safetensors header metadata naming the exact checkpoint a file came from."""
+    return {
+        "format": "pt",  # what transformers' loaders expect of a PyTorch safetensors file
+        "ckptflow.run": run,
+        "ckptflow.step": str(step),
+        "ckptflow.manifest_digest": digest,
+        "ckptflow.key": key,
+        **extra,
+    }
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLike, metadata: Mapping[str, str]) -> int:
+    """Write one safetensors file atomically (temp file, fsync, rename) and
+    deterministically. Returns the tensor bytes written."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype not in _DTYPE_NAMES:
+            raise CkptflowError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
+        end = offset + nbytes(t)
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = f"{os.fspath(out)}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name in sorted(tensors):
+                f.write(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return offset
+
+
+def shard_names(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard, in name order: a shard closes before the tensor that would
+    take it past ``max_shard_bytes`` (a larger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + nbytes(tensors[name]) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes(tensors[name])
+    return shards
+
+
+def write_weights(
+    tensors: Mapping[str, torch.Tensor], directory: str, metadata: Mapping[str, str], max_shard_bytes: int
+) -> list[str]:
+    """``model.safetensors``, or past ``max_shard_bytes`` ``model-0000i-of-0000n.safetensors``
+    plus ``model.safetensors.index.json`` (transformers' names and index). Returns the
+    file names written."""
+    shards = shard_names(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        write_safetensors(tensors, os.path.join(directory, WEIGHTS), metadata)
+        return [WEIGHTS]
+    files, weight_map = [], {}
+    for i, names in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors({n: tensors[n] for n in names}, os.path.join(directory, file), metadata)
+        weight_map.update(dict.fromkeys(names, file))
+        files.append(file)
+    index = {"metadata": {"total_size": sum(nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
+    write_json(index, os.path.join(directory, INDEX))
+    return [*files, INDEX]
+
+
+def write_json(doc: object, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def load_exported(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """ckptflow's loader for what ``export_safetensors`` wrote (a file or a model
+    directory, sharded or not): a plain state dict. int8 weights come back dequantized
+    (float32), and every tied name dropped at export is back, sharing its tensor, so
+    ``model.load_state_dict(load_exported(path))`` is strict-clean."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX)
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = [WEIGHTS]
+        paths = [os.path.join(path, f) for f in files]
+    else:
+        paths = [path]
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for file in paths:
+        with safe_open(file, "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+            tied.update(json.loads((f.metadata() or {}).get(TIED_KEY, "{}")))
+    tensors = dequantize_weights(tensors)
+    return {**tensors, **{dropped: tensors[kept] for dropped, kept in tied.items()}}

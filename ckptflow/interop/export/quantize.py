@@ -1,0 +1,81 @@
+"""int8 weights for exports: symmetric per-output-channel quantization in the
+compressed-tensors layout, so a standard loader either dequantizes it or refuses it.
+
+Lossy, so only ever for exported model files (never for resume checkpoints, which must
+restore bit-exactly). A quantized ``<module>.weight`` is stored as int8 codes next to
+``<module>.weight_scale`` (float32, one per output row, shape ``[rows, 1]``);
+``w ~= weight * weight_scale``, off by at most half a step (``weight_scale / 2``) per
+element. That is compressed-tensors' "naive-quantized" W8A16 format (int, 8 bits,
+symmetric, channel strategy), which vLLM serves and transformers loads on CPU when
+config.json carries ``quantization_config`` (needs the ``compressed-tensors`` package;
+without it transformers raises ImportError instead of loading codes as floats). Strict
+loaders (``load_state_dict``, ``safetensors.torch.load_model``) refuse the file: the
+``weight_scale`` tensors are unexpected keys. ``ckptflow.interop.export.load_exported``
+dequantizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+SCALE = "weight_scale"
+ERROR_BOUND = "per element at most half a quantization step: |w - q * scale| <= scale / 2, scale = max|row| / 127"
+
+
+def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes shaped like ``t``, float32 scales ``[rows, 1]``): ``t ~= q * scale``."""
+    rows = t.float().reshape(t.shape[0], -1)
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    q = torch.round(rows / scale).clamp(-127, 127).to(torch.int8)
+    return q.reshape(t.shape), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float().reshape(q.shape[0], -1) * scale.reshape(-1, 1)).reshape(q.shape)
+
+
+def scale_name(weight: str) -> str:
+    """``a.b.weight`` -> ``a.b.weight_scale``."""
+    return weight[: -len("weight")] + SCALE
+
+
+def quantize_weights(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each of ``names`` (``*.weight``) replaced by its codes and scale."""
+    out = dict(tensors)
+    for name in names:
+        out[name], out[scale_name(name)] = quantize_int8(tensors[name])
+    return out
+
+
+def dequantize_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse layout: every int8 ``*.weight`` with a ``*.weight_scale`` becomes float32."""
+    out = dict(tensors)
+    for name, scale in tensors.items():
+        weight = name[: -len(SCALE)] + "weight"
+        if (name == SCALE or name.endswith("." + SCALE)) and weight in tensors and tensors[weight].dtype == torch.int8:
+            out[weight] = dequantize_int8(tensors[weight], scale)
+            del out[name]
+    return out
+
+
+def quantization_config(ignore: Iterable[str]) -> dict:
+    """config.json's ``quantization_config``: every ``nn.Linear`` but ``ignore`` (module
+    names) holds int8 codes and a per-row scale."""
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "naive-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": int8,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "naive-quantized",
+            }
+        },
+        "ignore": sorted(ignore),
+    }

@@ -1,0 +1,290 @@
+"""Bring checkpoints written by other tools into a store, without unpickling anything.
+
+``import_checkpoint(root, run, step, src)`` reads ``src`` and commits it through
+``Checkpointer.save``: a normal checkpoint (manifest, verified chunks) that restores,
+exports and goes through the lifecycle like any other. What it becomes:
+
+========================  ====================================================  ============================
+source                    state of the new checkpoint                           metadata
+========================  ====================================================  ============================
+DCP directory             the state given to ``dcp.save``, nested as it was     a ckptflow DCP export's own
+(``.metadata``)           (``ckptflow.interop.dcp_dir``: no pickle runs)                (its ``ckptflow.json``)
+safetensors file          ``{"model": {name: tensor}}``                         -
+Hugging Face model dir    ``{"model": the model's state dict}``: tied names     ``model_config``: config.json
+                          (dropped by ``save_pretrained``) back, from the       (``ckptflow export`` writes
+                          architecture config.json names                        it back)
+``torch.save`` file       ``torch.load(weights_only=True)``: a dict of tensors  -
+(.pt .pth .bin .ckpt)     becomes ``{"model": it}``, any other dict the state
+========================  ====================================================  ============================
+
+Every import records ``metadata["import"] = {"format", "source"}``. No RNG state is stored:
+the importing process's RNG is not the run's. An export of a lossy archive copy carries
+its ``lossy`` record (a DCP export's ``ckptflow.json``, a safetensors header): the import
+commits it again (``carried_lossy``), so the new checkpoint restores only with ``allow_lossy``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ckptflow.chunks import lossy as lossy_codecs
+from ckptflow.errors import CkptflowError, UnsupportedStateError
+from ckptflow.format import layout as fmt
+from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
+from ckptflow.interop.export.architecture import from_transformers_config
+from ckptflow.interop.export.dcp import SIDECAR
+from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS
+from ckptflow.store import Store
+from ckptflow.training.checkpointer import Checkpointer, SaveResult
+
+FORMATS = fmt.IMPORT_FORMATS
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+MAX_JSON_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportResult:
+    run: str
+    step: int
+    format: str
+    source: str
+    entries: list[str]  # top-level entries of the new checkpoint's state
+    tensors: int
+    bytes: int  # tensor bytes
+    digest: str  # the new manifest's digest
+    lossy: dict | None = None  # the source was exported from a lossy archive copy: its ``lossy`` record
+
+
+def detect_format(src: str) -> str:
+    """Which of ``FORMATS`` ``src`` is, from what it holds; an error naming them otherwise."""
+    if os.path.isdir(src):
+        if os.path.isfile(os.path.join(src, METADATA_FILE)):
+            return "dcp"
+        if any(os.path.isfile(os.path.join(src, f)) for f in (WEIGHTS, INDEX)):
+            return "hf"
+    elif os.path.isfile(src):
+        if src.endswith(".safetensors"):
+            return "safetensors"
+        if src.endswith(TORCH_SUFFIXES):
+            return "torch"
+    elif not os.path.exists(src):
+        raise CkptflowError(f"{src} does not exist")
+    raise CkptflowError(
+        f"{src} is none of what ckptflow imports: a DCP checkpoint directory (with {METADATA_FILE}), a "
+        f"Hugging Face model directory ({WEIGHTS} or {INDEX}), a .safetensors file, or a torch.save file "
+        f"({', '.join(TORCH_SUFFIXES)}); pass --format if the name misleads"
+    )
+
+
+def _read_json(path: str) -> Any:
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise CkptflowError(f"{path} is larger than {MAX_JSON_BYTES} bytes; refused unread")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CkptflowError(f"{path} is not valid JSON ({e})") from None
+
+
+def _from_dcp(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    state = read_state(src)
+    sidecar = os.path.join(src, SIDECAR)
+    metadata: dict[str, Any] = {}
+    if os.path.isfile(sidecar):
+        doc = _read_json(sidecar)
+        if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
+            metadata = dict(doc["metadata"])
+    return state, metadata
+
+
+def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``paths`` as stored (no dtype change), plus the names a ckptflow
+    export wrote once for several tied ones (its ``ckptflow.tied`` header)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for path in paths:
+        try:
+            with safe_open(path, "pt") as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise CkptflowError(f"tensor {name!r} is stored twice (again in {path})")
+                    tensors[name] = f.get_tensor(name)
+                header_tied = json.loads((f.metadata() or {}).get(TIED_KEY, "{}"))
+                if isinstance(header_tied, dict):
+                    tied.update({k: v for k, v in header_tied.items() if isinstance(v, str)})
+        except (OSError, ValueError, SafetensorError) as e:
+            raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+    for dropped, kept in tied.items():
+        if kept in tensors and dropped not in tensors:
+            tensors[dropped] = tensors[kept]
+    return tensors
+
+
+def _from_safetensors(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"model": _read_safetensors([src])}, {}
+
+
+def _hf_weights(src: str) -> tuple[list[str], set[str]]:
+    """A model directory's safetensors files (its index's, else model.safetensors) and the
+    tensor names its index lists."""
+    index = os.path.join(src, INDEX)
+    if not os.path.isfile(index):
+        return [os.path.join(src, WEIGHTS)], set()
+    doc = _read_json(index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CkptflowError(f"{index} has no weight_map of tensor names to files")
+    files = sorted(set(weight_map.values()))
+    outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]
+    if outside:
+        raise CkptflowError(f"{index} names files outside the directory: {outside[:4]}")
+    return [os.path.join(src, f) for f in files], set(weight_map)
+
+
+def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    files, listed = _hf_weights(src)
+    tensors = _read_safetensors(files)
+    if listed - set(tensors):
+        raise CkptflowError(f"{src}: tensors listed in {INDEX} are missing: {sorted(listed - set(tensors))[:8]}")
+    config_path = os.path.join(src, "config.json")
+    if not os.path.isfile(config_path):
+        return {"model": tensors}, {}
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise CkptflowError(f"{config_path} is not a JSON object")
+    if config.get("architectures"):
+        for group in from_transformers_config(config).shared:
+            present = [n for n in group if n in tensors]
+            for name in group:
+                if present and name not in tensors:  # one tensor, as in the model's state_dict()
+                    tensors[name] = tensors[present[0]]
+    return {"model": tensors}, {"model_config": config}
+
+
+def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    try:
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CkptflowError(
+            f"{src} holds pickled objects that torch.load(weights_only=True) refuses ({first}); ckptflow never "
+            "unpickles anything else, since that can run code. Save tensors and plain values only "
+            "(torch.save(model.state_dict(), ...)), or safetensors"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise CkptflowError(f"{src} is not a readable torch.save file ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, Mapping):
+        raise CkptflowError(
+            f"{src} holds a {type(obj).__name__}; ckptflow imports a dict (a state dict, or a dict of entries)"
+        )
+    if not obj:
+        raise CkptflowError(f"{src} holds an empty dict: nothing to import")
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return {"model": dict(obj)}, {}
+    if not all(isinstance(k, str) and k for k in obj):
+        raise CkptflowError(f"{src}: the top-level keys of a state must be non-empty strings, got {list(obj)[:8]}")
+    return dict(obj), {}
+
+
+_READERS = {"dcp": _from_dcp, "safetensors": _from_safetensors, "hf": _from_hf, "torch": _from_torch}
+
+
+def carried_lossy(src: str, format: str) -> dict | None:
+    """The ``lossy`` record an export of a lossy archive copy carries: a DCP export's
+    ``ckptflow.json``, the header of a safetensors file (of any in a model directory)."""
+    found: Any = None
+    if format == "dcp" and os.path.isfile(os.path.join(src, SIDECAR)):
+        doc = _read_json(os.path.join(src, SIDECAR))
+        found = doc.get("lossy") if isinstance(doc, dict) else None
+    elif format in ("safetensors", "hf"):
+        for path in [src] if format == "safetensors" else _hf_weights(src)[0]:
+            try:
+                with safe_open(path, "pt") as f:
+                    text = (f.metadata() or {}).get(LOSSY_KEY)
+            except (OSError, ValueError, SafetensorError) as e:
+                raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+            if text is not None:
+                try:
+                    found = json.loads(text)
+                except (ValueError, RecursionError):
+                    found = text  # refused below as not an object
+                break
+    if found is None:
+        return None
+    problem = lossy_codecs.record_problem(found)
+    if problem:
+        raise CkptflowError(
+            f"{src} says it was exported from a lossy archive copy, but its record is malformed ({problem}); "
+            "refused, since the checkpoint would lose that mark"
+        )
+    return found
+
+
+def read_source(src: str | os.PathLike, format: str = "auto") -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(format, state, metadata) of ``src``, read without unpickling anything."""
+    src = os.path.abspath(os.fspath(src))
+    chosen = detect_format(src) if format == "auto" else format
+    if chosen not in _READERS:
+        raise CkptflowError(f"import format {format!r} is not one of {('auto', *FORMATS)}")
+    state, metadata = _READERS[chosen](src)
+    return chosen, state, metadata
+
+
+def import_checkpoint(
+    root: str | Store,
+    run: str,
+    step: int,
+    src: str | os.PathLike,
+    *,
+    format: str = "auto",
+    metadata: dict[str, Any] | None = None,
+    chunk_bytes: int = 8 << 20,
+    codec: str = "raw",
+) -> ImportResult:
+    """Commit ``src`` as checkpoint ``step`` of ``run`` in ``root`` (a full save: every
+    chunk written). The step must be free. ``metadata`` adds to what the source gives."""
+    fmt.validate_run(run)
+    fmt.validate_step(step)
+    source = os.path.abspath(os.fspath(src))
+    chosen, state, found = read_source(source, format)
+    lossy = carried_lossy(source, chosen)
+    meta = {**found, **(metadata or {}), "import": {"format": chosen, "source": source}}
+    with Checkpointer(root, run=run, chunk_bytes=chunk_bytes, codec=codec, local=True) as ck:
+        try:
+            saved = ck.save(step, state, metadata=meta, kind="full", rng=False, lossy=lossy)
+        except UnsupportedStateError as e:
+            raise UnsupportedStateError(f"importing {source} ({chosen}): {e}") from None
+    assert isinstance(saved, SaveResult) and saved.info is not None  # blocking, and its own coordinator
+    info = saved.info
+    return ImportResult(
+        run=run,
+        step=step,
+        format=chosen,
+        source=source,
+        entries=list(state),
+        tensors=_count_tensors(state),
+        bytes=info.logical_bytes,
+        digest=info.digest,
+        lossy=lossy,
+    )
+
+
+def _count_tensors(tree: Any) -> int:
+    stack, count = [tree], 0
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            count += 1
+        elif isinstance(node, Mapping):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return count

@@ -1,0 +1,1 @@
+"""Numbers about a store, read-only: inventory, storage stats, costs, recovery metrics."""

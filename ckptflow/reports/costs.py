@@ -1,0 +1,180 @@
+"""The cost model: bytes per tier priced per storage class, and what each saving bought.
+
+Prices are configuration (``CostModel``): USD per GB-month (1 GB = 2**30 bytes, as S3
+bills) per storage class, and which class each tier is in. The defaults are AWS S3
+list prices for us-east-1, first 50 TB per month (written down on ``PRICES_DATE``;
+check https://aws.amazon.com/s3/pricing/ before relying on them).
+
+``storage_costs`` compares what the stores hold with a baseline: every checkpoint
+ever committed (held now, or expired by retention per the ``ledger``) kept raw and
+hot. The difference is split into what each mechanism saved, per month:
+
+* retention: checkpoints no longer held anywhere;
+* tiering: held checkpoints priced in the archive's class instead of the hot one
+  (negative while both tiers hold a copy: the duplicate is paid for);
+* dedup: logical bytes the distinct chunks do not repeat (unchanged tensors, runs
+  sharing data), per tier;
+* compression, delta, lossy: raw minus stored bytes of plain (zstd), delta and
+  lossy-copy chunks, per tier (delta net of the bases kept only for deltas; lossy
+  also counts tensors a copy dropped);
+* garbage: unreferenced chunk files waiting for GC (a cost, so negative), and
+  missing chunks (referenced, absent).
+
+The items add up exactly: baseline - savings = what the stores cost now.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptflow.catalog.ledger import expired
+from ckptflow.reports.stats import StoreStats, store_stats
+from ckptflow.store.base import Store
+
+GB = float(1 << 30)
+PRICES_DATE = "2026-11-30"
+DEFAULT_PRICES = {  # USD per GB-month, AWS S3 us-east-1 list prices, first 50 TB / month
+    "STANDARD": 0.023,
+    "STANDARD_IA": 0.0125,
+    "GLACIER_IR": 0.004,
+    "DEEP_ARCHIVE": 0.00099,
+}
+DEFAULT_TIERS = {"hot": "STANDARD", "archive": "GLACIER_IR"}
+SAVINGS = ("retention", "tiering", "dedup", "compression", "delta", "lossy", "garbage")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    prices: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_PRICES))
+    tiers: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+
+    def __post_init__(self) -> None:
+        for tier, storage_class in self.tiers.items():
+            if storage_class not in self.prices:
+                raise ValueError(
+                    f"tier {tier!r} is priced as {storage_class!r}, which has no price; "
+                    f"prices are given for {sorted(self.prices)}"
+                )
+        if any(not isinstance(p, (int, float)) or p < 0 for p in self.prices.values()):
+            raise ValueError(f"prices must be non-negative numbers (USD per GB-month), got {dict(self.prices)}")
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        """``{"prices": {"STANDARD": 0.023, ...}, "tiers": {"hot": "STANDARD", "archive": ...}}``;
+        either key may be left out (defaults), and given prices extend the defaults."""
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ValueError("a cost model is a JSON object with 'prices' and/or 'tiers'")
+        return cls({**DEFAULT_PRICES, **doc.get("prices", {})}, {**DEFAULT_TIERS, **doc.get("tiers", {})})
+
+    def with_classes(self, *, hot: str | None = None, archive: str | None = None) -> CostModel:
+        tiers = dict(self.tiers)
+        tiers.update({k: v for k, v in (("hot", hot), ("archive", archive)) if v})
+        return CostModel(self.prices, tiers)
+
+    def monthly(self, tier: str, nbytes: float) -> float:
+        return nbytes / GB * self.prices[self.tiers[tier]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierCost:
+    tier: str
+    storage_class: str
+    price: float  # USD per GB-month
+    stored_bytes: int  # every chunk file, referenced or not
+    monthly_usd: float
+    checkpoints: int
+
+
+@dataclass(kw_only=True)
+class CostReport:
+    tiers: list[TierCost]
+    baseline_bytes: int  # every checkpoint ever committed, raw
+    baseline_usd: float  # ... kept hot
+    savings_usd: dict[str, float]  # per mechanism, per month (negative: a cost)
+    savings_bytes: dict[str, int]  # the same in bytes (tiering moves bytes, so it saves none)
+    prices_date: str = PRICES_DATE
+
+    @property
+    def monthly_usd(self) -> float:
+        return sum(t.monthly_usd for t in self.tiers)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tiers": [t.__dict__ for t in self.tiers],
+            "baseline_bytes": self.baseline_bytes,
+            "baseline_usd": self.baseline_usd,
+            "monthly_usd": self.monthly_usd,
+            "savings_usd": dict(self.savings_usd),
+            "savings_bytes": dict(self.savings_bytes),
+            "prices_date": self.prices_date,
+        }
+
+
+def storage_costs(hot: Store, archive: Store | None = None, *, model: CostModel | None = None) -> CostReport:
+    """Bytes and monthly cost per tier, and the savings against every checkpoint raw and hot."""
+    model = model or CostModel()
+    stats = {"hot": store_stats(hot)}
+    if archive is not None:
+        stats["archive"] = store_stats(archive)
+    return price(stats, expired(hot), model)
+
+
+def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: CostModel) -> CostReport:
+    """The report for per-tier ``stats`` and the ledger of expired checkpoints (pure)."""
+    held: dict[tuple[str, int], int] = {}
+    for s in stats.values():
+        for ref, h in s.held.items():
+            held.setdefault(ref, h.exact_logical_bytes)
+    gone = {(e["run"], e["step"]): e["logical_bytes"] for e in expired_entries}
+    gone = {ref: n for ref, n in gone.items() if ref not in held}
+    baseline = sum(held.values()) + sum(gone.values())
+    hot_price = model.monthly("hot", 1.0)
+    usd = dict.fromkeys(SAVINGS, 0.0)
+    nbytes = dict.fromkeys(SAVINGS, 0)
+    usd["retention"], nbytes["retention"] = sum(gone.values()) * hot_price, sum(gone.values())
+    tiers = []
+    tiered = 0.0
+    for tier, s in stats.items():
+        unit = model.monthly(tier, 1.0)
+        exact = sum(h.exact_logical_bytes for h in s.held.values())
+        tiered += exact * unit
+        kinds = s.encodings
+        base = kinds.get("base")
+        items = {
+            "dedup": sum(h.logical_bytes for h in s.held.values()) - s.data_bytes,
+            "compression": _saved(kinds, "plain"),
+            "delta": _saved(kinds, "delta") - (base.stored_bytes if base else 0),  # bases kept for deltas cost
+            "lossy": exact - sum(h.logical_bytes for h in s.held.values()) + _saved(kinds, "lossy"),
+            "garbage": s.missing_raw_bytes - s.unreferenced_bytes,
+        }
+        for name, n in items.items():
+            usd[name] += n * unit
+            nbytes[name] += n
+        stored = s.stored_bytes + s.unreferenced_bytes
+        tiers.append(
+            TierCost(
+                tier=tier,
+                storage_class=model.tiers[tier],
+                price=model.prices[model.tiers[tier]],
+                stored_bytes=stored,
+                monthly_usd=stored * unit,
+                checkpoints=len(s.held),
+            )
+        )
+    usd["tiering"] = sum(held.values()) * hot_price - tiered
+    return CostReport(
+        tiers=tiers,
+        baseline_bytes=baseline,
+        baseline_usd=baseline * hot_price,
+        savings_usd=usd,
+        savings_bytes=nbytes,
+    )
+
+
+def _saved(kinds: Mapping[str, Any], kind: str) -> int:
+    k = kinds.get(kind)
+    return 0 if k is None else k.raw_bytes - k.stored_bytes

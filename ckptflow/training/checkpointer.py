@@ -1,0 +1,397 @@
+"""``Checkpointer``: the API training code calls on every rank.
+
+Saves go through torch.distributed.checkpoint into a content-addressed store; restores
+pick the newest checkpoint whose every chunk verifies on every rank, and only then read
+it into the live model, in place (``ckptflow.training.restore``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import listing as catalog_listing
+from ckptflow.catalog import recovery_log
+from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
+from ckptflow.catalog.commit import check_step
+from ckptflow.catalog.tiers import Tier, open_tiers
+from ckptflow.chunks.codecs import CODECS
+from ckptflow.chunks.lossy import record_problem as lossy_record_problem
+from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
+from ckptflow.dcp.collectives import Group
+from ckptflow.dcp.failures import own_errors
+from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec
+from ckptflow.errors import CkptflowError, UnsupportedStateError
+from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
+from ckptflow.format.sealed import json_problem
+from ckptflow.policy.save import SavePolicy
+from ckptflow.store import Store, open_store
+from ckptflow.training.restore import Restore, RestoreResult
+from ckptflow.training.state import FreshOptimizers, capture_rng, to_state_dicts
+from ckptflow.training.tree import flatten, shared_storage
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    kind: str
+    info: CheckpointInfo | None  # on the coordinator rank; None elsewhere
+
+
+class SaveHandle:
+    """An async save in flight. ``wait()`` returns its ``SaveResult`` or raises its error."""
+
+    def __init__(self, future: Future, writer: CheckpointWriter, blocked_s: float):
+        self._future, self._writer = future, writer
+        self.step, self.kind = writer.spec.step, writer.spec.kind
+        self.blocked_s = blocked_s  # how long the caller was held (host copy of tensors)
+        self.error_reported = False
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed): ``wait()`` would not block."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        try:
+            with own_errors():
+                self._future.result(timeout)
+        except BaseException:
+            if self._future.done():  # the save's own failure (not a wait timeout): reported now,
+                self.error_reported = True  # so Checkpointer.wait() must not raise it again
+            raise
+        manifest = self.manifest
+        return SaveResult(
+            step=self.step, kind=self.kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None
+        )
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """What the save committed (on the coordinator rank, once it has)."""
+        return self._writer.manifest
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: str | Store,
+        run: str,
+        *,
+        policy: SavePolicy | None = None,
+        chunk_bytes: int = 8 << 20,
+        codec: str = "raw",
+        threads: int | None = None,
+        process_group: Any = None,
+        restore_rng: bool = True,
+        progress: Progress | None = None,
+        tiers: Sequence[str | Store] = (),
+        local: bool = False,
+    ):
+        self.store = open_store(root)
+        self.run = fmt.validate_run(run)
+        self.policy = policy
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be a positive number of bytes (default 8 MiB), got {chunk_bytes!r}")
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        self.chunk_bytes, self.codec, self.progress = chunk_bytes, codec, progress
+        self.restore_rng = restore_rng
+        # restore also reads the read-only ``tiers`` (an archive) after this hot store; saves go here only
+        self.tiers: list[Tier] = open_tiers(self.store, tiers)
+        self.chunks = self.tiers[0].chunks
+        self.pool = ThreadPoolExecutor(threads or min(32, 4 * (os.cpu_count() or 1)), thread_name_prefix="ckptflow")
+        # local=True: saves and restores by this process alone, even in a torch.distributed job
+        self.group = Group(process_group, local=local)
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+            )
+        )
+        self._pending: SaveHandle | None = None
+        self._superseded: set[int] = set()
+        self._last_commit: int | None = None  # newest step this process committed or restored
+        self._auto = AutoCodec() if codec == "auto" else None
+        self._full: Manifest | None = None  # the newest full checkpoint this process committed: the delta base
+
+    # ---- save -------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: MutableMapping[str, Any],
+        *,
+        metadata: dict | None = None,
+        kind: str | None = None,
+        blocking: bool = True,
+        rng: bool = True,
+        lossy: dict | None = None,
+    ) -> SaveResult | SaveHandle | None:
+        """Write a checkpoint of ``state`` at ``step``.
+
+        ``kind`` defaults to the policy's choice (``None`` from the policy: nothing is
+        written and None is returned) or "full" without a policy. With
+        ``blocking=False`` the caller is held only while tensors are copied to host
+        memory; the returned handle's ``wait()`` gives the result. ``rng=False`` stores no
+        RNG state (a checkpoint brought in from elsewhere: this process's RNG is not the run's).
+        ``lossy``: the ``lossy`` record of the lossy archive copy ``state`` was read from (an
+        import of its export), so this checkpoint too restores only with ``allow_lossy``.
+
+        Tensors of ``state`` that share one storage (tied weights) are recorded in the
+        manifest (``tied``), so an export writes them once.
+        """
+        step = fmt.validate_step(step)
+        if kind is None:
+            kind = self.policy.kind_for(step) if self.policy else "full"
+            if kind is None:
+                return None
+        if kind not in ("full", "incremental"):
+            raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
+        self.wait()
+        started = time.perf_counter()
+        problem = lossy_record_problem(lossy) if lossy is not None else None
+        if problem:
+            raise UnsupportedStateError(f"{problem}; nothing was saved")
+        skeleton, tensors = self._flatten(state, metadata)  # refused here: nothing written, nothing moved
+        base, save_id, replaces = self._prepare_step(step)
+        if base is None:
+            kind = "full"
+        spec = SaveSpec(
+            run=self.run,
+            step=step,
+            kind=kind,
+            base_step=base,
+            skeleton=skeleton,
+            rng=capture_rng() if rng else None,
+            metadata=dict(metadata or {}),
+            world_size=self.group.world_size,
+            save_id=save_id,
+            chunk_bytes=self.chunk_bytes,
+            codec=self.codec,
+            encoder=self._encoder(step, kind),
+            tied=shared_storage(tensors),
+            lossy=lossy,
+            replaces=replaces,
+        )
+        writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
+        kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
+        if blocking:
+            with own_errors():
+                dcp.save(tensors, **kwargs)
+            manifest = writer.manifest
+            self._committed(step, manifest)
+            return SaveResult(step=step, kind=kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None)
+        with own_errors():
+            future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
+        assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
+        self._pending = SaveHandle(future, writer, time.perf_counter() - started)
+        return self._pending
+
+    def _committed(self, step: int, manifest: Manifest | None) -> None:
+        """What this process knows once it committed ``step``: the newest commit, the
+        newest full (the delta base), and that its own commit is no longer one restore rejected."""
+        self._last_commit = step
+        self._superseded.discard(step)
+        if manifest is not None and manifest.kind == "full":
+            self._full = manifest
+
+    def prepare(self, state: MutableMapping[str, Any]) -> None:
+        """Allocate now the host buffers async saves copy ``state``'s tensors into (pinned
+        when CUDA is present), so even the first ``save(..., blocking=False)`` holds the
+        loop only for the copy. Buffers are kept per tensor storage: call it on every rank
+        after building the model and optimizer state, and again if tensors are replaced."""
+        _skeleton, tensors = self._flatten(state, None)
+        self._stager.stage(tensors)
+
+    def wait(self) -> SaveResult | None:
+        """Block until the async save in flight (if any) is committed."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.error_reported:
+            return None  # a failure already raised by the handle's own wait() is not raised again
+        result = pending.wait()
+        self._committed(pending.step, pending.manifest)
+        return result
+
+    def _flatten(self, state: MutableMapping[str, Any], metadata: dict | None) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The state as a JSON skeleton and tensors, and the metadata checked, on every rank
+        before anything is written (any rank's refusal is every rank's: a lone raise would
+        hang the others in the collectives that follow)."""
+        error: CkptflowError | None = None
+        try:
+            problem = json_problem(metadata or {}, "metadata")
+            if problem:
+                raise UnsupportedStateError(f"{problem}; metadata is stored as JSON, so nothing was saved")
+            fresh = FreshOptimizers(state)
+            try:
+                state_dicts = to_state_dicts(state)
+                fresh.empty(state_dicts)
+            finally:
+                fresh.reset()  # a save never changes the state it saves
+            skeleton, tensors = flatten(state_dicts, rank=self.group.rank)
+        except CkptflowError as e:
+            error = e
+        errors = [e for e in self.group.all_gather(error) if e is not None]
+        if errors:
+            raise error or errors[0]
+        return skeleton, tensors
+
+    def _prepare_step(self, step: int) -> tuple[int | None, str, str | None]:
+        """Rank 0 checks the step is free (or holds a manifest proved damaged, which the
+        commit moves aside), finds the base step and names the attempt; every rank gets
+        the same answer or raises the same error (a lone raise would hang the others in
+        DCP's collectives)."""
+        base: int | None = None
+        replaces: str | None = None
+        error: CkptflowError | None = None
+        if self.group.rank == 0:
+            try:
+                replaces = check_step(self.store, self.run, step, self.pool, rejected=step in self._superseded)
+                base = self._newest_committed_before(step)
+            except CkptflowError as e:
+                error = e
+        base, replaces, error, save_id = self.group.broadcast((base, replaces, error, uuid.uuid4().hex))
+        if error is not None:
+            raise error
+        return base, save_id, replaces
+
+    def _encoder(self, step: int, kind: str) -> SaveEncoder | None:
+        """Codec "auto": the save's encoder; an incremental one deltas against the newest
+        full checkpoint, which rank 0 names and every rank reads (checked by digest)."""
+        if self._auto is None:
+            return None
+        base = None
+        if kind == "incremental":
+            full = delta_base(self.store, self.run, step, self.group, self._full, self._last_commit, self._superseded)
+            if full is not None:
+                self._full, base = full, BaseIndex.of(full)
+        return self._auto.for_save(self.chunks, kind, base)
+
+    def _newest_committed_before(self, step: int) -> int | None:
+        """The base of an incremental save: known in a training loop without listing the store."""
+        if self._last_commit is not None and self._last_commit < step:
+            return self._last_commit
+        for older in reversed(catalog_listing.committed_steps(self.store, self.run)):
+            if older < step and older not in self._superseded:
+                return older
+        return None
+
+    # ---- restore ----------------------------------------------------------------------
+    def restore(
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        step: int | None = None,
+        strict: bool = True,
+        allow_lossy: bool = False,
+    ) -> RestoreResult:
+        """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
+
+        Every chunk a candidate needs is verified on every rank before any tensor in
+        ``state`` is written; damage found on any rank moves all ranks to the next older
+        candidate together (``result.skipped`` says why), leaving ``state`` untouched. A
+        store that cannot be read raises ``StoreUnavailableError`` instead: only proof of
+        damage falls back (``ckptflow.training.restore``). A failure after verification, while the
+        chunks are read into place, raises ``PartialRestoreError``: ``state`` is then partly
+        written, so restore again or rebuild it. ``step=`` never falls back to another
+        step. With ``tiers``, a step is tried in each tier holding it (hot first) before
+        moving to an older step. Rank 0 leaves a recovery record in the hot store
+        (``ckptflow.reports.recoveries``) either way.
+
+        ``state`` may name a subset of the checkpoint's entries (the rest is not read).
+        A state whose structure differs from the checkpoint's raises ``StateMismatchError``
+        listing the keys and restores nothing; ``strict=False`` loads what matches and
+        lists the rest in ``result.missing_keys`` / ``result.unexpected_keys``.
+
+        A lossy archive copy (``ckptflow.chunks.lossy``) is skipped with the reason unless
+        ``allow_lossy``; loaded, ``result.lossy`` says what it lost and
+        ``result.not_restored`` which state entries it did not hold (left as they were).
+        """
+        started = time.perf_counter()
+        self.wait()
+        if step is not None:
+            fmt.validate_step(step)
+        restore = Restore(
+            self.tiers,
+            self.run,
+            self.group,
+            self.pool,
+            self.progress,
+            restore_rng=self.restore_rng,
+            strict=strict,
+            allow_lossy=allow_lossy,
+        )
+        try:
+            result = restore(state, step)
+        except CkptflowError as e:
+            self._record_recovery(started, error=e)
+            raise
+        self._superseded = set(result.hot_rejected)
+        self._last_commit = result.step if result.tier == self.store.url else None
+        self._record_recovery(started, result=result)
+        return result
+
+    def load(self, *, step: int | None = None) -> tuple[RestoreResult, dict[str, Any]]:
+        """The newest valid checkpoint (or exactly ``step``) as a new state: nested dicts,
+        full tensors (DTensor shards gathered) and the JSON values as saved. For code with
+        no live objects to restore into, such as a framework that asks for its checkpoint
+        dict back; the same verification and fallback rules as ``restore``."""
+        started = time.perf_counter()
+        self.wait()
+        if step is not None:
+            fmt.validate_step(step)
+        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, restore_rng=self.restore_rng)
+        try:
+            result, state = restore.load(step)
+        except CkptflowError as e:
+            self._record_recovery(started, error=e)
+            raise
+        self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
+        self._last_commit = result.step if result.tier == self.store.url else None
+        self._record_recovery(started, result=result)
+        return result, state
+
+    def _record_recovery(
+        self, started: float, *, result: RestoreResult | None = None, error: CkptflowError | None = None
+    ) -> None:
+        """Rank 0 records a restore or load begun at ``started``: what it loaded, or the error it raised."""
+        if self.group.rank == 0:
+            recovery_log.record(
+                self.store,
+                self.run,
+                ok=result is not None,
+                step=result.step if result else None,
+                digest=result.digest if result else None,
+                skipped=result.skipped if result else getattr(error, "skipped", []),
+                tier=result.tier if result else None,
+                duration_s=time.perf_counter() - started,
+                error=None if result else str(error),
+            )
+
+    # ---- inspection -------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        return catalog.list_checkpoints(self.store, self.run)
+
+    def verify(self, step: int, *, deep: bool = True) -> VerifyReport:
+        """``deep``: every chunk re-hashed against its address; else the fast checksums restore checks."""
+        step = fmt.validate_step(step)
+        return catalog.verify_checkpoint(self.store, self.run, step, self.pool, self.progress, deep=deep)
+
+    def close(self) -> None:
+        self.wait()
+        self._stager.close()
+        self.pool.shutdown()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

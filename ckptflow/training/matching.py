@@ -1,0 +1,92 @@
+"""Which saved values a restore loads into which live ones: pure, checked before anything
+is read or written.
+
+The live state and a checkpoint's rank record are compared entry by entry (the state's
+top-level keys). Entries the checkpoint has and the state does not are left unread (a
+partial restore: ``{"model": m}`` from a checkpoint that also holds the optimizer).
+Within an entry, tensor names must match; with ``strict=False`` the common ones load and
+the others are reported, as ``load_state_dict(strict=False)`` does. An optimizer saved
+before its first step has no state tensors, and restoring it makes the live one fresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptflow.errors import StateMismatchError
+from ckptflow.training.tree import DICT, ODICT, TAGS, tensor_refs
+
+SHOWN = 12  # names listed in an error; the count says how many there are
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    entries: list[str]  # top-level entries restored
+    targets: dict[str, torch.Tensor]  # live tensors the checkpoint's values load into
+    missing_keys: list[str] = field(default_factory=list)  # live, not in the checkpoint (strict=False)
+    unexpected_keys: list[str] = field(default_factory=list)  # in the checkpoint's entries, not live
+
+
+def entries(skeleton: Any) -> dict[str, Any]:
+    """The top-level entries of a state skeleton."""
+    if isinstance(skeleton, dict) and (DICT in skeleton or ODICT in skeleton):
+        return {str(k): v for k, v in skeleton.get(DICT) or skeleton.get(ODICT) or []}
+    if isinstance(skeleton, dict) and not TAGS & set(skeleton):
+        return skeleton
+    return {}
+
+
+def plan_load(
+    live: Any,
+    live_tensors: Mapping[str, torch.Tensor],
+    saved: Any,
+    optimizers: list[str],
+    *,
+    strict: bool,
+    dropped: Sequence[str] = (),
+) -> LoadPlan:
+    """What to load; ``StateMismatchError`` (strict) naming every difference otherwise.
+    ``dropped``: entries the checkpoint left out on purpose (a lossy copy without the
+    optimizer), which stay as they are and are no mismatch."""
+    live_entries, saved_entries = entries(live), entries(saved)
+    absent = [name for name in live_entries if name not in saved_entries and name not in dropped]
+    missing: set[str] = set()
+    unexpected: set[str] = set()
+    names: set[str] = set()
+    for name, skeleton in live_entries.items():
+        if name not in saved_entries:
+            continue
+        have, want = set(tensor_refs(saved_entries[name])), set(tensor_refs(skeleton))
+        if name in optimizers and not any(n.startswith(f"{name}.state.") for n in have):
+            want = {n for n in want if not n.startswith(f"{name}.state.")}  # saved before its first step
+        missing |= want - have
+        unexpected |= have - want
+        names |= want & have
+    if strict and (absent or missing or unexpected):
+        raise StateMismatchError(_describe(absent, missing, unexpected, sorted(saved_entries)))
+    return LoadPlan(
+        entries=[name for name in live_entries if name in saved_entries],
+        targets={n: live_tensors[n] for n in names},
+        missing_keys=sorted(missing | {n for name in absent for n in tensor_refs(live_entries[name])} | set(absent)),
+        unexpected_keys=sorted(unexpected),
+    )
+
+
+def _describe(absent: list[str], missing: set[str], unexpected: set[str], saved: list[str]) -> str:
+    parts = []
+    for what, keys in (
+        ("entries of the state the checkpoint lacks", absent),
+        ("keys missing from the checkpoint", sorted(missing)),
+        ("keys in the checkpoint the state lacks", sorted(unexpected)),
+    ):
+        if keys:
+            more = f", … ({len(keys)} in all)" if len(keys) > SHOWN else ""
+            parts.append(f"{what}: {', '.join(map(repr, keys[:SHOWN]))}{more}")
+    return (
+        "the state does not match the checkpoint (" + "; ".join(parts) + f"; the checkpoint holds {saved}). "
+        "Restore a subset by passing only the entries it has, or pass strict=False to load what matches"
+    )

@@ -1,0 +1,275 @@
+"""Restore: the newest checkpoint that is whole, loaded on every rank, or nothing at all.
+
+Candidates are tried newest first. Only proof of damage moves a restore to an older
+checkpoint: a hash mismatch, broken framing, a malformed or missing record, a missing
+chunk. A store that could not be read (an S3 outage that outlasted the retries, a
+denied read, an object in a cold storage class, a symbolic link the local backend will
+not follow) proves nothing about the checkpoint, so restore stops and raises rather
+than silently resuming from an older step; a job that catches
+``NoValidCheckpointError`` to start from scratch never sees those.
+
+Every rank verifies every chunk it needs before any tensor in ``state`` is written, and
+the ranks agree on each verdict, so all of them load the same step or none does. A
+restore rejected there (damage anywhere, on any rank, an unreadable store, a state that
+does not fit) leaves ``state`` as it was, fresh optimizers included. Only a failure
+after that point, while verified chunks are read into place (an I/O error, a chunk
+damaged in the moment between the passes), leaves it partly overwritten: that raises
+``PartialRestoreError`` on every rank, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptflow.catalog.checkpoints import read_manifest, read_rank_record
+from ckptflow.catalog.tiers import Tier, candidates
+from ckptflow.chunks import lossy
+from ckptflow.dcp.allocation import empty_tensor
+from ckptflow.dcp.collectives import Group
+from ckptflow.dcp.failures import Failure, failure_of
+from ckptflow.dcp.reader import CheckpointReader
+from ckptflow.dcp.writer import Progress
+from ckptflow.errors import (
+    ColdObjectError,
+    LossyCopyError,
+    NoValidCheckpointError,
+    PartialRestoreError,
+    StateMismatchError,
+    StoreUnavailableError,
+)
+from ckptflow.format.manifest import Manifest, RankRecord
+from ckptflow.training.matching import LoadPlan, entries, plan_load
+from ckptflow.training.state import FreshOptimizers, load_state_dicts, restore_rng, to_state_dicts
+from ckptflow.training.tree import flatten, tensor_refs, unflatten
+
+log = logging.getLogger("ckptflow")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreResult:
+    step: int
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # newest first
+    metadata: dict = field(default_factory=dict)
+    rng_restored: bool = False
+    tier: str = ""  # URL of the store it was loaded from (the hot store, or an archive tier)
+    hot_rejected: frozenset[int] = frozenset()  # hot steps skipped as damaged (a save may replace them)
+    missing_keys: list[str] = field(default_factory=list)  # strict=False: live, not in the checkpoint
+    unexpected_keys: list[str] = field(default_factory=list)  # strict=False: in the checkpoint, not live
+    lossy: dict | None = None  # a lossy archive copy was loaded (allow_lossy=True): what it lost
+    not_restored: list[str] = field(default_factory=list)  # state entries a lossy copy lacks, left as they were
+    digest: str = ""  # the manifest digest of exactly the commit that was loaded
+
+
+def agree(group: Group, failure: Failure | None) -> Failure | None:
+    """Every rank's verdict combined: any failure fails all ranks; any failure that is not
+    damage makes the combined one not damage (one rank unable to read stops everyone)."""
+    failures = [f for f in group.all_gather(failure) if f]
+    if not failures:
+        return None
+    fatal = [f for f in failures if not f.damage and not f.mismatch]
+    chosen = [f for f in failures if f.partial] or fatal or [f for f in failures if f.mismatch] or failures
+    message = "; ".join(dict.fromkeys(f.message for f in chosen))
+    return Failure(
+        message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch,
+        partial=chosen[0].partial,
+    )  # fmt: skip
+
+
+class Restore:
+    """One restore of ``run`` into ``state`` across ``tiers`` (hot first). ``strict=False``
+    loads what matches and reports the rest (``missing_keys``, ``unexpected_keys``)."""
+
+    def __init__(
+        self,
+        tiers: list[Tier],
+        run: str,
+        group: Group,
+        pool: ThreadPoolExecutor,
+        progress: Progress | None,
+        *,
+        restore_rng: bool,
+        strict: bool = True,
+        allow_lossy: bool = False,
+    ):
+        self.tiers, self.run, self.group, self.pool = tiers, run, group, pool
+        self.progress, self.restore_rng, self.strict, self.allow_lossy = progress, restore_rng, strict, allow_lossy
+
+    def __call__(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
+        """Restore into the live objects of ``state``."""
+        fresh = FreshOptimizers(state)
+        optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+        try:
+            live_skeleton, live = flatten(to_state_dicts(state), rank=self.group.rank)
+
+            def plan_for(manifest: Manifest, record: RankRecord, _tier: Tier) -> LoadPlan:
+                return plan_load(
+                    live_skeleton, live, record.state, optimizers, strict=self.strict, dropped=lossy.dropped(manifest)
+                )
+
+            found = self._search(step, plan_for)
+            saved = entries(found.record.state)
+            loaded = {e: unflatten(saved[e], found.plan.targets) for e in found.plan.entries}
+            load_state_dicts(state, loaded, strict=self.strict)
+        except BaseException:
+            fresh.reset()  # nothing was loaded: the state is as it was
+            raise
+        fresh.reset(loaded=found.plan.entries)  # an optimizer the checkpoint did not fill stays fresh
+        return self._result(found)
+
+    def load(self, step: int | None) -> tuple[RestoreResult, dict[str, Any]]:
+        """A new state holding what was saved: full tensors (shards gathered) and the
+        JSON values, for code that has no live objects to restore into (an integration
+        handing a framework its checkpoint dict)."""
+
+        def everything(manifest: Manifest, record: RankRecord, tier: Tier) -> LoadPlan:
+            where = f"run {manifest.run!r} step {manifest.step}"
+            names = sorted(set(tensor_refs(record.state)))
+            targets = {n: empty_tensor(tier.store, manifest, n, where) for n in names}
+            return LoadPlan(sorted(entries(record.state)), targets)
+
+        found = self._search(step, everything, collective=False)
+        return self._result(found), unflatten(found.record.state, found.plan.targets)
+
+    def _result(self, found: Found) -> RestoreResult:
+        record, manifest = found.record, found.manifest
+        rng_ok = bool(self.restore_rng and record.rng and record.rank == self.group.rank)
+        if rng_ok:
+            restore_rng(record.rng)  # type: ignore[arg-type]
+        lost = dict(manifest.lossy) if manifest.lossy is not None else None
+        if lost is not None:
+            log.warning("restored a lossy copy of %s step %d: %s", self.run, found.step, lossy.describe(lost))
+        return RestoreResult(
+            step=found.step,
+            skipped=found.skipped,
+            metadata=dict(manifest.metadata),
+            rng_restored=rng_ok,
+            tier=found.tier.url,
+            hot_rejected=frozenset(found.hot_rejected),
+            missing_keys=found.plan.missing_keys,
+            unexpected_keys=found.plan.unexpected_keys,
+            lossy=lost,
+            not_restored=lossy.dropped(manifest),
+            digest=manifest.digest,
+        )
+
+    def _candidates(self, step: int | None) -> tuple[list[tuple[int, int]] | None, BaseException | None]:
+        try:
+            return candidates(self.tiers, self.run, step), None
+        except Exception as e:  # every rank raises it, not only rank 0 (the others would hang)
+            return None, e
+
+    def _search(self, step: int | None, plan_for: PlanFor, *, collective: bool = True) -> Found:
+        """The newest candidate whose chunks all verify, loaded into its plan's targets;
+        damage moves to the next candidate, anything else raises."""
+        pairs, error = self.group.broadcast(self._candidates(step) if self.group.rank == 0 else None)
+        if error is not None:
+            raise error
+        skipped: list[tuple[int, str]] = []
+        hot_rejected: set[int] = set()
+        for cand, index in pairs:
+            tier = self.tiers[index]
+            failure, loaded = self._try_load(cand, plan_for, tier, collective=collective)
+            if failure is None:
+                assert loaded is not None
+                manifest, record, plan = loaded
+                return Found(
+                    step=cand,
+                    tier=tier,
+                    manifest=manifest,
+                    record=record,
+                    plan=plan,
+                    skipped=skipped,
+                    hot_rejected=hot_rejected,
+                )
+            where = f"run {self.run!r} step {cand} in {tier.url}"
+            if failure.partial:  # no fallback: an older step would not overwrite all of it under strict=False
+                raise PartialRestoreError(
+                    f"restoring {where} failed after every chunk had verified, while reading them into place: "
+                    f"{failure.message}. `state` is now partly overwritten with this step's values: restore "
+                    "again (it verifies everything afresh and falls back past damage) or rebuild the state "
+                    "before training on it"
+                )
+            if failure.mismatch:
+                raise StateMismatchError(f"{where}: {failure.message}")
+            if not failure.damage:
+                error = ColdObjectError if failure.cold else StoreUnavailableError
+                raise error(
+                    f"could not read {where}, so restore stopped rather than fall back to an older checkpoint "
+                    f"(nothing shows that this one is damaged): {failure.message}. "
+                    + (
+                        f"Thaw it (`ckptflow thaw {tier.url} --run {self.run} --step {cand}`) and restore again"
+                        if failure.cold
+                        else "Fix access to the store and restore again"
+                    )
+                )
+            reason = f"{tier.url}: {failure.message}" if len(self.tiers) > 1 else failure.message
+            if index == 0:
+                hot_rejected.add(cand)
+            log.warning("skipping checkpoint %s step %d: %s", self.run, cand, reason)
+            skipped.append((cand, reason))
+        where = f"run {self.run!r} in {' or '.join(t.url for t in self.tiers)}"
+        if step is not None:
+            reasons = "; ".join(r for _, r in skipped)
+            raise NoValidCheckpointError(f"checkpoint step {step} of {where} cannot be restored: {reasons}", skipped)
+        detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "no checkpoints at all"
+        raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
+
+    def _try_load(
+        self, step: int, plan_for: PlanFor, tier: Tier, *, collective: bool
+    ) -> tuple[Failure | None, tuple[Manifest, RankRecord, LoadPlan] | None]:
+        """(the agreed failure, or None and what was loaded). The plan is made from the
+        records before any chunk is read, so a mismatch costs no I/O and changes nothing."""
+        local: Failure | None = None
+        try:
+            manifest = read_manifest(tier.store, self.run, step)
+            lossy.check_allowed(
+                manifest, allow_lossy=self.allow_lossy, how_to_allow="restore(..., allow_lossy=True) loads it"
+            )
+            rank = self.group.rank if self.group.rank < manifest.world_size else 0
+            record = read_rank_record(tier.store, manifest, rank)
+            plan = plan_for(manifest, record, tier)
+        except StateMismatchError as e:
+            local = Failure(str(e), damage=False, mismatch=True)
+        except LossyCopyError as e:  # not damage, but never what a plain restore wants: try the next one
+            local = Failure(str(e), damage=True)
+        except Exception as e:
+            local = failure_of(e)
+        agreed = agree(self.group, local)
+        if agreed is not None:
+            return agreed, None
+        reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress,
+                                  agree=(lambda f: agree(self.group, f)) if collective else None)  # fmt: skip
+        try:
+            if collective:
+                dcp.load(
+                    plan.targets, storage_reader=reader, process_group=self.group.pg, no_dist=not self.group.active
+                )
+            else:  # every rank reads the whole of it by itself
+                dcp.load(plan.targets, storage_reader=reader, no_dist=True)
+            local = None
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            local = failure_of(e)
+        agreed = agree(self.group, local)
+        return (agreed, None) if agreed else (None, (manifest, record, plan))
+
+
+PlanFor = Callable[[Manifest, RankRecord, Tier], LoadPlan]  # the targets to load a checkpoint into
+
+
+@dataclass(frozen=True, kw_only=True)
+class Found:
+    step: int
+    tier: Tier
+    manifest: Manifest
+    record: RankRecord
+    plan: LoadPlan
+    skipped: list[tuple[int, str]]
+    hot_rejected: set[int]

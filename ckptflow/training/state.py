@@ -1,0 +1,199 @@
+"""Live training objects and their state dicts, both ways; RNG states.
+
+``state`` maps names to modules, optimizers, ``Stateful`` objects, tensors or plain
+values (``ckptflow.training.tree`` turns the state dicts into tensors and JSON). Restoring writes
+into the live objects in place, so whoever holds a reference sees the restored values.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from collections.abc import Collection, Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ckptflow.errors import UnsupportedStateError
+from ckptflow.training.tree import UNLOADED, PerRank
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _owner(optim: torch.optim.Optimizer, modules: dict[str, nn.Module], name: str) -> nn.Module:
+    params = {id(p) for g in optim.param_groups for p in g["params"]}
+    for module in modules.values():
+        if params <= {id(p) for p in module.parameters()}:
+            return module
+    raise UnsupportedStateError(
+        f"state[{name!r}] is an optimizer whose parameters belong to no single module in the "
+        f"state (modules: {sorted(modules)}); add the module it optimizes to the state"
+    )
+
+
+def to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain nested state dicts for every entry of ``state`` (a ``PerRank`` entry stays
+    wrapped around its state dict). Keys are any non-empty strings: a model's own
+    ``state_dict()`` (``"layer0.weight"`` keys) is a state."""
+    modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(_unwrapped(v), nn.Module)}
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if not isinstance(name, str) or not name:
+            raise UnsupportedStateError(f"state key {name!r} must be a non-empty string")
+        inner = _unwrapped(value)
+        if isinstance(inner, nn.Module):
+            sd: Any = get_model_state_dict(inner)
+        elif isinstance(inner, torch.optim.Optimizer):
+            sd = get_optimizer_state_dict(_owner(inner, modules, name), inner)
+        elif isinstance(inner, torch.Tensor):
+            sd = inner.detach()
+        elif _is_stateful(inner):
+            sd = inner.state_dict()
+        else:
+            sd = inner
+        out[name] = PerRank(sd) if isinstance(value, PerRank) else sd
+    return out
+
+
+def _unwrapped(value: Any) -> Any:
+    return value.value if isinstance(value, PerRank) else value
+
+
+_MISSING = object()
+
+
+class FreshOptimizers:
+    """The optimizers in ``state`` that have not stepped yet, and how to put them back.
+
+    DCP's ``get_optimizer_state_dict`` initialises a fresh optimizer with a zero-gradient
+    step at learning rate 0, so that it has tensors to save or to load into. That changes
+    how training goes on (Adam's step count feeds its bias correction), so a save, and a
+    restore that does not succeed, undo it with ``reset``. A fresh optimizer is saved
+    with an empty ``state``, so restoring it gives a fresh optimizer again.
+    """
+
+    def __init__(self, state: Mapping[str, Any]):
+        self.names = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        optimizers = [state[k] for k in self.names]
+        self._saved = [
+            (o, [p.grad for g in o.param_groups for p in g["params"]], vars(o).get("_opt_called", _MISSING))
+            for o in optimizers
+        ]
+
+    def empty(self, state_dicts: dict[str, Any]) -> None:
+        """Save the fresh optimizers as fresh: no per-parameter state."""
+        for name in self.names:
+            state_dicts[name] = {**state_dicts[name], "state": {}}
+
+    def reset(self, loaded: Collection[str] = ()) -> None:
+        """Put every fresh optimizer back exactly as it was: no state, the same gradients;
+        all but those named in ``loaded`` (a restore just filled them)."""
+        for name, (optim, grads, called) in zip(self.names, self._saved):
+            if name in loaded:
+                continue
+            optim.state.clear()
+            for param, grad in zip((p for g in optim.param_groups for p in g["params"]), grads):
+                param.grad = grad
+            if called is _MISSING:
+                vars(optim).pop("_opt_called", None)
+            else:
+                optim._opt_called = called
+
+
+def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Apply loaded state dicts to the live objects in ``state`` (in place); entries the
+    checkpoint does not have (a partial restore) are left alone. With ``strict=False``
+    tensors the restore did not load (``UNLOADED``) are left as they are."""
+    modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(_unwrapped(v), nn.Module)}
+    for name, value in list(state.items()):
+        if name not in loaded:
+            continue
+        inner, sd = _unwrapped(value), _pruned(loaded[name])
+        if isinstance(inner, nn.Module):
+            set_model_state_dict(inner, sd, options=StateDictOptions(strict=strict))
+        elif isinstance(inner, torch.optim.Optimizer):
+            set_optimizer_state_dict(_owner(inner, modules, name), inner, sd)
+        elif _is_stateful(inner) and not isinstance(inner, torch.Tensor):
+            inner.load_state_dict(sd)
+        elif isinstance(value, PerRank):
+            value.value = merge_into(inner, sd)
+        else:
+            state[name] = merge_into(inner, sd)
+
+
+def _pruned(tree: Any) -> Any:
+    """``tree`` without the ``UNLOADED`` leaves (in dicts) a non-strict restore leaves."""
+    if isinstance(tree, dict):
+        return type(tree)((k, _pruned(v)) for k, v in tree.items() if v is not UNLOADED)
+    return tree
+
+
+def merge_into(live: Any, loaded: Any) -> Any:
+    """``loaded``, written into ``live``'s own tensors and containers where shapes allow.
+
+    Whoever holds a reference to a tensor or dict in the state sees the restored values,
+    as with ``load_state_dict``; anything that cannot be updated in place is replaced.
+    """
+    if isinstance(live, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        if live.shape == loaded.shape and live.dtype == loaded.dtype:
+            if live.data_ptr() != loaded.data_ptr():  # restore usually loads in place already
+                with torch.no_grad():
+                    live.copy_(loaded)
+            return live
+        return loaded
+    if isinstance(live, MutableMapping) and isinstance(loaded, Mapping) and type(live) is type(loaded):
+        for key in [k for k in live if k not in loaded]:
+            del live[key]
+        for key, value in loaded.items():
+            live[key] = merge_into(live.get(key), value)
+        return live
+    if isinstance(live, list) and isinstance(loaded, list) and len(live) == len(loaded):
+        live[:] = [merge_into(a, b) for a, b in zip(live, loaded)]
+        return live
+    return loaded
+
+
+def _b64_tensor(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _tensor_b64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict:
+    """This process's python, numpy, torch (and CUDA) RNG states as JSON."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert not isinstance(keys, str)
+    rng = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64_tensor(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = [_b64_tensor(s) for s in torch.cuda.get_rng_state_all()]
+    return rng
+
+
+def restore_rng(rng: Mapping) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_tensor_b64(rng["torch"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        states = [_tensor_b64(s) for s in rng["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
