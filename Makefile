@@ -28,8 +28,9 @@ test: $(STAMP)
 
 # The `slow` tests, end to end: the real dagster-daemon on SQLite and on PostgreSQL
 # (+ dagster-webserver), the browser test (headless Chromium against `dagster dev` after the
-# demo), savers killed with SIGKILL, and pip installs into fresh virtual environments (these
-# reach the package index). .ci/run runs `make test` and then this.
+# demo), the demo and the lifecycle with an S3 archive in-process, savers killed with SIGKILL,
+# Lightning's two-process DDP, and pip installs into fresh virtual environments (these reach
+# the package index). .ci/run runs `make test` and then this.
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

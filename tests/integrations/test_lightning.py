@@ -202,6 +202,7 @@ def test_a_fresh_run_into_a_used_run_name_says_how_to_resume(tmp_path):
         trainer(tmp_path / "store", "r", tmp_path / "b", max_epochs=1).fit(Tiny(), data())
 
 
+@pytest.mark.slow  # two ddp_spawn fits, each starting 2 processes that import torch and Lightning: make test-e2e
 def test_two_process_ddp_saves_from_rank_zero_and_resumes(tmp_path, monkeypatch):
     """``ddp_spawn`` on 2 CPU processes (gloo): Lightning saves from rank 0 only (the
     plugin's Checkpointer is local, so no collective waits for rank 1), both ranks load,

@@ -281,11 +281,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(registry: str, scenarios: list[str], rank: int, world: int, port: int, workdir: str) -> None:
+def _entry(
+    registry: str, scenarios: list[str], rank: int, world: int, port: int, workdir: str, environ: dict[str, str]
+) -> None:
     import importlib
 
     import torch.distributed as dist
 
+    os.environ.clear()  # the launching test's environment (an S3 endpoint's credentials), not the fork server's
+    os.environ.update(environ)
     out = Path(workdir)
     torch.set_num_threads(1)
     current = "init_process_group"
@@ -334,13 +338,15 @@ def launch(
     ranks (one process group)."""
     import multiprocessing as mp
 
-    # Each rank is forked from a server process that imported torch once (for all the
-    # groups this test process starts): fresh processes like spawned ones, minus the import.
+    # Each rank is forked from a server process that imported torch, DCP and ckptflow once (for
+    # all the groups this test process starts): fresh processes like spawned ones, minus imports.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "ckptflow.training.checkpointer", __name__])
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(registry, list(scenarios), r, world, port, str(workdir)), daemon=True)
+        ctx.Process(
+            target=_entry, args=(registry, list(scenarios), r, world, port, str(workdir), dict(os.environ)), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:
