@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.chunks import codecs
+from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format.checksum import (
     ADDRESS,
@@ -34,12 +36,15 @@ SCAN_PIECE = 256 << 10  # stays in L2 between read and hash; 8 threads hold 2 Mi
 
 @dataclass(frozen=True)
 class CheckedChunk:
-    """A chunk that passed verification: its bytes, or the version of the file holding them."""
+    """A chunk that passed verification: its bytes, or the version of the file holding them,
+    or neither (``again``: its bytes did not fit the restore's memory budget, so the second
+    pass fetches, decodes and verifies it once more)."""
 
     digest: str
     size: int
     version: tuple | None = None
     data: memoryview | None = None
+    again: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,28 +92,36 @@ class ChunkStore:
         scope: Mapping[str, int] | None = None,
         checksums: Mapping[str, str] | None = None,
         address: str | None = None,
+        budget: MemoryBudget | None = None,
     ):
         self.store = store
+        self.budget = budget  # bounds the decoded chunks a two-pass read holds (``ckptflow.chunks.budget``)
         self.scope = scope  # the chunks of one manifest: the only delta bases a read may use
         self.checksums = checksums or {}  # digest -> fast checksum: what reads are checked against
         self.address = address  # the manifest's kind of address: tried first (``checksum.matches_address``)
         self._local = threading.local()  # per-thread scratch buffers for ``check``
 
     def scoped(
-        self, chunks: Mapping[str, int], *, checksums: Mapping[str, str] | None = None, address: str | None = None
+        self,
+        chunks: Mapping[str, int],
+        *,
+        checksums: Mapping[str, str] | None = None,
+        address: str | None = None,
+        budget: MemoryBudget | None = None,
     ) -> ChunkStore:
         """This store, reading for one manifest: a delta chunk whose base that manifest
         does not list is refused, so a checkpoint never needs more than its own list.
         With the manifest's ``checksums``, reads are checked against them (fast) instead
         of re-hashing the ``address`` (the manifest's kind); without (``verify --deep``),
-        the address."""
-        return ChunkStore(self.store, scope=chunks, checksums=checksums, address=address)
+        the address. ``budget`` bounds the decoded bytes ``check`` keeps and decodes at once."""
+        return ChunkStore(self.store, scope=chunks, checksums=checksums, address=address, budget=budget)
 
     def put(
         self,
         raw: memoryview,
         *,
         digest: str | None = None,
+        checksum: str | None = None,
         codec: str = "raw",
         itemsize: int = 1,
         rewrite: bool = False,
@@ -116,7 +129,8 @@ class ChunkStore:
         encoder: Encoder | None = None,
     ) -> ChunkWrite:
         """Store ``raw`` (with ``encoder`` if given, else ``codec``). ``rewrite`` replaces
-        an existing copy instead of trusting it.
+        an existing copy instead of trusting it. ``digest`` and ``checksum``, where the
+        caller already knows them for these bytes, are not computed again.
 
         A reused chunk may be stored as a delta: its base is looked up (a read of its
         header), checked to exist and touched with it, and returned, so the manifest of
@@ -126,7 +140,7 @@ class ChunkStore:
         """
         if digest is None:
             digest, checksum = address_and_checksum(raw)
-        else:
+        elif checksum is None:
             checksum = fast_checksum(raw)
         key = chunk_key(digest)
         if not rewrite:
@@ -283,8 +297,10 @@ class ChunkStore:
 
         A raw chunk on a store that can re-read cheaply (``Store.cheap_reread``) is
         streamed through a small per-thread buffer into the check, and only its file
-        version is kept; anything else keeps the verified bytes, so the second pass
-        never fetches twice. Any anomaly goes through ``get``, which names the problem.
+        version is kept; anything else is decoded whole and verified, and its bytes kept
+        for the second pass while they fit the memory budget (beyond it, that pass
+        fetches and decodes the chunk again). Any anomaly goes through ``get``, which
+        names the problem.
         """
         if self.store.cheap_reread:
             header, hasher = bytearray(), self._hasher(digest)
@@ -315,7 +331,15 @@ class ChunkStore:
                     and hasher.hexdigest() == self.checksums.get(digest, digest)
                 ):
                     return CheckedChunk(digest, size, version=version)
-        return CheckedChunk(digest, size, data=self.get(digest, size))
+        with self._room(size):
+            data = self.get(digest, size)
+            if self.budget is None or self.budget.keep(size):
+                return CheckedChunk(digest, size, data=data)
+        return CheckedChunk(digest, size, again=True)
+
+    def _room(self, size: int) -> Any:
+        """Room in the memory budget for one chunk of ``size`` raw bytes being decoded."""
+        return self.budget.in_flight(size) if self.budget is not None else nullcontext()
 
     def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
         """Fill ``out`` with a chunk ``check`` verified, reading a raw chunk straight into
@@ -325,6 +349,9 @@ class ChunkStore:
         out = memoryview(out).cast("B")
         if checked.data is not None:
             out[:] = checked.data
+            return
+        if checked.again:
+            self._get_into(checked.digest, out)
             return
         header = bytearray(codecs.HEADER.size)
         try:
@@ -340,7 +367,12 @@ class ChunkStore:
             or codecs.raw_length(header) != len(out)
             or (expected is not None and fast_checksum(out) != expected)
         ):
-            out[:] = self.get(checked.digest, len(out))  # replaced or damaged since: verify again
+            self._get_into(checked.digest, out)  # replaced or damaged since: verify again
+
+    def _get_into(self, digest: str, out: memoryview) -> None:
+        """``out`` filled from ``get`` (verified), within the memory budget."""
+        with self._room(len(out)):
+            out[:] = self.get(digest, len(out))
 
     def _scratch(self, size: int) -> memoryview:
         buf = getattr(self._local, "scratch", None)

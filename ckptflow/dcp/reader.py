@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.io import CheckedChunk, ChunkStore
 from ckptflow.dcp.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
 from ckptflow.dcp.metadata import dtype_from_name, metadata_from_index
-from ckptflow.dcp.writer import Progress, completed_future
+from ckptflow.dcp.writer import Progress, completed_future, tensor_memory
 from ckptflow.errors import is_damage
 from ckptflow.format.dcp_index import StorageItem
 from ckptflow.format.manifest import Manifest
@@ -36,7 +37,11 @@ class CheckpointReader(StorageReader):
     destination tensors, checking them there again (a mismatch, or an I/O error, is read
     once more and verified through ``ChunkStore.get``). So restore needs no second copy of
     the model in host memory, and a rejected checkpoint leaves the caller's tensors as
-    they were. A failure in pass two raises ``IntoPlaceFailed``: those tensors are partly
+    they were. Chunks that must be decoded to be verified (encoded, or on S3) are kept
+    from pass one to pass two only while they fit ``budget``; the rest are decoded again
+    (``ckptflow.chunks.budget``), and staging tensors (resharding, GPU targets) are filled
+    and released in groups that fit it too, so host memory beyond the state stays bounded.
+    A failure in pass two raises ``IntoPlaceFailed``: those tensors are partly
     written, which restore reports as ``PartialRestoreError``.
     """
 
@@ -48,10 +53,12 @@ class CheckpointReader(StorageReader):
         progress: Progress | None = None,
         *,
         agree: Callable[[Failure | None], Failure | None] | None = None,
+        budget: MemoryBudget | None = None,
     ):
         super().__init__()
+        self.budget = budget or MemoryBudget()
         self.chunks = chunks.scoped(
-            manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address
+            manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address, budget=self.budget
         )  # reads checked fast
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
@@ -112,7 +119,8 @@ class CheckpointReader(StorageReader):
         failure = self.agree(failure)
         if failure:
             raise ReadAborted(failure)
-        loading = []
+        loading: list = []
+        staged = 0  # bytes of staging tensors allocated and not yet copied out
         try:
             for index, reqs in by_storage.items():
                 item = self.storage[index]
@@ -120,8 +128,12 @@ class CheckpointReader(StorageReader):
                 if len(reqs) == 1 and _whole_item_target(item, reqs[0], targets[0]):
                     buffer = targets[0]  # chunks land in place: no staging tensor, no copy
                 else:  # resharding, another device or dtype: read the item, then copy slices
+                    if staged and staged + item.nbytes > self.budget.in_flight_cap:
+                        _finish(loading, planner)  # staging stays within the budget: use what is staged
+                        staged = 0
                     to_gpu = any(t.device.type == "cuda" for t in targets)
                     buffer = torch.empty(item.shape, dtype=dtype_from_name(item.dtype), pin_memory=to_gpu)
+                    staged += item.nbytes
                 raw, offset, futures = _writable_bytes(buffer), 0, []
                 for digest, size in item.chunks:
                     futures.append(
@@ -129,19 +141,7 @@ class CheckpointReader(StorageReader):
                     )
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
-            for reqs, targets, buffer, futures in loading:
-                for f in futures:
-                    f.result()
-                for req, target in zip(reqs, targets):
-                    if target is not buffer:
-                        src = buffer
-                        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                            src = src.narrow(dim, start, length)
-                        target.copy_(src, non_blocking=buffer.is_pinned())
-                if buffer.is_pinned():
-                    torch.cuda.current_stream().synchronize()  # copies done before commit and reuse
-                for req, target in zip(reqs, targets):
-                    planner.commit_tensor(req, target)
+            _finish(loading, planner)
         except Exception as e:  # verified, yet not read into place: the caller's tensors are partly written
             raise IntoPlaceFailed(describe(e)) from e
         finally:  # on failure: no read may write into the caller's tensors after this returns
@@ -152,9 +152,29 @@ class CheckpointReader(StorageReader):
         return completed_future(None)
 
 
+def _finish(loading: list, planner: LoadPlanner) -> None:
+    """Wait for the reads of ``loading`` (emptied as it goes), copy staged items into their
+    targets and commit them; a staging tensor is released once its copies are done."""
+    while loading:
+        reqs, targets, buffer, futures = loading[0]
+        for f in futures:
+            f.result()
+        for req, target in zip(reqs, targets):
+            if target is not buffer:
+                src = buffer
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    src = src.narrow(dim, start, length)
+                target.copy_(src, non_blocking=buffer.is_pinned())
+        if buffer.is_pinned():
+            torch.cuda.current_stream().synchronize()  # copies done before commit and reuse
+        for req, target in zip(reqs, targets):
+            planner.commit_tensor(req, target)
+        loading.pop(0)
+
+
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:
-    """The memory of a contiguous CPU tensor as writable bytes (no copy)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    """The memory of a contiguous CPU tensor as writable bytes (no copy; still resizable after)."""
+    return tensor_memory(tensor)
 
 
 def _whole_item_target(item: StorageItem, req: Any, target: torch.Tensor) -> bool:

@@ -8,10 +8,11 @@ coordinator commits the manifest last.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,12 +30,14 @@ from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.metadata import dtype_name, metadata_to_json
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
-from ckptflow.format.checksum import ADDRESS
+from ckptflow.format.checksum import ADDRESS, fast_checksum
 from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.sealed import seal
 
 Progress = Callable[[int], None]
+Region = tuple  # (fqn, item offset, chunk index, dtype, length): one chunk-sized slice of a saved tensor
+Seen = dict  # Region -> (fast checksum, address) of the bytes a save found there
 
 # Single-process use (no process group) is a supported mode here, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -44,8 +47,23 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+    return tensor_memory(flat.contiguous())
+
+
+def tensor_memory(tensor: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as writable bytes, without a copy.
+
+    Not through ``.numpy()``: that marks the tensor's storage not resizable for good, so a
+    saved (or restored) tensor could no longer be ``resize_``d: a save must not change the
+    state it saves. The view keeps the tensor alive; the caller must not resize it while
+    the view is in use (saves and restores hold the tensors they read or fill).
+    """
+    flat = tensor.reshape(-1).view(torch.uint8)
+    if flat.numel() == 0:
+        return memoryview(bytearray(0))
+    memory = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    memory._owner = flat  # type: ignore[attr-defined]  # the bytes live as long as the view does
+    return memoryview(memory).cast("B")
 
 
 @dataclass
@@ -88,9 +106,28 @@ def completed_future(value: Any) -> torch.futures.Future:
 
 
 class CheckpointWriter(StorageWriter):
-    def __init__(self, chunks: ChunkStore, spec: SaveSpec, pool: ThreadPoolExecutor, progress: Progress | None = None):
+    """Writes one rank's chunks. An incremental save given ``previous`` (what this process's
+    previous save found in each region of each tensor: ``seen``) hashes each chunk with
+    the fast checksum first, and where it equals the region's previous one takes that
+    save's address for it instead of computing BLAKE3 again: the cryptographic hash runs
+    over changed bytes only. Every byte is still read, so a change made any way at all
+    (in place, through ``.data``, a view or another tensor sharing the storage) is seen;
+    what is trusted is xxh3-128 telling one's own two versions of a region apart, not a
+    defence against forgery (cross-run dedup and ``verify --deep`` keep the address)."""
+
+    def __init__(
+        self,
+        chunks: ChunkStore,
+        spec: SaveSpec,
+        pool: ThreadPoolExecutor,
+        progress: Progress | None = None,
+        *,
+        previous: Mapping[Region, tuple[str, str]] | None = None,
+    ):
         super().__init__()
         self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
+        self.previous = previous or {}
+        self.seen: Seen = {}  # for the next save, once this one has committed
         self.rank = 0
         self.is_coordinator = True
         self.manifest: Manifest | None = None
@@ -115,9 +152,19 @@ class CheckpointWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
 
-    def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None) -> ChunkWrite:
+    def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region) -> ChunkWrite:
+        digest = checksum = None
+        earlier = self.previous.get(region) if self.spec.kind == "incremental" else None
+        if earlier is not None:
+            checksum = fast_checksum(piece)
+            if checksum == earlier[0]:
+                digest = earlier[1]  # the same bytes as last time: their address is known
+            else:
+                checksum = None  # changed: address and checksum in one pass, below
         write = self.chunks.put(
             piece,
+            digest=digest,
+            checksum=checksum,
             codec="raw" if encoder else self.spec.codec,
             itemsize=tensor.element_size(),
             floating=tensor.is_floating_point(),
@@ -126,6 +173,7 @@ class CheckpointWriter(StorageWriter):
         )
         if self.progress:
             self.progress(len(piece))
+        self.seen[region] = (write.checksum, write.digest)
         return write
 
     def _chunk_encoder(self, item: Any, tensor: torch.Tensor, index: int) -> Encoder | None:
@@ -174,12 +222,13 @@ class CheckpointWriter(StorageWriter):
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
                 raw = _bytes_view(tensor)
                 step = self.spec.chunk_bytes
-                futures = [
-                    self.pool.submit(
-                        self._put, raw[off : off + step], tensor, self._chunk_encoder(item, tensor, off // step)
-                    )
-                    for off in range(0, len(raw), step)
-                ]
+                offset = None if item.index.offset is None else tuple(item.index.offset)
+                futures = []
+                for off in range(0, len(raw), step):
+                    piece = raw[off : off + step]
+                    region = (item.index.fqn, offset, off // step, dtype_name(tensor.dtype), len(piece))
+                    encoder = self._chunk_encoder(item, tensor, off // step)
+                    futures.append(self.pool.submit(self._put, piece, tensor, encoder, region))
                 pending.append((item, tensor, raw, futures))
             return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
         finally:  # on failure: no chunk write may outlive the lease

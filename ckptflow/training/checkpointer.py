@@ -25,12 +25,13 @@ from ckptflow.catalog import recovery_log
 from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
 from ckptflow.catalog.commit import check_step
 from ckptflow.catalog.tiers import Tier, open_tiers
+from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
 from ckptflow.chunks.codecs import CODECS
 from ckptflow.chunks.lossy import record_problem as lossy_record_problem
 from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
-from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec
+from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec, Seen
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
@@ -76,6 +77,11 @@ class SaveHandle:
         )
 
     @property
+    def writer(self) -> CheckpointWriter:
+        """The save's writer: what it found in each chunk region, for the next save."""
+        return self._writer
+
+    @property
     def manifest(self) -> Manifest | None:
         """What the save committed (on the coordinator rank, once it has)."""
         return self._writer.manifest
@@ -96,8 +102,13 @@ class Checkpointer:
         progress: Progress | None = None,
         tiers: Sequence[str | Store] = (),
         local: bool = False,
+        restore_buffer_bytes: int = DEFAULT_RESTORE_BUFFER,
     ):
         self.store = open_store(root)
+        MemoryBudget(restore_buffer_bytes)  # refused here, not at the first restore
+        # host memory a restore may hold beyond the state: decoded chunks kept between its passes
+        # and in flight, staging tensors (``ckptflow.chunks.budget``)
+        self.restore_buffer_bytes = restore_buffer_bytes
         self.run = fmt.validate_run(run)
         self.policy = policy
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -123,6 +134,7 @@ class Checkpointer:
         self._last_commit: int | None = None  # newest step this process committed or restored
         self._auto = AutoCodec() if codec == "auto" else None
         self._full: Manifest | None = None  # the newest full checkpoint this process committed: the delta base
+        self._seen: Seen = {}  # per chunk region, the fast checksum and address its last committed save found
 
     # ---- save -------------------------------------------------------------------------
     def save(
@@ -182,13 +194,13 @@ class Checkpointer:
             lossy=lossy,
             replaces=replaces,
         )
-        writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
+        writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress, previous=self._seen)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
         if blocking:
             with own_errors():
                 dcp.save(tensors, **kwargs)
             manifest = writer.manifest
-            self._committed(step, manifest)
+            self._committed(step, manifest, writer)
             return SaveResult(step=step, kind=kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
@@ -196,10 +208,12 @@ class Checkpointer:
         self._pending = SaveHandle(future, writer, time.perf_counter() - started)
         return self._pending
 
-    def _committed(self, step: int, manifest: Manifest | None) -> None:
+    def _committed(self, step: int, manifest: Manifest | None, writer: CheckpointWriter) -> None:
         """What this process knows once it committed ``step``: the newest commit, the
-        newest full (the delta base), and that its own commit is no longer one restore rejected."""
+        newest full (the delta base), what each chunk region held (the next incremental
+        save's fast comparison), and that its own commit is no longer one restore rejected."""
         self._last_commit = step
+        self._seen = writer.seen
         self._superseded.discard(step)
         if manifest is not None and manifest.kind == "full":
             self._full = manifest
@@ -218,7 +232,7 @@ class Checkpointer:
         if pending is None or pending.error_reported:
             return None  # a failure already raised by the handle's own wait() is not raised again
         result = pending.wait()
-        self._committed(pending.step, pending.manifest)
+        self._committed(pending.step, pending.manifest, pending.writer)
         return result
 
     def _flatten(self, state: MutableMapping[str, Any], metadata: dict | None) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -328,6 +342,7 @@ class Checkpointer:
             restore_rng=self.restore_rng,
             strict=strict,
             allow_lossy=allow_lossy,
+            buffer_bytes=self.restore_buffer_bytes,
         )
         try:
             result = restore(state, step)
@@ -348,7 +363,15 @@ class Checkpointer:
         self.wait()
         if step is not None:
             fmt.validate_step(step)
-        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, restore_rng=self.restore_rng)
+        restore = Restore(
+            self.tiers,
+            self.run,
+            self.group,
+            self.pool,
+            self.progress,
+            restore_rng=self.restore_rng,
+            buffer_bytes=self.restore_buffer_bytes,
+        )
         try:
             result, state = restore.load(step)
         except CkptflowError as e:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckptflow.catalog.checkpoints import read_manifest, read_rank_record
 from ckptflow.catalog.tiers import Tier, candidates
 from ckptflow.chunks import lossy
+from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
 from ckptflow.dcp.allocation import empty_tensor
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import Failure, failure_of
@@ -98,8 +99,10 @@ class Restore:
         restore_rng: bool,
         strict: bool = True,
         allow_lossy: bool = False,
+        buffer_bytes: int = DEFAULT_RESTORE_BUFFER,
     ):
         self.tiers, self.run, self.group, self.pool = tiers, run, group, pool
+        self.buffer_bytes = buffer_bytes  # each candidate's read gets a budget of its own
         self.progress, self.restore_rng, self.strict, self.allow_lossy = progress, restore_rng, strict, allow_lossy
 
     def __call__(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
@@ -246,7 +249,8 @@ class Restore:
         if agreed is not None:
             return agreed, None
         reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress,
-                                  agree=(lambda f: agree(self.group, f)) if collective else None)  # fmt: skip
+                                  agree=(lambda f: agree(self.group, f)) if collective else None,
+                                  budget=MemoryBudget(self.buffer_bytes))  # fmt: skip
         try:
             if collective:
                 dcp.load(

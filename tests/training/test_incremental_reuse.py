@@ -1,0 +1,133 @@
+"""Incremental saves hash with BLAKE3 only the chunks whose bytes changed, and stay exact.
+
+An incremental save compares each chunk's fast checksum with what the same region of the
+same tensor held at this process's previous save, and reuses that save's address where
+they are equal. Every way of changing a tensor must still produce a checkpoint that
+restores exactly: in place, through ``.data``, through a view, through another tensor or a
+numpy array sharing its storage (none of which a version counter sees reliably), by
+replacing it, resizing it, or ``load_state_dict`` into it.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ckptflow.chunks import io as chunk_io
+
+CHUNK = 256  # bytes: every tensor here spans several chunks
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {"model": nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8)), "buf": torch.randn(1000)}
+
+
+def _in_place(state):
+    with torch.no_grad():
+        state["model"][0].weight.mul_(2)
+
+
+def _through_data(state):
+    state["model"][0].weight.data[3, 4] = 123.0
+
+
+def _through_view(state):
+    state["buf"].view(10, 100)[7, 50:60].fill_(-1.0)
+
+
+def _through_shared_storage(state):
+    alias = torch.empty(0).set_(state["buf"].untyped_storage(), 0, (1000,))
+    alias[999] = 7.0
+
+
+def _through_numpy(state):
+    state["model"][1].bias.detach().numpy()[2] = 5.0
+
+
+def _replaced(state):
+    state["model"][0].weight = nn.Parameter(torch.randn(32, 32))
+    state["buf"] = torch.randn(1000)
+
+
+def _resized(state):
+    state["buf"].resize_(1500)
+    state["buf"].copy_(torch.arange(1500, dtype=torch.float32))
+
+
+def _loaded_state_dict(state):
+    torch.manual_seed(1)
+    state["model"].load_state_dict(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8)).state_dict())
+
+
+CHANGES = [
+    _in_place,
+    _through_data,
+    _through_view,
+    _through_shared_storage,
+    _through_numpy,
+    _replaced,
+    _resized,
+    _loaded_state_dict,
+]
+
+
+def _values(state: dict) -> dict:
+    return {
+        **{f"model.{k}": v.detach().clone() for k, v in state["model"].state_dict().items()},
+        "buf": state["buf"].clone(),
+    }
+
+
+def _blank_like(state: dict) -> dict:
+    blank = {"model": copy.deepcopy(state["model"]), "buf": torch.zeros_like(state["buf"])}
+    with torch.no_grad():
+        for p in blank["model"].parameters():
+            p.zero_()
+    return blank
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
+def test_every_kind_of_change_restores_exactly(make_ck, change, blocking):
+    state = _state()
+    ck = make_ck(chunk_bytes=CHUNK)
+    ck.save(1, state, kind="full", rng=False)
+    ck.save(2, state, kind="incremental", rng=False)  # nothing changed: every chunk reused
+    change(state)
+    expected = _values(state)
+    saved = ck.save(3, state, kind="incremental", rng=False, blocking=blocking)
+    if not blocking:
+        saved.wait()
+    change(state)  # changed again after the save: the checkpoint must hold the values at save time
+    ck.wait()
+    fresh = _blank_like(state)
+    make_ck(chunk_bytes=CHUNK).restore(fresh, step=3)
+    got = _values(fresh)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{change.__name__}: {name} did not restore exactly"
+
+
+def test_incremental_save_hashes_only_the_changed_chunks(make_ck, monkeypatch):
+    hashed: list[int] = []
+    real = chunk_io.address_and_checksum
+
+    def counting(raw):
+        hashed.append(len(memoryview(raw).cast("B")))
+        return real(raw)
+
+    monkeypatch.setattr(chunk_io, "address_and_checksum", counting)
+    state = {"buf": torch.randn(4096), "frozen": torch.randn(4096)}  # 16 KiB each: 64 chunks each
+    ck = make_ck(chunk_bytes=CHUNK)
+    ck.save(1, state, kind="full", rng=False)
+    assert sum(hashed) == 2 * 4096 * 4
+    hashed.clear()
+    state["buf"][100] += 1.0  # one chunk of one tensor
+    info = ck.save(2, state, kind="incremental", rng=False).info
+    assert hashed == [CHUNK]
+    assert info.bytes_written == CHUNK
+    fresh = {"buf": torch.zeros(4096), "frozen": torch.zeros(4096)}
+    make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
+    assert torch.equal(fresh["buf"], state["buf"]) and torch.equal(fresh["frozen"], state["frozen"])

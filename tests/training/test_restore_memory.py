@@ -1,0 +1,64 @@
+"""Restore holds a bounded amount of host memory beyond the state it restores into.
+
+Each restore runs in a process of its own (``support/restore_rss.py``), whose peak RSS
+(VmHWM, reset just before the restore) is its own. Without a bound, a zstd restore (and
+any restore from S3) keeps every decoded chunk from the verifying pass to the pass that
+writes them: the peak grows by the size of the state. With a 16 MiB budget it must stay
+well under half the state here (in flight and kept chunks, plus the allocator's slack).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptflow.chunks.budget import MemoryBudget
+
+SCRIPT = Path(__file__).parents[1] / "support" / "restore_rss.py"
+STATE_MIB = 320
+BUDGET_MIB = 16
+
+
+def _run(*args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[2]), str(SCRIPT.parents[1])]))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _restore_overhead_mib(url: str, codec: str) -> float:
+    _run("save", url, str(STATE_MIB), codec)
+    measured = json.loads(_run("restore", url, str(STATE_MIB), str(BUDGET_MIB)).splitlines()[-1])
+    assert measured["exact"], "the restored state differs from the one saved"
+    return measured["peak_mib"] - measured["before_mib"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
+def test_zstd_restore_holds_at_most_a_budget_beyond_the_state(tmp_path):
+    overhead = _restore_overhead_mib(str(tmp_path / "store"), "zstd")
+    assert overhead < STATE_MIB / 2, f"restore peaked {overhead:.0f} MiB above the state ({STATE_MIB} MiB)"
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
+def test_s3_restore_holds_at_most_a_budget_beyond_the_state(s3_store_url):
+    overhead = _restore_overhead_mib(s3_store_url, "raw")
+    assert overhead < STATE_MIB / 2, f"restore from S3 peaked {overhead:.0f} MiB above the state ({STATE_MIB} MiB)"
+
+
+def test_budget_bounds_chunks_in_flight_and_kept():
+    budget = MemoryBudget(64)
+    with budget.in_flight(16):  # 32 counted: 2 x raw bytes, the in-flight half's whole room
+        assert budget.keep(32) and not budget.keep(1)
+    with budget.in_flight(1000):  # larger than the room: proceeds alone, counted as the whole room
+        pass
+    assert budget.peak == 64
+
+
+def test_budget_refuses_a_negative_size():
+    with pytest.raises(ValueError, match="memory budget"):
+        MemoryBudget(-1)
