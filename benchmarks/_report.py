@@ -31,6 +31,7 @@ class Row:
     restore_cpu_s: float | None = None  # the same for the restore
     warm_blocked_s: float | None = None  # async: the second save of the same Checkpointer
     note: str = ""
+    peak_rss: int | None = None  # bytes: the most resident memory beyond what the process held before the method
 
 
 Sample = dict[str, float]  # blocked, total, bytes, restore, cpu (any may be missing)
@@ -52,6 +53,7 @@ def median_row(method: str, note: str, samples: list[Sample]) -> Row:
         med("restore_cpu"),
         med("warm_blocked"),
         note,
+        None if med("peak_rss") is None else int(med("peak_rss") or 0),
     )
 
 
@@ -82,6 +84,7 @@ def table(rows: list[Row]) -> str:
         "x torch",
         "save cpu s",
         "restore cpu s",
+        "peak +RSS",
         "note",
     ]
     body = [
@@ -97,6 +100,7 @@ def table(rows: list[Row]) -> str:
             _ratio(r.restore_s, base.restore_s),
             _secs(r.save_cpu_s),
             _secs(r.restore_cpu_s),
+            _mib(r.peak_rss),
             r.note,
         ]
         for r in rows

@@ -108,3 +108,34 @@ class Clock:
 
     def cpu_used(self) -> float:
         return time.process_time() - self.cpu
+
+
+class PeakRss:
+    """The peak resident memory of this process inside a ``with`` block, beyond its RSS
+    when the block began (``bytes``; None where /proc cannot reset the peak: not Linux)."""
+
+    def __enter__(self) -> PeakRss:
+        self.bytes: int | None = None
+        self._before = _status_bytes("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+        except OSError:
+            self._before = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._before is not None:
+            peak = _status_bytes("VmHWM")
+            self.bytes = None if peak is None else max(0, peak - self._before)
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -7,6 +7,8 @@ Every method saves the same state dict in one process and is timed the same way:
   total s    until the checkpoint is complete on disk (for async methods: the future / handle)
   bytes      disk usage of what the method wrote (ckptflow: what the checkpoint added to its store)
   restore s  from the files on disk to the values in a live state dict of the same shapes
+  peak +RSS  the most resident memory the method's save and restore held beyond what the
+             process held before it (Linux: VmHWM, reset before each method)
 
 Each figure is the median of ``--repeats`` runs; ratios are against torch.save. Output
 directories are deleted between methods, so the disk holds at most ~2x the state's size.
@@ -47,7 +49,7 @@ from _report import (  # noqa: E402
     target_checks,
 )
 from _states import REAL_PACKAGE, MiB, StateDict, changed_names, real_state, synthetic_state, updated  # noqa: E402
-from _util import Clock, check_equal, clear, copy_into, disk_usage, fresh, fsync_file, quiet  # noqa: E402
+from _util import Clock, PeakRss, check_equal, clear, copy_into, disk_usage, fresh, fsync_file, quiet  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
 
@@ -223,7 +225,9 @@ class Bench:
         try:
             for r in range(self.repeats):
                 for name, _, fn in methods:
-                    samples[name].append(fn(r))
+                    with PeakRss() as peak:
+                        sample = fn(r)
+                    samples[name].append({**sample, **({"peak_rss": peak.bytes} if peak.bytes is not None else {})})
                     shutil.rmtree(self.work, ignore_errors=True)  # bound disk use between methods
         finally:
             shutil.rmtree(self.work, ignore_errors=True)

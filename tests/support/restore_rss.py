@@ -3,13 +3,14 @@
 ``python restore_rss.py save URL MIB CODEC`` writes a state of MIB MiB (16 tensors,
 deterministic) at step 1; ``python restore_rss.py restore URL MIB [BUDGET_MIB]`` allocates the
 same shapes, restores into them and prints JSON: the RSS before the restore, the peak
-during it (MiB), and whether every tensor came back exactly.
+during it (MiB), its duration, and whether every tensor came back exactly.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
@@ -56,10 +57,12 @@ def main(argv: list[str]) -> None:
         ck.list()  # imports and clients warmed up before the peak is measured
         before = _status_mib("VmRSS")
         _reset_peak()
+        started = time.perf_counter()
         ck.restore(state, step=1)
+        seconds = time.perf_counter() - started
         peak = _status_mib("VmHWM")
     exact = all(torch.equal(state[f"w{i}"], _expected(i, s)) for i, s in enumerate(shapes))
-    print(json.dumps({"before_mib": before, "peak_mib": peak, "exact": exact}))
+    print(json.dumps({"before_mib": before, "peak_mib": peak, "seconds": seconds, "exact": exact}))
 
 
 if __name__ == "__main__":
