@@ -30,7 +30,7 @@ from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.metadata import dtype_name, metadata_to_json
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
-from ckptflow.format.checksum import ADDRESS, fast_checksum
+from ckptflow.format.checksum import ADDRESS, same_content
 from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.sealed import seal
@@ -108,8 +108,8 @@ def completed_future(value: Any) -> torch.futures.Future:
 class CheckpointWriter(StorageWriter):
     """Writes one rank's chunks. An incremental save given ``previous`` (what this process's
     previous save found in each region of each tensor: ``seen``) hashes each chunk with
-    the fast checksum first, and where it equals the region's previous one takes that
-    save's address for it instead of computing BLAKE3 again: the cryptographic hash runs
+    xxh3-128 first, and where it equals the region's previous one takes that save's fast
+    checksum and address for it instead of computing BLAKE3 again: the cryptographic hash runs
     over changed bytes only. Every byte is still read, so a change made any way at all
     (in place, through ``.data``, a view or another tensor sharing the storage) is seen;
     what is trusted is xxh3-128 telling one's own two versions of a region apart, not a
@@ -155,12 +155,8 @@ class CheckpointWriter(StorageWriter):
     def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region) -> ChunkWrite:
         digest = checksum = None
         earlier = self.previous.get(region) if self.spec.kind == "incremental" else None
-        if earlier is not None:
-            checksum = fast_checksum(piece)
-            if checksum == earlier[0]:
-                digest = earlier[1]  # the same bytes as last time: their address is known
-            else:
-                checksum = None  # changed: address and checksum in one pass, below
+        if earlier is not None and same_content(piece, earlier[0]):
+            checksum, digest = earlier  # the same bytes as last time: their checksum and address are known
         write = self.chunks.put(
             piece,
             digest=digest,

@@ -6,6 +6,7 @@ restored as data. ``verify --deep`` re-hashes the sha256 addresses instead."""
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from ckptflow import Checkpointer, ManifestError, NoValidCheckpointError, Partia
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import codecs
 from ckptflow.format import layout as fmt
-from ckptflow.format.checksum import FastChecksum, address_and_checksum, fast_checksum
+from ckptflow.format.checksum import FastChecksum, address_and_checksum, fast_checksum, same_content
 from ckptflow.store import open_store
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, reseal_manifest
@@ -236,3 +237,11 @@ def test_restore_checks_against_the_recorded_checksum_and_refuses_a_malformed_on
     reseal_manifest(saved, RUN, 2, malformed)
     with pytest.raises(ManifestError, match="fast checksum"):
         catalog.read_manifest(open_store(saved), RUN, 2)
+
+
+def test_same_content_compares_the_xxh3_part_of_a_fast_checksum():
+    raw = bytearray(os.urandom(1 << 16))
+    recorded = fast_checksum(raw)
+    assert same_content(raw, recorded)
+    raw[12345] ^= 1
+    assert not same_content(raw, recorded)
