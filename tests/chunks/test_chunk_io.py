@@ -5,6 +5,7 @@ import os
 import pytest
 
 from ckptflow.chunks import codecs
+from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import CorruptChunkError
 from ckptflow.format.layout import chunk_key
@@ -66,3 +67,33 @@ def test_check_fails_on_a_flipped_byte(chunks, tmp_path):
     path.write_bytes(bytes(blob))
     with pytest.raises(CorruptChunkError):
         chunks.check(digest, len(payload))
+
+
+def _budgeted(chunks: ChunkStore, total: int) -> ChunkStore:
+    return chunks.scoped({}, budget=MemoryBudget(total))
+
+
+def test_encoded_chunks_beyond_the_budget_are_dropped_and_decoded_again(chunks):
+    payloads = [bytes([i]) * (1 << 16) for i in range(4)]
+    digests = [chunks.put(memoryview(p), codec="zstd").digest for p in payloads]
+    budgeted = _budgeted(chunks, 2 * (1 << 16))  # keeps one 64 KiB chunk
+    checked = [budgeted.check(d, 1 << 16) for d in digests]
+    assert [c.data is not None for c in checked] == [True, False, False, False]
+    assert all(c.again for c in checked[1:])
+    for c, payload in zip(checked, payloads):
+        out = bytearray(1 << 16)
+        budgeted.read_checked(c, memoryview(out))
+        assert bytes(out) == payload
+    assert budgeted.budget is not None and budgeted.budget.peak <= 2 * (1 << 16)
+
+
+def test_a_dropped_chunk_damaged_before_the_second_pass_is_caught(chunks):
+    payload = bytes(range(256)) * 256
+    digest = chunks.put(memoryview(payload), codec="zstd").digest
+    checked = _budgeted(chunks, 0).check(digest, len(payload))
+    assert checked.again and checked.data is None
+    bad = bytearray(b"".join(bytes(p) for p in codecs.encode(payload)))
+    bad[-1] ^= 0xFF
+    chunks.store.replace(chunk_key(digest), bytes(bad))
+    with pytest.raises(CorruptChunkError, match="does not match its address"):
+        _budgeted(chunks, 0).read_checked(checked, memoryview(bytearray(len(payload))))
