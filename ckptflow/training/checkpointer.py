@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
-from ckptflow.catalog import recovery_log
+from ckptflow.catalog import recovery_log, selection
 from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
 from ckptflow.catalog.commit import check_step
 from ckptflow.catalog.tiers import Tier, open_tiers
@@ -290,10 +290,18 @@ class Checkpointer:
         state: MutableMapping[str, Any],
         *,
         step: int | None = None,
+        select: selection.Selector = "latest",
         strict: bool = True,
         allow_lossy: bool = False,
     ) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
+
+        ``select`` chooses what to recover to (``ckptflow.catalog.selection``): "latest"
+        (the default), "validated" (a passing validation verdict on that exact commit),
+        ``Best(metric, mode)`` (by evaluation record), ``Alias(model, alias)`` (the commit
+        a registry alias was published from) or a step number (as ``step=``). Damage moves
+        to the selector's next candidate only; ``result.passed_over`` says which newer
+        checkpoints the selector did not accept and why, ``result.select`` which selector chose.
 
         Every chunk a candidate needs is verified on every rank before any tensor in
         ``state`` is written; damage found on any rank moves all ranks to the next older
@@ -317,8 +325,7 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self.wait()
-        if step is not None:
-            fmt.validate_step(step)
+        chosen = selection.from_arguments(step, select)
         restore = Restore(
             self.tiers,
             self.run,
@@ -328,31 +335,36 @@ class Checkpointer:
             restore_rng=self.restore_rng,
             strict=strict,
             allow_lossy=allow_lossy,
+            registry=selection.registry_store(chosen),
         )
         try:
-            result = restore(state, step)
+            result = restore(state, chosen)
         except CkptflowError as e:
-            self._record_recovery(started, error=e)
+            self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
         self._superseded = set(result.hot_rejected)
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
         return result
 
-    def load(self, *, step: int | None = None) -> tuple[RestoreResult, dict[str, Any]]:
+    def load(
+        self, *, step: int | None = None, select: selection.Selector = "latest"
+    ) -> tuple[RestoreResult, dict[str, Any]]:
         """The newest valid checkpoint (or exactly ``step``) as a new state: nested dicts,
         full tensors (DTensor shards gathered) and the JSON values as saved. For code with
         no live objects to restore into, such as a framework that asks for its checkpoint
-        dict back; the same verification and fallback rules as ``restore``."""
+        dict back; the same verification, selectors and fallback rules as ``restore``."""
         started = time.perf_counter()
         self.wait()
-        if step is not None:
-            fmt.validate_step(step)
-        restore = Restore(self.tiers, self.run, self.group, self.pool, self.progress, restore_rng=self.restore_rng)
+        chosen = selection.from_arguments(step, select)
+        restore = Restore(
+            self.tiers, self.run, self.group, self.pool, self.progress, restore_rng=self.restore_rng,
+            registry=selection.registry_store(chosen),
+        )  # fmt: skip
         try:
-            result, state = restore.load(step)
+            result, state = restore.load(chosen)
         except CkptflowError as e:
-            self._record_recovery(started, error=e)
+            self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
         self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
         self._last_commit = result.step if result.tier == self.store.url else None
@@ -360,7 +372,12 @@ class Checkpointer:
         return result, state
 
     def _record_recovery(
-        self, started: float, *, result: RestoreResult | None = None, error: CkptflowError | None = None
+        self,
+        started: float,
+        *,
+        result: RestoreResult | None = None,
+        error: CkptflowError | None = None,
+        select: str = "latest",
     ) -> None:
         """Rank 0 records a restore or load begun at ``started``: what it loaded, or the error it raised."""
         if self.group.rank == 0:
@@ -374,6 +391,8 @@ class Checkpointer:
                 tier=result.tier if result else None,
                 duration_s=time.perf_counter() - started,
                 error=None if result else str(error),
+                select=result.select if result else select,
+                passed_over=result.passed_over if result else [],
             )
 
     # ---- inspection -------------------------------------------------------------------
