@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from ckptflow.store import Store, open_store
 from ckptflow.training.restore import Restore, RestoreResult
 from ckptflow.training.state import FreshOptimizers, capture_rng, to_state_dicts
 from ckptflow.training.tree import flatten, shared_storage
+from ckptflow.training.warmup import Warmup, warm_up
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class Checkpointer:
         select: selection.Selector = "latest",
         strict: bool = True,
         allow_lossy: bool = False,
+        warmup: Warmup | None = None,
     ) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
 
@@ -322,6 +324,9 @@ class Checkpointer:
         A lossy archive copy (``ckptflow.chunks.lossy``) is skipped with the reason unless
         ``allow_lossy``; loaded, ``result.lossy`` says what it lost and
         ``result.not_restored`` which state entries it did not hold (left as they were).
+
+        ``warmup`` (opt-in, ``ckptflow.training.warmup``): after the load, ramp the learning
+        rate back, reset momentum or reseed the RNGs as it says; ``result.warmup`` reports it.
         """
         started = time.perf_counter()
         self.wait()
@@ -345,6 +350,8 @@ class Checkpointer:
         self._superseded = set(result.hot_rejected)
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
+        if warmup is not None:
+            result = replace(result, warmup=warm_up(result, state, warmup, rank=self.group.rank))
         return result
 
     def load(

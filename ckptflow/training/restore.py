@@ -69,6 +69,7 @@ class RestoreResult:
     digest: str = ""  # the manifest digest of exactly the commit that was loaded
     select: str = "latest"  # the selector that chose it (``ckptflow.catalog.selection.describe``)
     passed_over: list[tuple[int, str]] = field(default_factory=list)  # not what the selector accepts, and why
+    warmup: Any = None  # restore(..., warmup=Warmup(...)): its WarmupReport (ckptflow.training.warmup)
 
     @property
     def fell_back(self) -> bool:
