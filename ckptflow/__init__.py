@@ -44,6 +44,8 @@ from ckptflow.errors import (
 _LAZY = {
     "Alias": "ckptflow.catalog.selection",
     "Best": "ckptflow.catalog.selection",
+    "Dataset": "ckptflow.format.lineage",
+    "RunLineage": "ckptflow.format.lineage",
     "Warmup": "ckptflow.training.warmup",
     "WarmupLR": "ckptflow.training.warmup",
     "CheckpointInfo": "ckptflow.catalog.checkpoints",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from ckptflow.catalog.gc import GCReport, gc
     from ckptflow.catalog.listing import Problem
     from ckptflow.catalog.selection import Alias, Best
+    from ckptflow.format.lineage import Dataset, RunLineage
     from ckptflow.format.manifest import Manifest
     from ckptflow.interop.export import export_dcp, export_safetensors, model_metadata
     from ckptflow.interop.importers import import_checkpoint
@@ -95,6 +98,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Alias",
     "Best",
+    "Dataset",
+    "RunLineage",
     "Warmup",
     "WarmupLR",
     "CheckpointExistsError",

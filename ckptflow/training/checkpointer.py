@@ -33,6 +33,7 @@ from ckptflow.dcp.failures import own_errors
 from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
+from ckptflow.format.lineage import RunLineage, warn_if_different
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import json_problem
 from ckptflow.policy.save import SavePolicy
@@ -97,6 +98,7 @@ class Checkpointer:
         progress: Progress | None = None,
         tiers: Sequence[str | Store] = (),
         local: bool = False,
+        lineage: RunLineage | None = None,
     ):
         self.store = open_store(root)
         self.run = fmt.validate_run(run)
@@ -107,6 +109,8 @@ class Checkpointer:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         self.chunk_bytes, self.codec, self.progress = chunk_bytes, codec, progress
         self.restore_rng = restore_rng
+        # what the run trains on: recorded by every save, compared by every restore
+        self.lineage = lineage
         # restore also reads the read-only ``tiers`` (an archive) after this hot store; saves go here only
         self.tiers: list[Tier] = open_tiers(self.store, tiers)
         self.chunks = self.tiers[0].chunks
@@ -151,6 +155,8 @@ class Checkpointer:
         manifest (``tied``), so an export writes them once.
         """
         step = fmt.validate_step(step)
+        if self.lineage is not None:
+            metadata = self.lineage.merged(metadata)
         if kind is None:
             kind = self.policy.kind_for(step) if self.policy else "full"
             if kind is None:
@@ -350,9 +356,14 @@ class Checkpointer:
         self._superseded = set(result.hot_rejected)
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
+        self._compare_lineage(result)
         if warmup is not None:
             result = replace(result, warmup=warm_up(result, state, warmup, rank=self.group.rank))
         return result
+
+    def _compare_lineage(self, result: RestoreResult) -> None:
+        if self.lineage is not None:
+            warn_if_different(self.lineage, result.metadata, f"run {self.run!r} resumed from step {result.step}")
 
     def load(
         self, *, step: int | None = None, select: selection.Selector = "latest"
@@ -376,6 +387,7 @@ class Checkpointer:
         self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
+        self._compare_lineage(result)
         return result, state
 
     def _record_recovery(
