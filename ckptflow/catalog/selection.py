@@ -144,7 +144,7 @@ def choose(
     the lifecycle records them); a registry alias from ``registry`` (default: the hot store)."""
     label = describe(select)
     if isinstance(select, int):
-        return Choice(label, pairs, exact=True)
+        return Choice(label, [p for p in pairs if p[0] == select], exact=True)
     if select == "latest":
         return Choice(label, pairs)
     held: dict[int, list[int]] = {}

@@ -5,6 +5,8 @@ own meaning and says why, in the result and in the recovery record."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.reports.recoveries import run_metrics
 from ckptflow.store import open_store
+from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in
 
 VAL_LOSS = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7}
@@ -135,3 +138,20 @@ def test_selectors_parse_and_bad_ones_are_refused_before_reading(tmp_path):
         restored(root, step=1, select="validated")
     with pytest.raises(ValueError, match="'min' or 'max'"):
         Best("val_loss", "up")
+
+
+def test_ls_filters_and_orders_as_restore_would(tmp_path, capsys):
+    root, store = make(tmp_path)
+    for step in (1, 2, 3):
+        lifecycle.evaluate(store, store, "r", step)
+    lifecycle.validate(store, "r", 1)
+    lifecycle.validate(store, "r", 3)
+    code, out, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "validated", "--json")
+    assert code == 0 and [d["step"] for d in json.loads(out)] == [3, 1]
+    assert "step 4: not validated yet" in err and "step 2: not validated yet" in err
+    code, out, _ = run_cli(capsys, "ls", root, "--run", "r", "--select", "best:val_loss:min", "--json")
+    assert [d["step"] for d in json.loads(out)] == [2, 3, 1]
+    code, _, err = run_cli(capsys, "ls", root, "--select", "validated")
+    assert code == 2 and "give --run too" in err
+    code, _, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "newest")
+    assert code == 2 and "not one of" in err
