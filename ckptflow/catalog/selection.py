@@ -21,7 +21,7 @@ the recovery record say why a newer checkpoint was not loaded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import aliases as alias_records
@@ -137,11 +137,20 @@ class Choice:
 
 
 def choose(
-    stores: Sequence[Store], run: str, select: Selector, pairs: list[tuple[int, int]], registry: Store | None = None
+    stores: Sequence[Store],
+    run: str,
+    select: Selector,
+    pairs: list[tuple[int, int]],
+    registry: Store | None = None,
+    *,
+    digests: Mapping[int, str] | None = None,
 ) -> Choice:
     """Order and filter ``pairs`` (restore's candidates across tiers, newest first) for
     ``select``. Verdicts and evaluations are read from ``stores[0]`` (the hot store, where
-    the lifecycle records them); a registry alias from ``registry`` (default: the hot store)."""
+    the lifecycle records them); a registry alias from ``registry`` (default: the hot store).
+    ``digests``: the current commit of each step when the caller knows it (the inventory),
+    so no manifest is read to check a verdict is about the commit there now."""
+    known = dict(digests or {})
     label = describe(select)
     if isinstance(select, int):
         return Choice(label, [p for p in pairs if p[0] == select], exact=True)
@@ -151,20 +160,24 @@ def choose(
     for step, index in pairs:
         held.setdefault(step, []).append(index)
     if isinstance(select, Alias):
-        return _by_alias(stores, run, select, held, registry or stores[0])
+        return _by_alias(stores, run, select, held, registry or stores[0], known)
     records = records_by_subject(stores[0], run)
     by_step: dict[int, dict[str, dict]] = {}
     for (_, step, digest), kinds in records.items():
         by_step.setdefault(step, {})[digest] = kinds
     if select == "validated":
-        return _validated(stores, run, label, held, by_step)
+        return _validated(stores, run, label, held, by_step, known)
     assert isinstance(select, Best)
-    return _best(stores, run, select, held, by_step)
+    return _best(stores, run, select, held, by_step, known)
 
 
-def _current_digest(stores: Sequence[Store], run: str, step: int, tiers: list[int]) -> str | None:
-    """The digest of the commit at ``step`` in the first tier whose manifest reads; None
-    when none reads (restore then tries it and reports the damage)."""
+def _current_digest(
+    stores: Sequence[Store], run: str, step: int, tiers: list[int], known: Mapping[int, str]
+) -> str | None:
+    """The digest of the commit at ``step``: known, or in the first tier whose manifest
+    reads; None when none reads (restore then tries it and reports the damage)."""
+    if step in known:
+        return known[step]
     for index in tiers:
         try:
             return read_manifest(stores[index], run, step).digest
@@ -174,17 +187,28 @@ def _current_digest(stores: Sequence[Store], run: str, step: int, tiers: list[in
 
 
 def _on_this_commit(
-    stores: Sequence[Store], run: str, step: int, tiers: list[int], digests: set[str], what: str
+    stores: Sequence[Store],
+    run: str,
+    step: int,
+    tiers: list[int],
+    digests: set[str],
+    what: str,
+    known: Mapping[int, str],
 ) -> str | None:
     """Why ``step`` is not the commit ``digests`` name (it was committed again since), or None."""
-    current = _current_digest(stores, run, step, tiers)
+    current = _current_digest(stores, run, step, tiers, known)
     if current is None or current in digests:
         return None
     return f"{what} commit {', '.join(sorted(d[:12] for d in digests))}…, not the commit there now ({current[:12]}…)"
 
 
 def _validated(
-    stores: Sequence[Store], run: str, label: str, held: dict[int, list[int]], by_step: dict[int, dict[str, dict]]
+    stores: Sequence[Store],
+    run: str,
+    label: str,
+    held: dict[int, list[int]],
+    by_step: dict[int, dict[str, dict]],
+    known: Mapping[int, str],
 ) -> Choice:
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
@@ -197,7 +221,7 @@ def _validated(
             why = f"failed validation: {problems or 'no problem recorded'}" if failed else "not validated yet"
             passed.append((step, why))
             continue
-        stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on")
+        stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known)
         if stale:
             passed.append((step, stale))
             continue
@@ -206,7 +230,12 @@ def _validated(
 
 
 def _best(
-    stores: Sequence[Store], run: str, select: Best, held: dict[int, list[int]], by_step: dict[int, dict[str, dict]]
+    stores: Sequence[Store],
+    run: str,
+    select: Best,
+    held: dict[int, list[int]],
+    by_step: dict[int, dict[str, dict]],
+    known: Mapping[int, str],
 ) -> Choice:
     scored: list[tuple[float, int, set[str]]] = []
     passed: list[tuple[int, str]] = []
@@ -223,7 +252,7 @@ def _best(
         if not values:
             passed.append((step, "failed validation" if failed else f"no evaluation of {select.metric!r}"))
             continue
-        stale = _on_this_commit(stores, run, step, held[step], set(values), "evaluated")
+        stale = _on_this_commit(stores, run, step, held[step], set(values), "evaluated", known)
         if stale:
             passed.append((step, stale))
             continue
@@ -234,7 +263,14 @@ def _best(
     return Choice(describe(select), pairs, passed)
 
 
-def _by_alias(stores: Sequence[Store], run: str, select: Alias, held: dict[int, list[int]], registry: Store) -> Choice:
+def _by_alias(
+    stores: Sequence[Store],
+    run: str,
+    select: Alias,
+    held: dict[int, list[int]],
+    registry: Store,
+    known: Mapping[int, str],
+) -> Choice:
     aliases = alias_records.read_aliases(registry, select.model)
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
@@ -259,7 +295,7 @@ def _by_alias(stores: Sequence[Store], run: str, select: Alias, held: dict[int, 
         if step not in held:
             passed.append((step, f"{name}: step {step} is in no tier any more"))
             continue
-        stale = _on_this_commit(stores, run, step, held[step], {str(digest)}, f"{name} was published from")
+        stale = _on_this_commit(stores, run, step, held[step], {str(digest)}, f"{name} was published from", known)
         if stale:
             passed.append((step, stale))
             continue
