@@ -33,6 +33,7 @@ from ckptflow.store import open_store
 from ckptflow.store.base import Store
 
 NAMED = ("latest", "validated")
+FAILED = "failed validation"  # how a passed-over step whose verdict proved damage is described
 ALIAS_CHAIN = {"latest": ("latest", "stable", "fallback"), "stable": ("stable", "fallback"), "fallback": ("fallback",)}
 
 
@@ -218,7 +219,7 @@ def _validated(
         if not ok:
             failed = [v for v in verdicts.values() if v.get("ok") is False]
             problems = "; ".join(str(p) for v in failed for p in (v.get("problems") or [])[:2])
-            why = f"failed validation: {problems or 'no problem recorded'}" if failed else "not validated yet"
+            why = f"{FAILED}: {problems or 'no problem recorded'}" if failed else "not validated yet"
             passed.append((step, why))
             continue
         stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known)
@@ -250,7 +251,7 @@ def _best(
                 else:
                     values[digest] = float(value)
         if not values:
-            passed.append((step, "failed validation" if failed else f"no evaluation of {select.metric!r}"))
+            passed.append((step, FAILED if failed else f"no evaluation of {select.metric!r}"))
             continue
         stale = _on_this_commit(stores, run, step, held[step], set(values), "evaluated", known)
         if stale:
@@ -303,3 +304,9 @@ def _by_alias(
     if not aliases:
         passed.append((-1, f"model {select.model!r} has no aliases in {registry.url}"))
     return Choice(describe(select), pairs, passed)
+
+
+def failed_steps(passed_over: list[tuple[int, str]]) -> set[int]:
+    """The passed-over steps whose validation verdict proved damage: a save may replace
+    them (the commit verifies them in full first, as for a step restore rejected)."""
+    return {step for step, why in passed_over if why.startswith(FAILED)}

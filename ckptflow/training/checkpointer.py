@@ -353,7 +353,7 @@ class Checkpointer:
         except CkptflowError as e:
             self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
-        self._superseded = set(result.hot_rejected)
+        self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
         self._compare_lineage(result)
@@ -384,7 +384,7 @@ class Checkpointer:
         except CkptflowError as e:
             self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
-        self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
+        self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)  # as after restore
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
         self._compare_lineage(result)

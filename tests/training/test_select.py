@@ -14,7 +14,7 @@ from torch import nn
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import recovery_log, selection
 from ckptflow.catalog.selection import Alias, Best
-from ckptflow.errors import NoValidCheckpointError
+from ckptflow.errors import CheckpointExistsError, NoValidCheckpointError
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.reports.recoveries import run_metrics
@@ -155,3 +155,16 @@ def test_ls_filters_and_orders_as_restore_would(tmp_path, capsys):
     assert code == 2 and "give --run too" in err
     code, _, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "newest")
     assert code == 2 and "not one of" in err
+
+
+def test_training_on_from_a_validated_step_replaces_the_failed_one_but_not_a_whole_one(tmp_path):
+    root, store = make(tmp_path)
+    damage(root, 3)
+    for step in (1, 2, 3):
+        lifecycle.validate(store, "r", step)
+    with Checkpointer(root, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select="validated").step == 2
+        ck.save(3, {"model": model_at(3)})  # step 3 failed validation: proved damaged, so replaced
+        with pytest.raises(CheckpointExistsError):
+            ck.save(4, {"model": model_at(4)})  # step 4 is whole (only not validated yet): never overwritten
+        assert ck.verify(3).ok
