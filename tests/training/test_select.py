@@ -168,3 +168,14 @@ def test_training_on_from_a_validated_step_replaces_the_failed_one_but_not_a_who
         with pytest.raises(CheckpointExistsError):
             ck.save(4, {"model": model_at(4)})  # step 4 is whole (only not validated yet): never overwritten
         assert ck.verify(3).ok
+
+
+def test_a_re_evaluation_changes_what_best_recovers_to(tmp_path):
+    root, store = make(tmp_path)
+    for step in (1, 2, 3, 4):
+        lifecycle.evaluate(store, store, "r", step)
+    assert restored(root, select=Best("val_loss")).step == 2
+    # a new evaluator (a backfill re-evaluating old checkpoints) scores by the weights: step 4 is best now
+    for step in (1, 2, 3, 4):
+        lifecycle.evaluate(store, store, "r", step, lambda tensors, info: {"val_loss": -float(tensors["weight"][0, 0])})
+    assert restored(root, select=Best("val_loss")).step == 4
