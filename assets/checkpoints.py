@@ -84,11 +84,29 @@ def _describe(manifest) -> dict:
         "manifest_digest": manifest.digest,
         **metrics(info.metadata, prefix="trainer/"),
     }
+    described.update(_lineage(info.metadata))
     if info.kind == "incremental" and info.base_step is not None:
         described["written_after"] = (
             f"step {info.base_step}: chunks unchanged since that checkpoint were reused, not rewritten"
         )
     return described
+
+
+def _lineage(trainer: dict) -> dict:
+    """The run's declared lineage (``ckptflow.RunLineage``): its datasets one per line and
+    its training config, when the checkpoint recorded them."""
+    out: dict = {}
+    data = trainer.get("data")
+    if isinstance(data, list) and data:
+        lines = [
+            f"{d.get('uri')} ({', '.join(f'{k} {v}' for k, v in sorted(d.items()) if k != 'uri')})"
+            for d in data
+            if isinstance(d, dict)
+        ]
+        out["datasets"] = bullet_list(lines)
+    if isinstance(trainer.get("config"), dict):
+        out["training_config"] = MetadataValue.json(trainer["config"])
+    return out
 
 
 @asset(check_specs=[INTEGRITY], **_COMMON)

@@ -139,6 +139,7 @@ def checkpoint_inventory(
             "hot_compression_ratio": ratio(hot_stats.compression_ratio),
             **{f"{t.tier}_monthly_usd": MetadataValue.float(round(t.monthly_usd, 4)) for t in priced.tiers},
             "to_delete": len(plan.delete),
+            "recover_to": markdown(pd.DataFrame(inventory.recovery_choices(hot, entries)).fillna("-")),
             "table": markdown(inventory_view(df)),
         },
     )

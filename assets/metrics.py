@@ -50,6 +50,7 @@ def _row(m: recoveries.RunMetrics) -> dict:
         "RPO": human_duration(m.rpo_s),
         "recoveries (ok)": f"{m.recoveries} ({m.recoveries_ok})",
         "RTO (median / worst)": f"{human_duration(m.rto_median_s)} / {human_duration(m.rto_worst_s)}",
+        "recovered to": ", ".join(f"{name} x{count}" for name, count in sorted(m.selectors.items())) or "-",
     }
 
 

@@ -42,6 +42,12 @@ from ckptflow.errors import (
 
 # Loaded on first use: a training rank that imports ``ckptflow`` pays only for what it touches.
 _LAZY = {
+    "Alias": "ckptflow.catalog.selection",
+    "Best": "ckptflow.catalog.selection",
+    "Dataset": "ckptflow.format.lineage",
+    "RunLineage": "ckptflow.format.lineage",
+    "Warmup": "ckptflow.training.warmup",
+    "WarmupLR": "ckptflow.training.warmup",
     "CheckpointInfo": "ckptflow.catalog.checkpoints",
     "Checkpointer": "ckptflow.training.checkpointer",
     "GCReport": "ckptflow.catalog.gc",
@@ -66,6 +72,8 @@ if TYPE_CHECKING:
     from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
     from ckptflow.catalog.gc import GCReport, gc
     from ckptflow.catalog.listing import Problem
+    from ckptflow.catalog.selection import Alias, Best
+    from ckptflow.format.lineage import Dataset, RunLineage
     from ckptflow.format.manifest import Manifest
     from ckptflow.interop.export import export_dcp, export_safetensors, model_metadata
     from ckptflow.interop.importers import import_checkpoint
@@ -74,6 +82,7 @@ if TYPE_CHECKING:
     from ckptflow.training.checkpointer import Checkpointer, SaveHandle, SaveResult
     from ckptflow.training.restore import RestoreResult
     from ckptflow.training.tree import per_rank
+    from ckptflow.training.warmup import Warmup, WarmupLR
 
 
 def __getattr__(name: str) -> Any:
@@ -87,6 +96,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Alias",
+    "Best",
+    "Dataset",
+    "RunLineage",
+    "Warmup",
+    "WarmupLR",
     "CheckpointExistsError",
     "CheckpointInfo",
     "Checkpointer",

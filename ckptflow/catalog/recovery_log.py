@@ -31,6 +31,8 @@ def record(
     duration_s: float,
     error: str | None = None,
     digest: str | None = None,
+    select: str = "latest",
+    passed_over: list | None = None,
 ) -> None:
     """Write one recovery record; best effort, so a read-only restore still restores."""
     now = time.time()
@@ -46,6 +48,8 @@ def record(
         "tier": tier,
         "duration_s": round(duration_s, 4),
         "error": error,
+        "select": select,  # the selector that chose what to recover to (catalog.selection.describe)
+        "passed_over": [[s, r] for s, r in passed_over or []],  # newer checkpoints it did not accept, and why
     }
     try:
         store.put_if_absent(key, json.dumps(body, sort_keys=True).encode())

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument("--run", help="only this run")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument(
+        "--select",
+        help="with --run: only the checkpoints restore(select=...) would consider, in the order it tries them: "
+        "latest, validated, best:<metric>[:min|max], <model>@<alias> or a step (why others are not: on stderr)",
+    )
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(

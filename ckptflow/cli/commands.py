@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
+from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import CheckpointInfo
 from ckptflow.catalog.gc import gc, parse_duration
 from ckptflow.catalog.tiers import thaw
@@ -60,6 +61,21 @@ def duration_arg(text: str) -> float:
     return seconds
 
 
+def _selected(store: Store, run: str | None, infos: list[CheckpointInfo], text: str) -> list[CheckpointInfo]:
+    """The checkpoints a selector accepts, in its order; why the others are not, on stderr."""
+    if run is None:
+        raise CkptflowError("--select chooses among one run's checkpoints: give --run too")
+    try:
+        select = selection.parse(text)
+    except ValueError as e:
+        raise CkptflowError(f"--select: {e}") from None
+    by_step = {i.step: i for i in infos}
+    choice = selection.choose([store], run, select, [(s, 0) for s in sorted(by_step, reverse=True)])
+    for step, why in choice.passed_over:
+        warn(f"step {step}: {why}" if step >= 0 else why)
+    return [by_step[s] for s, _ in choice.pairs if s in by_step]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _open(args.root)
     run = _require_run(store, args.run) if args.run else None
@@ -69,6 +85,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             infos.append(item)
         else:
             warn(str(item))
+    if args.select:
+        infos = _selected(store, run, infos, args.select)
     if args.json:
         docs = [{**asdict(i), "created": datetime.fromtimestamp(i.created_at, timezone.utc).isoformat()} for i in infos]
         print(json.dumps(docs, indent=2, sort_keys=True))

@@ -16,9 +16,10 @@ export`` writes a model directory) and the numbers logged at that step (``loss``
 
 Resuming: ``trainer.train(resume_from_checkpoint=True)`` resumes from the newest
 checkpoint of the run that verifies (damaged ones are skipped, as ``restore`` does;
-none at all raises ``NoValidCheckpointError``); an int resumes from exactly that step; a
-path is the Trainer's own directory checkpoint, as before. The Trainer's own resume
-path runs unchanged (it skips the batches already seen and restores the RNG where it
+none at all raises ``NoValidCheckpointError``), or the one ``ckptflow_select`` chooses
+(``"validated"``, ``Best(...)``, ``Alias(...)``: ``ckptflow.catalog.selection``); an
+int resumes from exactly that step; a path is the Trainer's own directory checkpoint,
+as before. The Trainer's own resume path runs unchanged (it skips the batches already seen and restores the RNG where it
 would), fed from the loaded checkpoint through its ``_load_*`` hooks; only
 ``trainer_state.json`` is written, to a temporary directory, because the Trainer reads
 it from a path.
@@ -43,6 +44,8 @@ from typing import Any
 
 import torch
 
+from ckptflow.catalog import selection
+from ckptflow.catalog.selection import Selector
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.export.architecture import model_metadata
 from ckptflow.training.checkpointer import Checkpointer
@@ -67,6 +70,7 @@ class CkptflowTrainerMixin:
         ckptflow_root: Any,
         ckptflow_run: str,
         ckptflow_options: dict[str, Any] | None = None,
+        ckptflow_select: Selector = "latest",
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -81,6 +85,7 @@ class CkptflowTrainerMixin:
                 "DeepSpeed checkpoints its own engine state; ckptflow does not save it through the Trainer"
             )
         self.checkpointer = Checkpointer(ckptflow_root, ckptflow_run, **(ckptflow_options or {}))
+        self.ckptflow_select = selection.check(ckptflow_select)  # what resume_from_checkpoint=True recovers to
         self._ckptflow_resume: tuple[str, dict[str, Any]] | None = None  # (temporary directory, loaded state)
 
     # ---- save -------------------------------------------------------------------------
@@ -109,8 +114,10 @@ class CkptflowTrainerMixin:
         if resume_from_checkpoint is True or (
             isinstance(resume_from_checkpoint, int) and not isinstance(resume_from_checkpoint, bool)
         ):
-            step = None if resume_from_checkpoint is True else int(resume_from_checkpoint)
-            _, state = self.checkpointer.load(step=step)
+            if resume_from_checkpoint is True:
+                _, state = self.checkpointer.load(select=self.ckptflow_select)
+            else:
+                _, state = self.checkpointer.load(step=int(resume_from_checkpoint))
             if "trainer_state" not in state:
                 raise CkptflowError(f"run {self.checkpointer.run!r}: the checkpoint holds no trainer state")
             directory = tempfile.mkdtemp(prefix=_RESUME_PREFIX)

@@ -24,7 +24,9 @@ Choices, documented:
   full save after a weights-only one) is refused.
 - ``ckpt_path="last"`` (a pointer named ``last*.ckpt``) resumes from the newest checkpoint
   of the run that verifies, falling back past damaged ones as ``Checkpointer.restore``
-  does; any other pointer loads exactly its step, and only the commit it was written for.
+  does (``CkptflowIO(..., select="validated")``, ``Best(...)`` or ``Alias(...)``: the one
+  that selector chooses, ``ckptflow.catalog.selection``); any other pointer loads
+  exactly its step, and only the commit it was written for.
 - The RNG state saved with the checkpoint (Python, NumPy, torch) is restored on load by
   the process of global rank 0 (the one that saved it), so a resumed run draws the same
   random numbers as an uninterrupted one (``restore_rng=False`` to keep Lightning's
@@ -52,6 +54,8 @@ import torch
 from safetensors.torch import load, save
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import selection
+from ckptflow.catalog.selection import Selector
 from ckptflow.errors import CheckpointExistsError, CkptflowError, UnsupportedStateError
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
@@ -88,8 +92,10 @@ class CkptflowIO(CheckpointIO):
         restore_rng: bool = True,
         chunk_bytes: int = 8 << 20,
         codec: str = "raw",
+        select: Selector = "latest",
     ):
         self.root, self.run, self.tiers = root, run, tuple(tiers)
+        self.select = selection.check(select)  # what ckpt_path="last" recovers to (ckptflow.catalog.selection)
         self.restore_rng, self.chunk_bytes, self.codec = restore_rng, chunk_bytes, codec
         self._checkpointer: Checkpointer | None = None
         self._steps: dict[int, tuple[frozenset[str], str]] = {}  # saved or loaded here: entries, digest
@@ -170,7 +176,7 @@ class CkptflowIO(CheckpointIO):
                         f"{pointer['manifest_digest'][:12]}, but that step now holds {digest[:12]} (committed again "
                         "since); load the new one through a pointer written for it"
                     )
-            result, checkpoint = ck.load(step=None if last else pointer["step"])
+            result, checkpoint = ck.load(select=self.select) if last else ck.load(step=pointer["step"])
         finally:
             if ck is not self._checkpointer:
                 ck.close()

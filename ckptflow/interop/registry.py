@@ -40,12 +40,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptflow.catalog import aliases as alias_records
+from ckptflow.catalog.aliases import ALIASES, PREFIX
 from ckptflow.errors import ObjectNotFoundError, RegistryError
 from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
-PREFIX = "registry/models/"
-ALIASES = ("latest", "stable", "fallback")
+__all__ = ["ALIASES", "PREFIX", "ModelVersion", "Registry"]
 _VERSION = re.compile(r"^(\d{6})\.json$")
 CAS_ATTEMPTS = 200
 
@@ -79,10 +80,10 @@ class Registry:
 
     # ---- keys ------------------------------------------------------------------------
     def _model_prefix(self, model: str) -> str:
-        return f"{PREFIX}{fmt.validate_run(model)}/"
+        return alias_records.model_prefix(model)
 
     def version_key(self, model: str, version: int) -> str:
-        return f"{self._model_prefix(model)}versions/{version:06d}.json"
+        return alias_records.version_key(model, version)
 
     def file_key(self, model: str, sha256: str) -> str:
         if not fmt.is_digest(sha256):
@@ -90,7 +91,7 @@ class Registry:
         return f"{self._model_prefix(model)}files/{sha256}"
 
     def _aliases_key(self, model: str) -> str:
-        return f"{self._model_prefix(model)}aliases.json"
+        return alias_records.aliases_key(model)
 
     # ---- reads -----------------------------------------------------------------------
     def models(self) -> list[str]:
@@ -106,20 +107,18 @@ class Registry:
         return sorted(out, key=lambda v: v.version)
 
     def get(self, model: str, version: int) -> ModelVersion:
-        try:
-            return ModelVersion(**json.loads(self.store.get(self.version_key(model, version))))
-        except ObjectNotFoundError:
-            raise RegistryError(f"model {model!r} has no version {version} in {self.store.url}") from None
+        return ModelVersion(**alias_records.read_version(self.store, model, version))
 
     def _read_aliases(self, model: str) -> tuple[dict[str, Any], str | None]:
+        key = self._aliases_key(model)
         try:
-            blob, version = self.store.get_versioned(self._aliases_key(model))
+            blob, version = self.store.get_versioned(key)
         except ObjectNotFoundError:
             return {"aliases": {}}, None
-        return json.loads(blob), version
+        return alias_records.parse_aliases(blob, f"{self.store.url}/{key}"), version
 
     def aliases(self, model: str) -> Aliases:
-        return dict(self._read_aliases(model)[0]["aliases"])
+        return alias_records.read_aliases(self.store, model)
 
     def resolve(self, model: str, alias: str) -> ModelVersion:
         aliases = self.aliases(model)

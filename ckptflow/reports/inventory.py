@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import selection
 from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.verdicts import records_by_subject
 from ckptflow.policy.retention import Candidate, RetentionPlan, RetentionPolicy, plan
@@ -198,3 +199,24 @@ def plan_rows(entries: list[Entry], retention: RetentionPlan) -> list[dict]:
         for ref, why in retention.keep.items()
     ]
     return kept + [row(ref, "delete", why) for ref, why in retention.delete.items()]
+
+
+def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_loss", mode: str = "min") -> list[dict]:
+    """Per run, the step each selector would recover to now: ``validated`` and ``best``
+    (by ``metric`` and ``mode``), chosen by the rule restore applies
+    (``ckptflow.catalog.selection``), from the commits the inventory already read."""
+    by_run: dict[str, list[Entry]] = {}
+    for e in entries:
+        if e.digest and not e.manifest_error:
+            by_run.setdefault(e.run, []).append(e)
+    out = []
+    best = selection.Best(metric, mode)
+    for run, found in sorted(by_run.items()):
+        pairs = [(e.step, 0) for e in sorted(found, key=lambda e: -e.step)]
+        digests = {e.step: e.digest for e in found}
+        picks = {}
+        for name, select in (("validated", "validated"), ("best", best)):
+            choice = selection.choose([hot], run, select, pairs, digests=digests)
+            picks[name] = choice.pairs[0][0] if choice.pairs else None
+        out.append({"run": run, "latest": pairs[0][0], **picks, "best_by": selection.describe(best)})
+    return out

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
@@ -53,6 +54,7 @@ class RunMetrics:
     newest_ready_at: float | None = None  # commit time of the newest recovery-ready checkpoint
     restore_worst_s: float | None = None
     detection_s: float = 0.0
+    selectors: dict[str, int] = field(default_factory=dict)  # recoveries by what they asked for (latest, validated...)
 
     @property
     def recovery_success_rate(self) -> float | None:
@@ -120,6 +122,7 @@ def run_metrics(
         newest_ready_at=max(ready_at, default=None),
         restore_worst_s=max(durations, default=None),
         detection_s=detection_s,
+        selectors=dict(Counter(str(r.get("select") or "latest") for r in recs)),
     )
 
 

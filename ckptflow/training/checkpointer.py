@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
-from ckptflow.catalog import recovery_log
+from ckptflow.catalog import recovery_log, selection
 from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
 from ckptflow.catalog.commit import check_step
 from ckptflow.catalog.tiers import Tier, open_tiers
@@ -34,6 +34,7 @@ from ckptflow.dcp.failures import own_errors
 from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec, Seen
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
+from ckptflow.format.lineage import RunLineage, warn_if_different
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import json_problem
 from ckptflow.policy.save import SavePolicy
@@ -41,6 +42,7 @@ from ckptflow.store import Store, open_store
 from ckptflow.training.restore import Restore, RestoreResult
 from ckptflow.training.state import FreshOptimizers, capture_rng, to_state_dicts
 from ckptflow.training.tree import flatten, shared_storage
+from ckptflow.training.warmup import Warmup, warm_up
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class Checkpointer:
         tiers: Sequence[str | Store] = (),
         local: bool = False,
         restore_buffer_bytes: int = DEFAULT_RESTORE_BUFFER,
+        lineage: RunLineage | None = None,
     ):
         self.store = open_store(root)
         MemoryBudget(restore_buffer_bytes)  # refused here, not at the first restore
@@ -117,6 +120,8 @@ class Checkpointer:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         self.chunk_bytes, self.codec, self.progress = chunk_bytes, codec, progress
         self.restore_rng = restore_rng
+        # what the run trains on: recorded by every save, compared by every restore
+        self.lineage = lineage
         # restore also reads the read-only ``tiers`` (an archive) after this hot store; saves go here only
         self.tiers: list[Tier] = open_tiers(self.store, tiers)
         self.chunks = self.tiers[0].chunks
@@ -162,6 +167,8 @@ class Checkpointer:
         manifest (``tied``), so an export writes them once.
         """
         step = fmt.validate_step(step)
+        if self.lineage is not None:
+            metadata = self.lineage.merged(metadata)
         if kind is None:
             kind = self.policy.kind_for(step) if self.policy else "full"
             if kind is None:
@@ -304,10 +311,19 @@ class Checkpointer:
         state: MutableMapping[str, Any],
         *,
         step: int | None = None,
+        select: selection.Selector = "latest",
         strict: bool = True,
         allow_lossy: bool = False,
+        warmup: Warmup | None = None,
     ) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
+
+        ``select`` chooses what to recover to (``ckptflow.catalog.selection``): "latest"
+        (the default), "validated" (a passing validation verdict on that exact commit),
+        ``Best(metric, mode)`` (by evaluation record), ``Alias(model, alias)`` (the commit
+        a registry alias was published from) or a step number (as ``step=``). Damage moves
+        to the selector's next candidate only; ``result.passed_over`` says which newer
+        checkpoints the selector did not accept and why, ``result.select`` which selector chose.
 
         Every chunk a candidate needs is verified on every rank before any tensor in
         ``state`` is written; damage found on any rank moves all ranks to the next older
@@ -328,11 +344,13 @@ class Checkpointer:
         A lossy archive copy (``ckptflow.chunks.lossy``) is skipped with the reason unless
         ``allow_lossy``; loaded, ``result.lossy`` says what it lost and
         ``result.not_restored`` which state entries it did not hold (left as they were).
+
+        ``warmup`` (opt-in, ``ckptflow.training.warmup``): after the load, ramp the learning
+        rate back, reset momentum or reseed the RNGs as it says; ``result.warmup`` reports it.
         """
         started = time.perf_counter()
         self.wait()
-        if step is not None:
-            fmt.validate_step(step)
+        chosen = selection.from_arguments(step, select)
         restore = Restore(
             self.tiers,
             self.run,
@@ -343,26 +361,35 @@ class Checkpointer:
             strict=strict,
             allow_lossy=allow_lossy,
             buffer_bytes=self.restore_buffer_bytes,
+            registry=selection.registry_store(chosen),
         )
         try:
-            result = restore(state, step)
+            result = restore(state, chosen)
         except CkptflowError as e:
-            self._record_recovery(started, error=e)
+            self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
-        self._superseded = set(result.hot_rejected)
+        self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
+        self._compare_lineage(result)
+        if warmup is not None:
+            result = replace(result, warmup=warm_up(result, state, warmup, rank=self.group.rank))
         return result
 
-    def load(self, *, step: int | None = None) -> tuple[RestoreResult, dict[str, Any]]:
+    def _compare_lineage(self, result: RestoreResult) -> None:
+        if self.lineage is not None:
+            warn_if_different(self.lineage, result.metadata, f"run {self.run!r} resumed from step {result.step}")
+
+    def load(
+        self, *, step: int | None = None, select: selection.Selector = "latest"
+    ) -> tuple[RestoreResult, dict[str, Any]]:
         """The newest valid checkpoint (or exactly ``step``) as a new state: nested dicts,
         full tensors (DTensor shards gathered) and the JSON values as saved. For code with
         no live objects to restore into, such as a framework that asks for its checkpoint
-        dict back; the same verification and fallback rules as ``restore``."""
+        dict back; the same verification, selectors and fallback rules as ``restore``."""
         started = time.perf_counter()
         self.wait()
-        if step is not None:
-            fmt.validate_step(step)
+        chosen = selection.from_arguments(step, select)
         restore = Restore(
             self.tiers,
             self.run,
@@ -371,19 +398,26 @@ class Checkpointer:
             self.progress,
             restore_rng=self.restore_rng,
             buffer_bytes=self.restore_buffer_bytes,
+            registry=selection.registry_store(chosen),
         )
         try:
-            result, state = restore.load(step)
+            result, state = restore.load(chosen)
         except CkptflowError as e:
-            self._record_recovery(started, error=e)
+            self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
-        self._superseded = set(result.hot_rejected)  # as after restore: a save may replace them
+        self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)  # as after restore
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
+        self._compare_lineage(result)
         return result, state
 
     def _record_recovery(
-        self, started: float, *, result: RestoreResult | None = None, error: CkptflowError | None = None
+        self,
+        started: float,
+        *,
+        result: RestoreResult | None = None,
+        error: CkptflowError | None = None,
+        select: str = "latest",
     ) -> None:
         """Rank 0 records a restore or load begun at ``started``: what it loaded, or the error it raised."""
         if self.group.rank == 0:
@@ -397,6 +431,8 @@ class Checkpointer:
                 tier=result.tier if result else None,
                 duration_s=time.perf_counter() - started,
                 error=None if result else str(error),
+                select=result.select if result else select,
+                passed_over=result.passed_over if result else [],
             )
 
     # ---- inspection -------------------------------------------------------------------

@@ -29,6 +29,8 @@ class LoadPlan:
     targets: dict[str, torch.Tensor]  # live tensors the checkpoint's values load into
     missing_keys: list[str] = field(default_factory=list)  # live, not in the checkpoint (strict=False)
     unexpected_keys: list[str] = field(default_factory=list)  # in the checkpoint's entries, not live
+    # optimizer entry -> parameters it saved no state for (never updated: a BERT pooler), left fresh
+    fresh_params: dict[str, list[str]] = field(default_factory=dict)
 
 
 def entries(skeleton: Any) -> dict[str, Any]:
@@ -57,12 +59,18 @@ def plan_load(
     missing: set[str] = set()
     unexpected: set[str] = set()
     names: set[str] = set()
+    fresh: dict[str, list[str]] = {}
     for name, skeleton in live_entries.items():
         if name not in saved_entries:
             continue
         have, want = set(tensor_refs(saved_entries[name])), set(tensor_refs(skeleton))
         if name in optimizers and not any(n.startswith(f"{name}.state.") for n in have):
             want = {n for n in want if not n.startswith(f"{name}.state.")}  # saved before its first step
+        elif name in optimizers:
+            unstepped = _unstepped(name, have, want)
+            if unstepped:
+                fresh[name] = unstepped
+                want = {n for n in want if n.rsplit(".", 1)[0] not in {f"{name}.state.{p}" for p in unstepped}}
         missing |= want - have
         unexpected |= have - want
         names |= want & have
@@ -73,7 +81,17 @@ def plan_load(
         targets={n: live_tensors[n] for n in names},
         missing_keys=sorted(missing | {n for name in absent for n in tensor_refs(live_entries[name])} | set(absent)),
         unexpected_keys=sorted(unexpected),
+        fresh_params=fresh,
     )
+
+
+def _unstepped(name: str, have: set[str], want: set[str]) -> list[str]:
+    """Parameters of optimizer ``name`` the checkpoint holds no state for at all, while it
+    holds state for others: the saved optimizer never updated them (no gradient reached
+    them), so after the restore they have no state either, which is no mismatch."""
+    prefix = f"{name}.state."
+    params = lambda keys: {k[len(prefix) :].rsplit(".", 1)[0] for k in keys if k.startswith(prefix)}
+    return sorted(params(want) - params(have))
 
 
 def _describe(absent: list[str], missing: set[str], unexpected: set[str], saved: list[str]) -> str:

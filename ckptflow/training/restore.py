@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import read_manifest, read_rank_record
 from ckptflow.catalog.tiers import Tier, candidates
 from ckptflow.chunks import lossy
@@ -67,6 +68,14 @@ class RestoreResult:
     lossy: dict | None = None  # a lossy archive copy was loaded (allow_lossy=True): what it lost
     not_restored: list[str] = field(default_factory=list)  # state entries a lossy copy lacks, left as they were
     digest: str = ""  # the manifest digest of exactly the commit that was loaded
+    select: str = "latest"  # the selector that chose it (``ckptflow.catalog.selection.describe``)
+    passed_over: list[tuple[int, str]] = field(default_factory=list)  # not what the selector accepts, and why
+    warmup: Any = None  # restore(..., warmup=Warmup(...)): its WarmupReport (ckptflow.training.warmup)
+
+    @property
+    def fell_back(self) -> bool:
+        """Whether a checkpoint the selector preferred was skipped as damaged."""
+        return bool(self.skipped)
 
 
 def agree(group: Group, failure: Failure | None) -> Failure | None:
@@ -100,12 +109,14 @@ class Restore:
         strict: bool = True,
         allow_lossy: bool = False,
         buffer_bytes: int = DEFAULT_RESTORE_BUFFER,
+        registry: Any = None,
     ):
         self.tiers, self.run, self.group, self.pool = tiers, run, group, pool
         self.buffer_bytes = buffer_bytes  # each candidate's read gets a budget of its own
         self.progress, self.restore_rng, self.strict, self.allow_lossy = progress, restore_rng, strict, allow_lossy
+        self.registry = registry  # the store an ``Alias`` selector reads (None: the hot store)
 
-    def __call__(self, state: MutableMapping[str, Any], step: int | None) -> RestoreResult:
+    def __call__(self, state: MutableMapping[str, Any], step: selection.Selector | None) -> RestoreResult:
         """Restore into the live objects of ``state``."""
         fresh = FreshOptimizers(state)
         optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
@@ -127,7 +138,7 @@ class Restore:
         fresh.reset(loaded=found.plan.entries)  # an optimizer the checkpoint did not fill stays fresh
         return self._result(found)
 
-    def load(self, step: int | None) -> tuple[RestoreResult, dict[str, Any]]:
+    def load(self, step: selection.Selector | None) -> tuple[RestoreResult, dict[str, Any]]:
         """A new state holding what was saved: full tensors (shards gathered) and the
         JSON values, for code that has no live objects to restore into (an integration
         handing a framework its checkpoint dict)."""
@@ -161,20 +172,27 @@ class Restore:
             lossy=lost,
             not_restored=lossy.dropped(manifest),
             digest=manifest.digest,
+            select=found.choice.label,
+            passed_over=list(found.choice.passed_over),
         )
 
-    def _candidates(self, step: int | None) -> tuple[list[tuple[int, int]] | None, BaseException | None]:
+    def _choose(self, select: selection.Selector) -> tuple[selection.Choice | None, BaseException | None]:
         try:
-            return candidates(self.tiers, self.run, step), None
+            pairs = candidates(self.tiers, self.run, select if isinstance(select, int) else None)
+            stores = [t.store for t in self.tiers]
+            return selection.choose(stores, self.run, select, pairs, self.registry), None
         except Exception as e:  # every rank raises it, not only rank 0 (the others would hang)
             return None, e
 
-    def _search(self, step: int | None, plan_for: PlanFor, *, collective: bool = True) -> Found:
-        """The newest candidate whose chunks all verify, loaded into its plan's targets;
-        damage moves to the next candidate, anything else raises."""
-        pairs, error = self.group.broadcast(self._candidates(step) if self.group.rank == 0 else None)
+    def _search(self, select: selection.Selector | None, plan_for: PlanFor, *, collective: bool = True) -> Found:
+        """The first candidate the selector accepts whose chunks all verify, loaded into its
+        plan's targets; damage moves to the selector's next candidate, anything else raises."""
+        select = "latest" if select is None else select
+        choice, error = self.group.broadcast(self._choose(select) if self.group.rank == 0 else None)
         if error is not None:
             raise error
+        assert choice is not None
+        pairs = choice.pairs
         skipped: list[tuple[int, str]] = []
         hot_rejected: set[int] = set()
         for cand, index in pairs:
@@ -191,6 +209,7 @@ class Restore:
                     plan=plan,
                     skipped=skipped,
                     hot_rejected=hot_rejected,
+                    choice=choice,
                 )
             where = f"run {self.run!r} step {cand} in {tier.url}"
             if failure.partial:  # no fallback: an older step would not overwrite all of it under strict=False
@@ -219,11 +238,19 @@ class Restore:
             log.warning("skipping checkpoint %s step %d: %s", self.run, cand, reason)
             skipped.append((cand, reason))
         where = f"run {self.run!r} in {' or '.join(t.url for t in self.tiers)}"
-        if step is not None:
+        if choice.exact:
             reasons = "; ".join(r for _, r in skipped)
-            raise NoValidCheckpointError(f"checkpoint step {step} of {where} cannot be restored: {reasons}", skipped)
+            raise NoValidCheckpointError(f"checkpoint step {select} of {where} cannot be restored: {reasons}", skipped)
         detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "no checkpoints at all"
-        raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
+        if choice.label == "latest":
+            raise NoValidCheckpointError(f"no valid checkpoint for {where} ({detail})", skipped)
+        over = "; ".join(f"step {s}: {r}" if s >= 0 else r for s, r in choice.passed_over) or "none"
+        raise NoValidCheckpointError(
+            f"no checkpoint of {where} is both {choice.label!r} and whole (skipped as damaged: "
+            f"{detail if skipped else 'none'}; not {choice.label!r}: {over}). Choose another selector "
+            "(select='latest' restores the newest whole checkpoint) or validate/evaluate the checkpoints first",
+            skipped,
+        )
 
     def _try_load(
         self, step: int, plan_for: PlanFor, tier: Tier, *, collective: bool
@@ -277,3 +304,4 @@ class Found:
     plan: LoadPlan
     skipped: list[tuple[int, str]]
     hot_rejected: set[int]
+    choice: selection.Choice

@@ -114,7 +114,9 @@ class FreshOptimizers:
 def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, strict: bool = True) -> None:
     """Apply loaded state dicts to the live objects in ``state`` (in place); entries the
     checkpoint does not have (a partial restore) are left alone. With ``strict=False``
-    tensors the restore did not load (``UNLOADED``) are left as they are."""
+    tensors the restore did not load (``UNLOADED``) are left as they are. A parameter an
+    optimizer saved no state for (never updated: a BERT pooler) ends with none, as in the
+    run that saved it, rather than torch refusing the whole load."""
     modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(_unwrapped(v), nn.Module)}
     for name, value in list(state.items()):
         if name not in loaded:
@@ -123,13 +125,28 @@ def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any],
         if isinstance(inner, nn.Module):
             set_model_state_dict(inner, sd, options=StateDictOptions(strict=strict))
         elif isinstance(inner, torch.optim.Optimizer):
-            set_optimizer_state_dict(_owner(inner, modules, name), inner, sd)
+            owner = _owner(inner, modules, name)
+            unstepped = _unstepped(owner, inner, sd)
+            options = StateDictOptions(strict=False) if unstepped else None
+            set_optimizer_state_dict(owner, inner, sd, options=options)
+            for param in unstepped:
+                inner.state.pop(param, None)
         elif _is_stateful(inner) and not isinstance(inner, torch.Tensor):
             inner.load_state_dict(sd)
         elif isinstance(value, PerRank):
             value.value = merge_into(inner, sd)
         else:
             state[name] = merge_into(inner, sd)
+
+
+def _unstepped(owner: nn.Module, optim: torch.optim.Optimizer, sd: Any) -> list[torch.Tensor]:
+    """The optimized parameters an optimizer state dict that has per-parameter state holds
+    none for (an empty state is a fresh optimizer, handled by ``FreshOptimizers``)."""
+    saved = sd.get("state") if isinstance(sd, Mapping) else None
+    if not saved:
+        return []
+    optimized = {id(p) for g in optim.param_groups for p in g["params"]}
+    return [p for n, p in owner.named_parameters() if id(p) in optimized and p.requires_grad and n not in saved]
 
 
 def _pruned(tree: Any) -> Any:

@@ -24,6 +24,7 @@ from ckptflow.catalog.checkpoints import list_checkpoints
 from ckptflow.reports import recoveries
 from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
+from pipelines.demo.recover import recover_demo
 
 DEMO_STORE = ".demo/store"
 DEMO_ARCHIVE = ".demo/archive"
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  verify step {newest.step}: {verdict}; " + "; ".join(report.problems)[:160])
         result = ck.restore(build())
         print(f"  restore picked step {result.step}; skipped {[(s, r[:60] + '…') for s, r in result.skipped]}")
+
+    recover_demo(args.store.rstrip("/") + "-recover")
 
     infos = list_checkpoints(ck.store, args.run)
     logical = sum(i.logical_bytes for i in infos)

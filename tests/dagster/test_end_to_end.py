@@ -79,6 +79,9 @@ def test_lifecycle_end_to_end(paths, archive_defs, tmp_path):
         md = result.asset_materializations_for_node("checkpoint_inventory")[0].metadata
 
     assert list(df.index) == [10, 20, 30, 40, 50]
+    recover_to = md["recover_to"].value.splitlines()  # per run: latest, validated, best
+    assert [c.strip() for c in recover_to[0].split("|")[1:5]] == ["run", "latest", "validated", "best"]
+    assert [c.strip() for c in recover_to[2].split("|")[2:4]] == ["50", "50"]
     assert df.loc[30, "validation"] == "failed" and "does not match its address" in df.loc[30, "problem"]
     assert set(df.drop(index=30)["validation"]) == {"passed"}
     assert df.loc[30, "tiers"] == "hot" and set(df.drop(index=30)["tiers"]) == {"hot,archive"}

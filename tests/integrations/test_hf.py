@@ -18,9 +18,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
-from ckptflow import Checkpointer, CkptflowError, NoValidCheckpointError
+from ckptflow import Checkpointer, CkptflowError, NoValidCheckpointError, lifecycle
+from ckptflow.catalog import recovery_log
 from ckptflow.integrations.hf import CkptflowTrainer
 from ckptflow.interop.export import export_safetensors
+from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, only_in
 
 MAX_STEPS, SAVE_STEPS = 12, 4  # 10 steps per epoch: the run crosses an epoch boundary
@@ -66,7 +68,7 @@ def gpt2(seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16))
 
 
-def make(tmp_path, run: str, crash_at: int | None = None, seed: int = 0, **args) -> Recording:
+def make(tmp_path, run: str, crash_at: int | None = None, seed: int = 0, select="latest", **args) -> Recording:
     arguments = TrainingArguments(
         output_dir=str(tmp_path / run), max_steps=MAX_STEPS, save_steps=SAVE_STEPS, logging_steps=1,
         per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=2, report_to=[], use_cpu=True,
@@ -80,6 +82,7 @@ def make(tmp_path, run: str, crash_at: int | None = None, seed: int = 0, **args)
         callbacks=[Crash(crash_at)] if crash_at is not None else [],
         ckptflow_root=str(tmp_path / "store"),
         ckptflow_run=run,
+        ckptflow_select=select,
     )
 
 
@@ -130,6 +133,24 @@ def test_newest_damaged_checkpoint_is_skipped_and_saved_again(tmp_path):
     assert torch.equal(torch.stack(trainer.losses), full[SAVE_STEPS:])  # from step 4
     with Checkpointer(str(root), "part") as ck:
         assert ck.verify(8).ok  # step 8 saved again over the damaged one
+
+
+def test_resume_to_the_newest_validated_checkpoint(tmp_path):
+    full, _ = uninterrupted(tmp_path)
+    killed_at(tmp_path, 10)  # checkpoints at 4 and 8
+    root = tmp_path / "store"
+    corrupt_chunk(root, "part", 8, only_in(root, "part", 8, 4)[0])
+    store = open_store(str(root))
+    assert lifecycle.validate(store, "part", 4)["ok"] and not lifecycle.validate(store, "part", 8)["ok"]
+
+    trainer = make(tmp_path, "part", seed=1, select="validated")
+    torch.manual_seed(999)
+    trainer.train(resume_from_checkpoint=True)
+    assert torch.equal(torch.stack(trainer.losses), full[SAVE_STEPS:])  # from step 4
+    [record] = recovery_log.read_all(store, "part")
+    assert record["select"] == "validated" and record["step"] == 4 and record["skipped"] == []
+    assert [s for s, _ in record["passed_over"]] == [8]  # failed validation: never tried, then saved over
+    assert trainer.checkpointer.verify(8).ok
 
 
 def test_an_exported_checkpoint_loads_with_from_pretrained(tmp_path):

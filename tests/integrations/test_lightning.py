@@ -22,8 +22,10 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ckptflow import Checkpointer, CkptflowError, UnsupportedStateError
+from ckptflow import Checkpointer, CkptflowError, UnsupportedStateError, lifecycle
+from ckptflow.catalog import recovery_log
 from ckptflow.integrations.lightning import CkptflowIO
+from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, only_in
 
 EPOCHS, STEPS_PER_EPOCH = 4, 8
@@ -65,10 +67,12 @@ def data() -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True)
 
 
-def trainer(root, run: str, dirpath, max_epochs: int = EPOCHS, checkpointing: bool = True) -> pl.Trainer:
+def trainer(
+    root, run: str, dirpath, max_epochs: int = EPOCHS, checkpointing: bool = True, select="latest"
+) -> pl.Trainer:
     return pl.Trainer(
         max_epochs=max_epochs,
-        plugins=[CkptflowIO(str(root), run)],
+        plugins=[CkptflowIO(str(root), run, select=select)],
         callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True)] if checkpointing else [],
         enable_checkpointing=checkpointing,
         accelerator="cpu",
@@ -94,10 +98,10 @@ def killed_at(tmp_path, step: int, run: str = "part") -> Tiny:
     return model
 
 
-def resumed(tmp_path, run: str = "part") -> Tiny:
+def resumed(tmp_path, run: str = "part", select="latest") -> Tiny:
     pl.seed_everything(123)  # another seed and initialisation: only the checkpoint may carry the run on
     model = Tiny()
-    trainer(tmp_path / "store", run, tmp_path / run).fit(model, data(), ckpt_path="last")
+    trainer(tmp_path / "store", run, tmp_path / run, select=select).fit(model, data(), ckpt_path="last")
     return model
 
 
@@ -132,6 +136,22 @@ def test_last_falls_back_past_a_damaged_checkpoint_and_saves_over_it(tmp_path, c
     assert torch.equal(torch.stack(model.losses), full_losses[2 * STEPS_PER_EPOCH :])
     with Checkpointer(str(root), "part") as ck:
         assert ck.verify(24).ok  # the damaged step was saved again
+
+
+def test_last_resumes_to_the_newest_validated_checkpoint(tmp_path):
+    full_losses, _ = uninterrupted(tmp_path)
+    killed_at(tmp_path, 3 * STEPS_PER_EPOCH + 2)  # checkpoints at 8, 16, 24
+    root = tmp_path / "store"
+    for step in (24, 16):
+        corrupt_chunk(root, "part", step, only_in(root, "part", step, 8)[0])
+    store = open_store(str(root))
+    assert [lifecycle.validate(store, "part", s)["ok"] for s in (8, 16, 24)] == [True, False, False]
+
+    model = resumed(tmp_path, select="validated")
+    assert torch.equal(torch.stack(model.losses), full_losses[STEPS_PER_EPOCH:])  # from step 8
+    [record] = recovery_log.read_all(store, "part")
+    assert record["select"] == "validated" and record["step"] == 8 and record["skipped"] == []  # never tried
+    assert [s for s, _ in record["passed_over"]] == [24, 16]
 
 
 def test_checkpoint_dict_comes_back_as_lightning_made_it(tmp_path):

@@ -1,0 +1,312 @@
+"""What a restore recovers to: which checkpoints a selector accepts, in the order to try them.
+
+"The most recent checkpoint might be corrupted; the most recent validated one is safer;
+the best-performing one suits trying other approaches." A selector names that choice:
+
+- ``"latest"`` (the default): every checkpoint, newest first (restore's own fallback
+  past damage);
+- ``"validated"``: only commits with a passing validation verdict on that exact manifest
+  digest, newest first; a newer one that failed or has no verdict yet is passed over;
+- ``Best(metric, mode)``: commits with a ``metric`` in their evaluation record, best first
+  (ties: newer first); one that failed validation is passed over;
+- ``Alias(model, alias)``: the commit a registry alias of ``model`` was published from,
+  then the aliases below it (``latest`` -> ``stable`` -> ``fallback``);
+- an ``int``: exactly that step, never another.
+
+Each falls back only within its own meaning: a damaged validated checkpoint moves the
+restore to the next validated one, never to an unvalidated one. What a selector did not
+accept is returned with the reason (``Choice.passed_over``), so the restore result and
+the recovery record say why a newer checkpoint was not loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ckptflow.catalog import aliases as alias_records
+from ckptflow.catalog.checkpoints import read_manifest
+from ckptflow.catalog.verdicts import records_by_subject
+from ckptflow.errors import CkptflowError, RegistryError
+from ckptflow.format import layout as fmt
+from ckptflow.store import open_store
+from ckptflow.store.base import Store
+
+NAMED = ("latest", "validated")
+FAILED = "failed validation"  # how a passed-over step whose verdict proved damage is described
+ALIAS_CHAIN = {"latest": ("latest", "stable", "fallback"), "stable": ("stable", "fallback"), "fallback": ("fallback",)}
+
+
+@dataclass(frozen=True)
+class Best:
+    """The best checkpoint by an evaluation ``metric`` (``mode`` "min": lower is better)."""
+
+    metric: str = "val_loss"
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"Best(mode=...) must be 'min' or 'max', got {self.mode!r}")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"Best(metric=...) must name an evaluation metric, got {self.metric!r}")
+
+
+@dataclass(frozen=True)
+class Alias:
+    """The commit a registry alias of ``model`` was published from. ``registry``: the
+    store holding the registry (a URL), the checkpoints' hot store when None."""
+
+    model: str
+    alias: str = "stable"
+    registry: str | None = None
+
+    def __post_init__(self) -> None:
+        fmt.validate_run(self.model)
+        if self.alias not in alias_records.ALIASES:
+            raise ValueError(f"Alias(alias=...) must be one of {alias_records.ALIASES}, got {self.alias!r}")
+
+
+Selector = str | int | Best | Alias
+
+
+def parse(text: str) -> Selector:
+    """A selector from text (the CLI's ``--select``): ``latest``, ``validated``,
+    ``best:<metric>[:min|max]``, ``<model>@<alias>`` or a step number."""
+    text = text.strip()
+    if text in NAMED:
+        return text
+    if text.isdigit():
+        return int(text)
+    if text.startswith("best:"):
+        metric, _, mode = text[5:].partition(":")
+        return Best(metric, mode or "min")
+    if "@" in text:
+        model, _, alias = text.partition("@")
+        return Alias(model, alias)
+    raise ValueError(
+        f"selector {text!r} is not one of: latest, validated, best:<metric>[:min|max], <model>@<alias>, a step number"
+    )
+
+
+def check(select: Selector) -> Selector:
+    """``select`` if it is a selector; ``ValueError`` saying what is accepted if not."""
+    if isinstance(select, (Best, Alias)) or select in NAMED:
+        return select
+    if isinstance(select, int) and not isinstance(select, bool):
+        fmt.validate_step(select)
+        return select
+    if isinstance(select, str):
+        return parse(select)
+    raise ValueError(f"select={select!r} is not 'latest', 'validated', Best(...), Alias(...) or a step number")
+
+
+def from_arguments(step: int | None, select: Selector) -> Selector:
+    """One selector from a restore's ``step=`` / ``select=``, checked before anything is read."""
+    if step is not None:
+        if select != "latest":
+            raise ValueError(f"give step={step} or select={select!r}, not both (select={step} is the same as step=)")
+        return fmt.validate_step(step)
+    return check(select)
+
+
+def registry_store(select: Selector) -> Store | None:
+    """The store an ``Alias`` names for its registry (None: the hot store)."""
+    if isinstance(select, Alias) and select.registry is not None:
+        return open_store(select.registry)
+    return None
+
+
+def describe(select: Selector) -> str:
+    """How a selector is named in results, recovery records and metrics."""
+    if isinstance(select, Best):
+        return f"best:{select.metric}:{select.mode}"
+    if isinstance(select, Alias):
+        return f"{select.model}@{select.alias}"
+    if isinstance(select, int):
+        return f"step:{select}"
+    return select
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The candidates a selector accepts, in the order to try them, and the ones it did not."""
+
+    label: str
+    pairs: list[tuple[int, int]]  # (step, tier index), in the order to try
+    passed_over: list[tuple[int, str]] = field(default_factory=list)  # (step, why it was not a candidate)
+    exact: bool = False  # an exact step: no other step is ever tried
+
+
+def choose(
+    stores: Sequence[Store],
+    run: str,
+    select: Selector,
+    pairs: list[tuple[int, int]],
+    registry: Store | None = None,
+    *,
+    digests: Mapping[int, str] | None = None,
+) -> Choice:
+    """Order and filter ``pairs`` (restore's candidates across tiers, newest first) for
+    ``select``. Verdicts and evaluations are read from ``stores[0]`` (the hot store, where
+    the lifecycle records them); a registry alias from ``registry`` (default: the hot store).
+    ``digests``: the current commit of each step when the caller knows it (the inventory),
+    so no manifest is read to check a verdict is about the commit there now."""
+    known = dict(digests or {})
+    label = describe(select)
+    if isinstance(select, int):
+        return Choice(label, [p for p in pairs if p[0] == select], exact=True)
+    if select == "latest":
+        return Choice(label, pairs)
+    held: dict[int, list[int]] = {}
+    for step, index in pairs:
+        held.setdefault(step, []).append(index)
+    if isinstance(select, Alias):
+        return _by_alias(stores, run, select, held, registry or stores[0], known)
+    records = records_by_subject(stores[0], run)
+    by_step: dict[int, dict[str, dict]] = {}
+    for (_, step, digest), kinds in records.items():
+        by_step.setdefault(step, {})[digest] = kinds
+    if select == "validated":
+        return _validated(stores, run, label, held, by_step, known)
+    assert isinstance(select, Best)
+    return _best(stores, run, select, held, by_step, known)
+
+
+def _current_digest(
+    stores: Sequence[Store], run: str, step: int, tiers: list[int], known: Mapping[int, str]
+) -> str | None:
+    """The digest of the commit at ``step``: known, or in the first tier whose manifest
+    reads; None when none reads (restore then tries it and reports the damage)."""
+    if step in known:
+        return known[step]
+    for index in tiers:
+        try:
+            return read_manifest(stores[index], run, step).digest
+        except CkptflowError:
+            continue
+    return None
+
+
+def _on_this_commit(
+    stores: Sequence[Store],
+    run: str,
+    step: int,
+    tiers: list[int],
+    digests: set[str],
+    what: str,
+    known: Mapping[int, str],
+) -> str | None:
+    """Why ``step`` is not the commit ``digests`` name (it was committed again since), or None."""
+    current = _current_digest(stores, run, step, tiers, known)
+    if current is None or current in digests:
+        return None
+    return f"{what} commit {', '.join(sorted(d[:12] for d in digests))}…, not the commit there now ({current[:12]}…)"
+
+
+def _validated(
+    stores: Sequence[Store],
+    run: str,
+    label: str,
+    held: dict[int, list[int]],
+    by_step: dict[int, dict[str, dict]],
+    known: Mapping[int, str],
+) -> Choice:
+    pairs: list[tuple[int, int]] = []
+    passed: list[tuple[int, str]] = []
+    for step in sorted(held, reverse=True):
+        verdicts = {d: k["validation"] for d, k in by_step.get(step, {}).items() if "validation" in k}
+        ok = {d for d, v in verdicts.items() if v.get("ok") is True}
+        if not ok:
+            failed = [v for v in verdicts.values() if v.get("ok") is False]
+            problems = "; ".join(str(p) for v in failed for p in (v.get("problems") or [])[:2])
+            why = f"{FAILED}: {problems or 'no problem recorded'}" if failed else "not validated yet"
+            passed.append((step, why))
+            continue
+        stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known)
+        if stale:
+            passed.append((step, stale))
+            continue
+        pairs += [(step, i) for i in held[step]]
+    return Choice(label, pairs, passed)
+
+
+def _best(
+    stores: Sequence[Store],
+    run: str,
+    select: Best,
+    held: dict[int, list[int]],
+    by_step: dict[int, dict[str, dict]],
+    known: Mapping[int, str],
+) -> Choice:
+    scored: list[tuple[float, int, set[str]]] = []
+    passed: list[tuple[int, str]] = []
+    for step in sorted(held, reverse=True):
+        values: dict[str, float] = {}
+        failed = False
+        for digest, kinds in by_step.get(step, {}).items():
+            value = (kinds.get("evaluation", {}).get("metrics") or {}).get(select.metric)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+                if kinds.get("validation", {}).get("ok") is False:
+                    failed = True
+                else:
+                    values[digest] = float(value)
+        if not values:
+            passed.append((step, FAILED if failed else f"no evaluation of {select.metric!r}"))
+            continue
+        stale = _on_this_commit(stores, run, step, held[step], set(values), "evaluated", known)
+        if stale:
+            passed.append((step, stale))
+            continue
+        scored.append((min(values.values()) if select.mode == "min" else max(values.values()), step, set(values)))
+    sign = 1 if select.mode == "min" else -1
+    scored.sort(key=lambda t: (sign * t[0], -t[1]))
+    pairs = [(step, i) for _, step, _ in scored for i in held[step]]
+    return Choice(describe(select), pairs, passed)
+
+
+def _by_alias(
+    stores: Sequence[Store],
+    run: str,
+    select: Alias,
+    held: dict[int, list[int]],
+    registry: Store,
+    known: Mapping[int, str],
+) -> Choice:
+    aliases = alias_records.read_aliases(registry, select.model)
+    pairs: list[tuple[int, int]] = []
+    passed: list[tuple[int, str]] = []
+    seen: set[int] = set()
+    for alias in ALIAS_CHAIN[select.alias]:
+        if alias not in aliases:
+            continue
+        try:
+            version = alias_records.read_version(registry, select.model, aliases[alias])
+        except RegistryError as e:
+            passed.append((-1, f"{select.model}@{alias}: {e}"))
+            continue
+        v_run, step, digest = version.get("run"), version.get("step"), version.get("manifest_digest")
+        name = f"{select.model}@{alias} (v{aliases[alias]})"
+        if v_run != run or not isinstance(step, int):
+            elsewhere = f"{name} was published from run {v_run!r}, not {run!r}"
+            passed.append((step if isinstance(step, int) else -1, elsewhere))
+            continue
+        if step in seen:
+            continue
+        seen.add(step)
+        if step not in held:
+            passed.append((step, f"{name}: step {step} is in no tier any more"))
+            continue
+        stale = _on_this_commit(stores, run, step, held[step], {str(digest)}, f"{name} was published from", known)
+        if stale:
+            passed.append((step, stale))
+            continue
+        pairs += [(step, i) for i in held[step]]
+    if not aliases:
+        passed.append((-1, f"model {select.model!r} has no aliases in {registry.url}"))
+    return Choice(describe(select), pairs, passed)
+
+
+def failed_steps(passed_over: list[tuple[int, str]]) -> set[int]:
+    """The passed-over steps whose validation verdict proved damage: a save may replace
+    them (the commit verifies them in full first, as for a step restore rejected)."""
+    return {step for step, why in passed_over if why.startswith(FAILED)}

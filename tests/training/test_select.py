@@ -1,0 +1,181 @@
+"""What a restore recovers to: ``validated`` passes over newer checkpoints that failed or
+were never validated, ``best`` orders by an evaluation metric and falls back to the next
+best, a registry alias follows promotions and rollbacks; each falls back only within its
+own meaning and says why, in the result and in the recovery record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import recovery_log, selection
+from ckptflow.catalog.selection import Alias, Best
+from ckptflow.errors import CheckpointExistsError, NoValidCheckpointError
+from ckptflow.interop.registry import Registry
+from ckptflow.lifecycle.promote import PromotionRequest, promote
+from ckptflow.reports.recoveries import run_metrics
+from ckptflow.store import open_store
+from support.cli import run_cli
+from support.corrupt import chunk_path, flip_byte, only_in
+
+VAL_LOSS = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7}
+
+
+def model_at(step: float) -> nn.Module:
+    """A model whose every value says which step it holds."""
+    model = nn.Linear(16, 16)
+    with torch.no_grad():
+        model.weight.fill_(step)
+        model.bias.fill_(step)
+    return model
+
+
+def make(tmp_path, steps=(1, 2, 3, 4)):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r", chunk_bytes=256) as ck:
+        for step in steps:
+            ck.save(step, {"model": model_at(step)}, metadata={"val_loss": VAL_LOSS[step]})
+    return root, open_store(root)
+
+
+def damage(root, step):
+    flip_byte(chunk_path(root, only_in(root, "r", step)[0]))
+
+
+def restored(root, **kwargs):
+    live = {"model": model_at(0)}
+    with Checkpointer(root, "r") as ck:
+        result = ck.restore(live, **kwargs)
+    assert live["model"].weight[0, 0].item() == result.step  # the loaded values are that step's
+    return result
+
+
+def test_validated_passes_over_a_failed_and_an_unvalidated_newer_checkpoint(tmp_path):
+    root, store = make(tmp_path)
+    damage(root, 3)
+    for step in (1, 2, 3):
+        lifecycle.validate(store, "r", step)
+    assert restored(root).step == 4  # latest: today's behaviour
+    result = restored(root, select="validated")
+    assert result.step == 2 and result.select == "validated" and result.skipped == []
+    assert [s for s, _ in result.passed_over] == [4, 3]
+    assert result.passed_over[0][1] == "not validated yet"
+    assert result.passed_over[1][1].startswith("failed validation: ")
+    record = recovery_log.read_all(store, "r")[-1]
+    assert record["select"] == "validated" and [s for s, _ in record["passed_over"]] == [4, 3]
+
+    damage(root, 2)  # validated, then damaged: the next validated one, never the unvalidated 4
+    result = restored(root, select="validated")
+    assert result.step == 1 and result.fell_back and [s for s, _ in result.skipped] == [2]
+    damage(root, 1)
+    with pytest.raises(NoValidCheckpointError, match="'validated' and whole"):
+        restored(root, select="validated")
+    assert run_metrics(store, "r").selectors == {"latest": 1, "validated": 3}
+
+
+def test_validated_means_this_exact_commit(tmp_path):
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+    with Checkpointer(root, "r") as ck:  # step 2 committed again (restore rejected it): a new commit, no verdict
+        damage(root, 2)
+        ck.restore({"model": model_at(0)})
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})
+    result = restored(root, select="validated")
+    assert result.step == 1
+    [(step, why)] = result.passed_over
+    assert step == 2 and why.startswith("validation passed on commit ") and "not the commit there now" in why
+
+
+def test_best_picks_by_metric_and_falls_back_to_the_next_best(tmp_path):
+    root, store = make(tmp_path)
+    for step in (1, 2, 3):  # step 4 never evaluated
+        lifecycle.evaluate(store, store, "r", step)
+    result = restored(root, select=Best("val_loss", "min"))
+    assert result.step == 2 and result.select == "best:val_loss:min"
+    assert result.passed_over == [(4, "no evaluation of 'val_loss'")]
+    assert restored(root, select=Best("val_loss", "max")).step == 1
+    damage(root, 2)
+    result = restored(root, select="best:val_loss")
+    assert result.step == 3 and [s for s, _ in result.skipped] == [2]  # the next best, not the newest
+    with Checkpointer(root, "r") as ck:
+        loaded, state = ck.load(select=Best("val_loss"))
+    assert loaded.step == 3 and state["model"]["weight"][0, 0].item() == 3
+
+
+def test_an_alias_restore_follows_a_promotion_and_a_rollback(tmp_path):
+    root, store = make(tmp_path)
+    registry = Registry(store)
+    promote(store, registry, PromotionRequest("m", ("r", 1), stage="stable"))
+    assert restored(root, select=Alias("m", "stable")).step == 1
+    promote(store, registry, PromotionRequest("m", ("r", 3), stage="stable"))
+    result = restored(root, select="m@stable")
+    assert result.step == 3 and result.select == "m@stable"
+    registry.rollback("m")
+    assert restored(root, select=Alias("m", "stable")).step == 1
+    assert restored(root, select=Alias("m", "fallback")).step == 3
+    damage(root, 1)  # the stable commit is damaged: its fallback, never the newest step 4
+    result = restored(root, select=Alias("m", "stable"))
+    assert result.step == 3 and [s for s, _ in result.skipped] == [1]
+    other = str(tmp_path / "registry")
+    with pytest.raises(NoValidCheckpointError, match="has no aliases"):
+        restored(root, select=Alias("m", "stable", registry=other))
+
+
+def test_selectors_parse_and_bad_ones_are_refused_before_reading(tmp_path):
+    assert selection.parse("best:acc:max") == Best("acc", "max")
+    assert selection.parse("m@fallback") == Alias("m", "fallback")
+    assert selection.parse("7") == 7 and selection.parse("validated") == "validated"
+    root, _ = make(tmp_path, steps=(1, 2))
+    assert restored(root, select=1).step == 1
+    with pytest.raises(ValueError, match="not one of"):
+        restored(root, select="newest")
+    with pytest.raises(ValueError, match="not both"):
+        restored(root, step=1, select="validated")
+    with pytest.raises(ValueError, match="'min' or 'max'"):
+        Best("val_loss", "up")
+
+
+def test_ls_filters_and_orders_as_restore_would(tmp_path, capsys):
+    root, store = make(tmp_path)
+    for step in (1, 2, 3):
+        lifecycle.evaluate(store, store, "r", step)
+    lifecycle.validate(store, "r", 1)
+    lifecycle.validate(store, "r", 3)
+    code, out, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "validated", "--json")
+    assert code == 0 and [d["step"] for d in json.loads(out)] == [3, 1]
+    assert "step 4: not validated yet" in err and "step 2: not validated yet" in err
+    code, out, _ = run_cli(capsys, "ls", root, "--run", "r", "--select", "best:val_loss:min", "--json")
+    assert [d["step"] for d in json.loads(out)] == [2, 3, 1]
+    code, _, err = run_cli(capsys, "ls", root, "--select", "validated")
+    assert code == 2 and "give --run too" in err
+    code, _, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "newest")
+    assert code == 2 and "not one of" in err
+
+
+def test_training_on_from_a_validated_step_replaces_the_failed_one_but_not_a_whole_one(tmp_path):
+    root, store = make(tmp_path)
+    damage(root, 3)
+    for step in (1, 2, 3):
+        lifecycle.validate(store, "r", step)
+    with Checkpointer(root, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select="validated").step == 2
+        ck.save(3, {"model": model_at(3)})  # step 3 failed validation: proved damaged, so replaced
+        with pytest.raises(CheckpointExistsError):
+            ck.save(4, {"model": model_at(4)})  # step 4 is whole (only not validated yet): never overwritten
+        assert ck.verify(3).ok
+
+
+def test_a_re_evaluation_changes_what_best_recovers_to(tmp_path):
+    root, store = make(tmp_path)
+    for step in (1, 2, 3, 4):
+        lifecycle.evaluate(store, store, "r", step)
+    assert restored(root, select=Best("val_loss")).step == 2
+    # a new evaluator (a backfill re-evaluating old checkpoints) scores by the weights: step 4 is best now
+    for step in (1, 2, 3, 4):
+        lifecycle.evaluate(store, store, "r", step, lambda tensors, info: {"val_loss": -float(tensors["weight"][0, 0])})
+    assert restored(root, select=Best("val_loss")).step == 4
