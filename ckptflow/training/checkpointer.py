@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from ckptflow.chunks.lossy import record_problem as lossy_record_problem
 from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
+from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
@@ -38,47 +38,9 @@ from ckptflow.format.sealed import json_problem
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
 from ckptflow.training.restore import Restore, RestoreResult
+from ckptflow.training.save_handle import SaveHandle, SaveResult
 from ckptflow.training.state import FreshOptimizers, capture_rng, to_state_dicts
 from ckptflow.training.tree import flatten, shared_storage
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    step: int
-    kind: str
-    info: CheckpointInfo | None  # on the coordinator rank; None elsewhere
-
-
-class SaveHandle:
-    """An async save in flight. ``wait()`` returns its ``SaveResult`` or raises its error."""
-
-    def __init__(self, future: Future, writer: CheckpointWriter, blocked_s: float):
-        self._future, self._writer = future, writer
-        self.step, self.kind = writer.spec.step, writer.spec.kind
-        self.blocked_s = blocked_s  # how long the caller was held (host copy of tensors)
-        self.error_reported = False
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed): ``wait()`` would not block."""
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        try:
-            with own_errors():
-                self._future.result(timeout)
-        except BaseException:
-            if self._future.done():  # the save's own failure (not a wait timeout): reported now,
-                self.error_reported = True  # so Checkpointer.wait() must not raise it again
-            raise
-        manifest = self.manifest
-        return SaveResult(
-            step=self.step, kind=self.kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None
-        )
-
-    @property
-    def manifest(self) -> Manifest | None:
-        """What the save committed (on the coordinator rank, once it has)."""
-        return self._writer.manifest
 
 
 class Checkpointer:
@@ -123,6 +85,7 @@ class Checkpointer:
         self._last_commit: int | None = None  # newest step this process committed or restored
         self._auto = AutoCodec() if codec == "auto" else None
         self._full: Manifest | None = None  # the newest full checkpoint this process committed: the delta base
+        self._resumed: tuple[int, float] | None = None  # (step, perf_counter) when training last got control back
 
     # ---- save -------------------------------------------------------------------------
     def save(
@@ -156,8 +119,8 @@ class Checkpointer:
                 return None
         if kind not in ("full", "incremental"):
             raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
+        clock = self._clock(step, blocking=blocking)
         self.wait()
-        started = time.perf_counter()
         problem = lossy_record_problem(lossy) if lossy is not None else None
         if problem:
             raise UnsupportedStateError(f"{problem}; nothing was saved")
@@ -181,6 +144,7 @@ class Checkpointer:
             tied=shared_storage(tensors),
             lossy=lossy,
             replaces=replaces,
+            clock=clock,
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
@@ -189,12 +153,23 @@ class Checkpointer:
                 dcp.save(tensors, **kwargs)
             manifest = writer.manifest
             self._committed(step, manifest)
+            self._resumed = (step, time.perf_counter())
             return SaveResult(step=step, kind=kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
         assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
-        self._pending = SaveHandle(future, writer, time.perf_counter() - started)
+        self._pending = SaveHandle(future, writer, clock.release())
+        self._resumed = (step, time.perf_counter())
         return self._pending
+
+    def _clock(self, step: int, *, blocking: bool) -> SaveClock:
+        """Starts timing a save at ``step``; the step time is measured since training resumed
+        after the previous save or restore of this process (none before the first)."""
+        now = time.perf_counter()
+        since = step - self._resumed[0] if self._resumed else 0
+        step_time = (now - self._resumed[1]) / since if self._resumed and since > 0 else None
+        steps_since = since if step_time is not None else None
+        return SaveClock(now, blocking=blocking, step_time_s=step_time, steps_since=steps_since)
 
     def _committed(self, step: int, manifest: Manifest | None) -> None:
         """What this process knows once it committed ``step``: the newest commit, the
@@ -337,6 +312,7 @@ class Checkpointer:
         self._superseded = set(result.hot_rejected)
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
+        self._resumed = (result.step, time.perf_counter())
         return result
 
     def load(self, *, step: int | None = None) -> tuple[RestoreResult, dict[str, Any]]:
