@@ -92,8 +92,8 @@ def advise(
     incs = [m for m in measured if m.kind == "incremental"]
     full_s = _median([m.save_cost.blocked_s for m in fulls if m.save_cost]) if fulls else None
     inc_s = _median([m.save_cost.blocked_s for m in incs if m.save_cost]) if incs else None
-    full_bytes = _median([m.stats.bytes_written for m in manifests if m.kind == "full"])
-    inc_bytes = _median([m.stats.bytes_written for m in manifests if m.kind == "incremental"]) if incs else None
+    full_bytes = _median([_written(m) for m in manifests if m.kind == "full"])
+    inc_bytes = _median([_written(m) for m in manifests if m.kind == "incremental"]) if incs else None
     if full_s is None:  # only incrementals measured: their cost stands in for a full's
         full_s = inc_s or 0.0
         notes.append("no full checkpoint records its save cost: an incremental's stands in for a full's")
@@ -191,6 +191,11 @@ def _current(
         every = max(1, round(len(manifests) / len(full_steps))) if full_steps else model.MAX_FULL_EVERY
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     return model.evaluate(inputs, _median(gaps) * step_time), every
+
+
+def _written(manifest: Manifest) -> int:
+    """Bytes a save added to the store, encoded (raw before codec "auto" recorded it)."""
+    return manifest.stats.stored_written or manifest.stats.bytes_written
 
 
 def _median(values: list[float] | list[int]) -> float:
