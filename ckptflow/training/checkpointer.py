@@ -171,6 +171,11 @@ class Checkpointer:
         steps_since = since if step_time is not None else None
         return SaveClock(now, blocking=blocking, step_time_s=step_time, steps_since=steps_since)
 
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this process committed (its async save waited for) or restored."""
+        return self._last_commit
+
     def _committed(self, step: int, manifest: Manifest | None) -> None:
         """What this process knows once it committed ``step``: the newest commit, the
         newest full (the delta base), and that its own commit is no longer one restore rejected."""
