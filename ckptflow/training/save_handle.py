@@ -24,7 +24,7 @@ class SaveHandle:
     def __init__(self, future: Future, writer: CheckpointWriter, blocked_s: float):
         self._future, self._writer = future, writer
         self.step, self.kind = writer.spec.step, writer.spec.kind
-        self.blocked_s = blocked_s  # how long the caller was held (host copy of tensors)
+        self.blocked_s = blocked_s  # how long the caller was held (host copy, and any wait for the previous save)
         self.error_reported = False
 
     def done(self) -> bool:
