@@ -70,6 +70,7 @@ class SaveSpec:
     lossy: dict | None = None  # the state is a lossy copy's (an import of its export): its ``lossy`` record
     replaces: str | None = None  # sha256 of a manifest at the step proved damaged when the save began
     clock: SaveClock | None = None  # times the save for the manifest's ``save_cost`` record
+    decision: dict | None = None  # why an adaptive policy saved this step (manifest ``save_decision``)
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -273,6 +274,7 @@ class CheckpointWriter(StorageWriter):
             },
             "rank_records": "by_save_id",
             **({"save_cost": spec.clock.cost().to_json()} if spec.clock is not None else {}),
+            **({"save_decision": spec.decision} if spec.decision is not None else {}),
         }
         key = fmt.manifest_key(spec.run, spec.step)
         blob = seal(manifest)

@@ -35,6 +35,7 @@ from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import json_problem
+from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
 from ckptflow.training.restore import Restore, RestoreResult
@@ -49,7 +50,7 @@ class Checkpointer:
         root: str | Store,
         run: str,
         *,
-        policy: SavePolicy | None = None,
+        policy: SavePolicy | AdaptivePolicy | None = None,
         chunk_bytes: int = 8 << 20,
         codec: str = "raw",
         threads: int | None = None,
@@ -145,6 +146,7 @@ class Checkpointer:
             lossy=lossy,
             replaces=replaces,
             clock=clock,
+            decision=self.policy.decision(step) if isinstance(self.policy, AdaptivePolicy) else None,
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
@@ -153,14 +155,20 @@ class Checkpointer:
                 dcp.save(tensors, **kwargs)
             manifest = writer.manifest
             self._committed(step, manifest)
-            self._resumed = (step, time.perf_counter())
+            self._observed(step, clock, time.perf_counter() - clock.started)
             return SaveResult(step=step, kind=kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
         assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
         self._pending = SaveHandle(future, writer, clock.release())
-        self._resumed = (step, time.perf_counter())
+        self._observed(step, clock, self._pending.blocked_s)
         return self._pending
+
+    def _observed(self, step: int, clock: SaveClock, blocked_s: float) -> None:
+        """Training resumes now: step times are measured from here; an adaptive policy learns the cost."""
+        self._resumed = (step, time.perf_counter())
+        if isinstance(self.policy, AdaptivePolicy):
+            self.policy.observe(step, blocked_s=blocked_s, step_time_s=clock.step_time_s)
 
     def _clock(self, step: int, *, blocking: bool) -> SaveClock:
         """Starts timing a save at ``step``; the step time is measured since training resumed
