@@ -86,3 +86,13 @@ def test_the_handler_returns_true_without_exit_and_puts_the_old_handler_back(tmp
         info = ckpt.list()[-1]
         assert (info.step, info.metadata["preempted_by"]) == (2, "SIGUSR1")
     assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_a_signal_at_a_step_whose_async_save_is_in_flight_waits_for_it_instead_of_saving_twice(tmp_path):
+    state = {"w": torch.arange(1000.0)}
+    with Checkpointer(str(tmp_path), "r") as ckpt, PreemptionHandler(ckpt, signals=(signal.SIGUSR1,), exit=False) as h:
+        ckpt.save(7, state, blocking=False)  # still in flight, or just committed
+        signal.raise_signal(signal.SIGUSR1)
+        assert h.check(7, state) and h.saved_step == 7
+        [info] = ckpt.list()
+        assert info.step == 7 and "preempted_by" not in info.metadata  # the async save is the checkpoint
