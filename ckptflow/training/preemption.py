@@ -38,7 +38,7 @@ class PreemptionHandler:
         self,
         checkpointer: Checkpointer,
         *,
-        signals: Sequence[signal.Signals] = (signal.SIGTERM,),
+        signals: Sequence[int] = (signal.SIGTERM,),
         check_every: int = 1,
         exit: bool = True,
     ):
