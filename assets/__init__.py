@@ -1,6 +1,7 @@
 """Dagster layer: checkpoint assets and checks, the inventory, deployed models."""
 
 from assets import maturity  # noqa: F401  (first: filters the warnings of the beta/preview APIs we opt into)
+from assets.advice import checkpoint_advice, interval_near_optimum
 from assets.checkpoints import INTEGRITY_KEY, archived, checkpoint, compressed, evaluation
 from assets.costs import storage_cost
 from assets.freshness import RPO_FRESHNESS_KEY, rpo_freshness
@@ -10,8 +11,16 @@ from assets.models import deployed_model
 from assets.partitions import checkpoint_key, checkpoints_partitions, parse_checkpoint_key
 
 PARTITIONED = [checkpoint, evaluation, compressed, archived]
-ALL_ASSETS = [*PARTITIONED, checkpoint_inventory, retention_plan, recovery_metrics, storage_cost, deployed_model]
-ALL_CHECKS = [rpo_freshness]
+ALL_ASSETS = [
+    *PARTITIONED,
+    checkpoint_inventory,
+    retention_plan,
+    recovery_metrics,
+    storage_cost,
+    checkpoint_advice,
+    deployed_model,
+]
+ALL_CHECKS = [rpo_freshness, interval_near_optimum]
 
 __all__ = [
     "ALL_ASSETS",
@@ -20,6 +29,7 @@ __all__ = [
     "PARTITIONED",
     "RPO_FRESHNESS_KEY",
     "archived",
+    "checkpoint_advice",
     "checkpoint",
     "checkpoint_inventory",
     "checkpoint_key",
@@ -27,6 +37,7 @@ __all__ = [
     "compressed",
     "deployed_model",
     "evaluation",
+    "interval_near_optimum",
     "parse_checkpoint_key",
     "recovery_metrics",
     "retention_plan",

@@ -52,6 +52,7 @@ _LAZY = {
     "Checkpointer": "ckptflow.training.checkpointer",
     "GCReport": "ckptflow.catalog.gc",
     "Manifest": "ckptflow.format.manifest",
+    "PreemptionHandler": "ckptflow.training.preemption",
     "Problem": "ckptflow.catalog.listing",
     "RestoreResult": "ckptflow.training.restore",
     "SaveHandle": "ckptflow.training.checkpointer",
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
     from ckptflow.policy.save import SavePolicy
     from ckptflow.store import Store, open_store
     from ckptflow.training.checkpointer import Checkpointer, SaveHandle, SaveResult
+    from ckptflow.training.preemption import PreemptionHandler
     from ckptflow.training.restore import RestoreResult
     from ckptflow.training.tree import per_rank
     from ckptflow.training.warmup import Warmup, WarmupLR
@@ -120,6 +122,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectTooLargeError",
     "PartialRestoreError",
+    "PreemptionHandler",
     "Problem",
     "PromotionError",
     "RecordTooLargeError",

@@ -16,8 +16,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ckptflow.cli.advise import add_arguments as advise_arguments
 from ckptflow.cli.commands import (
     UNAVAILABLE,
+    cmd_advise,
     cmd_export,
     cmd_gc,
     cmd_import,
@@ -209,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="retrieval speed and price (default Standard)",
     )
     p.set_defaults(func=cmd_thaw)
+
+    p = sub.add_parser("advise", help="how often a run should checkpoint (cost model), next to how often it does")
+    p.add_argument("root", metavar="ROOT", help=root_help)
+    advise_arguments(p, duration_arg)
+    p.set_defaults(func=cmd_advise)
     return parser
 
 

@@ -17,6 +17,7 @@ from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import CheckpointInfo
 from ckptflow.catalog.gc import gc, parse_duration
 from ckptflow.catalog.tiers import thaw
+from ckptflow.cli import advise
 from ckptflow.cli import costs as cost_section
 from ckptflow.cli.output import PROG, progress, ratio, table, warn
 from ckptflow.errors import CkptflowError, StoreUnavailableError
@@ -306,6 +307,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         + (f"; LOSSY copy ({describe(result.lossy)}): restores only with allow_lossy" if result.lossy else "")
     )
     return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    store = _open(args.root)
+    _require_run(store, args.run)
+    return advise.run(store, args)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
 from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.metadata import dtype_name, metadata_to_json
+from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import ADDRESS, same_content
@@ -86,6 +87,8 @@ class SaveSpec:
     tied: list[list[str]] = field(default_factory=list)  # tensor names sharing one storage (manifest "tied")
     lossy: dict | None = None  # the state is a lossy copy's (an import of its export): its ``lossy`` record
     replaces: str | None = None  # sha256 of a manifest at the step proved damaged when the save began
+    clock: SaveClock | None = None  # times the save for the manifest's ``save_cost`` record
+    decision: dict | None = None  # why an adaptive policy saved this step (manifest ``save_decision``)
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -315,6 +318,8 @@ class CheckpointWriter(StorageWriter):
                 "delta_chunks": len(bases),
             },
             "rank_records": "by_save_id",
+            **({"save_cost": spec.clock.cost().to_json()} if spec.clock is not None else {}),
+            **({"save_decision": spec.decision} if spec.decision is not None else {}),
         }
         key = fmt.manifest_key(spec.run, spec.step)
         blob = seal(manifest)

@@ -17,6 +17,7 @@ from ckptflow.errors import ManifestError, decoding
 from ckptflow.format import checksum
 from ckptflow.format import layout as fmt
 from ckptflow.format.dcp_index import DcpIndex, StorageItem, parse_dcp_index
+from ckptflow.format.save_cost import SaveCost
 from ckptflow.format.sealed import Fields, seal, unseal
 
 MAX_WORLD_SIZE = 1 << 20
@@ -62,6 +63,7 @@ class Manifest:
     tied: tuple[tuple[str, ...], ...] = ()  # tensor names that were one tensor when saved (``_parse_tied``)
     address: str = checksum.ADDRESS  # the hash naming its chunks: "sha256" in format 1 (``ckptflow.format.checksum``)
     rank_records_by_save: bool = False  # rank records named by save id (see format.rank_key)
+    save_cost: SaveCost | None = None  # what the save cost (``ckptflow.format.save_cost``); None before it existed
     digest: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields a newer writer added
 
@@ -116,6 +118,7 @@ class Manifest:
             **({"tied": [list(group) for group in self.tied]} if self.tied else {}),
             "stats": dict(self.stats.__dict__),
             **({"rank_records": "by_save_id"} if self.rank_records_by_save else {}),
+            **({"save_cost": self.save_cost.to_json()} if self.save_cost is not None else {}),
             **self.extra,
         }
 
@@ -180,6 +183,7 @@ class Manifest:
             tied=_parse_tied(check, doc),
             address=address,
             rank_records_by_save=doc.get("rank_records") == "by_save_id",
+            save_cost=SaveCost.from_json(doc.get("save_cost")),
             digest=digest,
             extra={k: v for k, v in doc.items() if k not in known},
         )

@@ -28,6 +28,11 @@ Not supported (refused at construction): ``load_best_model_at_end`` and
 ``save_strategy="best"`` (they need the Trainer's checkpoint directories), DeepSpeed.
 ``save_total_limit`` does not apply: the store's retention decides what is kept.
 
+Preemption: ``ckptflow_preemption=(signal.SIGTERM,)`` installs a ``PreemptionHandler``
+(``ckptflow.training.preemption``); at the end of the step where any rank has received one
+of those signals (one collective agrees), the Trainer saves that step through ckptflow and
+stops training, so ``train()`` returns and the job can exit before the scheduler kills it.
+
 This relies on the Trainer's ``_save_checkpoint`` and ``_load_*`` methods, which are
 not public API; tested with transformers 5.24.
 """
@@ -40,6 +45,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,10 +55,11 @@ from ckptflow.catalog.selection import Selector
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.export.architecture import model_metadata
 from ckptflow.training.checkpointer import Checkpointer
+from ckptflow.training.preemption import PreemptionHandler
 from ckptflow.training.state import capture_rng, load_state_dicts, restore_rng
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import ExportableState
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ckptflow.integrations.hf needs transformers: pip install 'ckptflow[hf]'") from e
@@ -71,6 +78,7 @@ class CkptflowTrainerMixin:
         ckptflow_run: str,
         ckptflow_options: dict[str, Any] | None = None,
         ckptflow_select: Selector = "latest",
+        ckptflow_preemption: Sequence[int] = (),
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -86,6 +94,10 @@ class CkptflowTrainerMixin:
             )
         self.checkpointer = Checkpointer(ckptflow_root, ckptflow_run, **(ckptflow_options or {}))
         self.ckptflow_select = selection.check(ckptflow_select)  # what resume_from_checkpoint=True recovers to
+        self.preemption: PreemptionHandler | None = None
+        if ckptflow_preemption:
+            self.preemption = PreemptionHandler(self.checkpointer, signals=tuple(ckptflow_preemption), exit=False)
+            trainer.add_callback(_SaveOnPreemption(self.preemption))
         self._ckptflow_resume: tuple[str, dict[str, Any]] | None = None  # (temporary directory, loaded state)
 
     # ---- save -------------------------------------------------------------------------
@@ -163,6 +175,20 @@ class CkptflowTrainerMixin:
             return super()._load_rng_state(checkpoint)  # type: ignore[misc]
         if "rng" in state:
             restore_rng(state["rng"])
+
+
+class _SaveOnPreemption(TrainerCallback):
+    """At the end of a step where a rank was signalled: save this step, then stop."""
+
+    def __init__(self, handler: PreemptionHandler):
+        self.handler = handler
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.handler.requested(state.global_step):
+            control.should_save = True
+            control.should_training_stop = True
+            self.handler.saved_step = state.global_step
+        return control
 
 
 class CkptflowTrainer(CkptflowTrainerMixin, Trainer):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckptflow.policy.adaptive import AdaptivePolicy
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,14 @@ class SavePolicy:
             raise ValueError(f"full_every must be positive, got {self.full_every}")
         if self.incremental_every is not None and self.incremental_every <= 0:
             raise ValueError(f"incremental_every must be positive or None, got {self.incremental_every}")
+
+    @staticmethod
+    def adaptive(*, max_overhead: float = 0.02, **options: Any) -> AdaptivePolicy:
+        """A policy that measures save cost and step time online and moves the interval toward
+        the model's optimum, save stalls held within ``max_overhead`` (``ckptflow.policy.adaptive``)."""
+        from ckptflow.policy.adaptive import AdaptivePolicy
+
+        return AdaptivePolicy(max_overhead=max_overhead, **options)
 
     def kind_for(self, step: int) -> str | None:
         if step % self.full_every == 0:

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,62 +31,21 @@ from ckptflow.chunks.lossy import record_problem as lossy_record_problem
 from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
+from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec, Seen
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.lineage import RunLineage, warn_if_different
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import json_problem
+from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
 from ckptflow.training.restore import Restore, RestoreResult
+from ckptflow.training.save_handle import SaveHandle, SaveResult
 from ckptflow.training.state import FreshOptimizers, capture_rng, to_state_dicts
 from ckptflow.training.tree import flatten, shared_storage
 from ckptflow.training.warmup import Warmup, warm_up
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    step: int
-    kind: str
-    info: CheckpointInfo | None  # on the coordinator rank; None elsewhere
-
-
-class SaveHandle:
-    """An async save in flight. ``wait()`` returns its ``SaveResult`` or raises its error."""
-
-    def __init__(self, future: Future, writer: CheckpointWriter, blocked_s: float):
-        self._future, self._writer = future, writer
-        self.step, self.kind = writer.spec.step, writer.spec.kind
-        self.blocked_s = blocked_s  # how long the caller was held (host copy of tensors)
-        self.error_reported = False
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed): ``wait()`` would not block."""
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        try:
-            with own_errors():
-                self._future.result(timeout)
-        except BaseException:
-            if self._future.done():  # the save's own failure (not a wait timeout): reported now,
-                self.error_reported = True  # so Checkpointer.wait() must not raise it again
-            raise
-        manifest = self.manifest
-        return SaveResult(
-            step=self.step, kind=self.kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None
-        )
-
-    @property
-    def writer(self) -> CheckpointWriter:
-        """The save's writer: what it found in each chunk region, for the next save."""
-        return self._writer
-
-    @property
-    def manifest(self) -> Manifest | None:
-        """What the save committed (on the coordinator rank, once it has)."""
-        return self._writer.manifest
 
 
 class Checkpointer:
@@ -95,7 +54,7 @@ class Checkpointer:
         root: str | Store,
         run: str,
         *,
-        policy: SavePolicy | None = None,
+        policy: SavePolicy | AdaptivePolicy | None = None,
         chunk_bytes: int = 8 << 20,
         codec: str = "raw",
         threads: int | None = None,
@@ -140,6 +99,7 @@ class Checkpointer:
         self._auto = AutoCodec() if codec == "auto" else None
         self._full: Manifest | None = None  # the newest full checkpoint this process committed: the delta base
         self._seen: Seen = {}  # per chunk region, the fast checksum and address its last committed save found
+        self._resumed: tuple[int, float] | None = None  # (step, perf_counter) when training last got control back
 
     # ---- save -------------------------------------------------------------------------
     def save(
@@ -175,8 +135,8 @@ class Checkpointer:
                 return None
         if kind not in ("full", "incremental"):
             raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
+        clock = self._clock(step, blocking=blocking)
         self.wait()
-        started = time.perf_counter()
         problem = lossy_record_problem(lossy) if lossy is not None else None
         if problem:
             raise UnsupportedStateError(f"{problem}; nothing was saved")
@@ -200,6 +160,8 @@ class Checkpointer:
             tied=shared_storage(tensors),
             lossy=lossy,
             replaces=replaces,
+            clock=clock,
+            decision=self.policy.decision(step) if isinstance(self.policy, AdaptivePolicy) else None,
         )
         writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress, previous=self._seen)
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
@@ -208,12 +170,34 @@ class Checkpointer:
                 dcp.save(tensors, **kwargs)
             manifest = writer.manifest
             self._committed(step, manifest, writer)
+            self._observed(step, clock, time.perf_counter() - clock.started)
             return SaveResult(step=step, kind=kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
             future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
         assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
-        self._pending = SaveHandle(future, writer, time.perf_counter() - started)
+        self._pending = SaveHandle(future, writer, clock.release())
+        self._observed(step, clock, self._pending.blocked_s)
         return self._pending
+
+    def _observed(self, step: int, clock: SaveClock, blocked_s: float) -> None:
+        """Training resumes now: step times are measured from here; an adaptive policy learns the cost."""
+        self._resumed = (step, time.perf_counter())
+        if isinstance(self.policy, AdaptivePolicy):
+            self.policy.observe(step, blocked_s=blocked_s, step_time_s=clock.step_time_s)
+
+    def _clock(self, step: int, *, blocking: bool) -> SaveClock:
+        """Starts timing a save at ``step``; the step time is measured since training resumed
+        after the previous save or restore of this process (none before the first)."""
+        now = time.perf_counter()
+        since = step - self._resumed[0] if self._resumed else 0
+        step_time = (now - self._resumed[1]) / since if self._resumed and since > 0 else None
+        steps_since = since if step_time is not None else None
+        return SaveClock(now, blocking=blocking, step_time_s=step_time, steps_since=steps_since)
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this process committed (its async save waited for) or restored."""
+        return self._last_commit
 
     def _committed(self, step: int, manifest: Manifest | None, writer: CheckpointWriter) -> None:
         """What this process knows once it committed ``step``: the newest commit, the
@@ -374,6 +358,7 @@ class Checkpointer:
         self._compare_lineage(result)
         if warmup is not None:
             result = replace(result, warmup=warm_up(result, state, warmup, rank=self.group.rank))
+        self._resumed = (result.step, time.perf_counter())
         return result
 
     def _compare_lineage(self, result: RestoreResult) -> None:

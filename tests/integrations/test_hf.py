@@ -170,3 +170,34 @@ def test_resume_without_checkpoints_says_so(tmp_path):
 def test_best_model_tracking_is_refused(tmp_path):
     with pytest.raises(CkptflowError, match="load_best_model_at_end"):
         make(tmp_path, "best", load_best_model_at_end=True, eval_strategy="steps", eval_steps=SAVE_STEPS)
+
+
+class Signal(TrainerCallback):
+    """Delivers ``signum`` to this process during step ``at`` (as a scheduler would)."""
+
+    def __init__(self, at: int, signum: int):
+        self.at, self.signum = at, signum
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            import signal
+
+            signal.raise_signal(self.signum)
+
+
+def test_a_preemption_signal_saves_that_step_and_stops_then_resume_starts_there(tmp_path):
+    import signal
+
+    trainer = make(tmp_path, "pre")
+    trainer = Recording(
+        model=gpt2(0), args=trainer.args, train_dataset=dataset(), callbacks=[Signal(5, signal.SIGUSR1)],
+        ckptflow_root=str(tmp_path / "store"), ckptflow_run="pre", ckptflow_preemption=(signal.SIGUSR1,),
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 6 and trainer.preemption.saved_step == 6  # stopped after the signalled step
+    trainer.preemption.close()
+    with Checkpointer(str(tmp_path / "store"), "pre") as ckpt:
+        assert [i.step for i in ckpt.list()] == [4, 6]
+    resumed = make(tmp_path, "pre", seed=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert len(resumed.losses) == MAX_STEPS - 6  # resumed exactly at the signalled step

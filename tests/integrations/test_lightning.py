@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -258,3 +259,30 @@ def test_two_process_ddp_saves_from_rank_zero_and_resumes(tmp_path, monkeypatch)
         assert torch.equal(tensor, first.state_dict()[name]), name
     with Checkpointer(str(tmp_path / "store"), "b") as ck:
         assert [i.step for i in ck.list()] == [3 * half]
+
+
+class SignalledAt(pl.Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            signal.raise_signal(signal.SIGUSR1)
+
+
+def test_a_preemption_signal_saves_that_step_and_stops_then_resume_starts_there(tmp_path):
+    from ckptflow.integrations.lightning_preemption import CkptflowPreemption
+
+    pl.seed_everything(0)
+    model, preempt = Tiny(), CkptflowPreemption(tmp_path / "pre", signals=(signal.SIGUSR1,))
+    run = trainer(tmp_path / "store", "pre", tmp_path / "pre", checkpointing=False)
+    run.callbacks.extend([preempt, SignalledAt(5)])
+    run.fit(model, data())
+    assert preempt.saved_step == 6 and run.global_step == 6 and len(model.losses) == 6  # stopped after the step
+    assert signal.getsignal(signal.SIGUSR1) is not preempt._on_signal  # put back at teardown
+    pl.seed_everything(123)
+    again = Tiny()
+    trainer(tmp_path / "store", "pre", tmp_path / "pre", checkpointing=False).fit(
+        again, data(), ckpt_path=preempt.saved_path
+    )
+    assert len(again.losses) == EPOCHS * STEPS_PER_EPOCH - 6  # resumed exactly at the signalled step

@@ -1,0 +1,92 @@
+"""``ckptflow advise``: how often a run should checkpoint, next to how often it does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ckptflow.cli.output import table
+from ckptflow.errors import CkptflowError
+from ckptflow.policy.interval import SCENARIOS, IntervalCost
+from ckptflow.reports.advice import Advice, advise
+from ckptflow.reports.costs import CostModel
+from ckptflow.reports.units import human_duration
+
+
+def add_arguments(p: argparse.ArgumentParser, duration_arg) -> None:
+    p.add_argument("--run", required=True)
+    failures = p.add_mutually_exclusive_group()
+    failures.add_argument(
+        "--mtbf", type=duration_arg, help="mean time between failures of the job (e.g. 6h); default: measured"
+    )
+    failures.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        help="a preset MTBF: " + "; ".join(f"{k} {v[0] / 3600:g} h" for k, v in sorted(SCENARIOS.items())),
+    )
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the job holds (default 1)")
+    p.add_argument("--gpu-hour-usd", type=float, default=2.0, help="price of one GPU-hour in USD (default 2.0)")
+    p.add_argument("--prices", metavar="FILE", help='JSON {"prices": {CLASS: USD per GB-month}, "tiers": {...}}')
+    p.add_argument("--json", action="store_true")
+
+
+def run(store, args: argparse.Namespace) -> int:
+    try:
+        costs = CostModel.from_json(Path(args.prices).read_text()) if args.prices else CostModel()
+    except (OSError, ValueError) as e:
+        raise CkptflowError(f"cost model {args.prices}: {e}") from None
+    if args.gpus < 1 or not args.gpu_hour_usd >= 0:
+        raise CkptflowError(
+            f"--gpus must be at least 1 and --gpu-hour-usd non-negative, got {args.gpus}, {args.gpu_hour_usd}"
+        )
+    advice = advise(
+        store,
+        args.run,
+        mtbf_s=args.mtbf,
+        scenario=args.scenario,
+        gpus=args.gpus,
+        gpu_hour_usd=args.gpu_hour_usd,
+        costs=costs,
+    )
+    print(json.dumps(advice.as_dict(), indent=2, sort_keys=True) if args.json else render(advice))
+    return 0
+
+
+def render(advice: Advice) -> str:
+    def row(name: str, c: IntervalCost, full_every: int | None) -> list[str]:
+        return [
+            name,
+            "-" if c.interval_steps is None else str(c.interval_steps),
+            human_duration(c.interval_s),
+            "-" if full_every is None else str(full_every),
+            human_duration(c.loss_per_failure_s),
+            f"{100 * c.save_overhead:.2f}%",
+            f"{100 * c.waste:.2f}%",
+            human_duration(c.rpo_s),
+            f"{c.compute_usd_month:,.2f}",
+            f"{c.storage_usd_month:,.2f}",
+            f"{c.total_usd_month:,.2f}",
+        ]
+
+    rows = [row("optimal", advice.optimal, advice.full_every)]
+    if advice.current is not None:
+        rows.insert(0, row("current", advice.current, advice.current_full_every))
+    headers = ["", "STEPS", "TIME", "FULL EVERY", "LOSS/FAILURE", "OVERHEAD", "WASTE", "RPO"]
+    out = table([*headers, "LOST $/MO", "STORAGE $/MO", "TOTAL $/MO"], rows, right=set(range(1, 11)))
+    i = advice.inputs
+    lines = [
+        f"run {advice.run}: checkpoint every {advice.optimal.interval_steps or '?'} steps "
+        f"({human_duration(advice.optimal.interval_s)}); "
+        f"Young's first-order sqrt(2CM) = {human_duration(advice.young_s)}",
+        "",
+        out,
+        "",
+        "inputs:",
+        f"  save (blocked) {human_duration(i.save_s)}   whole save {human_duration(i.save_duration_s)}   "
+        f"restore {human_duration(i.restore_s)}   MTBF {human_duration(i.mtbf_s)}   "
+        f"step {'-' if i.step_time_s is None else f'{i.step_time_s:.3g} s'}",
+        *(f"  {name}: {source}" for name, source in advice.sources.items()),
+    ]
+    lines += [f"note: {n}" for n in advice.notes]
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""How often to checkpoint: the expected cost of an interval, and the interval that minimises it.
+
+Pure: every input is an argument (``ckptflow.reports.advice`` reads them from a store).
+
+The model (docs/checkpoint-interval.md). Failures arrive as a Poisson process with mean
+time between failures ``M``; training does ``T`` seconds of work, then holds for a save
+of ``C`` seconds (the blocked time), and so on; a failure loses the work since the last
+completed save and costs a restore of ``R`` seconds, itself interrupted by failures (then
+started again). Daly (2006) gives the expected wall time of one work-plus-save segment
+exactly for that process:
+
+    E(T) = M * exp(R / M) * (exp((T + C) / M) - 1)
+
+so the fraction of wall time not spent on useful work (save stalls, lost work, restores)
+is ``1 - T / E(T)``. To first order its minimum is Young's ``sqrt(2 * C * M)``; Daly's
+higher-order form refines it. Restore time scales ``E`` by a constant, so it changes the
+waste but not the time-optimal interval; storage does change it: a shorter interval means
+more checkpoints kept by retention. ``optimum`` therefore minimises, over ``T``,
+
+    USD/month = waste(T) * GPUs * USD/GPU-hour * 730 h  +  retained bytes(T) * USD/GB-month
+
+where retained bytes follow ckptflow's default retention: every checkpoint younger than
+``recent_days``, and fulls younger than ``full_days``. Fulls come every ``full_every``
+checkpoints, chosen from the measured incremental/full size ratio (``full_every``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+HOUR = 3600.0
+DAY = 86400.0
+HOURS_PER_MONTH = 730.0
+GB = float(1 << 30)
+
+# Mean time between failures of the whole job, in seconds, for when a run has too little history
+# to measure its own (``ckptflow.reports.advice``). Assumptions, not measurements: pass an MTBF to override.
+SCENARIOS: dict[str, tuple[float, str]] = {
+    "preemptible": (4 * HOUR, "spot / preemptible capacity, reclaimed a few times a day"),
+    "unstable-network": (24 * HOUR, "multi-node job whose collectives time out about once a day"),
+    "reliable": (7 * DAY, "dedicated hardware, a failure about once a week"),
+}
+MAX_FULL_EVERY = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntervalInputs:
+    """Everything the model needs, in seconds, bytes and USD."""
+
+    save_s: float  # training held per checkpoint (blocked time), averaged over the full/incremental mix
+    save_duration_s: float  # the whole save, to durable commit: adds to the RPO
+    restore_s: float
+    mtbf_s: float
+    step_time_s: float | None = None  # None: intervals are given in seconds only
+    full_bytes: float = 0.0  # bytes a full checkpoint writes
+    incremental_bytes: float | None = None  # bytes an incremental writes (None: none measured)
+    full_every: int = 1  # one full every this many checkpoints
+    gpus: int = 1
+    gpu_hour_usd: float = 2.0
+    storage_usd_per_gb_month: float = 0.023
+    recent_days: float = 7.0
+    full_days: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "save_s",
+            "save_duration_s",
+            "restore_s",
+            "full_bytes",
+            "gpu_hour_usd",
+            "storage_usd_per_gb_month",
+        ):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if not math.isfinite(self.mtbf_s) or self.mtbf_s <= 0:
+            raise ValueError(f"mtbf_s must be a positive number of seconds, got {self.mtbf_s!r}")
+        if self.step_time_s is not None and not self.step_time_s > 0:
+            raise ValueError(f"step_time_s must be positive or None, got {self.step_time_s!r}")
+        if self.full_every < 1 or self.gpus < 1:
+            raise ValueError(f"full_every and gpus must be at least 1, got {self.full_every} and {self.gpus}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntervalCost:
+    """One interval, evaluated."""
+
+    interval_s: float  # training time between checkpoints
+    interval_steps: int | None
+    save_overhead: float  # save stalls as a fraction of training time: C / T
+    waste: float  # expected fraction of wall time lost: stalls, lost work, restores
+    loss_per_failure_s: float  # expected work redone after a failure, plus the restore
+    rpo_s: float  # worst-case training time lost by a failure just before a save commits
+    compute_usd_month: float  # the waste priced in GPU-hours, per month of running
+    storage_usd_month: float  # what retention keeps at this interval
+    retained_checkpoints: float
+
+    @property
+    def total_usd_month(self) -> float:
+        return self.compute_usd_month + self.storage_usd_month
+
+
+def segment_time(interval_s: float, *, save_s: float, mtbf_s: float, restore_s: float) -> float:
+    """Daly's expected wall time to complete ``interval_s`` of work and its save."""
+    m = mtbf_s
+    return m * math.exp(restore_s / m) * math.expm1((interval_s + save_s) / m)
+
+
+def waste(interval_s: float, *, save_s: float, mtbf_s: float, restore_s: float) -> float:
+    """Expected fraction of wall time not spent on useful work."""
+    return 1.0 - interval_s / segment_time(interval_s, save_s=save_s, mtbf_s=mtbf_s, restore_s=restore_s)
+
+
+def young(save_s: float, mtbf_s: float) -> float:
+    """Young (1974): the first-order optimum ``sqrt(2 C M)``."""
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def daly(save_s: float, mtbf_s: float) -> float:
+    """Daly (2006): the higher-order optimum of ``waste`` (``M`` when a save costs 2M or more)."""
+    if save_s >= 2 * mtbf_s:
+        return mtbf_s
+    ratio = save_s / (2 * mtbf_s)
+    return young(save_s, mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - save_s
+
+
+def full_every(incremental_to_full: float | None) -> int:
+    """One full per this many checkpoints: once the incrementals since the last full have
+    written as many bytes as a full, another full costs no more than the chain it ends (and
+    resets how far deltas reach back)."""
+    if incremental_to_full is None or incremental_to_full >= 1:
+        return 1
+    if incremental_to_full <= 1 / MAX_FULL_EVERY:
+        return MAX_FULL_EVERY
+    return max(1, round(1 / incremental_to_full))
+
+
+def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:
+    """The expected costs of checkpointing every ``interval_s`` seconds of training."""
+    if not interval_s > 0:
+        raise ValueError(f"an interval must be a positive number of seconds, got {interval_s!r}")
+    c, m, r = inputs.save_s, inputs.mtbf_s, inputs.restore_s
+    lost = waste(interval_s, save_s=c, mtbf_s=m, restore_s=r)
+    tau = interval_s + c
+    rework = m - tau / math.expm1(tau / m) if tau / m > 1e-9 else tau / 2
+    retained, nbytes = _retained(inputs, interval_s)
+    steps = None if inputs.step_time_s is None else max(1, round(interval_s / inputs.step_time_s))
+    return IntervalCost(
+        interval_s=interval_s,
+        interval_steps=steps,
+        save_overhead=c / interval_s,
+        waste=lost,
+        loss_per_failure_s=rework + m * math.expm1(r / m),
+        rpo_s=interval_s + max(c, inputs.save_duration_s),
+        compute_usd_month=lost * inputs.gpus * inputs.gpu_hour_usd * HOURS_PER_MONTH,
+        storage_usd_month=nbytes / GB * inputs.storage_usd_per_gb_month,
+        retained_checkpoints=retained,
+    )
+
+
+def optimum(inputs: IntervalInputs) -> IntervalCost:
+    """The interval with the lowest expected USD/month, a whole number of steps when the
+    step time is known. Searched on a log grid around Daly's optimum, then refined."""
+    shortest = inputs.step_time_s or 1e-3
+    centre = max(daly(inputs.save_s, inputs.mtbf_s), shortest)
+    grid = [centre * 10 ** (k / 50) for k in range(-200, 101)]
+    best = min((t for t in grid if t >= shortest), key=lambda t: evaluate(inputs, t).total_usd_month)
+    low, high = best / 10 ** (1 / 50), best * 10 ** (1 / 50)
+    for _ in range(60):  # golden section on the bracketing grid cell
+        a, b = high - (high - low) / 1.618034, low + (high - low) / 1.618034
+        if evaluate(inputs, a).total_usd_month < evaluate(inputs, b).total_usd_month:
+            high = b
+        else:
+            low = a
+    interval = max((low + high) / 2, shortest)
+    if inputs.step_time_s is not None:  # the nearer of the two whole-step intervals around it
+        steps = max(1, math.floor(interval / inputs.step_time_s))
+        candidates = (steps * inputs.step_time_s, (steps + 1) * inputs.step_time_s)
+        interval = min(candidates, key=lambda t: evaluate(inputs, t).total_usd_month)
+    return evaluate(inputs, interval)
+
+
+def with_mix(inputs: IntervalInputs, *, full_s: float, incremental_s: float | None, every: int) -> IntervalInputs:
+    """``inputs`` with the save cost averaged over one full per ``every`` checkpoints."""
+    if incremental_s is None or every == 1:
+        return replace(inputs, save_s=full_s, full_every=1)
+    return replace(inputs, save_s=(full_s + (every - 1) * incremental_s) / every, full_every=every)
+
+
+def _retained(inputs: IntervalInputs, interval_s: float) -> tuple[float, float]:
+    """Checkpoints and bytes the default retention keeps in steady state: every one younger
+    than ``recent_days``, fulls younger than ``full_days``; at least the newest."""
+    wall = interval_s + inputs.save_s
+    recent = max(1.0, inputs.recent_days * DAY / wall)
+    older_fulls = max(0.0, (inputs.full_days - inputs.recent_days) * DAY / wall / inputs.full_every)
+    incremental = inputs.full_bytes if inputs.incremental_bytes is None else inputs.incremental_bytes
+    mean = (inputs.full_bytes + (inputs.full_every - 1) * incremental) / inputs.full_every
+    return recent + older_fulls, recent * mean + older_fulls * inputs.full_bytes

@@ -1,0 +1,202 @@
+"""The checkpoint-interval advice for one run: the model's inputs read from the store.
+
+``ckptflow.policy.interval`` is the model; this module measures its inputs, so the user is
+asked for prices only: the save cost and step time from the ``save_cost`` record every
+commit carries, bytes per kind from the manifests' stats, the restore time and the failure
+rate from the run's recovery records (``ckptflow.catalog.recovery_log``), and the storage
+price from the cost model (``ckptflow.reports.costs``). Where a run has too little history
+the advice falls back (a scenario preset, a save's duration standing in for a restore) and
+says so in ``notes``, and ``sources`` names where each input came from.
+
+A recovery record that loaded a checkpoint counts as a failure: the job restarted. A
+planned restart counts too, which errs toward checkpointing more often.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.recovery_log import read_all
+from ckptflow.errors import CkptflowError
+from ckptflow.format.manifest import Manifest
+from ckptflow.policy import interval as model
+from ckptflow.reports.costs import CostModel
+from ckptflow.store.base import Store
+
+MIN_FAILURES = 3  # fewer recoveries than this: the measured failure rate is noise, use a preset
+DEFAULT_SCENARIO = "unstable-network"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Advice:
+    run: str
+    inputs: model.IntervalInputs  # as used for the optimum (save cost averaged over its full/incremental mix)
+    optimal: model.IntervalCost
+    current: model.IntervalCost | None  # the run's median interval between commits; None with one commit
+    young_s: float  # Young's first-order optimum sqrt(2 C M), for reference
+    full_every: int  # one full per this many checkpoints, from the measured size ratio
+    current_full_every: int | None
+    sources: dict[str, str] = field(default_factory=dict)  # input -> where it came from
+    notes: list[str] = field(default_factory=list)  # fallbacks taken, and why
+
+    def as_dict(self) -> dict[str, Any]:
+        def cost(c: model.IntervalCost | None) -> dict | None:
+            return None if c is None else {**asdict(c), "total_usd_month": c.total_usd_month}
+
+        return {
+            "run": self.run,
+            "inputs": asdict(self.inputs),
+            "optimal": cost(self.optimal),
+            "current": cost(self.current),
+            "young_s": self.young_s,
+            "full_every": self.full_every,
+            "current_full_every": self.current_full_every,
+            "sources": dict(self.sources),
+            "notes": list(self.notes),
+        }
+
+
+def advise(
+    store: Store,
+    run: str,
+    *,
+    mtbf_s: float | None = None,
+    scenario: str | None = None,
+    gpus: int = 1,
+    gpu_hour_usd: float = 2.0,
+    costs: CostModel | None = None,
+    recent_days: float = 7.0,
+    full_days: float = 30.0,
+) -> Advice:
+    """The interval that minimises expected USD/month for ``run``, next to its current one.
+
+    The failure rate: ``mtbf_s`` if given, else ``scenario``'s preset if given, else measured
+    from the run's recoveries when it has at least ``MIN_FAILURES``, else the
+    ``DEFAULT_SCENARIO`` preset (with a note saying so)."""
+    if scenario is not None and scenario not in model.SCENARIOS:
+        raise CkptflowError(f"unknown scenario {scenario!r}: choose one of {sorted(model.SCENARIOS)} or give an MTBF")
+    manifests = [m for m in catalog.committed(store, run) if isinstance(m, Manifest)]
+    measured = [m for m in manifests if m.save_cost is not None]
+    if not measured:
+        what = "no committed checkpoints" if not manifests else "no checkpoint recording its save cost"
+        raise CkptflowError(
+            f"run {run!r} in {store.url} has {what}: the advice needs at least one save by this "
+            "version of ckptflow (each commit records what it cost); save once, then ask again"
+        )
+    notes: list[str] = []
+    sources: dict[str, str] = {}
+    fulls = [m for m in measured if m.kind == "full"]
+    incs = [m for m in measured if m.kind == "incremental"]
+    full_s = _median([m.save_cost.blocked_s for m in fulls if m.save_cost]) if fulls else None
+    inc_s = _median([m.save_cost.blocked_s for m in incs if m.save_cost]) if incs else None
+    full_bytes = _median([_written(m) for m in manifests if m.kind == "full"])
+    inc_bytes = _median([_written(m) for m in manifests if m.kind == "incremental"]) if incs else None
+    if full_s is None:  # only incrementals measured: their cost stands in for a full's
+        full_s = inc_s or 0.0
+        notes.append("no full checkpoint records its save cost: an incremental's stands in for a full's")
+    every = model.full_every(inc_bytes / full_bytes if inc_bytes is not None and full_bytes else None)
+    if inc_bytes is None:
+        notes.append("no incremental checkpoints yet: the split between full and incremental is not measured")
+    sources["save_s"] = f"median blocked time of {len(fulls)} full / {len(incs)} incremental saves (manifests)"
+    step_times = [m.save_cost.step_time_s for m in measured if m.save_cost and m.save_cost.step_time_s]
+    step_time = _median(step_times) if step_times else None
+    sources["step_time_s"] = f"median of {len(step_times)} measurements between saves (manifests)"
+    if step_time is None:
+        notes.append("no step time measured yet (needs two saves, or a restore then a save): intervals in time only")
+    recoveries = [r for r in read_all(store, run) if r.get("ok") and r.get("step") is not None]
+    restores = [float(r["duration_s"]) for r in recoveries if isinstance(r.get("duration_s"), (int, float))]
+    if restores:
+        restore_s = _median(restores)
+        sources["restore_s"] = f"median of {len(restores)} restores (recovery records)"
+    else:
+        restore_s = _median([m.save_cost.duration_s for m in measured if m.save_cost])
+        sources["restore_s"] = "no restore recorded: the median save duration stands in"
+        notes.append(sources["restore_s"])
+    mtbf, sources["mtbf_s"] = _mtbf(manifests, recoveries, mtbf_s, scenario, notes)
+    price = (costs or CostModel()).monthly("hot", model.GB)
+    sources["storage_usd_per_gb_month"] = "the cost model's hot tier price"
+    base = model.IntervalInputs(
+        save_s=full_s,
+        save_duration_s=_median([m.save_cost.duration_s for m in measured if m.save_cost]),
+        restore_s=restore_s,
+        mtbf_s=mtbf,
+        step_time_s=step_time,
+        full_bytes=full_bytes,
+        incremental_bytes=inc_bytes,
+        gpus=gpus,
+        gpu_hour_usd=gpu_hour_usd,
+        storage_usd_per_gb_month=price,
+        recent_days=recent_days,
+        full_days=full_days,
+    )
+    inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
+    current, current_every = _current(manifests, base, full_s, inc_s, step_time, notes)
+    return Advice(
+        run=run,
+        inputs=inputs,
+        optimal=model.optimum(inputs),
+        current=current,
+        young_s=model.young(inputs.save_s, mtbf),
+        full_every=every,
+        current_full_every=current_every,
+        sources=sources,
+        notes=notes,
+    )
+
+
+def _mtbf(
+    manifests: list[Manifest], recoveries: list[dict], mtbf_s: float | None, scenario: str | None, notes: list[str]
+) -> tuple[float, str]:
+    if mtbf_s is not None:
+        if not mtbf_s > 0:
+            raise CkptflowError(f"an MTBF must be a positive duration, got {mtbf_s!r} seconds")
+        return mtbf_s, "given"
+    if scenario is not None:
+        return model.SCENARIOS[scenario][0], f"preset {scenario!r}: {model.SCENARIOS[scenario][1]}"
+    if len(recoveries) >= MIN_FAILURES:
+        start = min(m.created_at for m in manifests)
+        end = max([m.committed_at for m in manifests] + [float(r.get("at", 0)) for r in recoveries])
+        if end > start:
+            return (end - start) / len(recoveries), f"measured: {len(recoveries)} recoveries over the run's history"
+    preset = model.SCENARIOS[DEFAULT_SCENARIO]
+    notes.append(
+        f"too little history to measure the failure rate ({len(recoveries)} recoveries, {MIN_FAILURES} needed): "
+        f"using the {DEFAULT_SCENARIO!r} preset (MTBF {preset[0] / 3600:g} h); give an MTBF or a scenario to override"
+    )
+    return preset[0], f"preset {DEFAULT_SCENARIO!r} (too little history): {preset[1]}"
+
+
+def _current(
+    manifests: list[Manifest],
+    base: model.IntervalInputs,
+    full_s: float,
+    inc_s: float | None,
+    step_time: float | None,
+    notes: list[str],
+) -> tuple[model.IntervalCost | None, int | None]:
+    """The run's interval now: the median step gap between commits, and its full/incremental mix."""
+    steps = sorted(m.step for m in manifests)
+    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    if not gaps or step_time is None:
+        notes.append("the current interval is not known yet (needs two commits and a measured step time)")
+        return None, None
+    full_steps = sorted(m.step for m in manifests if m.kind == "full")
+    full_gaps = [b - a for a, b in zip(full_steps, full_steps[1:]) if b > a]
+    if full_gaps:  # the policy's ratio, not skewed by where the history starts and ends
+        every = max(1, round(_median(full_gaps) / _median(gaps)))
+    else:
+        every = max(1, round(len(manifests) / len(full_steps))) if full_steps else model.MAX_FULL_EVERY
+    inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
+    return model.evaluate(inputs, _median(gaps) * step_time), every
+
+
+def _written(manifest: Manifest) -> int:
+    """Bytes a save added to the store, encoded (raw before codec "auto" recorded it)."""
+    return manifest.stats.stored_written or manifest.stats.bytes_written
+
+
+def _median(values: list[float] | list[int]) -> float:
+    return float(statistics.median(values)) if values else 0.0

@@ -1,0 +1,39 @@
+"""``checkpoint_advice`` (per run: current vs optimal interval, a cost plot) and its WARN check."""
+
+from dagster import AssetCheckKey, AssetCheckSeverity, AssetSelection, materialize
+
+from ckptflow import Checkpointer
+from support.states import tiny_state, tiny_train
+
+
+def _train(root: str, run: str, steps: int) -> None:
+    state = tiny_state()
+    with Checkpointer(root, run) as ckpt:
+        for step in range(steps):
+            tiny_train(state)
+            ckpt.save(step, state)  # every step: far more often than the optimum for a day's MTBF
+
+
+def test_the_advice_per_run_and_a_warning_when_a_run_is_far_off_its_optimum(paths, resources, instance):
+    from assets import checkpoint_advice, interval_near_optimum
+
+    _train(paths["store"], "often", 4)
+    _train(paths["store"], "once", 1)  # one commit: no current interval to judge
+    result = materialize([checkpoint_advice], instance=instance, resources=resources)
+    df = result.output_for_node("checkpoint_advice").set_index("run")
+    assert df.loc["often", "current_steps"] == 1 and df.loc["often", "optimal_steps"] > 2
+    assert df.loc["often", "ratio"] < 0.5 and "too little history" in df.loc["often", "notes"]
+    metadata = result.asset_materializations_for_node("checkpoint_advice")[0].metadata
+    plot = metadata["often/plot"].value
+    assert "<- current" in plot and "<- optimal" in plot and "once/plot" in metadata
+
+    check = materialize(
+        [checkpoint_advice, interval_near_optimum],
+        selection=AssetSelection.checks(AssetCheckKey(checkpoint_advice.key, "interval_near_optimum")),
+        instance=instance,
+        resources=resources,
+    )
+    [evaluation] = check.get_asset_check_evaluations()
+    assert not evaluation.passed and evaluation.severity == AssetCheckSeverity.WARN
+    runs_off = evaluation.metadata["runs_off"].value
+    assert "often: every 1 steps" in runs_off and "once" not in runs_off

@@ -1,0 +1,74 @@
+"""The checkpoint-interval model (``ckptflow.policy.interval``) against a simulation of failures."""
+
+import math
+
+import pytest
+
+from ckptflow.policy import interval as model
+from ckptflow.policy.interval_sim import simulate_waste
+
+H, DAY = 3600.0, 86400.0
+
+
+@pytest.mark.parametrize("save_s", [1.0, 60.0, 600.0])
+@pytest.mark.parametrize("mtbf_s", [H, DAY, 7 * DAY])
+@pytest.mark.parametrize("restore_s", [0.0, 600.0])
+def test_expected_waste_agrees_with_a_simulation_of_exponential_failures(save_s, mtbf_s, restore_s):
+    optimum = model.daly(save_s, mtbf_s)
+    for interval in (optimum / 3, optimum, 3 * optimum):
+        expected = model.waste(interval, save_s=save_s, mtbf_s=mtbf_s, restore_s=restore_s)
+        simulated = simulate_waste(interval, save_s=save_s, mtbf_s=mtbf_s, restore_s=restore_s, seed=7)
+        assert simulated == pytest.approx(expected, rel=0.05), (interval, expected, simulated)
+
+
+def test_without_storage_the_optimum_is_dalys_and_near_youngs():
+    inputs = model.IntervalInputs(save_s=30.0, save_duration_s=30.0, restore_s=120.0, mtbf_s=DAY)
+    inputs = model.IntervalInputs(**{**inputs.__dict__, "storage_usd_per_gb_month": 0.0})
+    best = model.optimum(inputs)
+    assert best.interval_s == pytest.approx(model.daly(30.0, DAY), rel=0.01)
+    assert best.interval_s == pytest.approx(model.young(30.0, DAY), rel=0.05)
+    for other in (0.8 * best.interval_s, 1.25 * best.interval_s):  # a minimum, not just a formula
+        assert model.evaluate(inputs, other).waste > best.waste
+    # restore time scales the expected time, never the time-optimal interval
+    slow = model.optimum(model.IntervalInputs(**{**inputs.__dict__, "restore_s": 1800.0}))
+    assert slow.interval_s == pytest.approx(best.interval_s, rel=0.01) and slow.waste > best.waste
+
+
+def test_storage_kept_by_retention_lengthens_the_optimal_interval():
+    cheap = model.IntervalInputs(
+        save_s=5.0, save_duration_s=20.0, restore_s=60.0, mtbf_s=DAY, full_bytes=50e9, storage_usd_per_gb_month=0.0
+    )
+    dear = model.IntervalInputs(**{**cheap.__dict__, "storage_usd_per_gb_month": 0.023})
+    short, long = model.optimum(cheap), model.optimum(dear)
+    assert long.interval_s > 1.5 * short.interval_s
+    assert long.storage_usd_month < model.evaluate(dear, short.interval_s).storage_usd_month
+
+
+def test_the_optimum_is_a_whole_number_of_steps_and_reports_rpo_and_loss():
+    inputs = model.IntervalInputs(save_s=10.0, save_duration_s=40.0, restore_s=60.0, mtbf_s=4 * H, step_time_s=0.7)
+    best = model.optimum(inputs)
+    assert best.interval_steps is not None and best.interval_s == pytest.approx(best.interval_steps * 0.7)
+    assert best.rpo_s == pytest.approx(best.interval_s + 40.0)  # the async part of a save adds to the RPO
+    # lost per failure: about half a segment of rework plus the restore, for T << M
+    assert best.loss_per_failure_s == pytest.approx((best.interval_s + 10.0) / 2 + 60.0, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "every"), [(None, 1), (1.0, 1), (0.5, 2), (0.1, 10), (0.03, 33), (1e-6, model.MAX_FULL_EVERY)]
+)
+def test_a_full_every_k_checkpoints_from_the_incremental_to_full_size_ratio(ratio, every):
+    assert model.full_every(ratio) == every
+
+
+def test_mixing_fulls_and_incrementals_averages_the_save_cost():
+    base = model.IntervalInputs(save_s=0.0, save_duration_s=0.0, restore_s=0.0, mtbf_s=DAY)
+    mixed = model.with_mix(base, full_s=10.0, incremental_s=1.0, every=10)
+    assert (mixed.save_s, mixed.full_every) == (pytest.approx(1.9), 10)
+    assert model.with_mix(base, full_s=10.0, incremental_s=None, every=10).save_s == 10.0
+
+
+@pytest.mark.parametrize("bad", [{"mtbf_s": 0.0}, {"save_s": -1.0}, {"step_time_s": 0.0}, {"restore_s": math.nan}])
+def test_bad_inputs_are_refused_saying_which(bad):
+    fields = {"save_s": 1.0, "save_duration_s": 1.0, "restore_s": 1.0, "mtbf_s": DAY, **bad}
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        model.IntervalInputs(**fields)

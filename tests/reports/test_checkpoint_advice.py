@@ -1,0 +1,86 @@
+"""``advise``: the interval model's inputs read from a store, and ``ckptflow advise``."""
+
+import json
+import time
+
+import pytest
+
+from ckptflow import Checkpointer, SavePolicy, open_store
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.recovery_log import read_all
+from ckptflow.errors import CkptflowError
+from ckptflow.policy.interval import SCENARIOS
+from ckptflow.reports.advice import DEFAULT_SCENARIO, MIN_FAILURES, advise
+from support.cli import run_cli
+from support.states import RUN, tiny_state, tiny_train
+
+
+def _train(root: str, steps: range, *, resume: bool = False) -> None:
+    state = tiny_state()
+    with Checkpointer(root, RUN, policy=SavePolicy(full_every=10, incremental_every=2)) as ckpt:
+        if resume:
+            ckpt.restore(state)
+        for step in steps:
+            tiny_train(state)
+            time.sleep(0.002)
+            ckpt.save(step, state)
+
+
+def test_a_run_with_too_little_history_gets_the_preset_and_says_so(tmp_path):
+    root = str(tmp_path)
+    _train(root, range(0, 21))
+    advice = advise(open_store(root), RUN)
+    assert advice.inputs.mtbf_s == SCENARIOS[DEFAULT_SCENARIO][0]
+    assert any("too little history" in n and DEFAULT_SCENARIO in n for n in advice.notes)
+    assert any("no restore recorded" in n for n in advice.notes)
+    assert advice.current is not None and advice.current.interval_steps == 2  # every second step saves
+    assert advice.current_full_every == 5  # a full every 10 steps, a save every 2
+    assert advice.optimal.interval_steps is not None and advice.optimal.interval_steps >= 1
+    assert advice.optimal.total_usd_month <= advice.current.total_usd_month
+
+
+def test_the_failure_rate_and_restore_time_are_measured_from_recoveries(tmp_path):
+    root = str(tmp_path)
+    _train(root, range(0, 5))
+    for i in range(MIN_FAILURES):  # each resume is a recovery: the job restarted
+        _train(root, range(5 + 5 * i, 10 + 5 * i), resume=True)
+    store = open_store(root)
+    advice = advise(store, RUN)
+    records = read_all(store, RUN)
+    manifests = [m for m in catalog.committed(store, RUN) if not isinstance(m, Exception)]
+    span = max(max(m.committed_at for m in manifests), max(r["at"] for r in records)) - min(
+        m.created_at for m in manifests
+    )
+    assert advice.sources["mtbf_s"].startswith(f"measured: {MIN_FAILURES} recoveries")
+    assert advice.inputs.mtbf_s == pytest.approx(span / MIN_FAILURES)
+    assert advice.sources["restore_s"] == f"median of {MIN_FAILURES} restores (recovery records)"
+    assert not any("too little history" in n for n in advice.notes)
+    # an explicit MTBF or a scenario overrides what was measured
+    assert advise(store, RUN, mtbf_s=1234.0).inputs.mtbf_s == 1234.0
+    assert advise(store, RUN, scenario="reliable").inputs.mtbf_s == SCENARIOS["reliable"][0]
+
+
+def test_a_run_without_checkpoints_is_a_clear_error(tmp_path):
+    with pytest.raises(CkptflowError, match="no committed checkpoints.*save once"):
+        advise(open_store(str(tmp_path)), "nothing")
+    with pytest.raises(CkptflowError, match="unknown scenario 'spot'"):
+        advise(open_store(str(tmp_path)), RUN, scenario="spot")
+
+
+def test_the_cli_prints_current_and_optimal_with_the_fallbacks_taken(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    _train(root, range(0, 11))
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--gpus", "8", "--gpu-hour-usd", "3")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert any(line.startswith("current") for line in lines) and any(line.startswith("optimal") for line in lines)
+    assert "LOSS/FAILURE" in out and "RPO" in out and "TOTAL $/MO" in out
+    assert "note: too little history" in out
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--scenario", "preemptible", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["inputs"]["mtbf_s"] == SCENARIOS["preemptible"][0] and doc["inputs"]["gpus"] == 1
+    assert doc["optimal"]["interval_steps"] >= 1 and doc["current"]["interval_steps"] == 2
+    code, out, err = run_cli(capsys, "advise", root, "--run", "nope")
+    assert code == 2 and "no run 'nope'" in err
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", "6h", "--scenario", "reliable")
+    assert code == 2 and "not allowed with argument" in err
