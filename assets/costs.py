@@ -11,6 +11,7 @@ from dagster import Config, MetadataValue, Output, asset
 from assets.checkpoints import archived, checkpoint, compressed
 from assets.inventory import GROUP, REFRESH, markdown
 from ckptflow.reports import costs
+from ckptflow.reports.units import human_saving, human_usd
 from resources import ArchiveTierResource, CheckpointStoreResource
 
 
@@ -53,6 +54,7 @@ def storage_cost(
         for name in costs.SAVINGS
     ]
     df = pd.DataFrame(rows)
+    shown = df.assign(usd_per_month=[human_usd(v, per="/month") for v in df["usd_per_month"]])
     return Output(
         df,
         metadata={
@@ -61,7 +63,11 @@ def storage_cost(
             **{f"{t.tier}_monthly_usd": MetadataValue.float(t.monthly_usd) for t in report.tiers},
             **{f"{t.tier}_stored_bytes": MetadataValue.int(t.stored_bytes) for t in report.tiers},
             **{f"saved_usd/{k}": MetadataValue.float(v) for k, v in report.savings_usd.items()},
+            "monthly_cost": human_usd(report.monthly_usd, per="/month"),
+            "baseline_cost": human_usd(report.baseline_usd, per="/month"),
+            **{f"{t.tier}_cost": human_usd(t.monthly_usd, per="/month") for t in report.tiers},
+            **{f"saving/{k}": human_saving(v) for k, v in report.savings_usd.items()},
             "prices_date": report.prices_date,
-            "table": markdown(df),
+            "table": markdown(shown),
         },
     )

@@ -15,6 +15,7 @@ import pandas as pd
 from dagster import Config, MetadataValue, Output, asset
 
 from assets.checkpoints import checkpoint
+from assets.freshness import rpo_target_s
 from assets.inventory import GROUP, REFRESH, markdown
 from assets.metadata import rounded, size
 from ckptflow.catalog.gc import parse_duration
@@ -40,6 +41,14 @@ def _seconds(figures: dict[str, float | None]) -> dict[str, MetadataValue]:
     return {k: MetadataValue.float(rounded(v)) for k, v in figures.items() if v is not None}
 
 
+def rpo_against_target(rpo_s: float | None, target_s: float) -> str:
+    """The RPO with its target beside it: "2.7 s (target 1.0 h: met)"."""
+    if rpo_s is None:
+        return f"- (target {human_duration(target_s)}: no two recovery-ready checkpoints in the window)"
+    verdict = "met" if rpo_s <= target_s else "MISSED"
+    return f"{human_duration(rpo_s)} (target {human_duration(target_s)}: {verdict})"
+
+
 def _row(m: recoveries.RunMetrics) -> dict:
     return {
         "run": m.run,
@@ -47,7 +56,7 @@ def _row(m: recoveries.RunMetrics) -> dict:
         "in window": m.checkpoints_in_window,
         "save every": human_duration(m.save_interval_s),
         "ready after (median / worst)": f"{human_duration(m.ready_s)} / {human_duration(m.ready_worst_s)}",
-        "RPO": human_duration(m.rpo_s),
+        "RPO (target)": rpo_against_target(m.rpo_s, rpo_target_s()),
         "recoveries (ok)": f"{m.recoveries} ({m.recoveries_ok})",
         "RTO (median / worst)": f"{human_duration(m.rto_median_s)} / {human_duration(m.rto_worst_s)}",
         "recovered to": ", ".join(f"{name} x{count}" for name, count in sorted(m.selectors.items())) or "-",
@@ -83,6 +92,8 @@ def recovery_metrics(
                 "rto_worst_s": _worst(m.rto_worst_s for m in runs),
             }
         ),
+        "rpo": rpo_against_target(_worst(m.rpo_s for m in runs), rpo_target_s()),
+        "rpo_target_s": MetadataValue.float(rpo_target_s()),
         "recoveries": total,
         "recoveries_ok": ok,
         "recovery_success_rate": MetadataValue.float(round(ok / total, 4) if total else 1.0),

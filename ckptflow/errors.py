@@ -118,6 +118,12 @@ class RegistryError(CkptflowError):
     """A model alias or version that does not exist, or a move that cannot be made."""
 
 
+class MirrorError(CkptflowError):
+    """A model registry mirror (MLflow) that could not be brought up to date after its
+    retries. ckptflow's own registry is unchanged by it and stays the source of truth:
+    syncing again (idempotent) finishes the mirror."""
+
+
 class PromotionError(CkptflowError):
     """A promotion that cannot be made; nothing was written."""
 

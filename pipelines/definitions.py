@@ -13,6 +13,10 @@ location loads) selects ``S3ArchiveResource``: dagster-aws ``S3Resource`` (endpo
 standard AWS environment) feeding ckptflow's S3 backend, objects written in
 ``CKPTFLOW_ARCHIVE_STORAGE_CLASS`` (e.g. ``GLACIER_IR``; default: the bucket's default).
 
+MLflow (opt-in): with ``CKPTFLOW_MLFLOW_TRACKING_URI`` set (or ``build_definitions(mlflow=...)``),
+the ``mlflow_model`` asset mirrors ckptflow's registry into that MLflow Model Registry as a
+step of its own in the promotion and rollback jobs (``assets/mlflow_model.py``).
+
 Evaluators are chosen per run: ``CKPTFLOW_EVALUATORS`` is a JSON object of run-name
 pattern -> ``module:function``; runs that match no pattern are evaluated from their
 trainer's recorded metrics. The local default scores the demo run with the demo's
@@ -35,6 +39,7 @@ from pipelines.jobs import promotion_job, retention_job, retention_schedule, rol
 from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource
 from resources.archive import default_archive_url
 from resources.evaluator import evaluators_from_env
+from resources.mlflow_registry import mlflow_uri_from_env
 from resources.store import default_store_url
 from sensors import failure_sensor, landing_sensor, validation_job
 from sensors.intervals import SENSOR_INTERVAL_S
@@ -102,17 +107,26 @@ evaluation_automation = AutomationConditionSensorDefinition(
 
 
 def build_definitions(
-    deployment: str | None = None, *, store: str | None = None, archive: str | None = None
+    deployment: str | None = None, *, store: str | None = None, archive: str | None = None, mlflow: str | None = None
 ) -> Definitions:
+    resources = resources_for(
+        deployment or os.environ.get("CKPTFLOW_DEPLOYMENT", "local"), store=store, archive=archive
+    )
+    assets = list(ALL_ASSETS)
+    mlflow_uri = mlflow or mlflow_uri_from_env()
+    if mlflow_uri:  # opt-in: the MLflow mirror is an asset only where an MLflow server is configured
+        from assets.mlflow_model import build_mlflow_model
+        from resources.mlflow_registry import MlflowRegistryResource
+
+        assets.append(build_mlflow_model())
+        resources["mlflow"] = MlflowRegistryResource(tracking_uri=mlflow_uri)
     return Definitions(
-        assets=ALL_ASSETS,
+        assets=assets,
         asset_checks=ALL_CHECKS,
         jobs=[validation_job, retention_job, scrub_job, promotion_job, rollback_job],
         schedules=[scrub_schedule, retention_schedule],
         sensors=[landing_sensor, failure_sensor, lifecycle_automation, evaluation_automation],
-        resources=resources_for(
-            deployment or os.environ.get("CKPTFLOW_DEPLOYMENT", "local"), store=store, archive=archive
-        ),
+        resources=resources,
         # One process per run: the multiprocess executor would start a Python process per
         # step, each importing torch and the code location again (seconds per step).
         executor=in_process_executor,

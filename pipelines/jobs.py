@@ -160,7 +160,7 @@ def scrub_job():
 
 promotion_job = define_asset_job(
     "promotion",
-    selection=AssetSelection.assets(deployed_model),
+    selection=AssetSelection.assets(deployed_model).downstream(),  # and mlflow_model where MLflow is configured
     description=(
         "Export a checkpoint (chosen, or best by a metric) as a model directory, register it as the next "
         "version and move latest; with stage: stable also stable, the old stable becoming fallback."
@@ -169,7 +169,7 @@ promotion_job = define_asset_job(
 )
 rollback_job = define_asset_job(
     "rollback",
-    selection=AssetSelection.assets(deployed_model),
+    selection=AssetSelection.assets(deployed_model).downstream(),
     description="stable <- fallback (the previous stable); the rolled-back version becomes the fallback.",
     config={"ops": {"deployed_model": {"config": {"action": "rollback"}}}},
 )

@@ -94,3 +94,18 @@ def store_url(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "store")
     return request.getfixturevalue("s3_store_url")
+
+
+# ---- MLflow: a real tracking server on 127.0.0.1 ---------------------------------------------
+@pytest.fixture(scope="session")
+def mlflow_tracking_uri(tmp_path_factory):
+    """One ``mlflow server`` per session (SQLite backend, local artifact root); its URL.
+    MLflow's own HTTP retries are cut to one short try so a test of failures does not wait
+    minutes; the mirror's retries are what the tests exercise."""
+    from support.mlflow_server import mlflow_server
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        env.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        with mlflow_server(str(tmp_path_factory.mktemp("mlflow"))) as url:
+            yield url

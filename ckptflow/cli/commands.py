@@ -25,7 +25,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.reports import recoveries
 from ckptflow.reports.stats import store_stats
-from ckptflow.reports.units import human_bytes, human_duration
+from ckptflow.reports.units import human_bytes, human_duration, rounded
 from ckptflow.store import Store, open_store
 
 
@@ -97,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     rows = []
     for i in infos:
-        meta = json.dumps(i.metadata, sort_keys=True, separators=(",", ":")) if i.metadata else ""
+        meta = json.dumps(rounded(i.metadata), sort_keys=True, separators=(",", ":")) if i.metadata else ""
         rows.append(
             [
                 i.run,
@@ -148,7 +148,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
     elif args.step is not None:
         if fmt.validate_step(args.step) not in steps:
-            raise CkptflowError(f"run {run!r} has no step {args.step} (steps: {_short(steps)})")
+            raise _no_step(run, args.step, steps)
         targets = [args.step]
     else:
         if not committed:
@@ -195,6 +195,11 @@ def _could_not_read(store: Store, why: str) -> int:
         file=sys.stderr,
     )
     return UNAVAILABLE
+
+
+def _no_step(run: str, step: int, steps: list[int]) -> CkptflowError:
+    """One message for a step a run does not have, whichever command was given it."""
+    return CkptflowError(f"run {run!r} has no step {step} (steps: {_short(steps)})")
 
 
 def _short(steps: list[int]) -> str:
@@ -256,6 +261,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     model_config = read_config(args.config) if args.config else None
     allowed = {"allow_lossy": args.allow_lossy, "allow_failed": args.allow_failed}
     try:
+        if args.step is not None:
+            steps = [e.step for e in catalog_listing.listing(store, run) if isinstance(e, catalog_listing.StepListing)]
+            if fmt.validate_step(args.step) not in steps:
+                raise _no_step(run, args.step, steps)
         with progress(f"export {run}") as report_progress:
             skipped: list[tuple[int, str]] = []
             step = args.step

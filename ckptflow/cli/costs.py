@@ -8,7 +8,7 @@ from pathlib import Path
 from ckptflow.cli.output import table
 from ckptflow.errors import CkptflowError
 from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, storage_costs
-from ckptflow.reports.units import human_bytes
+from ckptflow.reports.units import human_bytes, human_usd
 from ckptflow.store.base import Store
 
 
@@ -45,14 +45,28 @@ def render(costs: CostReport) -> str:
     )
     rows = [["every checkpoint raw and hot", human_bytes(costs.baseline_bytes), _usd(costs.baseline_usd)]]
     rows += [
-        [f"  - saved by {name}", human_bytes(costs.savings_bytes[name]), _usd(costs.savings_usd[name])]
+        [
+            _saving_label(name, costs.savings_usd[name]),
+            human_bytes(costs.savings_bytes[name]),
+            _usd(abs(costs.savings_usd[name])),
+        ]
         for name in SAVINGS
         if costs.savings_usd[name] or costs.savings_bytes[name]
     ]
     rows.append(["what the stores cost now", "", _usd(costs.monthly_usd)])
     savings = table(["", "BYTES", "USD/MONTH"], rows, right={1, 2})
-    return f"{tiers}\n\n{savings}\n(list prices as of {costs.prices_date}; --prices FILE to use yours)"
+    note = (
+        "\n(a saving that costs more: a checkpoint still held in both tiers, paid twice until the hot copy expires)"
+        if any(v < 0 for v in costs.savings_usd.values())
+        else ""
+    )
+    return f"{tiers}\n\n{savings}{note}\n(list prices as of {costs.prices_date}; --prices FILE to use yours)"
 
 
 def _usd(x: float) -> str:
-    return f"{x:,.2f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2g}"
+    return human_usd(x)
+
+
+def _saving_label(name: str, usd: float) -> str:
+    """ "saved by delta", or "tiering costs more" for a negative saving (``human_saving``'s rule)."""
+    return f"  - saved by {name}" if usd >= 0 else f"  - {name} costs more"

@@ -100,6 +100,19 @@ def _plan_bytes(plan: SavePlan) -> int:
     )
 
 
+def byte_io_refusal(fqn: str, run: str, step: int) -> str:
+    """Why a non-tensor value handed to ``dcp.save`` with this writer is refused, and the
+    two ways out (DCP would ``torch.save`` it into a BYTE_IO item: a pickle)."""
+    return (
+        f"{fqn!r} is not a tensor: as a dcp.save StorageWriter, ckptflow stores tensors only, since DCP would pickle "
+        f"this value into a BYTE_IO item and ckptflow never pickles; nothing was committed for run {run!r} step "
+        f"{step}. Either save the whole state with ckptflow.Checkpointer(root, run).save(step, state) (tensors as "
+        "chunks, every other value, numbers, strings, lists, dicts, as JSON, restored as it was by "
+        "Checkpointer.restore), or hand dcp.save tensors only (torch.tensor(value), or keep such values in a JSON "
+        "file of your own)"
+    )
+
+
 def completed_future(value: Any) -> torch.futures.Future:
     """A torch future already holding ``value``: how DCP's storage interface is answered
     for work finished before the call returns."""
@@ -212,11 +225,7 @@ class CheckpointWriter(StorageWriter):
         try:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
-                    raise UnsupportedStateError(
-                        f"{item.index.fqn!r} is not a tensor, so DCP would store it as a BYTE_IO item, which would "
-                        "be pickled, and ckptflow never pickles: save it through a Checkpointer, which keeps "
-                        "every non-tensor value of the state as JSON in its rank record, or convert it to a tensor"
-                    )
+                    raise UnsupportedStateError(byte_io_refusal(item.index.fqn, self.spec.run, self.spec.step))
                 tensor = planner.resolve_data(item)
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
                 raw = _bytes_view(tensor)

@@ -35,6 +35,13 @@ Choices, documented:
   when checkpoint data goes.
 - Lightning saves from global rank 0 only, so this plugin's ``Checkpointer`` is local
   (no collectives); every rank loads for itself.
+- Lightning's own loader (``LightningModule.load_from_checkpoint``, and ``ckpt_path=`` of a
+  trainer without this plugin) calls ``torch.load`` on the path and never asks a plugin, so
+  on a pointer it fails inside torch. ``load_from_checkpoint(Model, pointer)`` (or the
+  ``CkptflowCheckpoints`` mixin, which makes ``Model.load_from_checkpoint(pointer)`` itself
+  work) reads the pointer through this plugin, then hands Lightning the dict in memory with
+  ``weights_only=True``. A trainer with this plugin loads ``ckpt_path=`` (a pointer,
+  ``"last"``, ``"best"``) through it.
 - A dict without ``global_step`` is not a training checkpoint (``ddp_spawn`` hands rank
   0's weights back to the main process through the plugin): a plain state dict of
   tensors is written to its path as safetensors, anything else is refused.
@@ -42,13 +49,14 @@ Choices, documented:
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import re
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load, save
@@ -69,6 +77,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 log = logging.getLogger("ckptflow")
+M = TypeVar("M")
 
 POINTER_KIND = "ckptflow-lightning-pointer"
 MAX_POINTER_BYTES = 1 << 20
@@ -198,6 +207,60 @@ class CkptflowIO(CheckpointIO):
         if self._checkpointer is not None:
             self._checkpointer.close()
             self._checkpointer = None
+
+
+def load_from_checkpoint(module_class: type[M], path: Any, *, map_location: Any | None = None, **kwargs: Any) -> M:
+    """``module_class.load_from_checkpoint(path, ...)`` for a pointer ``CkptflowIO`` wrote.
+
+    Lightning's loader ``torch.load``s the path itself (a JSON pointer, so torch fails with
+    "Weights only load failed"); this loads the checkpoint the pointer names from its store
+    (verified chunks, exactly its commit), then gives Lightning's own loader that dict in
+    memory with ``weights_only=True`` (hyperparameters, ``strict``, ``kwargs`` overrides and
+    hooks work as with a file). Anything but a pointer is refused, saying what to do."""
+    pointer = _read_pointer(path)
+    if pointer is None:
+        raise CkptflowError(
+            f"{path} holds only weights (safetensors: what ddp_spawn hands back), not a Lightning checkpoint; load "
+            "it with safetensors.torch.load_file and model.load_state_dict"
+        )
+    plugin = CkptflowIO(pointer["root"], pointer["run"], restore_rng=False)
+    try:
+        checkpoint = plugin.load_checkpoint(path)
+    finally:
+        plugin.teardown()
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    load = module_class.load_from_checkpoint  # type: ignore[attr-defined]  # a LightningModule class
+    return load(buffer, map_location=map_location, weights_only=True, **kwargs)
+
+
+class CkptflowCheckpoints:
+    """Mixin before ``LightningModule`` (``class Model(CkptflowCheckpoints, pl.LightningModule)``):
+    ``Model.load_from_checkpoint`` then loads ckptflow pointers too (``load_from_checkpoint``);
+    any other path goes to Lightning's loader unchanged."""
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(checkpoint_path, (str, os.PathLike)) and is_pointer(checkpoint_path):
+            if args:
+                raise TypeError("pass map_location, strict and the rest by keyword when loading a ckptflow pointer")
+            return load_from_checkpoint(cls, checkpoint_path, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+
+
+def is_pointer(path: Any) -> bool:
+    """Whether ``path`` is a small JSON pointer ``CkptflowIO`` wrote (read: at most 1 MiB)."""
+    fs = get_filesystem(path)
+    if not fs.isfile(path) or fs.size(path) > MAX_POINTER_BYTES:
+        return False
+    with fs.open(path, "rb") as f:
+        blob = f.read(MAX_POINTER_BYTES)
+    try:
+        pointer = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(pointer, dict) and pointer.get("kind") == POINTER_KIND
 
 
 def _monitored(checkpoint: dict[str, Any]) -> dict[str, float]:

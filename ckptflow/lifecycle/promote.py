@@ -15,6 +15,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, read_record
@@ -22,6 +23,9 @@ from ckptflow.errors import CkptflowError, PromotionError, RegistryError
 from ckptflow.format import layout as fmt
 from ckptflow.interop.export import ExportOptions, Lineage, export_safetensors, option_problems
 from ckptflow.interop.registry import ModelVersion, Registry, sha256_file
+
+if TYPE_CHECKING:
+    from ckptflow.interop.mlflow_registry import MlflowMirror
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.lifecycle.validate import validate
 from ckptflow.policy.retention import Ref, rank_by_metric
@@ -75,9 +79,15 @@ def choose_checkpoint(entries: list[inventory.Entry], metric: str, mode: str) ->
     return by_ref[ranked[0].ref]
 
 
-def promote(hot: Store, registry: Registry, request: PromotionRequest) -> ModelVersion:
+def promote(
+    hot: Store, registry: Registry, request: PromotionRequest, *, mirror: MlflowMirror | None = None
+) -> ModelVersion:
     """Export the chosen checkpoint, register it as the next version of ``request.model``
-    and move ``latest`` (and, for stage "stable", ``stable`` and ``fallback``)."""
+    and move ``latest`` (and, for stage "stable", ``stable`` and ``fallback``).
+
+    ``mirror``: then also bring MLflow up to date (``MlflowMirror.sync``). ckptflow's
+    registry is written first and stays the source of truth: a ``MirrorError`` means the
+    version is registered here and only the mirror is behind (``mirror.sync`` finishes it)."""
     if request.checkpoint is None:
         run, step = choose_checkpoint(inventory.collect(hot), request.metric, request.mode).ref
     else:
@@ -96,7 +106,7 @@ def promote(hot: Store, registry: Registry, request: PromotionRequest) -> ModelV
         if result.digest != manifest.digest:
             raise PromotionError(f"{run} step {step} was committed again while it was being exported; promote again")
         files = registry.upload(request.model, out, list(result.files))
-    return registry.register(
+    version = registry.register(
         request.model,
         run=run,
         step=step,
@@ -106,11 +116,17 @@ def promote(hot: Store, registry: Registry, request: PromotionRequest) -> ModelV
         lineage=lineage.to_json(),
         stage=request.stage,
     )
+    if mirror is not None:
+        mirror.sync(registry, request.model)
+    return version
 
 
-def rollback(registry: Registry, model: str) -> ModelVersion:
-    """``stable`` <- ``fallback``; returns the version now stable."""
+def rollback(registry: Registry, model: str, *, mirror: MlflowMirror | None = None) -> ModelVersion:
+    """``stable`` <- ``fallback``; returns the version now stable. ``mirror``: then move
+    MLflow's aliases too (as ``promote``)."""
     registry.rollback(model)
+    if mirror is not None:
+        mirror.sync(registry, model)
     return registry.resolve(model, "stable")
 
 

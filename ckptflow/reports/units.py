@@ -1,7 +1,10 @@
-"""Human units: how sizes and durations read to a person, the same in the CLI's tables
+"""Human units: how sizes, durations and money read to a person, the same in the CLI's tables
 and in the Dagster layer's metadata (a separate module, so neither needs the other)."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 
 def human_bytes(n: int | float) -> str:
@@ -25,3 +28,40 @@ def human_duration(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def human_usd(amount: float | None, *, per: str = "") -> str:
+    """Money as money: US dollars, cents from $1 up, three significant digits below (never
+    e-notation: $0.000167, not 1.67e-04); ``per`` e.g. "/month"."""
+    if amount is None:
+        return "-"
+    sign = "-" if amount < 0 else ""
+    x = abs(float(amount))
+    if x == 0 or x >= 1:
+        return f"{sign}${x:,.2f}{per}"
+    decimals = max(2, 2 - math.floor(math.log10(x)))  # three significant digits
+    text = f"{x:.{decimals}f}"
+    if decimals > 2:
+        text = text.rstrip("0")
+        text = text if len(text.split(".")[1]) >= 2 else f"{float(text):.2f}"
+    return f"{sign}${text}{per}"
+
+
+def human_saving(amount: float, *, per: str = "/month") -> str:
+    """A saving, said as one: "saves $X/month", or "costs $X/month more" when it is negative
+    (tiering while a checkpoint is still in both tiers, for instance), never "-$X saved"."""
+    if amount < 0:
+        return f"costs {human_usd(-amount, per=per)} more"
+    return f"saves {human_usd(amount, per=per)}"
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """``value`` with every float to ``digits`` significant digits (a loss of 9.34805965423584
+    reads 9.348), for display; ints, strings and structure unchanged."""
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, digits) for v in value]
+    return value

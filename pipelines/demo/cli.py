@@ -22,6 +22,7 @@ import torch
 from ckptflow import Checkpointer, SavePolicy, gc
 from ckptflow.catalog.checkpoints import list_checkpoints
 from ckptflow.reports import recoveries
+from ckptflow.reports.units import human_bytes
 from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
 from pipelines.demo.recover import recover_demo
@@ -114,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     logical = sum(i.logical_bytes for i in infos)
     written = sum(i.bytes_written for i in infos)
     print(
-        f"== {len(infos)} checkpoints, {logical / 1e6:.1f} MB logical, {written / 1e6:.1f} MB written "
+        f"== {len(infos)} checkpoints, {human_bytes(logical)} logical, {human_bytes(written)} written "
         f"(incremental + dedup saved {100 * (1 - written / logical):.0f}%)"
     )
-    print(f"  {'step':>5} {'kind':<11} {'train_loss':>10} {'written MB':>10}")
+    print(f"  {'step':>5} {'kind':<11} {'train_loss':>10} {'written MiB':>11}")
     for i in infos:
         print(
-            f"  {i.step:>5} {i.kind:<11} {i.metadata.get('train_loss', float('nan')):>10.3f} {i.bytes_written / 1e6:>10.2f}"
+            f"  {i.step:>5} {i.kind:<11} {i.metadata.get('train_loss', float('nan')):>10.3f} {i.bytes_written / 2**20:>11.2f}"
         )
     report = gc(args.store, grace="1h", dry_run=True)
     print(f"== gc dry run: {len(report.deleted)} objects ({report.bytes} bytes) unreferenced and past grace")

@@ -22,7 +22,7 @@ from ckptflow.interop.registry import Registry, describe
 from ckptflow.policy.retention import DAY
 from ckptflow.reports import inventory
 from ckptflow.reports.stats import store_stats
-from ckptflow.reports.units import human_duration
+from ckptflow.reports.units import human_bytes, human_duration
 from ckptflow.store import open_store
 from pipelines.definitions import build_definitions
 from pipelines.demo import daemon as real_daemon
@@ -37,7 +37,7 @@ def _num(value, digits: int = 4) -> str:
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f} MB"
+    return human_bytes(n)  # MiB, as the CLI and the UI say
 
 
 def run_lifecycle(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: bool = True) -> int:

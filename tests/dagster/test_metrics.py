@@ -53,6 +53,10 @@ def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
     assert metadata["rto_median_s"].value == pytest.approx(30 + restore_s, rel=1e-3)
     assert metadata["hot_stored_bytes"].value > 0 and metadata["hot_stored"].value.endswith("iB")
     assert metadata[f"{RUN}/checkpoints_in_window"].value == 4 and "| run" in metadata["table"].value
+    # the RPO reads as a duration with its target beside it (CKPTFLOW_RPO_TARGET, default 1h)
+    assert metadata["rpo_target_s"].value == 3600.0
+    assert metadata["rpo"].value.endswith("(target 60.0 min: met)") and metadata["rpo"].value.split()[1] == "s"
+    assert "(target 60.0 min: met)" in metadata["table"].value
 
 
 def test_rpo_freshness_check_warns_when_no_checkpoint_became_recovery_ready_within_the_target(

@@ -1,0 +1,100 @@
+"""The opt-in MLflow mirror in the Dagster layer: with an MLflow server configured, the
+promotion and rollback jobs end with ``mlflow_model``, a step of its own that mirrors
+ckptflow's registry; an MLflow outage fails only that step (retried by its policy) while the
+promotion stands. Against a real ``mlflow server`` (one per session): in the slow tier."""
+
+import json
+
+import mlflow
+import pytest
+import torch
+from dagster import DagsterEventType
+from mlflow import MlflowClient
+
+from ckptflow.interop.export import load_exported
+from ckptflow.interop.registry import Registry
+from ckptflow.store import open_store
+from support.dagster import EVALUATORS, RUN
+from support.postgres import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def definitions(paths, monkeypatch, mlflow_uri: str):
+    monkeypatch.setenv("CKPTFLOW_STORE", paths["store"])
+    monkeypatch.setenv("CKPTFLOW_ARCHIVE", paths["archive"])
+    monkeypatch.setenv("CKPTFLOW_EVALUATORS", json.dumps(EVALUATORS))
+    from pipelines.definitions import build_definitions
+
+    return build_definitions("local", mlflow=mlflow_uri)
+
+
+def deploy(defs, instance, job: str, **config):
+    action = "promote" if job == "promotion" else "rollback"
+    run_config = {"ops": {"deployed_model": {"config": {"action": action, **config}}}}
+    return defs.resolve_job_def(job).execute_in_process(instance=instance, run_config=run_config, raise_on_error=False)
+
+
+def test_without_mlflow_configured_there_is_no_mirror(defs):
+    assert "mlflow_model" not in {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert [n.name for n in defs.resolve_job_def("promotion").nodes] == ["deployed_model"]
+
+
+def test_promotion_and_rollback_jobs_mirror_into_mlflow(
+    store_with_checkpoints, paths, instance, monkeypatch, mlflow_tracking_uri, tmp_path
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_tracking_uri)  # what a team's loading code uses
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", mlflow_tracking_uri)
+    defs = definitions(paths, monkeypatch, mlflow_tracking_uri)
+    from assets import checkpoint_key
+
+    first = deploy(defs, instance, "promotion", stage="stable", partition_key=checkpoint_key(RUN, 10))
+    second = deploy(defs, instance, "promotion", stage="stable", partition_key=checkpoint_key(RUN, 20))
+    assert first.success and second.success
+    md = second.asset_materializations_for_node("mlflow_model")[0].metadata
+    assert md["tinylm/aliases"].value == {"newest": "2", "stable": "2", "fallback": "1"}
+    client = MlflowClient(mlflow_tracking_uri, registry_uri=mlflow_tracking_uri)
+    reg = Registry(open_store(paths["store"]))
+    assert (
+        client.get_model_version("tinylm", "1").tags["ckptflow.manifest_digest"] == reg.get("tinylm", 1).manifest_digest
+    )
+
+    assert deploy(defs, instance, "rollback").success
+    assert client.get_registered_model("tinylm").aliases == {"newest": "2", "stable": "1", "fallback": "2"}
+    path = mlflow.artifacts.download_artifacts(artifact_uri="models:/tinylm@stable", dst_path=str(tmp_path / "s"))
+    reg.download(reg.resolve("tinylm", "stable"), tmp_path / "ckptflow")
+    mirrored, own = load_exported(path), load_exported(tmp_path / "ckptflow")
+    assert mirrored.keys() == own.keys() and all(torch.equal(mirrored[k], own[k]) for k in own)
+
+
+def test_an_mlflow_outage_fails_only_the_mirror_step(store_with_checkpoints, paths, instance, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("CKPTFLOW_MLFLOW_RETRY_DELAY_S", "0.1")  # the step's retries, without minutes of waiting
+    down = f"http://127.0.0.1:{free_port()}"
+    defs = definitions(paths, monkeypatch, down)
+    from assets import checkpoint_key
+
+    job = defs.resolve_job_def("promotion")
+    assert {n.name for n in job.nodes} == {"deployed_model", "mlflow_model"}
+    assert defs.resolve_assets_def("mlflow_model").op.retry_policy.max_retries == 3
+    run_config = {
+        "ops": {"deployed_model": {"config": {"stage": "stable", "partition_key": checkpoint_key(RUN, 10)}}},
+        "resources": {"mlflow": {"config": {"tracking_uri": down, "attempts": 1}}},
+    }
+    result = job.execute_in_process(instance=instance, run_config=run_config, raise_on_error=False)
+    assert not result.success
+    last = {e.step_key: e for e in result.all_events if e.step_key}  # each step's last event
+    assert result.is_node_success("deployed_model") and not result.is_node_success("mlflow_model")
+    assert last["mlflow_model"].event_type in (DagsterEventType.STEP_FAILURE, DagsterEventType.STEP_UP_FOR_RETRY)
+    retried = [
+        e
+        for e in result.all_events
+        if e.step_key == "mlflow_model" and e.event_type == DagsterEventType.STEP_UP_FOR_RETRY
+    ]
+    assert len(retried) == 3  # the policy retried the step, then it failed
+    errors = [e.event_specific_data.error for e in result.all_events
+              if e.step_key == "mlflow_model" and getattr(e.event_specific_data, "error", None)]  # fmt: skip
+    messages = [str(x.message) + str(x.cause.message if x.cause else "") for x in errors]
+    assert any("could not create registered model 'tinylm' in MLflow" in m for m in messages), messages
+    assert result.asset_materializations_for_node("deployed_model")  # the promotion stands
+    assert Registry(open_store(paths["store"])).aliases("tinylm") == {"latest": 1, "stable": 1}
