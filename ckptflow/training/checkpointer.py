@@ -333,9 +333,23 @@ class Checkpointer:
         rate back, reset momentum or reseed the RNGs as it says; ``result.warmup`` reports it.
         """
         started = time.perf_counter()
-        self.wait()
         chosen = selection.from_arguments(step, select)
-        restore = Restore(
+        restore = self._restorer(chosen, strict=strict, allow_lossy=allow_lossy)
+        try:
+            result = restore(state, chosen)
+        except CkptflowError as e:
+            self._record_recovery(started, error=e, select=selection.describe(chosen))
+            raise
+        self._restored(started, result)
+        if warmup is not None:
+            result = replace(result, warmup=warm_up(result, state, warmup, rank=self.group.rank))
+        self._resumed = (result.step, time.perf_counter())
+        return result
+
+    def _restorer(self, chosen: selection.Selector, *, strict: bool = True, allow_lossy: bool = False) -> Restore:
+        """A restore of ``chosen`` over this run's tiers, once the save in flight has committed."""
+        self.wait()
+        return Restore(
             self.tiers,
             self.run,
             self.group,
@@ -347,21 +361,13 @@ class Checkpointer:
             buffer_bytes=self.restore_buffer_bytes,
             registry=selection.registry_store(chosen),
         )
-        try:
-            result = restore(state, chosen)
-        except CkptflowError as e:
-            self._record_recovery(started, error=e, select=selection.describe(chosen))
-            raise
+
+    def _restored(self, started: float, result: RestoreResult) -> None:
+        """What this process knows after loading ``result``: steps a save may now replace, the
+        newest commit, the recovery record, and whether the run's declared lineage differs."""
         self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
         self._last_commit = result.step if result.tier == self.store.url else None
         self._record_recovery(started, result=result)
-        self._compare_lineage(result)
-        if warmup is not None:
-            result = replace(result, warmup=warm_up(result, state, warmup, rank=self.group.rank))
-        self._resumed = (result.step, time.perf_counter())
-        return result
-
-    def _compare_lineage(self, result: RestoreResult) -> None:
         if self.lineage is not None:
             warn_if_different(self.lineage, result.metadata, f"run {self.run!r} resumed from step {result.step}")
 
@@ -373,27 +379,14 @@ class Checkpointer:
         no live objects to restore into, such as a framework that asks for its checkpoint
         dict back; the same verification, selectors and fallback rules as ``restore``."""
         started = time.perf_counter()
-        self.wait()
         chosen = selection.from_arguments(step, select)
-        restore = Restore(
-            self.tiers,
-            self.run,
-            self.group,
-            self.pool,
-            self.progress,
-            restore_rng=self.restore_rng,
-            buffer_bytes=self.restore_buffer_bytes,
-            registry=selection.registry_store(chosen),
-        )
+        restore = self._restorer(chosen)
         try:
             result, state = restore.load(chosen)
         except CkptflowError as e:
             self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
-        self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)  # as after restore
-        self._last_commit = result.step if result.tier == self.store.url else None
-        self._record_recovery(started, result=result)
-        self._compare_lineage(result)
+        self._restored(started, result)
         return result, state
 
     def _record_recovery(
