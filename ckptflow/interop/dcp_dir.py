@@ -5,7 +5,7 @@ A directory written by ``dcp.save(state, storage_writer=FileSystemWriter(dir))``
 of items: tensors written with ``torch.save``, and non-tensor values (BYTE_IO items)
 pickled with ``torch.save``. DCP's own ``FileSystemReader`` unpickles ``.metadata`` with
 ``pickle.load`` and its default planner loads BYTE_IO items with
-``torch.load(weights_only=False)``: a crafted directory runs code on whoever loads it.
+``torch.load`` with weights-only mode off: a crafted directory runs code on whoever loads it.
 torch 2.13 has no safe mode for either, so this module reads them itself:
 
 - ``.metadata`` through an unpickler that resolves only DCP's metadata classes and the
