@@ -26,6 +26,7 @@ from ckptflow.reports.units import human_bytes
 from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
 from pipelines.demo.recover import recover_demo
+from pipelines.demo.text import wrapped
 
 DEMO_STORE = ".demo/store"
 DEMO_ARCHIVE = ".demo/archive"
@@ -105,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== corrupted one chunk of step {newest.step} on purpose")
         report = ck.verify(newest.step)
         verdict = "ok" if report.ok else "CORRUPT" if report.damaged else "UNREADABLE"
-        print(f"  verify step {newest.step}: {verdict}; " + "; ".join(report.problems)[:160])
+        print(f"  verify step {newest.step}: {verdict}")
+        for problem in report.problems:
+            print(wrapped(problem, indent="    "))
         result = ck.restore(build())
-        print(f"  restore picked step {result.step}; skipped {[(s, r[:60] + '…') for s, r in result.skipped]}")
+        print(f"  restore picked step {result.step}; skipped:")
+        for step, why in result.skipped:
+            print(wrapped(f"step {step}: {why}", indent="    "))
 
     recover_demo(args.store.rstrip("/") + "-recover")
 

@@ -161,3 +161,16 @@ def tensor_refs(skeleton: Any) -> Iterator[str]:
                 stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
+
+
+def json_value_problem(skeleton: Any) -> str | None:
+    """Why a stored skeleton is not a plain value (one with no tensor in it, that decodes
+    cleanly), or None: checked when a manifest is parsed, so a value is never found bad
+    half-way through a restore."""
+    try:
+        if any(True for _ in tensor_refs(skeleton)):
+            return "refers to a tensor"
+        unflatten(skeleton, {})
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+        return f"does not decode ({type(e).__name__}: {e})"
+    return None
