@@ -30,7 +30,7 @@ from pipelines.demo.text import wrapped
 from pipelines.inprocess import QUIET, Driver
 
 LOCAL_INSTANCE = os.path.join(real_daemon.REPO, "pipelines", "instance", "local.yaml")
-VIEWS = ["checkpoint_inventory", "retention_plan", "recovery_metrics"]
+VIEWS = ["checkpoint_inventory", "retention_plan", "recovery_metrics", "recoverability", "storage_cost"]
 
 
 def _num(value, digits: int = 4) -> str:
