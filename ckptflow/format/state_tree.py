@@ -55,6 +55,7 @@ def _path(path: tuple) -> str:
 def flatten(tree: Any, rank: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
     """A JSON skeleton of ``tree`` with tensors replaced by references, and those tensors."""
     import torch
+
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(node: Any, path: tuple, suffix: str) -> Any:
@@ -99,6 +100,7 @@ def shared_storage(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
     is. Only plain tensors that hold memory are compared (not meta, empty or subclassed
     ones such as DTensor shards)."""
     import torch
+
     groups: dict[tuple, list[str]] = {}
     for name, t in tensors.items():
         if type(t) is not torch.Tensor or t.device.type == "meta" or t.numel() == 0:
