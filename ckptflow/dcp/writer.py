@@ -122,13 +122,14 @@ def completed_future(value: Any) -> torch.futures.Future:
 
 
 class CheckpointWriter(StorageWriter):
-    """Writes one rank's chunks. An incremental save given ``previous`` (what this process's
-    previous save found in each region of each tensor: ``seen``) hashes each chunk with
-    xxh3-128 first, and where it equals the region's previous one takes that save's fast
-    checksum and address for it instead of computing BLAKE3 again (the cryptographic hash runs
-    over changed bytes only), and reuses that save's chunk without asking the store whether
-    it exists (``ChunkStore.put``'s ``known``). Every byte is still read, so a change made any way at all
-    (in place, through ``.data``, a view or another tensor sharing the storage) is seen;
+    """Writes one rank's chunks. A save given ``previous`` (what this process's previous save
+    found in each region of each tensor: ``seen``) hashes each chunk with xxh3-128 first, and
+    where it equals the region's previous one takes that save's fast checksum and address for
+    it instead of computing BLAKE3 again (the cryptographic hash runs over changed bytes
+    only); an incremental save also reuses that save's chunk without asking the store whether
+    it exists (``ChunkStore.put``'s ``known``), while a full one writes it anew. Every byte
+    is still read, so a change made any way at all (in place, through ``.data``, a view or
+    another tensor sharing the storage) is seen;
     what is trusted is xxh3-128 telling one's own two versions of a region apart, not a
     defence against forgery (cross-run dedup and ``verify --deep`` keep the address)."""
 
@@ -171,10 +172,11 @@ class CheckpointWriter(StorageWriter):
 
     def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region) -> ChunkWrite:
         digest = checksum = known = None
-        earlier = self.previous.get(region) if self.spec.kind == "incremental" else None
+        earlier = self.previous.get(region)
         if earlier is not None and same_content(piece, earlier.checksum):
-            known = earlier  # the same bytes as last time: their checksum, address and chunk are known
-            checksum, digest = earlier.checksum, earlier.digest
+            checksum, digest = earlier.checksum, earlier.digest  # the same bytes as last time
+            if self.spec.kind == "incremental":
+                known = earlier  # and the chunk holding them: a full save rewrites it anyway
         write = self.chunks.put(
             piece,
             digest=digest,
