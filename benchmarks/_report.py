@@ -13,6 +13,8 @@ from _states import MiB
 FLOOR = 1.5  # ckptflow must stay within this factor of DCP (see the floor checks)
 ASYNC = "ckptflow save (full, async)"
 CLONE = "host copy (clone) of the state"
+DD = "one file, write + fsync (dd-style)"
+INCREMENTAL = "ckptflow save (incremental)"
 DEEP = "ckptflow verify --deep (blake3)"
 SAFETENSORS = "safetensors save_file / load_file"
 DCP_SYNC = "DCP FileSystemWriter / dcp.load"
@@ -130,13 +132,16 @@ def floor_checks(rows: list[Row]) -> list[dict]:
 
 
 def target_checks(rows: list[Row]) -> list[dict]:
-    """The speed targets of issue 15, each a ratio within one run."""
+    """The speed targets of issues 15 and 25, each a ratio within one run."""
     by = {r.method: r for r in rows}
     sync, clone = by[SYNC], by[CLONE].blocked_s
     specs = [
         ("verified restore vs safetensors load_file + copy", sync.restore_s, by[SAFETENSORS].restore_s, 1.5),
         ("verified restore vs DCP load", sync.restore_s, by[DCP_SYNC].restore_s, 0.5),
         ("sync full save vs safetensors save_file + fsync", sync.total_s, by[SAFETENSORS].total_s, 1.0),
+        ("sync full save vs dd write+fsync", sync.total_s, by[DD].total_s, 1.1),
+        ("sync full save vs DCP save", sync.total_s, by[DCP_SYNC].total_s, 1.0),
+        ("incremental save (1% of bytes changed) vs full save", by[INCREMENTAL].total_s, sync.total_s, 0.10),
         ("save cpu vs DCP save cpu", sync.save_cpu_s, by[DCP_SYNC].save_cpu_s, 1.0),
         ("first async save blocked (after prepare) vs clone", by[ASYNC].blocked_s, clone, 1.2),
         ("later async save blocked vs clone", by[ASYNC].warm_blocked_s, clone, 0.5),

@@ -38,8 +38,10 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from _report import (  # noqa: E402
     ASYNC,
     CLONE,
+    DD,
     DEEP,
     FLOOR,
+    INCREMENTAL,
     Row,
     Sample,
     _secs,
@@ -98,6 +100,23 @@ class Bench:
         restore, restore_cpu = clock.lap(), clock.cpu_used()
         check_equal(self.state, self.target, "safetensors")
         return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore, restore_cpu=restore_cpu)
+
+    def dd_write(self, _round: int) -> Sample:
+        """The disk's own rate: the state's bytes written to one file with plain ``os.write``
+        calls and one fsync (of the file and its directory), as ``dd ... conv=fsync`` does."""
+        path = fresh(self.work / "dd") / "state.bin"
+        clock = Clock().start()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for tensor in self.state.values():
+                view = memoryview(tensor.detach().contiguous().view(torch.uint8).numpy()).cast("B")
+                while len(view):
+                    view = view[os.write(fd, view[: 64 * MiB]) :]
+        finally:
+            os.close(fd)
+        fsync_file(path)
+        save, cpu = clock.lap(), clock.cpu_used()
+        return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path))
 
     def dcp_sync(self, _round: int) -> Sample:
         path = fresh(self.work / "dcp")
@@ -212,12 +231,13 @@ class Bench:
         methods: list[tuple[str, str, Callable[[int], Sample]]] = [
             ("torch.save / torch.load", "+fsync" if self.baseline_fsync else "no fsync", self.torch_save),
             ("safetensors save_file / load_file", "+fsync" if self.baseline_fsync else "no fsync", self.safetensors),
+            (DD, "os.write loop + fsync: the disk's write rate", self.dd_write),
             ("DCP FileSystemWriter / dcp.load", "fsync (DCP default)", self.dcp_sync),
             ("DCP async_save", "restore: as dcp.load", self.dcp_async),
             (CLONE, "tensor.clone() of every tensor", self.clone),
             ("ckptflow save (full) / restore", f"fsync, {self.chunk_bytes / MiB:g} MiB chunks", self.ckptflow_sync),
             (ASYNC, "", self.ckptflow_async),
-            ("ckptflow save (incremental)", self._incremental_note(), self.ckptflow_incremental),
+            (INCREMENTAL, self._incremental_note(), self.ckptflow_incremental),
             ("ckptflow save (full, zstd)", "archive codec: byte-grouped zstd-3", self.ckptflow_zstd),
             (DEEP, "restore s = time to re-hash every BLAKE3 address", self.ckptflow_verify_deep),
         ]
@@ -357,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     print("cpu columns count all threads.")
     print()
     checks, targets = floor_checks(rows), target_checks(rows)
-    for title, group in ((f"Performance floor (ckptflow <= {FLOOR}x DCP):", checks), ("Targets (issue 15):", targets)):
+    for title, group in (
+        (f"Performance floor (ckptflow <= {FLOOR}x DCP):", checks),
+        ("Targets (issues 15, 25):", targets),
+    ):
         print(title)
         for c in group:
             print(

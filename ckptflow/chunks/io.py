@@ -127,10 +127,17 @@ class ChunkStore:
         rewrite: bool = False,
         floating: bool = False,
         encoder: Encoder | None = None,
+        known: ChunkWrite | None = None,
     ) -> ChunkWrite:
         """Store ``raw`` (with ``encoder`` if given, else ``codec``). ``rewrite`` replaces
         an existing copy instead of trusting it. ``digest`` and ``checksum``, where the
         caller already knows them for these bytes, are not computed again.
+
+        ``known``: what an earlier put of this process returned for the same digest (an
+        incremental save's previous save of the same region). The chunk is then reused
+        without asking the store whether it exists (a ``stat``: on S3 a HEAD): its header
+        is read and it is touched as always, and where it has gone since, it is stored anew.
+        Its stored size is taken from ``known`` (a statistic only).
 
         A reused chunk may be stored as a delta: its base is looked up (a read of its
         header), checked to exist and touched with it, and returned, so the manifest of
@@ -143,6 +150,13 @@ class ChunkStore:
         elif checksum is None:
             checksum = fast_checksum(raw)
         key = chunk_key(digest)
+        if not rewrite and known is not None and known.digest == digest:
+            try:
+                reused = self._reuse(digest, known.stored_bytes, len(raw), checksum)
+            except ObjectNotFoundError:
+                reused = None  # gone since: look again below
+            if reused is not None:
+                return reused
         if not rewrite:
             try:
                 existing = self.store.stat(key)

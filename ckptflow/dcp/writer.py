@@ -39,7 +39,7 @@ from ckptflow.format.state_tree import flatten
 
 Progress = Callable[[int], None]
 Region = tuple  # (fqn, item offset, chunk index, dtype, length): one chunk-sized slice of a saved tensor
-Seen = dict  # Region -> (fast checksum, address) of the bytes a save found there
+Seen = dict  # Region -> the ChunkWrite (fast checksum, address, stored size) of the bytes a save found there
 
 # Single-process use (no process group) is a supported mode here, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -143,12 +143,14 @@ def completed_future(value: Any) -> torch.futures.Future:
 
 
 class CheckpointWriter(StorageWriter):
-    """Writes one rank's chunks. An incremental save given ``previous`` (what this process's
-    previous save found in each region of each tensor: ``seen``) hashes each chunk with
-    xxh3-128 first, and where it equals the region's previous one takes that save's fast
-    checksum and address for it instead of computing BLAKE3 again: the cryptographic hash runs
-    over changed bytes only. Every byte is still read, so a change made any way at all
-    (in place, through ``.data``, a view or another tensor sharing the storage) is seen;
+    """Writes one rank's chunks. A save given ``previous`` (what this process's previous save
+    found in each region of each tensor: ``seen``) hashes each chunk with xxh3-128 first, and
+    where it equals the region's previous one takes that save's fast checksum and address for
+    it instead of computing BLAKE3 again (the cryptographic hash runs over changed bytes
+    only); an incremental save also reuses that save's chunk without asking the store whether
+    it exists (``ChunkStore.put``'s ``known``), while a full one writes it anew. Every byte
+    is still read, so a change made any way at all (in place, through ``.data``, a view or
+    another tensor sharing the storage) is seen;
     what is trusted is xxh3-128 telling one's own two versions of a region apart, not a
     defence against forgery (cross-run dedup and ``verify --deep`` keep the address)."""
 
@@ -159,7 +161,7 @@ class CheckpointWriter(StorageWriter):
         pool: ThreadPoolExecutor,
         progress: Progress | None = None,
         *,
-        previous: Mapping[Region, tuple[str, str]] | None = None,
+        previous: Mapping[Region, ChunkWrite] | None = None,
         json_values: bool = False,
     ):
         super().__init__()
@@ -192,10 +194,12 @@ class CheckpointWriter(StorageWriter):
         return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
 
     def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region) -> ChunkWrite:
-        digest = checksum = None
-        earlier = self.previous.get(region) if self.spec.kind == "incremental" else None
-        if earlier is not None and same_content(piece, earlier[0]):
-            checksum, digest = earlier  # the same bytes as last time: their checksum and address are known
+        digest = checksum = known = None
+        earlier = self.previous.get(region)
+        if earlier is not None and same_content(piece, earlier.checksum):
+            checksum, digest = earlier.checksum, earlier.digest  # the same bytes as last time
+            if self.spec.kind == "incremental":
+                known = earlier  # and the chunk holding them: a full save rewrites it anyway
         write = self.chunks.put(
             piece,
             digest=digest,
@@ -205,10 +209,11 @@ class CheckpointWriter(StorageWriter):
             floating=tensor.is_floating_point(),
             rewrite=self.spec.kind == "full",
             encoder=encoder,
+            known=known,
         )
         if self.progress:
             self.progress(len(piece))
-        self.seen[region] = (write.checksum, write.digest)
+        self.seen[region] = write
         return write
 
     def _chunk_encoder(self, item: Any, tensor: torch.Tensor, index: int) -> Encoder | None:
@@ -227,7 +232,8 @@ class CheckpointWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         try:
             with save_lease(self.chunks.store) as lease:
-                results = self._write_chunks(plan, planner)
+                with self.chunks.store.batch():  # durable when it ends: before the rank record and the commit
+                    results = self._write_chunks(plan, planner)
                 if lease.lost:  # GC may have taken the store for dead-writer chunks meanwhile
                     raise StoreUnavailableError(
                         f"the save lease of run {self.spec.run!r} step {self.spec.step} in {self.chunks.store.url} "

@@ -140,6 +140,12 @@ class Store(ABC):
             return False
         return True
 
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """Chunk writes (one save's) that need be durable only once the block ends, when
+        the save goes on to name them in a commit: a backend may defer per-object work
+        (the local store's directory fsyncs) to the end instead. Default: no deferral."""
+        return contextlib.nullcontext()
+
     def touch(self, key: str) -> None:
         """Refresh ``key``'s modification time so GC's grace period restarts for it.
 

@@ -10,16 +10,17 @@ leave the disk (tests/support/crashfs.py), so the order is checked, not assumed.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class Disk:
     def __init__(self, *, fsync: bool = True):
         self.fsync = fsync
 
-    def makedirs(self, path: str) -> None:
-        """Create ``path`` and its missing parents, each fsynced into its parent, so a file
-        made durable in ``path`` cannot vanish with a directory entry that was not."""
+    def makedirs(self, path: str, *, sync_dir: Callable[[str], None] | None = None) -> None:
+        """Create ``path`` and its missing parents, each fsynced into its parent (by
+        ``sync_dir``, where the caller defers such fsyncs), so a file made durable in
+        ``path`` cannot vanish with a directory entry that was not."""
         missing = []
         while not os.path.isdir(path):
             missing.append(path)
@@ -29,7 +30,7 @@ class Disk:
                 self.mkdir(directory)
             except FileExistsError:  # a concurrent writer made it
                 pass
-            self.fsync_dir(os.path.dirname(directory))
+            (sync_dir or self.fsync_dir)(os.path.dirname(directory))
 
     def mkdir(self, path: str) -> None:
         os.mkdir(path)

@@ -6,6 +6,11 @@ place and fsync the directory, so a crash at any instant leaves either the old s
 or the complete new object, never a torn file. A write that fails removes its temp
 file; a full disk says which object and how many bytes it needed.
 
+Within a ``batch`` (a save's chunk writes) the directory fsyncs are deferred to the
+batch's end, once per directory instead of once per object, and each directory below
+the root is checked for a link once instead of at every path; what a batch wrote is
+durable when the batch ends, which is before the save writes its rank record or commits.
+
 Symbolic links below the root are never followed, for any operation: listing skips
 nothing and reading follows nothing, so GC (which lists) and restore (which reads)
 can never disagree about what a store holds, and a save can never write through a
@@ -20,6 +25,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISDIR, S_ISLNK
@@ -52,6 +58,11 @@ class LocalStore(Store):
         self.root = os.path.realpath(os.path.expanduser(root))
         self.url = "file://" + self.root
         self.disk = disk or Disk(fsync=fsync)
+        self._batch_lock = threading.Lock()
+        self._batches = 0  # batches open now (``batch``)
+        self._unsynced: set[str] = set()  # directories whose fsync a batch deferred
+        self._real_dirs: set[str] = set()  # directories a batch found not to be links
+        self._chunk_dirs = os.path.join(self.root, "chunks")  # a prefix: ``chunks`` and what is below it
         if create:
             os.makedirs(self.root, exist_ok=True)
         elif not os.path.isdir(self.root):
@@ -60,15 +71,56 @@ class LocalStore(Store):
     def _path(self, key: str) -> str:
         """The file of ``key``, refusing a symbolic link at any level below the root."""
         path = self.root
-        for part in validate_key(key).split("/"):
+        parts = validate_key(key).split("/")
+        for depth, part in enumerate(parts, start=1):
             path = os.path.join(path, part)
+            if depth < len(parts) and path in self._real_dirs:
+                continue
             try:
                 mode = os.lstat(path).st_mode
             except (FileNotFoundError, NotADirectoryError):
                 return os.path.join(self.root, *key.split("/"))  # the rest does not exist yet
             if S_ISLNK(mode):
                 raise self._link(os.path.relpath(path, self.root))
+            if depth < len(parts) and S_ISDIR(mode) and self._batches:
+                self._real_dirs.add(path)
         return path
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Writes whose directory fsyncs wait until the batch ends (see the module's
+        docstring); batches may overlap, and each one's end makes every deferred
+        directory durable before it returns."""
+        with self._batch_lock:
+            self._batches += 1
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(OSError):  # the batch's own failure is the one to report
+                self._end_batch()
+            raise
+        self._end_batch()
+
+    def _end_batch(self) -> None:
+        with self._batch_lock:
+            self._batches -= 1
+            directories, self._unsynced = self._unsynced, set()
+            if not self._batches:
+                self._real_dirs.clear()
+        for directory in sorted(directories):
+            self.disk.fsync_dir(directory)
+
+    def _sync_dir(self, directory: str) -> None:
+        """Fsync ``directory`` now, or, for a directory of chunks, at the end of the batch
+        in progress: chunks are named by a commit only after the batch that wrote them
+        ended, while anything else written meanwhile (a commit, a lease) must be durable
+        when its write returns."""
+        if self._batches and (directory == self._chunk_dirs or directory.startswith(self._chunk_dirs + os.sep)):
+            with self._batch_lock:
+                if self._batches:
+                    self._unsynced.add(directory)
+                    return
+        self.disk.fsync_dir(directory)
 
     def _link(self, relpath: str) -> SymlinkError:
         return SymlinkError(
@@ -80,7 +132,7 @@ class LocalStore(Store):
     def _write_temp(self, directory: str, data: Buffers) -> str:
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         for attempt in range(3):
-            self.disk.makedirs(directory)
+            self.disk.makedirs(directory, sync_dir=self._sync_dir)
             try:
                 self.disk.write_new(tmp, as_buffers(data))
                 return tmp
@@ -209,7 +261,7 @@ class LocalStore(Store):
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
             return self._claim_and_rename(tmp, path)
-        self.disk.fsync_dir(os.path.dirname(path))
+        self._sync_dir(os.path.dirname(path))
         return True
 
     def _claim_and_rename(self, tmp: str, path: str) -> bool:
@@ -223,7 +275,7 @@ class LocalStore(Store):
             self.disk.rename(tmp, path)
         finally:
             self.disk.unlink(path + ".claim")
-        self.disk.fsync_dir(os.path.dirname(path))
+        self._sync_dir(os.path.dirname(path))
         return True
 
     def replace(self, key: str, data: Buffers) -> None:
@@ -239,7 +291,7 @@ class LocalStore(Store):
         except BaseException:
             self.disk.unlink(tmp)
             raise
-        self.disk.fsync_dir(directory)
+        self._sync_dir(directory)
 
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
         base = self.root if not prefix else self._path(prefix.rstrip("/"))

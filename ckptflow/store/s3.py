@@ -4,7 +4,9 @@ S3 gives the two guarantees the commit protocol needs without temp files: an obj
 appears whole or not at all (also a multipart upload, which becomes visible only at
 ``CompleteMultipartUpload``), and ``If-None-Match: *`` makes a put create-only, so two
 writers can never both commit one manifest and a 412 on a chunk simply means dedup.
-Every upload carries its SHA-256 so S3 itself refuses bytes damaged on the way.
+Every upload carries a checksum (``s3_body``: CRC32 for chunks, SHA-256 for small
+objects) so S3 itself refuses bytes damaged on the way; bodies are streamed from the
+caller's buffers, not joined into a copy.
 
 Retries (``s3_retry``): transient failures are retried per call, ``max_attempts`` in
 all; one that outlasts them is ``StoreUnavailableError``, any other final failure
@@ -15,7 +17,6 @@ only sessions are not, so none is kept).
 
 from __future__ import annotations
 
-import base64
 import builtins
 import hashlib
 import os
@@ -27,6 +28,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from ckptflow.errors import ColdObjectError, ObjectNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
+from ckptflow.store.s3_body import BuffersReader, checksum_header, crc32_b64, sha256_b64
 from ckptflow.store.s3_listing import fast_times_session, list_objects
 from ckptflow.store.s3_retry import AttemptsExhausted, Retry, botocore_config, error_code, http_status
 
@@ -37,31 +39,26 @@ _EXISTS = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
 COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE")  # classes whose objects need a restore before a read
 
 
-def _sha256_b64(buffers: list[memoryview]) -> str:
-    h = hashlib.sha256()
-    for part in buffers:
-        h.update(part)
-    return base64.b64encode(h.digest()).decode()
-
-
 def _byte_views(data: Buffers) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in as_buffers(data)]
 
 
-def _pieces(views: builtins.list[memoryview], size: int) -> Iterator[bytes]:
-    """``size``-byte parts of the concatenated buffers (the last may be shorter), so a
-    multipart upload holds one part in memory, not a second copy of the object."""
-    buf = bytearray()
+def _pieces(views: builtins.list[memoryview], size: int) -> Iterator[builtins.list[memoryview]]:
+    """``size``-byte parts of the concatenated buffers (the last may be shorter), each as
+    views of the buffers: a multipart upload copies nothing."""
+    part: builtins.list[memoryview] = []
+    filled = 0
     for view in views:
         while len(view):
-            take = size - len(buf)
-            buf += view[:take]
+            take = size - filled
+            part.append(view[:take])
+            filled += len(view[:take])
             view = view[take:]
-            if len(buf) == size:
-                yield bytes(buf)
-                buf.clear()
-    if buf:
-        yield bytes(buf)
+            if filled == size:
+                yield part
+                part, filled = [], 0
+    if part:
+        yield part
 
 
 class S3Store(Store):
@@ -238,7 +235,9 @@ class S3Store(Store):
         except ObjectNotFoundError:  # deleted again in between: it was not ours
             return False
         if head.get("ChecksumSHA256"):
-            return head["ChecksumSHA256"] == _sha256_b64(views)
+            return head["ChecksumSHA256"] == sha256_b64(views)
+        if head.get("ChecksumCRC32"):  # an object of chunk size: its key is its content's address
+            return head["ChecksumCRC32"] == crc32_b64(views) and head.get("ContentLength") == sum(len(v) for v in views)
         md5 = hashlib.md5(usedforsecurity=False)  # a single-part ETag (stores without checksums)
         for view in views:
             md5.update(view)
@@ -251,23 +250,26 @@ class S3Store(Store):
     def _upload(self, key: str, views: builtins.list[memoryview], *, create_only: bool) -> None:
         extra: dict[str, Any] = {"StorageClass": self.storage_class} if self.storage_class else {}
         condition: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
-        if sum(len(v) for v in views) >= self.multipart_threshold:
+        size = sum(len(v) for v in views)
+        if size >= self.multipart_threshold:
             return self._multipart(key, views, extra, condition)
-        body = b"".join(views)
-        self._call(
-            "PutObject",
-            key,
-            self.client.put_object,
-            passthrough=_EXISTS,
-            Key=self._key(key),
-            Body=body,
-            ChecksumSHA256=_sha256_b64([memoryview(body)]),
-            **extra,
-            **condition,
-        )
+        checksum = checksum_header(views)
+
+        def put() -> Any:  # a fresh stream per attempt: a retry starts at its first byte
+            return self.client.put_object(
+                Bucket=self.bucket,
+                Key=self._key(key),
+                Body=BuffersReader(views),
+                ContentLength=size,
+                **checksum,
+                **extra,
+                **condition,
+            )
+
+        self._attempts("PutObject", key, put, passthrough=_EXISTS)
 
     def _multipart(self, key: str, views: builtins.list[memoryview], extra: dict, condition: dict) -> None:
-        """Upload in ``part_size`` parts, each with its own SHA-256, and complete under
+        """Upload in ``part_size`` parts, each with its own CRC32, and complete under
         ``condition``. Any failure aborts the upload, so no billed, invisible parts stay
         behind (a process killed mid-upload can leave some: a bucket lifecycle rule
         "abort incomplete multipart uploads after N days" covers that)."""
@@ -277,24 +279,15 @@ class S3Store(Store):
             key,
             self.client.create_multipart_upload,
             Key=full,
-            ChecksumAlgorithm="SHA256",
+            ChecksumAlgorithm="CRC32",
             **extra,
         )["UploadId"]
         try:
             done = []
             for number, piece in enumerate(_pieces(views, self.part_size), start=1):
-                checksum = _sha256_b64([memoryview(piece)])
-                etag = self._call(
-                    "UploadPart",
-                    key,
-                    self.client.upload_part,
-                    Key=full,
-                    UploadId=upload,
-                    PartNumber=number,
-                    Body=piece,
-                    ChecksumSHA256=checksum,
-                )["ETag"]
-                done.append({"PartNumber": number, "ETag": etag, "ChecksumSHA256": checksum})
+                checksum = crc32_b64(piece)
+                etag = self._attempts("UploadPart", key, self._part(full, upload, number, piece, checksum))["ETag"]
+                done.append({"PartNumber": number, "ETag": etag, "ChecksumCRC32": checksum})
             self._call(
                 "CompleteMultipartUpload",
                 key,
@@ -311,6 +304,24 @@ class S3Store(Store):
             except Exception:  # the original failure is the one to report
                 pass
             raise
+
+    def _part(
+        self, full: str, upload: str, number: int, piece: builtins.list[memoryview], checksum: str
+    ) -> Callable[[], Any]:
+        """One attempt at uploading part ``number``: a fresh stream over its buffers each time."""
+
+        def attempt() -> Any:
+            return self.client.upload_part(
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload,
+                PartNumber=number,
+                Body=BuffersReader(piece),
+                ContentLength=sum(len(v) for v in piece),
+                ChecksumCRC32=checksum,
+            )
+
+        return attempt
 
     def delete(self, key: str) -> None:
         self._call("DeleteObject", key, self.client.delete_object, Key=self._key(key))
@@ -395,7 +406,7 @@ class S3Store(Store):
                 passthrough=_EXISTS,
                 Key=self._key(key),
                 Body=body,
-                ChecksumSHA256=_sha256_b64([memoryview(body)]),
+                ChecksumSHA256=sha256_b64([memoryview(body)]),
                 **condition,
             )
         except ClientError:  # only the passthrough codes get here

@@ -1,4 +1,4 @@
-"""Incremental saves hash with BLAKE3 only the chunks whose bytes changed, and stay exact.
+"""Saves after a process's first hash with BLAKE3 only the chunks whose bytes changed, and stay exact.
 
 An incremental save compares each chunk's fast checksum with what the same region of the
 same tensor held at this process's previous save, and reuses that save's address where
@@ -88,16 +88,17 @@ def _blank_like(state: dict) -> dict:
     return blank
 
 
+@pytest.mark.parametrize("kind", ["incremental", "full"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
-def test_every_kind_of_change_restores_exactly(make_ck, change, blocking):
+def test_every_kind_of_change_restores_exactly(make_ck, change, blocking, kind):
     state = _state()
     ck = make_ck(chunk_bytes=CHUNK)
     ck.save(1, state, kind="full", rng=False)
-    ck.save(2, state, kind="incremental", rng=False)  # nothing changed: every chunk reused
+    ck.save(2, state, kind=kind, rng=False)  # nothing changed: every address (and, incremental, chunk) reused
     change(state)
     expected = _values(state)
-    saved = ck.save(3, state, kind="incremental", rng=False, blocking=blocking)
+    saved = ck.save(3, state, kind=kind, rng=False, blocking=blocking)
     if not blocking:
         saved.wait()
     change(state)  # changed again after the save: the checkpoint must hold the values at save time
@@ -128,6 +129,28 @@ def test_incremental_save_hashes_only_the_changed_chunks(make_ck, monkeypatch):
     info = ck.save(2, state, kind="incremental", rng=False).info
     assert hashed == [CHUNK]
     assert info.bytes_written == CHUNK
+    fresh = {"buf": torch.zeros(4096), "frozen": torch.zeros(4096)}
+    make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
+    assert torch.equal(fresh["buf"], state["buf"]) and torch.equal(fresh["frozen"], state["frozen"])
+
+
+def test_a_later_full_save_hashes_only_the_changed_chunks_and_rewrites_every_one(make_ck, monkeypatch):
+    hashed: list[int] = []
+    real = chunk_io.address_and_checksum
+
+    def counting(raw):
+        hashed.append(len(memoryview(raw).cast("B")))
+        return real(raw)
+
+    monkeypatch.setattr(chunk_io, "address_and_checksum", counting)
+    state = {"buf": torch.randn(4096), "frozen": torch.randn(4096)}  # 16 KiB each: 64 chunks each
+    ck = make_ck(chunk_bytes=CHUNK)
+    ck.save(1, state, kind="full", rng=False)
+    hashed.clear()
+    state["buf"][100] += 1.0  # one chunk of one tensor
+    info = ck.save(2, state, kind="full", rng=False).info
+    assert hashed == [CHUNK]
+    assert info.bytes_written == 2 * 4096 * 4  # a full save still writes every chunk
     fresh = {"buf": torch.zeros(4096), "frozen": torch.zeros(4096)}
     make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
     assert torch.equal(fresh["buf"], state["buf"]) and torch.equal(fresh["frozen"], state["frozen"])
