@@ -115,12 +115,21 @@ class LocalStore(Store):
         in progress: chunks are named by a commit only after the batch that wrote them
         ended, while anything else written meanwhile (a commit, a lease) must be durable
         when its write returns."""
-        if self._batches and (directory == self._chunk_dirs or directory.startswith(self._chunk_dirs + os.sep)):
-            with self._batch_lock:
-                if self._batches:
-                    self._unsynced.add(directory)
-                    return
-        self.disk.fsync_dir(directory)
+        if not self._deferred(directory):
+            self.disk.fsync_dir(directory)
+
+    def _deferred(self, directory: str) -> bool:
+        """Whether ``directory``, a directory of chunks, is fsynced at the end of the batch
+        in progress. A chunk a batch finds already there is one it will name in a commit
+        too: another process's batch may have written it and not yet fsynced its
+        directory, so ``put_if_absent`` defers that directory's fsync to this batch's end."""
+        if not self._batches or not (directory == self._chunk_dirs or directory.startswith(self._chunk_dirs + os.sep)):
+            return False
+        with self._batch_lock:
+            if self._batches:
+                self._unsynced.add(directory)
+                return True
+        return False
 
     def _link(self, relpath: str) -> SymlinkError:
         return SymlinkError(
@@ -243,6 +252,7 @@ class LocalStore(Store):
     def _put_if_absent(self, key: str, data: Buffers) -> bool:
         path = self._path(key)
         if os.path.exists(path):
+            self._deferred(os.path.dirname(path))
             return False
         tmp = self._write_temp(os.path.dirname(path), data)
         try:
@@ -256,6 +266,7 @@ class LocalStore(Store):
         try:
             self.disk.link(tmp, path)
         except FileExistsError:
+            self._deferred(os.path.dirname(path))
             return False
         except OSError as e:  # filesystems without hard links: O_EXCL claim, then rename
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):

@@ -82,3 +82,33 @@ def test_a_chunk_gone_since_the_previous_save_is_written_again(make_ck, ckpt_sto
     fresh = {"w": torch.zeros(1024)}
     make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
     assert torch.equal(fresh["w"], state["w"])
+
+
+def test_a_chunk_another_process_wrote_in_its_batch_is_made_durable_by_the_batch_that_reuses_it(tmp_path):
+    """Two processes saving into one store (two stores on one root here): the first has
+    written a chunk and deferred its directory's fsync to its batch's end; the second
+    finds the chunk there and will name it in its own commit, so the second's batch end
+    fsyncs that directory too, whichever of the two finishes first."""
+    from ckptflow.store.disk import Disk
+    from ckptflow.store.local import LocalStore
+
+    class Recording(Disk):
+        def __init__(self) -> None:
+            super().__init__()
+            self.synced: list[str] = []
+
+        def fsync_dir(self, path: str) -> None:
+            self.synced.append(path)
+            super().fsync_dir(path)
+
+    root = str(tmp_path / "store")
+    first, second = LocalStore(root, disk=Recording()), LocalStore(root, disk=Recording())
+    key = "chunks/ab/" + "ab" * 32
+    directory = os.path.join(first.root, "chunks", "ab")
+    with first.batch():
+        assert first.put_if_absent(key, b"the same bytes")
+        assert directory not in first.disk.synced  # deferred to the end of its batch
+        with second.batch():
+            assert not second.put_if_absent(key, b"the same bytes")
+        assert directory in second.disk.synced
+    assert directory in first.disk.synced
