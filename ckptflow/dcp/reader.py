@@ -43,6 +43,12 @@ class CheckpointReader(StorageReader):
     and released in groups that fit it too, so host memory beyond the state stays bounded.
     A failure in pass two raises ``IntoPlaceFailed``: those tensors are partly
     written, which restore reports as ``PartialRestoreError``.
+
+    ``single_pass`` (opt-in) skips pass one: every chunk is read or decoded straight into
+    place and verified there (``ChunkStore.read_verified``), one read and one decode per
+    chunk. What it gives up: damage is found only after some tensors were written, so a
+    damaged checkpoint raises ``IntoPlaceFailed`` (no clean fallback to an older one),
+    and the ranks agree on nothing before they write.
     """
 
     def __init__(
@@ -54,8 +60,10 @@ class CheckpointReader(StorageReader):
         *,
         agree: Callable[[Failure | None], Failure | None] | None = None,
         budget: MemoryBudget | None = None,
+        single_pass: bool = False,
     ):
         super().__init__()
+        self.single_pass = single_pass
         self.budget = budget or MemoryBudget()
         self.chunks = chunks.scoped(
             manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address, budget=self.budget
@@ -112,10 +120,13 @@ class CheckpointReader(StorageReader):
         by_storage: dict[MetadataIndex, list] = defaultdict(list)
         for req in plan.items:
             by_storage[req.storage_index].append(req)
-        try:
-            checked, failure = self._verify_all(list(by_storage))
-        except Exception as e:  # never skip ``agree``: the other ranks wait in it
-            checked, failure = {}, failure_of(e)
+        checked: dict[str, CheckedChunk] = {}
+        failure: Failure | None = None
+        if not self.single_pass:
+            try:
+                checked, failure = self._verify_all(list(by_storage))
+            except Exception as e:  # never skip ``agree``: the other ranks wait in it
+                checked, failure = {}, failure_of(e)
         failure = self.agree(failure)
         if failure:
             raise ReadAborted(failure)
@@ -136,9 +147,7 @@ class CheckpointReader(StorageReader):
                     staged += item.nbytes
                 raw, offset, futures = _writable_bytes(buffer), 0, []
                 for digest, size in item.chunks:
-                    futures.append(
-                        self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size])
-                    )
+                    futures.append(self.pool.submit(self._into_place, checked, digest, raw[offset : offset + size]))
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
             _finish(loading, planner)
@@ -150,6 +159,15 @@ class CheckpointReader(StorageReader):
                 f.cancel()
             wait(pending)
         return completed_future(None)
+
+    def _into_place(self, checked: dict[str, CheckedChunk], digest: str, out: memoryview) -> None:
+        """One chunk read into ``out``: as pass one verified it, or verified now (single pass)."""
+        if self.single_pass:
+            self.chunks.read_verified(digest, len(out), out)
+            if self.progress:
+                self.progress(len(out))
+        else:
+            self.chunks.read_checked(checked[digest], out)
 
 
 def _finish(loading: list, planner: LoadPlanner) -> None:
