@@ -34,10 +34,10 @@ class CheckpointReader(StorageReader):
     records (``ckptflow.format.checksum``; the address for manifests without one); ``agree`` then
     combines every rank's verdict (a collective: all ranks call ``read_data``). Only if all
     ranks verified cleanly does pass two read local raw chunks straight into the
-    destination tensors, checking them there again (a mismatch, or an I/O error, is read
-    once more and verified through ``ChunkStore.get``). So restore needs no second copy of
-    the model in host memory, and a rejected checkpoint leaves the caller's tensors as
-    they were. Chunks that must be decoded to be verified (encoded, or on S3) are kept
+    destination tensors, checking each piece as it lands, while it is in the CPU cache
+    (a mismatch, or an I/O error, is read once more and verified through ``ChunkStore.get``).
+    So restore needs no second copy of the model in host memory, and a rejected checkpoint
+    leaves the caller's tensors as they were. Chunks that must be decoded to be verified (encoded, or on S3) are kept
     from pass one to pass two only while they fit ``budget``; the rest are decoded again
     (``ckptflow.chunks.budget``), and staging tensors (resharding, GPU targets) are filled
     and released in groups that fit it too, so host memory beyond the state stays bounded.
