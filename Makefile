@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-e2e ui bench soak scale clean
+.PHONY: install demo test test-e2e ui ui-stop bench soak scale clean
 
 install: $(STAMP)
 
@@ -34,10 +34,18 @@ test: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# The Dagster UI (webserver + daemon) on http://127.0.0.1:$(UI_PORT). Stop it with Ctrl-C, or
+# `make ui-stop` (or a SIGTERM to make) when it was started in the background.
+UI_HOME ?= $(CURDIR)/.dagster_home
+UI_PORT ?= 3000
 ui: $(STAMP)
-	mkdir -p .dagster_home
-	test -f .dagster_home/dagster.yaml || cp pipelines/instance/local.yaml .dagster_home/dagster.yaml
-	DAGSTER_HOME=$(CURDIR)/.dagster_home $(VENV)/bin/dagster dev -w workspace.yaml
+	mkdir -p $(UI_HOME)
+	test -f $(UI_HOME)/dagster.yaml || cp pipelines/instance/local.yaml $(UI_HOME)/dagster.yaml
+	DAGSTER_HOME=$(UI_HOME) exec $(PY) -m pipelines.ui --port $(UI_PORT)
+
+ui-stop:
+	@if [ -f $(UI_HOME)/ui.pid ]; then kill $$(cat $(UI_HOME)/ui.pid) && echo "asked the Dagster UI to stop"; \
+	else echo "no Dagster UI started by make ui is running ($(UI_HOME)/ui.pid is absent)"; fi
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'

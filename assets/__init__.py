@@ -9,6 +9,7 @@ from assets.inventory import checkpoint_inventory, retention_plan
 from assets.metrics import recovery_metrics
 from assets.models import deployed_model
 from assets.partitions import checkpoint_key, checkpoints_partitions, parse_checkpoint_key
+from assets.recoverability import recoverability
 
 PARTITIONED = [checkpoint, evaluation, compressed, archived]
 ALL_ASSETS = [
@@ -16,6 +17,7 @@ ALL_ASSETS = [
     checkpoint_inventory,
     retention_plan,
     recovery_metrics,
+    recoverability,
     storage_cost,
     checkpoint_advice,
     deployed_model,
@@ -39,6 +41,7 @@ __all__ = [
     "evaluation",
     "interval_near_optimum",
     "parse_checkpoint_key",
+    "recoverability",
     "recovery_metrics",
     "retention_plan",
     "rpo_freshness",

@@ -35,6 +35,7 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetKey,
+    AssetObservation,
     AutomationCondition,
     BackfillPolicy,
     Failure,
@@ -50,6 +51,8 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import EvaluatorError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle import EvaluationRule
+from ckptflow.reports import recoverable
+from ckptflow.reports.units import human_bytes
 from resources import ArchiveTierResource, CheckpointStoreResource, EvaluatorResource
 from resources.evaluator import load_function
 
@@ -92,6 +95,15 @@ def _describe(manifest) -> dict:
     return described
 
 
+def _reason_metadata(reason: recoverable.Reason) -> dict[str, MetadataValue]:
+    """Why a checkpoint failed its integrity check, as one-line text fields (no Markdown to open)."""
+    return {
+        "reason": MetadataValue.text(reason.line()),
+        "failed_check": MetadataValue.text(f"integrity: {reason.check}"),
+        "chunk": MetadataValue.text(f"{reason.chunk}…" if reason.chunk else "-"),
+    }
+
+
 def _lineage(trainer: dict) -> dict:
     """The run's declared lineage (``ckptflow.RunLineage``): its datasets one per line and
     its training config, when the checkpoint recorded them."""
@@ -112,33 +124,56 @@ def _lineage(trainer: dict) -> dict:
 @asset(check_specs=[INTEGRITY], **_COMMON)
 def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource):
     """A committed checkpoint that passed its blocking integrity check (manifest checksum
-    and structure, every rank record, every chunk re-hashed). A corrupt one fails: its
-    partition shows *Failed* and the ``integrity`` check holds the exact problem; one
-    that could not be read is retried, with no verdict."""
+    and structure, every rank record, every chunk re-hashed). A *Failed* partition is one
+    checkpoint that needs attention, not a broken pipeline: ``recoverability`` counts
+    them ("N of M need attention") and says whether every run can recover now. The
+    partition's Events view gives the reason (which chunk, which check); the blocking
+    ``integrity`` check keeps it from being evaluated, compressed or archived. One that
+    could not be read is retried, with no verdict."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
     with store.retrying_outages(context):
         validated = lifecycle.validate_checkpoint(hot, run, step, archive=archive.open, on_commit=pin_commit(context))
     record = validated.record
+    problems = record["problems"] or ([] if record["ok"] else ["no problem recorded"])
+    reason = recoverable.reason_of(problems[0]) if problems else None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     check = AssetCheckResult(
         check_name=INTEGRITY.name,
         passed=bool(record["ok"]),
-        severity=AssetCheckSeverity.ERROR,
+        severity=AssetCheckSeverity.ERROR,  # ERROR: a blocking check blocks downstream only at this severity
+        description=(
+            f"{run} step {step} needs attention: {reason.line()}{more}"
+            if reason
+            else f"{record['chunks_checked']} chunks re-hashed, every one matches"
+        ),
         metadata={
-            "chunks_checked": record["chunks_checked"],
-            **size("checked", record["bytes_checked"]),
+            # per-run keys: the check's plots draw one line per run, never one line through two runs
+            f"{run}/chunks": MetadataValue.int(record["chunks_checked"]),
+            f"{run}/bytes": MetadataValue.int(record["bytes_checked"]),
+            "checked": MetadataValue.text(human_bytes(record["bytes_checked"])),  # plotted per run, above
             "tier": record["tier"],
             "manifest_digest": record["manifest_digest"],
-            "problems": bullet_list(record["problems"]),
+            **(_reason_metadata(reason) if reason else {}),
+            # one problem as plain text (no "[Show Markdown]" to click), several as a list
+            **({"problems": MetadataValue.text(problems[0])} if len(problems) == 1 else {}),
+            **({"problems": bullet_list(problems)} if len(problems) > 1 else {}),
         },
     )
     if validated.manifest is None:
+        assert reason is not None
         yield check
-        problems = record["problems"] or ["no problem recorded"]
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        # the partition's own page: an observation with the reason in short text fields
+        # (a failed step shows only "Run … failed" there; its error is behind a click)
+        yield AssetObservation(
+            asset_key=context.asset_key,
+            partition=context.partition_key,
+            description=f"blocked by the integrity check: {reason.line()}{more}",
+            metadata=_reason_metadata(reason),
+        )
         raise Failure(
-            description=f"integrity check blocked {context.partition_key}: {problems[0]}{more}",
-            metadata={"problems": bullet_list(problems)},
+            description=f"integrity check blocked {context.partition_key}: {reason.line()}{more}",
+            metadata=_reason_metadata(reason),
             allow_retries=False,
         )
     yield MaterializeResult(
@@ -178,9 +213,11 @@ def evaluation(
     if record["overfitting"]:
         context.log.warning(f"{context.partition_key}: {rule.val_metric} got worse while {rule.train_metric} improved")
     extra = {} if record["improvement"] is None else metrics({f"improvement/{rule.val_metric}": record["improvement"]})
+    # the trainer's own metric beside the evaluator's (an evaluator scores held-out data only)
+    trained = {} if record.get("train") is None else {rule.train_metric: record["train"]}
     return MaterializeResult(
         metadata={
-            **metrics(record["metrics"]),
+            **metrics({**trained, **record["metrics"]}),
             **extra,
             "overfitting": bool(record["overfitting"]),
             "evaluator": record["evaluator"],

@@ -6,33 +6,14 @@ the UI plots cost and savings over materializations as prices or data change.
 """
 
 import pandas as pd
-from dagster import Config, MetadataValue, Output, asset
+from dagster import MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed
 from assets.inventory import GROUP, REFRESH, markdown
+from assets.pricing import CostConfig, cost_model, tier_cost_metadata
 from ckptflow.reports import costs
 from ckptflow.reports.units import human_saving, human_usd
 from resources import ArchiveTierResource, CheckpointStoreResource
-
-
-class CostConfig(Config):
-    """Prices override or extend ``ckptflow.reports.costs.DEFAULT_PRICES``; the archive is priced
-    as its S3 storage class when it has one, else ``archive_class``."""
-
-    prices: dict[str, float] = {}
-    hot_class: str = "STANDARD"
-    archive_class: str = "GLACIER_IR"
-
-
-def cost_model(config: CostConfig, archive: ArchiveTierResource) -> costs.CostModel:
-    priced = archive.priced_class()
-    return costs.CostModel(
-        {**costs.DEFAULT_PRICES, **config.prices},
-        {
-            "hot": config.hot_class,
-            "archive": priced if priced in {**costs.DEFAULT_PRICES, **config.prices} else config.archive_class,
-        },
-    )
 
 
 @asset(group_name=GROUP, deps=[checkpoint, compressed, archived], automation_condition=REFRESH, kinds={"pandas"})
@@ -60,14 +41,15 @@ def storage_cost(
         metadata={
             "monthly_usd": MetadataValue.float(report.monthly_usd),
             "baseline_usd": MetadataValue.float(report.baseline_usd),
-            **{f"{t.tier}_monthly_usd": MetadataValue.float(t.monthly_usd) for t in report.tiers},
-            **{f"{t.tier}_stored_bytes": MetadataValue.int(t.stored_bytes) for t in report.tiers},
+            **tier_cost_metadata(report),
             **{f"saved_usd/{k}": MetadataValue.float(v) for k, v in report.savings_usd.items()},
             "monthly_cost": human_usd(report.monthly_usd, per="/month"),
             "baseline_cost": human_usd(report.baseline_usd, per="/month"),
-            **{f"{t.tier}_cost": human_usd(t.monthly_usd, per="/month") for t in report.tiers},
             **{f"saving/{k}": human_saving(v) for k, v in report.savings_usd.items()},
             "prices_date": report.prices_date,
             "table": markdown(shown),
         },
     )
+
+
+__all__ = ["CostConfig", "cost_model", "storage_cost"]

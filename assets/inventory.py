@@ -6,18 +6,18 @@ a cron tick rather than ``eager()``: with partitioned parents, eager would wait 
 do, so the inventory would stop updating exactly when it matters.
 """
 
-import re
-
 import pandas as pd
 from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
-from assets.metadata import ratio, rounded, size
+from assets.metadata import ratio, rounded
 from assets.partitions import parse_checkpoint_key
+from assets.pricing import CostConfig, cost_model, tier_cost_metadata
 from ckptflow import lifecycle
 from ckptflow.catalog.ledger import expired
 from ckptflow.policy.retention import RetentionPlan, default_policy
 from ckptflow.reports import costs, inventory, stats
+from ckptflow.reports.recoverable import short_problem
 from ckptflow.reports.units import human_bytes
 from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
@@ -74,12 +74,9 @@ def _cut(text, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-_CHUNK_URL = re.compile(r"\S+/chunks/[0-9a-f]{2}/([0-9a-f]{12})[0-9a-f]*")
-
-
 def _problem(text) -> str:
     """A validation problem for a table cell: chunk URLs shortened to their digest's start."""
-    return _cut(_CHUNK_URL.sub(r"\1…", str(text or "")), 60)
+    return short_problem(str(text or ""), 60)
 
 
 def _num(value) -> str:
@@ -120,12 +117,12 @@ def checkpoint_inventory(
 ) -> Output[pd.DataFrame]:
     """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
     last recorded failure and the retention verdict. Also bytes and monthly cost per
-    tier at default list prices (``storage_cost`` has the breakdown, at configured prices)."""
+    tier, priced as ``storage_cost`` prices them (``assets.pricing``; its breakdown has the savings)."""
     hot, arc = store.open(), archive.open()
     entries, plan = compute_plan(RetentionConfig(), hot, arc, registry)
     df = pd.DataFrame(inventory.rows(entries, plan))
     hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
-    priced = costs.price({"hot": hot_stats, "archive": arc_stats}, expired(hot), costs.CostModel())
+    priced = costs.price({"hot": hot_stats, "archive": arc_stats}, expired(hot), cost_model(CostConfig(), archive))
     counts = df["validation"].value_counts().to_dict() if len(df) else {}
     return Output(
         df,
@@ -133,11 +130,9 @@ def checkpoint_inventory(
             "checkpoints": len(df),
             "validation_passed": counts.get("passed", 0),
             "validation_failed": counts.get("failed", 0),
-            **size("hot_stored", hot_stats.stored_bytes),
-            **size("archive_stored", arc_stats.stored_bytes),
+            **tier_cost_metadata(priced),
             "hot_dedup_ratio": ratio(hot_stats.dedup_ratio),
             "hot_compression_ratio": ratio(hot_stats.compression_ratio),
-            **{f"{t.tier}_monthly_usd": MetadataValue.float(round(t.monthly_usd, 4)) for t in priced.tiers},
             "to_delete": len(plan.delete),
             "recover_to": markdown(pd.DataFrame(inventory.recovery_choices(hot, entries)).fillna("-")),
             "table": markdown(inventory_view(df)),

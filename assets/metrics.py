@@ -20,6 +20,7 @@ from assets.inventory import GROUP, REFRESH, markdown
 from assets.metadata import rounded, size
 from ckptflow.catalog.gc import parse_duration
 from ckptflow.reports import recoveries, stats
+from ckptflow.reports.recoverable import rpo_against_target
 from ckptflow.reports.units import human_duration
 from resources import ArchiveTierResource, CheckpointStoreResource
 
@@ -39,14 +40,6 @@ def _worst(values) -> float | None:
 def _seconds(figures: dict[str, float | None]) -> dict[str, MetadataValue]:
     """Durations as plotted floats; a figure with no data yet is left out, not plotted as 0."""
     return {k: MetadataValue.float(rounded(v)) for k, v in figures.items() if v is not None}
-
-
-def rpo_against_target(rpo_s: float | None, target_s: float) -> str:
-    """The RPO with its target beside it: "2.7 s (target 1.0 h: met)"."""
-    if rpo_s is None:
-        return f"- (target {human_duration(target_s)}: no two recovery-ready checkpoints in the window)"
-    verdict = "met" if rpo_s <= target_s else "MISSED"
-    return f"{human_duration(rpo_s)} (target {human_duration(target_s)}: {verdict})"
 
 
 def _row(m: recoveries.RunMetrics) -> dict:

@@ -12,6 +12,9 @@ from resources.dagster_private import delete_dynamic_partitions, sql_event_stora
 
 checkpoints_partitions = DynamicPartitionsDefinition(name="checkpoints")
 DIGEST_TAG = "ckptflow/manifest_digest"  # the commit a run is about (see ``pin_commit``)
+# The checkpoint a run is about, short enough for the Runs list to show whole: the
+# ``dagster/partition`` tag (``<run>__step-<12 digits>``) is cut before the step there.
+CHECKPOINT_TAG = "checkpoint"
 
 
 def checkpoint_key(run: str, step: int) -> str:
@@ -22,14 +25,27 @@ def parse_checkpoint_key(key: str) -> tuple[str, int]:
     return fmt.parse_checkpoint_name(key)
 
 
+def checkpoint_tags(key: str) -> dict[str, str]:
+    """``{"checkpoint": "<run>@<step>"}`` for a run about the checkpoint ``key``."""
+    try:
+        run, step = parse_checkpoint_key(key)
+    except ValueError:  # not a checkpoint name: nothing shorter to say
+        return {}
+    return {CHECKPOINT_TAG: f"{run}@{step}"}
+
+
 def pin_commit(context: AssetExecutionContext) -> Callable[[str], None]:
     """The run's ``on_commit`` (``ckptflow.lifecycle.per_checkpoint``): tags the run with
     the digest of the commit it is about to process, so a failure is recorded against
-    that commit even if the step is committed again before the failure sensor looks."""
+    that commit even if the step is committed again before the failure sensor looks.
+    It also adds the short ``checkpoint`` tag to runs nobody tagged when requesting them
+    (the automation sensors' runs, backfills, a launch from the UI)."""
 
     def pin(digest: str) -> None:
-        if context.run.tags.get(DIGEST_TAG) != digest:
-            context.instance.add_run_tags(context.run.run_id, {DIGEST_TAG: digest})
+        wanted = {DIGEST_TAG: digest, **checkpoint_tags(context.partition_key)}
+        missing = {k: v for k, v in wanted.items() if context.run.tags.get(k) != v}
+        if missing:
+            context.instance.add_run_tags(context.run.run_id, missing)
 
     return pin
 

@@ -67,7 +67,7 @@ _LAZY = {
     "model_metadata": "ckptflow.interop.export",
     "gc": "ckptflow.catalog.gc",
     "open_store": "ckptflow.store",
-    "per_rank": "ckptflow.training.tree",
+    "per_rank": "ckptflow.format.state_tree",
 }
 
 if TYPE_CHECKING:
@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from ckptflow.catalog.selection import Alias, Best
     from ckptflow.format.lineage import Dataset, RunLineage
     from ckptflow.format.manifest import Manifest
+    from ckptflow.format.state_tree import per_rank
     from ckptflow.interop.export import export_dcp, export_safetensors, model_metadata
     from ckptflow.interop.importers import import_checkpoint
     from ckptflow.policy.save import SavePolicy
@@ -84,7 +85,6 @@ if TYPE_CHECKING:
     from ckptflow.training.checkpointer import Checkpointer, SaveHandle, SaveResult
     from ckptflow.training.preemption import PreemptionHandler
     from ckptflow.training.restore import RestoreResult
-    from ckptflow.training.tree import per_rank
     from ckptflow.training.warmup import Warmup, WarmupLR
 
 

@@ -22,7 +22,7 @@ from dagster import (
 
 from assets.checkpoints import checkpoint
 from assets.freshness import RPO_FRESHNESS_KEY
-from assets.partitions import DIGEST_TAG, checkpoints_partitions
+from assets.partitions import DIGEST_TAG, checkpoint_tags, checkpoints_partitions
 from ckptflow.lifecycle import landing
 from resources import CheckpointStoreResource
 from sensors.intervals import SENSOR_INTERVAL_S
@@ -52,7 +52,7 @@ def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
         RunRequest(
             run_key=f"{c.key}@{c.marker}",
             partition_key=c.key,
-            tags={LANE_TAG: "validation", **({DIGEST_TAG: c.digest} if c.digest else {})},
+            tags={LANE_TAG: "validation", **checkpoint_tags(c.key), **({DIGEST_TAG: c.digest} if c.digest else {})},
         )
         for c in landed
         if not c.validated

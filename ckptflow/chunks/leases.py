@@ -21,7 +21,9 @@ A lease also says which process holds it: the machine (the kernel's boot id and 
 namespace, so a pid means the same process only where both match), the pid and the
 process's start time (``/proc/<pid>/stat`` field 22, so a pid reused by another process
 is not mistaken for it). GC on that machine clears the lease of a holder that is gone
-(SIGKILL, the OOM killer) at once; elsewhere only ``DEAD_AFTER`` bounds it.
+(SIGKILL, the OOM killer) at once; elsewhere only ``DEAD_AFTER`` bounds it. The GC lock says
+the same, so a save on the machine of a GC that was killed stops waiting for it at once,
+and the next GC there takes the lock over at once.
 """
 
 from __future__ import annotations
@@ -161,9 +163,18 @@ def save_lease(store: Store, timeout: float = SAVE_WAIT) -> Iterator[Heartbeat]:
         store.delete(key)
 
 
+def _gc_holder_gone(store: Store) -> bool:
+    """Whether the GC lock was left by a process on this machine that is gone."""
+    try:
+        return _holder_gone(store.get_bounded(GC_LOCK, 1 << 16))
+    except (CkptflowError, OSError):  # released meanwhile, or unreadable: it proves nothing
+        return False
+
+
 def _wait_for_gc(store: Store, timeout: float) -> None:
     started = time.monotonic()
     said = False
+    checked: str | None = None  # the lock version whose holder was last checked (a GET each)
     while True:
         try:
             info = store.stat(GC_LOCK)
@@ -171,6 +182,10 @@ def _wait_for_gc(store: Store, timeout: float) -> None:
             return
         if _age(info) >= DEAD_AFTER:
             return  # left by a GC that died: it sweeps nothing any more
+        if info.version != checked:
+            checked = info.version
+            if _gc_holder_gone(store):
+                return  # its GC was killed on this machine: it sweeps nothing any more
         if not said and time.monotonic() - started > 1.0:
             log.warning("save waiting for garbage collection to finish sweeping %s (%s, renewed %.0f s ago)",
                         store.url, GC_LOCK, _age(info))  # fmt: skip
@@ -198,7 +213,7 @@ def gc_lock(store: Store) -> Iterator[Heartbeat]:
                     f"another garbage collection just took {store.url}/{GC_LOCK}; run gc later"
                 ) from None
         else:
-            if _age(info) < DEAD_AFTER:
+            if _age(info) < DEAD_AFTER and not _gc_holder_gone(store):
                 raise CkptflowError(
                     f"another garbage collection holds {store.url}/{GC_LOCK} (renewed {_age(info):.0f} s ago); "
                     "run gc again when it has finished"

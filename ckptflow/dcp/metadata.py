@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -19,6 +20,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptflow.errors import ManifestError
 from ckptflow.format.dcp_index import DcpIndex, StorageItem
+
+JSON_VALUE = "json"  # a writer's storage data for a non-tensor value kept as JSON (CheckpointWriter json_values)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -42,7 +45,11 @@ def _plain(value: Any) -> Any:
 
 def metadata_to_json(md: Metadata, storage: dict[MetadataIndex, dict]) -> dict:
     tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata) and JSON_VALUE in storage.get(MetadataIndex(fqn), {}):
+            values[fqn] = storage[MetadataIndex(fqn)][JSON_VALUE]
+            continue
         if not isinstance(item, TensorStorageMetadata):
             raise ManifestError(f"state entry {fqn!r} is not a tensor; ckptflow stores only tensors through DCP")
         tensors[fqn] = {
@@ -58,8 +65,10 @@ def metadata_to_json(md: Metadata, storage: dict[MetadataIndex, dict]) -> dict:
             **data,
         }
         for idx, data in sorted(storage.items(), key=lambda kv: (kv[0].fqn, list(kv[0].offset or ())))
+        if JSON_VALUE not in data
     ]
-    return {"version": md.version, "tensors": tensors, "items": items, "planner_data": _plain(md.planner_data)}
+    doc = {"version": md.version, "tensors": tensors, "items": items, "planner_data": _plain(md.planner_data)}
+    return {**doc, "values": values} if values else doc
 
 
 def metadata_from_index(index: DcpIndex) -> tuple[Metadata, dict[MetadataIndex, StorageItem]]:
@@ -72,6 +81,7 @@ def metadata_from_index(index: DcpIndex) -> tuple[Metadata, dict[MetadataIndex, 
         )
         for fqn, t in index.tensors.items()
     }
+    sdm.update({fqn: BytesStorageMetadata() for fqn in index.values})
     storage = {
         MetadataIndex(item.fqn, None if item.offset is None else torch.Size(item.offset), item.index): item
         for item in index.items

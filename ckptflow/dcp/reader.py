@@ -6,6 +6,7 @@ every chunk before any of them is written into the caller's tensors.
 
 from __future__ import annotations
 
+import io
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.futures
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptflow.chunks.budget import MemoryBudget
@@ -25,6 +26,7 @@ from ckptflow.dcp.writer import Progress, completed_future, tensor_memory
 from ckptflow.errors import is_damage
 from ckptflow.format.dcp_index import StorageItem
 from ckptflow.format.manifest import Manifest
+from ckptflow.format.state_tree import unflatten
 
 
 class CheckpointReader(StorageReader):
@@ -118,8 +120,10 @@ class CheckpointReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         by_storage: dict[MetadataIndex, list] = defaultdict(list)
+        values = [req for req in plan.items if req.type == LoadItemType.BYTE_IO]
         for req in plan.items:
-            by_storage[req.storage_index].append(req)
+            if req.type != LoadItemType.BYTE_IO:
+                by_storage[req.storage_index].append(req)
         checked: dict[str, CheckedChunk] = {}
         failure: Failure | None = None
         if not self.single_pass:
@@ -151,6 +155,8 @@ class CheckpointReader(StorageReader):
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
             _finish(loading, planner)
+            for req in values:
+                planner.load_bytes(req, _as_torch_save(self.manifest.dcp.values[req.storage_index.fqn]))
         except Exception as e:  # verified, yet not read into place: the caller's tensors are partly written
             raise IntoPlaceFailed(describe(e)) from e
         finally:  # on failure: no read may write into the caller's tensors after this returns
@@ -168,6 +174,17 @@ class CheckpointReader(StorageReader):
                 self.progress(len(out))
         else:
             self.chunks.read_checked(checked[digest], out)
+
+
+def _as_torch_save(skeleton: Any) -> io.BytesIO:
+    """A value stored as JSON (``CheckpointWriter(json_values=True)``) in the form DCP's
+    ``load_bytes`` takes. DCP's planner ``torch.load``s it; the bytes are made here, by
+    ``torch.save`` of what the JSON decodes to (numbers, strings, lists, tuples, dicts,
+    bytes), never read from storage, so what it unpickles is only ever such plain values."""
+    buffer = io.BytesIO()
+    torch.save(unflatten(skeleton, {}), buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def _finish(loading: list, planner: LoadPlanner) -> None:

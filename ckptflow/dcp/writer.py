@@ -27,7 +27,7 @@ from ckptflow.catalog.commit import commit_manifest
 from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
 from ckptflow.dcp.auto_codec import SaveEncoder
-from ckptflow.dcp.metadata import dtype_name, metadata_to_json
+from ckptflow.dcp.metadata import JSON_VALUE, dtype_name, metadata_to_json
 from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
@@ -35,6 +35,7 @@ from ckptflow.format.checksum import ADDRESS, same_content
 from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.sealed import seal
+from ckptflow.format.state_tree import flatten
 
 Progress = Callable[[int], None]
 Region = tuple  # (fqn, item offset, chunk index, dtype, length): one chunk-sized slice of a saved tensor
@@ -102,15 +103,35 @@ def _plan_bytes(plan: SavePlan) -> int:
 
 def byte_io_refusal(fqn: str, run: str, step: int) -> str:
     """Why a non-tensor value handed to ``dcp.save`` with this writer is refused, and the
-    two ways out (DCP would ``torch.save`` it into a BYTE_IO item: a pickle)."""
+    ways out (DCP would ``torch.save`` it into a BYTE_IO item: a pickle)."""
     return (
         f"{fqn!r} is not a tensor: as a dcp.save StorageWriter, ckptflow stores tensors only, since DCP would pickle "
         f"this value into a BYTE_IO item and ckptflow never pickles; nothing was committed for run {run!r} step "
         f"{step}. Either save the whole state with ckptflow.Checkpointer(root, run).save(step, state) (tensors as "
         "chunks, every other value, numbers, strings, lists, dicts, as JSON, restored as it was by "
-        "Checkpointer.restore), or hand dcp.save tensors only (torch.tensor(value), or keep such values in a JSON "
-        "file of your own)"
+        "Checkpointer.restore), or opt in to JSON values for this writer (CheckpointWriter(..., json_values=True): "
+        "numbers, strings, lists, tuples, dicts, bytes are stored as JSON in the manifest instead of DCP's pickle), "
+        "or hand dcp.save tensors only (torch.tensor(value))"
     )
+
+
+def json_value(planner: SavePlanner, fqn: str, index: MetadataIndex) -> Any:
+    """The JSON form of the value DCP would pickle at ``fqn``, taken from the planner before
+    DCP's ``torch.save`` (``DefaultSavePlanner.lookup_object``): what ``json_values=True``
+    stores in the manifest. Anything JSON cannot hold is refused, naming it."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        raise UnsupportedStateError(
+            f"{fqn!r} is not a tensor and the planner {type(planner).__name__} does not hand out the value "
+            "(lookup_object), so it cannot be stored as JSON; use DCP's DefaultSavePlanner or the Checkpointer"
+        )
+    try:
+        skeleton, tensors = flatten(lookup(index))
+    except UnsupportedStateError as e:
+        raise UnsupportedStateError(f"{fqn!r} cannot be stored as JSON (json_values=True): {e}") from None
+    if tensors:
+        raise UnsupportedStateError(f"{fqn!r} holds tensors inside a value DCP did not flatten; save them as tensors")
+    return skeleton
 
 
 def completed_future(value: Any) -> torch.futures.Future:
@@ -139,10 +160,12 @@ class CheckpointWriter(StorageWriter):
         progress: Progress | None = None,
         *,
         previous: Mapping[Region, tuple[str, str]] | None = None,
+        json_values: bool = False,
     ):
         super().__init__()
         self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
         self.previous = previous or {}
+        self.json_values = json_values
         self.seen: Seen = {}  # for the next save, once this one has committed
         self.rank = 0
         self.is_coordinator = True
@@ -221,11 +244,14 @@ class CheckpointWriter(StorageWriter):
         return completed_future(results)
 
     def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        pending: list[tuple[Any, torch.Tensor, memoryview, list[Future]]] = []
+        pending: list[tuple[Any, torch.Tensor | None, Any, list[Future]]] = []
         try:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
-                    raise UnsupportedStateError(byte_io_refusal(item.index.fqn, self.spec.run, self.spec.step))
+                    if not self.json_values:
+                        raise UnsupportedStateError(byte_io_refusal(item.index.fqn, self.spec.run, self.spec.step))
+                    pending.append((item, None, json_value(planner, item.index.fqn, item.index), []))
+                    continue
                 tensor = planner.resolve_data(item)
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
                 raw = _bytes_view(tensor)
@@ -246,7 +272,9 @@ class CheckpointWriter(StorageWriter):
             wait(queued)
 
     @staticmethod
-    def _result(item: Any, tensor: torch.Tensor, raw: memoryview, futures: list[Future]) -> WriteResult:
+    def _result(item: Any, tensor: torch.Tensor | None, raw: Any, futures: list[Future]) -> WriteResult:
+        if tensor is None:  # a JSON value (json_values=True): no chunks, it travels in the manifest
+            return WriteResult(index=item.index, size_in_bytes=0, storage_data={JSON_VALUE: raw})
         writes = [f.result() for f in futures]
         data = {
             "dtype": dtype_name(tensor.dtype),
@@ -282,6 +310,9 @@ class CheckpointWriter(StorageWriter):
         for rank_results in results:
             for wr in rank_results:
                 data = dict(wr.storage_data)
+                if JSON_VALUE in data:
+                    storage[wr.index] = data
+                    continue
                 writes = data.pop("_writes")
                 storage[wr.index] = data
                 logical += wr.size_in_bytes

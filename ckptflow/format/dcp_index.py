@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.format import layout as fmt
 from ckptflow.format.sealed import Fields
+from ckptflow.format.state_tree import json_value_problem
 from ckptflow.format.tiling import tiling_problem
 
 
@@ -62,6 +63,7 @@ class DcpIndex:
     tensors: Mapping[str, TensorEntry]
     items: tuple[StorageItem, ...]
     planner_data: Any
+    values: Mapping[str, Any] = field(default_factory=dict)  # non-tensor values a plain dcp.save stored as JSON
 
     def to_json(self) -> dict:
         return {
@@ -86,6 +88,7 @@ class DcpIndex:
                 for i in self.items
             ],
             "planner_data": self.planner_data,
+            **({"values": dict(self.values)} if self.values else {}),
         }
 
 
@@ -174,6 +177,18 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
         stored = per_tensor.get(fqn, 0)
         if stored != len(tensor.shards):
             raise check.bad(f"stores {stored} of the {len(tensor.shards)} shards of tensor {fqn!r}")
+    values = doc.get("values", {})
+    if not isinstance(values, dict):
+        raise check.bad("has DCP values that are not an object")
+    for fqn, value in values.items():
+        if fqn in tensors:
+            raise check.bad(f"has {fqn!r} both as a tensor and as a JSON value")
+        if json_value_problem(value):
+            raise check.bad(f"has a DCP value {fqn!r} that {json_value_problem(value)}")
     return DcpIndex(
-        version=doc.get("version"), tensors=tensors, items=tuple(items), planner_data=doc.get("planner_data")
+        version=doc.get("version"),
+        tensors=tensors,
+        items=tuple(items),
+        planner_data=doc.get("planner_data"),
+        values=values,
     )

@@ -149,7 +149,7 @@ def _exact(
     if fmt.digest_of(blob) != manifest.digest:
         report.problems.append(f"{src.url}/{fmt.manifest_key(manifest.run, manifest.step)} changed while it was copied")
         return
-    _commit(dst, manifest, blob, records, report, replace_records=False)
+    _commit(dst, manifest, blob, records, report)
 
 
 def _place(
@@ -208,7 +208,7 @@ def _lossy(
     )
     _check_chunks(target, copy.manifest, report, copy.sizes, None)
     if report.ok:
-        _commit(dst, copy.manifest, copy.blob, copy.records, report, replace_records=True)
+        _commit(dst, copy.manifest, copy.blob, copy.records, report)
 
 
 def _reevaluate(src: Store, dst: Store, manifest: Manifest, evaluator: Evaluator, name: str, key: str) -> dict:
@@ -289,12 +289,14 @@ def _commit(
     blob: bytes,
     records: list[tuple[str, bytes]],
     report: ArchiveReport,
-    *,
-    replace_records: bool,
 ) -> None:
     """Rank records, checked as read back, then the manifest, create-only, then the
-    manifest read back. Another commit of this step already in ``dst`` is left as it is.
-    Rank records are replaced (``replace_records``) only while no manifest names them."""
+    manifest and the records read back. Another commit of this step already in ``dst`` is
+    left as it is. Rank records are replaced only while no manifest names them: what is
+    there then was left by an attempt that failed or was killed before its commit (a lossy
+    copy's records, say, before an exact archival of the same step), which no restore
+    reads; a concurrent archival of the same step that replaced them after this one
+    checked them is caught by the read-back after the commit."""
     meta, key = dst.metadata_store(), fmt.manifest_key(manifest.run, manifest.step)
     try:
         try:
@@ -307,7 +309,7 @@ def _commit(
             report.problems.append(f"{dst.url}/{key} already holds another commit of this step; not overwritten")
             return
         for record_key, record in records:
-            if replace_records and held is None:
+            if held is None:
                 meta.replace(record_key, record)
             elif not meta.put_if_absent(record_key, record) and meta.get(record_key) != record:
                 report.problems.append(f"{dst.url}/{record_key} already holds a different record; not overwritten")
@@ -320,6 +322,10 @@ def _commit(
             return
         if catalog.read_manifest(meta, manifest.run, manifest.step).digest != manifest.digest:
             report.problems.append(f"{dst.url}/{key} does not read back as the manifest committed")
+            return
+        for record_key, record in records:
+            if meta.get(record_key) != record:
+                report.problems.append(f"{dst.url}/{record_key} changed while this copy was committed")
     except CkptflowError as e:
         _problem(report, e)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, read_record
+from ckptflow.chunks.lossy import describe as describe_lossy
 from ckptflow.errors import CkptflowError, PromotionError, RegistryError
 from ckptflow.format import layout as fmt
 from ckptflow.interop.export import ExportOptions, Lineage, export_safetensors, option_problems
@@ -93,6 +94,13 @@ def promote(
     else:
         run, step = request.checkpoint
     manifest = catalog.read_manifest(hot, run, step)
+    if manifest.lossy is not None:
+        source = manifest.lossy.get("source_digest") or "unknown"
+        raise PromotionError(
+            f"refusing to promote {run} step {step}: it is a lossy archive copy ({describe_lossy(manifest.lossy)}), "
+            f"not the model that was trained; promote the exact commit (manifest {source}) instead. A lossy copy can "
+            "still be exported (export --allow-lossy) or restored (allow_lossy=True) for evaluation"
+        )
     validation = read_record(hot, Subject.of(manifest), "validation") or validate(hot, run, step)
     if not validation.get("ok") or validation.get("manifest_digest") != manifest.digest:
         raise PromotionError(

@@ -38,13 +38,13 @@ from ckptflow.format import layout as fmt
 from ckptflow.format.lineage import RunLineage, warn_if_different
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import json_problem
+from ckptflow.format.state_tree import flatten, shared_storage
 from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
 from ckptflow.training.restore import Restore, RestoreResult
 from ckptflow.training.save_handle import SaveHandle, SaveResult
 from ckptflow.training.state import FreshOptimizers, capture_rng, to_state_dicts
-from ckptflow.training.tree import flatten, shared_storage
 from ckptflow.training.warmup import Warmup, warm_up
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ckptflow.errors import StateMismatchError
-from ckptflow.training.tree import DICT, ODICT, TAGS, tensor_refs
+from ckptflow.format.state_tree import DICT, ODICT, TAGS, tensor_refs
 
 SHOWN = 12  # names listed in an error; the count says how many there are
 

@@ -48,9 +48,9 @@ from ckptflow.errors import (
     StoreUnavailableError,
 )
 from ckptflow.format.manifest import Manifest, RankRecord
+from ckptflow.format.state_tree import flatten, tensor_refs, unflatten
 from ckptflow.training.matching import LoadPlan, entries, plan_load
 from ckptflow.training.state import FreshOptimizers, load_state_dicts, restore_rng, to_state_dicts
-from ckptflow.training.tree import flatten, tensor_refs, unflatten
 
 log = logging.getLogger("ckptflow")
 

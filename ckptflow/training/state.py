@@ -1,7 +1,7 @@
 """Live training objects and their state dicts, both ways; RNG states.
 
 ``state`` maps names to modules, optimizers, ``Stateful`` objects, tensors or plain
-values (``ckptflow.training.tree`` turns the state dicts into tensors and JSON). Restoring writes
+values (``ckptflow.format.state_tree`` turns the state dicts into tensors and JSON). Restoring writes
 into the live objects in place, so whoever holds a reference sees the restored values.
 """
 
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptflow.errors import UnsupportedStateError
-from ckptflow.training.tree import UNLOADED, PerRank
+from ckptflow.format.state_tree import UNLOADED, PerRank
 
 
 def _is_stateful(obj: Any) -> bool:

@@ -22,10 +22,12 @@ import torch
 from ckptflow import Checkpointer, SavePolicy, gc
 from ckptflow.catalog.checkpoints import list_checkpoints
 from ckptflow.reports import recoveries
-from ckptflow.reports.units import human_bytes
+from ckptflow.reports.advice import advise
+from ckptflow.reports.units import human_bytes, human_duration
 from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
 from pipelines.demo.recover import recover_demo
+from pipelines.demo.text import wrapped
 
 DEMO_STORE = ".demo/store"
 DEMO_ARCHIVE = ".demo/archive"
@@ -105,9 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== corrupted one chunk of step {newest.step} on purpose")
         report = ck.verify(newest.step)
         verdict = "ok" if report.ok else "CORRUPT" if report.damaged else "UNREADABLE"
-        print(f"  verify step {newest.step}: {verdict}; " + "; ".join(report.problems)[:160])
+        print(f"  verify step {newest.step}: {verdict}")
+        for problem in report.problems:
+            print(wrapped(problem, indent="    "))
         result = ck.restore(build())
-        print(f"  restore picked step {result.step}; skipped {[(s, r[:60] + '…') for s, r in result.skipped]}")
+        print(f"  restore picked step {result.step}; skipped:")
+        for step, why in result.skipped:
+            print(wrapped(f"step {step}: {why}", indent="    "))
 
     recover_demo(args.store.rstrip("/") + "-recover")
 
@@ -129,6 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"== recoveries: {ops.recoveries} ({ops.recoveries_ok} succeeded, {ops.fallbacks} fell back past a bad "
         f"checkpoint), median restore {ops.restore_s:.3f} s; a checkpoint every {ops.save_interval_s:.2f} s"
+    )
+    advice = advise(ck.store, args.run, scenario="preemptible")
+    print(
+        f"== checkpoint interval (ckptflow advise {args.store} --run {args.run} --scenario preemptible): every "
+        f"{advice.optimal.interval_steps or '?'} steps ({human_duration(advice.optimal.interval_s)}), "
+        f"{100 * advice.optimal.waste:.2f}% of the time lost to saves, failures and restores"
+        + (
+            f"; the demo's every {advice.current.interval_steps or '?'} steps loses {100 * advice.current.waste:.2f}%"
+            if advice.current is not None
+            else ""
+        )
     )
     status = 0
     if not args.no_lifecycle:

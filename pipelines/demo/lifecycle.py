@@ -26,10 +26,11 @@ from ckptflow.reports.units import human_bytes, human_duration
 from ckptflow.store import open_store
 from pipelines.definitions import build_definitions
 from pipelines.demo import daemon as real_daemon
+from pipelines.demo.text import wrapped
 from pipelines.inprocess import QUIET, Driver
 
 LOCAL_INSTANCE = os.path.join(real_daemon.REPO, "pipelines", "instance", "local.yaml")
-VIEWS = ["checkpoint_inventory", "retention_plan", "recovery_metrics"]
+VIEWS = ["checkpoint_inventory", "retention_plan", "recovery_metrics", "recoverability", "storage_cost"]
 
 
 def _num(value, digits: int = 4) -> str:
@@ -88,10 +89,11 @@ def run_lifecycle(store: str, archive: str, dagster_home: str, *, fresh: bool, d
         print(
             f"  {r['run']:<14} {r['step']:>5} {r['kind']:<11} {r['validation']:<10} {r['tiers']:<12} {_num(r.get('metric.train_loss')):>10} "
             f"{_num(r.get('metric.val_loss')) + ('*' if r.get('overfitting') is True else ' '):>10} "
-            f"{_num(r.get('compression_ratio'), 2):>6}  {r['retention'][:90]}"
+            f"{_num(r.get('compression_ratio'), 2):>6}  {r['retention']}"
         )
     for row in df[df.validation == "failed"].itertuples(index=False):
-        print(f"  {row.run} step {row.step} blocked by the integrity check: {row.problem[:100]}…")
+        why = f"{row.run} step {row.step} blocked by the integrity check: {row.problem}"
+        print(wrapped(why, indent="  "))
     hot, arc = store_stats(open_store(store)), store_stats(open_store(archive))
     print(
         f"== bytes per tier: hot {_mb(hot.stored_bytes)} stored for {_mb(hot.logical_bytes)} logical "

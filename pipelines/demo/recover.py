@@ -11,6 +11,7 @@ from ckptflow.store import open_store
 from ckptflow.training.warmup import warm_up
 from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
+from pipelines.demo.text import wrapped
 
 RUN = "tinylm-recover"
 
@@ -54,7 +55,7 @@ def recover_demo(root: str, *, steps: int = 40, every: int = 10, after: int = 20
         result = ck.restore(build(), select="validated")
     print(f"  restore(select='validated') -> step {result.step}; passed over:")
     for step, why in result.passed_over:
-        print(f"    step {step}: {why[:90]}")
+        print(wrapped(f"step {step}: {why}", indent="    "))
     plain = resume_curve(root, result.step, warmup=None, steps=after)
     warmed = resume_curve(
         root, result.step, warmup=Warmup(steps=after // 2, start_factor=0.1, scheduler="sched"), steps=after

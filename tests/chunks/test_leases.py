@@ -174,6 +174,44 @@ def test_the_lease_of_a_killed_saver_on_this_machine_holds_no_gc(tmp_path):
     assert not list(store.list(leases.LEASES))
 
 
+def test_a_gc_killed_on_this_machine_holds_no_save_and_its_lock_is_taken_over_at_once(tmp_path, caplog):
+    """Same machine: a save stops waiting for the lock of a GC whose process is gone, and the
+    next GC takes it over, both long before the 30 s after which an unrenewed lock is dead."""
+    root = str(tmp_path / "store")
+    store = open_store(root)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from ckptflow import open_store\n"
+            "from ckptflow.chunks import leases\n"
+            "with leases.gc_lock(open_store(sys.argv[1])):\n"
+            "    print('holding', flush=True)\n"
+            "    time.sleep(600)\n"
+        ), root],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        with pytest.raises(CkptflowError, match="another garbage collection holds"):
+            with leases.gc_lock(store):
+                pass  # alive: its lock holds
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    assert store.exists(leases.GC_LOCK)  # renewed seconds ago: not dead by its age
+    started = time.monotonic()
+    with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    assert time.monotonic() - started < 10
+    with caplog.at_level(logging.WARNING, logger="ckptflow"):
+        report = gc(store, grace="1h")
+    assert report.skipped is None and "took over" in caplog.text
+    assert time.monotonic() - started < leases.DEAD_AFTER
+
+
 def test_a_lease_whose_holder_exited_or_whose_pid_names_another_process_is_dead_on_this_machine(tmp_path):
     store = open_store(str(tmp_path / "store"))
     mine = json.loads(leases._owner("save"))

@@ -1,5 +1,7 @@
 """The demo is the project's front door: it must run and tell the truth."""
 
+import re
+
 import pytest
 
 from pipelines.demo.cli import main
@@ -16,8 +18,12 @@ def test_demo_trains_crashes_restores_and_skips_the_corrupt_checkpoint(tmp_path,
     out = capsys.readouterr().out
     assert "restored step 30 (data position 30" in out
     assert "verify step 60: CORRUPT" in out
-    assert "restore picked step 50; skipped [(60," in out
+    assert "restore picked step 50; skipped:\n    step 60: " in out
+    assert "best 1 of 5 by min val_loss (" in out  # retention reasons whole, not cut at a column
+    assert re.search(r"step 60: chunk\s+file://\S+/chunks/[0-9a-f]{2}/[0-9a-f]{64}\s+does not match", out), out  # whole
     assert "6 checkpoints" in out
+    assert re.search(r"== checkpoint interval \(ckptflow advise .* --scenario preemptible\): every \d+ steps", out)
+    assert "the demo's every 10 steps loses" in out
     # the Dagster lifecycle half: the corrupt checkpoint is blocked by its check, the rest flow through
     assert "landed 6 checkpoint partitions" in out
     assert "1 failed: ['validate_checkpoint[tinylm-demo__step-000000000060]']" in out

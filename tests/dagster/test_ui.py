@@ -13,12 +13,13 @@ Slow (the demo, then the UI): ``make test-e2e`` and ``.ci/run`` run it.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import urllib.request
 
 import pytest
-from dagster import DagsterInstance, DagsterRunStatus
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus
 
 from assets.partitions import checkpoint_key
 from ckptflow.interop.registry import Registry
@@ -179,3 +180,77 @@ def test_backfill_of_evaluation_launched_from_the_ui_completes(page, ui):
     assert {r.status for r in runs} == {DagsterRunStatus.SUCCESS}
     page.goto(ui["base"] + f"/runs/b/{backfill.backfill_id}")
     page.get_by_text("Completed").first.wait_for()
+
+
+# --- the operator's view (issue 24) ---------------------------------------------------------
+
+
+def _latest_metadata(ui, asset: str) -> dict:
+    with DagsterInstance.from_config(ui["home"]) as instance:
+        event = instance.get_latest_materialization_event(AssetKey(asset))
+        assert event is not None and event.asset_materialization is not None, asset
+        return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+def test_recoverability_answers_is_training_recoverable_now(page, ui):
+    """One place: per run the newest recovery-ready checkpoint, RPO with its target, the last
+    recovery and its RTO, "N of M need attention"; bytes and $/month per tier."""
+    page.goto(ui["base"] + "/assets/recoverability")
+    page.get_by_text(
+        "yes: every run (2) has a recovery-ready checkpoint; 2 of 9 checkpoints need attention", exact=True
+    ).wait_for()
+    for cell in ("1 of 6 need attention", "1 of 3 need attention", "hot+archive"):
+        page.get_by_text(cell, exact=True).first.wait_for()
+    page.get_by_text(re.compile(r"^\d+\.\d (s|min) \(target 60\.0 min: met\)$")).first.wait_for()  # RPO, target
+    page.get_by_text(re.compile(r"^chunk hash: chunk [0-9a-f]{12}… does not match its address")).first.wait_for()
+    shot(page, "recoverability")
+
+
+def test_every_report_shows_one_price_per_tier(page, ui):
+    """The inventory, the cost report and the operator's view price a tier alike."""
+    shown = {name: _latest_metadata(ui, name) for name in ("checkpoint_inventory", "storage_cost", "recoverability")}
+    for tier in ("hot", "archive"):
+        assert len({md[f"{tier}_monthly_usd"] for md in shown.values()}) == 1, (tier, shown)
+    archive_cost = shown["storage_cost"]["archive_cost"]
+    assert shown["storage_cost"]["archive_monthly_usd"] > 0 and archive_cost.startswith("$")
+    for name in shown:
+        page.goto(ui["base"] + f"/assets/{name}")
+        page.get_by_text("archive_monthly_usd", exact=True).first.wait_for()
+        page.get_by_text(archive_cost, exact=True).first.wait_for()
+    shot(page, "inventory_prices")
+
+
+def test_a_corrupt_partition_says_why_on_its_own_page(page, ui):
+    """The partition's events say which chunk and which check, in plain fields; the
+    integrity check's latest result says it in its description; the asset's description
+    says a Failed partition is one checkpoint needing attention."""
+    page.goto(ui["base"] + f"/assets/checkpoint?view=events&partition={CORRUPT[0]}")
+    page.get_by_text(re.compile(r"^blocked by the integrity check: chunk hash: chunk [0-9a-f]{12}…")).first.wait_for()
+    page.get_by_text("integrity: chunk hash", exact=True).first.wait_for()
+    page.get_by_text(re.compile(r"^[0-9a-f]{12}…$")).first.wait_for()  # the chunk
+    assert page.get_by_text("[Show Markdown]").count() == 0
+    shot(page, "corrupt_partition_events")
+    page.goto(ui["base"] + "/assets/checkpoint?view=checks")
+    page.get_by_text(re.compile(r"step 60 needs attention: chunk hash: chunk [0-9a-f]{12}…")).first.wait_for()
+    shot(page, "integrity_check")
+    page.goto(ui["base"] + "/assets/checkpoint")
+    page.get_by_text("checkpoint that needs attention, not a broken pipeline").first.wait_for()
+
+
+def test_integrity_plots_one_line_per_run_and_the_demo_evaluation_has_train_loss(page, ui):
+    page.goto(ui["base"] + "/assets/checkpoint?view=checks")
+    page.get_by_text("integrity", exact=True).first.wait_for()
+    for run in (DEMO_RUN, OTHER_RUN):
+        page.get_by_text(f"{run}/chunks", exact=True).first.wait_for()
+    shot(page, "integrity_plots")
+    page.goto(ui["base"] + f"/assets/evaluation?view=partitions&partition={checkpoint_key(DEMO_RUN, 50)}")
+    page.get_by_text("val_perplexity", exact=True).first.wait_for()  # the demo's evaluator scored it
+    page.get_by_text("train_loss", exact=True).first.wait_for()  # and the trainer's loss stands beside it
+
+
+def test_runs_list_shows_which_checkpoint_each_run_is_about(page, ui):
+    page.goto(ui["base"] + "/runs")
+    tag = page.get_by_text(re.compile(r"^checkpoint: (tinylm|regressor)-demo@\d+$")).first
+    tag.wait_for()
+    assert tag.evaluate("e => e.scrollWidth <= e.clientWidth + 1"), "the checkpoint tag is cut in the Runs list"
+    shot(page, "runs_list")

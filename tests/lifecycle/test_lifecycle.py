@@ -55,6 +55,35 @@ def test_archive_copies_commit_last_and_verifies_there(tmp_path):
     assert not lifecycle.archive(store, dst, "r", 1).ok
 
 
+def test_records_a_failed_lossy_archival_left_do_not_block_an_exact_one(tmp_path):
+    """A lossy archival that wrote its rank records and died before its manifest committed
+    leaves records no restore reads; an exact archival of the same step replaces them (no
+    manifest names them) and commits a copy that restores bit for bit."""
+    from ckptflow.chunks.lossy import ArchiveCodec
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    with Checkpointer(str(tmp_path / "store"), "r", chunk_bytes=4096) as ck:
+        ck.save(2, {"model": model, "optim": optim})
+    store, dst = open_store(str(tmp_path / "store")), open_store(str(tmp_path / "archive"))
+    assert lifecycle.archive(store, dst, "r", 2, codec=ArchiveCodec.parse("weights=bf16,optimizer=drop")).ok
+    lossy_record = dst.get(catalog.read_manifest(dst, "r", 2).rank_key(0))
+    dst.delete(fmt.manifest_key("r", 2))  # as if that archival died right before its commit
+    hot = catalog.read_manifest(store, "r", 2)
+    assert dst.get(hot.rank_key(0)) == lossy_record != store.get(hot.rank_key(0))
+    report = lifecycle.archive(store, dst, "r", 2)
+    assert report.ok, report.problems
+    assert catalog.read_manifest(dst, "r", 2).digest == hot.digest
+    assert dst.get(hot.rank_key(0)) == store.get(hot.rank_key(0))
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    with Checkpointer(str(tmp_path / "archive"), "r") as ck:
+        assert ck.restore({"model": fresh}).step == 2
+    assert torch.equal(fresh[1].weight, model[1].weight)
+
+
 def test_an_archive_tier_that_could_not_be_read_back_raises_and_records_no_failed_copy(tmp_path):
     store, _ = make(tmp_path)
     dst = FaultyStore(open_store(str(tmp_path / "archive")))

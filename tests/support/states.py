@@ -8,8 +8,8 @@ import copy
 import torch
 from torch import nn
 
+from ckptflow.format.state_tree import flatten
 from ckptflow.training.state import to_state_dicts
-from ckptflow.training.tree import flatten
 
 RUN = "r"
 CHUNK = 64  # bytes: every tagged tensor spans several chunks

@@ -27,10 +27,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
+from ckptflow.format.state_tree import tensor_refs, unflatten
 from ckptflow.interop.export.model import ExportResult, _check_out
 from ckptflow.interop.export.tensors import Admitted, Progress, admit, load_tensors, newest_verified_step
 from ckptflow.store import Store, open_store
-from ckptflow.training.tree import tensor_refs, unflatten
 
 SIDECAR = "ckptflow.json"  # beside the DCP files: the source checkpoint and its metadata
 

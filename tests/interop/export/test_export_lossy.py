@@ -148,3 +148,21 @@ def test_a_malformed_lossy_mark_is_refused_at_import(archived, tmp_path):
     with pytest.raises(CkptflowError, match="lossy archive copy.*'dropped' is not a list"):
         import_checkpoint(str(tmp_path / "imported"), "again", 1, tmp_path / "dcp")
     assert not (tmp_path / "imported" / "runs").exists()
+
+
+def test_a_lossy_copy_is_never_promoted_and_the_refusal_says_what_to_promote(archived, tmp_path):
+    from ckptflow.errors import PromotionError
+    from ckptflow.interop.registry import Registry
+    from ckptflow.lifecycle.promote import PromotionRequest, promote
+
+    hot, _, _, _ = archived
+    export_dcp(archived[1], RUN, tmp_path / "dcp", allow_lossy=True)
+    store = open_store(str(tmp_path / "imported"))
+    import_checkpoint(store, "again", 5, tmp_path / "dcp")
+    registry = Registry(store)
+    with pytest.raises(PromotionError) as refused:
+        promote(store, registry, PromotionRequest(model="bert", checkpoint=("again", 5)))
+    text = str(refused.value)
+    assert "lossy archive copy" in text and "promote the exact commit" in text
+    assert catalog.read_manifest(hot, RUN, 1).digest in text and "--allow-lossy" in text
+    assert registry.versions("bert") == []  # nothing registered

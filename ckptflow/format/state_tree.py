@@ -18,12 +18,14 @@ from __future__ import annotations
 import base64
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ckptflow.errors import UnsupportedStateError
+
+if TYPE_CHECKING:  # torch is imported where tensors are met: parsing a manifest's JSON values needs none
+    import torch
 
 TENSOR, TUPLE, DICT, BYTES, ODICT, NUMPY, PER_RANK = (
     "__tensor__", "__tuple__", "__dict__", "__bytes__", "__odict__", "__numpy__", "__per_rank__",
@@ -52,6 +54,8 @@ def _path(path: tuple) -> str:
 
 def flatten(tree: Any, rank: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
     """A JSON skeleton of ``tree`` with tensors replaced by references, and those tensors."""
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(node: Any, path: tuple, suffix: str) -> Any:
@@ -95,6 +99,8 @@ def shared_storage(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
     dtype. Equal values are no proof (every fresh LayerNorm weight is all ones); sharing
     is. Only plain tensors that hold memory are compared (not meta, empty or subclassed
     ones such as DTensor shards)."""
+    import torch
+
     groups: dict[tuple, list[str]] = {}
     for name, t in tensors.items():
         if type(t) is not torch.Tensor or t.device.type == "meta" or t.numel() == 0:
@@ -161,3 +167,16 @@ def tensor_refs(skeleton: Any) -> Iterator[str]:
                 stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
+
+
+def json_value_problem(skeleton: Any) -> str | None:
+    """Why a stored skeleton is not a plain value (one with no tensor in it, that decodes
+    cleanly), or None: checked when a manifest is parsed, so a value is never found bad
+    half-way through a restore."""
+    try:
+        if any(True for _ in tensor_refs(skeleton)):
+            return "refers to a tensor"
+        unflatten(skeleton, {})
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+        return f"does not decode ({type(e).__name__}: {e})"
+    return None
