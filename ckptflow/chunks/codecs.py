@@ -173,7 +173,9 @@ def max_raw_size(stored: int) -> int:
     return max(0, stored - HEADER.size) * MAX_EXPANSION
 
 
-def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected: int) -> memoryview:
+def decode(
+    blob: bytes | memoryview, base: BaseReader | None = None, *, expected: int, out: memoryview | None = None
+) -> memoryview:
     """The raw bytes of an encoded chunk, the ``expected`` length its manifest records.
 
     ``CorruptChunkError`` if the header announces another length (checked before anything
@@ -187,6 +189,10 @@ def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected
     decoded (which is how a base that is itself a delta is refused). The base is not
     verified here: a wrong base makes wrong bytes, which the delta's own address check
     catches (``ChunkStore`` then names the base).
+
+    ``out`` (writable, ``expected`` bytes) receives the raw bytes, and is returned: zstd
+    and delta chunks are joined straight into it, without a chunk-sized temporary. On
+    an error it holds whatever was written before it.
     """
     if len(blob) < HEADER.size:
         raise CorruptChunkError(f"chunk is {len(blob)} bytes, shorter than its header")
@@ -196,11 +202,26 @@ def decode(blob: bytes | memoryview, base: BaseReader | None = None, *, expected
     if raw_len != expected:
         raise CorruptChunkError(f"chunk header announces {raw_len} raw bytes, the manifest expects {expected}")
     payload = memoryview(blob)[HEADER.size :]
+    target = None
+    if out is not None:
+        target = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+        if len(target) != raw_len:
+            raise ValueError(f"decode into {len(target)} bytes: the chunk holds {raw_len}")
     with decoding(f"{CODEC_NAMES.get(codec, codec)} chunk is malformed"):
-        return _decode(codec, itemsize, raw_len, payload, base)
+        raw = _decode(codec, itemsize, raw_len, payload, base, target)
+    if target is None:
+        return raw
+    if len(raw) != raw_len:
+        raise CorruptChunkError(f"chunk decodes to {len(raw)} bytes, its header announces {raw_len}")
+    view = planes.view(target)
+    if raw.obj is not target:  # a codec that does not decode in place: copy once
+        view[:] = raw
+    return view
 
 
-def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: BaseReader | None) -> memoryview:
+def _decode(
+    codec: int, itemsize: int, raw_len: int, payload: memoryview, base: BaseReader | None, out: np.ndarray | None
+) -> memoryview:
     if codec == RAW:
         if itemsize != 1:
             raise CorruptChunkError(f"raw chunk header names element size {itemsize}; raw chunks are written with 1")
@@ -210,12 +231,13 @@ def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: 
     if codec == ZSTD_V1:
         return _decode_v1(payload, raw_len, itemsize)
     if codec == ZSTD:
-        return planes.view(planes.decode(payload, raw_len, itemsize))
+        return planes.view(planes.decode(payload, raw_len, itemsize, out=out))
     if codec == DELTA:
         digest = bytes(payload[:DIGEST_BYTES]).hex()
         if base is None:
             raise CorruptChunkError(f"delta chunk on base {digest[:16]}… cannot be a base itself")
-        return planes.view(_decode_delta(payload[DIGEST_BYTES:], raw_len, itemsize, memoryview(base(digest, raw_len))))
+        base_blob = memoryview(base(digest, raw_len))
+        return planes.view(_decode_delta(payload[DIGEST_BYTES:], raw_len, itemsize, base_blob, out))
     if codec in (BF16, Q8) and raw_len % 4:
         raise CorruptChunkError(f"{CODEC_NAMES[codec]} chunk announces {raw_len} raw bytes, not whole fp32 values")
     if codec == BF16:
@@ -237,7 +259,9 @@ def _decode(codec: int, itemsize: int, raw_len: int, payload: memoryview, base: 
     raise CorruptChunkError(f"chunk names unknown codec id {codec}")
 
 
-def _decode_delta(payload: memoryview, raw_len: int, itemsize: int, base: memoryview) -> np.ndarray:
+def _decode_delta(
+    payload: memoryview, raw_len: int, itemsize: int, base: memoryview, out: np.ndarray | None = None
+) -> np.ndarray:
     """XOR the base back in: plane by plane when the base's zstd planes are laid out like
     the delta's (one join for both), else on the joined bytes."""
     mine, rotated = planes.decode_planes(payload, raw_len, itemsize)
@@ -248,7 +272,8 @@ def _decode_delta(payload: memoryview, raw_len: int, itemsize: int, base: memory
             old = None if theirs is not None else np.frombuffer(decode(base, expected=raw_len), dtype=np.uint8)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"its delta base is unusable: {e}") from None
-    out = np.empty(raw_len, dtype=np.uint8)
+    if out is None:
+        out = np.empty(raw_len, dtype=np.uint8)
     if theirs is not None:
         planes.join(planes.xor_planes(mine, theirs), out, rotated=rotated)
         return out

@@ -16,6 +16,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from ckptflow.chunks import codecs
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
@@ -31,7 +33,9 @@ from ckptflow.format.checksum import (
 from ckptflow.format.layout import chunk_key
 from ckptflow.store.base import Store
 
-SCAN_PIECE = 256 << 10  # stays in L2 between read and hash; 8 threads hold 2 MiB of them in all
+SCAN_PIECE = 1 << 20  # stays in L2 between read and hash; 8 threads hold 8 MiB of them in all
+SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it keeps for the next
+SUM_HEX = 16  # a fast checksum ends with the 64-bit word sum (``ckptflow.format.checksum``)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,32 @@ def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False
     if sum(memoryview(p).nbytes for p in parts) < len(raw) + codecs.HEADER.size:
         return parts
     return codecs.encode(raw, "raw")
+
+
+class _Skipping:
+    """Feeds ``inner`` (a hasher) the bytes after the first ``skip`` (a chunk's header)."""
+
+    def __init__(self, skip: int, inner: Any):
+        self.skip, self.inner = skip, inner
+
+    def update(self, piece: memoryview) -> None:
+        if self.skip:
+            cut = min(self.skip, len(piece))
+            self.skip -= cut
+            piece = piece[cut:]
+        self.inner.update(piece)
+
+
+class _PayloadHash(_Skipping):
+    """xxh3-128 of the bytes after the first ``skip`` (a chunk's header): what the second
+    pass of a restore checks each piece it reads into place with."""
+
+    def __init__(self, skip: int):
+        super().__init__(skip, xxhash.xxh3_128())
+
+    def matches(self, checksum: str | None) -> bool:
+        """Whether the bytes have the xxh3-128 that the fast ``checksum`` records first."""
+        return checksum is not None and self.inner.hexdigest() == checksum[: len(checksum) - SUM_HEX]
 
 
 class _NotRaw(Exception):
@@ -257,10 +287,11 @@ class ChunkStore:
         except ObjectTooLargeError as e:
             raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
 
-    def _decoded(self, digest: str, blob: bytes, size: int) -> memoryview:
+    def _decoded(self, digest: str, blob: bytes, size: int, *, out: memoryview | None = None) -> memoryview:
+        """``blob`` decoded (into ``out`` if given) and verified against ``digest``."""
         key = chunk_key(digest)
         try:
-            raw = codecs.decode(blob, expected=size, base=self._base_blob)
+            raw = codecs.decode(blob, expected=size, base=self._base_blob, out=out)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
         if len(raw) != size:
@@ -346,20 +377,41 @@ class ChunkStore:
                 ):
                     return CheckedChunk(digest, size, version=version)
         with self._room(size):
-            data = self.get(digest, size)
             if self.budget is None or self.budget.keep(size):
-                return CheckedChunk(digest, size, data=data)
+                try:
+                    return CheckedChunk(digest, size, data=self.get(digest, size))
+                except BaseException:
+                    if self.budget is not None:
+                        self.budget.release(size)
+                    raise
+            # not kept: decoded into a reused buffer, verified, and decoded again in pass two
+            self._decoded(digest, self._fetch(digest, size), size, out=self._decode_buffer(size))
         return CheckedChunk(digest, size, again=True)
+
+    def _decode_buffer(self, size: int) -> memoryview:
+        """Where a chunk that is verified and then dropped is decoded: this thread's buffer
+        (no fresh pages to fault in per chunk), or a new one for a chunk over ``SCRATCH_MAX``
+        (a thread never holds more than that between chunks)."""
+        if size > SCRATCH_MAX:
+            return memoryview(bytearray(size))
+        buf = getattr(self._local, "decode", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.decode = bytearray(size)
+        return memoryview(buf)[:size]
 
     def _room(self, size: int) -> Any:
         """Room in the memory budget for one chunk of ``size`` raw bytes being decoded."""
         return self.budget.in_flight(size) if self.budget is not None else nullcontext()
 
     def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
-        """Fill ``out`` with a chunk ``check`` verified, reading a raw chunk straight into
-        ``out`` and checking it there again (with the fast checksum, where the manifest
-        records one); a file changed since, or bytes that do not match, are read again
-        through ``get``, which verifies them or raises."""
+        """Fill ``out`` with a chunk ``check`` verified.
+
+        A raw chunk is read straight into ``out`` piece by piece, and each piece is
+        checked while it is still in the CPU cache against the xxh3-128 half of the fast
+        checksum the manifest records (``check`` verified the file against the whole of
+        it), so this pass costs about one read of the bytes, not a read and a second trip
+        to memory. A file changed since (another version), or bytes that do not match,
+        are read again through ``get``, which verifies them in full or raises."""
         out = memoryview(out).cast("B")
         if checked.data is not None:
             out[:] = checked.data
@@ -368,25 +420,57 @@ class ChunkStore:
             self._get_into(checked.digest, out)
             return
         header = bytearray(codecs.HEADER.size)
+        expected = self.checksums.get(checked.digest)
+        content = _PayloadHash(len(header)) if expected is not None else None
         try:
-            got, version = self.store.get_into(chunk_key(checked.digest), [header, out])
+            got, version = self.store.get_into(
+                chunk_key(checked.digest), [header, out], consume=content.update if content else None
+            )
         except ObjectNotFoundError:
             raise self._missing(checked.digest, chunk_key(checked.digest)) from None
         except OSError:  # an I/O error: read it once more, through ``get``, below
             got, version = -1, None
-        expected = self.checksums.get(checked.digest)
         if (
             version != checked.version
             or got != len(header) + len(out)
             or codecs.raw_length(header) != len(out)
-            or (expected is not None and fast_checksum(out) != expected)
+            or (content is not None and not content.matches(expected))
         ):
             self._get_into(checked.digest, out)  # replaced or damaged since: verify again
 
+    def read_verified(self, digest: str, size: int, out: memoryview) -> None:
+        """Fill ``out`` with a chunk no first pass has checked, verifying it as it lands
+        (a single-pass restore): a raw chunk on a store that re-reads cheaply is read
+        straight into ``out``, each piece checked with the whole fast checksum (or the
+        address) while it is in the CPU cache; anything else is decoded into ``out`` and
+        verified there (``get``'s checks). Damage raises ``CorruptChunkError`` with
+        ``out`` already (partly) overwritten: that is what a single pass gives up."""
+        out = memoryview(out).cast("B")
+        if len(out) != size:
+            raise ValueError(f"chunk {digest[:16]}… holds {size} bytes, not the {len(out)} to fill")
+        if self.store.cheap_reread:
+            header = bytearray(codecs.HEADER.size)
+            hasher = _Skipping(len(header), self._hasher(digest))
+            try:
+                got, _version = self.store.get_into(chunk_key(digest), [header, out], consume=hasher.update)
+            except ObjectNotFoundError:
+                raise self._missing(digest, chunk_key(digest)) from None
+            except OSError:  # an I/O error: read it once more, through ``get``, below
+                got = -1
+            if (
+                got == len(header) + size
+                and codecs.raw_length(header) == size
+                and hasher.inner.hexdigest() == self.checksums.get(digest, digest)
+            ):
+                return
+        self._get_into(digest, out)  # encoded, remote, or not what was expected: decode, verify or raise
+
     def _get_into(self, digest: str, out: memoryview) -> None:
-        """``out`` filled from ``get`` (verified), within the memory budget."""
+        """``out`` filled as ``get`` fills a buffer, decoded straight into it and verified
+        there, within the memory budget. Only the second pass calls this: a chunk that
+        fails here leaves ``out`` partly written, as that pass's failures do."""
         with self._room(len(out)):
-            out[:] = self.get(digest, len(out))
+            self._decoded(digest, self._fetch(digest, len(out)), len(out), out=out)
 
     def _scratch(self, size: int) -> memoryview:
         buf = getattr(self._local, "scratch", None)

@@ -323,9 +323,11 @@ def decode_planes(payload: memoryview, raw_len: int, itemsize: int) -> tuple[lis
     return planes, bool(flags & ROTATED)
 
 
-def decode(payload: memoryview, raw_len: int, itemsize: int) -> np.ndarray:
-    """The raw bytes of a planes payload, as a uint8 array."""
+def decode(payload: memoryview, raw_len: int, itemsize: int, *, out: np.ndarray | None = None) -> np.ndarray:
+    """The raw bytes of a planes payload, as a uint8 array: ``out`` (``raw_len`` bytes) if
+    given, so a restore decodes straight into its destination."""
     planes, rotated = decode_planes(payload, raw_len, itemsize)
-    out = np.empty(raw_len, dtype=np.uint8)
+    if out is None:
+        out = np.empty(raw_len, dtype=np.uint8)
     join(planes, out, rotated=rotated)
     return out

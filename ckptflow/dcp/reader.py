@@ -36,15 +36,21 @@ class CheckpointReader(StorageReader):
     records (``ckptflow.format.checksum``; the address for manifests without one); ``agree`` then
     combines every rank's verdict (a collective: all ranks call ``read_data``). Only if all
     ranks verified cleanly does pass two read local raw chunks straight into the
-    destination tensors, checking them there again (a mismatch, or an I/O error, is read
-    once more and verified through ``ChunkStore.get``). So restore needs no second copy of
-    the model in host memory, and a rejected checkpoint leaves the caller's tensors as
-    they were. Chunks that must be decoded to be verified (encoded, or on S3) are kept
+    destination tensors, checking each piece as it lands, while it is in the CPU cache
+    (a mismatch, or an I/O error, is read once more and verified through ``ChunkStore.get``).
+    So restore needs no second copy of the model in host memory, and a rejected checkpoint
+    leaves the caller's tensors as they were. Chunks that must be decoded to be verified (encoded, or on S3) are kept
     from pass one to pass two only while they fit ``budget``; the rest are decoded again
     (``ckptflow.chunks.budget``), and staging tensors (resharding, GPU targets) are filled
     and released in groups that fit it too, so host memory beyond the state stays bounded.
     A failure in pass two raises ``IntoPlaceFailed``: those tensors are partly
     written, which restore reports as ``PartialRestoreError``.
+
+    ``single_pass`` (opt-in) skips pass one: every chunk is read or decoded straight into
+    place and verified there (``ChunkStore.read_verified``), one read and one decode per
+    chunk. What it gives up: damage is found only after some tensors were written, so a
+    damaged checkpoint raises ``IntoPlaceFailed`` (no clean fallback to an older one),
+    and the ranks agree on nothing before they write.
     """
 
     def __init__(
@@ -56,8 +62,10 @@ class CheckpointReader(StorageReader):
         *,
         agree: Callable[[Failure | None], Failure | None] | None = None,
         budget: MemoryBudget | None = None,
+        single_pass: bool = False,
     ):
         super().__init__()
+        self.single_pass = single_pass
         self.budget = budget or MemoryBudget()
         self.chunks = chunks.scoped(
             manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address, budget=self.budget
@@ -116,10 +124,13 @@ class CheckpointReader(StorageReader):
         for req in plan.items:
             if req.type != LoadItemType.BYTE_IO:
                 by_storage[req.storage_index].append(req)
-        try:
-            checked, failure = self._verify_all(list(by_storage))
-        except Exception as e:  # never skip ``agree``: the other ranks wait in it
-            checked, failure = {}, failure_of(e)
+        checked: dict[str, CheckedChunk] = {}
+        failure: Failure | None = None
+        if not self.single_pass:
+            try:
+                checked, failure = self._verify_all(list(by_storage))
+            except Exception as e:  # never skip ``agree``: the other ranks wait in it
+                checked, failure = {}, failure_of(e)
         failure = self.agree(failure)
         if failure:
             raise ReadAborted(failure)
@@ -140,9 +151,7 @@ class CheckpointReader(StorageReader):
                     staged += item.nbytes
                 raw, offset, futures = _writable_bytes(buffer), 0, []
                 for digest, size in item.chunks:
-                    futures.append(
-                        self.pool.submit(self.chunks.read_checked, checked[digest], raw[offset : offset + size])
-                    )
+                    futures.append(self.pool.submit(self._into_place, checked, digest, raw[offset : offset + size]))
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
             _finish(loading, planner)
@@ -156,6 +165,15 @@ class CheckpointReader(StorageReader):
                 f.cancel()
             wait(pending)
         return completed_future(None)
+
+    def _into_place(self, checked: dict[str, CheckedChunk], digest: str, out: memoryview) -> None:
+        """One chunk read into ``out``: as pass one verified it, or verified now (single pass)."""
+        if self.single_pass:
+            self.chunks.read_verified(digest, len(out), out)
+            if self.progress:
+                self.progress(len(out))
+        else:
+            self.chunks.read_checked(checked[digest], out)
 
 
 def _as_torch_save(skeleton: Any) -> io.BytesIO:

@@ -174,11 +174,21 @@ class Store(ABC):
         chunk to learn its codec and delta base without reading its payload."""
         return self.get(key)[:size]
 
-    def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> tuple[int, Any]:
+    def get_into(
+        self,
+        key: str,
+        buffers: Sequence[bytearray | memoryview],
+        *,
+        consume: Callable[[memoryview], None] | None = None,
+        piece: int = 256 << 10,
+    ) -> tuple[int, Any]:
         """Read the object into ``buffers`` in order: (its size, its version).
 
         The buffers are filled only when the object's size equals their total size;
-        otherwise they are left alone and the caller decides what to do.
+        otherwise they are left alone and the caller decides what to do. ``consume``,
+        if given, is handed every filled buffer in pieces of at most ``piece`` bytes, in
+        order (a piece never spans two buffers): a backend that reads piece by piece
+        hands each over while it is still in the CPU cache.
         """
         data = memoryview(self.get(key))
         views = [memoryview(b).cast("B") for b in buffers]
@@ -187,6 +197,9 @@ class Store(ABC):
             for view in views:
                 view[:] = data[offset : offset + len(view)]
                 offset += len(view)
+                if consume is not None:
+                    for start in range(0, len(view), max(1, piece)):
+                        consume(view[start : start + piece])
         return len(data), None
 
     def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:

@@ -42,6 +42,7 @@ from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate
 from ckptflow.store.disk import Disk
 
 TEMP_PREFIX = ".tmp-"
+READ_PIECE = 256 << 10  # ``get_into`` with a consumer: a piece is checked while it is in L2
 
 
 def _info(key: str, st: os.stat_result) -> ObjectInfo:
@@ -189,14 +190,23 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
-    def get_into(self, key: str, buffers: Sequence[bytearray | memoryview]) -> tuple[int, tuple]:
+    def get_into(
+        self,
+        key: str,
+        buffers: Sequence[bytearray | memoryview],
+        *,
+        consume: Callable[[memoryview], None] | None = None,
+        piece: int = READ_PIECE,
+    ) -> tuple[int, tuple]:
         """Scatter-read the object into ``buffers`` (in order): (its size, its version).
 
         The buffers are filled only when the object's size equals their total size;
         otherwise they are left alone and the caller falls back to ``get``. The version
         (device, inode, size, mtime) names the file actually read: an atomic replace or
         an in-place write changes it, so a caller can tell whether a re-read returns
-        the bytes it verified before.
+        the bytes it verified before. With ``consume``, the buffers are filled ``piece``
+        bytes at a time and each piece is handed to it as soon as it lands, while it is
+        still in the CPU cache: a check of what was read costs no second trip to memory.
         """
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
@@ -209,6 +219,8 @@ class LocalStore(Store):
             views = [v for v in views if len(v)]
             if st.st_size != sum(len(v) for v in views):
                 return st.st_size, version
+            if consume is not None:
+                return _read_pieces(fd, views, consume, max(1, piece)), version
             done = 0
             while views:
                 n = os.readv(fd, views)
@@ -445,6 +457,24 @@ class LocalStore(Store):
         if os.path.exists(aside):
             self.disk.unlink(aside)
         return matches
+
+
+def _read_pieces(fd: int, views: list[memoryview], consume: Callable[[memoryview], None], piece: int) -> int:
+    """Fill ``views`` from ``fd`` (from offset 0) ``piece`` bytes at a time, handing each
+    piece to ``consume`` once it is whole; the bytes read (short: the file was truncated)."""
+    done = 0
+    for view in views:
+        for start in range(0, len(view), piece):
+            part = view[start : start + piece]
+            got = 0
+            while got < len(part):
+                n = os.preadv(fd, [part[got:]], done + got)
+                if n == 0:  # truncated under us: report what was there
+                    return done + got
+                got += n
+            consume(part)
+            done += got
+    return done
 
 
 def _sha256_file(path: str) -> str:

@@ -299,6 +299,7 @@ class Checkpointer:
         strict: bool = True,
         allow_lossy: bool = False,
         warmup: Warmup | None = None,
+        single_pass: bool = False,
     ) -> RestoreResult:
         """Load the newest valid checkpoint (or exactly ``step``) into ``state`` in place.
 
@@ -331,10 +332,16 @@ class Checkpointer:
 
         ``warmup`` (opt-in, ``ckptflow.training.warmup``): after the load, ramp the learning
         rate back, reset momentum or reseed the RNGs as it says; ``result.warmup`` reports it.
+
+        ``single_pass`` (opt-in) reads each chunk into place once and verifies it there,
+        instead of verifying everything first: one read and one decode per chunk (a zstd
+        restore decodes each chunk once, not twice). It gives up the untouched-on-damage
+        guarantee: a damaged checkpoint raises ``PartialRestoreError`` with ``state`` partly
+        overwritten, and does not fall back to an older one (restore again without it).
         """
         started = time.perf_counter()
         chosen = selection.from_arguments(step, select)
-        restore = self._restorer(chosen, strict=strict, allow_lossy=allow_lossy)
+        restore = self._restorer(chosen, strict=strict, allow_lossy=allow_lossy, single_pass=single_pass)
         try:
             result = restore(state, chosen)
         except CkptflowError as e:
@@ -346,7 +353,9 @@ class Checkpointer:
         self._resumed = (result.step, time.perf_counter())
         return result
 
-    def _restorer(self, chosen: selection.Selector, *, strict: bool = True, allow_lossy: bool = False) -> Restore:
+    def _restorer(
+        self, chosen: selection.Selector, *, strict: bool = True, allow_lossy: bool = False, single_pass: bool = False
+    ) -> Restore:
         """A restore of ``chosen`` over this run's tiers, once the save in flight has committed."""
         self.wait()
         return Restore(
@@ -359,6 +368,7 @@ class Checkpointer:
             strict=strict,
             allow_lossy=allow_lossy,
             buffer_bytes=self.restore_buffer_bytes,
+            single_pass=single_pass,
             registry=selection.registry_store(chosen),
         )
 

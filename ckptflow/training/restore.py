@@ -110,11 +110,13 @@ class Restore:
         allow_lossy: bool = False,
         buffer_bytes: int = DEFAULT_RESTORE_BUFFER,
         registry: Any = None,
+        single_pass: bool = False,
     ):
         self.tiers, self.run, self.group, self.pool = tiers, run, group, pool
         self.buffer_bytes = buffer_bytes  # each candidate's read gets a budget of its own
         self.progress, self.restore_rng, self.strict, self.allow_lossy = progress, restore_rng, strict, allow_lossy
         self.registry = registry  # the store an ``Alias`` selector reads (None: the hot store)
+        self.single_pass = single_pass  # verify while reading into place (``CheckpointReader``)
 
     def __call__(self, state: MutableMapping[str, Any], step: selection.Selector | None) -> RestoreResult:
         """Restore into the live objects of ``state``."""
@@ -213,11 +215,16 @@ class Restore:
                 )
             where = f"run {self.run!r} step {cand} in {tier.url}"
             if failure.partial:  # no fallback: an older step would not overwrite all of it under strict=False
+                when = (
+                    "while reading its chunks into place and verifying them there (single_pass=True)"
+                    if self.single_pass
+                    else "after every chunk had verified, while reading them into place"
+                )
+                again = "without single_pass " if self.single_pass else ""
                 raise PartialRestoreError(
-                    f"restoring {where} failed after every chunk had verified, while reading them into place: "
-                    f"{failure.message}. `state` is now partly overwritten with this step's values: restore "
-                    "again (it verifies everything afresh and falls back past damage) or rebuild the state "
-                    "before training on it"
+                    f"restoring {where} failed {when}: {failure.message}. `state` is now partly overwritten with "
+                    f"this step's values: restore again {again}(it verifies everything before writing and falls "
+                    "back past damage) or rebuild the state before training on it"
                 )
             if failure.mismatch:
                 raise StateMismatchError(f"{where}: {failure.message}")
@@ -277,7 +284,7 @@ class Restore:
             return agreed, None
         reader = CheckpointReader(tier.chunks, manifest, self.pool, self.progress,
                                   agree=(lambda f: agree(self.group, f)) if collective else None,
-                                  budget=MemoryBudget(self.buffer_bytes))  # fmt: skip
+                                  budget=MemoryBudget(self.buffer_bytes), single_pass=self.single_pass)  # fmt: skip
         try:
             if collective:
                 dcp.load(

@@ -156,7 +156,7 @@ def test_an_io_error_in_the_read_into_place_is_read_again_and_verified(saved, mo
 
     calls = []
 
-    def flaky_get_into(self, key, buffers):
+    def flaky_get_into(self, key, buffers, **reading):
         calls.append(key)
         raise OSError(5, "Input/output error")
 

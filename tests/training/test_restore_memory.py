@@ -35,6 +35,7 @@ def _restore_overhead_mib(url: str, codec: str) -> float:
     _run("save", url, str(STATE_MIB), codec)
     measured = json.loads(_run("restore", url, str(STATE_MIB), str(BUDGET_MIB)).splitlines()[-1])
     assert measured["exact"], "the restored state differs from the one saved"
+    assert measured["step"] == (2 if codec == "delta" else 1)
     return measured["peak_mib"] - measured["before_mib"]
 
 
@@ -42,6 +43,29 @@ def _restore_overhead_mib(url: str, codec: str) -> float:
 def test_zstd_restore_holds_at_most_a_budget_beyond_the_state(tmp_path):
     overhead = _restore_overhead_mib(str(tmp_path / "store"), "zstd")
     assert overhead < STATE_MIB / 2, f"restore peaked {overhead:.0f} MiB above the state ({STATE_MIB} MiB)"
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
+def test_delta_restore_holds_at_most_a_budget_beyond_the_state(tmp_path):
+    """Step 2's chunks are XOR deltas: each decode also reads its base from step 1."""
+    root = tmp_path / "store"
+    overhead = _restore_overhead_mib(str(root), "delta")
+    deltas = _delta_chunks(root, 2)
+    assert len(deltas) >= 16, f"step 2 should be stored mostly as deltas, found {len(deltas)}"
+    assert overhead < STATE_MIB / 2, f"delta restore peaked {overhead:.0f} MiB above the state ({STATE_MIB} MiB)"
+
+
+def _delta_chunks(root: Path, step: int) -> list[str]:
+    """The chunks of ``step`` stored as deltas (their headers say so, as their manifest does)."""
+    from ckptflow.catalog.checkpoints import read_manifest
+    from ckptflow.chunks import codecs
+    from ckptflow.format.layout import chunk_key
+    from ckptflow.store import open_store
+
+    store = open_store(str(root))
+    manifest = read_manifest(store, "rss", step)
+    heads = {d: store.read_head(chunk_key(d), codecs.HEAD_BYTES) for d in manifest.bases}
+    return [d for d, head in heads.items() if codecs.header_codec(head) == "delta"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
