@@ -44,7 +44,7 @@ def _probe(command: str, root: str) -> dict:
         capture_output=True,
         text=True,
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])},  # this checkout
         timeout=280,
     )
     assert done.returncode == 0, done.stderr[-3000:]
