@@ -42,6 +42,7 @@ from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate
 from ckptflow.store.disk import Disk
 
 TEMP_PREFIX = ".tmp-"
+PRUNED_RETRIES = 20  # a write whose directory a concurrent delete keeps pruning makes it again, this often
 READ_PIECE = 256 << 10  # ``get_into`` with a consumer: a piece is checked while it is in L2
 
 
@@ -141,13 +142,13 @@ class LocalStore(Store):
 
     def _write_temp(self, directory: str, data: Buffers) -> str:
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        for attempt in range(3):
-            self.disk.makedirs(directory, sync_dir=self._sync_dir)
+        for attempt in range(PRUNED_RETRIES):
             try:
+                self.disk.makedirs(directory, sync_dir=self._sync_dir)
                 self.disk.write_new(tmp, as_buffers(data))
                 return tmp
-            except FileNotFoundError:  # a concurrent delete pruned the empty directory
-                if attempt == 2:
+            except FileNotFoundError:  # a concurrent delete pruned a directory on the way: make it again
+                if attempt == PRUNED_RETRIES - 1:
                     raise
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
@@ -407,8 +408,15 @@ class LocalStore(Store):
         held per open file, so threads and processes both queue on it; the kernel drops it
         when its holder dies, so a killed holder never blocks anyone."""
         directory = os.path.dirname(path)
-        self.disk.makedirs(directory)
-        with open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab") as lock:
+        for attempt in range(PRUNED_RETRIES):
+            try:
+                self.disk.makedirs(directory)
+                lock = open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab")
+                break
+            except FileNotFoundError:  # a concurrent delete pruned a directory on the way: make it again
+                if attempt == PRUNED_RETRIES - 1:
+                    raise
+        with lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
             yield
 

@@ -65,6 +65,30 @@ def test_put_if_absent_concurrent_creators_one_winner(store):
     assert store.get("race") == f"writer-{winners[0]}".encode()
 
 
+def test_writers_in_a_directory_that_deletes_keep_pruning_never_fail(tmp_path):
+    """Savers take and drop leases in one directory; each drop removes the directory when it
+    leaves it empty, which raced another saver's mkdir or open there (FileNotFoundError out
+    of a save on two gloo ranks). Three writers churning one directory: no write fails."""
+    root, errors = str(tmp_path / "root"), []
+
+    def churn(name: str) -> None:
+        store = LocalStore(root, fsync=False)
+        for i in range(1500):
+            key = f"locks/leases/{name}-{i}.json"
+            try:
+                assert store.put_if_absent(key, b"lease")
+                store.delete(key)
+            except Exception as e:  # collected: an assertion in a thread would be lost
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=churn, args=(name,)) for name in "abc"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
 def test_replace_overwrites_atomically(store):
     store.replace("x/y", b"old")
     assert store.get("x/y") == b"old"
