@@ -52,6 +52,7 @@ def _probe(command: str, root: str) -> dict:
 
 
 # ---- the acceptance checks: every flipped bit, and bombs --------------------------------------
+@pytest.mark.slow  # 1,104 restores and verifies in a subprocess (~30 s): make test-e2e
 def test_every_bit_of_every_zstd_frame_header_and_chunk_header_restores_exactly_or_falls_back(tmp_path):
     """Each bit of the chunk header (and a delta's base address) and of the first 16 bytes
     of every zstd frame (zstd planes, window-nibble planes, delta planes) of step 2's own

@@ -3,9 +3,12 @@ validated one, passing over the failed and the unvalidated, and the two resumes 
 
 from __future__ import annotations
 
+import pytest
+
 from pipelines.demo.recover import recover_demo
 
 
+@pytest.mark.slow  # the demo's recovery part, training included: make test-e2e
 def test_the_demo_recovers_to_validated_and_shows_both_resumes(tmp_path, capsys):
     shown = recover_demo(str(tmp_path / "store"), steps=40, every=10, after=6)
     out = capsys.readouterr().out

@@ -24,7 +24,7 @@ from support.dagster import record as read
 
 # the S3 archive runs in `make test-e2e`: each variant takes 15-25 s of Dagster's automation
 # evaluation, and the S3 archive's own tests (test_s3_archive, tests/lifecycle) run in `make test`
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
+@pytest.fixture(params=[pytest.param("local", marks=pytest.mark.slow), pytest.param("s3", marks=pytest.mark.slow)])
 def archive_defs(request, paths, monkeypatch):
     """Definitions as `dagster dev` would load them, archive chosen by ``CKPTFLOW_ARCHIVE``."""
     monkeypatch.setenv("CKPTFLOW_STORE", paths["store"])

@@ -23,6 +23,7 @@ from support import dist_s3 as S
 from support import dist_workers as W
 
 pytestmark = [
+    pytest.mark.slow,  # four gloo ranks against the S3 server, every save kind: make test-e2e
     pytest.mark.timeout(300),
     pytest.mark.skipif(
         not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"

@@ -26,6 +26,8 @@ from ckptflow.lifecycle.promote import PromotionRequest, promote, rollback
 from ckptflow.store import open_store
 from support.postgres import free_port
 
+pytestmark = pytest.mark.slow  # a real `mlflow server` per session: make test-e2e
+
 
 class Tiny(nn.Module):
     def __init__(self) -> None:

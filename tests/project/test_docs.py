@@ -25,6 +25,7 @@ BLOCK = re.compile(r"(?:<!-- not run: (?P<why>[^>]*?) -->\n)?```python\n(?P<code
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"\[[^\]\n]*\]\((?P<target>[^)\s]+)\)")
+FRAMEWORKS = re.compile(r"^\s*(?:import|from) (?:pytorch_lightning|lightning|transformers)\b", re.M)  # slow blocks
 HEADING = re.compile(r"^#{1,6} +(?P<title>.+?) *$", re.M)
 
 
@@ -76,7 +77,14 @@ def test_the_pages_have_runnable_blocks_and_say_why_of_the_others():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("page, line, code, why", blocks(), ids=[f"{page}:{line}" for page, line, _, _ in blocks()])
+@pytest.mark.parametrize(
+    "page, line, code, why",
+    [
+        pytest.param(*block, marks=pytest.mark.slow) if FRAMEWORKS.search(block[2]) else block  # make test-e2e
+        for block in blocks()
+    ],
+    ids=[f"{page}:{line}" for page, line, _, _ in blocks()],
+)
 def test_a_block_runs_as_written(tmp_path, page, line, code, why):
     if why is not None:
         pytest.skip(f"{page} line {line}: {why}")

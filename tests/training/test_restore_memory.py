@@ -39,12 +39,14 @@ def _restore_overhead_mib(url: str, codec: str) -> float:
     return measured["peak_mib"] - measured["before_mib"]
 
 
+@pytest.mark.slow  # a subprocess restoring hundreds of MiB, its peak RSS measured: make test-e2e
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
 def test_zstd_restore_holds_at_most_a_budget_beyond_the_state(tmp_path):
     overhead = _restore_overhead_mib(str(tmp_path / "store"), "zstd")
     assert overhead < STATE_MIB / 2, f"restore peaked {overhead:.0f} MiB above the state ({STATE_MIB} MiB)"
 
 
+@pytest.mark.slow  # a subprocess restoring hundreds of MiB, its peak RSS measured: make test-e2e
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
 def test_delta_restore_holds_at_most_a_budget_beyond_the_state(tmp_path):
     """Step 2's chunks are XOR deltas: each decode also reads its base from step 1."""
@@ -68,6 +70,7 @@ def _delta_chunks(root: Path, step: int) -> list[str]:
     return [d for d, head in heads.items() if codecs.header_codec(head) == "delta"]
 
 
+@pytest.mark.slow  # a subprocess restoring hundreds of MiB, its peak RSS measured: make test-e2e
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
 def test_s3_restore_holds_at_most_a_budget_beyond_the_state(s3_store_url):
     overhead = _restore_overhead_mib(s3_store_url, "raw")
