@@ -6,49 +6,23 @@ by two runs) is stored once, and every read can be checked against its own name.
 store scoped to one manifest checks reads against the fast checksum that manifest
 records for a chunk instead, and against the manifest's kind of address where it
 records none (manifests written before fast checksums).
+
+Reads (verified, bounded, the two passes of a restore) are ``ChunkReader``'s
+(``ckptflow.chunks.reads``); ``ChunkStore`` adds what writes chunks: a put that reuses
+what is already stored, and the verified rewrites of compaction.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
-
-import xxhash
 
 from ckptflow.chunks import codecs
 from ckptflow.chunks.budget import MemoryBudget
-from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
-from ckptflow.format.checksum import (
-    ADDRESS,
-    ADDRESSES,
-    FastChecksum,
-    address_and_checksum,
-    address_hasher,
-    fast_checksum,
-    matches_address,
-)
+from ckptflow.chunks.reads import ChunkReader
+from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
+from ckptflow.format.checksum import address_and_checksum, fast_checksum
 from ckptflow.format.layout import chunk_key
-from ckptflow.store.base import Store
-
-SCAN_PIECE = 1 << 20  # stays in L2 between read and hash; 8 threads hold 8 MiB of them in all
-SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it keeps for the next
-SUM_HEX = 16  # a fast checksum ends with the 64-bit word sum (``ckptflow.format.checksum``)
-
-
-@dataclass(frozen=True)
-class CheckedChunk:
-    """A chunk that passed verification: its bytes, or the version of the file holding them,
-    or neither (``again``: its bytes did not fit the restore's memory budget, so the second
-    pass fetches, decodes and verifies it once more)."""
-
-    digest: str
-    size: int
-    version: tuple | None = None
-    data: memoryview | None = None
-    again: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,54 +56,8 @@ def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False
     return codecs.encode(raw, "raw")
 
 
-class _Skipping:
-    """Feeds ``inner`` (a hasher) the bytes after the first ``skip`` (a chunk's header)."""
-
-    def __init__(self, skip: int, inner: Any):
-        self.skip, self.inner = skip, inner
-
-    def update(self, piece: memoryview) -> None:
-        if self.skip:
-            cut = min(self.skip, len(piece))
-            self.skip -= cut
-            piece = piece[cut:]
-        self.inner.update(piece)
-
-
-class _PayloadHash(_Skipping):
-    """xxh3-128 of the bytes after the first ``skip`` (a chunk's header): what the second
-    pass of a restore checks each piece it reads into place with."""
-
-    def __init__(self, skip: int):
-        super().__init__(skip, xxhash.xxh3_128())
-
-    def matches(self, checksum: str | None) -> bool:
-        """Whether the bytes have the xxh3-128 that the fast ``checksum`` records first."""
-        return checksum is not None and self.inner.hexdigest() == checksum[: len(checksum) - SUM_HEX]
-
-
-class _NotRaw(Exception):
-    """Stops a verifying scan at the header of a chunk that is not stored raw."""
-
-
-class ChunkStore:
+class ChunkStore(ChunkReader):
     """Put and get verified chunks. Thread-safe; callers parallelise across chunks."""
-
-    def __init__(
-        self,
-        store: Store,
-        *,
-        scope: Mapping[str, int] | None = None,
-        checksums: Mapping[str, str] | None = None,
-        address: str | None = None,
-        budget: MemoryBudget | None = None,
-    ):
-        self.store = store
-        self.budget = budget  # bounds the decoded chunks a two-pass read holds (``ckptflow.chunks.budget``)
-        self.scope = scope  # the chunks of one manifest: the only delta bases a read may use
-        self.checksums = checksums or {}  # digest -> fast checksum: what reads are checked against
-        self.address = address  # the manifest's kind of address: tried first (``checksum.matches_address``)
-        self._local = threading.local()  # per-thread scratch buffers for ``check``
 
     def scoped(
         self,
@@ -242,19 +170,6 @@ class ChunkStore:
             checksum=checksum,
         )
 
-    def get(self, digest: str, size: int) -> memoryview:
-        """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
-        its address. The object's size and its header are checked against ``size`` before
-        it is read or decompressed, so a damaged or hostile chunk cannot make the reader
-        allocate more than the manifest promised."""
-        return self._decoded(digest, self._fetch(digest, size), size)
-
-    def read_stored(self, digest: str, size: int) -> tuple[bytes, memoryview]:
-        """A chunk as stored and its raw bytes, verified as ``get`` verifies them: what a
-        copy into another tier uploads, once it is known to be sound."""
-        blob = self._fetch(digest, size)
-        return blob, self._decoded(digest, blob, size)
-
     def replace_verified(self, digest: str, size: int, parts: list) -> int:
         """Put ``parts`` (a plain encoding of the chunk's ``size`` raw bytes) in place of
         whatever is stored as ``digest``; their stored size.
@@ -277,230 +192,6 @@ class ChunkStore:
             ) from None
         self.store.replace(key, blob)
         return len(blob)
-
-    def _fetch(self, digest: str, size: int) -> bytes:
-        key = chunk_key(digest)
-        try:
-            return self.store.get_bounded(key, codecs.max_encoded_size(size))
-        except ObjectNotFoundError:
-            raise self._missing(digest, key) from None
-        except ObjectTooLargeError as e:
-            raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
-
-    def _decoded(self, digest: str, blob: bytes, size: int, *, out: memoryview | None = None) -> memoryview:
-        """``blob`` decoded (into ``out`` if given) and verified against ``digest``."""
-        key = chunk_key(digest)
-        try:
-            raw = codecs.decode(blob, expected=size, base=self._base_blob, out=out)
-        except CorruptChunkError as e:
-            raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
-        if len(raw) != size:
-            raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
-        try:
-            self._verify(digest, key, raw)
-        except CorruptChunkError:
-            base = codecs.delta_base(blob)
-            if base is not None:  # a bad base makes bad bytes: say so if that is the cause
-                try:
-                    self.base_raw(base, len(raw))
-                except CorruptChunkError as e:
-                    raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
-            raise
-        return raw
-
-    def _base_blob(self, digest: str, size: int) -> bytes:
-        """A delta's base as stored: listed by the manifest being read (if scoped), present.
-        Its bytes are checked through the delta's own address (``codecs.decode``)."""
-        if self.scope is not None and self.scope.get(digest) != size:
-            raise CorruptChunkError(
-                f"its delta base {digest[:16]}… ({size} bytes) is not among the chunks the manifest lists"
-            )
-        try:
-            return self.store.get_bounded(chunk_key(digest), codecs.max_encoded_size(size))
-        except ObjectNotFoundError:
-            raise CorruptChunkError(f"its delta base {self.store.url}/{chunk_key(digest)} is missing") from None
-        except ObjectTooLargeError as e:
-            raise CorruptChunkError(f"its delta base {e} (the delta needs {size} raw bytes)") from None
-
-    def base_raw(self, digest: str, size: int) -> tuple[memoryview, int]:
-        """A delta base's raw bytes, verified, and its stored size: what a delta is computed
-        against. A base is never itself a delta: it is decoded without a base reader, so
-        a delta there is refused."""
-        key = chunk_key(digest)
-        blob = self._base_blob(digest, size)
-        try:
-            raw = codecs.decode(blob, expected=size)
-            if len(raw) != size:
-                raise CorruptChunkError(f"holds {len(raw)} bytes, the delta needs {size}")
-            self._verify(digest, key, raw)
-        except CorruptChunkError as e:
-            raise CorruptChunkError(f"its delta base is unusable: {e}") from None
-        return raw, len(blob)
-
-    def check(self, digest: str, size: int) -> CheckedChunk:
-        """Verify a chunk before anything is written from it (restore's first pass).
-
-        A raw chunk on a store that can re-read cheaply (``Store.cheap_reread``) is
-        streamed through a small per-thread buffer into the check, and only its file
-        version is kept; anything else is decoded whole and verified, and its bytes kept
-        for the second pass while they fit the memory budget (beyond it, that pass
-        fetches and decodes the chunk again). Any anomaly goes through ``get``, which
-        names the problem.
-        """
-        if self.store.cheap_reread:
-            header, hasher = bytearray(), self._hasher(digest)
-
-            def consume(piece: memoryview) -> None:
-                if len(header) < codecs.HEADER.size:
-                    take = codecs.HEADER.size - len(header)
-                    header.extend(piece[:take])
-                    piece = piece[take:]
-                    if len(header) == codecs.HEADER.size and codecs.raw_length(header) is None:
-                        raise _NotRaw  # an encoded chunk: decode it instead of hashing its payload
-                hasher.update(piece)
-
-            try:
-                got, version = self.store.scan(
-                    chunk_key(digest), self._scratch(SCAN_PIECE), consume, limit=codecs.max_encoded_size(size)
-                )
-            except ObjectNotFoundError:
-                raise self._missing(digest, chunk_key(digest)) from None
-            except ObjectTooLargeError as e:
-                raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
-            except _NotRaw:
-                pass
-            else:
-                if (
-                    got == codecs.HEADER.size + size
-                    and codecs.raw_length(header) == size
-                    and hasher.hexdigest() == self.checksums.get(digest, digest)
-                ):
-                    return CheckedChunk(digest, size, version=version)
-        with self._room(size):
-            if self.budget is None or self.budget.keep(size):
-                try:
-                    return CheckedChunk(digest, size, data=self.get(digest, size))
-                except BaseException:
-                    if self.budget is not None:
-                        self.budget.release(size)
-                    raise
-            # not kept: decoded into a reused buffer, verified, and decoded again in pass two
-            self._decoded(digest, self._fetch(digest, size), size, out=self._decode_buffer(size))
-        return CheckedChunk(digest, size, again=True)
-
-    def _decode_buffer(self, size: int) -> memoryview:
-        """Where a chunk that is verified and then dropped is decoded: this thread's buffer
-        (no fresh pages to fault in per chunk), or a new one for a chunk over ``SCRATCH_MAX``
-        (a thread never holds more than that between chunks)."""
-        if size > SCRATCH_MAX:
-            return memoryview(bytearray(size))
-        buf = getattr(self._local, "decode", None)
-        if buf is None or len(buf) < size:
-            buf = self._local.decode = bytearray(size)
-        return memoryview(buf)[:size]
-
-    def _room(self, size: int) -> Any:
-        """Room in the memory budget for one chunk of ``size`` raw bytes being decoded."""
-        return self.budget.in_flight(size) if self.budget is not None else nullcontext()
-
-    def read_checked(self, checked: CheckedChunk, out: memoryview) -> None:
-        """Fill ``out`` with a chunk ``check`` verified.
-
-        A raw chunk is read straight into ``out`` piece by piece, and each piece is
-        checked while it is still in the CPU cache against the xxh3-128 half of the fast
-        checksum the manifest records (``check`` verified the file against the whole of
-        it), so this pass costs about one read of the bytes, not a read and a second trip
-        to memory. A file changed since (another version), or bytes that do not match,
-        are read again through ``get``, which verifies them in full or raises."""
-        out = memoryview(out).cast("B")
-        if checked.data is not None:
-            out[:] = checked.data
-            return
-        if checked.again:
-            self._get_into(checked.digest, out)
-            return
-        header = bytearray(codecs.HEADER.size)
-        expected = self.checksums.get(checked.digest)
-        content = _PayloadHash(len(header)) if expected is not None else None
-        try:
-            got, version = self.store.get_into(
-                chunk_key(checked.digest), [header, out], consume=content.update if content else None
-            )
-        except ObjectNotFoundError:
-            raise self._missing(checked.digest, chunk_key(checked.digest)) from None
-        except OSError:  # an I/O error: read it once more, through ``get``, below
-            got, version = -1, None
-        if (
-            version != checked.version
-            or got != len(header) + len(out)
-            or codecs.raw_length(header) != len(out)
-            or (content is not None and not content.matches(expected))
-        ):
-            self._get_into(checked.digest, out)  # replaced or damaged since: verify again
-
-    def read_verified(self, digest: str, size: int, out: memoryview) -> None:
-        """Fill ``out`` with a chunk no first pass has checked, verifying it as it lands
-        (a single-pass restore): a raw chunk on a store that re-reads cheaply is read
-        straight into ``out``, each piece checked with the whole fast checksum (or the
-        address) while it is in the CPU cache; anything else is decoded into ``out`` and
-        verified there (``get``'s checks). Damage raises ``CorruptChunkError`` with
-        ``out`` already (partly) overwritten: that is what a single pass gives up."""
-        out = memoryview(out).cast("B")
-        if len(out) != size:
-            raise ValueError(f"chunk {digest[:16]}… holds {size} bytes, not the {len(out)} to fill")
-        if self.store.cheap_reread:
-            header = bytearray(codecs.HEADER.size)
-            hasher = _Skipping(len(header), self._hasher(digest))
-            try:
-                got, _version = self.store.get_into(chunk_key(digest), [header, out], consume=hasher.update)
-            except ObjectNotFoundError:
-                raise self._missing(digest, chunk_key(digest)) from None
-            except OSError:  # an I/O error: read it once more, through ``get``, below
-                got = -1
-            if (
-                got == len(header) + size
-                and codecs.raw_length(header) == size
-                and hasher.inner.hexdigest() == self.checksums.get(digest, digest)
-            ):
-                return
-        self._get_into(digest, out)  # encoded, remote, or not what was expected: decode, verify or raise
-
-    def _get_into(self, digest: str, out: memoryview) -> None:
-        """``out`` filled as ``get`` fills a buffer, decoded straight into it and verified
-        there, within the memory budget. Only the second pass calls this: a chunk that
-        fails here leaves ``out`` partly written, as that pass's failures do."""
-        with self._room(len(out)):
-            self._decoded(digest, self._fetch(digest, len(out)), len(out), out=out)
-
-    def _scratch(self, size: int) -> memoryview:
-        buf = getattr(self._local, "scratch", None)
-        if buf is None or len(buf) < size:
-            buf = self._local.scratch = bytearray(size)
-        return memoryview(buf)[:size]
-
-    def _missing(self, digest: str, key: str) -> CorruptChunkError:
-        return CorruptChunkError(f"chunk {digest[:16]}… is missing from {self.store.url}/{key}")
-
-    def _hasher(self, digest: str) -> Any:
-        """What a read of ``digest`` is checked with: its fast checksum if the manifest
-        records one, else its address (``hexdigest`` compares to either)."""
-        return FastChecksum() if digest in self.checksums else address_hasher(self.address or ADDRESS)
-
-    def _verify(self, digest: str, key: str, raw: memoryview | bytes) -> None:
-        expected = self.checksums.get(digest)
-        if expected is not None:
-            actual = fast_checksum(raw)
-            if actual != expected:
-                raise CorruptChunkError(
-                    f"chunk {self.store.url}/{key} does not match its address (its content fails the fast "
-                    f"checksum the manifest records: {actual[:16]}…, expected {expected[:16]}…)"
-                )
-            return
-        if not matches_address(digest, raw, self.address):
-            raise CorruptChunkError(
-                f"chunk {self.store.url}/{key} does not match its address (neither the "
-                f"{' nor the '.join(ADDRESSES)} of its content)"
-            )
 
     def reencode(
         self,

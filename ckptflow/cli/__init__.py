@@ -17,21 +17,11 @@ import sys
 from collections.abc import Sequence
 
 from ckptflow.cli.advise import add_arguments as advise_arguments
-from ckptflow.cli.commands import (
-    UNAVAILABLE,
-    cmd_advise,
-    cmd_export,
-    cmd_gc,
-    cmd_import,
-    cmd_ls,
-    cmd_stats,
-    cmd_thaw,
-    cmd_verify,
-    duration_arg,
-    size_arg,
-)
+from ckptflow.cli.commands import UNAVAILABLE, cmd_gc, cmd_ls, cmd_thaw, cmd_verify, duration_arg
 from ckptflow.cli.costs import add_arguments as cost_arguments
+from ckptflow.cli.export_import import cmd_export, cmd_import, size_arg
 from ckptflow.cli.output import PROG
+from ckptflow.cli.report_commands import cmd_advise, cmd_stats
 from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.format.layout import IMPORT_FORMATS
 from ckptflow.interop.export import EXPORT_DTYPES

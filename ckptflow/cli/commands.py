@@ -1,10 +1,16 @@
-"""The CLI's commands: each a thin wrapper over one library function."""
+"""The CLI's commands over the catalog (``ls``, ``verify``, ``gc``, ``thaw``), and what
+every command shares: opening a store without creating it, naming a run or step that
+exists, the exit status of "the store could not be read".
+
+Each is a thin wrapper over one library function. The commands that move checkpoints in
+and out are in ``ckptflow.cli.export_import``; those that report figures, in
+``ckptflow.cli.report_commands``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,19 +23,14 @@ from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import CheckpointInfo
 from ckptflow.catalog.gc import gc, parse_duration
 from ckptflow.catalog.tiers import thaw
-from ckptflow.cli import advise
-from ckptflow.cli import costs as cost_section
-from ckptflow.cli.output import PROG, progress, ratio, table, warn
+from ckptflow.cli.output import PROG, progress, table, warn
 from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.format import layout as fmt
-from ckptflow.lifecycle.lineage import lineage_of
-from ckptflow.reports import recoveries
-from ckptflow.reports.stats import store_stats
-from ckptflow.reports.units import human_bytes, human_duration, rounded
+from ckptflow.reports.units import human_bytes, rounded
 from ckptflow.store import Store, open_store
 
 
-def _open(root: str) -> Store:
+def open_existing(root: str) -> Store:
     """Open a store without creating it: for a command that only inspects, a typo in a
     local path must be an error, not a new empty store."""
     try:
@@ -38,7 +39,9 @@ def _open(root: str) -> Store:
         raise CkptflowError(str(e)) from None
 
 
-def _require_run(store: Store, run: str) -> str:
+def require_run(store: Store, run: str) -> str:
+    """``run``, checked to be a run of ``store``; not knowing which runs exist is
+    ``StoreUnavailableError``, not "no such run"."""
     fmt.validate_run(run)
     try:
         runs = catalog_listing.list_runs(store)
@@ -78,8 +81,8 @@ def _selected(store: Store, run: str | None, infos: list[CheckpointInfo], text: 
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = _open(args.root)
-    run = _require_run(store, args.run) if args.run else None
+    store = open_existing(args.root)
+    run = require_run(store, args.run) if args.run else None
     infos: list[CheckpointInfo] = []
     for item in catalog.summaries(store, run):
         if isinstance(item, CheckpointInfo):
@@ -121,9 +124,9 @@ UNAVAILABLE = 3  # ... when all it found was what could not be read: no verdict,
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = _open(args.root)
+    store = open_existing(args.root)
     try:
-        run = _require_run(store, args.run)
+        run = require_run(store, args.run)
     except StoreUnavailableError as e:
         return _could_not_read(store, str(e))
     listed = list(catalog_listing.listing(store, run))
@@ -148,7 +151,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
     elif args.step is not None:
         if fmt.validate_step(args.step) not in steps:
-            raise _no_step(run, args.step, steps)
+            raise no_such_step(run, args.step, steps)
         targets = [args.step]
     else:
         if not committed:
@@ -197,7 +200,7 @@ def _could_not_read(store: Store, why: str) -> int:
     return UNAVAILABLE
 
 
-def _no_step(run: str, step: int, steps: list[int]) -> CkptflowError:
+def no_such_step(run: str, step: int, steps: list[int]) -> CkptflowError:
     """One message for a step a run does not have, whichever command was given it."""
     return CkptflowError(f"run {run!r} has no step {step} (steps: {_short(steps)})")
 
@@ -218,196 +221,6 @@ def _verify_total(store: Store, run: str, steps: list[int]) -> int | None:
     return total or None
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KB|MB|GB|KIB|MIB|GIB)\s*$")
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-
-
-def size_arg(text: str) -> int:
-    """``5GB`` (decimal, as transformers counts), ``512MiB``, or a number of bytes."""
-    match = _SIZE.match(text.upper())
-    if not match or float(match[1]) * _SIZE_UNITS[match[2]] < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} not understood; use e.g. 5GB, 500MB, 2GiB or bytes")
-    return int(float(match[1]) * _SIZE_UNITS[match[2]])
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from ckptflow.chunks.lossy import describe
-    from ckptflow.interop.export import (  # torch, when exporting
-        DEFAULT_MAX_SHARD_BYTES,
-        ExportOptions,
-        export_dcp,
-        export_safetensors,
-        newest_verified_step,
-        read_config,
-    )
-
-    store = _open(args.root)
-    run = _require_run(store, args.run)
-    if args.format == "dcp":
-        given = [flag for flag, value in (("--key", args.key), ("--dtype", args.dtype),
-                 ("--allow-fp16-overflow", args.allow_fp16_overflow), ("--max-shard-size", args.max_shard_size),
-                 ("--config", args.config)) if value]  # fmt: skip
-        if given:
-            raise CkptflowError(
-                f"{', '.join(given)} apply to model exports (--format hf); --format dcp writes the whole state as saved"
-            )
-    else:
-        options = ExportOptions(
-            key=args.key or "model",
-            dtype=args.dtype or "",
-            allow_fp16_overflow=args.allow_fp16_overflow,
-            max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
-        )
-    model_config = read_config(args.config) if args.config else None
-    allowed = {"allow_lossy": args.allow_lossy, "allow_failed": args.allow_failed}
-    try:
-        if args.step is not None:
-            steps = [e.step for e in catalog_listing.listing(store, run) if isinstance(e, catalog_listing.StepListing)]
-            if fmt.validate_step(args.step) not in steps:
-                raise _no_step(run, args.step, steps)
-        with progress(f"export {run}") as report_progress:
-            skipped: list[tuple[int, str]] = []
-            step = args.step
-            if step is None:
-                step, skipped = newest_verified_step(store, run, report_progress)
-            if args.format == "dcp":
-                result = export_dcp(
-                    store, run, args.out, step=fmt.validate_step(step), progress=report_progress, **allowed
-                )
-            else:
-                lineage = lineage_of(store, catalog.read_manifest(store, run, fmt.validate_step(step)))
-                result = export_safetensors(
-                    store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress,
-                    model_config=model_config, **allowed,
-                )  # fmt: skip
-    except StoreUnavailableError as e:  # nothing proved damage: exit as verify does when it could not read
-        print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
-        return UNAVAILABLE
-    for skipped_step, why in skipped:
-        warn(f"run {run} step {skipped_step} does not verify, skipped: {why}")
-    if result.lossy is not None:
-        warn(f"run {run} step {result.step} is a lossy archive copy, not the exact checkpoint that was trained")
-    if result.failed_validation is not None:
-        why = "; ".join(map(str, (result.failed_validation.get("problems") or ["no problem recorded"])[:1]))
-        warn(f"run {run} step {result.step} failed validation, exported as asked: {why}")
-    what = "state, DCP" if args.format == "dcp" else args.key or "model"
-    print(
-        f"exported run {run} step {result.step} ({what}): {result.tensors} tensors, "
-        f"{human_bytes(result.bytes)} -> {result.path}"
-        + (f" ({', '.join(result.files)})" if len(result.files) > 1 else "")
-        + (f"; LOSSY copy ({describe(result.lossy)}), marked in every file" if result.lossy is not None else "")
-    )
-    return 0
-
-
-def cmd_import(args: argparse.Namespace) -> int:
-    from ckptflow.chunks.lossy import describe
-    from ckptflow.interop.importers import import_checkpoint  # torch, when importing
-
-    try:
-        store = open_store(args.root)
-    except ValueError as e:
-        raise CkptflowError(str(e)) from None
-    result = import_checkpoint(store, args.run, args.step, args.src, format=args.format)
-    print(
-        f"imported {result.source} ({result.format}) as run {result.run} step {result.step}: "
-        f"entries {', '.join(result.entries)}; {result.tensors} tensors, {human_bytes(result.bytes)}; "
-        f"manifest {result.digest[:12]}"
-        + (f"; LOSSY copy ({describe(result.lossy)}): restores only with allow_lossy" if result.lossy else "")
-    )
-    return 0
-
-
-def cmd_advise(args: argparse.Namespace) -> int:
-    store = _open(args.root)
-    _require_run(store, args.run)
-    return advise.run(store, args)
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    store = _open(args.root)
-    stats = store_stats(store)
-    archive = store_stats(_open(args.archive)) if args.archive else None
-    operations = recoveries.store_metrics(store, window_s=args.window, detection_s=args.detection)
-    costs = cost_section.report(store, args, _open)
-    for problem in stats.unreadable_manifests:
-        warn(f"not counted: {problem}")
-    if args.json:
-        doc = {**stats.as_dict(), "operations": [m.as_dict() for m in operations], "costs": costs.as_dict()}
-        if archive is not None:
-            doc["archive"] = archive.as_dict()["store"]
-        print(json.dumps(doc, indent=2, sort_keys=True))
-        return 0
-    headers = ["RUN", "CHECKPOINTS", "LOGICAL", "UNIQUE", "STORED", "DEDUP", "COMPRESSION"]
-    rows = [
-        [
-            r.run,
-            str(r.checkpoints),
-            human_bytes(r.logical_bytes),
-            human_bytes(r.unique_bytes),
-            human_bytes(r.stored_bytes),
-            ratio(r.dedup_ratio),
-            ratio(r.compression_ratio),
-        ]
-        for r in stats.runs
-    ]
-    rows.append(
-        [
-            "(store)",
-            str(stats.checkpoints),
-            human_bytes(stats.logical_bytes),
-            human_bytes(stats.unique_bytes),
-            human_bytes(stats.stored_bytes),
-            ratio(stats.dedup_ratio),
-            ratio(stats.compression_ratio),
-        ]
-    )
-    print(table(headers, rows, right={1, 2, 3, 4, 5, 6}))
-    print(
-        f"chunk files: {stats.chunk_files} ({human_bytes(stats.chunk_file_bytes)}); unreferenced: "
-        f"{stats.unreferenced_chunks} ({human_bytes(stats.unreferenced_bytes)})"
-        + (f", reclaimable with `{PROG} gc` once older than the grace period" if stats.unreferenced_chunks else "")
-    )
-    for r in stats.runs:
-        if r.missing_chunks:
-            warn(f"run {r.run} references {r.missing_chunks} chunk(s) missing from the store; run `{PROG} verify`")
-    tiers = f"bytes per tier: hot {human_bytes(stats.stored_bytes)} stored ({stats.checkpoints} checkpoints)"
-    if archive is not None:
-        tiers += f"; archive {human_bytes(archive.stored_bytes)} stored ({archive.checkpoints} checkpoints)"
-    print(tiers)
-    print()
-    _print_operations(operations, args.window, args.detection)
-    print()
-    print(cost_section.render(costs))
-    return 0
-
-
-def _print_operations(operations: list[recoveries.RunMetrics], window: float, detection: float) -> None:
-    """Checkpoint frequency, commit -> recovery-ready, RPO, recoveries and RTO per run."""
-    pair = lambda a, b: f"{human_duration(a)} / {human_duration(b)}"
-    headers = ["RUN", f"IN {human_duration(window)}", "SAVE EVERY", "READY AFTER (MED / WORST)", "RPO"]
-    headers += ["RECOVERIES", "SUCCEEDED", "FELL BACK", "RTO (MED / WORST)"]
-    rows = [
-        [
-            m.run,
-            str(m.checkpoints_in_window),
-            human_duration(m.save_interval_s),
-            pair(m.ready_s, m.ready_worst_s),
-            human_duration(m.rpo_s),
-            str(m.recoveries),
-            str(m.recoveries_ok),
-            str(m.fallbacks),
-            pair(m.rto_median_s, m.rto_worst_s),
-        ]
-        for m in operations
-    ]
-    print(table(headers, rows, right=set(range(1, len(headers)))))
-    print(
-        f"RPO: the longest gap between recovery-ready (validated) checkpoints committed in the last "
-        f"{human_duration(window)}; RTO: detection ({human_duration(detection)}, --detection) + restore time"
-    )
-
-
 UNSAFE_GRACE = 60.0  # seconds: below this a running save's chunks look like garbage
 
 
@@ -418,7 +231,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             "once its manifest commits, and a save can take minutes); use a grace period longer than your slowest "
             "save (e.g. --grace 1h), or pass --force if no save can be running"
         )
-    store = _open(args.root)
+    store = open_existing(args.root)
     with progress("gc") as report_progress:
         report = gc(store, args.grace, dry_run=args.dry_run, wait=args.wait, progress=report_progress)
     for problem in report.unreadable_manifests:
@@ -441,8 +254,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_thaw(args: argparse.Namespace) -> int:
     """Request S3 restores for a cold (Glacier / Deep Archive) checkpoint."""
-    store = _open(args.root)
-    run = _require_run(store, args.run)
+    store = open_existing(args.root)
+    run = require_run(store, args.run)
     committed = catalog_listing.committed_steps(store, run)
     step: int | None = args.step if args.step is not None else (committed[-1] if committed else None)
     if step not in committed:

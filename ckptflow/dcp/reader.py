@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptflow.chunks.budget import MemoryBudget
-from ckptflow.chunks.io import CheckedChunk, ChunkStore
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.chunks.reads import CheckedChunk
 from ckptflow.dcp.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
 from ckptflow.dcp.metadata import dtype_from_name, metadata_from_index
 from ckptflow.dcp.writer import Progress, completed_future, tensor_memory

@@ -1,15 +1,11 @@
 """Local filesystem backend: plain paths and ``file://`` URLs.
 
-Durability follows the classic recipe: write a hidden temp file in the target
-directory, fsync it, then ``link`` (create-only) or ``rename`` (replace) it into
-place and fsync the directory, so a crash at any instant leaves either the old state
-or the complete new object, never a torn file. A write that fails removes its temp
-file; a full disk says which object and how many bytes it needed.
-
-Within a ``batch`` (a save's chunk writes) the directory fsyncs are deferred to the
-batch's end, once per directory instead of once per object, and each directory below
-the root is checked for a link once instead of at every path; what a batch wrote is
-durable when the batch ends, which is before the save writes its rank record or commits.
+Durability follows the classic recipe (temp file, fsync, link or rename, directory
+fsync), so a crash at any instant leaves either the old state or the complete new
+object, never a torn file; within a ``batch`` (a save's chunk writes) the directory
+fsyncs are deferred to the batch's end. Both are ``DurableWriter``'s
+(``ckptflow.store.local_writes``). A full disk says which object and how many bytes it
+needed.
 
 Symbolic links below the root are never followed, for any operation: listing skips
 nothing and reading follows nothing, so GC (which lists) and restore (which reads)
@@ -25,7 +21,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISDIR, S_ISLNK
@@ -40,9 +35,8 @@ from ckptflow.errors import (
 )
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.disk import Disk
+from ckptflow.store.local_writes import PRUNED_RETRIES, TEMP_PREFIX, DurableWriter
 
-TEMP_PREFIX = ".tmp-"
-PRUNED_RETRIES = 20  # a write whose directory a concurrent delete keeps pruning makes it again, this often
 READ_PIECE = 256 << 10  # ``get_into`` with a consumer: a piece is checked while it is in L2
 
 
@@ -60,11 +54,8 @@ class LocalStore(Store):
         self.root = os.path.realpath(os.path.expanduser(root))
         self.url = "file://" + self.root
         self.disk = disk or Disk(fsync=fsync)
-        self._batch_lock = threading.Lock()
-        self._batches = 0  # batches open now (``batch``)
-        self._unsynced: set[str] = set()  # directories whose fsync a batch deferred
-        self._real_dirs: set[str] = set()  # directories a batch found not to be links
-        self._chunk_dirs = os.path.join(self.root, "chunks")  # a prefix: ``chunks`` and what is below it
+        # durable writes; the fsyncs of ``chunks`` and the directories below it wait for a batch's end
+        self._writer = DurableWriter(self.disk, os.path.join(self.root, "chunks"))
         if create:
             os.makedirs(self.root, exist_ok=True)
         elif not os.path.isdir(self.root):
@@ -76,7 +67,7 @@ class LocalStore(Store):
         parts = validate_key(key).split("/")
         for depth, part in enumerate(parts, start=1):
             path = os.path.join(path, part)
-            if depth < len(parts) and path in self._real_dirs:
+            if depth < len(parts) and self._writer.known_real(path):
                 continue
             try:
                 mode = os.lstat(path).st_mode
@@ -84,54 +75,13 @@ class LocalStore(Store):
                 return os.path.join(self.root, *key.split("/"))  # the rest does not exist yet
             if S_ISLNK(mode):
                 raise self._link(os.path.relpath(path, self.root))
-            if depth < len(parts) and S_ISDIR(mode) and self._batches:
-                self._real_dirs.add(path)
+            if depth < len(parts) and S_ISDIR(mode):
+                self._writer.note_real(path)
         return path
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Writes whose directory fsyncs wait until the batch ends (see the module's
-        docstring); batches may overlap, and each one's end makes every deferred
-        directory durable before it returns."""
-        with self._batch_lock:
-            self._batches += 1
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(OSError):  # the batch's own failure is the one to report
-                self._end_batch()
-            raise
-        self._end_batch()
-
-    def _end_batch(self) -> None:
-        with self._batch_lock:
-            self._batches -= 1
-            directories, self._unsynced = self._unsynced, set()
-            if not self._batches:
-                self._real_dirs.clear()
-        for directory in sorted(directories):
-            self.disk.fsync_dir(directory)
-
-    def _sync_dir(self, directory: str) -> None:
-        """Fsync ``directory`` now, or, for a directory of chunks, at the end of the batch
-        in progress: chunks are named by a commit only after the batch that wrote them
-        ended, while anything else written meanwhile (a commit, a lease) must be durable
-        when its write returns."""
-        if not self._deferred(directory):
-            self.disk.fsync_dir(directory)
-
-    def _deferred(self, directory: str) -> bool:
-        """Whether ``directory``, a directory of chunks, is fsynced at the end of the batch
-        in progress. A chunk a batch finds already there is one it will name in a commit
-        too: another process's batch may have written it and not yet fsynced its
-        directory, so ``put_if_absent`` defers that directory's fsync to this batch's end."""
-        if not self._batches or not (directory == self._chunk_dirs or directory.startswith(self._chunk_dirs + os.sep)):
-            return False
-        with self._batch_lock:
-            if self._batches:
-                self._unsynced.add(directory)
-                return True
-        return False
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """Writes whose directory fsyncs wait until the batch ends (``DurableWriter.batch``)."""
+        return self._writer.batch()
 
     def _link(self, relpath: str) -> SymlinkError:
         return SymlinkError(
@@ -139,22 +89,6 @@ class LocalStore(Store):
             "lists, and restore, which reads, would disagree about what the store holds): move the data into "
             f"the store, or make the whole store root ({self.root}) the link"
         )
-
-    def _write_temp(self, directory: str, data: Buffers) -> str:
-        tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        for attempt in range(PRUNED_RETRIES):
-            try:
-                self.disk.makedirs(directory, sync_dir=self._sync_dir)
-                self.disk.write_new(tmp, as_buffers(data))
-                return tmp
-            except FileNotFoundError:  # a concurrent delete pruned a directory on the way: make it again
-                if attempt == PRUNED_RETRIES - 1:
-                    raise
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    self.disk.unlink(tmp)
-                raise
-        raise AssertionError("unreachable")
 
     @contextlib.contextmanager
     def _writing(self, key: str, data: Buffers) -> Iterator[None]:
@@ -260,62 +194,11 @@ class LocalStore(Store):
 
     def put_if_absent(self, key: str, data: Buffers) -> bool:
         with self._writing(key, data):
-            return self._put_if_absent(key, data)
-
-    def _put_if_absent(self, key: str, data: Buffers) -> bool:
-        path = self._path(key)
-        if os.path.exists(path):
-            self._deferred(os.path.dirname(path))
-            return False
-        tmp = self._write_temp(os.path.dirname(path), data)
-        try:
-            return self._link_new(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                self.disk.unlink(tmp)
-
-    def _link_new(self, tmp: str, path: str) -> bool:
-        """Give the file ``tmp`` the name ``path`` unless that exists (create-only), durably."""
-        try:
-            self.disk.link(tmp, path)
-        except FileExistsError:
-            self._deferred(os.path.dirname(path))
-            return False
-        except OSError as e:  # filesystems without hard links: O_EXCL claim, then rename
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-            return self._claim_and_rename(tmp, path)
-        self._sync_dir(os.path.dirname(path))
-        return True
-
-    def _claim_and_rename(self, tmp: str, path: str) -> bool:
-        try:
-            self.disk.claim(path + ".claim")
-        except FileExistsError:
-            return False
-        try:
-            if os.path.exists(path):
-                return False
-            self.disk.rename(tmp, path)
-        finally:
-            self.disk.unlink(path + ".claim")
-        self._sync_dir(os.path.dirname(path))
-        return True
+            return self._writer.put_new(self._path(key), data)
 
     def replace(self, key: str, data: Buffers) -> None:
         with self._writing(key, data):
-            self._replace(key, data)
-
-    def _replace(self, key: str, data: Buffers) -> None:
-        path = self._path(key)
-        directory = os.path.dirname(path)
-        tmp = self._write_temp(directory, data)
-        try:
-            self.disk.rename(tmp, path)
-        except BaseException:
-            self.disk.unlink(tmp)
-            raise
-        self._sync_dir(directory)
+            self._writer.replace_file(self._path(key), data)
 
     def list(self, prefix: str, *, recursive: bool = True) -> Iterator[ObjectInfo]:
         base = self.root if not prefix else self._path(prefix.rstrip("/"))
@@ -457,7 +340,7 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError):
             return False
         matches = _sha256_file(aside) == expected
-        if not matches and not self._link_new(aside, path):
+        if not matches and not self._writer.link_new(aside, path):
             raise StoreError(
                 f"{self.url}/{key} was replaced while it was being deleted and then created a third time at once; "
                 f"the version taken is kept in {aside}: compare the two and keep the right one"

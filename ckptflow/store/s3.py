@@ -30,6 +30,7 @@ from ckptflow.errors import ColdObjectError, ObjectNotFoundError, ObjectTooLarge
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.s3_body import BuffersReader, checksum_header, crc32_b64, sha256_b64
 from ckptflow.store.s3_listing import fast_times_session, list_objects
+from ckptflow.store.s3_multipart import upload_in_parts
 from ckptflow.store.s3_retry import AttemptsExhausted, Retry, botocore_config, error_code, http_status
 
 ENDPOINT_ENV = "CKPTFLOW_S3_ENDPOINT_URL"
@@ -41,24 +42,6 @@ COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE")  # classes whose objects need a resto
 
 def _byte_views(data: Buffers) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in as_buffers(data)]
-
-
-def _pieces(views: builtins.list[memoryview], size: int) -> Iterator[builtins.list[memoryview]]:
-    """``size``-byte parts of the concatenated buffers (the last may be shorter), each as
-    views of the buffers: a multipart upload copies nothing."""
-    part: builtins.list[memoryview] = []
-    filled = 0
-    for view in views:
-        while len(view):
-            take = size - filled
-            part.append(view[:take])
-            filled += len(view[:take])
-            view = view[take:]
-            if filled == size:
-                yield part
-                part, filled = [], 0
-    if part:
-        yield part
 
 
 class S3Store(Store):
@@ -252,7 +235,17 @@ class S3Store(Store):
         condition: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
         size = sum(len(v) for v in views)
         if size >= self.multipart_threshold:
-            return self._multipart(key, views, extra, condition)
+            return upload_in_parts(
+                self.client,
+                self.bucket,
+                self._key(key),
+                views,
+                part_size=self.part_size,
+                extra=extra,
+                condition=condition,
+                passthrough=_EXISTS,
+                attempts=lambda op, attempt, passthrough=(): self._attempts(op, key, attempt, passthrough),
+            )
         checksum = checksum_header(views)
 
         def put() -> Any:  # a fresh stream per attempt: a retry starts at its first byte
@@ -267,61 +260,6 @@ class S3Store(Store):
             )
 
         self._attempts("PutObject", key, put, passthrough=_EXISTS)
-
-    def _multipart(self, key: str, views: builtins.list[memoryview], extra: dict, condition: dict) -> None:
-        """Upload in ``part_size`` parts, each with its own CRC32, and complete under
-        ``condition``. Any failure aborts the upload, so no billed, invisible parts stay
-        behind (a process killed mid-upload can leave some: a bucket lifecycle rule
-        "abort incomplete multipart uploads after N days" covers that)."""
-        full = self._key(key)
-        upload = self._call(
-            "CreateMultipartUpload",
-            key,
-            self.client.create_multipart_upload,
-            Key=full,
-            ChecksumAlgorithm="CRC32",
-            **extra,
-        )["UploadId"]
-        try:
-            done = []
-            for number, piece in enumerate(_pieces(views, self.part_size), start=1):
-                checksum = crc32_b64(piece)
-                etag = self._attempts("UploadPart", key, self._part(full, upload, number, piece, checksum))["ETag"]
-                done.append({"PartNumber": number, "ETag": etag, "ChecksumCRC32": checksum})
-            self._call(
-                "CompleteMultipartUpload",
-                key,
-                self.client.complete_multipart_upload,
-                passthrough=_EXISTS,
-                Key=full,
-                UploadId=upload,
-                MultipartUpload={"Parts": done},
-                **condition,
-            )
-        except BaseException:
-            try:
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
-            except Exception:  # the original failure is the one to report
-                pass
-            raise
-
-    def _part(
-        self, full: str, upload: str, number: int, piece: builtins.list[memoryview], checksum: str
-    ) -> Callable[[], Any]:
-        """One attempt at uploading part ``number``: a fresh stream over its buffers each time."""
-
-        def attempt() -> Any:
-            return self.client.upload_part(
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload,
-                PartNumber=number,
-                Body=BuffersReader(piece),
-                ContentLength=sum(len(v) for v in piece),
-                ChecksumCRC32=checksum,
-            )
-
-        return attempt
 
     def delete(self, key: str) -> None:
         self._call("DeleteObject", key, self.client.delete_object, Key=self._key(key))

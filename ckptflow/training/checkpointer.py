@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -20,10 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog import listing as catalog_listing
 from ckptflow.catalog import recovery_log, selection
 from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
-from ckptflow.catalog.commit import check_step
 from ckptflow.catalog.tiers import Tier, open_tiers
 from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
 from ckptflow.chunks.codecs import CODECS
@@ -37,14 +34,14 @@ from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.lineage import RunLineage, warn_if_different
 from ckptflow.format.manifest import Manifest
-from ckptflow.format.sealed import json_problem
-from ckptflow.format.state_tree import flatten, shared_storage
+from ckptflow.format.state_tree import shared_storage
 from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
 from ckptflow.training.restore import Restore, RestoreResult
 from ckptflow.training.save_handle import SaveHandle, SaveResult
-from ckptflow.training.state import FreshOptimizers, capture_rng, to_state_dicts
+from ckptflow.training.save_preflight import claim_step, flatten_on_every_rank
+from ckptflow.training.state import capture_rng
 from ckptflow.training.warmup import Warmup, warm_up
 
 
@@ -140,8 +137,17 @@ class Checkpointer:
         problem = lossy_record_problem(lossy) if lossy is not None else None
         if problem:
             raise UnsupportedStateError(f"{problem}; nothing was saved")
-        skeleton, tensors = self._flatten(state, metadata)  # refused here: nothing written, nothing moved
-        base, save_id, replaces = self._prepare_step(step)
+        # refused here: nothing written, nothing moved
+        skeleton, tensors = flatten_on_every_rank(state, metadata, self.group)
+        base, save_id, replaces = claim_step(
+            self.store,
+            self.run,
+            step,
+            self.group,
+            self.pool,
+            superseded=self._superseded,
+            last_commit=self._last_commit,
+        )
         if base is None:
             kind = "full"
         spec = SaveSpec(
@@ -214,7 +220,7 @@ class Checkpointer:
         when CUDA is present), so even the first ``save(..., blocking=False)`` holds the
         loop only for the copy. Buffers are kept per tensor storage: call it on every rank
         after building the model and optimizer state, and again if tensors are replaced."""
-        _skeleton, tensors = self._flatten(state, None)
+        _skeleton, tensors = flatten_on_every_rank(state, None, self.group)
         self._stager.stage(tensors)
 
     def wait(self) -> SaveResult | None:
@@ -225,48 +231,6 @@ class Checkpointer:
         result = pending.wait()
         self._committed(pending.step, pending.manifest, pending.writer)
         return result
-
-    def _flatten(self, state: MutableMapping[str, Any], metadata: dict | None) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The state as a JSON skeleton and tensors, and the metadata checked, on every rank
-        before anything is written (any rank's refusal is every rank's: a lone raise would
-        hang the others in the collectives that follow)."""
-        error: CkptflowError | None = None
-        try:
-            problem = json_problem(metadata or {}, "metadata")
-            if problem:
-                raise UnsupportedStateError(f"{problem}; metadata is stored as JSON, so nothing was saved")
-            fresh = FreshOptimizers(state)
-            try:
-                state_dicts = to_state_dicts(state)
-                fresh.empty(state_dicts)
-            finally:
-                fresh.reset()  # a save never changes the state it saves
-            skeleton, tensors = flatten(state_dicts, rank=self.group.rank)
-        except CkptflowError as e:
-            error = e
-        errors = [e for e in self.group.all_gather(error) if e is not None]
-        if errors:
-            raise error or errors[0]
-        return skeleton, tensors
-
-    def _prepare_step(self, step: int) -> tuple[int | None, str, str | None]:
-        """Rank 0 checks the step is free (or holds a manifest proved damaged, which the
-        commit moves aside), finds the base step and names the attempt; every rank gets
-        the same answer or raises the same error (a lone raise would hang the others in
-        DCP's collectives)."""
-        base: int | None = None
-        replaces: str | None = None
-        error: CkptflowError | None = None
-        if self.group.rank == 0:
-            try:
-                replaces = check_step(self.store, self.run, step, self.pool, rejected=step in self._superseded)
-                base = self._newest_committed_before(step)
-            except CkptflowError as e:
-                error = e
-        base, replaces, error, save_id = self.group.broadcast((base, replaces, error, uuid.uuid4().hex))
-        if error is not None:
-            raise error
-        return base, save_id, replaces
 
     def _encoder(self, step: int, kind: str) -> SaveEncoder | None:
         """Codec "auto": the save's encoder; an incremental one deltas against the newest
@@ -279,15 +243,6 @@ class Checkpointer:
             if full is not None:
                 self._full, base = full, BaseIndex.of(full)
         return self._auto.for_save(self.chunks, kind, base)
-
-    def _newest_committed_before(self, step: int) -> int | None:
-        """The base of an incremental save: known in a training loop without listing the store."""
-        if self._last_commit is not None and self._last_commit < step:
-            return self._last_commit
-        for older in reversed(catalog_listing.committed_steps(self.store, self.run)):
-            if older < step and older not in self._superseded:
-                return older
-        return None
 
     # ---- restore ----------------------------------------------------------------------
     def restore(

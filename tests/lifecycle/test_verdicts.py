@@ -78,7 +78,7 @@ def test_scrub_during_an_outage_overwrites_no_verdict(tmp_path):
 
 def test_cli_verify_says_the_store_is_unavailable_not_corrupt(tmp_path, capsys, monkeypatch):
     root, _, _ = make_store(tmp_path)
-    monkeypatch.setattr("ckptflow.cli.commands._open", lambda url: brownout(open_store(url, create=False)))
+    monkeypatch.setattr("ckptflow.cli.commands.open_existing", lambda url: brownout(open_store(url, create=False)))
     code, out, err = run_cli(capsys, "verify", root, "--run", CLI_RUN, "--all")
     assert code == 3 and "SlowDown" in out and "none of them proof of damage" in err and "retry" in err
     flip_byte(chunk_path(root, only_in(root, CLI_RUN, 20, 10)[0]))

@@ -121,7 +121,7 @@ def test_read_verified_refuses_a_flipped_byte_and_a_missing_chunk(tmp_path):
 def test_the_second_pass_checks_each_piece_as_it_lands_and_reads_no_chunk_twice(tmp_path, monkeypatch):
     """A sound raw chunk costs one scan and one read into place: no read through ``get``,
     and no second trip over the whole chunk to hash it after it landed."""
-    from ckptflow.chunks import io
+    from ckptflow.chunks import reads
 
     chunks = ChunkStore(open_store(str(tmp_path / "store")))
     payload = os.urandom(3 << 20)
@@ -129,7 +129,7 @@ def test_the_second_pass_checks_each_piece_as_it_lands_and_reads_no_chunk_twice(
     scoped = chunks.scoped({written.digest: len(payload)}, checksums={written.digest: written.checksum})
     checked = scoped.check(written.digest, len(payload))
     monkeypatch.setattr(ChunkStore, "get", lambda *a, **k: pytest.fail("a sound chunk was read again"))
-    monkeypatch.setattr(io, "fast_checksum", lambda *a, **k: pytest.fail("the chunk was hashed again whole"))
+    monkeypatch.setattr(reads, "fast_checksum", lambda *a, **k: pytest.fail("the chunk was hashed again whole"))
     out = bytearray(len(payload))
     scoped.read_checked(checked, memoryview(out))
     assert bytes(out) == payload
