@@ -250,8 +250,9 @@ def test_two_promotions_racing_on_one_model_stay_consistent(tmp_path):
 
 
 def test_promotion_uploads_streamed_not_read_whole(tmp_path):
-    """A 16 MiB weight file (read from 1 MiB chunks by a few threads): Python holds at most
-    half of it at once (reading it whole would hold all of it)."""
+    """A 16 MiB weight file (read from 1 MiB chunks by a few threads, each verifying through a
+    1 MiB scratch piece): Python holds at most three quarters of it at once (reading it whole
+    would hold all of it)."""
     root, _ = checkpoints(tmp_path, steps=(1,), width=131072)
     hot = open_store(root)
     tracemalloc.start()
@@ -261,7 +262,7 @@ def test_promotion_uploads_streamed_not_read_whole(tmp_path):
     finally:
         tracemalloc.stop()
     assert version.files["model.safetensors"]["size"] > 16 << 20
-    assert peak < 8 << 20, f"Python allocations peaked at {peak} bytes"
+    assert peak < 12 << 20, f"Python allocations peaked at {peak} bytes"
 
 
 def test_rebuild_a_deleted_export_from_hot_then_archive(tmp_path):
