@@ -25,6 +25,8 @@ from ckptflow.interop.export import export_safetensors
 from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, only_in
 
+pytestmark = pytest.mark.slow  # the real transformers Trainer, trained and resumed: make test-e2e
+
 MAX_STEPS, SAVE_STEPS = 12, 4  # 10 steps per epoch: the run crosses an epoch boundary
 
 

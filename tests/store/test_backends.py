@@ -172,6 +172,9 @@ def test_corruption_is_detected_and_restore_falls_back(store_url, target, how):
 
 
 # ---- crash at every store operation --------------------------------------------------------
+@pytest.mark.parametrize(
+    "store_url", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True
+)  # on S3 (~20 s each): make test-e2e
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_crash_at_every_store_operation(store_url, when):
     """Every mutating operation of an incremental save fails in turn (and everything after
