@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 # Lint, types, the import contracts (pyproject.toml, docs/design.md) and the suite without the `slow` tests, on 2 workers (pytest-xdist); a file's
 # tests stay on one worker (--dist loadfile), so a module's fixtures (spawned ranks) start once.
-# No test here reaches a package index. About 3 minutes on 2 quiet cores.
+# No test here reaches a package index. About 3 to 4 minutes on 2 quiet cores.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -28,9 +28,11 @@ test: $(STAMP)
 
 # The `slow` tests, end to end: the real dagster-daemon on SQLite and on PostgreSQL
 # (+ dagster-webserver), the browser test (headless Chromium against `dagster dev` after the
-# demo), the demo and the lifecycle with an S3 archive in-process, savers killed with SIGKILL,
-# Lightning's two-process DDP, and pip installs into fresh virtual environments (these reach
-# the package index). .ci/run runs `make test` and then this.
+# demo), `make ui` stopped by signals, the demo and the lifecycle in-process (local and S3 archive),
+# savers killed with SIGKILL, Lightning's two-process DDP, the HF Trainer, four gloo ranks on S3,
+# the MLflow server, peak-RSS measurements of restores, every flipped bit of the zstd frames, a
+# crash at every S3 operation, and pip installs into fresh virtual environments (these reach the
+# package index). .ci/run runs `make test` and then this.
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
