@@ -42,6 +42,7 @@ from _report import (  # noqa: E402
     DEEP,
     FLOOR,
     INCREMENTAL,
+    SINGLE_PASS,
     Row,
     Sample,
     _secs,
@@ -144,17 +145,17 @@ class Bench:
     def _checkpointer(self, root: Path, codec: str = "raw") -> Checkpointer:
         return Checkpointer(str(root), "bench", threads=self.threads, chunk_bytes=self.chunk_bytes, codec=codec)
 
-    def _restore(self, ck: Checkpointer, expected: StateDict, method: str) -> Sample:
+    def _restore(self, ck: Checkpointer, expected: StateDict, method: str, *, single_pass: bool = False) -> Sample:
         # ckptflow fills the tensors of ``live`` in place, as dcp.load does.
         live = {"model": self.target}
         clear(self.target)
         clock = Clock().start()
-        ck.restore(live)
+        ck.restore(live, single_pass=single_pass)
         sample = dict(restore=clock.lap(), restore_cpu=clock.cpu_used())
         check_equal(expected, live["model"], method)
         return sample
 
-    def ckptflow_sync(self, _round: int, codec: str = "raw") -> Sample:
+    def ckptflow_sync(self, _round: int, codec: str = "raw", *, single_pass: bool = False) -> Sample:
         root = fresh(self.work / "ckptflow")
         with self._checkpointer(root, codec) as ck:
             before = disk_usage(root)
@@ -162,9 +163,11 @@ class Bench:
             ck.save(1, {"model": self.state}, kind="full")
             save, cpu = clock.lap(), clock.cpu_used()
             nbytes = disk_usage(root) - before
-            return dict(
-                blocked=save, total=save, cpu=cpu, bytes=nbytes, **self._restore(ck, self.state, f"ckptflow {codec}")
-            )
+            restored = self._restore(ck, self.state, f"ckptflow {codec}", single_pass=single_pass)
+            return dict(blocked=save, total=save, cpu=cpu, bytes=nbytes, **restored)
+
+    def ckptflow_single_pass(self, round_: int) -> Sample:
+        return self.ckptflow_sync(round_, single_pass=True)
 
     def ckptflow_zstd(self, round_: int) -> Sample:
         return self.ckptflow_sync(round_, codec="zstd")
@@ -237,6 +240,7 @@ class Bench:
             (CLONE, "tensor.clone() of every tensor", self.clone),
             ("ckptflow save (full) / restore", f"fsync, {self.chunk_bytes / MiB:g} MiB chunks", self.ckptflow_sync),
             (ASYNC, "", self.ckptflow_async),
+            (SINGLE_PASS, "restore(single_pass=True): damage -> PartialRestoreError", self.ckptflow_single_pass),
             (INCREMENTAL, self._incremental_note(), self.ckptflow_incremental),
             ("ckptflow save (full, zstd)", "archive codec: byte-grouped zstd-3", self.ckptflow_zstd),
             (DEEP, "restore s = time to re-hash every BLAKE3 address", self.ckptflow_verify_deep),
