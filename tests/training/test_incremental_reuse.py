@@ -111,15 +111,21 @@ def test_every_kind_of_change_restores_exactly(make_ck, change, blocking, kind):
         assert torch.equal(got[name], value), f"{change.__name__}: {name} did not restore exactly"
 
 
-def test_incremental_save_hashes_only_the_changed_chunks(make_ck, monkeypatch):
-    hashed: list[int] = []
+@pytest.fixture
+def hashed(monkeypatch) -> list[int]:
+    """The lengths of the chunks a save computes a BLAKE3 address for, in order."""
+    lengths: list[int] = []
     real = chunk_io.address_and_checksum
 
     def counting(raw):
-        hashed.append(len(memoryview(raw).cast("B")))
+        lengths.append(len(memoryview(raw).cast("B")))
         return real(raw)
 
     monkeypatch.setattr(chunk_io, "address_and_checksum", counting)
+    return lengths
+
+
+def test_incremental_save_hashes_only_the_changed_chunks(make_ck, hashed):
     state = {"buf": torch.randn(4096), "frozen": torch.randn(4096)}  # 16 KiB each: 64 chunks each
     ck = make_ck(chunk_bytes=CHUNK)
     ck.save(1, state, kind="full", rng=False)
@@ -134,15 +140,7 @@ def test_incremental_save_hashes_only_the_changed_chunks(make_ck, monkeypatch):
     assert torch.equal(fresh["buf"], state["buf"]) and torch.equal(fresh["frozen"], state["frozen"])
 
 
-def test_a_later_full_save_hashes_only_the_changed_chunks_and_rewrites_every_one(make_ck, monkeypatch):
-    hashed: list[int] = []
-    real = chunk_io.address_and_checksum
-
-    def counting(raw):
-        hashed.append(len(memoryview(raw).cast("B")))
-        return real(raw)
-
-    monkeypatch.setattr(chunk_io, "address_and_checksum", counting)
+def test_a_later_full_save_hashes_only_the_changed_chunks_and_rewrites_every_one(make_ck, hashed):
     state = {"buf": torch.randn(4096), "frozen": torch.randn(4096)}  # 16 KiB each: 64 chunks each
     ck = make_ck(chunk_bytes=CHUNK)
     ck.save(1, state, kind="full", rng=False)
