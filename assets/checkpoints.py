@@ -85,7 +85,7 @@ def _describe(manifest) -> dict:
         "chunks": MetadataValue.int(info.chunks),
         "created_at": MetadataValue.timestamp(info.created_at),
         "manifest_digest": manifest.digest,
-        **metrics(info.metadata, prefix="trainer/"),
+        **metrics(info.metadata, prefix=f"{info.run}/trainer/"),  # per run: one plotted line each
     }
     described.update(_lineage(info.metadata))
     if info.kind == "incremental" and info.base_step is not None:
@@ -212,12 +212,15 @@ def evaluation(
             raise Failure(description=str(e), allow_retries=False) from e.__cause__
     if record["overfitting"]:
         context.log.warning(f"{context.partition_key}: {rule.val_metric} got worse while {rule.train_metric} improved")
-    extra = {} if record["improvement"] is None else metrics({f"improvement/{rule.val_metric}": record["improvement"]})
+    # keyed by run, so each run's values plot as a line of their own (two models' losses are no one series)
+    per_run = f"{run}/"
+    improvement = {f"improvement/{rule.val_metric}": record["improvement"]}
+    extra = {} if record["improvement"] is None else metrics(improvement, prefix=per_run)
     # the trainer's own metric beside the evaluator's (an evaluator scores held-out data only)
     trained = {} if record.get("train") is None else {rule.train_metric: record["train"]}
     return MaterializeResult(
         metadata={
-            **metrics({**trained, **record["metrics"]}),
+            **metrics({**trained, **record["metrics"]}, prefix=per_run),
             **extra,
             "overfitting": bool(record["overfitting"]),
             "evaluator": record["evaluator"],

@@ -48,10 +48,10 @@ def test_good_checkpoint_flows_through_every_asset(store_with_checkpoints, paths
     assert md["run"].value == RUN and md["step"].value == "20" and md["kind"].value == "full"
     assert md["world_size"].value == "1" and md["chunks"].value > 0 and md["logical_bytes"].value > 0
     assert md["logical"].value.endswith("KiB") and "written_after" not in md  # a full checkpoint reuses nothing
-    assert "trainer/train_loss" in md and len(md["manifest_digest"].value) == 64
+    assert f"{RUN}/trainer/train_loss" in md and len(md["manifest_digest"].value) == 64
     [check] = result.get_asset_check_evaluations()
     assert check.passed and check.asset_check_key == INTEGRITY_KEY
-    assert latest(instance, evaluation, KEYS[1])["val_loss"].value > 0
+    assert latest(instance, evaluation, KEYS[1])[f"{RUN}/val_loss"].value > 0
     comp = latest(instance, compressed, KEYS[1])
     assert comp["after_bytes"].value < comp["before_bytes"].value and comp["ratio"].value > 1
     assert comp["ratio"].value == round(comp["ratio"].value, 3) and " " in comp["after"].value
@@ -111,17 +111,17 @@ def test_backfill_reevaluates_several_partitions_with_a_new_evaluator(store_with
             resources=resources,
             selection=[checkpoint, evaluation],
         ).success
-    first = {k: latest(instance, evaluation, k)["val_loss"].value for k in KEYS}
+    first = {k: latest(instance, evaluation, k)[f"{RUN}/val_loss"].value for k in KEYS}
     new = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: f"{__name__}:constant_evaluator"})}
     for key in KEYS[1:]:  # the backfill: a range of old partitions, evaluation only
         assert materialize(
             PER_CHECKPOINT, partition_key=key, instance=instance, resources=new, selection=[evaluation]
         ).success
-    assert latest(instance, evaluation, KEYS[0])["val_loss"].value == first[KEYS[0]]
+    assert latest(instance, evaluation, KEYS[0])[f"{RUN}/val_loss"].value == first[KEYS[0]]
     for key in KEYS[1:]:
         md = latest(instance, evaluation, key)
-        assert md["val_loss"].value == 0.5 and md["evaluator"].value.endswith("constant_evaluator")
-    assert latest(instance, evaluation, KEYS[2])["improvement/val_loss"].value == 0.0
+        assert md[f"{RUN}/val_loss"].value == 0.5 and md["evaluator"].value.endswith("constant_evaluator")
+    assert latest(instance, evaluation, KEYS[2])[f"{RUN}/improvement/val_loss"].value == 0.0
 
 
 def test_a_failing_evaluator_fails_its_partition_with_its_error_and_nothing_else(

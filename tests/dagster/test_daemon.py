@@ -95,7 +95,7 @@ def test_daemon_on_sqlite_carries_another_models_checkpoints_through_with_defaul
     assert not any(key == keys[2] for (what, key) in runs if what != "validate_checkpoint")
     # no evaluator is configured for this model: its trainer's metrics are the evaluation
     metadata = evaluation[0].asset_materialization.metadata
-    assert metadata["source"].value == "the trainer's recorded metrics" and "val_loss" in metadata
+    assert metadata["source"].value == "the trainer's recorded metrics" and f"{RUN}/val_loss" in metadata
 
 
 def test_daemon_and_webserver_on_postgresql_with_the_production_instance(lifecycle, capsys):

@@ -54,7 +54,7 @@ def test_the_operator_view_counts_what_needs_attention_and_prices_tiers_once(
         .records[0]
         .asset_materialization.metadata
     )
-    assert evaluated["train_loss"].value > 0 and evaluated["val_loss"].value > 0
+    assert evaluated[f"{RUN}/train_loss"].value > 0 and evaluated[f"{RUN}/val_loss"].value > 0
 
     views = materialize([*defs.assets], selection=VIEWS, instance=instance, resources=resources)
     md = {name: views.asset_materializations_for_node(name)[0].metadata for name in VIEWS}

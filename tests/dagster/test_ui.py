@@ -134,13 +134,15 @@ def test_checkpoint_partitions_show_the_corrupt_ones_failed(page, ui):
     page.get_by_text("rpo_freshness", exact=True).first.wait_for()
 
 
-def test_evaluation_metrics_plot_across_partitions(page, ui):
+def test_evaluation_metrics_plot_across_partitions_one_line_per_run(page, ui):
     page.goto(ui["base"] + "/assets/evaluation")  # the overview's Metadata section: Table / Plots
     page.get_by_text("val_loss").first.wait_for()
     page.get_by_text("Plots", exact=True).click()
-    for metric in ("val_loss", "train_loss", "val_perplexity"):
-        page.get_by_text(metric, exact=True).first.wait_for()
-    page.locator("canvas").nth(2).wait_for()  # one chart per metric, plotted by partition (the default view)
+    for metric in ("val_loss", "train_loss", "val_perplexity"):  # keyed by run: two models' losses are no one line
+        page.get_by_text(f"{DEMO_RUN}/{metric}", exact=True).first.wait_for()
+    page.get_by_text(f"{OTHER_RUN}/val_loss", exact=True).first.wait_for()
+    page.locator("canvas").nth(3).wait_for()  # one chart per run and metric, plotted by partition
+    shot(page, "evaluation_plots_per_run")
 
 
 def test_deployed_model_names_its_source_partition(page, ui):
@@ -244,8 +246,8 @@ def test_integrity_plots_one_line_per_run_and_the_demo_evaluation_has_train_loss
         page.get_by_text(f"{run}/chunks", exact=True).first.wait_for()
     shot(page, "integrity_plots")
     page.goto(ui["base"] + f"/assets/evaluation?view=partitions&partition={checkpoint_key(DEMO_RUN, 50)}")
-    page.get_by_text("val_perplexity", exact=True).first.wait_for()  # the demo's evaluator scored it
-    page.get_by_text("train_loss", exact=True).first.wait_for()  # and the trainer's loss stands beside it
+    page.get_by_text(f"{DEMO_RUN}/val_perplexity", exact=True).first.wait_for()  # the demo's evaluator scored it
+    page.get_by_text(f"{DEMO_RUN}/train_loss", exact=True).first.wait_for()  # the trainer's loss stands beside it
 
 
 def test_runs_list_shows_which_checkpoint_each_run_is_about(page, ui):
