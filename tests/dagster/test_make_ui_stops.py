@@ -70,7 +70,13 @@ def started_ui(tmp_path):
     log = open(tmp_path / "make-ui.log", "w")
 
     def like_a_background_job() -> None:
+        """What a shell's ``make ui &`` gets, whatever this process set: a pytest started in the
+        background has SIGINT ignored, and Dagster's interrupt set-up (run in-process by earlier
+        tests) maps SIGTERM to SIGINT's disposition, so SIGTERM would be inherited ignored too,
+        and GNU make keeps ignoring a signal it started with ignored."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
     make = subprocess.Popen(
         ["make", "ui", f"UI_HOME={home}", f"UI_PORT={port}"],
