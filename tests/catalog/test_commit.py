@@ -209,6 +209,7 @@ def race_in_threads(root: str, run: str, n: int) -> list[str]:
     return outcomes
 
 
+@pytest.mark.slow  # spawned saver processes (~14 s; the threaded race stays in make test): make test-e2e
 def test_savers_racing_to_replace_a_damaged_step_in_processes_one_wins(tmp_path):
     root = str(tmp_path / "store")
     damaged = with_damaged_step_2(root)
