@@ -40,14 +40,14 @@ from _report import (  # noqa: E402
     CLONE,
     DD,
     DEEP,
-    FLOOR,
     INCREMENTAL,
     SINGLE_PASS,
     Row,
     Sample,
-    _secs,
+    check_lines,
     floor_checks,
     median_row,
+    method_notes,
     table,
     target_checks,
 )
@@ -364,33 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             f"\nWARNING: the machine was busy (load average {load_before:.1f} -> {load_after:.1f} on "
             f"{os.cpu_count()} CPUs); wall times are noisy, 'save cpu s' is the steadier figure."
         )
-    print()
-    print("Reads are warm-cache (dropping the page cache needs root). ckptflow fsyncs every chunk and its")
-    print("commit record; DCP's FileSystemWriter fsyncs its files (sync_files=True, the default); torch.save /")
-    print(
-        "safetensors "
-        + (
-            "are followed by an fsync of the file and its directory."
-            if args.baseline_fsync
-            else "are NOT fsynced (--no-baseline-fsync)."
-        )
-    )
-    print("torch.load / load_file restores include the copy into the live tensors (as load_state_dict does).")
-    print("ckptflow restore checks every chunk it reads against the fast checksum its manifest records")
-    print("(xxh3-128 + 64-bit word sum); 'verify --deep' re-hashes the BLAKE3 addresses.")
-    print("cpu columns count all threads.")
-    print()
     checks, targets = floor_checks(rows), target_checks(rows)
-    for title, group in (
-        (f"Performance floor (ckptflow <= {FLOOR}x DCP):", checks),
-        ("Targets (issues 15, 25):", targets),
-    ):
-        print(title)
-        for c in group:
-            print(
-                f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['ratio']:.2f}x (limit {c['limit']}x; "
-                f"{_secs(c['ckptflow_s'])} s vs {_secs(c['dcp_s'])} s)"
-            )
+    print(method_notes(baseline_fsync=args.baseline_fsync))
+    print(check_lines(checks, targets))
 
     if args.json:
         doc = {
