@@ -156,8 +156,11 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
             "manifest_digest": record["manifest_digest"],
             **(_reason_metadata(reason) if reason else {}),
             # one problem as plain text (no "[Show Markdown]" to click), several as a list
-            **({"problems": MetadataValue.text(problems[0])} if len(problems) == 1 else {}),
-            **({"problems": bullet_list(problems)} if len(problems) > 1 else {}),
+            **(
+                {"problems": MetadataValue.text(problems[0]) if len(problems) == 1 else bullet_list(problems)}
+                if problems
+                else {}
+            ),
         },
     )
     if validated.manifest is None:

@@ -24,13 +24,9 @@ class CostConfig(Config):
 
 
 def cost_model(config: CostConfig, archive: ArchiveTierResource) -> costs.CostModel:
-    priced = archive.priced_class()
+    priced, prices = archive.priced_class(), {**costs.DEFAULT_PRICES, **config.prices}
     return costs.CostModel(
-        {**costs.DEFAULT_PRICES, **config.prices},
-        {
-            "hot": config.hot_class,
-            "archive": priced if priced in {**costs.DEFAULT_PRICES, **config.prices} else config.archive_class,
-        },
+        prices, {"hot": config.hot_class, "archive": priced if priced in prices else config.archive_class}
     )
 
 

@@ -54,6 +54,7 @@ def recoverability(
     )
     rows = [s.row(view.now) for s in view.runs]
     attention = [{"run": s.run, "step": step, "why": why} for s in view.runs for step, why in s.attention]
+    need, total = recoverable.attention_counts(view.runs)
     metadata: dict = {
         "recoverable": MetadataValue.text(view.answer),
         "attention": MetadataValue.text(recoverable.attention_total(view.runs)),
@@ -62,8 +63,8 @@ def recoverability(
         "tiers": markdown(pd.DataFrame(recoverable.tier_rows(view.cost))),
         "runs_recoverable": sum(1 for s in view.runs if s.recoverable),
         "runs_total": len(view.runs),
-        "checkpoints_needing_attention": sum(len(s.attention) for s in view.runs),
-        "checkpoints_total": sum(s.checkpoints for s in view.runs),
+        "checkpoints_needing_attention": need,
+        "checkpoints_total": total,
         **tier_cost_metadata(view.cost),
     }
     for s in view.runs:  # per-run keys: one plot per run, never one line through two runs

@@ -112,9 +112,11 @@ class ChunkStore(ChunkReader):
             try:
                 reused = self._reuse(digest, known.stored_bytes, len(raw), checksum)
             except ObjectNotFoundError:
-                reused = None  # gone since: look again below
-            if reused is not None:
-                return reused
+                pass  # gone since: look again below
+            else:
+                if reused is not None:
+                    return reused
+                rewrite = True  # a delta whose base is gone: store it anew
         if not rewrite:
             try:
                 existing = self.store.stat(key)

@@ -323,7 +323,7 @@ def _commit(
         if catalog.read_manifest(meta, manifest.run, manifest.step).digest != manifest.digest:
             report.problems.append(f"{dst.url}/{key} does not read back as the manifest committed")
             return
-        for record_key, record in records:
+        for record_key, record in records if held is None else ():  # only then could another archival replace them
             if meta.get(record_key) != record:
                 report.problems.append(f"{dst.url}/{record_key} changed while this copy was committed")
     except CkptflowError as e:

@@ -19,7 +19,6 @@ import re
 import time
 from dataclasses import dataclass
 
-from ckptflow.catalog.recovery_log import read_all
 from ckptflow.reports import costs, inventory, recoveries
 from ckptflow.reports.units import human_bytes, human_duration, human_usd
 from ckptflow.store.base import Store
@@ -184,17 +183,20 @@ def answer(statuses: list[RunStatus]) -> str:
     if not statuses:
         return "nothing to recover: no checkpoints yet"
     stuck = [s.run for s in statuses if not s.recoverable]
-    need, total = sum(len(s.attention) for s in statuses), sum(s.checkpoints for s in statuses)
-    tail = f"; {need} of {total} checkpoints need attention"
+    tail = f"; {attention_total(statuses)}"
     if stuck:
         return f"NO: {', '.join(stuck)} has no recovery-ready checkpoint{tail}"
     return f"yes: every run ({len(statuses)}) has a recovery-ready checkpoint{tail}"
 
 
+def attention_counts(statuses: list[RunStatus]) -> tuple[int, int]:
+    """(checkpoints needing attention, checkpoints) over every run."""
+    return sum(len(s.attention) for s in statuses), sum(s.checkpoints for s in statuses)
+
+
 def attention_total(statuses: list[RunStatus]) -> str:
     """ "2 of 9 checkpoints need attention" over every run."""
-    need, total = sum(len(s.attention) for s in statuses), sum(s.checkpoints for s in statuses)
-    return f"{need} of {total} checkpoints need attention"
+    return "{} of {} checkpoints need attention".format(*attention_counts(statuses))
 
 
 def tier_rows(report: costs.CostReport) -> list[dict[str, str]]:
@@ -236,6 +238,6 @@ def read_view(
     now = time.time() if now is None else now
     entries = inventory.collect(hot, archive)
     metrics = recoveries.store_metrics(hot, now=now, window_s=window_s, detection_s=detection_s)
-    records = {m.run: read_all(hot, m.run) for m in metrics}
+    records = {m.run: [m.last_recovery] for m in metrics if m.last_recovery is not None}  # read once, by the metrics
     statuses = run_statuses(entries, metrics, records, now=now, rpo_target_s=rpo_target_s, detection_s=detection_s)
     return OperatorView(now=now, runs=statuses, cost=costs.storage_costs(hot, archive, model=model))

@@ -55,6 +55,7 @@ class RunMetrics:
     restore_worst_s: float | None = None
     detection_s: float = 0.0
     selectors: dict[str, int] = field(default_factory=dict)  # recoveries by what they asked for (latest, validated...)
+    last_recovery: dict | None = None  # the newest recovery record, as written
 
     @property
     def recovery_success_rate(self) -> float | None:
@@ -123,6 +124,7 @@ def run_metrics(
         restore_worst_s=max(durations, default=None),
         detection_s=detection_s,
         selectors=dict(Counter(str(r.get("select") or "latest") for r in recs)),
+        last_recovery=recs[-1] if recs else None,
     )
 
 

@@ -24,6 +24,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISDIR, S_ISLNK
+from typing import BinaryIO
 
 from ckptflow.errors import (
     ObjectNotFoundError,
@@ -35,7 +36,7 @@ from ckptflow.errors import (
 )
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.disk import Disk
-from ckptflow.store.local_writes import PRUNED_RETRIES, TEMP_PREFIX, DurableWriter
+from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter, retrying_pruned
 
 READ_PIECE = 256 << 10  # ``get_into`` with a consumer: a piece is checked while it is in L2
 
@@ -291,15 +292,12 @@ class LocalStore(Store):
         held per open file, so threads and processes both queue on it; the kernel drops it
         when its holder dies, so a killed holder never blocks anyone."""
         directory = os.path.dirname(path)
-        for attempt in range(PRUNED_RETRIES):
-            try:
-                self.disk.makedirs(directory)
-                lock = open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab")
-                break
-            except FileNotFoundError:  # a concurrent delete pruned a directory on the way: make it again
-                if attempt == PRUNED_RETRIES - 1:
-                    raise
-        with lock:
+
+        def open_lock() -> BinaryIO:
+            self.disk.makedirs(directory)
+            return open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab")
+
+        with retrying_pruned(open_lock) as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
             yield
 

@@ -20,13 +20,27 @@ import errno
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from ckptflow.store.base import Buffers, as_buffers
 from ckptflow.store.disk import Disk
 
 TEMP_PREFIX = ".tmp-"
+T = TypeVar("T")
 PRUNED_RETRIES = 20  # a write whose directory a concurrent delete keeps pruning makes it again, this often
+
+
+def retrying_pruned(make: Callable[[], T]) -> T:
+    """``make()``, made again while a concurrent delete keeps pruning a directory it needs
+    (a delete removes the directories it leaves empty), up to ``PRUNED_RETRIES`` times."""
+    for attempt in range(PRUNED_RETRIES):
+        try:
+            return make()
+        except FileNotFoundError:
+            if attempt == PRUNED_RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 class DurableWriter:
@@ -98,19 +112,18 @@ class DurableWriter:
 
     def write_temp(self, directory: str, data: Buffers) -> str:
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        for attempt in range(PRUNED_RETRIES):
-            try:
-                self.disk.makedirs(directory, sync_dir=self.sync_dir)
-                self.disk.write_new(tmp, as_buffers(data))
-                return tmp
-            except FileNotFoundError:  # a concurrent delete pruned a directory on the way: make it again
-                if attempt == PRUNED_RETRIES - 1:
-                    raise
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    self.disk.unlink(tmp)
-                raise
-        raise AssertionError("unreachable")
+
+        def write() -> str:
+            self.disk.makedirs(directory, sync_dir=self.sync_dir)
+            self.disk.write_new(tmp, as_buffers(data))
+            return tmp
+
+        try:
+            return retrying_pruned(write)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                self.disk.unlink(tmp)
+            raise
 
     def put_new(self, path: str, data: Buffers) -> bool:
         """Write ``data`` as the file ``path`` unless that exists (create-only), durably."""
