@@ -247,23 +247,10 @@ class ChunkReader:
         if checked.again:
             self._get_into(checked.digest, out)
             return
-        header = bytearray(codecs.HEADER.size)
         expected = self.checksums.get(checked.digest)
-        content = _PayloadHash(len(header)) if expected is not None else None
-        try:
-            got, version = self.store.get_into(
-                chunk_key(checked.digest), [header, out], consume=content.update if content else None
-            )
-        except ObjectNotFoundError:
-            raise self._missing(checked.digest, chunk_key(checked.digest)) from None
-        except OSError:  # an I/O error: read it once more, through ``get``, below
-            got, version = -1, None
-        if (
-            version != checked.version
-            or got != len(header) + len(out)
-            or codecs.raw_length(header) != len(out)
-            or (content is not None and not content.matches(expected))
-        ):
+        content = _PayloadHash(codecs.HEADER.size) if expected is not None else None
+        whole, version = self._raw_into(checked.digest, out, content.update if content else None)
+        if version != checked.version or not whole or (content is not None and not content.matches(expected)):
             self._get_into(checked.digest, out)  # replaced or damaged since: verify again
 
     def read_verified(self, digest: str, size: int, out: memoryview) -> None:
@@ -277,21 +264,25 @@ class ChunkReader:
         if len(out) != size:
             raise ValueError(f"chunk {digest[:16]}… holds {size} bytes, not the {len(out)} to fill")
         if self.store.cheap_reread:
-            header = bytearray(codecs.HEADER.size)
-            hasher = _Skipping(len(header), self._hasher(digest))
-            try:
-                got, _version = self.store.get_into(chunk_key(digest), [header, out], consume=hasher.update)
-            except ObjectNotFoundError:
-                raise self._missing(digest, chunk_key(digest)) from None
-            except OSError:  # an I/O error: read it once more, through ``get``, below
-                got = -1
-            if (
-                got == len(header) + size
-                and codecs.raw_length(header) == size
-                and hasher.inner.hexdigest() == self.checksums.get(digest, digest)
-            ):
+            hasher = _Skipping(codecs.HEADER.size, self._hasher(digest))
+            whole, _version = self._raw_into(digest, out, hasher.update)
+            if whole and hasher.inner.hexdigest() == self.checksums.get(digest, digest):
                 return
         self._get_into(digest, out)  # encoded, remote, or not what was expected: decode, verify or raise
+
+    def _raw_into(self, digest: str, out: memoryview, consume: Any) -> tuple[bool, Any]:
+        """Read chunk ``digest`` straight into ``out`` as a raw chunk, its header aside, each
+        piece passed to ``consume``: whether it was one whole raw chunk of ``len(out)``
+        bytes, and the file version read. An I/O error answers (False, None): the caller
+        reads it again through ``get``; a missing chunk is damage."""
+        header = bytearray(codecs.HEADER.size)
+        try:
+            got, version = self.store.get_into(chunk_key(digest), [header, out], consume=consume)
+        except ObjectNotFoundError:
+            raise self._missing(digest, chunk_key(digest)) from None
+        except OSError:
+            return False, None
+        return got == len(header) + len(out) and codecs.raw_length(header) == len(out), version
 
     def _get_into(self, digest: str, out: memoryview) -> None:
         """``out`` filled as ``get`` fills a buffer, decoded straight into it and verified
