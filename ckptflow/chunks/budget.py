@@ -9,7 +9,10 @@ in either pass: threads wait for room rather than each holding a chunk), half fo
 chunks kept for the second pass. A chunk that does not fit in the kept half is dropped once
 verified and fetched and decoded again, and verified again, in the second pass: a second
 decode (or, on S3, a second GET) of what does not fit, in exchange for memory that does not
-grow with the state.
+grow with the state. Where the manifest records the checksum of a local chunk's stored
+bytes, a chunk that does not fit is not decoded in the first pass at all: its stored bytes
+are checked against that checksum, and the second pass decodes it once
+(``ckptflow.chunks.reads.ChunkReader.check``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ class MemoryBudget:
             self._kept += raw_bytes
             self._peak = max(self._peak, self._in_flight + self._kept)
             return True
+
+    def room_to_keep(self, raw_bytes: int) -> bool:
+        """Whether ``keep`` would keep a chunk of ``raw_bytes`` now (nothing is counted)."""
+        with self._cond:
+            return self._kept + raw_bytes <= self.keep_cap
 
     def release(self, raw_bytes: int) -> None:
         """A kept chunk was used (or dropped): its room is free again."""

@@ -154,6 +154,17 @@ def raw_length(header: bytes | bytearray | memoryview) -> int | None:
     return raw_len if magic == MAGIC and codec == RAW and itemsize == 1 else None
 
 
+def checkable_as_stored(header: bytes | bytearray | memoryview, raw_len: int) -> bool:
+    """Whether a chunk with this header can be verified by the checksum of its stored
+    bytes (``checksum.stored_checksum``): a well-formed header of an encoding that needs
+    no base, announcing ``raw_len`` raw bytes. A delta also depends on its base's bytes,
+    and a raw chunk is checked by the fast checksum of its payload instead."""
+    if len(header) < HEADER.size:
+        return False
+    magic, codec, _itemsize, length = HEADER.unpack_from(header)
+    return magic == MAGIC and codec in CODEC_NAMES and codec not in (RAW, DELTA) and length == raw_len
+
+
 def max_encoded_size(raw_len: int) -> int:
     """The most bytes any codec stores for ``raw_len`` raw bytes (a plane is stored as it is
     when zstd would not shrink it; headers, plane table and zstd's worst case on top): a

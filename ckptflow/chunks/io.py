@@ -21,7 +21,7 @@ from ckptflow.chunks import codecs
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.reads import ChunkReader
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
-from ckptflow.format.checksum import address_and_checksum, fast_checksum
+from ckptflow.format.checksum import address_and_checksum, fast_checksum, stored_checksum
 from ckptflow.format.layout import chunk_key
 
 
@@ -34,6 +34,8 @@ class ChunkWrite:
     base: str | None = None  # the delta base its stored encoding needs: every manifest naming it lists this too
     base_bytes: int = 0  # the base's stored size
     checksum: str = ""  # the fast checksum of the raw bytes (``ckptflow.format.checksum``)
+    # of the object as this process stored it, if encoded but not a delta (``checksum.stored_checksum``)
+    stored_checksum: str = ""
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,15 @@ def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False
     return codecs.encode(raw, "raw")
 
 
+def _stored_checksum(encoded: Encoded, raw_len: int) -> str:
+    """The checksum of an encoding's bytes where a restore can verify the chunk by it
+    (``codecs.checkable_as_stored``); "" for a raw chunk or a delta."""
+    header = memoryview(encoded.parts[0]).cast("B")
+    if encoded.base is not None or not codecs.checkable_as_stored(header, raw_len):
+        return ""
+    return stored_checksum(encoded.parts)
+
+
 class ChunkStore(ChunkReader):
     """Put and get verified chunks. Thread-safe; callers parallelise across chunks."""
 
@@ -64,6 +75,7 @@ class ChunkStore(ChunkReader):
         chunks: Mapping[str, int],
         *,
         checksums: Mapping[str, str] | None = None,
+        stored_checksums: Mapping[str, str] | None = None,
         address: str | None = None,
         budget: MemoryBudget | None = None,
     ) -> ChunkStore:
@@ -71,8 +83,17 @@ class ChunkStore(ChunkReader):
         does not list is refused, so a checkpoint never needs more than its own list.
         With the manifest's ``checksums``, reads are checked against them (fast) instead
         of re-hashing the ``address`` (the manifest's kind); without (``verify --deep``),
-        the address. ``budget`` bounds the decoded bytes ``check`` keeps and decodes at once."""
-        return ChunkStore(self.store, scope=chunks, checksums=checksums, address=address, budget=budget)
+        the address. ``stored_checksums`` (the manifest's) let ``check`` verify encoded
+        chunks without decoding them. ``budget`` bounds the decoded bytes ``check`` keeps
+        and decodes at once."""
+        return ChunkStore(
+            self.store,
+            scope=chunks,
+            checksums=checksums,
+            stored_checksums=stored_checksums,
+            address=address,
+            budget=budget,
+        )
 
     def put(
         self,
@@ -110,7 +131,7 @@ class ChunkStore(ChunkReader):
         key = chunk_key(digest)
         if not rewrite and known is not None and known.digest == digest:
             try:
-                reused = self._reuse(digest, known.stored_bytes, len(raw), checksum)
+                reused = self._reuse(digest, known.stored_bytes, len(raw), checksum, known.stored_checksum)
             except ObjectNotFoundError:
                 pass  # gone since: look again below
             else:
@@ -139,6 +160,7 @@ class ChunkStore(ChunkReader):
             base=encoded.base,
             base_bytes=encoded.base_bytes,
             checksum=checksum,
+            stored_checksum=_stored_checksum(encoded, len(raw)),
         )
         if rewrite:
             self.store.replace(key, encoded.parts)
@@ -149,9 +171,10 @@ class ChunkStore(ChunkReader):
             raw, digest=digest, rewrite=True, encoder=encoder, codec=codec, itemsize=itemsize, floating=floating
         )
 
-    def _reuse(self, digest: str, size: int, raw_len: int, checksum: str) -> ChunkWrite | None:
+    def _reuse(self, digest: str, size: int, raw_len: int, checksum: str, stored: str = "") -> ChunkWrite | None:
         """Keep a stored chunk (touching it and any delta base so GC's grace period
-        restarts for both); None if it is a delta whose base no longer exists."""
+        restarts for both); None if it is a delta whose base no longer exists. ``stored``:
+        the checksum of the object as this process stored it (a read checks it still is)."""
         key = chunk_key(digest)
         base = codecs.delta_base(self.store.read_head(key, codecs.HEAD_BYTES))
         base_bytes = 0
@@ -170,6 +193,7 @@ class ChunkStore(ChunkReader):
             base=base,
             base_bytes=base_bytes,
             checksum=checksum,
+            stored_checksum=stored if base is None else "",
         )
 
     def replace_verified(self, digest: str, size: int, parts: list) -> int:

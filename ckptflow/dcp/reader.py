@@ -69,7 +69,11 @@ class CheckpointReader(StorageReader):
         self.single_pass = single_pass
         self.budget = budget or MemoryBudget()
         self.chunks = chunks.scoped(
-            manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address, budget=self.budget
+            manifest.chunks,
+            checksums=manifest.fast_checksums,
+            stored_checksums=manifest.stored_checksums,
+            address=manifest.address,
+            budget=self.budget,
         )  # reads checked fast
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)

@@ -33,6 +33,7 @@ from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedSt
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import ADDRESS, same_content
 from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
+from ckptflow.format.checksum import STORED_FIELD as STORED_CHECKSUMS
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.sealed import seal
 from ckptflow.format.state_tree import flatten
@@ -286,7 +287,9 @@ class CheckpointWriter(StorageWriter):
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
             "chunks": [[w.digest, w.raw_bytes] for w in writes],
-            "_writes": [[w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum] for w in writes],
+            "_writes": [
+                [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum] for w in writes
+            ],
         }
         return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data)
 
@@ -311,6 +314,7 @@ class CheckpointWriter(StorageWriter):
         stored: dict[str, int] = {}
         bases: dict[str, str] = {}
         checksums: dict[str, str] = {}
+        stored_checksums: dict[str, str] = {}  # only where some rank stored the object itself
         written_digests: set[str] = set()
         written_bytes = written_stored = logical = 0
         for rank_results in results:
@@ -322,9 +326,13 @@ class CheckpointWriter(StorageWriter):
                 writes = data.pop("_writes")
                 storage[wr.index] = data
                 logical += wr.size_in_bytes
-                for (digest, raw_len), (size, was_written, base, base_bytes, checksum) in zip(data["chunks"], writes):
+                for (digest, raw_len), (size, was_written, base, base_bytes, checksum, as_stored) in zip(
+                    data["chunks"], writes
+                ):
                     chunk_sizes[digest] = raw_len
                     checksums[digest] = checksum
+                    if as_stored:
+                        stored_checksums[digest] = as_stored
                     stored[digest] = size
                     if base is not None:  # restore, verify and GC must see the base: list it
                         bases[digest] = base
@@ -351,6 +359,7 @@ class CheckpointWriter(StorageWriter):
             "chunks": dict(sorted(chunk_sizes.items())),
             **({"bases": dict(sorted(bases.items()))} if bases else {}),
             FAST_CHECKSUMS: dict(sorted(checksums.items())),
+            **({STORED_CHECKSUMS: dict(sorted(stored_checksums.items()))} if stored_checksums else {}),
             **({"tied": spec.tied} if spec.tied else {}),
             **({"lossy": spec.lossy} if spec.lossy is not None else {}),
             "stats": {

@@ -38,11 +38,14 @@ import xxhash
 ADDRESS = "blake3"  # what new chunks are addressed by (manifest field ``address``)
 ADDRESSES = ("blake3", "sha256")  # what a reader accepts; sha256: manifests of format 1
 FIELD = "fast_checksums"  # the manifest field; another algorithm would get another field
+STORED_FIELD = "stored_checksums"  # digest -> xxh3-128 of the chunk object's bytes (``stored_checksum``)
+STORED_HEX_DIGITS = 32
 HEX_DIGITS = 48
 PIECE = 1 << 20  # hashed piece by piece while each stays in cache
 _WORD = 8
 _MASK = (1 << 64) - 1
 _HEX = re.compile(f"[0-9a-f]{{{HEX_DIGITS}}}")
+_STORED_HEX = re.compile(f"[0-9a-f]{{{STORED_HEX_DIGITS}}}")
 
 
 class FastChecksum:
@@ -129,3 +132,22 @@ def address_and_checksum(raw: bytes | bytearray | memoryview) -> tuple[str, str]
 
 def is_checksum(value: object) -> bool:
     return isinstance(value, str) and _HEX.fullmatch(value) is not None
+
+
+def stored_checksum(parts: list) -> str:
+    """xxh3-128 of a chunk object's bytes as stored (header and encoded payload).
+
+    Recorded for chunks stored encoded but not as deltas, so restore's first pass can
+    prove an object holds the bytes the saver stored at xxh3's speed, without decoding
+    it; the second pass decodes it once, into place, and checks the fast checksum of what
+    it decoded. It speaks only for the object as written: a chunk rewritten since
+    (compaction, another tier) no longer matches, and is then verified by decoding it.
+    """
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        hasher.update(memoryview(part).cast("B"))
+    return hasher.hexdigest()
+
+
+def is_stored_checksum(value: object) -> bool:
+    return isinstance(value, str) and _STORED_HEX.fullmatch(value) is not None

@@ -59,6 +59,9 @@ class Manifest:
     # digest -> fast checksum of its raw bytes (``ckptflow.format.checksum``): what restore checks;
     # absent in manifests written before, whose chunks restore checks by their address
     fast_checksums: Mapping[str, str] = field(default_factory=dict)
+    # digest -> xxh3-128 of the object as its saver stored it, for encoded, non-delta chunks
+    # (``checksum.stored_checksum``): lets restore verify them without decoding twice
+    stored_checksums: Mapping[str, str] = field(default_factory=dict)
     lossy: Mapping[str, Any] | None = None  # a lossy archive copy: what was lost (``ckptflow.chunks.lossy``)
     tied: tuple[tuple[str, ...], ...] = ()  # tensor names that were one tensor when saved (``_parse_tied``)
     address: str = checksum.ADDRESS  # the hash naming its chunks: "sha256" in format 1 (``ckptflow.format.checksum``)
@@ -114,6 +117,7 @@ class Manifest:
             "chunks": dict(self.chunks),
             **({"bases": dict(self.bases)} if self.bases else {}),
             **({checksum.FIELD: dict(self.fast_checksums)} if self.fast_checksums else {}),
+            **({checksum.STORED_FIELD: dict(self.stored_checksums)} if self.stored_checksums else {}),
             **({"lossy": dict(self.lossy)} if self.lossy is not None else {}),
             **({"tied": [list(group) for group in self.tied]} if self.tied else {}),
             "stats": dict(self.stats.__dict__),
@@ -157,10 +161,11 @@ class Manifest:
         dcp = parse_dcp_index(check, check.mapping(doc, "dcp"), chunks)
         bases = _parse_bases(check, doc, chunks)
         fast_checksums = _parse_checksums(check, doc, chunks)
+        stored_checksums = _parse_stored_checksums(check, doc, chunks, bases)
         lossy = doc.get("lossy")
         if lossy is not None and not isinstance(lossy, dict):
             raise check.bad("has a 'lossy' record that is not an object")
-        known = {*_MANIFEST_FIELDS, "format_version", "rank_records", checksum.FIELD}
+        known = {*_MANIFEST_FIELDS, "format_version", "rank_records", checksum.FIELD, checksum.STORED_FIELD}
         return cls(
             run=run,
             step=step,
@@ -179,6 +184,7 @@ class Manifest:
             stats=stats,
             bases=bases,
             fast_checksums=fast_checksums,
+            stored_checksums=stored_checksums,
             lossy=lossy,
             tied=_parse_tied(check, doc),
             address=address,
@@ -242,6 +248,24 @@ def _parse_checksums(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dic
     return checksums
 
 
+def _parse_stored_checksums(
+    check: Fields, doc: dict, chunks: Mapping[str, int], bases: Mapping[str, str]
+) -> dict[str, str]:
+    """Chunk -> checksum of its stored bytes, each of a listed chunk that is not a delta,
+    and well formed. Absent before the field existed, and for chunks stored raw."""
+    stored = doc.get(checksum.STORED_FIELD) or {}
+    if not isinstance(stored, dict):
+        raise check.bad(f"has {checksum.STORED_FIELD!r} that is not an object")
+    for digest, value in stored.items():
+        if digest not in chunks or digest in bases:
+            raise check.bad(
+                f"has a stored checksum for chunk {str(digest)[:16]}…, which it does not list, or lists as a delta"
+            )
+        if not checksum.is_stored_checksum(value):
+            raise check.bad(f"has a malformed stored checksum for chunk {str(digest)[:16]}…: {str(value)[:60]!r}")
+    return stored
+
+
 def _parse_tied(check: Fields, doc: dict) -> tuple[tuple[str, ...], ...]:
     """Groups of tensor names the saver saw sharing one storage (``tree.shared_storage``),
     each of two or more names, no name in two groups. Absent before the record existed.
@@ -260,7 +284,9 @@ def _parse_tied(check: Fields, doc: dict) -> tuple[tuple[str, ...], ...]:
 
 _REQUIRED_STATS = ("logical_bytes", "stored_bytes", "chunks", "bytes_written")
 _MANIFEST_FIELDS = tuple(
-    f for f in Manifest.__dataclass_fields__ if f not in ("digest", "extra", "rank_records_by_save", "fast_checksums")
+    f
+    for f in Manifest.__dataclass_fields__
+    if f not in ("digest", "extra", "rank_records_by_save", "fast_checksums", "stored_checksums")
 )
 
 

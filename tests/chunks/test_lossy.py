@@ -34,10 +34,10 @@ def _state(seed: int = 0) -> dict:
     return {"model": model, "optim": optim, "epoch": 3}
 
 
-def _archive(tmp_path, codec: str, **kwargs):
+def _archive(tmp_path, codec: str, *, saved_with: str = "raw", **kwargs):
     hot, arc = open_store(str(tmp_path / "hot")), open_store(str(tmp_path / "arc"))
     state = _state()
-    with Checkpointer(hot, RUN) as ck:
+    with Checkpointer(hot, RUN, codec=saved_with) as ck:
         ck.save(1, state)
     report = lifecycle.archive(hot, arc, RUN, 1, codec=ArchiveCodec.parse(codec), **kwargs)
     assert report.ok, report.problems
@@ -66,8 +66,13 @@ def test_a_lossy_copy_records_what_it_lost_and_is_much_smaller(tmp_path):
     assert lifecycle.read_record(hot, lifecycle.Subject.of(exact), "archive")["lossy"]["codec"] == copy.lossy["codec"]
 
 
-def test_restore_refuses_a_lossy_copy_unless_allowed_and_says_what_it_restored(tmp_path):
-    hot, arc, state, _ = _archive(tmp_path, "bf16+int8")
+@pytest.mark.parametrize("saved_with", ["raw", "zstd"])
+def test_restore_refuses_a_lossy_copy_unless_allowed_and_says_what_it_restored(tmp_path, saved_with):
+    """From a raw or a zstd save alike: the copy's chunks are new objects, so it keeps
+    none of the checksums the zstd save recorded of its stored chunks."""
+    hot, arc, state, _ = _archive(tmp_path, "bf16+int8", saved_with=saved_with)
+    assert bool(catalog.read_manifest(hot, RUN, 1).stored_checksums) == (saved_with == "zstd")
+    assert not catalog.read_manifest(arc, RUN, 1).stored_checksums
     expected = {k: v.bfloat16().float() for k, v in _params(state).items()}
     lifecycle.expire(hot, RUN, 1, keep_records=True)
     target = _state(seed=7)

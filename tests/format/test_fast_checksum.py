@@ -80,10 +80,13 @@ def test_the_manifest_records_a_fast_checksum_of_every_chunk_a_tensor_reads(save
             offset += size
 
 
-def test_every_flipped_byte_of_raw_zstd_and_delta_chunks_is_refused(saved):
+@pytest.mark.parametrize("budget", [None, 0], ids=["decoded in pass one", "checked as stored in pass one"])
+def test_every_flipped_byte_of_raw_zstd_and_delta_chunks_is_refused(saved, budget):
     """Refused, with the state untouched and the older step restored instead; the one
     exception is the element-size byte of an encoded chunk whose payload is a single
-    plane, which no decoder reads: those flips must restore exactly the saved bytes."""
+    plane, which no decoder reads: those flips must restore exactly the saved bytes.
+    With no memory budget, encoded chunks are checked against the checksum of their
+    stored bytes instead of being decoded in the first pass: every flip is refused."""
     own = _own_chunks(saved)
     assert set(own) == {"raw", "zstd", "delta"}
     flips = 0
@@ -92,7 +95,7 @@ def test_every_flipped_byte_of_raw_zstd_and_delta_chunks_is_refused(saved):
         for position in _positions(codec, path.stat().st_size):
             flip_byte(path, position)
             try:
-                _assert_refused_or_exact(saved, codec, position)
+                _assert_refused_or_exact(saved, codec, position, budget)
             finally:
                 flip_byte(path, position)  # XOR again: the chunk as it was
             flips += 1
@@ -103,9 +106,9 @@ def test_every_flipped_byte_of_raw_zstd_and_delta_chunks_is_refused(saved):
     assert_tensors_equal(state(2), target)
 
 
-def _assert_refused_or_exact(root: str, codec: str, position: int) -> None:
+def _assert_refused_or_exact(root: str, codec: str, position: int, budget: int | None) -> None:
     target = blank_like(state(2))
-    with Checkpointer(root, RUN) as ck:
+    with Checkpointer(root, RUN, **({} if budget is None else {"restore_buffer_bytes": budget})) as ck:
         try:
             ck.restore(target, step=2)  # an explicit step never falls back
         except NoValidCheckpointError:
@@ -114,6 +117,7 @@ def _assert_refused_or_exact(root: str, codec: str, position: int) -> None:
             assert_tensors_equal(state(1), target)
             return
     assert codec != "raw" and position == ELEMENT_SIZE_BYTE, f"{codec} byte {position} flipped went unnoticed"
+    assert budget is None or codec == "delta", f"{codec} byte {position} flipped: its stored checksum did not refuse it"
     assert_tensors_equal(state(2), target)
 
 

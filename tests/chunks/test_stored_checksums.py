@@ -1,0 +1,190 @@
+"""An encoded chunk that does not fit a restore's memory budget is verified in the first
+pass by the checksum of its stored bytes (``stored_checksums`` in the manifest), so the
+second pass decodes it once instead of decoding it in both passes.
+
+What that checksum proves is only that the object is the one its saver stored: a chunk
+rewritten since (compaction) or a manifest without the field is verified by decoding, as
+before, and a wrong checksum is never taken for damage. Damage to the stored bytes is
+refused before any tensor is written (tests/format/test_fast_checksum.py flips every
+kind of byte with and without a budget); the one case the first pass no longer covers, a
+decoder failing on bytes exactly as stored, leaves a partly written state, said so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import xxhash
+
+from ckptflow import Checkpointer, PartialRestoreError
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import codecs
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.format.checksum import STORED_FIELD
+from ckptflow.store import open_store
+from support.corrupt import chunk_path, reseal_manifest
+from support.states import DRIFT_CHUNK, assert_tensors_equal, blank_like, drifting_state
+
+RUN = "stored"
+
+
+def _save(root: str, codec: str, steps=(1, 2)) -> None:
+    with Checkpointer(root, RUN, codec=codec, chunk_bytes=DRIFT_CHUNK) as ck:
+        for step in steps:
+            ck.save(step, drifting_state(step), kind="full" if step == 1 else "incremental")
+
+
+def _count_decodes(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    decode = ChunkStore._decoded
+
+    def counting(self, digest, blob, size, **kwargs):
+        calls.append(digest)
+        return decode(self, digest, blob, size, **kwargs)
+
+    monkeypatch.setattr(ChunkStore, "_decoded", counting)
+    return calls
+
+
+def _restore_counting(root: str, calls: list[str], *, budget: int, single_pass: bool = False) -> list[str]:
+    calls.clear()
+    target = blank_like(drifting_state(2))
+    with Checkpointer(root, RUN, restore_buffer_bytes=budget) as ck:
+        assert ck.restore(target, single_pass=single_pass).step == 2
+    assert_tensors_equal(drifting_state(2), target)
+    return sorted(calls)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "auto"])
+def test_a_save_records_the_checksum_of_each_encoded_object_it_stored(ckpt_store_dir, codec):
+    """Full and incremental saves alike (the incremental reuses most chunks through what
+    the previous save of this process stored): every chunk a tensor reads that is stored
+    encoded, not as a delta, has the xxh3-128 of its file; raw chunks and deltas have
+    none (nor do chunks listed only as a delta's base: no tensor reads them directly)."""
+    _save(ckpt_store_dir, codec)
+    store = open_store(ckpt_store_dir)
+    for step in (1, 2):
+        manifest = catalog.read_manifest(store, RUN, step)
+        read = {d for item in manifest.items() for d, _ in item.chunks}
+        blobs = {d: chunk_path(ckpt_store_dir, d).read_bytes() for d in read}
+        encoded = {d for d, blob in blobs.items() if codecs.header_codec(blob) not in ("raw", "delta")}
+        assert encoded and set(manifest.stored_checksums) == encoded
+        for digest, recorded in manifest.stored_checksums.items():
+            assert recorded == xxhash.xxh3_128_hexdigest(blobs[digest])
+        if codec == "auto" and step == 2:
+            assert manifest.bases and not set(manifest.bases) & set(manifest.stored_checksums)
+
+
+def test_a_raw_save_records_none(ckpt_store_dir):
+    _save(ckpt_store_dir, "raw", steps=(1,))
+    manifest = catalog.read_manifest(open_store(ckpt_store_dir), RUN, 1)
+    assert not manifest.stored_checksums and STORED_FIELD not in manifest.to_json()
+
+
+def test_two_passes_decode_each_encoded_chunk_once_whether_or_not_it_fits_the_budget(ckpt_store_dir, monkeypatch):
+    _save(ckpt_store_dir, "zstd")
+    calls = _count_decodes(monkeypatch)
+    once = _restore_counting(ckpt_store_dir, calls, budget=0, single_pass=True)  # one decode per place
+    assert once
+    assert _restore_counting(ckpt_store_dir, calls, budget=0) == once  # verified as stored, decoded in place
+    kept = _restore_counting(ckpt_store_dir, calls, budget=64 << 20)  # decoded and kept in pass one
+    assert kept == sorted(set(once))  # a chunk in two places is copied from what was kept
+
+    def forget(record: dict) -> None:  # a manifest written before the field existed
+        record.pop(STORED_FIELD)
+
+    reseal_manifest(ckpt_store_dir, RUN, 2, forget)
+    twice = _restore_counting(ckpt_store_dir, calls, budget=0)
+    assert Counter(twice) == Counter(once) + Counter(set(once))  # decoded to verify, then again into place
+
+
+def test_a_chunk_rewritten_since_its_save_is_verified_by_decoding_it(ckpt_store_dir, monkeypatch):
+    """Compaction swaps a chunk's object for another encoding of the same bytes: the
+    recorded checksum no longer fits, which is not damage; the chunk is decoded to be
+    verified, and restores exactly."""
+    _save(ckpt_store_dir, "zstd", steps=(1,))
+    store = open_store(ckpt_store_dir)
+    manifest = catalog.read_manifest(store, RUN, 1)
+    digest = max(manifest.stored_checksums, key=lambda d: manifest.chunks[d])
+    before = chunk_path(ckpt_store_dir, digest).read_bytes()
+    ChunkStore(store).reencode(digest, manifest.chunks[digest], "zstd", itemsize=1, level=5)
+    assert chunk_path(ckpt_store_dir, digest).read_bytes() != before
+    calls = _count_decodes(monkeypatch)
+    target = blank_like(drifting_state(1))
+    with Checkpointer(ckpt_store_dir, RUN, restore_buffer_bytes=0) as ck:
+        assert ck.restore(target).step == 1
+    assert_tensors_equal(drifting_state(1), target)
+    assert Counter(calls)[digest] == 2 * sum(d == digest for item in manifest.items() for d, _ in item.chunks)
+
+
+def test_a_wrong_recorded_checksum_makes_the_chunk_decoded_never_damaged(ckpt_store_dir):
+    _save(ckpt_store_dir, "zstd", steps=(1,))
+    manifest = catalog.read_manifest(open_store(ckpt_store_dir), RUN, 1)
+
+    def wrong(record: dict) -> None:
+        for digest in record[STORED_FIELD]:
+            record[STORED_FIELD][digest] = "0" * 32
+
+    reseal_manifest(ckpt_store_dir, RUN, 1, wrong)
+    target = blank_like(drifting_state(1))
+    with Checkpointer(ckpt_store_dir, RUN, restore_buffer_bytes=0) as ck:
+        assert ck.restore(target).step == 1 and ck.verify(1).ok
+    assert_tensors_equal(drifting_state(1), target)
+    assert manifest.stored_checksums  # there were checksums to get wrong
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda record, digest: record[STORED_FIELD].__setitem__("f" * 64, "0" * 32), "does not list"),
+        (lambda record, digest: record[STORED_FIELD].__setitem__(digest, "not hex"), "malformed stored checksum"),
+        (lambda record, digest: record.__setitem__(STORED_FIELD, ["x"]), "not an object"),
+    ],
+    ids=["unlisted chunk", "malformed", "not a mapping"],
+)
+def test_a_malformed_record_of_stored_checksums_is_a_bad_manifest(ckpt_store_dir, mutate, message):
+    from ckptflow import ManifestError
+
+    _save(ckpt_store_dir, "zstd", steps=(1,))
+    digest = next(iter(catalog.read_manifest(open_store(ckpt_store_dir), RUN, 1).stored_checksums))
+    reseal_manifest(ckpt_store_dir, RUN, 1, lambda record: mutate(record, digest))
+    with pytest.raises(ManifestError, match=message):
+        catalog.read_manifest(open_store(ckpt_store_dir), RUN, 1)
+
+
+def test_a_delta_with_a_stored_checksum_is_a_bad_manifest(ckpt_store_dir):
+    from ckptflow import ManifestError
+
+    _save(ckpt_store_dir, "auto")
+    delta = next(iter(catalog.read_manifest(open_store(ckpt_store_dir), RUN, 2).bases))
+    reseal_manifest(ckpt_store_dir, RUN, 2, lambda record: record[STORED_FIELD].__setitem__(delta, "0" * 32))
+    with pytest.raises(ManifestError, match="as a delta"):
+        catalog.read_manifest(open_store(ckpt_store_dir), RUN, 2)
+
+
+def test_a_decoder_failing_on_bytes_as_stored_falls_back_where_they_fit_and_says_partly_written_where_not(
+    tmp_path, monkeypatch
+):
+    """The one trade: a chunk verified as stored is first decoded while tensors are being
+    written. Bytes identical to the saver's that fail to decode (a decoder defect) are then
+    reported as a partly written state, naming the chunk; within the budget they are
+    decoded in the first pass and the restore falls back to the older checkpoint."""
+    root = str(tmp_path / "store")
+    for step, codec in ((1, "raw"), (2, "zstd")):
+        with Checkpointer(root, RUN, codec=codec, chunk_bytes=4096) as ck:
+            ck.save(step, {"model": {"w": torch.arange(4096, dtype=torch.float32) * step}})
+
+    def broken_join(*_args, **_kwargs):
+        raise ValueError("decoder defect")
+
+    monkeypatch.setattr("ckptflow.chunks.planes.join", broken_join)
+    target = {"model": {"w": torch.zeros(4096)}}
+    with Checkpointer(root, RUN) as ck:
+        result = ck.restore(target)
+    assert result.step == 1 and "decoder defect" in result.skipped[0][1]
+    assert torch.equal(target["model"]["w"], torch.arange(4096, dtype=torch.float32))
+    with Checkpointer(root, RUN, restore_buffer_bytes=0) as ck:
+        with pytest.raises(PartialRestoreError, match=r"(?s)chunk .*decoder defect"):
+            ck.restore(target)
