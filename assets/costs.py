@@ -1,8 +1,9 @@
 """``storage_cost``: what the stores cost per month and what each saving bought.
 
-A snapshot refreshed with the inventory. Prices are run config (USD per GB-month per
-storage class, ckptflow's defaults being S3 list prices; see ``ckptflow.reports.costs``), so
-the UI plots cost and savings over materializations as prices or data change.
+A snapshot refreshed with the inventory. Prices are the deployment's ``pricing`` resource
+(USD per GB-month per storage class, ckptflow's defaults being S3 list prices; see
+``resources.pricing``), so the UI plots cost and savings over materializations as prices
+or data change.
 """
 
 import pandas as pd
@@ -10,19 +11,19 @@ from dagster import MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed
 from assets.inventory import GROUP, REFRESH, markdown
-from assets.pricing import CostConfig, cost_model, tier_cost_metadata
+from assets.pricing import tier_cost_metadata
 from ckptflow.reports import costs
 from ckptflow.reports.units import human_saving, human_usd
-from resources import ArchiveTierResource, CheckpointStoreResource
+from resources import ArchiveTierResource, CheckpointStoreResource, PricingResource
 
 
 @asset(group_name=GROUP, deps=[checkpoint, compressed, archived], automation_condition=REFRESH, kinds={"pandas"})
 def storage_cost(
-    config: CostConfig, store: CheckpointStoreResource, archive: ArchiveTierResource
+    store: CheckpointStoreResource, archive: ArchiveTierResource, pricing: PricingResource
 ) -> Output[pd.DataFrame]:
     """Bytes and monthly cost per tier, and what retention, tiering, dedup, compression,
     delta and lossy archive codecs saved against keeping every checkpoint raw and hot."""
-    report = costs.storage_costs(store.open(), archive.open(), model=cost_model(config, archive))
+    report = costs.storage_costs(store.open(), archive.open(), model=pricing.model(archive))
     rows = [
         {"item": f"{t.tier} ({t.storage_class})", "bytes": t.stored_bytes, "usd_per_month": t.monthly_usd}
         for t in report.tiers
@@ -52,4 +53,4 @@ def storage_cost(
     )
 
 
-__all__ = ["CostConfig", "cost_model", "storage_cost"]
+__all__ = ["storage_cost"]

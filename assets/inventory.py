@@ -12,7 +12,7 @@ from dagster import AutomationCondition, Config, MetadataValue, Output, asset
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.metadata import ratio, rounded
 from assets.partitions import parse_checkpoint_key
-from assets.pricing import CostConfig, cost_model, tier_cost_metadata
+from assets.pricing import tier_cost_metadata
 from ckptflow import lifecycle
 from ckptflow.catalog.ledger import expired
 from ckptflow.policy.retention import RetentionPlan, default_policy
@@ -20,7 +20,7 @@ from ckptflow.reports import costs, inventory, stats
 from ckptflow.reports.recoverable import short_problem
 from ckptflow.reports.units import human_bytes
 from ckptflow.store import Store
-from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
+from resources import ArchiveTierResource, CheckpointStoreResource, PricingResource, RegistryResource
 
 GROUP = "inventory"
 REFRESH = (AutomationCondition.cron_tick_passed("*/10 * * * *") & ~AutomationCondition.in_progress()).with_label(
@@ -113,16 +113,19 @@ def inventory_view(df: pd.DataFrame) -> pd.DataFrame:
     kinds={"pandas"},
 )
 def checkpoint_inventory(
-    store: CheckpointStoreResource, archive: ArchiveTierResource, registry: RegistryResource
+    store: CheckpointStoreResource,
+    archive: ArchiveTierResource,
+    registry: RegistryResource,
+    pricing: PricingResource,
 ) -> Output[pd.DataFrame]:
     """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
     last recorded failure and the retention verdict. Also bytes and monthly cost per
-    tier, priced as ``storage_cost`` prices them (``assets.pricing``; its breakdown has the savings)."""
+    tier, priced by the ``pricing`` resource as ``storage_cost`` is (its breakdown has the savings)."""
     hot, arc = store.open(), archive.open()
     entries, plan = compute_plan(RetentionConfig(), hot, arc, registry)
     df = pd.DataFrame(inventory.rows(entries, plan))
     hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
-    priced = costs.price({"hot": hot_stats, "archive": arc_stats}, expired(hot), cost_model(CostConfig(), archive))
+    priced = costs.price({"hot": hot_stats, "archive": arc_stats}, expired(hot), pricing.model(archive))
     counts = df["validation"].value_counts().to_dict() if len(df) else {}
     return Output(
         df,

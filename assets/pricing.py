@@ -1,33 +1,17 @@
 """One price list for every asset that says what storage costs.
 
 ``storage_cost``, ``checkpoint_inventory`` and ``recoverability`` all price tiers with
-``cost_model`` and write them with ``tier_cost_metadata``, so the same archive reads the
-same $/month everywhere (the inventory used to round its own figure to 4 decimals and
-show ``archive_monthly_usd 0`` where the cost report said $0.0000225).
+the ``pricing`` resource (``resources.pricing``) and write them with ``tier_cost_metadata``,
+so the same archive reads the same $/month everywhere (the inventory used to round its
+own figure to 4 decimals and show ``archive_monthly_usd 0`` where the cost report said
+$0.0000225).
 """
 
-from dagster import Config, MetadataValue
+from dagster import MetadataValue
 
 from assets.metadata import size
 from ckptflow.reports import costs
 from ckptflow.reports.units import human_usd
-from resources import ArchiveTierResource
-
-
-class CostConfig(Config):
-    """Prices override or extend ``ckptflow.reports.costs.DEFAULT_PRICES``; the archive is priced
-    as its S3 storage class when it has one, else ``archive_class``."""
-
-    prices: dict[str, float] = {}
-    hot_class: str = "STANDARD"
-    archive_class: str = "GLACIER_IR"
-
-
-def cost_model(config: CostConfig, archive: ArchiveTierResource) -> costs.CostModel:
-    priced, prices = archive.priced_class(), {**costs.DEFAULT_PRICES, **config.prices}
-    return costs.CostModel(
-        prices, {"hot": config.hot_class, "archive": priced if priced in prices else config.archive_class}
-    )
 
 
 def tier_cost_metadata(report: costs.CostReport) -> dict[str, MetadataValue]:

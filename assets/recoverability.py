@@ -22,10 +22,10 @@ from assets.freshness import rpo_target_s
 from assets.inventory import GROUP, REFRESH, markdown
 from assets.metadata import rounded
 from assets.metrics import RecoveryConfig
-from assets.pricing import CostConfig, cost_model, tier_cost_metadata
+from assets.pricing import tier_cost_metadata
 from ckptflow.catalog.gc import parse_duration
 from ckptflow.reports import recoverable
-from resources import ArchiveTierResource, CheckpointStoreResource
+from resources import ArchiveTierResource, CheckpointStoreResource, PricingResource
 
 COLUMNS = ["run", "recoverable", "newest ready", "age", "tier", "RPO (target)", "last recovery", "RTO", "attention"]
 
@@ -39,7 +39,7 @@ def _table(rows: list[dict[str, str]]) -> MetadataValue:
 
 @asset(group_name=GROUP, deps=[checkpoint, evaluation, archived], automation_condition=REFRESH, kinds={"pandas"})
 def recoverability(
-    config: RecoveryConfig, store: CheckpointStoreResource, archive: ArchiveTierResource
+    config: RecoveryConfig, store: CheckpointStoreResource, archive: ArchiveTierResource, pricing: PricingResource
 ) -> Output[pd.DataFrame]:
     """Is training recoverable right now? Per run: the newest recovery-ready checkpoint
     (step, age, tier), RPO against its target, the last recovery and its RTO, and
@@ -47,7 +47,7 @@ def recoverability(
     view = recoverable.read_view(
         store.open(),
         archive.open(),
-        model=cost_model(CostConfig(), archive),
+        model=pricing.model(archive),
         rpo_target_s=rpo_target_s(),
         window_s=parse_duration(config.window),
         detection_s=parse_duration(config.detection),

@@ -6,6 +6,7 @@ location without an S3 archive never imports dagster-aws.
 
 from resources.archive import ArchiveResource, ArchiveTierResource
 from resources.evaluator import EvaluatorResource
+from resources.pricing import PricingResource
 from resources.store import CheckpointStoreResource, RegistryResource
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "ArchiveTierResource",
     "CheckpointStoreResource",
     "EvaluatorResource",
+    "PricingResource",
     "RegistryResource",
     "S3ArchiveResource",
 ]

@@ -43,13 +43,14 @@ def store_with_checkpoints(paths, trained_store):
 
 @pytest.fixture
 def resources(paths):
-    from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, RegistryResource
+    from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, PricingResource, RegistryResource
 
     return {
         "store": CheckpointStoreResource(url=paths["store"]),
         "archive": ArchiveResource(url=paths["archive"]),
         "registry": RegistryResource(url=paths["store"]),
         "evaluator": EvaluatorResource(evaluators=EVALUATORS),
+        "pricing": PricingResource(),
     }
 
 

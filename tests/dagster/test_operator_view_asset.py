@@ -3,6 +3,9 @@ training recoverable right now?", one price per tier across the reports, a corru
 partition's reason in short fields, the trainer's loss beside the evaluator's, and the
 short ``checkpoint`` run tag."""
 
+import json
+
+import pytest
 from dagster import AssetRecordsFilter, materialize
 
 from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
@@ -72,3 +75,41 @@ def test_the_operator_view_counts_what_needs_attention_and_prices_tiers_once(
     assert row.data["newest ready"] == "step 20" and row.data["tier"] == "hot+archive"
     assert row.data["attention"] == "1 of 4 need attention" and row.data["RPO (target)"].endswith("met)")
     assert view[f"{RUN}/attention"].value == 1 and view["checkpoints_needing_attention"].value == 1
+
+
+def test_a_configured_price_list_is_the_one_every_view_prices_with(store_with_checkpoints, defs, resources, instance):
+    from resources import PricingResource
+
+    instance.add_dynamic_partitions("checkpoints", KEYS[:2])
+    for key in KEYS[:2]:
+        assert materialize(PARTITIONED, partition_key=key, instance=instance, resources=resources).success
+    figures: dict[str, dict[str, float]] = {}
+    for label, pricing in (
+        ("defaults", PricingResource()),
+        ("on-prem", PricingResource(prices={"ONPREM": 0.5}, hot_class="ONPREM")),
+    ):
+        views = materialize(
+            [*defs.assets], selection=VIEWS, instance=instance, resources={**resources, "pricing": pricing}
+        )
+        md = {name: views.asset_materializations_for_node(name)[0].metadata for name in VIEWS}
+        assert len({md[name]["hot_monthly_usd"].value for name in VIEWS}) == 1, (label, md)
+        figures[label] = {tier: md["recoverability"][f"{tier}_monthly_usd"].value for tier in ("hot", "archive")}
+    assert figures["on-prem"]["hot"] > figures["defaults"]["hot"] > 0
+    assert figures["on-prem"]["hot"] / figures["defaults"]["hot"] == pytest.approx(0.5 / 0.023)
+    assert figures["on-prem"]["archive"] == figures["defaults"]["archive"]  # the archive's class kept its price
+
+
+def test_the_price_list_comes_from_the_file_ckptflow_prices_names(tmp_path, monkeypatch):
+    from ckptflow.errors import CkptflowError
+    from resources import PricingResource
+
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps({"prices": {"ONPREM": 0.01}, "tiers": {"hot": "ONPREM"}}))
+    monkeypatch.setenv("CKPTFLOW_PRICES", str(prices))
+    pricing = PricingResource.from_env()
+    assert pricing.hot_class == "ONPREM" and pricing.prices["ONPREM"] == 0.01 and pricing.archive_class == "GLACIER_IR"
+    prices.write_text(json.dumps({"tiers": {"hot": "PLATINUM"}}))
+    with pytest.raises(CkptflowError, match="CKPTFLOW_PRICES=.*PLATINUM.*names a JSON file"):
+        PricingResource.from_env()
+    monkeypatch.delenv("CKPTFLOW_PRICES")
+    assert PricingResource.from_env() == PricingResource()
