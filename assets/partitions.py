@@ -1,9 +1,11 @@
 """The one partitions definition. Keys are ckptflow's checkpoint names
-(``ckptflow.format.layout.checkpoint_name``): ``<run>__step-<12-digit step>``."""
+(``ckptflow.format.layout.checkpoint_name``): ``<run>@<step>``. An instance that predates
+that name holds its older partitions as ``<run>__step-<12-digit step>``: they keep their
+history, are read as the same checkpoints (``partition_keys``) and are never added twice."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dagster import AssetExecutionContext, DagsterInstance, DynamicPartitionsDefinition
 
@@ -12,8 +14,9 @@ from resources.dagster_private import delete_dynamic_partitions, sql_event_stora
 
 checkpoints_partitions = DynamicPartitionsDefinition(name="checkpoints")
 DIGEST_TAG = "ckptflow/manifest_digest"  # the commit a run is about (see ``pin_commit``)
-# The checkpoint a run is about, short enough for the Runs list to show whole: the
-# ``dagster/partition`` tag (``<run>__step-<12 digits>``) is cut before the step there.
+# The checkpoint a run is about, ``<run>@<step>``: the partition key, and the same for
+# partitions an older instance holds under their former name, so the Runs list filters
+# one checkpoint's runs by one tag.
 CHECKPOINT_TAG = "checkpoint"
 
 
@@ -23,6 +26,26 @@ def checkpoint_key(run: str, step: int) -> str:
 
 def parse_checkpoint_key(key: str) -> tuple[str, int]:
     return fmt.parse_checkpoint_name(key)
+
+
+def partition_keys(instance: DagsterInstance) -> dict[tuple[str, int], str]:
+    """(run, step) -> the ``checkpoints`` partition the instance holds for it, whichever
+    name it was added under (a key that names no checkpoint is left out)."""
+    keys: dict[tuple[str, int], str] = {}
+    for key in instance.get_dynamic_partitions(checkpoints_partitions.name):
+        try:
+            ref = parse_checkpoint_key(key)
+        except ValueError:
+            continue
+        if keys.get(ref) != checkpoint_key(*ref):  # the current name wins over a legacy one
+            keys[ref] = key
+    return keys
+
+
+def in_step_order(keys: Iterable[str]) -> list[str]:
+    """Checkpoint keys by (run, step): the order partitions are added in (and listed by
+    the UI), which the strings do not sort in."""
+    return sorted(keys, key=parse_checkpoint_key)
 
 
 def checkpoint_tags(key: str) -> dict[str, str]:
@@ -54,8 +77,9 @@ DROP_BATCH = 500  # keys per DELETE statement (SQLite allows 32,766 bound parame
 
 
 def drop_checkpoint_partitions(instance: DagsterInstance, keys: Sequence[str]) -> int:
-    """Delete the ``checkpoints`` partitions among ``keys`` (absent ones are skipped);
-    returns how many were deleted.
+    """Delete the ``checkpoints`` partitions among ``keys``, and any the instance holds
+    for the same checkpoints under their former name (absent ones are skipped); returns
+    how many were deleted.
 
     Dagster's public API deletes one partition per call, and on SQLite each call is a
     transaction of its own (about 20 ms: 10,000 expiries took minutes). On the SQL event
@@ -64,8 +88,14 @@ def drop_checkpoint_partitions(instance: DagsterInstance, keys: Sequence[str]) -
     ``test_partitions_are_dropped_in_batches_and_only_those_named`` in tests/dagster/test_jobs.py);
     any other storage gets the public call per key.
     """
+    wanted = dict.fromkeys(keys)
+    for key in keys:
+        try:
+            wanted[fmt.legacy_checkpoint_name(*parse_checkpoint_key(key))] = None
+        except ValueError:
+            pass  # not a checkpoint name: only that key itself
     known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
-    doomed = [key for key in dict.fromkeys(keys) if key in known]
+    doomed = [key for key in wanted if key in known]
     storage = sql_event_storage(instance)
     if storage is None:
         for key in doomed:

@@ -42,6 +42,7 @@ from _report import (  # noqa: E402
     DEEP,
     INCREMENTAL,
     SINGLE_PASS,
+    ZSTD,
     Row,
     Sample,
     check_lines,
@@ -242,7 +243,7 @@ class Bench:
             (ASYNC, "", self.ckptflow_async),
             (SINGLE_PASS, "restore(single_pass=True): damage -> PartialRestoreError", self.ckptflow_single_pass),
             (INCREMENTAL, self._incremental_note(), self.ckptflow_incremental),
-            ("ckptflow save (full, zstd)", "archive codec: byte-grouped zstd-3", self.ckptflow_zstd),
+            (ZSTD, "archive codec: byte-grouped zstd-3", self.ckptflow_zstd),
             (DEEP, "restore s = time to re-hash every BLAKE3 address", self.ckptflow_verify_deep),
         ]
         samples: dict[str, list[Sample]] = {name: [] for name, _, _ in methods}
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\nWARNING: the machine was busy (load average {load_before:.1f} -> {load_after:.1f} on "
             f"{os.cpu_count()} CPUs); wall times are noisy, 'save cpu s' is the steadier figure."
         )
-    checks, targets = floor_checks(rows), target_checks(rows)
+    checks, targets = floor_checks(rows), target_checks(rows, nbytes)
     print(method_notes(baseline_fsync=args.baseline_fsync))
     print(check_lines(checks, targets))
 

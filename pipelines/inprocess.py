@@ -27,7 +27,7 @@ from dagster import (
     evaluate_automation_conditions,
 )
 
-from assets.partitions import checkpoints_partitions
+from assets.partitions import checkpoints_partitions, parse_checkpoint_key
 from sensors.failures import failure_sensor
 from sensors.landing import landing_sensor
 
@@ -104,7 +104,7 @@ def run_automation(
     for asset_key in {r.key for r in result.results if r.true_subset.size and isinstance(r.key, AssetKey)}:
         for partition in result.get_requested_partitions(asset_key):
             by_partition[partition].append(asset_key)
-    for partition, keys in sorted(by_partition.items(), key=lambda kv: str(kv[0])):
+    for partition, keys in sorted(by_partition.items(), key=lambda kv: _step_order(kv[0])):
         outcome = asset_job.execute_in_process(
             instance=instance,
             partition_key=partition,
@@ -115,6 +115,14 @@ def run_automation(
         names = ",".join(k.to_user_string() for k in sorted(keys, key=str))
         report.runs[f"{names}[{partition}]"] = outcome.success
     return result.cursor
+
+
+def _step_order(partition: str | None) -> tuple:
+    """Checkpoints by (run, step), as the daemon would meet them; anything else first."""
+    try:
+        return (1, *parse_checkpoint_key(partition)) if partition else (0, "", 0)
+    except ValueError:
+        return (0, partition, 0)
 
 
 class Driver:

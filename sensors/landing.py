@@ -22,7 +22,14 @@ from dagster import (
 
 from assets.checkpoints import checkpoint
 from assets.freshness import RPO_FRESHNESS_KEY
-from assets.partitions import DIGEST_TAG, checkpoint_tags, checkpoints_partitions
+from assets.partitions import (
+    DIGEST_TAG,
+    checkpoint_tags,
+    checkpoints_partitions,
+    in_step_order,
+    parse_checkpoint_key,
+    partition_keys,
+)
 from ckptflow.lifecycle import landing
 from resources import CheckpointStoreResource
 from sensors.intervals import SENSOR_INTERVAL_S
@@ -46,12 +53,13 @@ def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
     landed, cursor = landing.land(store.open(), context.cursor)
     if not landed:
         return SensorResult(skip_reason=SkipReason("no new commit records"), cursor=cursor)
-    known = set(context.instance.get_dynamic_partitions(checkpoints_partitions.name))
-    new_keys = sorted({c.key for c in landed} - known)
+    held = partition_keys(context.instance)  # a checkpoint an older instance holds under its former name keeps it
+    keys = {c.key: held.get(parse_checkpoint_key(c.key), c.key) for c in landed}
+    new_keys = in_step_order(set(keys.values()) - set(held.values()))
     requests = [
         RunRequest(
-            run_key=f"{c.key}@{c.marker}",
-            partition_key=c.key,
+            run_key=f"{keys[c.key]}@{c.marker}",
+            partition_key=keys[c.key],
             tags={LANE_TAG: "validation", **checkpoint_tags(c.key), **({DIGEST_TAG: c.digest} if c.digest else {})},
         )
         for c in landed

@@ -116,21 +116,42 @@ def run_lock_key(run: str) -> str:
     return f"locks/runs/{validate_run(run)}"
 
 
-NAME_SEP = "__step-"
+NAME_SEP = "@"
+LEGACY_NAME_SEP = "__step-"  # names before 2026-12: ``<run>__step-<12-digit step>``
 
 
 def checkpoint_name(run: str, step: int) -> str:
-    """``<run>__step-<12-digit step>``: one name per checkpoint (the Dagster partition key).
-    Run names cannot contain ``__``, so the split is unambiguous, and zero-padded steps
-    sort in step order."""
-    return f"{validate_run(run)}{NAME_SEP}{validate_step(step):0{STEP_DIGITS}d}"
+    """``<run>@<step>`` (``gpt-small@1200``): one name per checkpoint, the Dagster partition
+    key. Short, so the UI's partition axes, run lists and tags show it whole (the former
+    ``<run>__step-<12-digit step>`` was cut there, and plotted as overlapping labels). Run
+    names cannot contain ``@``, so the split is unambiguous; order by ``parse_checkpoint_name``,
+    never by the string (``run@10`` sorts before ``run@9``)."""
+    return f"{validate_run(run)}{NAME_SEP}{validate_step(step)}"
+
+
+def checkpoint_names(run: str, step: int) -> tuple[str, str]:
+    """The checkpoint's name and its name before 2026-12 (``legacy_checkpoint_name``): what a
+    Dagster instance that predates the change may still hold its partition as."""
+    return checkpoint_name(run, step), legacy_checkpoint_name(run, step)
+
+
+def legacy_checkpoint_name(run: str, step: int) -> str:
+    return f"{validate_run(run)}{LEGACY_NAME_SEP}{validate_step(step):0{STEP_DIGITS}d}"
 
 
 def parse_checkpoint_name(name: str) -> tuple[str, int]:
+    """(run, step) of a checkpoint name: ``<run>@<step>`` (no leading zeros, so each
+    checkpoint has one name), or the legacy ``<run>__step-<12-digit step>``."""
     run, sep, step = name.rpartition(NAME_SEP)
-    if not sep or len(step) != STEP_DIGITS or not step.isdigit():
-        raise InvalidNameError(f"checkpoint name {name!r} is not '<run>{NAME_SEP}<{STEP_DIGITS}-digit step>'")
-    return validate_run(run), int(step)
+    if sep and 0 < len(step) <= STEP_DIGITS and step.isascii() and step.isdigit() and (step == "0" or step[0] != "0"):
+        return validate_run(run), int(step)
+    run, sep, step = name.rpartition(LEGACY_NAME_SEP)
+    if sep and len(step) == STEP_DIGITS and step.isascii() and step.isdigit():
+        return validate_run(run), int(step)
+    raise InvalidNameError(
+        f"checkpoint name {name!r} is not '<run>{NAME_SEP}<step>' (e.g. 'gpt-small{NAME_SEP}1200'), "
+        f"nor the older '<run>{LEGACY_NAME_SEP}<{STEP_DIGITS}-digit step>'"
+    )
 
 
 def parse_step_dir(name: str) -> int | None:

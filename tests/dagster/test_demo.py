@@ -26,9 +26,9 @@ def test_demo_trains_crashes_restores_and_skips_the_corrupt_checkpoint(tmp_path,
     assert "the demo's every 10 steps loses" in out
     # the Dagster lifecycle half: the corrupt checkpoint is blocked by its check, the rest flow through
     assert "landed 6 checkpoint partitions" in out
-    assert "1 failed: ['validate_checkpoint[tinylm-demo__step-000000000060]']" in out
+    assert "1 failed: ['validate_checkpoint[tinylm-demo@60]']" in out
     assert "step 60 blocked by the integrity check" in out
-    assert "== model tinylm:stable -> v1 from tinylm-demo__step-0000000000" in out
+    assert "== model tinylm:stable -> v1 from tinylm-demo@" in out
     assert (tmp_path / "store-archive" / "runs" / "tinylm-demo").is_dir()
     assert "RPO freshness check: passed" in out
     # `make ui` right after the demo shows the views it computed, and the blocked run's failure

@@ -8,6 +8,7 @@ from dagster import DagsterEventType, build_sensor_context, materialize
 from safetensors.torch import load_file
 
 from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
+from assets.partitions import parse_checkpoint_key
 from ckptflow import lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.format import layout as fmt
@@ -46,7 +47,7 @@ def test_promotion_alias_moves_and_rollback_with_lineage(
 ):
     evaluate_all(instance, resources)
     store = open_store(paths["store"])
-    best = min(KEYS, key=lambda k: record(store, int(k[-12:]), "evaluation")["metrics"]["val_loss"])
+    best = min(KEYS, key=lambda k: record(store, parse_checkpoint_key(k)[1], "evaluation")["metrics"]["val_loss"])
 
     first = deploy(defs, instance, stage="stable", partition_key=KEYS[0])
     assert first.success
@@ -143,7 +144,7 @@ def test_retention_job_expires_checkpoints_partitions_and_gcs(store_with_checkpo
     assert out["gc_bytes"] > 0 and len(list(store.list("chunks/"))) < chunks_before
     for step in kept:
         assert catalog.verify_checkpoint(store, RUN, step).ok
-    assert not list(store.list(f"lifecycle/{RUN}/{out['expired'][0][-12:]}/"))
+    assert not list(store.list(f"lifecycle/{RUN}/{parse_checkpoint_key(out['expired'][0])[1]:012d}/"))
 
 
 def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, defs, instance):

@@ -6,9 +6,16 @@ import pytest
 import torch
 from dagster import SensorResult, build_sensor_context
 
-from assets.partitions import checkpoint_key, parse_checkpoint_key
+from assets.partitions import (
+    checkpoint_key,
+    drop_checkpoint_partitions,
+    in_step_order,
+    parse_checkpoint_key,
+    partition_keys,
+)
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format.layout import legacy_checkpoint_name
 from ckptflow.lifecycle.landing import FULL_SCAN_S, new_commits
 from ckptflow.store import open_store
 from pipelines import demo
@@ -18,14 +25,61 @@ from support.dagster import RUN, write_checkpoints
 from support.faulty_store import FaultyStore
 
 
-def test_partition_keys_round_trip_and_reject_garbage():
-    assert checkpoint_key("gpt-small", 1200) == "gpt-small__step-000000001200"
-    assert parse_checkpoint_key("gpt-small__step-000000001200") == ("gpt-small", 1200)
-    for bad in ("gpt", "gpt__step-12", "gpt__step-00000000120x", "__step-000000000001"):
+def test_partition_keys_round_trip_read_the_former_names_and_reject_garbage():
+    assert checkpoint_key("gpt-small", 1200) == "gpt-small@1200" and checkpoint_key("gpt-small", 0) == "gpt-small@0"
+    assert parse_checkpoint_key("gpt-small@1200") == ("gpt-small", 1200) == parse_checkpoint_key("gpt-small@1200")
+    assert parse_checkpoint_key("gpt-small__step-000000001200") == ("gpt-small", 1200)  # an older instance's key
+    for bad in (
+        "gpt",
+        "gpt@",
+        "@12",
+        "gpt@012",  # one name per checkpoint: no leading zeros
+        "gpt@1e3",
+        "gpt@" + "9" * 13,  # beyond the largest step
+        "gpt@١٢",  # digits, but not ASCII ones
+        "gpt__step-12",
+        "gpt__step-00000000120x",
+        "__step-000000000001",
+    ):
         with pytest.raises(ValueError):
             parse_checkpoint_key(bad)
-    with pytest.raises(ValueError):
-        checkpoint_key("a__b", 1)
+    for bad_run in ("a__b", "a@b"):
+        with pytest.raises(ValueError):
+            checkpoint_key(bad_run, 1)
+    assert in_step_order(["r@10", "r@9", "q@100", "r__step-000000000011"]) == [
+        "q@100",
+        "r@9",
+        "r@10",
+        "r__step-000000000011",
+    ]
+
+
+def test_an_instance_holding_partitions_under_their_former_names_gets_no_second_partition(
+    store_with_checkpoints, resources, instance
+):
+    """Upgrading: checkpoints an older instance added as ``<run>__step-<12 digits>`` keep
+    those partitions (and their history); the landing sensor adds only the others, under
+    the current name, and validates a re-commit in the partition it already has."""
+    legacy = [legacy_checkpoint_name(RUN, s) for s in (10, 20)]
+    instance.add_dynamic_partitions("checkpoints", legacy)
+    result = tick(instance, resources)
+    [add] = result.dynamic_partitions_requests
+    assert list(add.partition_keys) == [checkpoint_key(RUN, s) for s in (30, 40)]
+    assert [r.partition_key for r in result.run_requests] == [*legacy, checkpoint_key(RUN, 30), checkpoint_key(RUN, 40)]
+    assert {r.tags["checkpoint"] for r in result.run_requests} == {f"{RUN}@{s}" for s in (10, 20, 30, 40)}
+    assert partition_keys(instance) == {(RUN, 10): legacy[0], (RUN, 20): legacy[1]}
+    instance.add_dynamic_partitions("checkpoints", [checkpoint_key(RUN, 10)])  # both names: the current one wins
+    assert partition_keys(instance)[(RUN, 10)] == checkpoint_key(RUN, 10)
+
+
+def test_dropping_a_checkpoints_partition_drops_it_under_either_name(instance):
+    keys = [legacy_checkpoint_name(RUN, 10), checkpoint_key(RUN, 20), checkpoint_key(RUN, 30), "not-a-checkpoint"]
+    instance.add_dynamic_partitions("checkpoints", keys)
+    dropped = drop_checkpoint_partitions(
+        instance, [checkpoint_key(RUN, 10), checkpoint_key(RUN, 20), "not-a-checkpoint"]
+    )
+    assert dropped == 3
+    assert instance.get_dynamic_partitions("checkpoints") == [checkpoint_key(RUN, 30)]
 
 
 def tick(instance, resources, cursor=None):

@@ -87,7 +87,7 @@ def test_versions_aliases_promote_and_rollback(store_url, tmp_path):
     v1, v2 = register(reg, tmp_path, 10), register(reg, tmp_path, 20)
     assert (v1.version, v2.version) == (1, 2) and reg.aliases("tinylm") == {"latest": 2}
     got = reg.get("tinylm", 2)
-    assert got.partition_key == "run-a__step-000000000020" and got.lineage == {"data": "arith"}
+    assert got.partition_key == "run-a@20" and got.lineage == {"data": "arith"}
     assert reg.store.get(reg.file_key("tinylm", got.files["model.safetensors"]["sha256"])) == b"weights of step 20"
     assert describe(got)["files"] == "model.safetensors"
     assert not reg.store.put_if_absent(reg.version_key("tinylm", 1), b"{}")  # a version never changes

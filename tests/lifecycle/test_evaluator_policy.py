@@ -6,7 +6,7 @@ import pytest
 from ckptflow.errors import CkptflowError, EvaluatorError, StoreUnavailableError
 from ckptflow.lifecycle.evaluate import evaluator_errors
 
-CKPT = "r__step-000000000002"
+CKPT = "r@2"
 
 
 def test_an_evaluator_error_names_the_evaluator_the_checkpoint_and_the_error():

@@ -220,4 +220,4 @@ def test_a_bad_promotion_request_writes_nothing(tmp_path):
     assert registry.models() == [] and not list(store.list("registry/"))
     version = promote(store, registry, PromotionRequest("m", ("r", 1), stage="stable"))
     assert registry.aliases("m") == {"latest": version.version, "stable": version.version}
-    assert version.partition_key == "r__step-000000000001" and version.manifest_digest == subject(store, 1).digest
+    assert version.partition_key == "r@1" and version.manifest_digest == subject(store, 1).digest

@@ -139,7 +139,7 @@ def test_cli_exports_a_model_directory(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors"]  # no model config recorded
     assert load_file(str(out / "model.safetensors"))["0.bias"].dtype == torch.float16
     card = (out / "README.md").read_text()
-    assert "r__step-000000000001" in card and '"lr": 0.01' in card and '"dtype": "fp16"' in card
+    assert "r@1" in card and '"lr": 0.01' in card and '"dtype": "fp16"' in card
 
 
 class Outage:

@@ -189,7 +189,7 @@ def test_model_card_carries_the_lineage(tmp_path):
     export_safetensors(root, "run", out)
     card = (out / "README.md").read_text()
     digest = read_manifest(open_store(root), "run", 7).digest
-    for expected in ("run__step-000000000007", digest, "BertForMaskedLM", '"lr": 0.0003', "synthetic", "library_name"):
+    for expected in ("run@7", digest, "BertForMaskedLM", '"lr": 0.0003', "synthetic", "library_name"):
         assert expected in card, expected
 
 
