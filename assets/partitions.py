@@ -91,9 +91,10 @@ def drop_checkpoint_partitions(instance: DagsterInstance, keys: Sequence[str]) -
     wanted = dict.fromkeys(keys)
     for key in keys:
         try:
-            wanted[fmt.legacy_checkpoint_name(*parse_checkpoint_key(key))] = None
+            ref = parse_checkpoint_key(key)
         except ValueError:
-            pass  # not a checkpoint name: only that key itself
+            continue  # not a checkpoint name: only that key itself
+        wanted.update(dict.fromkeys((checkpoint_key(*ref), fmt.legacy_checkpoint_name(*ref))))
     known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
     doomed = [key for key in wanted if key in known]
     storage = sql_event_storage(instance)

@@ -5,7 +5,8 @@
 defaults on the others, so one configured price list showed two $/month figures). A
 deployment sets its prices once, in ``pipelines/definitions.py``: by default S3 list
 prices (``ckptflow.reports.costs.DEFAULT_PRICES``), or the JSON file named by
-``CKPTFLOW_PRICES`` in the format ``ckptflow stats --prices FILE`` reads.
+``CKPTFLOW_PRICES`` in the format ``ckptflow stats --prices FILE`` reads, read when the code
+location loads (a bad file stops it loading, with the reason; a changed one needs a reload).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class PricingResource(ConfigurableResource):
             return cls()
         try:
             model = costs.CostModel.from_json(Path(path).read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON, or not of its shape
             raise CkptflowError(
                 f"{PRICES_ENV}={path}: {e}; it names a JSON file such as "
                 '{"prices": {"STANDARD": 0.023}, "tiers": {"hot": "STANDARD", "archive": "GLACIER_IR"}}'

@@ -82,6 +82,11 @@ def parse(text: str) -> Selector:
         return Best(metric, mode or "min")
     if "@" in text:
         model, _, alias = text.partition("@")
+        if alias.isdigit():  # a checkpoint's name, as its Dagster partition is named
+            raise ValueError(
+                f"selector {text!r} names a checkpoint (<run>@<step>), not a model alias: restore run "
+                f"{model!r} at step {alias} (CLI: --run {model} --step {alias}; Python: step={alias})"
+            )
         return Alias(model, alias)
     raise ValueError(
         f"selector {text!r} is not one of: latest, validated, best:<metric>[:min|max], <model>@<alias>, a step number"

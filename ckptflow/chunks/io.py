@@ -21,7 +21,7 @@ from ckptflow.chunks import codecs
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.reads import ChunkReader
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
-from ckptflow.format.checksum import address_and_checksum, fast_checksum, stored_checksum
+from ckptflow.format.checksum import address_and_checksum, fast_checksum, same_content, stored_checksum
 from ckptflow.format.layout import chunk_key
 
 
@@ -58,13 +58,16 @@ def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False
     return codecs.encode(raw, "raw")
 
 
-def _stored_checksum(encoded: Encoded, raw_len: int) -> str:
-    """The checksum of an encoding's bytes where a restore can verify the chunk by it
-    (``codecs.checkable_as_stored``); "" for a raw chunk or a delta."""
+def _stored_checksum(encoded: Encoded, raw: memoryview, checksum: str) -> str:
+    """The checksum of an encoding's bytes where a restore may verify the chunk by it
+    (``codecs.checkable_as_stored``): only if ``raw`` still has the xxh3-128 its fast
+    ``checksum`` records, so the bytes encoded are the bytes checksummed (a tensor written
+    to while it was saved, say, gets none, and restore decodes that chunk to verify it);
+    "" for a raw chunk or a delta."""
     header = memoryview(encoded.parts[0]).cast("B")
-    if encoded.base is not None or not codecs.checkable_as_stored(header, raw_len):
+    if encoded.base is not None or not codecs.checkable_as_stored(header, len(raw)):
         return ""
-    return stored_checksum(encoded.parts)
+    return stored_checksum(encoded.parts) if same_content(raw, checksum) else ""
 
 
 class ChunkStore(ChunkReader):
@@ -160,7 +163,7 @@ class ChunkStore(ChunkReader):
             base=encoded.base,
             base_bytes=encoded.base_bytes,
             checksum=checksum,
-            stored_checksum=_stored_checksum(encoded, len(raw)),
+            stored_checksum=_stored_checksum(encoded, raw, checksum),
         )
         if rewrite:
             self.store.replace(key, encoded.parts)

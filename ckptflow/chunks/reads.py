@@ -2,11 +2,12 @@
 
 Split from ``ckptflow.chunks.io`` (whose ``ChunkStore`` adds writes on top of this
 ``ChunkReader``) because reading is its own protocol: a chunk is verified against its
-address, or the fast checksum the manifest records, before anything is written from it
-(restore's first pass, ``check``), then read into place cheaply (``read_checked``), or
-read and verified in one pass (``read_verified``); delta bases are resolved only among
-the chunks of the manifest being read, and decoded bytes are bounded by the restore's
-memory budget.
+address, the fast checksum the manifest records, or (an encoded chunk beyond the memory
+budget) the checksum of its stored bytes, before anything is written from it (restore's
+first pass, ``check``), then read or decoded into place and checked there
+(``read_checked``), or read and verified in one pass (``read_verified``); delta bases are
+resolved only among the chunks of the manifest being read, and decoded bytes are bounded
+by the restore's memory budget.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from ckptflow.store.base import Store
 SCAN_PIECE = 1 << 20  # stays in L2 between read and hash; 8 threads hold 8 MiB of them in all
 SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it keeps for the next
 SUM_HEX = 16  # a fast checksum ends with the 64-bit word sum (``ckptflow.format.checksum``)
-# Decoding, and hashing a local chunk as it is read from the page cache, are CPU work: a
-# restore's I/O threads outnumber the cores, and more of them at it at once than there are
-# cores only evict each other's pieces from the cache (1 GiB on 2 cores: zstd chunks 2.9 s
-# with 8 threads decoding, 1.6 s with 2; raw chunks 0.55 s with 8 reading, 0.40 s with 2).
-# Never held while waiting for another slot: no nesting, so no deadlock.
-_CPU = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# Decoding is CPU work: a restore's I/O threads outnumber the cores, and more of them decoding
+# at once than there are cores only evict each other's planes from the cache (1 GiB of zstd
+# chunks on 2 cores: 2.9 s with 8 threads decoding, 1.6 s with 2). Held for the decode and
+# its check only, never across a read (a delta's base is fetched first), never nested.
+_DECODING = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# Chunks whose stored bytes matched their stored checksum but did not decode to their content:
+# this process decodes them in restore's first pass from then on, so a restore again falls back.
+_DECODE_FIRST: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class CheckedChunk:
     version: tuple | None = None
     data: memoryview | None = None
     again: bool = False
+    as_stored: bool = False  # only its stored bytes were checked (against the manifest's stored checksum)
 
 
 class _Skipping:
@@ -152,14 +156,18 @@ class ChunkReader:
         """``blob`` decoded (into ``out`` if given) and verified against ``digest``."""
         key = chunk_key(digest)
         try:
-            with _CPU:
-                raw = codecs.decode(blob, expected=size, base=self._base_blob, out=out)
+            named = codecs.delta_base(blob)
+            bases = {named: self._base_blob(named, size)} if named is not None else {}
+            with _DECODING:
+                raw = codecs.decode(
+                    blob, expected=size, base=lambda d, n: bases.get(d) or self._base_blob(d, n), out=out
+                )
         except CorruptChunkError as e:
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
         if len(raw) != size:
             raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
         try:
-            with _CPU:
+            with _DECODING:
                 self._verify(digest, key, raw)
         except CorruptChunkError:
             base = codecs.delta_base(blob)
@@ -203,57 +211,76 @@ class ChunkReader:
     def check(self, digest: str, size: int) -> CheckedChunk:
         """Verify a chunk before anything is written from it (restore's first pass).
 
-        On a store that can re-read cheaply (``Store.cheap_reread``) a raw chunk is
-        streamed through a small per-thread buffer into the check of its payload's fast
-        checksum, and only its file version is kept (``_FirstPass``). Any other chunk is
-        decoded whole and verified, and its bytes kept for the second pass while they fit
-        the memory budget. One that does not fit, on such a store, is checked against the
-        checksum its manifest records of its stored bytes, if any, without being decoded:
-        the second pass decodes it once, into place, and checks the fast checksum of what
-        it decoded. Otherwise that pass fetches, decodes and verifies it again. So the
-        first pass proves every chunk is stored as its saver stored it; only a chunk that
-        did not fit the budget is first decoded after writing began, where an error
-        decoding bytes that match their saver's (a decoder defect, not damage) leaves the
-        state partly written (``PartialRestoreError``). Any anomaly goes through ``get``,
-        which names the problem.
+        A raw chunk on a store that re-reads cheaply (``Store.cheap_reread``) is streamed
+        through a small per-thread buffer into its payload's fast checksum; only its file
+        version is kept. Any other chunk is decoded and verified, and kept decoded for the
+        second pass while it fits the memory budget; one that does not fit is checked, on
+        such a store, against the checksum of its stored bytes the manifest records (not
+        decoded: the second pass decodes it once, into place, and checks it there), else
+        decoded and dropped (the second pass decodes it again). Stored bytes that match
+        yet do not decode to their content were saved wrongly: the second pass raises,
+        and this process decodes that chunk here from then on (``_DECODE_FIRST``), so a
+        restore again falls back past it. Any anomaly goes through ``get``, which names it.
         """
-        if self.store.cheap_reread:
-            stored = self.stored_checksums.get(digest)
-            if stored is not None and (self.budget is None or self.budget.room_to_keep(size)):
-                stored = None  # decoded and kept now: even a decoder that fails rejects the checkpoint cleanly
-            scan = _FirstPass(size, self._hasher(digest), stored)
-            try:
-                with _CPU:
-                    got, version = self.store.scan(
-                        chunk_key(digest), self._scratch(SCAN_PIECE), scan.update, limit=codecs.max_encoded_size(size)
-                    )
-            except ObjectNotFoundError:
-                raise self._missing(digest, chunk_key(digest)) from None
-            except ObjectTooLargeError as e:
-                raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
-            except _NotRaw:
-                pass
-            else:
-                if scan.as_stored is not None:
-                    if scan.as_stored.hexdigest() == stored:
-                        return CheckedChunk(digest, size, again=True)
-                elif (
-                    got == codecs.HEADER.size + size
-                    and codecs.raw_length(scan.header) == size
-                    and scan.payload.hexdigest() == self.checksums.get(digest, digest)
-                ):
-                    return CheckedChunk(digest, size, version=version)
-        with self._room(size):
-            if self.budget is None or self.budget.keep(size):
-                try:
+        kept = None  # whether the budget has room to keep this chunk decoded (None: not asked yet)
+        try:
+            if self.store.cheap_reread:
+                stored = self.stored_checksums.get(digest)
+                if stored is not None:
+                    kept = self._keep(size)
+                    if kept or digest in _DECODE_FIRST:
+                        stored = None  # decoded now: a chunk that does not decode rejects the checkpoint cleanly
+                checked = self._scan_check(digest, size, stored)
+                if checked is not None:
+                    if kept:
+                        self._release(size)
+                    return checked
+            with self._room(size):
+                if kept is None:
+                    kept = self._keep(size)
+                if kept:
                     return CheckedChunk(digest, size, data=self.get(digest, size))
-                except BaseException:
-                    if self.budget is not None:
-                        self.budget.release(size)
-                    raise
-            # not kept: decoded into a reused buffer, verified, and decoded again in pass two
-            self._decoded(digest, self._fetch(digest, size), size, out=self._decode_buffer(size))
-        return CheckedChunk(digest, size, again=True)
+                # not kept: decoded into a reused buffer, verified, and decoded again in pass two
+                self._decoded(digest, self._fetch(digest, size), size, out=self._decode_buffer(size))
+            return CheckedChunk(digest, size, again=True)
+        except BaseException:
+            if kept:
+                self._release(size)
+            raise
+
+    def _scan_check(self, digest: str, size: int, stored: str | None) -> CheckedChunk | None:
+        """``check`` of a chunk streamed past (``_FirstPass``): a raw chunk by its payload's
+        fast checksum, an encoded one by ``stored``, the checksum of its stored bytes; None
+        for any other chunk, or any mismatch (decoding it then decides)."""
+        scan = _FirstPass(size, self._hasher(digest), stored)
+        try:
+            got, version = self.store.scan(
+                chunk_key(digest), self._scratch(SCAN_PIECE), scan.update, limit=codecs.max_encoded_size(size)
+            )
+        except ObjectNotFoundError:
+            raise self._missing(digest, chunk_key(digest)) from None
+        except ObjectTooLargeError as e:
+            raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
+        except _NotRaw:
+            return None
+        if scan.as_stored is not None:
+            return (
+                CheckedChunk(digest, size, again=True, as_stored=True) if scan.as_stored.hexdigest() == stored else None
+            )
+        if (
+            got == codecs.HEADER.size + size
+            and codecs.raw_length(scan.header) == size
+            and scan.payload.hexdigest() == self.checksums.get(digest, digest)
+        ):
+            return CheckedChunk(digest, size, version=version)
+        return None
+
+    def _keep(self, size: int) -> bool:
+        return self.budget is None or self.budget.keep(size)
+
+    def _release(self, size: int) -> None:
+        if self.budget is not None:
+            self.budget.release(size)
 
     def _decode_buffer(self, size: int) -> memoryview:
         """Where a chunk that is verified and then dropped is decoded: this thread's buffer
@@ -284,12 +311,20 @@ class ChunkReader:
             out[:] = checked.data
             return
         if checked.again:
-            self._get_into(checked.digest, out)
+            try:
+                self._get_into(checked.digest, out)
+            except CorruptChunkError as e:
+                if not checked.as_stored:
+                    raise
+                _DECODE_FIRST.add(checked.digest)  # this process's next restore decodes it in pass one
+                raise CorruptChunkError(
+                    f"{e}; pass one found its stored bytes as they were saved, so they were saved wrongly "
+                    "(a restore again decodes it before writing anything, and falls back past it)"
+                ) from None
             return
         expected = self.checksums.get(checked.digest)
         content = _PayloadHash(codecs.HEADER.size) if expected is not None else None
-        with _CPU:
-            whole, version = self._raw_into(checked.digest, out, content.update if content else None)
+        whole, version = self._raw_into(checked.digest, out, content.update if content else None)
         if version != checked.version or not whole or (content is not None and not content.matches(expected)):
             self._get_into(checked.digest, out)  # replaced or damaged since: verify again
 
@@ -305,8 +340,7 @@ class ChunkReader:
             raise ValueError(f"chunk {digest[:16]}… holds {size} bytes, not the {len(out)} to fill")
         if self.store.cheap_reread:
             hasher = _Skipping(codecs.HEADER.size, self._hasher(digest))
-            with _CPU:
-                whole, _version = self._raw_into(digest, out, hasher.update)
+            whole, _version = self._raw_into(digest, out, hasher.update)
             if whole and hasher.inner.hexdigest() == self.checksums.get(digest, digest):
                 return
         self._get_into(digest, out)  # encoded, remote, or not what was expected: decode, verify or raise

@@ -129,13 +129,8 @@ def checkpoint_name(run: str, step: int) -> str:
     return f"{validate_run(run)}{NAME_SEP}{validate_step(step)}"
 
 
-def checkpoint_names(run: str, step: int) -> tuple[str, str]:
-    """The checkpoint's name and its name before 2026-12 (``legacy_checkpoint_name``): what a
-    Dagster instance that predates the change may still hold its partition as."""
-    return checkpoint_name(run, step), legacy_checkpoint_name(run, step)
-
-
 def legacy_checkpoint_name(run: str, step: int) -> str:
+    """The name a Dagster instance from before 2026-12 may still hold the checkpoint's partition as."""
     return f"{validate_run(run)}{LEGACY_NAME_SEP}{validate_step(step):0{STEP_DIGITS}d}"
 
 

@@ -251,19 +251,18 @@ def _parse_checksums(check: Fields, doc: dict, chunks: Mapping[str, int]) -> dic
 def _parse_stored_checksums(
     check: Fields, doc: dict, chunks: Mapping[str, int], bases: Mapping[str, str]
 ) -> dict[str, str]:
-    """Chunk -> checksum of its stored bytes, each of a listed chunk that is not a delta,
-    and well formed. Absent before the field existed, and for chunks stored raw."""
+    """Chunk -> checksum of its stored bytes, each well formed. Entries for chunks the
+    manifest does not list, or lists as deltas, are dropped, not refused: the field only
+    saves a restore work, and a copy a ckptflow from before it made (which keeps fields it
+    does not know, such as a lossy archive copy's) may list other chunks. Absent before the
+    field existed, and for chunks stored raw."""
     stored = doc.get(checksum.STORED_FIELD) or {}
     if not isinstance(stored, dict):
         raise check.bad(f"has {checksum.STORED_FIELD!r} that is not an object")
     for digest, value in stored.items():
-        if digest not in chunks or digest in bases:
-            raise check.bad(
-                f"has a stored checksum for chunk {str(digest)[:16]}…, which it does not list, or lists as a delta"
-            )
         if not checksum.is_stored_checksum(value):
             raise check.bad(f"has a malformed stored checksum for chunk {str(digest)[:16]}…: {str(value)[:60]!r}")
-    return stored
+    return {d: v for d, v in stored.items() if d in chunks and d not in bases}
 
 
 def _parse_tied(check: Fields, doc: dict) -> tuple[tuple[str, ...], ...]:

@@ -161,7 +161,7 @@ def _copy_manifest(
         dcp=DcpIndex(version=manifest.dcp.version, tensors=tensors, items=tuple(items), planner_data=planner),
         chunks=dict(sorted(sizes.items())),
         bases={},
-        stored_checksums={},  # its chunks are new objects; restore verifies them by decoding
+        stored_checksums={},  # its chunks are other objects than the source's: restore verifies them by decoding
         lossy=lossy,
         address=ADDRESS,  # its chunks are new, written with the current address
         kind="full",

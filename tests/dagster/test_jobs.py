@@ -8,7 +8,7 @@ from dagster import DagsterEventType, build_sensor_context, materialize
 from safetensors.torch import load_file
 
 from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
-from assets.partitions import parse_checkpoint_key
+from assets.partitions import in_step_order, parse_checkpoint_key
 from ckptflow import lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.format import layout as fmt
@@ -134,7 +134,7 @@ def test_retention_job_expires_checkpoints_partitions_and_gcs(store_with_checkpo
     out = result.output_for_node("apply_retention")
     kept = {s for s in (10, 20, 30, 40) if store.exists(fmt.manifest_key(RUN, s))}
     assert {10, 40} <= kept and len(kept) < 4  # published + newest kept; best-1 may add one
-    assert sorted(out["expired"]) == [checkpoint_key(RUN, s) for s in (10, 20, 30, 40) if s not in kept]
+    assert in_step_order(out["expired"]) == [checkpoint_key(RUN, s) for s in (10, 20, 30, 40) if s not in kept]
     logged = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("expired ")]
     assert logged == [
         f"expired {len(out['expired'])} checkpoint(s) and dropped their partitions: "

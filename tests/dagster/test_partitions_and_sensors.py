@@ -73,12 +73,10 @@ def test_an_instance_holding_partitions_under_their_former_names_gets_no_second_
 
 
 def test_dropping_a_checkpoints_partition_drops_it_under_either_name(instance):
-    keys = [legacy_checkpoint_name(RUN, 10), checkpoint_key(RUN, 20), checkpoint_key(RUN, 30), "not-a-checkpoint"]
-    instance.add_dynamic_partitions("checkpoints", keys)
-    dropped = drop_checkpoint_partitions(
-        instance, [checkpoint_key(RUN, 10), checkpoint_key(RUN, 20), "not-a-checkpoint"]
-    )
-    assert dropped == 3
+    held = [legacy_checkpoint_name(RUN, 10), checkpoint_key(RUN, 20), checkpoint_key(RUN, 30), checkpoint_key(RUN, 40)]
+    instance.add_dynamic_partitions("checkpoints", [*held, "not-a-checkpoint"])
+    named = [checkpoint_key(RUN, 10), checkpoint_key(RUN, 20), legacy_checkpoint_name(RUN, 40), "not-a-checkpoint"]
+    assert drop_checkpoint_partitions(instance, named) == 4
     assert instance.get_dynamic_partitions("checkpoints") == [checkpoint_key(RUN, 30)]
 
 

@@ -26,6 +26,7 @@ from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
 from pipelines.demo import daemon
 from sensors.failures import partition_of
+from support.canvas_labels import RECORD_LABELS, corners, overlap
 from support.postgres import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -134,58 +135,6 @@ def test_checkpoint_partitions_show_the_corrupt_ones_failed(page, ui):
     page.get_by_text("rpo_freshness", exact=True).first.wait_for()
 
 
-# Chart.js draws axis labels on a canvas, out of the DOM's reach: record every label drawn,
-# with the transform it was drawn under (its rotation), to check their boxes on the page.
-RECORD_LABELS = """
-window.__labels = [];
-const fillText = CanvasRenderingContext2D.prototype.fillText;
-CanvasRenderingContext2D.prototype.fillText = function (text, x, y, maxWidth) {
-  const m = this.getTransform();
-  const px = parseFloat((/([0-9.]+)px/.exec(this.font) || [0, "12"])[1]);
-  this.canvas.__id = this.canvas.__id || String(Math.random());
-  window.__labels.push({text: String(text), x, y, m: [m.a, m.b, m.c, m.d, m.e, m.f],
-    w: this.measureText(String(text)).width, h: px, align: this.textAlign,
-    baseline: this.textBaseline, canvas: this.canvas.__id});
-  return fillText.call(this, text, x, y, maxWidth);
-};
-"""
-
-
-def _corners(label: dict) -> list[tuple[float, float]]:
-    """The label's box on the page: its text box where it was drawn, through its transform."""
-    w, h, x, y = label["w"], label["h"], label["x"], label["y"]
-    left = {"right": x - w, "end": x - w, "center": x - w / 2}.get(label["align"], x)
-    top = {"middle": y - h / 2, "top": y, "hanging": y}.get(label["baseline"], y - h)
-    a, b, c, d, e, f = label["m"]
-    return [
-        (a * px + c * py + e, b * px + d * py + f)
-        for px, py in ((left, top), (left + w, top), (left + w, top + h), (left, top + h))
-    ]
-
-
-def _overlap(p: list[tuple[float, float]], q: list[tuple[float, float]]) -> bool:
-    """Whether two convex quadrilaterals overlap by more than a pixel (separating axes)."""
-    for poly in (p, q):
-        for i in range(4):
-            (x1, y1), (x2, y2) = poly[i], poly[(i + 1) % 4]
-            nx, ny = y2 - y1, x1 - x2
-            norm = (nx * nx + ny * ny) ** 0.5 or 1.0
-            on_p = [(nx * x + ny * y) / norm for x, y in p]
-            on_q = [(nx * x + ny * y) / norm for x, y in q]
-            if min(max(on_p), max(on_q)) - max(min(on_p), min(on_q)) <= 1.0:
-                return False
-    return True
-
-
-def test_the_label_overlap_check_sees_overlap():
-    drawn = {"w": 100.0, "h": 12.0, "y": 0.0, "align": "right", "baseline": "middle"}
-    rotated = [0.94, -0.34, 0.34, 0.94]  # 20 degrees, as Chart.js turned the former 30-character keys
-    a, b = ({**drawn, "x": 0.0, "m": [*rotated, e, 50.0]} for e in (100.0, 120.0))  # 20 px apart: 7 px across
-    assert _overlap(_corners(a), _corners(b))
-    far = {**b, "m": [*rotated, 100.0, 90.0]}
-    assert not _overlap(_corners(a), _corners(far))
-
-
 def test_evaluation_metrics_plot_across_partitions_one_line_per_run(page, ui):
     page.add_init_script(RECORD_LABELS)
     page.goto(ui["base"] + "/assets/evaluation")  # the overview's Metadata section: Table / Plots
@@ -208,7 +157,7 @@ def test_evaluation_metrics_plot_across_partitions_one_line_per_run(page, ui):
     for labels in by_chart.values():
         for i, one in enumerate(labels):
             for other in labels[i + 1 :]:
-                assert not _overlap(_corners(one), _corners(other)), (one["text"], other["text"])
+                assert not overlap(corners(one), corners(other)), (one["text"], other["text"])
 
 
 def test_deployed_model_names_its_source_partition(page, ui):

@@ -138,6 +138,8 @@ def test_selectors_parse_and_bad_ones_are_refused_before_reading(tmp_path):
         restored(root, step=1, select="validated")
     with pytest.raises(ValueError, match="'min' or 'max'"):
         Best("val_loss", "up")
+    with pytest.raises(ValueError, match=r"names a checkpoint \(<run>@<step>\).*--run gpt-small --step 1200"):
+        selection.parse("gpt-small@1200")  # a partition key pasted where a selector goes
 
 
 def test_ls_filters_and_orders_as_restore_would(tmp_path, capsys):
