@@ -25,6 +25,7 @@ from ckptflow.chunks.io import ChunkStore
 from ckptflow.format.checksum import STORED_FIELD
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, reseal_manifest
+from support.decode_count import count_decodes
 from support.states import DRIFT_CHUNK, assert_tensors_equal, blank_like, drifting_state
 
 RUN = "stored"
@@ -34,18 +35,6 @@ def _save(root: str, codec: str, steps=(1, 2)) -> None:
     with Checkpointer(root, RUN, codec=codec, chunk_bytes=DRIFT_CHUNK) as ck:
         for step in steps:
             ck.save(step, drifting_state(step), kind="full" if step == 1 else "incremental")
-
-
-def _count_decodes(monkeypatch) -> list[str]:
-    calls: list[str] = []
-    decode = ChunkStore._decoded
-
-    def counting(self, digest, blob, size, **kwargs):
-        calls.append(digest)
-        return decode(self, digest, blob, size, **kwargs)
-
-    monkeypatch.setattr(ChunkStore, "_decoded", counting)
-    return calls
 
 
 def _restore_counting(root: str, calls: list[str], *, budget: int, single_pass: bool = False) -> list[str]:
@@ -85,7 +74,7 @@ def test_a_raw_save_records_none(ckpt_store_dir):
 
 def test_two_passes_decode_each_encoded_chunk_once_whether_or_not_it_fits_the_budget(ckpt_store_dir, monkeypatch):
     _save(ckpt_store_dir, "zstd")
-    calls = _count_decodes(monkeypatch)
+    calls = count_decodes(monkeypatch)
     once = _restore_counting(ckpt_store_dir, calls, budget=0, single_pass=True)  # one decode per place
     assert once
     assert _restore_counting(ckpt_store_dir, calls, budget=0) == once  # verified as stored, decoded in place
@@ -111,7 +100,7 @@ def test_a_chunk_rewritten_since_its_save_is_verified_by_decoding_it(ckpt_store_
     before = chunk_path(ckpt_store_dir, digest).read_bytes()
     ChunkStore(store).reencode(digest, manifest.chunks[digest], "zstd", itemsize=1, level=5)
     assert chunk_path(ckpt_store_dir, digest).read_bytes() != before
-    calls = _count_decodes(monkeypatch)
+    calls = count_decodes(monkeypatch)
     target = blank_like(drifting_state(1))
     with Checkpointer(ckpt_store_dir, RUN, restore_buffer_bytes=0) as ck:
         assert ck.restore(target).step == 1

@@ -23,6 +23,7 @@ from ckptflow.format.layout import chunk_key
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
 from support.corrupt import chunk_path, flip_byte, only_in
+from support.decode_count import count_decodes
 from support.states import DRIFT_CHUNK, assert_tensors_equal, blank_like, drifting_state
 
 RUN = "one"
@@ -44,21 +45,9 @@ def test_single_pass_restores_every_codec_exactly(ckpt_store_dir, codec):
         assert_tensors_equal(drifting_state(step), target)
 
 
-def _count_decodes(monkeypatch) -> list[str]:
-    calls: list[str] = []
-    decode = ChunkStore._decoded
-
-    def counting(self, digest, blob, size, **kwargs):
-        calls.append(digest)
-        return decode(self, digest, blob, size, **kwargs)
-
-    monkeypatch.setattr(ChunkStore, "_decoded", counting)
-    return calls
-
-
 def test_single_pass_reads_a_raw_chunk_once_straight_into_place(ckpt_store_dir, monkeypatch):
     _save(ckpt_store_dir, "raw", steps=(1,))
-    calls = _count_decodes(monkeypatch)
+    calls = count_decodes(monkeypatch)
     reads: list[str] = []
     get_into = LocalStore.get_into
 
