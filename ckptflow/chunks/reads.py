@@ -23,6 +23,7 @@ import xxhash
 
 from ckptflow.chunks import codecs
 from ckptflow.chunks.budget import MemoryBudget
+from ckptflow.chunks.streaming import FirstPass, NotRaw, PayloadHash, Skipping
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format.checksum import ADDRESS, ADDRESSES, FastChecksum, address_hasher, fast_checksum, matches_address
 from ckptflow.format.layout import chunk_key
@@ -30,7 +31,6 @@ from ckptflow.store.base import Store
 
 SCAN_PIECE = 1 << 20  # stays in L2 between read and hash; 8 threads hold 8 MiB of them in all
 SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it keeps for the next
-SUM_HEX = 16  # a fast checksum ends with the 64-bit word sum (``ckptflow.format.checksum``)
 # Decoding is CPU work: a restore's I/O threads outnumber the cores, and more of them decoding
 # at once than there are cores only evict each other's planes from the cache (1 GiB of zstd
 # chunks on 2 cores: 2.9 s with 8 threads decoding, 1.6 s with 2). Held for the decode and
@@ -54,59 +54,6 @@ class CheckedChunk:
     data: memoryview | None = None
     again: bool = False
     as_stored: bool = False  # only its stored bytes were checked (against the manifest's stored checksum)
-
-
-class _Skipping:
-    """Feeds ``inner`` (a hasher) the bytes after the first ``skip`` (a chunk's header)."""
-
-    def __init__(self, skip: int, inner: Any):
-        self.skip, self.inner = skip, inner
-
-    def update(self, piece: memoryview) -> None:
-        if self.skip:
-            cut = min(self.skip, len(piece))
-            self.skip -= cut
-            piece = piece[cut:]
-        self.inner.update(piece)
-
-
-class _PayloadHash(_Skipping):
-    """xxh3-128 of the bytes after the first ``skip`` (a chunk's header): what the second
-    pass of a restore checks each piece it reads into place with."""
-
-    def __init__(self, skip: int):
-        super().__init__(skip, xxhash.xxh3_128())
-
-    def matches(self, checksum: str | None) -> bool:
-        """Whether the bytes have the xxh3-128 that the fast ``checksum`` records first."""
-        return checksum is not None and self.inner.hexdigest() == checksum[: len(checksum) - SUM_HEX]
-
-
-class _NotRaw(Exception):
-    """Stops a verifying scan at the header of a chunk it cannot verify as it streams past."""
-
-
-class _FirstPass:
-    """What restore's first pass computes while a chunk streams past (``ChunkReader.check``):
-    the fast checksum (``payload``) of a raw chunk's payload, or, for an encoded chunk
-    whose manifest records the checksum of its stored bytes (``stored``), the xxh3-128 of
-    those bytes (``as_stored``). Any other chunk stops the scan (``_NotRaw``)."""
-
-    def __init__(self, size: int, payload: Any, stored: str | None):
-        self.size, self.payload, self.stored = size, payload, stored
-        self.header = bytearray()
-        self.as_stored: Any = None
-
-    def update(self, piece: memoryview) -> None:
-        if len(self.header) < codecs.HEADER.size:
-            take = codecs.HEADER.size - len(self.header)
-            self.header.extend(piece[:take])
-            piece = piece[take:]
-            if len(self.header) == codecs.HEADER.size and codecs.raw_length(self.header) is None:
-                if self.stored is None or not codecs.checkable_as_stored(self.header, self.size):
-                    raise _NotRaw  # decode it instead
-                self.as_stored = xxhash.xxh3_128(self.header)
-        (self.payload if self.as_stored is None else self.as_stored).update(piece)
 
 
 class ChunkReader:
@@ -214,10 +161,10 @@ class ChunkReader:
         A raw chunk on a store that re-reads cheaply (``Store.cheap_reread``) is streamed
         through a small per-thread buffer into its payload's fast checksum; only its file
         version is kept. Any other chunk is decoded and verified, and kept decoded for the
-        second pass while it fits the memory budget; one that does not fit is checked, on
-        such a store, against the checksum of its stored bytes the manifest records (not
-        decoded: the second pass decodes it once, into place, and checks it there), else
-        decoded and dropped (the second pass decodes it again). Stored bytes that match
+        second pass while it fits the memory budget; one that does not fit is checked
+        against the checksum of its stored bytes the manifest records, streamed past on
+        such a store, as fetched on others (not decoded: the second pass decodes it once,
+        into place, and checks it there), else decoded and dropped (decoded again there). Stored bytes that match
         yet do not decode to their content were saved wrongly: the second pass raises,
         and this process decodes that chunk here from then on (``_DECODE_FIRST``), so a
         restore again falls back past it. Any anomaly goes through ``get``, which names it.
@@ -240,8 +187,11 @@ class ChunkReader:
                     kept = self._keep(size)
                 if kept:
                     return CheckedChunk(digest, size, data=self.get(digest, size))
+                blob = self._fetch(digest, size)
+                if not self.store.cheap_reread and self._as_stored(digest, size, blob):
+                    return CheckedChunk(digest, size, again=True, as_stored=True)  # decoded once, in pass two
                 # not kept: decoded into a reused buffer, verified, and decoded again in pass two
-                self._decoded(digest, self._fetch(digest, size), size, out=self._decode_buffer(size))
+                self._decoded(digest, blob, size, out=self._decode_buffer(size))
             return CheckedChunk(digest, size, again=True)
         except BaseException:
             if kept:
@@ -249,10 +199,10 @@ class ChunkReader:
             raise
 
     def _scan_check(self, digest: str, size: int, stored: str | None) -> CheckedChunk | None:
-        """``check`` of a chunk streamed past (``_FirstPass``): a raw chunk by its payload's
+        """``check`` of a chunk streamed past (``FirstPass``): a raw chunk by its payload's
         fast checksum, an encoded one by ``stored``, the checksum of its stored bytes; None
         for any other chunk, or any mismatch (decoding it then decides)."""
-        scan = _FirstPass(size, self._hasher(digest), stored)
+        scan = FirstPass(size, self._hasher(digest), stored)
         try:
             got, version = self.store.scan(
                 chunk_key(digest), self._scratch(SCAN_PIECE), scan.update, limit=codecs.max_encoded_size(size)
@@ -261,7 +211,7 @@ class ChunkReader:
             raise self._missing(digest, chunk_key(digest)) from None
         except ObjectTooLargeError as e:
             raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
-        except _NotRaw:
+        except NotRaw:
             return None
         if scan.as_stored is not None:
             return (
@@ -274,6 +224,18 @@ class ChunkReader:
         ):
             return CheckedChunk(digest, size, version=version)
         return None
+
+    def _as_stored(self, digest: str, size: int, blob: bytes) -> bool:
+        """Whether a fetched chunk is, byte for byte, the object its saver stored (the
+        manifest's stored checksum; never for a chunk this process found saved wrongly)."""
+        stored = self.stored_checksums.get(digest)
+        if (
+            stored is None
+            or digest in _DECODE_FIRST
+            or not codecs.checkable_as_stored(blob[: codecs.HEADER.size], size)
+        ):
+            return False
+        return xxhash.xxh3_128_hexdigest(blob) == stored
 
     def _keep(self, size: int) -> bool:
         return self.budget is None or self.budget.keep(size)
@@ -323,7 +285,7 @@ class ChunkReader:
                 ) from None
             return
         expected = self.checksums.get(checked.digest)
-        content = _PayloadHash(codecs.HEADER.size) if expected is not None else None
+        content = PayloadHash(codecs.HEADER.size) if expected is not None else None
         whole, version = self._raw_into(checked.digest, out, content.update if content else None)
         if version != checked.version or not whole or (content is not None and not content.matches(expected)):
             self._get_into(checked.digest, out)  # replaced or damaged since: verify again
@@ -339,7 +301,7 @@ class ChunkReader:
         if len(out) != size:
             raise ValueError(f"chunk {digest[:16]}… holds {size} bytes, not the {len(out)} to fill")
         if self.store.cheap_reread:
-            hasher = _Skipping(codecs.HEADER.size, self._hasher(digest))
+            hasher = Skipping(codecs.HEADER.size, self._hasher(digest))
             whole, _version = self._raw_into(digest, out, hasher.update)
             if whole and hasher.inner.hexdigest() == self.checksums.get(digest, digest):
                 return

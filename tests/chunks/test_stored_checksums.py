@@ -217,3 +217,25 @@ def test_a_chunk_changed_while_it_was_encoded_gets_no_stored_checksum_and_is_ref
         result = ck.restore(target)
     assert result.step == 1 and result.skipped and result.skipped[0][0] == 2
     assert torch.equal(target["model"]["w"], torch.arange(4096, dtype=torch.float32))
+
+
+def test_on_s3_a_chunk_beyond_the_budget_is_checked_as_fetched_and_decoded_once(s3_store_url, monkeypatch):
+    """S3 cannot re-read cheaply, so pass one fetches each chunk whole; one that does not fit
+    the budget is checked against its stored checksum as fetched (not decoded) and decoded
+    once, in pass two. A damaged object is still refused before anything is written."""
+    _save(s3_store_url, "zstd")
+    calls = count_decodes(monkeypatch)
+    once = _restore_counting(s3_store_url, calls, budget=0, single_pass=True)
+    assert once and _restore_counting(s3_store_url, calls, budget=0) == once
+    store = open_store(s3_store_url)
+    manifest = catalog.read_manifest(store, RUN, 2)
+    digest = next(d for d in manifest.stored_checksums if d not in catalog.read_manifest(store, RUN, 1).chunks)
+    key = f"chunks/{digest[:2]}/{digest}"
+    blob = bytearray(store.get(key))
+    blob[-1] ^= 0xFF
+    store.replace(key, bytes(blob))
+    target = blank_like(drifting_state(2))
+    with Checkpointer(s3_store_url, RUN, restore_buffer_bytes=0) as ck:
+        result = ck.restore(target)
+    assert result.step == 1 and result.skipped[0][0] == 2
+    assert_tensors_equal(drifting_state(1), target)
