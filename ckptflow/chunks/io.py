@@ -61,13 +61,17 @@ def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False
 def _stored_checksum(encoded: Encoded, raw: memoryview, checksum: str) -> str:
     """The checksum of an encoding's bytes where a restore may verify the chunk by it
     (``codecs.checkable_as_stored``): only if ``raw`` still has the xxh3-128 its fast
-    ``checksum`` records, so the bytes encoded are the bytes checksummed (a tensor written
-    to while it was saved, say, gets none, and restore decodes that chunk to verify it);
-    "" for a raw chunk or a delta."""
+    ``checksum`` records once the encoding is hashed, so the bytes encoded are the bytes
+    checksummed (a tensor written to while it was saved gets none, and restore decodes that
+    chunk to verify it). Hashed before that check: an encoding may be a view of the tensor
+    (a plane stored as it is), and a write after the check then makes the object differ
+    from its stored checksum, which sends it to be decoded and verified too. "" for a raw
+    chunk or a delta."""
     header = memoryview(encoded.parts[0]).cast("B")
     if encoded.base is not None or not codecs.checkable_as_stored(header, len(raw)):
         return ""
-    return stored_checksum(encoded.parts) if same_content(raw, checksum) else ""
+    stored = stored_checksum(encoded.parts)  # first: a write after the check may change the object, never this
+    return stored if same_content(raw, checksum) else ""
 
 
 class ChunkStore(ChunkReader):

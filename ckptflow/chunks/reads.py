@@ -38,7 +38,7 @@ SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it ke
 _DECODING = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 # Chunks whose stored bytes matched their stored checksum but did not decode to their content:
 # this process decodes them in restore's first pass from then on, so a restore again falls back.
-_DECODE_FIRST: set[str] = set()
+_DECODE_FIRST: set[tuple[str, str]] = set()  # (digest, stored checksum): a rewritten object is checked afresh
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class ChunkReader:
                 stored = self.stored_checksums.get(digest)
                 if stored is not None:
                     kept = self._keep(size)
-                    if kept or digest in _DECODE_FIRST:
+                    if kept or (digest, stored) in _DECODE_FIRST:
                         stored = None  # decoded now: a chunk that does not decode rejects the checkpoint cleanly
                 checked = self._scan_check(digest, size, stored)
                 if checked is not None:
@@ -231,7 +231,7 @@ class ChunkReader:
         stored = self.stored_checksums.get(digest)
         if (
             stored is None
-            or digest in _DECODE_FIRST
+            or (digest, stored) in _DECODE_FIRST
             or not codecs.checkable_as_stored(blob[: codecs.HEADER.size], size)
         ):
             return False
@@ -272,17 +272,11 @@ class ChunkReader:
         if checked.data is not None:
             out[:] = checked.data
             return
+        if checked.as_stored:
+            self._decode_as_stored(checked.digest, out)
+            return
         if checked.again:
-            try:
-                self._get_into(checked.digest, out)
-            except CorruptChunkError as e:
-                if not checked.as_stored:
-                    raise
-                _DECODE_FIRST.add(checked.digest)  # this process's next restore decodes it in pass one
-                raise CorruptChunkError(
-                    f"{e}; pass one found its stored bytes as they were saved, so they were saved wrongly "
-                    "(a restore again decodes it before writing anything, and falls back past it)"
-                ) from None
+            self._get_into(checked.digest, out)
             return
         expected = self.checksums.get(checked.digest)
         content = PayloadHash(codecs.HEADER.size) if expected is not None else None
@@ -320,6 +314,27 @@ class ChunkReader:
         except OSError:
             return False, None
         return got == len(header) + len(out) and codecs.raw_length(header) == len(out), version
+
+    def _decode_as_stored(self, digest: str, out: memoryview) -> None:
+        """Decode into ``out`` a chunk pass one checked by its stored bytes, and verify it.
+        If the bytes fetched now are still those its saver stored, yet do not decode to the
+        content, they were saved wrongly: this process decodes that object in pass one from
+        then on, so a restore again falls back past it. Bytes changed since pass one (damage,
+        a rewrite) are refused or accepted by their content, as any chunk's."""
+        stored = self.stored_checksums.get(digest, "")
+        with self._room(len(out)):
+            blob = self._fetch(digest, len(out))
+            if xxhash.xxh3_128_hexdigest(blob) != stored:
+                self._decoded(digest, blob, len(out), out=out)
+                return
+            try:
+                self._decoded(digest, blob, len(out), out=out)
+            except CorruptChunkError as e:
+                _DECODE_FIRST.add((digest, stored))
+                raise CorruptChunkError(
+                    f"{e}; its stored bytes are as they were saved, so they were saved wrongly "
+                    "(a restore again in this process decodes it before writing anything, and falls back past it)"
+                ) from None
 
     def _get_into(self, digest: str, out: memoryview) -> None:
         """``out`` filled as ``get`` fills a buffer, decoded straight into it and verified

@@ -20,11 +20,12 @@ import xxhash
 
 from ckptflow import Checkpointer, PartialRestoreError
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.chunks import codecs
+from ckptflow.chunks import codecs, reads
+from ckptflow.chunks import io as io_module
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.format.checksum import STORED_FIELD
 from ckptflow.store import open_store
-from support.corrupt import chunk_path, reseal_manifest
+from support.corrupt import chunk_path, flip_byte, reseal_manifest
 from support.decode_count import count_decodes
 from support.states import DRIFT_CHUNK, assert_tensors_equal, blank_like, drifting_state
 
@@ -178,6 +179,7 @@ def test_a_decoder_failing_on_bytes_as_stored_says_partly_written_once_then_fall
         raise ValueError("decoder defect")
 
     monkeypatch.setattr("ckptflow.chunks.planes.join", broken_join)
+    monkeypatch.setattr(reads, "_DECODE_FIRST", set())  # what this process learnt stays in this test
     target = {"model": {"w": torch.zeros(4096)}}
     with Checkpointer(root, RUN) as ck:
         result = ck.restore(target)
@@ -239,3 +241,55 @@ def test_on_s3_a_chunk_beyond_the_budget_is_checked_as_fetched_and_decoded_once(
         result = ck.restore(target)
     assert result.step == 1 and result.skipped[0][0] == 2
     assert_tensors_equal(drifting_state(1), target)
+
+
+def test_a_tensor_written_right_after_its_check_leaves_an_object_its_stored_checksum_refuses(tmp_path, monkeypatch):
+    """An int8 chunk zstd cannot shrink is stored as a view of the tensor itself: a write
+    after the saver's check still reaches the object. The stored checksum was hashed before
+    the check, so it no longer fits: restore decodes the chunk before writing anything,
+    finds its content wrong, and falls back."""
+    root = str(tmp_path / "store")
+    noise = torch.randint(-128, 128, (16384,), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    with Checkpointer(root, RUN, codec="raw", chunk_bytes=4096) as ck:
+        ck.save(1, {"model": {"w": noise.clone()}})
+    checked = io_module.same_content
+
+    def written_right_after(raw, checksum):
+        same = checked(raw, checksum)
+        memoryview(raw).cast("B")[7] ^= 0x01  # another thread writes the tensor just then
+        return same
+
+    monkeypatch.setattr(io_module, "same_content", written_right_after)
+    with Checkpointer(root, RUN, codec="zstd", chunk_bytes=4096) as ck:
+        ck.save(2, {"model": {"w": noise.clone() + 1}})
+    monkeypatch.undo()
+    assert catalog.read_manifest(open_store(root), RUN, 2).stored_checksums  # recorded: the race came after
+    target = {"model": {"w": torch.zeros(16384, dtype=torch.int8)}}
+    with Checkpointer(root, RUN, restore_buffer_bytes=0) as ck:
+        result = ck.restore(target)
+    assert result.step == 1 and result.skipped[0][0] == 2
+    assert torch.equal(target["model"]["w"], noise)
+
+
+def test_a_chunk_damaged_between_the_passes_is_not_called_saved_wrongly(ckpt_store_dir, monkeypatch):
+    _save(ckpt_store_dir, "zstd")
+    monkeypatch.setattr(reads, "_DECODE_FIRST", set())
+    store = open_store(ckpt_store_dir)
+    one, two = (catalog.read_manifest(store, RUN, step) for step in (1, 2))
+    victim = next(d for d in sorted(two.stored_checksums) if d not in one.chunks)
+    check = ChunkStore.check
+
+    def damage_after_check(self, digest, size):
+        result = check(self, digest, size)
+        if digest == victim:
+            assert result.as_stored  # checked by its stored bytes: pass two decodes it
+            flip_byte(chunk_path(ckpt_store_dir, digest), -1)
+        return result
+
+    monkeypatch.setattr(ChunkStore, "check", damage_after_check)
+    target = blank_like(drifting_state(2))
+    with Checkpointer(ckpt_store_dir, RUN, restore_buffer_bytes=0) as ck:
+        with pytest.raises(PartialRestoreError) as raised:
+            ck.restore(target, step=2)
+    assert victim in str(raised.value) and "saved wrongly" not in str(raised.value)
+    assert not reads._DECODE_FIRST
