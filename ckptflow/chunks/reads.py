@@ -267,7 +267,8 @@ class ChunkReader:
         checksum the manifest records (``check`` verified the file against the whole of
         it), so this pass costs about one read of the bytes, not a read and a second trip
         to memory. A file changed since (another version), or bytes that do not match,
-        are read again through ``get``, which verifies them in full or raises."""
+        are read again through ``get``, which verifies them in full or raises. A chunk
+        kept decoded is copied; any other is decoded into ``out`` and verified there."""
         out = memoryview(out).cast("B")
         if checked.data is not None:
             out[:] = checked.data
