@@ -325,12 +325,11 @@ class ChunkReader:
         stored = self.stored_checksums.get(digest, "")
         with self._room(len(out)):
             blob = self._fetch(digest, len(out))
-            if xxhash.xxh3_128_hexdigest(blob) != stored:
-                self._decoded(digest, blob, len(out), out=out)
-                return
             try:
                 self._decoded(digest, blob, len(out), out=out)
             except CorruptChunkError as e:
+                if xxhash.xxh3_128_hexdigest(blob) != stored:  # changed since pass one: reported as it is
+                    raise
                 _DECODE_FIRST.add((digest, stored))
                 raise CorruptChunkError(
                     f"{e}; its stored bytes are as they were saved, so they were saved wrongly "
