@@ -54,6 +54,6 @@ class PricingResource(ConfigurableResource):
     def model(self, archive: ArchiveTierResource) -> costs.CostModel:
         prices = {**costs.DEFAULT_PRICES, **self.prices}
         priced = archive.priced_class()
-        return costs.CostModel(
-            prices, {"hot": self.hot_class, "archive": priced if priced in prices else self.archive_class}
+        return costs.CostModel(prices).with_classes(
+            hot=self.hot_class, archive=priced if priced in prices else self.archive_class
         )

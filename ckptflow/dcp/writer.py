@@ -359,7 +359,8 @@ class CheckpointWriter(StorageWriter):
             "chunks": dict(sorted(chunk_sizes.items())),
             **({"bases": dict(sorted(bases.items()))} if bases else {}),
             FAST_CHECKSUMS: dict(sorted(checksums.items())),
-            **({STORED_CHECKSUMS: _non_deltas(stored_checksums, bases)} if stored_checksums else {}),
+            # a chunk two ranks found stored two ways (one as a delta) keeps its entry: readers drop it
+            **({STORED_CHECKSUMS: dict(sorted(stored_checksums.items()))} if stored_checksums else {}),
             **({"tied": spec.tied} if spec.tied else {}),
             **({"lossy": spec.lossy} if spec.lossy is not None else {}),
             "stats": {
@@ -383,9 +384,3 @@ class CheckpointWriter(StorageWriter):
         )  # never commit what a reader refuses
         commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
         self.manifest = parsed
-
-
-def _non_deltas(stored: dict[str, str], bases: dict[str, str]) -> dict[str, str]:
-    """Stored checksums of chunks no rank wrote as a delta: two ranks may find one chunk
-    stored two ways in one save (replaced meanwhile), and a delta is never checked as stored."""
-    return dict(sorted((d, c) for d, c in stored.items() if d not in bases))

@@ -144,23 +144,23 @@ class RunStatus:
 def run_statuses(
     entries: list[inventory.Entry],
     metrics: list[recoveries.RunMetrics],
-    recovery_records: dict[str, list[dict]],
+    last_recoveries: dict[str, dict],
     *,
     now: float,
     rpo_target_s: float,
     detection_s: float = 0.0,
 ) -> list[RunStatus]:
-    """One status per run that has checkpoints, metrics or recoveries (pure)."""
+    """One status per run that has checkpoints, metrics or recoveries (pure);
+    ``last_recoveries``: each run's newest recovery record."""
     by_run: dict[str, list[inventory.Entry]] = {}
     for e in entries:
         by_run.setdefault(e.run, []).append(e)
     rpo = {m.run: m.rpo_s for m in metrics}
     out = []
-    for run in sorted(set(by_run) | set(rpo) | set(recovery_records)):
+    for run in sorted(set(by_run) | set(rpo) | set(last_recoveries)):
         found = by_run.get(run, [])
         ready = max((e for e in found if e.validation == "passed"), key=lambda e: e.step, default=None)
         attention = [(e.step, why) for e in found if (why := attention_reason(e)) is not None]
-        records = sorted(recovery_records.get(run, []), key=lambda r: r.get("at", 0))
         out.append(
             RunStatus(
                 run=run,
@@ -171,7 +171,7 @@ def run_statuses(
                 ready_tiers="+".join(ready.tiers) if ready else "",
                 rpo_s=rpo.get(run),
                 rpo_target_s=rpo_target_s,
-                last_recovery=records[-1] if records else None,
+                last_recovery=last_recoveries.get(run),
                 detection_s=detection_s,
             )
         )
@@ -238,6 +238,6 @@ def read_view(
     now = time.time() if now is None else now
     entries = inventory.collect(hot, archive)
     metrics = recoveries.store_metrics(hot, now=now, window_s=window_s, detection_s=detection_s)
-    records = {m.run: [m.last_recovery] for m in metrics if m.last_recovery is not None}  # read once, by the metrics
-    statuses = run_statuses(entries, metrics, records, now=now, rpo_target_s=rpo_target_s, detection_s=detection_s)
+    last = {m.run: m.last_recovery for m in metrics if m.last_recovery is not None}  # read once, by the metrics
+    statuses = run_statuses(entries, metrics, last, now=now, rpo_target_s=rpo_target_s, detection_s=detection_s)
     return OperatorView(now=now, runs=statuses, cost=costs.storage_costs(hot, archive, model=model))

@@ -46,12 +46,7 @@ def test_per_run_newest_ready_checkpoint_attention_and_last_recovery():
         entry("a", 40, created=NOW - 60),  # not validated yet: neither ready nor needing attention
         entry("b", 5, ok=False, problems=["rank record x is missing"]),
     ]
-    records = {
-        "a": [
-            {"at": NOW - 7200, "ok": True, "step": 10, "duration_s": 1.5},
-            {"at": NOW - 600, "ok": True, "step": 20, "duration_s": 2.0},
-        ]
-    }
+    records = {"a": {"at": NOW - 600, "ok": True, "step": 20, "duration_s": 2.0}}  # the newest
     a, b = recoverable.run_statuses(
         entries, [metrics("a", 1.5 * HOUR)], records, now=NOW, rpo_target_s=HOUR, detection_s=30.0
     )
@@ -74,7 +69,7 @@ def test_per_run_newest_ready_checkpoint_attention_and_last_recovery():
 def test_a_failed_recovery_has_no_rto_and_a_recorded_lifecycle_failure_needs_attention():
     entries = [entry("a", 10, ok=True, failure={"job": "__ASSET_JOB", "message": "evaluation: evaluator raised"})]
     [a] = recoverable.run_statuses(
-        entries, [], {"a": [{"at": NOW - 60, "ok": False, "step": None}]}, now=NOW, rpo_target_s=HOUR
+        entries, [], {"a": {"at": NOW - 60, "ok": False, "step": None}}, now=NOW, rpo_target_s=HOUR
     )
     assert a.last_rto_s is None and a.row(NOW)["last recovery"] == "FAILED, 60.0 s ago"
     assert a.attention == [(10, "__ASSET_JOB failed: evaluation: evaluator raised")]
