@@ -21,6 +21,7 @@ from dagster import (
 )
 
 from assets.models import deployed_model
+from assets.partitions import partition_keys
 from ckptflow.errors import MirrorError
 from resources import RegistryResource
 from resources.mlflow_registry import MlflowRegistryResource
@@ -48,9 +49,10 @@ def mlflow_model(
     reg = registry.open()
     mirror = mlflow.open()
     results = []
+    held = partition_keys(context.instance)  # links name the partition this instance holds for each checkpoint
     try:
         for model in reg.models():
-            results.append(mirror.sync(reg, model))
+            results.append(mirror.sync(reg, model, partition_keys=held))
     except MirrorError as e:
         raise Failure(str(e)) from None
     metadata: dict = {"tracking_uri": MetadataValue.url(mlflow.tracking_uri)}

@@ -9,11 +9,13 @@ is ``ckptflow.lifecycle.promote``. Every materialization shows all three aliases
 (``latest``, ``stable``, ``fallback``) with the version and source partition of each.
 """
 
+from collections.abc import Mapping
+
 import pandas as pd
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
 
 from assets.checkpoints import checkpoint, evaluation
-from assets.partitions import parse_checkpoint_key
+from assets.partitions import parse_checkpoint_key, partition_keys
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.registry import ALIASES, Registry, describe
 from resources import CheckpointStoreResource, RegistryResource
@@ -33,9 +35,10 @@ class DeployConfig(Config):
     allow_fp16_overflow: bool = False  # fp16: write inf for values beyond its range instead of failing
 
 
-def aliases_metadata(reg: Registry, model: str) -> dict:
+def aliases_metadata(reg: Registry, model: str, held: Mapping[tuple[str, int], str]) -> dict:
     """Each of latest / stable / fallback: its version and source partition (or "not set"),
-    plus one table."""
+    plus one table. ``held``: the partition this instance holds for each checkpoint
+    (``partition_keys``), named instead of the checkpoint's name where the two differ."""
     aliases = reg.aliases(model)
     metadata: dict = {}
     rows = []
@@ -44,10 +47,11 @@ def aliases_metadata(reg: Registry, model: str) -> dict:
             metadata[alias] = "not set"
             continue
         v = reg.get(model, aliases[alias])
-        metadata[alias] = f"v{v.version} from {v.partition_key} (manifest {v.manifest_digest[:12]}…)"
+        source = held.get((v.run, v.step), v.partition_key)
+        metadata[alias] = f"v{v.version} from {source} (manifest {v.manifest_digest[:12]}…)"
         metadata[f"alias/{alias}"] = v.version
-        metadata[f"alias/{alias}/source_partition"] = v.partition_key
-        rows.append({"alias": alias, **describe(v)})
+        metadata[f"alias/{alias}/source_partition"] = source
+        rows.append({"alias": alias, **describe(v), "partition_key": source})
     metadata["aliases"] = MetadataValue.md(pd.DataFrame(rows).to_markdown(index=False) if rows else "(no aliases)")
     return metadata
 
@@ -84,18 +88,19 @@ def deployed_model(
     except CkptflowError as e:
         raise Failure(str(e)) from None
     data = version.lineage.get("data")
+    held = partition_keys(context.instance)
     return MaterializeResult(
         metadata={
             "action": config.action,
             "model": config.model,
             "version": version.version,
-            "source_partition": version.partition_key,
+            "source_partition": held.get((version.run, version.step), version.partition_key),
             "manifest_digest": version.manifest_digest,
             "files": MetadataValue.json(version.files),
             "export": MetadataValue.json(version.export),
             "training_config": MetadataValue.json(version.lineage.get("training_config") or {}),
             "data": MetadataValue.json(data) if isinstance(data, (dict, list)) else str(data),
             "metrics": MetadataValue.json((version.lineage.get("evaluation") or {}).get("metrics") or {}),
-            **aliases_metadata(reg, config.model),
+            **aliases_metadata(reg, config.model, held),
         }
     )

@@ -65,8 +65,18 @@ def real_state() -> StateDict | None:
 
 
 def changed_names(state: StateDict, fraction: float, seed: int) -> list[str]:
-    """``fraction`` of the tensor names (at least one), picked at random but reproducibly."""
-    return random.Random(seed).sample(sorted(state), max(1, round(fraction * len(state))))
+    """Tensors holding about ``fraction`` of the state's bytes (never more, at least one
+    tensor), picked at random but reproducibly: what a fine-tune that trains a few
+    layers of a frozen model changes between two saves."""
+    budget = fraction * sum(t.nbytes for t in state.values())
+    names = sorted(state)
+    random.Random(seed).shuffle(names)
+    picked = []
+    for name in names:
+        if state[name].nbytes <= budget:
+            picked.append(name)
+            budget -= state[name].nbytes
+    return picked or [min(names, key=lambda n: state[n].nbytes)]
 
 
 def updated(state: StateDict, names: list[str], seed: int) -> StateDict:

@@ -68,8 +68,13 @@ class MirrorResult:
         return bool(self.created or self.moved)
 
 
-def lineage_tags(mv: ModelVersion, *, store_url: str = "", partition_link: str = "") -> dict[str, str]:
-    """The MLflow tags of a mirrored version: where it came from, as strings."""
+def lineage_tags(
+    mv: ModelVersion, *, store_url: str = "", partition_link: str = "", partition_key: str | None = None
+) -> dict[str, str]:
+    """The MLflow tags of a mirrored version: where it came from, as strings.
+    ``partition_key``: the orchestrator's key of its checkpoint where that is not the
+    checkpoint's name (a partition an older Dagster instance added under its former name)."""
+    partition_key = partition_key or mv.partition_key
     lineage = mv.lineage or {}
     validation = lineage.get("validation") or {}
     evaluation = lineage.get("evaluation") or {}
@@ -79,7 +84,7 @@ def lineage_tags(mv: ModelVersion, *, store_url: str = "", partition_link: str =
         "version": str(mv.version),
         "run": mv.run,
         "step": str(mv.step),
-        "partition_key": mv.partition_key,
+        "partition_key": partition_key,
         "manifest_digest": mv.manifest_digest,
         "validation": verdict,
         "evaluator": str(evaluation.get("evaluator") or ""),
@@ -93,7 +98,7 @@ def lineage_tags(mv: ModelVersion, *, store_url: str = "", partition_link: str =
     if store_url:
         tags["registry"] = store_url
     if partition_link:
-        tags["partition_link"] = partition_link.format(partition_key=mv.partition_key, run=mv.run, step=mv.step)
+        tags["partition_link"] = partition_link.format(partition_key=partition_key, run=mv.run, step=mv.step)
     return {TAG + k: v for k, v in tags.items()}
 
 
@@ -137,10 +142,15 @@ class MlflowMirror:
         return self.registered_model.format(model=model)
 
     # ---- the one entry point -----------------------------------------------------------
-    def sync(self, registry: Registry, model: str) -> MirrorResult:
+    def sync(
+        self, registry: Registry, model: str, *, partition_keys: Mapping[tuple[str, int], str] | None = None
+    ) -> MirrorResult:
         """Make MLflow's ``name_of(model)`` hold every ckptflow version of ``model`` and
         the same aliases. Idempotent; raises ``MirrorError`` once an MLflow call has
-        failed ``attempts`` times (ckptflow's registry is untouched either way)."""
+        failed ``attempts`` times (ckptflow's registry is untouched either way).
+        ``partition_keys``: (run, step) -> the partition key the orchestrator holds for
+        that checkpoint, where new versions' tags and links should name another key than
+        the checkpoint's name."""
         name = self.name_of(model)
         self._call(f"create registered model {name!r}", self._ensure_registered_model, name)
         existing = self._call(f"list the versions of {name!r}", self._mirrored_versions, name)
@@ -150,7 +160,8 @@ class MlflowMirror:
                 self._check_same(name, mv, existing[mv.version])
                 result.versions[mv.version] = existing[mv.version].version
                 continue
-            mirrored = self._mirror_version(registry, mv, name)
+            held = (partition_keys or {}).get((mv.run, mv.step))
+            mirrored = self._mirror_version(registry, mv, name, held)
             result.versions[mv.version] = mirrored.version
             result.created.append(mv.version)
         self._sync_aliases(registry, model, name, result)
@@ -193,8 +204,10 @@ class MlflowMirror:
                 f"registry mirrors into this MLflow model; give this mirror its own registered_model name"
             )
 
-    def _mirror_version(self, registry: Registry, mv: ModelVersion, name: str) -> Any:
-        tags = lineage_tags(mv, store_url=registry.store.url, partition_link=self.partition_link)
+    def _mirror_version(self, registry: Registry, mv: ModelVersion, name: str, partition_key: str | None) -> Any:
+        tags = lineage_tags(
+            mv, store_url=registry.store.url, partition_link=self.partition_link, partition_key=partition_key
+        )
         run_tags = {**tags, TAG + "registered_model": name}
         run_id = self._call(f"log {mv.model} v{mv.version}'s files", self._logged_run, registry, mv, run_tags)
         return self._call(

@@ -261,3 +261,19 @@ def test_partitions_are_dropped_in_batches_and_only_those_named(tmp_path, kind):
         assert list(inst.get_dynamic_partitions("checkpoints")) == [keys[0], *keys[2 * DROP_BATCH + 2 :]]
         assert list(inst.get_dynamic_partitions("elsewhere")) == keys[:3]
         assert drop_checkpoint_partitions(inst, doomed) == 0
+
+
+def test_a_promotion_names_the_partition_an_older_instance_holds_for_its_checkpoint(
+    store_with_checkpoints, defs, instance
+):
+    legacy = fmt.legacy_checkpoint_name(RUN, 10)  # added by a ckptflow that named partitions so
+    instance.add_dynamic_partitions("checkpoints", [legacy])
+    first = deploy(defs, instance, stage="stable", partition_key=legacy)
+    assert first.success
+    md = first.asset_materializations_for_node("deployed_model")[0].metadata
+    assert md["source_partition"].value == legacy and md["alias/stable/source_partition"].value == legacy
+    assert md["stable"].value.startswith(f"v1 from {legacy} ")
+    second = deploy(defs, instance, stage="latest", partition_key=checkpoint_key(RUN, 20))  # held under neither name
+    md = second.asset_materializations_for_node("deployed_model")[0].metadata
+    assert md["source_partition"].value == checkpoint_key(RUN, 20) == f"{RUN}@20"
+    assert md["alias/stable/source_partition"].value == legacy

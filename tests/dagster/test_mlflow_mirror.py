@@ -11,6 +11,7 @@ import torch
 from dagster import DagsterEventType
 from mlflow import MlflowClient
 
+from ckptflow.format.layout import legacy_checkpoint_name
 from ckptflow.interop.export import load_exported
 from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
@@ -48,7 +49,9 @@ def test_promotion_and_rollback_jobs_mirror_into_mlflow(
     defs = definitions(paths, monkeypatch, mlflow_tracking_uri)
     from assets import checkpoint_key
 
-    first = deploy(defs, instance, "promotion", stage="stable", partition_key=checkpoint_key(RUN, 10))
+    legacy = legacy_checkpoint_name(RUN, 10)  # a partition an older ckptflow added: the mirror's tags name it
+    instance.add_dynamic_partitions("checkpoints", [legacy])
+    first = deploy(defs, instance, "promotion", stage="stable", partition_key=legacy)
     second = deploy(defs, instance, "promotion", stage="stable", partition_key=checkpoint_key(RUN, 20))
     assert first.success and second.success
     md = second.asset_materializations_for_node("mlflow_model")[0].metadata
@@ -58,6 +61,8 @@ def test_promotion_and_rollback_jobs_mirror_into_mlflow(
     assert (
         client.get_model_version("tinylm", "1").tags["ckptflow.manifest_digest"] == reg.get("tinylm", 1).manifest_digest
     )
+    assert client.get_model_version("tinylm", "1").tags["ckptflow.partition_key"] == legacy
+    assert client.get_model_version("tinylm", "2").tags["ckptflow.partition_key"] == checkpoint_key(RUN, 20)
 
     assert deploy(defs, instance, "rollback").success
     assert client.get_registered_model("tinylm").aliases == {"newest": "2", "stable": "1", "fallback": "2"}
