@@ -44,6 +44,7 @@ from ckptflow.interop.registry import ALIASES, ModelVersion, Registry
 T = TypeVar("T")
 
 TAG = "ckptflow."
+PARTITION_TAG = TAG + "partition_key"
 ARTIFACT_PATH = "model"
 COMPLETE_TAG = TAG + "artifacts"  # on the MLflow run once every file is logged
 MAX_TAG_CHARS = 5000  # what MLflow accepts in a model version tag value
@@ -151,7 +152,7 @@ class MlflowMirror:
         ``partition_keys``: (run, step) -> the partition key the orchestrator holds for
         that checkpoint, where new versions' tags and links should name another key than
         the checkpoint's name."""
-        name = self.name_of(model)
+        name, held = self.name_of(model), partition_keys or {}
         self._call(f"create registered model {name!r}", self._ensure_registered_model, name)
         existing = self._call(f"list the versions of {name!r}", self._mirrored_versions, name)
         result = MirrorResult(model=model, registered_model=name)
@@ -160,11 +161,10 @@ class MlflowMirror:
                 self._check_same(name, mv, existing[mv.version])
                 result.versions[mv.version] = existing[mv.version].version
                 continue
-            held = (partition_keys or {}).get((mv.run, mv.step))
             mirrored = self._mirror_version(registry, mv, name, held)
             result.versions[mv.version] = mirrored.version
             result.created.append(mv.version)
-        self._sync_aliases(registry, model, name, result)
+        self._sync_aliases(registry, model, name, result, held)
         return result
 
     # ---- versions ----------------------------------------------------------------------
@@ -204,10 +204,11 @@ class MlflowMirror:
                 f"registry mirrors into this MLflow model; give this mirror its own registered_model name"
             )
 
-    def _mirror_version(self, registry: Registry, mv: ModelVersion, name: str, partition_key: str | None) -> Any:
-        tags = lineage_tags(
-            mv, store_url=registry.store.url, partition_link=self.partition_link, partition_key=partition_key
-        )
+    def _mirror_version(
+        self, registry: Registry, mv: ModelVersion, name: str, held: Mapping[tuple[str, int], str]
+    ) -> Any:
+        key = held.get((mv.run, mv.step))
+        tags = lineage_tags(mv, store_url=registry.store.url, partition_link=self.partition_link, partition_key=key)
         run_tags = {**tags, TAG + "registered_model": name}
         run_id = self._call(f"log {mv.model} v{mv.version}'s files", self._logged_run, registry, mv, run_tags)
         return self._call(
@@ -268,11 +269,13 @@ class MlflowMirror:
             source=f"runs:/{run_id}/{ARTIFACT_PATH}",
             run_id=run_id,
             tags=dict(tags),
-            description=f"ckptflow {mv.model} v{mv.version}: {mv.partition_key} (manifest {mv.manifest_digest})",
+            description=f"ckptflow {mv.model} v{mv.version}: {tags[PARTITION_TAG]} (manifest {mv.manifest_digest})",
         )
 
     # ---- aliases -----------------------------------------------------------------------
-    def _sync_aliases(self, registry: Registry, model: str, name: str, result: MirrorResult) -> None:
+    def _sync_aliases(
+        self, registry: Registry, model: str, name: str, result: MirrorResult, held: Mapping[tuple[str, int], str]
+    ) -> None:
         for _ in range(ALIAS_ROUNDS):
             wanted = registry.aliases(model)
             current = self._call(f"read the aliases of {name!r}", self._mlflow_aliases, name)
@@ -281,7 +284,7 @@ class MlflowMirror:
                 target = result.versions.get(wanted[alias]) if alias in wanted else None
                 if alias in wanted and target is None:  # registered after this sync listed the versions
                     mv = registry.get(model, wanted[alias])
-                    target = result.versions[mv.version] = self._mirror_version(registry, mv, name).version
+                    target = result.versions[mv.version] = self._mirror_version(registry, mv, name, held).version
                     result.created.append(mv.version)
                 if target is not None and current.get(theirs) != str(target):
                     self._call(f"set {name}@{theirs}", self.client.set_registered_model_alias, name, theirs, target)
