@@ -7,20 +7,25 @@ do, so the inventory would stop updating exactly when it matters.
 """
 
 import pandas as pd
-from dagster import AutomationCondition, Config, MetadataValue, Output, asset
+from dagster import AutomationCondition, MetadataValue, Output, asset
 
 from assets.checkpoints import archived, checkpoint, compressed, evaluation
 from assets.metadata import ratio, rounded
-from assets.partitions import parse_checkpoint_key
 from assets.pricing import tier_cost_metadata
 from ckptflow import lifecycle
 from ckptflow.catalog.ledger import expired
-from ckptflow.policy.retention import RetentionPlan, default_policy
+from ckptflow.policy.retention import RetentionPlan
 from ckptflow.reports import costs, inventory, stats
 from ckptflow.reports.recoverable import short_problem
 from ckptflow.reports.units import human_bytes
 from ckptflow.store import Store
-from resources import ArchiveTierResource, CheckpointStoreResource, PricingResource, RegistryResource
+from resources import (
+    ArchiveTierResource,
+    CheckpointStoreResource,
+    PricingResource,
+    RegistryResource,
+    RetentionResource,
+)
 
 GROUP = "inventory"
 REFRESH = (AutomationCondition.cron_tick_passed("*/10 * * * *") & ~AutomationCondition.in_progress()).with_label(
@@ -28,37 +33,11 @@ REFRESH = (AutomationCondition.cron_tick_passed("*/10 * * * *") & ~AutomationCon
 )
 
 
-class RetentionConfig(Config):
-    """The retention policy; shared by the dry-run asset and the retention job."""
-
-    recent_days: float = 7
-    full_days: float = 30
-    best_k: int = 3
-    metric: str = "val_loss"
-    mode: str = "min"
-    pinned: list[str] = []  # partition keys kept forever, besides every published model version's source
-    gc_grace: str = "1h"
-    hot_days: float | None = None  # archived checkpoints older than this keep only their archive copy
-    archive_partitions: int = 10_000  # archive-only checkpoints that keep a partition (the newest)
-
-
 def compute_plan(
-    config: RetentionConfig, hot: Store, archive: Store, registry: RegistryResource
+    retention: RetentionResource, hot: Store, archive: Store, registry: RegistryResource
 ) -> tuple[list[inventory.Entry], RetentionPlan]:
-    policy = default_policy(
-        recent_days=config.recent_days,
-        full_days=config.full_days,
-        best_k=config.best_k,
-        metric=config.metric,
-        mode=config.mode,
-    )
     return lifecycle.current_plan(
-        hot,
-        archive,
-        registry.open(),
-        policy,
-        hot_days=config.hot_days,
-        pinned=[parse_checkpoint_key(k) for k in config.pinned],
+        hot, archive, registry.open(), retention.policy(), hot_days=retention.hot_days, pinned=retention.refs()
     )
 
 
@@ -117,12 +96,14 @@ def checkpoint_inventory(
     archive: ArchiveTierResource,
     registry: RegistryResource,
     pricing: PricingResource,
+    retention: RetentionResource,
 ) -> Output[pd.DataFrame]:
     """Every checkpoint: run, step, kind, tiers, bytes, validation status, metrics, the
-    last recorded failure and the retention verdict. Also bytes and monthly cost per
+    last recorded failure and the retention verdict (of the ``retention`` resource's policy,
+    the one ``retention_job`` applies). Also bytes and monthly cost per
     tier, priced by the ``pricing`` resource as ``storage_cost`` is (its breakdown has the savings)."""
     hot, arc = store.open(), archive.open()
-    entries, plan = compute_plan(RetentionConfig(), hot, arc, registry)
+    entries, plan = compute_plan(retention, hot, arc, registry)
     df = pd.DataFrame(inventory.rows(entries, plan))
     hot_stats, arc_stats = stats.store_stats(hot), stats.store_stats(arc)
     priced = costs.price({"hot": hot_stats, "archive": arc_stats}, expired(hot), pricing.model(archive))
@@ -145,14 +126,17 @@ def checkpoint_inventory(
 
 @asset(group_name=GROUP, deps=[checkpoint, evaluation, archived], automation_condition=REFRESH, kinds={"pandas"})
 def retention_plan(
-    config: RetentionConfig, store: CheckpointStoreResource, archive: ArchiveTierResource, registry: RegistryResource
+    retention: RetentionResource,
+    store: CheckpointStoreResource,
+    archive: ArchiveTierResource,
+    registry: RegistryResource,
 ) -> Output[pd.DataFrame]:
     """Dry run of the retention policy: what would be deleted and why, what is kept and
     by which rules, and per tier what happens to each copy (retention expires hot
     copies only; an archived checkpoint keeps its archive copy). The retention job
     recomputes the plan when it runs, so this view can never make it delete something
     newly pinned or aliased."""
-    entries, plan = compute_plan(config, store.open(), archive.open(), registry)
+    entries, plan = compute_plan(retention, store.open(), archive.open(), registry)
     df = pd.DataFrame(inventory.plan_rows(entries, plan))
     return Output(
         df,

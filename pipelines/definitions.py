@@ -36,7 +36,14 @@ from dagster import (
 
 from assets import ALL_ASSETS, ALL_CHECKS, evaluation
 from pipelines.jobs import promotion_job, retention_job, retention_schedule, rollback_job, scrub_job, scrub_schedule
-from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, PricingResource, RegistryResource
+from resources import (
+    ArchiveResource,
+    CheckpointStoreResource,
+    EvaluatorResource,
+    PricingResource,
+    RegistryResource,
+    RetentionResource,
+)
 from resources.archive import default_archive_url
 from resources.evaluator import evaluators_from_env
 from resources.mlflow_registry import mlflow_uri_from_env
@@ -69,6 +76,7 @@ def resources_for(deployment: str, *, store: str | None = None, archive: str | N
             "registry": RegistryResource(url=store),
             "evaluator": evaluator,
             "pricing": PricingResource.from_env(),
+            "retention": RetentionResource.from_env(),
         }
     if deployment == "production":
         return {
@@ -77,6 +85,7 @@ def resources_for(deployment: str, *, store: str | None = None, archive: str | N
             "registry": RegistryResource(url=EnvVar("CKPTFLOW_STORE")),
             "evaluator": evaluator,
             "pricing": PricingResource.from_env(),
+            "retention": RetentionResource.from_env(),
         }
     raise ValueError(f"CKPTFLOW_DEPLOYMENT={deployment!r} is not one of 'local', 'production'")
 

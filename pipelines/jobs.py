@@ -18,13 +18,13 @@ from dagster import (
     op,
 )
 
-from assets.inventory import RetentionConfig, compute_plan
+from assets.inventory import compute_plan
 from assets.models import deployed_model
 from assets.partitions import checkpoint_key, drop_checkpoint_partitions
 from ckptflow import lifecycle
 from ckptflow.catalog.gc import gc
 from ckptflow.policy.retention import DAY
-from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
+from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource, RetentionResource
 
 BATCH = 1000  # partitions dropped, and checkpoints named in one log line, at a time
 
@@ -40,7 +40,7 @@ def _span(keys: list[str]) -> str:
 @op
 def apply_retention(
     context: OpExecutionContext,
-    config: RetentionConfig,
+    retention: RetentionResource,
     store: CheckpointStoreResource,
     archive: ArchiveTierResource,
     registry: RegistryResource,
@@ -48,11 +48,12 @@ def apply_retention(
     """Recompute the plan now (never trust an older dry run), expire hot copies
     (``ckptflow.lifecycle.apply_retention``), drop the partitions of checkpoints gone
     from every tier and of archive-only ones beyond the newest ``archive_partitions``
-    (bounding the partitions the automation evaluates), then GC the hot tier. A
+    (bounding the partitions the automation evaluates), then GC the hot tier. The policy
+    is the ``retention`` resource's, the one ``retention_plan`` and the inventory show. A
     checkpoint whose expiry failed keeps its partition; the run fails after the rest is
     done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time."""
     hot, arc = store.open(), archive.open()
-    entries, plan = compute_plan(config, hot, arc, registry)
+    entries, plan = compute_plan(retention, hot, arc, registry)
     report = lifecycle.apply_retention(hot, arc, plan)
     expired = [checkpoint_key(*ref) for ref in report.expired]
     for batch in batches(expired):
@@ -68,16 +69,16 @@ def apply_retention(
         context.log.warning(
             f"kept the hot copies of {len(batch)} checkpoint(s) not confirmed in the archive: {kept}{more}"
         )
-    beyond = lifecycle.archive_only_beyond(entries, report, config.archive_partitions)
+    beyond = lifecycle.archive_only_beyond(entries, report, retention.archive_partitions)
     archived = [checkpoint_key(*ref) for ref in beyond]
     for batch in batches(archived):
         dropped = drop_checkpoint_partitions(context.instance, batch)
         if dropped:
             context.log.info(
                 f"dropped the partitions of {dropped} archive-only checkpoint(s) ({_span(batch)}): only the newest "
-                f"{config.archive_partitions} keep one; their archive copies and records stay"
+                f"{retention.archive_partitions} keep one; their archive copies and records stay"
             )
-    gc_report = gc(hot, grace=config.gc_grace)
+    gc_report = gc(hot, grace=retention.gc_grace)
     context.add_output_metadata(
         {
             "expired": len(report.expired),

@@ -7,6 +7,7 @@ location without an S3 archive never imports dagster-aws.
 from resources.archive import ArchiveResource, ArchiveTierResource
 from resources.evaluator import EvaluatorResource
 from resources.pricing import PricingResource
+from resources.retention import RetentionResource
 from resources.store import CheckpointStoreResource, RegistryResource
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "EvaluatorResource",
     "PricingResource",
     "RegistryResource",
+    "RetentionResource",
     "S3ArchiveResource",
 ]
 

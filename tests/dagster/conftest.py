@@ -43,7 +43,14 @@ def store_with_checkpoints(paths, trained_store):
 
 @pytest.fixture
 def resources(paths):
-    from resources import ArchiveResource, CheckpointStoreResource, EvaluatorResource, PricingResource, RegistryResource
+    from resources import (
+        ArchiveResource,
+        CheckpointStoreResource,
+        EvaluatorResource,
+        PricingResource,
+        RegistryResource,
+        RetentionResource,
+    )
 
     return {
         "store": CheckpointStoreResource(url=paths["store"]),
@@ -51,6 +58,7 @@ def resources(paths):
         "registry": RegistryResource(url=paths["store"]),
         "evaluator": EvaluatorResource(evaluators=EVALUATORS),
         "pricing": PricingResource(),
+        "retention": RetentionResource(),
     }
 
 
@@ -62,6 +70,20 @@ def defs(paths, monkeypatch):
     from pipelines.definitions import build_definitions
 
     return build_definitions("local")
+
+
+@pytest.fixture
+def defs_with_retention(defs, monkeypatch, tmp_path):
+    """Definitions whose retention policy is ``policy`` (the file ``CKPTFLOW_RETENTION`` names)."""
+    from pipelines.definitions import build_definitions
+
+    def build(**policy):
+        path = tmp_path / "retention.json"
+        path.write_text(json.dumps(policy))
+        monkeypatch.setenv("CKPTFLOW_RETENTION", str(path))
+        return build_definitions("local")
+
+    return build
 
 
 @pytest.fixture

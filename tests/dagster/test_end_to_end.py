@@ -42,7 +42,7 @@ def archive_defs(request, paths, monkeypatch):
     return request.param, build_definitions("local")
 
 
-def test_lifecycle_end_to_end(paths, archive_defs, tmp_path):
+def test_lifecycle_end_to_end(paths, archive_defs, tmp_path, monkeypatch):
     kind, defs = archive_defs
     archive_resource = defs.resources["archive"]
     assert isinstance(archive_resource, S3ArchiveResource if kind == "s3" else ArchiveResource)
@@ -102,7 +102,12 @@ def test_lifecycle_end_to_end(paths, archive_defs, tmp_path):
         record = read(paths["store"], step, "archive")
         assert record["ok"] and record["url"] == archive.url and record["verified_by"] == "re-read"
         assert record["chunks_verified"] == len(catalog.read_manifest(archive, RUN, step).chunks)
-    tiered_retention(defs, paths, archive, home)
+    policy = tmp_path / "retention.json"  # the deployment's policy (the retention resource)
+    policy.write_text(json.dumps({"recent_days": 0, "full_days": 0, "best_k": 1, "gc_grace": "0s", "hot_days": 0}))
+    monkeypatch.setenv("CKPTFLOW_RETENTION", str(policy))
+    from pipelines.definitions import build_definitions
+
+    tiered_retention(build_definitions("local"), paths, archive, home)
 
 
 def tiered_retention(defs, paths, archive, home):
@@ -113,11 +118,8 @@ def tiered_retention(defs, paths, archive, home):
     expected = demo.build()
     with Checkpointer(hot, RUN) as ck:
         ck.restore(expected, step=40)
-    config = {"recent_days": 0, "full_days": 0, "best_k": 1, "gc_grace": "0s", "hot_days": 0}
     with DagsterInstance.local_temp(str(home)) as instance:
-        result = defs.resolve_job_def("retention_job").execute_in_process(
-            instance=instance, run_config={"ops": {"apply_retention": {"config": config}}}
-        )
+        result = defs.resolve_job_def("retention_job").execute_in_process(instance=instance)
         assert result.success
         out = result.output_for_node("apply_retention")
         partitions = set(dynamic_keys(instance))

@@ -111,25 +111,28 @@ def test_promotion_refuses_a_corrupt_checkpoint(store_with_checkpoints, defs, re
     assert Registry(open_store(store_with_checkpoints)).models() == []
 
 
-def test_retention_job_expires_checkpoints_partitions_and_gcs(store_with_checkpoints, defs, resources, instance, paths):
+def test_retention_job_expires_checkpoints_partitions_and_gcs(
+    store_with_checkpoints, defs, defs_with_retention, resources, instance, paths
+):
     evaluate_all(instance, resources)
     assert deploy(defs, instance, stage="stable", partition_key=KEYS[0]).success  # published: kept forever
     store = open_store(paths["store"])
     chunks_before = len(list(store.list("chunks/")))
-    config = {"recent_days": 0, "full_days": 0, "best_k": 1, "gc_grace": "0s"}
-    plan = materialize(
+    defs = defs_with_retention(recent_days=0, full_days=0, best_k=1, gc_grace="0s")
+    views = materialize(
         [*defs.assets],
-        selection=["retention_plan"],
+        selection=["retention_plan", "checkpoint_inventory"],
         instance=instance,
-        resources=resources,
-        run_config={"ops": {"retention_plan": {"config": config}}},
+        resources=dict(defs.resources),
     )
-    df = plan.output_for_node("retention_plan")
+    df = views.output_for_node("retention_plan")
     assert set(df[df.action == "keep"].step) >= {10, 40}
+    doomed = set(df[df.action == "delete"].step)
+    assert doomed  # the policy deletes something, and the inventory says so of the same checkpoints
+    rows = views.output_for_node("checkpoint_inventory")
+    assert set(rows[rows.retention.str.startswith("delete")].step) == doomed
 
-    result = defs.resolve_job_def("retention_job").execute_in_process(
-        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}}
-    )
+    result = defs.resolve_job_def("retention_job").execute_in_process(instance=instance)
     assert result.success
     out = result.output_for_node("apply_retention")
     kept = {s for s in (10, 20, 30, 40) if store.exists(fmt.manifest_key(RUN, s))}
@@ -210,7 +213,7 @@ def test_bad_deploy_action_fails(defs, instance, action, store_with_checkpoints)
 
 @pytest.mark.parametrize("archive_partitions", [10_000, 0])
 def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
-    store_with_checkpoints, defs, instance, paths, archive_partitions
+    store_with_checkpoints, defs_with_retention, instance, paths, archive_partitions
 ):
     """10: archived and verified -> only its hot copy goes (records stay; its partition
     too unless ``archive_partitions`` archive-only checkpoints newer than it keep theirs);
@@ -224,11 +227,11 @@ def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
     lifecycle.write_record(hot, subject(hot, 20), "archive", {"url": "s3://elsewhere/ckpts", "ok": True})
     archived_chunks = {i.key for i in arc.list("chunks/")}
     first = subject(hot, 10)
-    config = {"recent_days": 0, "full_days": 0, "best_k": 0, "gc_grace": "0s", "hot_days": 0, "pinned": [KEYS[1]],
-              "archive_partitions": archive_partitions}  # fmt: skip
-    result = defs.resolve_job_def("retention_job").execute_in_process(
-        instance=instance, run_config={"ops": {"apply_retention": {"config": config}}}
-    )
+    defs = defs_with_retention(
+        recent_days=0, full_days=0, best_k=0, gc_grace="0s", hot_days=0, pinned=[KEYS[1]],
+        archive_partitions=archive_partitions,
+    )  # fmt: skip
+    result = defs.resolve_job_def("retention_job").execute_in_process(instance=instance)
     out = result.output_for_node("apply_retention")
     assert out["hot_copies_expired"] == [KEYS[0]] and out["left_hot"] == [KEYS[1]] and out["expired"] == [KEYS[2]]
     assert [i.step for i in catalog.list_checkpoints(hot, RUN)] == [20, 40]

@@ -1,0 +1,88 @@
+"""The retention policy: one resource, so the inventory, the dry run and the job agree.
+
+``checkpoint_inventory`` (its retention column), ``retention_plan`` (the dry run) and
+``retention_job`` all plan with ``RetentionResource`` (they used to take the policy as
+run config of the dry run and the job, and the inventory planned with the defaults, so a
+configured policy showed one verdict in the inventory and applied another). A deployment
+sets its policy once, in ``pipelines/definitions.py``: by default the one below, or the
+JSON file named by ``CKPTFLOW_RETENTION`` (``{"recent_days": 3, "best_k": 5, ...}``, any
+of the fields), read when the code location loads (a bad file stops it loading, with the
+reason; a changed one needs a reload).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dagster import ConfigurableResource
+from pydantic import Field, ValidationError
+
+from ckptflow.errors import CkptflowError
+from ckptflow.format.layout import parse_checkpoint_name
+from ckptflow.policy.retention import AnyOf, default_policy
+
+RETENTION_ENV = "CKPTFLOW_RETENTION"
+_EXPECTED = (
+    'it names a JSON file of retention fields, such as {"recent_days": 3, "best_k": 5, "pinned": ["run@1000"]} '
+    "(fields: recent_days, full_days, best_k, metric, mode, pinned, gc_grace, hot_days, archive_partitions)"
+)
+
+
+class RetentionResource(ConfigurableResource):
+    """What retention keeps (a union of rules, plus the never-delete rules every plan
+    applies: pinned, published, aliased, and each run's newest valid checkpoint), how
+    long GC leaves unreferenced chunks, and which checkpoints keep only an archive copy."""
+
+    recent_days: float = Field(default=7, description="keep everything younger than this")
+    full_days: float = Field(default=30, description="keep full checkpoints younger than this")
+    best_k: int = Field(default=3, description="keep the best K checkpoints of each run by `metric` (0: none)")
+    metric: str = Field(default="val_loss", description="the evaluation metric `best_k` ranks by")
+    mode: str = Field(default="min", description="'min' or 'max': which end of `metric` is best")
+    pinned: list[str] = Field(default_factory=list, description="checkpoint partition keys kept forever")
+    gc_grace: str = Field(default="1h", description="unreferenced chunks younger than this survive GC")
+    hot_days: float | None = Field(
+        default=None, description="kept, archived checkpoints older than this keep only their archive copy"
+    )
+    archive_partitions: int = Field(
+        default=10_000, description="archive-only checkpoints that keep a partition (the newest)"
+    )
+
+    @classmethod
+    def from_env(cls) -> RetentionResource:
+        """The policy file ``CKPTFLOW_RETENTION`` names, if set; else the defaults."""
+        path = os.environ.get(RETENTION_ENV)
+        if not path:
+            return cls()
+        try:
+            fields = json.loads(Path(path).read_text())
+            if not isinstance(fields, dict):
+                raise ValueError(f"holds a JSON {type(fields).__name__}, not an object of retention fields")
+            if unknown := sorted(set(fields) - set(cls.model_fields)):
+                raise ValueError(f"names fields retention does not have: {unknown}")
+            resource = cls(**fields)
+            resource.refs()
+            resource.policy()
+        except ValidationError as e:
+            raise CkptflowError(f"{RETENTION_ENV}={path}: {_one_line(e)}; {_EXPECTED}") from None
+        except (OSError, ValueError, TypeError) as e:
+            raise CkptflowError(f"{RETENTION_ENV}={path}: {e}; {_EXPECTED}") from None
+        return resource
+
+    def policy(self) -> AnyOf:
+        return default_policy(
+            recent_days=self.recent_days,
+            full_days=self.full_days,
+            best_k=self.best_k,
+            metric=self.metric,
+            mode=self.mode,
+        )
+
+    def refs(self) -> list[tuple[str, int]]:
+        """The pinned checkpoints as (run, step)."""
+        return [parse_checkpoint_name(key) for key in self.pinned]
+
+
+def _one_line(error: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())

@@ -1,0 +1,49 @@
+"""The retention policy is one resource (``CKPTFLOW_RETENTION``): a file that says something
+else than a policy stops the code location loading, with what is wrong and what it takes."""
+
+import json
+
+import pytest
+
+from ckptflow.errors import CkptflowError
+from ckptflow.policy.retention import KeepBestK, KeepRecent
+from resources import RetentionResource
+
+
+def from_file(tmp_path, monkeypatch, text: str) -> RetentionResource:
+    path = tmp_path / "retention.json"
+    path.write_text(text)
+    monkeypatch.setenv("CKPTFLOW_RETENTION", str(path))
+    return RetentionResource.from_env()
+
+
+def test_the_policy_comes_from_the_file_ckptflow_retention_names(tmp_path, monkeypatch):
+    retention = from_file(tmp_path, monkeypatch, json.dumps({"recent_days": 2, "best_k": 5, "pinned": ["r@10"]}))
+    assert (retention.recent_days, retention.best_k, retention.full_days) == (2, 5, 30)  # the rest: defaults
+    assert retention.refs() == [("r", 10)]
+    rules = retention.policy().rules
+    assert KeepRecent(2) in rules and KeepBestK("val_loss", 5, "min") in rules
+    monkeypatch.delenv("CKPTFLOW_RETENTION")
+    assert RetentionResource.from_env() == RetentionResource()
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ('{"recent_dayz": 2}', "fields retention does not have: \\['recent_dayz'\\]"),
+        ('{"best_k": 2, "mode": "median"}', "mode must be 'min' or 'max'"),
+        ('{"pinned": ["not a checkpoint"]}', "not a checkpoint"),
+        ('{"recent_days": "a week"}', "recent_days: Input should be a valid number"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ("{", "Expecting"),
+    ],
+)
+def test_a_file_that_is_not_a_policy_is_refused_naming_what_is_wrong(tmp_path, monkeypatch, text, named):
+    with pytest.raises(CkptflowError, match=f"CKPTFLOW_RETENTION=.*{named}.*JSON file of retention fields"):
+        from_file(tmp_path, monkeypatch, text)
+
+
+def test_a_missing_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTFLOW_RETENTION", str(tmp_path / "nowhere.json"))
+    with pytest.raises(CkptflowError, match="nowhere.json.*No such file"):
+        RetentionResource.from_env()
