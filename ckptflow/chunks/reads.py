@@ -21,7 +21,7 @@ from typing import Any
 
 import xxhash
 
-from ckptflow.chunks import codecs
+from ckptflow.chunks import codecs, undecodable
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.streaming import FirstPass, NotRaw, PayloadHash, Skipping
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
@@ -36,9 +36,6 @@ SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it ke
 # chunks on 2 cores: 2.9 s with 8 threads decoding, 1.6 s with 2). Held for the decode and
 # its check only, never across a read (a delta's base is fetched first), never nested.
 _DECODING = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-# Chunks whose stored bytes matched their stored checksum but did not decode to their content:
-# this process decodes them in restore's first pass from then on, so a restore again falls back.
-_DECODE_FIRST: set[tuple[str, str]] = set()  # (digest, stored checksum): a rewritten object is checked afresh
 
 
 @dataclass(frozen=True)
@@ -76,6 +73,8 @@ class ChunkReader:
         self.stored_checksums = stored_checksums or {}  # digest -> checksum of the object as stored (first pass)
         self.address = address  # the manifest's kind of address: tried first (``checksum.matches_address``)
         self._local = threading.local()  # per-thread scratch buffers for ``check``
+        self._saved_wrongly: frozenset[tuple[str, str]] | None = None  # read from the store on first need
+        self._saved_wrongly_lock = threading.Lock()
 
     def get(self, digest: str, size: int) -> memoryview:
         """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
@@ -165,9 +164,9 @@ class ChunkReader:
         against the checksum of its stored bytes the manifest records, streamed past on
         such a store, as fetched on others (not decoded: the second pass decodes it once,
         into place, and checks it there), else decoded and dropped (decoded again there). Stored bytes that match
-        yet do not decode to their content were saved wrongly: the second pass raises,
-        and this process decodes that chunk here from then on (``_DECODE_FIRST``), so a
-        restore again falls back past it. Any anomaly goes through ``get``, which names it.
+        yet do not decode to their content were saved wrongly: the second pass raises and
+        records it in the store (``ckptflow.chunks.undecodable``), and every restore after
+        it decodes that chunk here, so it falls back past it. Any anomaly goes through ``get``, which names it.
         """
         kept = None  # whether the budget has room to keep this chunk decoded (None: not asked yet)
         try:
@@ -175,7 +174,7 @@ class ChunkReader:
                 stored = self.stored_checksums.get(digest)
                 if stored is not None:
                     kept = self._keep(size)
-                    if kept or (digest, stored) in _DECODE_FIRST:
+                    if kept or self._decode_first(digest, stored):
                         stored = None  # decoded now: a chunk that does not decode rejects the checkpoint cleanly
                 checked = self._scan_check(digest, size, stored)
                 if checked is not None:
@@ -231,11 +230,19 @@ class ChunkReader:
         stored = self.stored_checksums.get(digest)
         if (
             stored is None
-            or (digest, stored) in _DECODE_FIRST
+            or self._decode_first(digest, stored)
             or not codecs.checkable_as_stored(blob[: codecs.HEADER.size], size)
         ):
             return False
         return xxhash.xxh3_128_hexdigest(blob) == stored
+
+    def _decode_first(self, digest: str, stored: str) -> bool:
+        """Whether this chunk object was found saved wrongly (``undecodable``): then it is
+        decoded in pass one. The store's records are listed once per reader."""
+        with self._saved_wrongly_lock:
+            if self._saved_wrongly is None:
+                self._saved_wrongly = undecodable.recorded(self.store)
+        return (digest, stored) in self._saved_wrongly
 
     def _keep(self, size: int) -> bool:
         return self.budget is None or self.budget.keep(size)
@@ -319,9 +326,10 @@ class ChunkReader:
     def _decode_as_stored(self, digest: str, out: memoryview) -> None:
         """Decode into ``out`` a chunk pass one checked by its stored bytes, and verify it.
         If the bytes fetched now are still those its saver stored, yet do not decode to the
-        content, they were saved wrongly: this process decodes that object in pass one from
-        then on, so a restore again falls back past it. Bytes changed since pass one (damage,
-        a rewrite) are refused or accepted by their content, as any chunk's."""
+        content, they were saved wrongly: that is recorded (``undecodable.record``), and every
+        restore after it decodes that object in pass one, so it falls back past it. Bytes
+        changed since pass one (damage, a rewrite) are refused or accepted by their content,
+        as any chunk's."""
         stored = self.stored_checksums.get(digest, "")
         with self._room(len(out)):
             blob = self._fetch(digest, len(out))
@@ -330,10 +338,10 @@ class ChunkReader:
             except CorruptChunkError as e:
                 if xxhash.xxh3_128_hexdigest(blob) != stored:  # changed since pass one: reported as it is
                     raise
-                _DECODE_FIRST.add((digest, stored))
+                undecodable.record(self.store, digest, stored, str(e))
                 raise CorruptChunkError(
                     f"{e}; its stored bytes are as they were saved, so they were saved wrongly "
-                    "(a restore again in this process decodes it before writing anything, and falls back past it)"
+                    "(recorded: a restore again decodes it before writing anything, and falls back past it)"
                 ) from None
 
     def _get_into(self, digest: str, out: memoryview) -> None:

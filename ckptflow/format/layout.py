@@ -110,6 +110,15 @@ def quarantine_key(run: str, step: int, digest: str) -> str:
     return f"runs/{validate_run(run)}/quarantine/{validate_step(step):0{STEP_DIGITS}d}-{digest}.json"
 
 
+UNDECODABLE_PREFIX = "undecodable/"
+
+
+def undecodable_key(digest: str, stored: str) -> str:
+    """Where restore records that chunk object ``digest``, as stored (xxh3-128 ``stored``),
+    holds its saver's bytes yet does not decode to its content (``ckptflow.chunks.reads``)."""
+    return f"{UNDECODABLE_PREFIX}{digest}.{stored}.json"
+
+
 def run_lock_key(run: str) -> str:
     """The lock a save holds while it decides whether a manifest already at its step may be
     replaced (``ckptflow.catalog.commit``); on a local store a hidden ``flock`` file, never an object."""

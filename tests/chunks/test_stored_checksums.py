@@ -20,10 +20,11 @@ import xxhash
 
 from ckptflow import Checkpointer, PartialRestoreError
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.chunks import codecs, reads
+from ckptflow.chunks import codecs, undecodable
 from ckptflow.chunks import io as io_module
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.format.checksum import STORED_FIELD
+from ckptflow.format.layout import undecodable_key
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, flip_byte, reseal_manifest
 from support.decode_count import count_decodes
@@ -168,8 +169,9 @@ def test_a_decoder_failing_on_bytes_as_stored_says_partly_written_once_then_fall
     """The stored checksum proves the object is what its saver wrote, not that it decodes
     to the content: within the budget a chunk is decoded in the first pass and the restore
     falls back to the older checkpoint; beyond it, the failure is met while tensors are
-    written, said so (naming the chunk), and a restore again in this process decodes the
-    chunk first and falls back."""
+    written, said so (naming the chunk) and recorded in the store, so a restore in a new
+    process (a restarted job) decodes the chunk first and falls back instead of stopping
+    at the same chunk again."""
     root = str(tmp_path / "store")
     for step, codec in ((1, "raw"), (2, "zstd")):
         with Checkpointer(root, RUN, codec=codec, chunk_bytes=4096) as ck:
@@ -179,15 +181,21 @@ def test_a_decoder_failing_on_bytes_as_stored_says_partly_written_once_then_fall
         raise ValueError("decoder defect")
 
     monkeypatch.setattr("ckptflow.chunks.planes.join", broken_join)
-    monkeypatch.setattr(reads, "_DECODE_FIRST", set())  # what this process learnt stays in this test
+    monkeypatch.setattr(undecodable, "_FOUND", set())  # what this process learnt stays in this test
     target = {"model": {"w": torch.zeros(4096)}}
     with Checkpointer(root, RUN) as ck:
         result = ck.restore(target)
     assert result.step == 1 and "decoder defect" in result.skipped[0][1]
     assert torch.equal(target["model"]["w"], torch.arange(4096, dtype=torch.float32))
     with Checkpointer(root, RUN, restore_buffer_bytes=0) as ck:
-        with pytest.raises(PartialRestoreError, match=r"(?s)chunk .*decoder defect.*saved wrongly"):
+        with pytest.raises(PartialRestoreError, match=r"(?s)chunk .*decoder defect.*saved wrongly.*recorded"):
             ck.restore(target)
+    found = undecodable._FOUND  # every chunk that pass two met before the restore stopped
+    assert found and [i.key for i in open_store(root).list("undecodable/")] == sorted(
+        undecodable_key(*f) for f in found
+    )
+    monkeypatch.setattr(undecodable, "_FOUND", set())  # a new process (a restarted job) knows only the store's record
+    with Checkpointer(root, RUN, restore_buffer_bytes=0) as ck:
         again = ck.restore(target)
     assert again.step == 1 and "decoder defect" in again.skipped[0][1]
     assert torch.equal(target["model"]["w"], torch.arange(4096, dtype=torch.float32))
@@ -273,7 +281,7 @@ def test_a_tensor_written_right_after_its_check_leaves_an_object_its_stored_chec
 
 def test_a_chunk_damaged_between_the_passes_is_not_called_saved_wrongly(ckpt_store_dir, monkeypatch):
     _save(ckpt_store_dir, "zstd")
-    monkeypatch.setattr(reads, "_DECODE_FIRST", set())
+    monkeypatch.setattr(undecodable, "_FOUND", set())
     store = open_store(ckpt_store_dir)
     one, two = (catalog.read_manifest(store, RUN, step) for step in (1, 2))
     victim = next(d for d in sorted(two.stored_checksums) if d not in one.chunks)
@@ -292,4 +300,4 @@ def test_a_chunk_damaged_between_the_passes_is_not_called_saved_wrongly(ckpt_sto
         with pytest.raises(PartialRestoreError) as raised:
             ck.restore(target, step=2)
     assert victim in str(raised.value) and "saved wrongly" not in str(raised.value)
-    assert not reads._DECODE_FIRST
+    assert not undecodable._FOUND and not list(store.list("undecodable/"))
