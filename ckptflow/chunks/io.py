@@ -119,11 +119,12 @@ class ChunkStore(ChunkReader):
         an existing copy instead of trusting it. ``digest`` and ``checksum``, where the
         caller already knows them for these bytes, are not computed again.
 
-        ``known``: what an earlier put of this process returned for the same digest (an
-        incremental save's previous save of the same region). The chunk is then reused
-        without asking the store whether it exists (a ``stat``: on S3 a HEAD): its header
-        is read and it is touched as always, and where it has gone since, it is stored anew.
-        Its stored size is taken from ``known`` (a statistic only).
+        ``known``: what an earlier put of this run returned for the same digest (an
+        incremental save's previous save of the same region, or the restore it resumed
+        from: ``ckptflow.dcp.regions``). The chunk is then reused without asking the store
+        whether it exists (a ``stat``: on S3 a HEAD): its header is read and it is touched
+        as always, and where it has gone since, it is stored anew. Its stored size is taken
+        from ``known`` (a statistic only; a restore does not know it: then it is a ``stat``).
 
         A reused chunk may be stored as a delta: its base is looked up (a read of its
         header), checked to exist and touched with it, and returned, so the manifest of
@@ -138,7 +139,8 @@ class ChunkStore(ChunkReader):
         key = chunk_key(digest)
         if not rewrite and known is not None and known.digest == digest:
             try:
-                reused = self._reuse(digest, known.stored_bytes, len(raw), checksum, known.stored_checksum)
+                size = known.stored_bytes if known.stored_bytes >= 0 else self.store.stat(key).size
+                reused = self._reuse(digest, size, len(raw), checksum, known.stored_checksum)
             except ObjectNotFoundError:
                 pass  # gone since: look again below
             else:

@@ -21,8 +21,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.chunks.reads import CheckedChunk
+from ckptflow.dcp import regions
 from ckptflow.dcp.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
 from ckptflow.dcp.metadata import dtype_from_name, metadata_from_index
+from ckptflow.dcp.regions import Seen
 from ckptflow.dcp.writer import Progress, completed_future, tensor_memory
 from ckptflow.errors import is_damage
 from ckptflow.format.dcp_index import StorageItem
@@ -78,6 +80,7 @@ class CheckpointReader(StorageReader):
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)
+        self.loaded: Seen = {}  # once read_data succeeds: the regions it loaded (``ckptflow.dcp.regions``)
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -160,6 +163,7 @@ class CheckpointReader(StorageReader):
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
             _finish(loading, planner)
+            self.loaded = regions.loaded_regions(self.manifest, (self.storage[index] for index in by_storage))
             for req in values:
                 planner.load_bytes(req, _as_torch_save(self.manifest.dcp.values[req.storage_index.fqn]))
         except Exception as e:  # verified, yet not read into place: the caller's tensors are partly written

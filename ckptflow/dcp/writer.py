@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ckptflow.catalog.commit import commit_manifest
 from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
+from ckptflow.dcp import regions
 from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.metadata import JSON_VALUE, dtype_name, metadata_to_json
+from ckptflow.dcp.regions import Region, Seen
 from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
@@ -39,8 +41,6 @@ from ckptflow.format.sealed import seal
 from ckptflow.format.state_tree import flatten
 
 Progress = Callable[[int], None]
-Region = tuple  # (fqn, item offset, chunk index, dtype, length): one chunk-sized slice of a saved tensor
-Seen = dict  # Region -> the ChunkWrite (fast checksum, address, stored size) of the bytes a save found there
 
 # Single-process use (no process group) is a supported mode here, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -267,7 +267,7 @@ class CheckpointWriter(StorageWriter):
                 futures = []
                 for off in range(0, len(raw), step):
                     piece = raw[off : off + step]
-                    region = (item.index.fqn, offset, off // step, dtype_name(tensor.dtype), len(piece))
+                    region = regions.region(item.index.fqn, offset, off // step, dtype_name(tensor.dtype), len(piece))
                     encoder = self._chunk_encoder(item, tensor, off // step)
                     futures.append(self.pool.submit(self._put, piece, tensor, encoder, region))
                 pending.append((item, tensor, raw, futures))

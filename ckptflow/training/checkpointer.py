@@ -28,8 +28,9 @@ from ckptflow.chunks.lossy import record_problem as lossy_record_problem
 from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
+from ckptflow.dcp.regions import Seen
 from ckptflow.dcp.save_clock import SaveClock
-from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec, Seen
+from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.lineage import RunLineage, warn_if_different
@@ -302,7 +303,7 @@ class Checkpointer:
         except CkptflowError as e:
             self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
-        self._restored(started, result)
+        self._restored(started, result, restore.loaded)
         if warmup is not None:
             result = replace(result, warmup=warm_up(result, state, warmup, rank=self.group.rank))
         self._resumed = (result.step, time.perf_counter())
@@ -327,11 +328,13 @@ class Checkpointer:
             registry=selection.registry_store(chosen),
         )
 
-    def _restored(self, started: float, result: RestoreResult) -> None:
+    def _restored(self, started: float, result: RestoreResult, loaded: Seen) -> None:
         """What this process knows after loading ``result``: steps a save may now replace, the
-        newest commit, the recovery record, and whether the run's declared lineage differs."""
+        newest commit, the chunk regions it loaded from the hot store (the next save hashes
+        only what changed since), the recovery record, and whether the lineage differs."""
         self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
         self._last_commit = result.step if result.tier == self.store.url else None
+        self._seen = loaded if result.tier == self.store.url else {}
         self._record_recovery(started, result=result)
         if self.lineage is not None:
             warn_if_different(self.lineage, result.metadata, f"run {self.run!r} resumed from step {result.step}")
@@ -351,7 +354,7 @@ class Checkpointer:
         except CkptflowError as e:
             self._record_recovery(started, error=e, select=selection.describe(chosen))
             raise
-        self._restored(started, result)
+        self._restored(started, result, restore.loaded)
         return result, state
 
     def _record_recovery(

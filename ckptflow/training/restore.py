@@ -38,6 +38,7 @@ from ckptflow.dcp.allocation import empty_tensor
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import Failure, failure_of
 from ckptflow.dcp.reader import CheckpointReader
+from ckptflow.dcp.regions import Seen
 from ckptflow.dcp.writer import Progress
 from ckptflow.errors import (
     ColdObjectError,
@@ -117,6 +118,7 @@ class Restore:
         self.progress, self.restore_rng, self.strict, self.allow_lossy = progress, restore_rng, strict, allow_lossy
         self.registry = registry  # the store an ``Alias`` selector reads (None: the hot store)
         self.single_pass = single_pass  # verify while reading into place (``CheckpointReader``)
+        self.loaded: Seen = {}  # the regions this rank loaded from the checkpoint restored (``ckptflow.dcp.regions``)
 
     def __call__(self, state: MutableMapping[str, Any], step: selection.Selector | None) -> RestoreResult:
         """Restore into the live objects of ``state``."""
@@ -296,7 +298,10 @@ class Restore:
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             local = failure_of(e)
         agreed = agree(self.group, local)
-        return (agreed, None) if agreed else (None, (manifest, record, plan))
+        if agreed:
+            return agreed, None
+        self.loaded = reader.loaded
+        return None, (manifest, record, plan)
 
 
 PlanFor = Callable[[Manifest, RankRecord, Tier], LoadPlan]  # the targets to load a checkpoint into

@@ -1,8 +1,9 @@
-"""Saves after a process's first hash with BLAKE3 only the chunks whose bytes changed, and stay exact.
+"""Saves after a process's first save or restore hash with BLAKE3 only the chunks whose bytes
+changed, and stay exact.
 
 An incremental save compares each chunk's fast checksum with what the same region of the
-same tensor held at this process's previous save, and reuses that save's address where
-they are equal. Every way of changing a tensor must still produce a checkpoint that
+same tensor held at this process's previous save (or in the checkpoint it restored), and
+reuses that save's address where they are equal. Every way of changing a tensor must still produce a checkpoint that
 restores exactly: in place, through ``.data``, through a view, through another tensor or a
 numpy array sharing its storage (none of which a version counter sees reliably), by
 replacing it, resizing it, or ``load_state_dict`` into it.
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import io as chunk_io
 
 CHUNK = 256  # bytes: every tensor here spans several chunks
@@ -149,6 +151,52 @@ def test_a_later_full_save_hashes_only_the_changed_chunks_and_rewrites_every_one
     info = ck.save(2, state, kind="full", rng=False).info
     assert hashed == [CHUNK]
     assert info.bytes_written == 2 * 4096 * 4  # a full save still writes every chunk
+    fresh = {"buf": torch.zeros(4096), "frozen": torch.zeros(4096)}
+    make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
+    assert torch.equal(fresh["buf"], state["buf"]) and torch.equal(fresh["frozen"], state["frozen"])
+
+
+@pytest.mark.parametrize("kind", ["incremental", "full"])
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
+def test_every_kind_of_change_after_a_resume_restores_exactly(make_ck, change, kind):
+    """A new process resumes (its Checkpointer knows only what the restore loaded), the
+    state changes any way at all, and its first save still holds exactly the new values."""
+    state = _state()
+    make_ck(chunk_bytes=CHUNK).save(1, state, kind="full", rng=False)
+    resumed = make_ck(chunk_bytes=CHUNK)
+    assert resumed.restore(state).step == 1
+    change(state)
+    expected = _values(state)
+    resumed.save(2, state, kind=kind, rng=False)
+    fresh = _blank_like(state)
+    make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
+    got = _values(fresh)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{change.__name__}: {name} did not restore exactly"
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_the_first_save_after_a_resume_hashes_only_the_changed_chunks_and_keeps_stored_checksums(
+    make_ck, hashed, codec
+):
+    """What a restore loaded counts as the previous save: a resumed job's first incremental
+    save computes BLAKE3 over the changed chunk only (it hashed all of them before), and the
+    chunks it reuses keep the checksum of their stored bytes, which lets a restore of it
+    check them without decoding them twice."""
+    state = {"buf": torch.randn(4096), "frozen": torch.randn(4096)}
+    make_ck(chunk_bytes=CHUNK, codec=codec).save(1, state, kind="full", rng=False)
+    resumed = make_ck(chunk_bytes=CHUNK, codec=codec)
+    resumed.restore(state)
+    hashed.clear()
+    state["buf"][100] += 1.0
+    info = resumed.save(2, state, kind="incremental", rng=False).info
+    assert hashed == [CHUNK] and info.bytes_written == CHUNK
+    first, second = (catalog.read_manifest(resumed.store, "r", step) for step in (1, 2))
+    if codec == "zstd":
+        assert first.stored_checksums
+        kept = {d: c for d, c in first.stored_checksums.items() if d in second.chunks}
+        assert len(kept) == len(first.chunks) - 1 and kept.items() <= second.stored_checksums.items()
     fresh = {"buf": torch.zeros(4096), "frozen": torch.zeros(4096)}
     make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
     assert torch.equal(fresh["buf"], state["buf"]) and torch.equal(fresh["frozen"], state["frozen"])
