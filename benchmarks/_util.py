@@ -70,6 +70,21 @@ def fresh(path: Path) -> Path:
     return path
 
 
+def drop_page_cache(path: Path) -> None:
+    """Evict the files under ``path`` from the page cache, so the next read comes from the
+    disk, as a restore on another node (or after a reboot) does. No root needed: the files'
+    dirty pages are written back first (``sync``), and ``POSIX_FADV_DONTNEED`` then drops the
+    clean ones of each file (what ``echo 1 > /proc/sys/vm/drop_caches`` does for all)."""
+    os.sync()
+    files = [path] if path.is_file() else [Path(d) / f for d, _dirs, names in os.walk(path) for f in names]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def copy_into(target: StateDict, loaded: StateDict) -> None:
     """What ``load_state_dict`` does after torch.load / load_file: copy into live tensors."""
     for name, tensor in target.items():

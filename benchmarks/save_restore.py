@@ -53,7 +53,18 @@ from _report import (  # noqa: E402
     target_checks,
 )
 from _states import REAL_PACKAGE, MiB, StateDict, changed_names, real_state, synthetic_state, updated  # noqa: E402
-from _util import Clock, PeakRss, check_equal, clear, copy_into, disk_usage, fresh, fsync_file, quiet  # noqa: E402
+from _util import (  # noqa: E402
+    Clock,
+    PeakRss,
+    check_equal,
+    clear,
+    copy_into,
+    disk_usage,
+    drop_page_cache,
+    fresh,
+    fsync_file,
+    quiet,
+)
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
 
@@ -87,7 +98,10 @@ class Bench:
         copy_into(self.target, torch.load(path, weights_only=True))
         restore, restore_cpu = clock.lap(), clock.cpu_used()
         check_equal(self.state, self.target, "torch.save")
-        return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore, restore_cpu=restore_cpu)
+        cold = self._cold(path, lambda: copy_into(self.target, torch.load(path, weights_only=True)), "torch.load")
+        return dict(
+            blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore, restore_cpu=restore_cpu, **cold
+        )
 
     def safetensors(self, _round: int) -> Sample:
         path = fresh(self.work / "safetensors") / "model.safetensors"
@@ -101,7 +115,10 @@ class Bench:
         copy_into(self.target, load_file(str(path)))
         restore, restore_cpu = clock.lap(), clock.cpu_used()
         check_equal(self.state, self.target, "safetensors")
-        return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore, restore_cpu=restore_cpu)
+        cold = self._cold(path, lambda: copy_into(self.target, load_file(str(path))), "safetensors")
+        return dict(
+            blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore, restore_cpu=restore_cpu, **cold
+        )
 
     def dd_write(self, _round: int) -> Sample:
         """The disk's own rate: the state's bytes written to one file with plain ``os.write``
@@ -130,8 +147,11 @@ class Bench:
             clock.start()
             dcp.load(self.target, storage_reader=FileSystemReader(path), no_dist=True)
             restore, restore_cpu = clock.lap(), clock.cpu_used()
-        check_equal(self.state, self.target, "DCP")
-        return dict(blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore, restore_cpu=restore_cpu)
+            check_equal(self.state, self.target, "DCP")
+            cold = self._cold(path, lambda: dcp.load(self.target, storage_reader=FileSystemReader(path), no_dist=True))
+        return dict(
+            blocked=save, total=save, cpu=cpu, bytes=disk_usage(path), restore=restore, restore_cpu=restore_cpu, **cold
+        )
 
     def dcp_async(self, _round: int) -> Sample:
         path = fresh(self.work / "dcp_async")
@@ -146,7 +166,9 @@ class Bench:
     def _checkpointer(self, root: Path, codec: str = "raw") -> Checkpointer:
         return Checkpointer(str(root), "bench", threads=self.threads, chunk_bytes=self.chunk_bytes, codec=codec)
 
-    def _restore(self, ck: Checkpointer, expected: StateDict, method: str, *, single_pass: bool = False) -> Sample:
+    def _restore(
+        self, ck: Checkpointer, expected: StateDict, method: str, *, single_pass: bool = False, cold: bool = False
+    ) -> Sample:
         # ckptflow fills the tensors of ``live`` in place, as dcp.load does.
         live = {"model": self.target}
         clear(self.target)
@@ -154,7 +176,19 @@ class Bench:
         ck.restore(live, single_pass=single_pass)
         sample = dict(restore=clock.lap(), restore_cpu=clock.cpu_used())
         check_equal(expected, live["model"], method)
+        if cold:
+            sample.update(self._cold(Path(ck.store.root), lambda: ck.restore(live, single_pass=single_pass), method))
         return sample
+
+    def _cold(self, path: Path, restore: Callable[[], object], method: str = "DCP") -> Sample:
+        """``restore`` again with the files under ``path`` evicted from the page cache."""
+        drop_page_cache(path)
+        clear(self.target)
+        clock = Clock().start()
+        restore()
+        cold = clock.lap()
+        check_equal(self.state, self.target, f"{method} (cold)")
+        return dict(cold_restore=cold)
 
     def ckptflow_sync(self, _round: int, codec: str = "raw", *, single_pass: bool = False) -> Sample:
         root = fresh(self.work / "ckptflow")
@@ -164,7 +198,7 @@ class Bench:
             ck.save(1, {"model": self.state}, kind="full")
             save, cpu = clock.lap(), clock.cpu_used()
             nbytes = disk_usage(root) - before
-            restored = self._restore(ck, self.state, f"ckptflow {codec}", single_pass=single_pass)
+            restored = self._restore(ck, self.state, f"ckptflow {codec}", single_pass=single_pass, cold=True)
             return dict(blocked=save, total=save, cpu=cpu, bytes=nbytes, **restored)
 
     def ckptflow_single_pass(self, round_: int) -> Sample:
