@@ -65,9 +65,9 @@ def real_state() -> StateDict | None:
 
 
 def changed_names(state: StateDict, fraction: float, seed: int) -> list[str]:
-    """Tensors holding about ``fraction`` of the state's bytes (never more, at least one
-    tensor), picked at random but reproducibly: what a fine-tune that trains a few
-    layers of a frozen model changes between two saves."""
+    """Tensors holding about ``fraction`` of the state's bytes (never more, unless even the
+    smallest tensor is more: then that one), picked at random but reproducibly: what a
+    fine-tune that trains a few layers of a frozen model changes between two saves."""
     budget = fraction * sum(t.nbytes for t in state.values())
     names = sorted(state)
     random.Random(seed).shuffle(names)

@@ -52,6 +52,10 @@ def apply_retention(
     is the ``retention`` resource's, the one ``retention_plan`` and the inventory show. A
     checkpoint whose expiry failed keeps its partition; the run fails after the rest is
     done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time."""
+    try:
+        retention.check()  # before anything is expired: a policy the last step cannot read changes nothing
+    except ValueError as e:
+        raise Failure(f"the retention policy (CKPTFLOW_RETENTION) is not usable: {e}; nothing was expired") from None
     hot, arc = store.open(), archive.open()
     entries, plan = compute_plan(retention, hot, arc, registry)
     report = lifecycle.apply_retention(hot, arc, plan)
@@ -78,7 +82,7 @@ def apply_retention(
                 f"dropped the partitions of {dropped} archive-only checkpoint(s) ({_span(batch)}): only the newest "
                 f"{retention.archive_partitions} keep one; their archive copies and records stay"
             )
-    gc_report = gc(hot, grace=retention.gc_grace)
+    gc_report = gc(hot, grace=retention.grace_s())
     context.add_output_metadata(
         {
             "expired": len(report.expired),

@@ -19,6 +19,7 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field, ValidationError
 
+from ckptflow.catalog.gc import parse_duration
 from ckptflow.errors import CkptflowError
 from ckptflow.format.layout import parse_checkpoint_name
 from ckptflow.policy.retention import AnyOf, default_policy
@@ -35,18 +36,18 @@ class RetentionResource(ConfigurableResource):
     applies: pinned, published, aliased, and each run's newest valid checkpoint), how
     long GC leaves unreferenced chunks, and which checkpoints keep only an archive copy."""
 
-    recent_days: float = Field(default=7, description="keep everything younger than this")
-    full_days: float = Field(default=30, description="keep full checkpoints younger than this")
-    best_k: int = Field(default=3, description="keep the best K checkpoints of each run by `metric` (0: none)")
+    recent_days: float = Field(default=7, ge=0, description="keep everything younger than this")
+    full_days: float = Field(default=30, ge=0, description="keep full checkpoints younger than this")
+    best_k: int = Field(default=3, ge=0, description="keep the best K checkpoints of each run by `metric` (0: none)")
     metric: str = Field(default="val_loss", description="the evaluation metric `best_k` ranks by")
     mode: str = Field(default="min", description="'min' or 'max': which end of `metric` is best")
     pinned: list[str] = Field(default_factory=list, description="checkpoint partition keys kept forever")
     gc_grace: str = Field(default="1h", description="unreferenced chunks younger than this survive GC")
     hot_days: float | None = Field(
-        default=None, description="kept, archived checkpoints older than this keep only their archive copy"
+        default=None, ge=0, description="kept, archived checkpoints older than this keep only their archive copy"
     )
     archive_partitions: int = Field(
-        default=10_000, description="archive-only checkpoints that keep a partition (the newest)"
+        default=10_000, ge=0, description="archive-only checkpoints that keep a partition (the newest)"
     )
 
     @classmethod
@@ -62,13 +63,26 @@ class RetentionResource(ConfigurableResource):
             if unknown := sorted(set(fields) - set(cls.model_fields)):
                 raise ValueError(f"names fields retention does not have: {unknown}")
             resource = cls(**fields)
-            resource.refs()
-            resource.policy()
+            resource.check()
         except ValidationError as e:
             raise CkptflowError(f"{RETENTION_ENV}={path}: {_one_line(e)}; {_EXPECTED}") from None
         except (OSError, ValueError, TypeError) as e:
             raise CkptflowError(f"{RETENTION_ENV}={path}: {e}; {_EXPECTED}") from None
         return resource
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first field that says nothing retention can apply:
+        what ``retention_job`` asks before it expires anything (a grace GC cannot read would
+        otherwise fail the run after the deletions), and the code location when it loads."""
+        self.refs()
+        self.policy()
+        self.grace_s()
+
+    def grace_s(self) -> float:
+        try:
+            return parse_duration(self.gc_grace)
+        except ValueError as e:
+            raise ValueError(f"gc_grace: {e}") from None
 
     def policy(self) -> AnyOf:
         return default_policy(

@@ -24,12 +24,14 @@ from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
 from ckptflow.format.checksum import address_and_checksum, fast_checksum, same_content, stored_checksum
 from ckptflow.format.layout import chunk_key
 
+UNKNOWN_SIZE = -1  # a chunk's stored size where the manifest a restore read does not say it (a stat does)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkWrite:
     digest: str
     raw_bytes: int
-    stored_bytes: int  # encoded size in the store, header included
+    stored_bytes: int  # encoded size in the store, header included (UNKNOWN_SIZE: what a restore loaded)
     written: bool  # False when the chunk was already in the store and left alone
     base: str | None = None  # the delta base its stored encoding needs: every manifest naming it lists this too
     base_bytes: int = 0  # the base's stored size
@@ -139,7 +141,7 @@ class ChunkStore(ChunkReader):
         key = chunk_key(digest)
         if not rewrite and known is not None and known.digest == digest:
             try:
-                size = known.stored_bytes if known.stored_bytes >= 0 else self.store.stat(key).size
+                size = self.store.stat(key).size if known.stored_bytes == UNKNOWN_SIZE else known.stored_bytes
                 reused = self._reuse(digest, size, len(raw), checksum, known.stored_checksum)
             except ObjectNotFoundError:
                 pass  # gone since: look again below

@@ -73,7 +73,7 @@ class ChunkReader:
         self.stored_checksums = stored_checksums or {}  # digest -> checksum of the object as stored (first pass)
         self.address = address  # the manifest's kind of address: tried first (``checksum.matches_address``)
         self._local = threading.local()  # per-thread scratch buffers for ``check``
-        self._saved_wrongly: frozenset[tuple[str, str]] | None = None  # read from the store on first need
+        self._saved_wrongly: frozenset[tuple[str, str]] | Exception | None = None  # listed on first need
         self._saved_wrongly_lock = threading.Lock()
 
     def get(self, digest: str, size: int) -> memoryview:
@@ -238,10 +238,17 @@ class ChunkReader:
 
     def _decode_first(self, digest: str, stored: str) -> bool:
         """Whether this chunk object was found saved wrongly (``undecodable``): then it is
-        decoded in pass one. The store's records are listed once per reader."""
+        decoded in pass one. The store's records are listed once per reader; a listing that
+        failed (an outage: the restore stops) is not tried again for every chunk."""
         with self._saved_wrongly_lock:
+            if isinstance(self._saved_wrongly, BaseException):
+                raise self._saved_wrongly
             if self._saved_wrongly is None:
-                self._saved_wrongly = undecodable.recorded(self.store)
+                try:
+                    self._saved_wrongly = undecodable.recorded(self.store)
+                except Exception as e:
+                    self._saved_wrongly = e
+                    raise
         return (digest, stored) in self._saved_wrongly
 
     def _keep(self, size: int) -> bool:

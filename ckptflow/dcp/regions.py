@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ckptflow.chunks.io import ChunkWrite
+from ckptflow.chunks.io import UNKNOWN_SIZE, ChunkWrite
+from ckptflow.format.checksum import ADDRESS
 from ckptflow.format.dcp_index import StorageItem
 from ckptflow.format.manifest import Manifest
 
 Region = tuple  # (fqn, item offset, chunk index, dtype, length): one chunk-sized slice of a saved tensor
 Seen = dict  # Region -> the ChunkWrite (fast checksum, address, stored size) of the bytes a save found there
-UNKNOWN_SIZE = -1  # a loaded chunk's stored size: not in the manifest, asked of the store when it is reused
 
 
 def region(fqn: str, offset: tuple[int, ...] | None, index: int, dtype: str, length: int) -> Region:
@@ -31,8 +31,13 @@ def region(fqn: str, offset: tuple[int, ...] | None, index: int, dtype: str, len
 def loaded_regions(manifest: Manifest, items: Iterable[StorageItem]) -> Seen:
     """The regions of ``items`` (what one rank loaded from ``manifest``), each with what
     the manifest records of its chunk; a chunk without a fast checksum (a manifest older
-    than them) is left out, so its region is hashed in full by the next save."""
+    than them) is left out, so its region is hashed in full by the next save. None of a
+    manifest whose chunks are not addressed as new saves address theirs (format 1:
+    sha256): reusing those names would put them in manifests that say BLAKE3, and new
+    saves of the same bytes would never dedup against them."""
     seen: Seen = {}
+    if manifest.address != ADDRESS:
+        return seen
     for item in items:
         for index, (digest, length) in enumerate(item.chunks):
             checksum = manifest.fast_checksums.get(digest)

@@ -145,7 +145,8 @@ def completed_future(value: Any) -> torch.futures.Future:
 
 class CheckpointWriter(StorageWriter):
     """Writes one rank's chunks. A save given ``previous`` (what this process's previous save
-    found in each region of each tensor: ``seen``) hashes each chunk with xxh3-128 first, and
+    found in each region of each tensor, ``seen``, or what its restore loaded there:
+    ``ckptflow.dcp.regions``) hashes each chunk with xxh3-128 first, and
     where it equals the region's previous one takes that save's fast checksum and address for
     it instead of computing BLAKE3 again (the cryptographic hash runs over changed bytes
     only); an incremental save also reuses that save's chunk without asking the store whether

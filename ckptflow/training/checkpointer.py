@@ -289,11 +289,9 @@ class Checkpointer:
         ``warmup`` (opt-in, ``ckptflow.training.warmup``): after the load, ramp the learning
         rate back, reset momentum or reseed the RNGs as it says; ``result.warmup`` reports it.
 
-        ``single_pass`` (opt-in) reads each chunk into place once and verifies it there,
-        instead of verifying everything first: one read and one decode per chunk (a zstd
-        restore decodes each chunk once, not twice). It gives up the untouched-on-damage
-        guarantee: a damaged checkpoint raises ``PartialRestoreError`` with ``state`` partly
-        overwritten, and does not fall back to an older one (restore again without it).
+        ``single_pass`` (opt-in) reads each chunk into place once and verifies it there. It
+        gives up the untouched-on-damage guarantee: a damaged checkpoint raises
+        ``PartialRestoreError`` with ``state`` partly overwritten, and does not fall back.
         """
         started = time.perf_counter()
         chosen = selection.from_arguments(step, select)
@@ -333,8 +331,8 @@ class Checkpointer:
         newest commit, the chunk regions it loaded from the hot store (the next save hashes
         only what changed since), the recovery record, and whether the lineage differs."""
         self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
-        self._last_commit = result.step if result.tier == self.store.url else None
-        self._seen = loaded if result.tier == self.store.url else {}
+        hot = result.tier == self.store.url
+        self._last_commit, self._seen = (result.step, loaded) if hot else (None, {})
         self._record_recovery(started, result=result)
         if self.lineage is not None:
             warn_if_different(self.lineage, result.metadata, f"run {self.run!r} resumed from step {result.step}")

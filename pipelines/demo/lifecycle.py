@@ -114,7 +114,9 @@ def run_lifecycle(store: str, archive: str, dagster_home: str, *, fresh: bool, d
         f"{rpo.metadata['age'].value if 'age' in rpo.metadata else 'none'} old, target {rpo.metadata['rpo_target'].value}"
     )
     deletes = [r for r in df.itertuples(index=False) if str(r.retention).startswith("delete")]
-    print(f"== retention plan (dry run, default policy): keep {len(df) - len(deletes)}, delete {len(deletes)}")
+    print(
+        f"== retention plan (dry run, the retention resource's policy): keep {len(df) - len(deletes)}, delete {len(deletes)}"
+    )
     registry = Registry(open_store(store))
     later = inventory.retention_plan(
         inventory.collect(open_store(store)),

@@ -18,7 +18,7 @@ import pytest
 import torch
 import xxhash
 
-from ckptflow import Checkpointer, PartialRestoreError
+from ckptflow import Checkpointer, PartialRestoreError, StoreUnavailableError
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import codecs, undecodable
 from ckptflow.chunks import io as io_module
@@ -301,3 +301,28 @@ def test_a_chunk_damaged_between_the_passes_is_not_called_saved_wrongly(ckpt_sto
             ck.restore(target, step=2)
     assert victim in str(raised.value) and "saved wrongly" not in str(raised.value)
     assert not undecodable._FOUND and not list(store.list("undecodable/"))
+
+
+def test_records_that_cannot_be_listed_stop_the_restore_as_an_outage_asked_once(ckpt_store_dir, monkeypatch):
+    """The records of chunks saved wrongly cannot be read: that proves nothing about the
+    checkpoint, so the restore stops (no fallback) and leaves the state as it was, and the
+    listing is not tried again for every chunk."""
+    _save(ckpt_store_dir, "zstd")
+    from ckptflow.store.local import LocalStore
+
+    listed: list[str] = []
+    real_list = LocalStore.list
+
+    def failing_list(self, prefix, **kwargs):
+        if prefix.startswith("undecodable/"):
+            listed.append(prefix)
+            raise StoreUnavailableError(f"{self.url}: listing {prefix} timed out")
+        return real_list(self, prefix, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "list", failing_list)
+    target = blank_like(drifting_state(2))
+    with Checkpointer(ckpt_store_dir, RUN, restore_buffer_bytes=0) as ck:
+        with pytest.raises(StoreUnavailableError, match="listing undecodable/ timed out"):
+            ck.restore(target)
+    assert listed == ["undecodable/"]
+    assert_tensors_equal(blank_like(drifting_state(2)), target)

@@ -280,3 +280,20 @@ def test_a_promotion_names_the_partition_an_older_instance_holds_for_its_checkpo
     md = second.asset_materializations_for_node("deployed_model")[0].metadata
     assert md["source_partition"].value == checkpoint_key(RUN, 20) == f"{RUN}@20"
     assert md["alias/stable/source_partition"].value == legacy
+
+
+def test_a_retention_policy_gc_cannot_read_fails_the_job_before_anything_is_expired(
+    store_with_checkpoints, defs, instance, paths
+):
+    from resources import RetentionResource
+
+    store = open_store(paths["store"])
+    before = sorted(i.key for i in store.list("runs/"))
+    bad = RetentionResource(recent_days=0, full_days=0, best_k=0, gc_grace="one hour")  # constructed, not loaded
+    result = defs.resolve_job_def("retention_job").execute_in_process(
+        instance=instance, resources={"retention": bad}, raise_on_error=False
+    )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_failure).event_specific_data.error.message
+    assert "gc_grace: duration 'one hour' is not understood" in failure and "nothing was expired" in failure
+    assert sorted(i.key for i in store.list("runs/")) == before
