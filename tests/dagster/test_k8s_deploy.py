@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from resources import ArchiveResource
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "k8s"
 
@@ -120,6 +122,14 @@ def test_values_wire_the_code_location_secrets_and_queue():
     assert env["CKPTFLOW_STORE"].startswith("s3://") and env["CKPTFLOW_ARCHIVE"].startswith("s3://")
     for ref in d["envSecrets"]:
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"} <= set(named[ref["name"]])
+    # the policy files: the ConfigMap of policy.yaml, mounted where the env says they are
+    [volume] = d["volumes"]
+    [mount] = d["volumeMounts"]
+    assert mount["name"] == volume["name"] and mount["readOnly"] is True
+    files = config_maps()[volume["configMap"]["name"]]
+    for var in ("CKPTFLOW_RETENTION", "CKPTFLOW_PRICES"):
+        folder, _, name = env[var].rpartition("/")
+        assert folder == mount["mountPath"] and name in files, var
     # runs go to Kubernetes Jobs; the chart-made PostgreSQL and password secret are off
     assert v["runLauncher"]["type"] == "K8sRunLauncher"
     assert isinstance(v["runLauncher"]["config"]["k8sRunLauncher"]["loadInclusterConfig"], bool)
@@ -139,13 +149,28 @@ def test_values_wire_the_code_location_secrets_and_queue():
     )
 
 
-def pod_env() -> dict[str, str]:
+def config_maps() -> dict[str, dict[str, str]]:
+    docs = yaml.safe_load_all((DEPLOY / "policy.yaml").read_text())
+    return {d["metadata"]["name"]: d["data"] for d in docs if d and d["kind"] == "ConfigMap"}
+
+
+def pod_env(tmp_path: Path) -> dict[str, str]:
     """What the code server's container holds: the deployment's env and its secrets
-    (the example's placeholder credentials: loading the definitions reads no S3 object)."""
+    (the example's placeholder credentials: loading the definitions reads no S3 object),
+    and its ConfigMap volumes, written under ``tmp_path`` with the env's paths into them
+    pointed there."""
     [d] = values()["dagster-user-deployments"]["deployments"]
     env = {k: str(v) for k, v in d["env"].items()}
     for ref in d["envSecrets"]:
         env.update(secrets()[ref["name"]])
+    volumes = {v["name"]: v for v in d.get("volumes", [])}
+    for mount in d.get("volumeMounts", []):
+        local = tmp_path / mount["name"]
+        local.mkdir(exist_ok=True)
+        for key, text in config_maps()[volumes[mount["name"]]["configMap"]["name"]].items():
+            (local / key).write_text(text)
+        inside = mount["mountPath"].rstrip("/") + "/"
+        env = {k: str(local / v[len(inside) :]) if v.startswith(inside) else v for k, v in env.items()}
     return env
 
 
@@ -154,7 +179,7 @@ def validate(python_bin: Path, cwd: Path, tmp_path: Path, pythonpath: str) -> su
     home = tmp_path / "dagster_home"
     home.mkdir(exist_ok=True)
     keep = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTFLOW_", "AWS_"))}
-    env = {**keep, **pod_env(), "DAGSTER_HOME": str(home), "PYTHONPATH": pythonpath}
+    env = {**keep, **pod_env(tmp_path), "DAGSTER_HOME": str(home), "PYTHONPATH": pythonpath}
     return subprocess.run(
         [str(python_bin / "dagster"), "definitions", "validate", *d["dagsterApiGrpcArgs"]],
         cwd=cwd,
@@ -213,3 +238,16 @@ def test_user_code_image_install_step_in_a_fresh_venv(tmp_path):
     assert out.returncode == 0 and "K8sRunLauncher" in out.stdout, out.stderr
     out = validate(venv / "bin", workdir, tmp_path, "")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_shipped_policy_files_load_as_the_defaults_the_docs_name(tmp_path, monkeypatch):
+    """policy.yaml is deployable as it is: its files load, and say what the defaults say."""
+    from resources import PricingResource, RetentionResource
+
+    env = pod_env(tmp_path)
+    for var in ("CKPTFLOW_RETENTION", "CKPTFLOW_PRICES"):
+        monkeypatch.setenv(var, env[var])
+    assert RetentionResource.from_env() == RetentionResource()
+    assert PricingResource.from_env().model(ArchiveResource(url=str(tmp_path))) == PricingResource().model(
+        ArchiveResource(url=str(tmp_path))
+    )
