@@ -7,9 +7,9 @@ a chunk fails only there, with the state partly written (``PartialRestoreError``
 would fail the same way in every process that restores it: a training job restarted by
 its scheduler would stop at the same chunk each time. So the finding is recorded in the
 store, at ``undecodable/<digest>.<stored checksum>.json`` (``fmt.undecodable_key``), and
-every restore reads those records first: a chunk named there is decoded in the first
-pass, before anything is written, and rejects its checkpoint cleanly, so restore falls
-back past it. A record names the object as stored, so a chunk rewritten since (another
+a restore reads those records before it checks any chunk by its stored bytes alone: a
+chunk named there is decoded in the first pass, before anything is written, and rejects
+its checkpoint cleanly, so restore falls back past it. A record names the object as stored, so a chunk rewritten since (another
 stored checksum) is checked afresh. The records are evidence; nothing deletes them.
 """
 
