@@ -9,8 +9,9 @@ its scheduler would stop at the same chunk each time. So the finding is recorded
 store, at ``undecodable/<digest>.<stored checksum>.json`` (``fmt.undecodable_key``), and
 a restore reads those records before it checks any chunk by its stored bytes alone: a
 chunk named there is decoded in the first pass, before anything is written, and rejects
-its checkpoint cleanly, so restore falls back past it. A record names the object as stored, so a chunk rewritten since (another
-stored checksum) is checked afresh. The records are evidence; nothing deletes them.
+its checkpoint cleanly, so restore falls back past it. A record names the object as
+stored, so a chunk rewritten since (another stored checksum) is checked afresh. The
+records are evidence; nothing deletes them.
 """
 
 from __future__ import annotations
