@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ckptflow.chunks import codecs
+from ckptflow.chunks import codecs, damaged
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.reads import ChunkReader
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
@@ -139,6 +139,7 @@ class ChunkStore(ChunkReader):
         elif checksum is None:
             checksum = fast_checksum(raw)
         key = chunk_key(digest)
+        rewrite = rewrite or damaged.known(self.store.url, digest)  # never keep an object a read refused
         if not rewrite and known is not None and known.digest == digest:
             try:
                 size = self.store.stat(key).size if known.stored_bytes == UNKNOWN_SIZE else known.stored_bytes
@@ -175,6 +176,7 @@ class ChunkStore(ChunkReader):
         )
         if rewrite:
             self.store.replace(key, encoded.parts)
+            damaged.repaired(self.store.url, digest)
             return written
         if self.store.put_if_absent(key, encoded.parts):
             return written

@@ -21,7 +21,7 @@ from typing import Any
 
 import xxhash
 
-from ckptflow.chunks import codecs, undecodable
+from ckptflow.chunks import codecs, damaged, undecodable
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.streaming import FirstPass, NotRaw, PayloadHash, Skipping
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
@@ -96,6 +96,7 @@ class ChunkReader:
         except ObjectNotFoundError:
             raise self._missing(digest, key) from None
         except ObjectTooLargeError as e:
+            damaged.note(self.store.url, digest)
             raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
 
     def _decoded(self, digest: str, blob: bytes, size: int, *, out: memoryview | None = None) -> memoryview:
@@ -109,13 +110,16 @@ class ChunkReader:
                     blob, expected=size, base=lambda d, n: bases.get(d) or self._base_blob(d, n), out=out
                 )
         except CorruptChunkError as e:
+            damaged.note(self.store.url, digest)
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
         if len(raw) != size:
+            damaged.note(self.store.url, digest)
             raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
         try:
             with _DECODING:
                 self._verify(digest, key, raw)
         except CorruptChunkError:
+            damaged.note(self.store.url, digest)
             base = codecs.delta_base(blob)
             if base is not None:  # a bad base makes bad bytes: say so if that is the cause
                 try:

@@ -50,10 +50,15 @@ def plan_load(
     *,
     strict: bool,
     dropped: Sequence[str] = (),
+    saved_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> LoadPlan:
     """What to load; ``StateMismatchError`` (strict) naming every difference otherwise.
     ``dropped``: entries the checkpoint left out on purpose (a lossy copy without the
-    optimizer), which stay as they are and are no mismatch."""
+    optimizer), which stay as they are and are no mismatch. ``saved_shapes`` (name ->
+    the saved tensor's global shape): a tensor to load whose shape differs is a mismatch
+    even with ``strict=False``, as in ``load_state_dict``; found here it stops the restore
+    before anything is read, instead of failing inside the read as if the checkpoint were
+    damaged (which would fall back to an older one of the old shape)."""
     live_entries, saved_entries = entries(live), entries(saved)
     absent = [name for name in live_entries if name not in saved_entries and name not in dropped]
     missing: set[str] = set()
@@ -76,6 +81,7 @@ def plan_load(
         names |= want & have
     if strict and (absent or missing or unexpected):
         raise StateMismatchError(_describe(absent, missing, unexpected, sorted(saved_entries)))
+    _check_shapes({n: live_tensors[n] for n in names}, saved_shapes or {})
     return LoadPlan(
         entries=[name for name in live_entries if name in saved_entries],
         targets={n: live_tensors[n] for n in names},
@@ -83,6 +89,20 @@ def plan_load(
         unexpected_keys=sorted(unexpected),
         fresh_params=fresh,
     )
+
+
+def _check_shapes(targets: Mapping[str, torch.Tensor], saved: Mapping[str, Sequence[int]]) -> None:
+    wrong = sorted(
+        f"{n!r} (checkpoint {tuple(saved[n])}, state {tuple(t.shape)})"
+        for n, t in targets.items()
+        if n in saved and tuple(t.shape) != tuple(saved[n])
+    )
+    if wrong:
+        more = f", … ({len(wrong)} in all)" if len(wrong) > SHOWN else ""
+        raise StateMismatchError(
+            f"tensor shapes differ from the checkpoint's: {', '.join(wrong[:SHOWN])}{more}. Build the state with "
+            "the configuration the checkpoint was saved with (a changed model size?), then restore"
+        )
 
 
 def _unstepped(name: str, have: set[str], want: set[str]) -> list[str]:

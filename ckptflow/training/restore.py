@@ -129,7 +129,13 @@ class Restore:
 
             def plan_for(manifest: Manifest, record: RankRecord, _tier: Tier) -> LoadPlan:
                 return plan_load(
-                    live_skeleton, live, record.state, optimizers, strict=self.strict, dropped=lossy.dropped(manifest)
+                    live_skeleton,
+                    live,
+                    record.state,
+                    optimizers,
+                    strict=self.strict,
+                    dropped=lossy.dropped(manifest),
+                    saved_shapes={fqn: t.size for fqn, t in manifest.dcp.tensors.items()},
                 )
 
             found = self._search(step, plan_for)

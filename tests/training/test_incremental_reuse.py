@@ -17,6 +17,7 @@ from torch import nn
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import io as chunk_io
+from support.corrupt import chunk_path, flip_byte
 
 CHUNK = 256  # bytes: every tensor here spans several chunks
 
@@ -199,3 +200,28 @@ def test_the_first_save_after_a_resume_hashes_only_the_changed_chunks_and_keeps_
     fresh = {"buf": torch.zeros(4096), "frozen": torch.zeros(4096)}
     make_ck(chunk_bytes=CHUNK).restore(fresh, step=2)
     assert torch.equal(fresh["buf"], state["buf"]) and torch.equal(fresh["frozen"], state["frozen"])
+
+
+@pytest.mark.parametrize("kind", ["incremental", "full"])
+def test_a_step_saved_again_after_its_restore_was_refused_does_not_reuse_the_damaged_chunk(make_ck, kind):
+    """Restore refuses step 2 (a chunk's bytes rotted) and falls back to 1; training replays
+    deterministically and saves step 2 again: its chunks have the same addresses, so the
+    save finds the damaged object in the store. It must write that chunk anew, not reuse it."""
+
+    def state(step):
+        torch.manual_seed(step)
+        return {"w": torch.randn(4096)}
+
+    ck = make_ck(chunk_bytes=CHUNK)
+    ck.save(1, state(1), kind="full", rng=False)
+    ck.save(2, state(2), kind="incremental", rng=False)
+    one, two = (catalog.read_manifest(ck.store, "r", step) for step in (1, 2))
+    victim = sorted(set(two.chunks) - set(one.chunks))[0]
+    flip_byte(chunk_path(ck.store.root, victim), -1)
+    resumed = make_ck(chunk_bytes=CHUNK)
+    assert resumed.restore({"w": torch.zeros(4096)}).step == 1
+    resumed.save(2, state(2), kind=kind, rng=False)
+    fresh = {"w": torch.zeros(4096)}
+    assert make_ck().restore(fresh).step == 2
+    assert torch.equal(fresh["w"], state(2)["w"])
+    assert resumed.verify(2, deep=True).ok

@@ -151,3 +151,21 @@ def test_restore_into_a_state_of_another_structure_raises_and_changes_nothing(ma
         ck.restore(other)
     assert "'model.weight'" in str(err.value) or "model.0.weight" in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in other["model"].state_dict().items())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_restore_into_tensors_of_other_shapes_raises_and_never_falls_back(make_ck, strict):
+    """A model built with another size meets a newer checkpoint: that is a mismatch to report,
+    not damage; restore must not pass over the healthy newer checkpoint for an older one
+    whose shapes happen to fit (the read would fail inside DCP as if the bytes were bad)."""
+    ck = make_ck()
+    ck.save(1, {"model": torch.nn.Linear(3, 2)}, rng=False)  # the old size
+    ck.save(2, {"model": torch.nn.Linear(3, 5)}, rng=False)  # the new one
+    live = {"model": torch.nn.Linear(3, 2)}
+    before = {k: v.clone() for k, v in live["model"].state_dict().items()}
+    with pytest.raises(
+        StateMismatchError, match=r"step 2 .*shapes differ.*'model.weight' \(checkpoint \(5, 3\), state \(2, 3\)\)"
+    ):
+        make_ck().restore(live, strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in live["model"].state_dict().items())
+    assert make_ck().restore(live, step=1, strict=strict).step == 1  # the step of its size loads
