@@ -25,10 +25,6 @@ from ckptflow.format.layout import parse_checkpoint_name
 from ckptflow.policy.retention import AnyOf, default_policy
 
 RETENTION_ENV = "CKPTFLOW_RETENTION"
-_EXPECTED = (
-    'it names a JSON file of retention fields, such as {"recent_days": 3, "best_k": 5, "pinned": ["run@1000"]} '
-    "(fields: recent_days, full_days, best_k, metric, mode, pinned, gc_grace, hot_days, archive_partitions)"
-)
 
 
 class RetentionResource(ConfigurableResource):
@@ -100,3 +96,9 @@ class RetentionResource(ConfigurableResource):
 
 def _one_line(error: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+
+
+_EXPECTED = (
+    'it names a JSON file of retention fields, such as {"recent_days": 3, "best_k": 5, "pinned": ["run@1000"]} '
+    f"(fields: {', '.join(RetentionResource.model_fields)})"
+)

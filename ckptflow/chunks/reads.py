@@ -100,7 +100,15 @@ class ChunkReader:
             raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
 
     def _decoded(self, digest: str, blob: bytes, size: int, *, out: memoryview | None = None) -> memoryview:
-        """``blob`` decoded (into ``out`` if given) and verified against ``digest``."""
+        """``blob`` decoded (into ``out`` if given) and verified against ``digest``. An
+        object refused here is noted (``damaged``), so no save of this process reuses it."""
+        try:
+            return self._decode_verified(digest, blob, size, out)
+        except CorruptChunkError:
+            damaged.note(self.store.url, digest)
+            raise
+
+    def _decode_verified(self, digest: str, blob: bytes, size: int, out: memoryview | None) -> memoryview:
         key = chunk_key(digest)
         try:
             named = codecs.delta_base(blob)
@@ -110,16 +118,13 @@ class ChunkReader:
                     blob, expected=size, base=lambda d, n: bases.get(d) or self._base_blob(d, n), out=out
                 )
         except CorruptChunkError as e:
-            damaged.note(self.store.url, digest)
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
         if len(raw) != size:
-            damaged.note(self.store.url, digest)
             raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
         try:
             with _DECODING:
                 self._verify(digest, key, raw)
         except CorruptChunkError:
-            damaged.note(self.store.url, digest)
             base = codecs.delta_base(blob)
             if base is not None:  # a bad base makes bad bytes: say so if that is the cause
                 try:
