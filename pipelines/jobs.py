@@ -137,13 +137,20 @@ def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: C
     report = lifecycle.scrub(hot, older_than_s=config.older_than_days * DAY)
     corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in report.corrupt]
     context.add_output_metadata(
-        {"checked": report.checked, "corrupt": len(corrupt), "unreadable": len(report.unreadable)}
+        {
+            "checked": report.checked,
+            "corrupt": len(corrupt),
+            "unreadable": len(report.unreadable),
+            "damaged_chunks": report.damaged_chunks,
+        }
     )
     listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))
     if corrupt:
         raise Failure(
-            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read",
-            metadata={"corrupt": listed},
+            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; "
+            f"{report.damaged_chunks} damaged chunk object(s) are recorded, and the next save of a job that still "
+            "holds their content writes them anew (a repair for every checkpoint sharing one)",
+            metadata={"corrupt": listed, "damaged_chunks": report.damaged_chunks},
             allow_retries=False,
         )
     if report.unreadable:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
+from ckptflow.chunks import damaged
 from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, gc_lock, leases, wait_for_leases
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
@@ -105,8 +106,9 @@ def gc(
     wait: float = 60.0,
     progress: Callable[[int], None] | None = None,
 ) -> GCReport:
-    """Delete unreferenced chunks, stray rank records and temp files older than ``grace``,
-    and the leases of saves that died.
+    """Delete unreferenced chunks, stray rank records, temp files and the damage records of
+    chunks no longer stored (``ckptflow.chunks.damaged``) older than ``grace``, and the
+    leases of saves that died.
 
     Waits up to ``wait`` seconds for saves in flight (live leases) to finish writing
     chunks; if they do not, nothing is swept and ``report.skipped`` says why. ``progress`` is called
@@ -135,11 +137,15 @@ def gc(
             return report
         live, loose = marked
         doomed = [info for info in loose if info.mtime < cutoff] + held.dead  # dead leases go whatever their age
+        kept: set[str] = set()
         for info in store.list("chunks/"):
             if info.key.rsplit("/", 1)[-1] in live or info.mtime >= cutoff:
                 report.kept_chunks += 1
+                kept.add(info.key.rsplit("/", 1)[-1])
             else:
                 doomed.append(info)
+        records = damaged.records(store).items()  # a chunk no longer stored needs no repair
+        doomed += [info for digest, info in records if digest not in kept and info.mtime < cutoff]
         temps = list(store.stale_temp_files(cutoff))
         report.deleted = [(info.key, info.size) for info in doomed + temps]
         if dry_run:

@@ -1,28 +1,73 @@
-"""Chunk objects this process proved damaged, so that no save reuses them.
+"""Chunk objects proved damaged, so that no save reuses them, in this process or another.
 
 A save finds a chunk it is about to write already in the store and keeps that object
-(``ChunkStore.put``: content addressing). If a restore just rejected that very object
-(its bytes do not match their address, or do not decode), keeping it makes the new
-checkpoint as unrestorable as the old one: a job that fell back past step 20 and
-retrains deterministically produces step 20's chunks again, same addresses, and would
-reference the damaged objects. So a chunk reader notes every object whose bytes it
-read and refused (``note``), and ``put`` writes such a chunk anew (an atomic replace of
-bytes proved wrong by bytes that hash to the address: a repair, for every checkpoint
-that shares it) and forgets it once repaired. A failure to read proves nothing and is
-never noted. Process-wide, keyed by (store URL, digest).
+(``ChunkStore.put``: content addressing); an incremental save keeps the chunks of its
+previous save without even looking. If a reader has refused that very object (its bytes
+do not match their address, or do not decode), keeping it makes the new checkpoint as
+unrestorable as the old one: a job that fell back past step 20 and retrains
+deterministically produces step 20's chunks again, same addresses; a frozen layer's chunk
+that scrub found rotten is referenced by every incremental save until the next full one,
+and a job that crashes meanwhile finds no checkpoint it can restore.
+
+So a chunk reader notes every object whose bytes it read and refused (``note``): in this
+process, and in the store at ``damaged/<digest>.json`` (``fmt.damaged_key``), because
+scrub, ``verify`` and export run in other processes than the training job. Every save
+lists the records once before it writes (``load``), and ``put`` writes a noted chunk anew
+(an atomic replace of bytes proved wrong by bytes that hash to the address: a repair, for
+every checkpoint that shares it), then forgets it and deletes its record (``repaired``).
+A record written by a reader that read the bytes before a repair outlives it and costs
+one more rewrite, no more; GC deletes the records of chunks it deleted. A failure to read
+proves nothing and is never noted.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import threading
+import time
 
-_DAMAGED: set[tuple[str, str]] = set()
+from ckptflow.errors import CkptflowError
+from ckptflow.format import layout as fmt
+from ckptflow.store.base import ObjectInfo, Store
+
+log = logging.getLogger("ckptflow")
+_NAME = re.compile(rf"{re.escape(fmt.DAMAGED_PREFIX)}([0-9a-f]{{64}})\.json")
+_DAMAGED: set[tuple[str, str]] = set()  # (store URL, digest)
 _lock = threading.Lock()
 
 
-def note(url: str, digest: str) -> None:
+def note(store: Store, digest: str, error: str) -> None:
+    """Chunk object ``digest`` of ``store`` was read and refused (``error``): no save of this
+    process keeps it, and a record tells every other process's saves. A store that cannot
+    take the record now is logged, not raised: the damage found is what the caller reports."""
     with _lock:
-        _DAMAGED.add((url, digest))
+        _DAMAGED.add((store.url, digest))
+    body = json.dumps({"digest": digest, "error": error[:2000], "found_at": time.time()})
+    try:
+        store.put_if_absent(fmt.damaged_key(digest), body.encode())
+    except (CkptflowError, OSError) as e:
+        log.warning(
+            "chunk %s… of %s is damaged but the store could not record it (%s); saves in this process write it "
+            "anew, saves elsewhere keep it until their next full save",
+            digest[:16],
+            store.url,
+            e,
+        )
+
+
+def records(store: Store) -> dict[str, ObjectInfo]:
+    """Every chunk object ``store`` records as damaged: digest -> its record (one listing)."""
+    return {m[1]: info for info in store.list(fmt.DAMAGED_PREFIX) if (m := _NAME.fullmatch(info.key))}
+
+
+def load(store: Store) -> None:
+    """Note every chunk object ``store`` records as damaged: what a save does before it
+    decides which chunks to keep."""
+    listed = records(store)
+    with _lock:
+        _DAMAGED.update((store.url, digest) for digest in listed)
 
 
 def known(url: str, digest: str) -> bool:
@@ -30,6 +75,14 @@ def known(url: str, digest: str) -> bool:
         return (url, digest) in _DAMAGED
 
 
-def repaired(url: str, digest: str) -> None:
+def repaired(store: Store, digest: str) -> None:
+    """``digest`` was just written anew in ``store`` from bytes that hash to it: forgotten,
+    and its record (if this process knew of one) deleted."""
     with _lock:
-        _DAMAGED.discard((url, digest))
+        if (store.url, digest) not in _DAMAGED:
+            return
+        _DAMAGED.discard((store.url, digest))
+    try:
+        store.delete(fmt.damaged_key(digest))
+    except (CkptflowError, OSError) as e:  # the repair stands; a stale record costs one more rewrite
+        log.warning("chunk %s… of %s was repaired but its damage record stays (%s)", digest[:16], store.url, e)

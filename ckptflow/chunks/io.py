@@ -176,7 +176,7 @@ class ChunkStore(ChunkReader):
         )
         if rewrite:
             self.store.replace(key, encoded.parts)
-            damaged.repaired(self.store.url, digest)
+            damaged.repaired(self.store, digest)
             return written
         if self.store.put_if_absent(key, encoded.parts):
             return written
@@ -230,6 +230,7 @@ class ChunkStore(ChunkReader):
                 "the stored copy was left as it is"
             ) from None
         self.store.replace(key, blob)
+        damaged.repaired(self.store, digest)
         return len(blob)
 
     def reencode(

@@ -96,16 +96,17 @@ class ChunkReader:
         except ObjectNotFoundError:
             raise self._missing(digest, key) from None
         except ObjectTooLargeError as e:
-            damaged.note(self.store.url, digest)
-            raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
+            error = CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)")
+            damaged.note(self.store, digest, str(error))
+            raise error from None
 
     def _decoded(self, digest: str, blob: bytes, size: int, *, out: memoryview | None = None) -> memoryview:
         """``blob`` decoded (into ``out`` if given) and verified against ``digest``. An
-        object refused here is noted (``damaged``), so no save of this process reuses it."""
+        object refused here is noted and recorded (``damaged``), so no save reuses it."""
         try:
             return self._decode_verified(digest, blob, size, out)
-        except CorruptChunkError:
-            damaged.note(self.store.url, digest)
+        except CorruptChunkError as e:
+            damaged.note(self.store, digest, str(e))
             raise
 
     def _decode_verified(self, digest: str, blob: bytes, size: int, out: memoryview | None) -> memoryview:

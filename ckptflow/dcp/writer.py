@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ckptflow.catalog.commit import commit_manifest
+from ckptflow.chunks import damaged
 from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
 from ckptflow.dcp import regions
@@ -150,7 +151,9 @@ class CheckpointWriter(StorageWriter):
     where it equals the region's previous one takes that save's fast checksum and address for
     it instead of computing BLAKE3 again (the cryptographic hash runs over changed bytes
     only); an incremental save also reuses that save's chunk without asking the store whether
-    it exists (``ChunkStore.put``'s ``known``), while a full one writes it anew. Every byte
+    it exists (``ChunkStore.put``'s ``known``), while a full one writes it anew; a chunk some
+    reader proved damaged is written anew by either (``ckptflow.chunks.damaged``, whose
+    records each save lists first). Every byte
     is still read, so a change made any way at all (in place, through ``.data``, a view or
     another tensor sharing the storage) is seen;
     what is trusted is xxh3-128 telling one's own two versions of a region apart, not a
@@ -234,6 +237,7 @@ class CheckpointWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         try:
             with save_lease(self.chunks.store) as lease:
+                damaged.load(self.chunks.store)  # chunks another process proved damaged: written anew
                 with self.chunks.store.batch():  # durable when it ends: before the rank record and the commit
                     results = self._write_chunks(plan, planner)
                 if lease.lost:  # GC may have taken the store for dead-writer chunks meanwhile

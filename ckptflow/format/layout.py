@@ -119,6 +119,15 @@ def undecodable_key(digest: str, stored: str) -> str:
     return f"{UNDECODABLE_PREFIX}{digest}.{stored}.json"
 
 
+DAMAGED_PREFIX = "damaged/"
+
+
+def damaged_key(digest: str) -> str:
+    """Where a reader records that the chunk object ``digest`` holds bytes that are not its
+    content, until a save writes it anew (``ckptflow.chunks.damaged``)."""
+    return f"{DAMAGED_PREFIX}{digest}.json"
+
+
 def run_lock_key(run: str) -> str:
     """The lock a save holds while it decides whether a manifest already at its step may be
     replaced (``ckptflow.catalog.commit``); on a local store a hidden ``flock`` file, never an object."""

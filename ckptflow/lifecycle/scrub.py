@@ -1,7 +1,9 @@
 """Scrub: re-verify old checkpoints (bit rot, lost objects) and record each verdict.
 
 A checkpoint the store would not let it read (an outage) keeps its earlier verdict: it
-is listed as unreadable, never recorded as failed."""
+is listed as unreadable, never recorded as failed. A chunk object found damaged is
+recorded in the store (``ckptflow.chunks.damaged``): the next save of a job that holds
+its content writes it anew, which repairs every checkpoint sharing it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import damaged
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.validate import validate
@@ -20,6 +23,7 @@ class ScrubReport:
     checked: int = 0
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (run, step, problems)
     unreadable: list[str] = field(default_factory=list)  # checkpoints that could not be looked at: no verdict
+    damaged_chunks: int = 0  # chunk objects the store records as damaged, awaiting a save that writes them anew
 
 
 def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = None) -> ScrubReport:
@@ -44,4 +48,5 @@ def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = No
         report.checked += 1
         if not record["ok"]:
             report.corrupt.append((item.run, item.step, "; ".join(record["problems"])))
+    report.damaged_chunks = len(damaged.records(store))
     return report

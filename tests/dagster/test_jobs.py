@@ -11,6 +11,7 @@ from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
 from assets.partitions import in_step_order, parse_checkpoint_key
 from ckptflow import lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import damaged
 from ckptflow.format import layout as fmt
 from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
@@ -154,12 +155,15 @@ def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, 
     job = defs.resolve_job_def("scrub_job")
     config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
     assert job.execute_in_process(instance=instance, run_config=config).success
-    corrupt_chunk(store_with_checkpoints, RUN, 20)
+    rotten = corrupt_chunk(store_with_checkpoints, RUN, 20)
     result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
     assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    assert failure.step_failure_data.user_failure_data.metadata["damaged_chunks"].value == 1
     store = open_store(store_with_checkpoints)
     assert record(store, 20, "validation")["ok"] is False
     assert record(store, 10, "validation")["ok"] is True
+    assert set(damaged.records(store)) == {rotten}  # the training job's next save writes it anew
 
 
 def test_failure_sensor_records_runs_that_failed_before_it_started_and_tags_them(

@@ -10,6 +10,9 @@ replacing it, resizing it, or ``load_state_dict`` into it.
 """
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from torch import nn
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import io as chunk_io
+from ckptflow.format import layout as fmt
 from support.corrupt import chunk_path, flip_byte
 
 CHUNK = 256  # bytes: every tensor here spans several chunks
@@ -225,3 +229,38 @@ def test_a_step_saved_again_after_its_restore_was_refused_does_not_reuse_the_dam
     assert make_ck().restore(fresh).step == 2
     assert torch.equal(fresh["w"], state(2)["w"])
     assert resumed.verify(2, deep=True).ok
+
+
+@pytest.mark.parametrize("kind", ["incremental", "full"])
+def test_damage_found_by_another_process_is_written_anew_by_the_next_save(make_ck, ckpt_store_dir, kind):
+    """A frozen tensor's chunk rots; ``ckptflow verify``, run by an operator in another
+    process, finds it. The training job never read it, and its incremental saves keep the
+    previous save's chunks without looking: unless it learns of the damage from the store,
+    every checkpoint it writes references the rotten object, and a crash before the next
+    full save leaves nothing to restore. Its next save writes the chunk anew, which repairs
+    every checkpoint sharing it, and the damage record goes with the repair."""
+    torch.manual_seed(0)
+    state = {"frozen": torch.randn(4096), "head": torch.randn(64)}
+    ck = make_ck(chunk_bytes=CHUNK)
+    ck.save(1, state, kind="full", rng=False)
+    state["head"] += 1.0
+    ck.save(2, state, kind="incremental", rng=False)
+    items = catalog.read_manifest(ck.store, "r", 2).items()
+    frozen = next(item for item in items if item.fqn == "frozen").chunks[5][0]
+    flip_byte(chunk_path(ckpt_store_dir, frozen), -1)
+    verify = subprocess.run(
+        [str(Path(sys.executable).parent / "ckptflow"), "verify", ckpt_store_dir, "--run", "r", "--all"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert (Path(ckpt_store_dir) / fmt.damaged_key(frozen)).is_file()
+    state["head"] += 1.0
+    ck.save(3, state, kind=kind, rng=False)
+    for step in (1, 2, 3):  # one rewrite repaired the chunk for every checkpoint sharing it
+        assert make_ck().verify(step, deep=True).ok
+    fresh = {"frozen": torch.zeros(4096), "head": torch.zeros(64)}
+    assert make_ck().restore(fresh).step == 3
+    assert torch.equal(fresh["frozen"], state["frozen"]) and torch.equal(fresh["head"], state["head"])
+    assert not (Path(ckpt_store_dir) / fmt.damaged_key(frozen)).exists()
