@@ -141,16 +141,16 @@ def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: C
             "checked": report.checked,
             "corrupt": len(corrupt),
             "unreadable": len(report.unreadable),
-            "damaged_chunks": report.damaged_chunks,
+            **({"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}),
         }
     )
     listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))
     if corrupt:
         raise Failure(
-            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; "
-            f"{report.damaged_chunks} damaged chunk object(s) are recorded, and the next save of a job that still "
-            "holds their content writes them anew (a repair for every checkpoint sharing one)",
-            metadata={"corrupt": listed, "damaged_chunks": report.damaged_chunks},
+            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; the damaged "
+            "chunk objects found are recorded, and the next save of a job that still holds their content writes "
+            "them anew (a repair for every checkpoint sharing one)",
+            metadata={"corrupt": listed, "damaged_chunks": report.damaged_chunks or 0},
             allow_retries=False,
         )
     if report.unreadable:

@@ -16,8 +16,8 @@ lists the records once before it writes (``load``), and ``put`` writes a noted c
 (an atomic replace of bytes proved wrong by bytes that hash to the address: a repair, for
 every checkpoint that shares it), then forgets it and deletes its record (``repaired``).
 A record written by a reader that read the bytes before a repair outlives it and costs
-one more rewrite, no more; GC deletes the records of chunks it deleted. A failure to read
-proves nothing and is never noted.
+one more rewrite, no more; GC deletes the records of chunks it no longer stores. A failure
+to read proves nothing and is never noted.
 """
 
 from __future__ import annotations
@@ -34,19 +34,21 @@ from ckptflow.store.base import ObjectInfo, Store
 
 log = logging.getLogger("ckptflow")
 _NAME = re.compile(rf"{re.escape(fmt.DAMAGED_PREFIX)}([0-9a-f]{{64}})\.json")
-_DAMAGED: set[tuple[str, str]] = set()  # (store URL, digest)
+_DAMAGED: dict[tuple[str, str], float | None] = {}  # (store URL, digest) -> its record's mtime, if listed
+_STUCK: dict[tuple[str, str], float] = {}  # records this process repaired yet could not delete, by mtime
 _lock = threading.Lock()
 
 
 def note(store: Store, digest: str, error: str) -> None:
     """Chunk object ``digest`` of ``store`` was read and refused (``error``): no save of this
-    process keeps it, and a record tells every other process's saves. A store that cannot
+    process keeps it, and a record tells every other process's saves (written anew at each
+    finding, so its time says when the object was last found damaged). A store that cannot
     take the record now is logged, not raised: the damage found is what the caller reports."""
     with _lock:
-        _DAMAGED.add((store.url, digest))
+        _DAMAGED.setdefault((store.url, digest), None)
     body = json.dumps({"digest": digest, "error": error[:2000], "found_at": time.time()})
     try:
-        store.put_if_absent(fmt.damaged_key(digest), body.encode())
+        store.replace(fmt.damaged_key(digest), body.encode())
     except (CkptflowError, OSError) as e:
         log.warning(
             "chunk %s… of %s is damaged but the store could not record it (%s); saves in this process write it "
@@ -64,10 +66,24 @@ def records(store: Store) -> dict[str, ObjectInfo]:
 
 def load(store: Store) -> None:
     """Note every chunk object ``store`` records as damaged: what a save does before it
-    decides which chunks to keep."""
-    listed = records(store)
+    decides which chunks to keep. Records that cannot be listed (another user's, an outage)
+    are logged, and the save goes on without them: it then keeps what it would have kept
+    before records existed, and a store that is down fails its writes anyway."""
+    try:
+        listed = records(store)
+    except (CkptflowError, OSError) as e:
+        log.warning(
+            "the damage records in %s/%s cannot be listed (%s): this save may keep chunks other processes found "
+            "damaged; let the training job read and write that prefix",
+            store.url,
+            fmt.DAMAGED_PREFIX,
+            e,
+        )
+        return
     with _lock:
-        _DAMAGED.update((store.url, digest) for digest in listed)
+        for digest, info in listed.items():
+            if _STUCK.get((store.url, digest)) != info.mtime:  # not a record of a damage already repaired
+                _DAMAGED[(store.url, digest)] = info.mtime
 
 
 def known(url: str, digest: str) -> bool:
@@ -77,12 +93,17 @@ def known(url: str, digest: str) -> bool:
 
 def repaired(store: Store, digest: str) -> None:
     """``digest`` was just written anew in ``store`` from bytes that hash to it: forgotten,
-    and its record (if this process knew of one) deleted."""
+    and its record (if this process knew of one) deleted. A record this process may not
+    delete (another user's) is remembered by its time, so later saves do not write the
+    chunk anew again for it; a finding after the repair writes it anew, with a new time."""
     with _lock:
         if (store.url, digest) not in _DAMAGED:
             return
-        _DAMAGED.discard((store.url, digest))
+        listed_at = _DAMAGED.pop((store.url, digest))
     try:
         store.delete(fmt.damaged_key(digest))
-    except (CkptflowError, OSError) as e:  # the repair stands; a stale record costs one more rewrite
+    except (CkptflowError, OSError) as e:  # the repair stands
+        if listed_at is not None:
+            with _lock:
+                _STUCK[(store.url, digest)] = listed_at
         log.warning("chunk %s… of %s was repaired but its damage record stays (%s)", digest[:16], store.url, e)

@@ -149,7 +149,7 @@ class ChunkStore(ChunkReader):
             else:
                 if reused is not None:
                     return reused
-                rewrite = True  # a delta whose base is gone: store it anew
+                rewrite = True  # a delta whose base is gone or damaged: store it anew
         if not rewrite:
             try:
                 existing = self.store.stat(key)
@@ -159,7 +159,7 @@ class ChunkStore(ChunkReader):
                 reused = self._reuse(digest, existing.size, len(raw), checksum)
                 if reused is not None:
                     return reused
-                rewrite = True  # a delta whose base is gone: store it anew
+                rewrite = True  # a delta whose base is gone or damaged: store it anew
         encoded = encoder(raw, digest) if encoder else Encoded(codecs.encode(raw, codec, itemsize, floating=floating))
         if rewrite and encoded.base is not None:
             encoded = Encoded(plain_encoding(raw, itemsize=itemsize, floating=floating))
@@ -186,12 +186,16 @@ class ChunkStore(ChunkReader):
 
     def _reuse(self, digest: str, size: int, raw_len: int, checksum: str, stored: str = "") -> ChunkWrite | None:
         """Keep a stored chunk (touching it and any delta base so GC's grace period
-        restarts for both); None if it is a delta whose base no longer exists. ``stored``:
-        the checksum of the object as this process stored it (a read checks it still is)."""
+        restarts for both); None if it is a delta whose base no longer exists or was proved
+        damaged (``damaged``: this save cannot repair a base whose content it may no longer
+        hold, but it need not depend on it). ``stored``: the checksum of the object as this
+        process stored it (a read checks it still is)."""
         key = chunk_key(digest)
         base = codecs.delta_base(self.store.read_head(key, codecs.HEAD_BYTES))
         base_bytes = 0
         if base is not None:
+            if damaged.known(self.store.url, base):
+                return None
             try:
                 base_bytes = self.store.stat(chunk_key(base)).size
                 self.store.touch(chunk_key(base))

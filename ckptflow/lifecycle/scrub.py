@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import damaged
-from ckptflow.errors import StoreUnavailableError
+from ckptflow.errors import CkptflowError, StoreUnavailableError
+from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.validate import validate
 from ckptflow.store.base import Store
@@ -23,7 +24,7 @@ class ScrubReport:
     checked: int = 0
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (run, step, problems)
     unreadable: list[str] = field(default_factory=list)  # checkpoints that could not be looked at: no verdict
-    damaged_chunks: int = 0  # chunk objects the store records as damaged, awaiting a save that writes them anew
+    damaged_chunks: int | None = None  # chunk objects recorded as damaged, awaiting a save that writes them anew
 
 
 def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = None) -> ScrubReport:
@@ -48,5 +49,8 @@ def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = No
         report.checked += 1
         if not record["ok"]:
             report.corrupt.append((item.run, item.step, "; ".join(record["problems"])))
-    report.damaged_chunks = len(damaged.records(store))
+    try:
+        report.damaged_chunks = len(damaged.records(store))
+    except (CkptflowError, OSError) as e:  # the verdicts stand; the count is for another run
+        report.unreadable.append(f"the damage records in {store.url}/{fmt.DAMAGED_PREFIX}: {e}")
     return report

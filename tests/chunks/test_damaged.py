@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, gc
+from ckptflow import Checkpointer, gc, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import damaged
 from ckptflow.chunks.io import ChunkStore, ChunkWrite
@@ -49,7 +49,7 @@ def test_a_store_that_cannot_take_the_record_still_gets_the_damage_reported(chun
     def refuse(key, data):
         raise StoreUnavailableError(f"{key}: read-only credentials")
 
-    monkeypatch.setattr(chunks.store, "put_if_absent", refuse)
+    monkeypatch.setattr(chunks.store, "replace", refuse)
     with caplog.at_level(logging.WARNING, logger="ckptflow"), pytest.raises(CorruptChunkError, match="address"):
         chunks.get(write.digest, len(payload))
     assert "could not record it" in caplog.text and "read-only credentials" in caplog.text
@@ -70,3 +70,65 @@ def test_gc_deletes_the_records_of_chunks_no_longer_stored_and_keeps_those_await
     report = gc(chunks.store, grace=0)
     assert {key for key, _ in report.deleted} == {fmt.damaged_key(swept.digest)}
     assert set(damaged.records(chunks.store)) == {referenced}  # still damaged: the next save of it repairs it
+
+
+def test_a_record_the_saver_may_not_delete_costs_one_rewrite_until_the_chunk_is_found_damaged_again(
+    chunks, tmp_path, monkeypatch
+):
+    payload = os.urandom(4096)
+    write = _rotten(chunks, tmp_path, payload)
+    with pytest.raises(CorruptChunkError):
+        chunks.get(write.digest, len(payload))  # another user's verify: its record
+    saver = ChunkStore(open_store(str(tmp_path / "store")))
+
+    def denied(key):
+        raise PermissionError(13, "Permission denied", key)
+
+    monkeypatch.setattr(saver.store, "delete", denied)
+    damaged.load(saver.store)
+    assert saver.put(memoryview(payload), known=write).written  # repaired; the record stays
+    damaged.load(saver.store)
+    assert not saver.put(memoryview(payload), known=write).written  # not for that record again
+    flip_byte(chunk_path(tmp_path / "store", write.digest), -1)
+    with pytest.raises(CorruptChunkError):
+        chunks.get(write.digest, len(payload))  # rotten again, found again: the record is renewed
+    damaged.load(saver.store)
+    assert saver.put(memoryview(payload), known=write).written
+    assert bytes(saver.get(write.digest, len(payload))) == payload
+
+
+def test_a_save_whose_store_hides_the_records_goes_on_and_says_why(tmp_path, caplog, monkeypatch):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r", chunk_bytes=1024) as ck:
+        real_list = ck.store.list
+
+        def denied(prefix, **kwargs):
+            if prefix == fmt.DAMAGED_PREFIX:
+                raise PermissionError(13, "Permission denied", os.path.join(root, prefix))
+            return real_list(prefix, **kwargs)
+
+        monkeypatch.setattr(ck.store, "list", denied)
+        with caplog.at_level(logging.WARNING, logger="ckptflow"):
+            ck.save(1, {"w": torch.randn(1024)}, rng=False)
+    assert "damage records" in caplog.text and "cannot be listed" in caplog.text and "Permission denied" in caplog.text
+    assert Checkpointer(root, "r").verify(1, deep=True).ok
+
+
+def test_scrub_keeps_what_it_found_when_the_records_cannot_be_counted(tmp_path, monkeypatch):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r", chunk_bytes=1024) as ck:
+        ck.save(1, {"w": torch.randn(1024)}, rng=False)
+        victim = sorted(catalog.read_manifest(ck.store, "r", 1).chunks)[0]
+    flip_byte(chunk_path(root, victim), -1)
+    store = open_store(root)
+    real_list = store.list
+
+    def outage(prefix, **kwargs):
+        if prefix == fmt.DAMAGED_PREFIX:
+            raise StoreUnavailableError("ListObjectsV2 damaged/: SlowDown, retries exhausted")
+        return real_list(prefix, **kwargs)
+
+    monkeypatch.setattr(store, "list", outage)
+    report = lifecycle.scrub(store, older_than_s=0)
+    assert [(run, step) for run, step, _ in report.corrupt] == [("r", 1)]
+    assert report.damaged_chunks is None and "SlowDown" in report.unreadable[0]

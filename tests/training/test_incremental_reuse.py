@@ -264,3 +264,25 @@ def test_damage_found_by_another_process_is_written_anew_by_the_next_save(make_c
     assert make_ck().restore(fresh).step == 3
     assert torch.equal(fresh["frozen"], state["frozen"]) and torch.equal(fresh["head"], state["head"])
     assert not (Path(ckpt_store_dir) / fmt.damaged_key(frozen)).exists()
+
+
+def test_a_delta_on_a_base_proved_damaged_is_stored_plainly_by_the_next_save(make_ck, ckpt_store_dir):
+    """Codec "auto" stored step 2's chunk as a delta on step 1's; that base rots and scrub
+    finds it (step 1 only: the delta itself is never read). The job no longer holds the
+    base's content, so it cannot repair it, but its next incremental save must not keep a
+    chunk that depends on it: it stores that chunk plainly. (Step 2 stays unrestorable: its
+    manifest lists the base among its chunks.)"""
+    torch.manual_seed(0)
+    w = torch.randn(4096)
+    ck = make_ck(chunk_bytes=4096, codec="auto")
+    ck.save(1, {"w": w}, kind="full", rng=False)
+    w += 1e-4 * torch.randn(4096)  # a layer that then stops changing
+    ck.save(2, {"w": w}, kind="incremental", rng=False)
+    delta, base = min(catalog.read_manifest(ck.store, "r", 2).bases.items())
+    flip_byte(chunk_path(ckpt_store_dir, base), -1)
+    assert not make_ck().verify(1, deep=True).ok  # what scrub does: it records the base
+    ck.save(3, {"w": w}, kind="incremental", rng=False)
+    assert delta not in catalog.read_manifest(ck.store, "r", 3).bases
+    assert make_ck().verify(3, deep=True).ok
+    fresh = {"w": torch.zeros(4096)}
+    assert make_ck().restore(fresh).step == 3 and torch.equal(fresh["w"], w)
