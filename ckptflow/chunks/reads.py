@@ -35,7 +35,8 @@ SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it ke
 # at once than there are cores only evict each other's planes from the cache (1 GiB of zstd
 # chunks on 2 cores: 2.9 s with 8 threads decoding, 1.6 s with 2). Held for the decode and
 # its check only, never across a read (a delta's base is fetched first), never nested.
-_DECODING = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+_DECODING = threading.BoundedSemaphore(CORES)
 
 
 @dataclass(frozen=True)

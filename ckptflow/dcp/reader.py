@@ -7,9 +7,11 @@ every chunk before any of them is written into the caller's tensors.
 from __future__ import annotations
 
 import io
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ckptflow.chunks import reads
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.chunks.reads import CheckedChunk
@@ -80,6 +83,12 @@ class CheckpointReader(StorageReader):
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)
+        # Pass two reads what pass one just read, from the page cache: CPU work (the kernel's
+        # copy, checksums, decoding) that runs fastest one thread per core; more evict each
+        # other's pieces from the CPU cache and queue on the GIL. Pass one, which may wait
+        # on the disk, keeps the pool's width; so does any pass over a store far away.
+        local = chunks.store.cheap_reread and not single_pass
+        self._in_place_slots = threading.BoundedSemaphore(reads.CORES) if local else nullcontext()
         self.loaded: Seen = {}  # once read_data succeeds: the regions it loaded (``ckptflow.dcp.regions``)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -182,7 +191,8 @@ class CheckpointReader(StorageReader):
             if self.progress:
                 self.progress(len(out))
         else:
-            self.chunks.read_checked(checked[digest], out)
+            with self._in_place_slots:
+                self.chunks.read_checked(checked[digest], out)
 
 
 def _as_torch_save(skeleton: Any) -> io.BytesIO:

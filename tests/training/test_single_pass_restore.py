@@ -10,13 +10,15 @@ reported as a partly written state (``PartialRestoreError``), never a silent fal
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
 
 from ckptflow import Checkpointer, PartialRestoreError
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.chunks import codecs
+from ckptflow.chunks import codecs, reads
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import CorruptChunkError
 from ckptflow.format.layout import chunk_key
@@ -149,3 +151,34 @@ def test_single_pass_into_a_non_contiguous_target_is_exact(make_ck):
     make_ck().restore(live, single_pass=True)
     for name, value in saved.items():
         assert torch.equal(live[name], value)
+
+
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_the_second_pass_reads_one_chunk_per_core_at_a_time(tmp_path, monkeypatch, single_pass):
+    """Pass two reads from the page cache what pass one just read: CPU work, which runs no
+    wider than the cores (``reads.CORES``, one here) whatever the pool's width; a single
+    pass may wait on the disk and keeps the pool's width."""
+    root = str(tmp_path / "store")
+    _save(root, "raw", steps=(1,))
+    monkeypatch.setattr(reads, "CORES", 1)
+    running, widest, lock = [0], [0], threading.Lock()
+    for name in ("read_checked", "read_verified"):
+        real = getattr(ChunkStore, name)
+
+        def counted(self, *args, _real=real):
+            with lock:
+                running[0] += 1
+                widest[0] = max(widest[0], running[0])
+            try:
+                time.sleep(0.002)  # long enough for the pool's other threads to start theirs
+                return _real(self, *args)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        monkeypatch.setattr(ChunkStore, name, counted)
+    target = blank_like(drifting_state(1))
+    with Checkpointer(root, RUN, threads=8) as ck:
+        ck.restore(target, single_pass=single_pass)
+    assert_tensors_equal(target, drifting_state(1))
+    assert widest[0] > 1 if single_pass else widest[0] == 1
