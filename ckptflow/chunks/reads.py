@@ -97,9 +97,13 @@ class ChunkReader:
         except ObjectNotFoundError:
             raise self._missing(digest, key) from None
         except ObjectTooLargeError as e:
-            error = CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)")
-            damaged.note(self.store, digest, str(error))
-            raise error from None
+            raise self._too_large(digest, e, size) from None
+
+    def _too_large(self, digest: str, error: ObjectTooLargeError, size: int) -> CorruptChunkError:
+        """The damage a chunk object larger than its manifest allows is, noted (``damaged``)."""
+        damage = CorruptChunkError(f"chunk {error} (the manifest says {size} raw bytes)")
+        damaged.note(self.store, digest, str(damage))
+        return damage
 
     def _decoded(self, digest: str, blob: bytes, size: int, *, out: memoryview | None = None) -> memoryview:
         """``blob`` decoded (into ``out`` if given) and verified against ``digest``. An
@@ -220,7 +224,7 @@ class ChunkReader:
         except ObjectNotFoundError:
             raise self._missing(digest, chunk_key(digest)) from None
         except ObjectTooLargeError as e:
-            raise CorruptChunkError(f"chunk {e} (the manifest says {size} raw bytes)") from None
+            raise self._too_large(digest, e, size) from None
         except NotRaw:
             return None
         if scan.as_stored is not None:

@@ -153,9 +153,8 @@ class CheckpointWriter(StorageWriter):
     only); an incremental save also reuses that save's chunk without asking the store whether
     it exists (``ChunkStore.put``'s ``known``), while a full one writes it anew; a chunk some
     reader proved damaged is written anew by either (``ckptflow.chunks.damaged``, whose
-    records each save lists first). Every byte
-    is still read, so a change made any way at all (in place, through ``.data``, a view or
-    another tensor sharing the storage) is seen;
+    records each save lists first). Every byte is still read, so a change made any way at
+    all (in place, through ``.data``, a view or another tensor sharing the storage) is seen;
     what is trusted is xxh3-128 telling one's own two versions of a region apart, not a
     defence against forgery (cross-run dedup and ``verify --deep`` keep the address)."""
 
