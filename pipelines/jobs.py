@@ -144,13 +144,18 @@ def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: C
             **({"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}),
         }
     )
+    if report.records_error:
+        context.log.warning(report.records_error)
     listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))
     if corrupt:
         raise Failure(
-            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; the damaged "
-            "chunk objects found are recorded, and the next save of a job that still holds their content writes "
-            "them anew (a repair for every checkpoint sharing one)",
-            metadata={"corrupt": listed, "damaged_chunks": report.damaged_chunks or 0},
+            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; a chunk object "
+            "refused is recorded in the store (where scrub may write), and the next save of a job that still holds "
+            "its content writes it anew, a repair for every checkpoint sharing it",
+            metadata={
+                "corrupt": listed,
+                **({"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}),
+            },
             allow_retries=False,
         )
     if report.unreadable:

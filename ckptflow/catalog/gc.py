@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store import open_store
 from ckptflow.store.base import ObjectInfo, Store
+
+log = logging.getLogger("ckptflow")
 
 
 @dataclass
@@ -97,6 +100,16 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
     return live, loose
 
 
+def _damage_records(store: Store) -> list[tuple[str, ObjectInfo]]:
+    """The damage records (``ckptflow.chunks.damaged``): a chunk no longer stored needs no
+    repair. Records this GC may not list are left for one that may (logged)."""
+    try:
+        return list(damaged.records(store).items())
+    except (CkptflowError, OSError) as e:
+        log.warning("GC leaves the damage records of %s alone: they cannot be listed (%s)", store.url, e)
+        return []
+
+
 def gc(
     store: Store | str,
     grace: str | float = "1h",
@@ -144,8 +157,7 @@ def gc(
                 kept.add(info.key.rsplit("/", 1)[-1])
             else:
                 doomed.append(info)
-        records = damaged.records(store).items()  # a chunk no longer stored needs no repair
-        doomed += [info for digest, info in records if digest not in kept and info.mtime < cutoff]
+        doomed += [info for digest, info in _damage_records(store) if digest not in kept and info.mtime < cutoff]
         temps = list(store.stale_temp_files(cutoff))
         report.deleted = [(info.key, info.size) for info in doomed + temps]
         if dry_run:

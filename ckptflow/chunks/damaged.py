@@ -34,21 +34,22 @@ from ckptflow.store.base import ObjectInfo, Store
 
 log = logging.getLogger("ckptflow")
 _NAME = re.compile(rf"{re.escape(fmt.DAMAGED_PREFIX)}([0-9a-f]{{64}})\.json")
-_DAMAGED: dict[tuple[str, str], float | None] = {}  # (store URL, digest) -> its record's mtime, if listed
-_STUCK: dict[tuple[str, str], float] = {}  # records this process repaired yet could not delete, by mtime
+_DAMAGED: dict[tuple[str, str], str | None] = {}  # (store URL, digest) -> its record's version, if listed
+_STUCK: dict[tuple[str, str], str] = {}  # records this process repaired yet could not delete, by version
 _lock = threading.Lock()
 
 
 def note(store: Store, digest: str, error: str) -> None:
     """Chunk object ``digest`` of ``store`` was read and refused (``error``): no save of this
     process keeps it, and a record tells every other process's saves (written anew at each
-    finding, so its time says when the object was last found damaged). A store that cannot
-    take the record now is logged, not raised: the damage found is what the caller reports."""
+    finding, so a record a save could not delete is told from a new finding by its version).
+    A store that cannot take the record now is logged, not raised: the damage found is what
+    the caller reports."""
     with _lock:
         _DAMAGED.setdefault((store.url, digest), None)
     body = json.dumps({"digest": digest, "error": error[:2000], "found_at": time.time()})
     try:
-        store.replace(fmt.damaged_key(digest), body.encode())
+        store.metadata_store().replace(fmt.damaged_key(digest), body.encode())
     except (CkptflowError, OSError) as e:
         log.warning(
             "chunk %s… of %s is damaged but the store could not record it (%s); saves in this process write it "
@@ -60,17 +61,20 @@ def note(store: Store, digest: str, error: str) -> None:
 
 
 def records(store: Store) -> dict[str, ObjectInfo]:
-    """Every chunk object ``store`` records as damaged: digest -> its record (one listing)."""
-    return {m[1]: info for info in store.list(fmt.DAMAGED_PREFIX) if (m := _NAME.fullmatch(info.key))}
+    """Every chunk object ``store`` records as damaged: digest -> its record (one listing;
+    records are small objects, kept in a readable class on a cold tier)."""
+    listing = store.metadata_store().list(fmt.DAMAGED_PREFIX)
+    return {m[1]: info for info in listing if (m := _NAME.fullmatch(info.key))}
 
 
 def load(store: Store) -> None:
-    """Note every chunk object ``store`` records as damaged: what a save does before it
-    decides which chunks to keep. Records that cannot be listed (another user's, an outage)
-    are logged, and the save goes on without them: it then keeps what it would have kept
-    before records existed, and a store that is down fails its writes anyway."""
+    """Note every chunk object ``store`` records as damaged, and forget those whose record
+    is gone (repaired by another process, or GC'd): what a save does before it decides which
+    chunks to keep. Records that cannot be listed (another user's, an outage) are logged,
+    and the save goes on without them: it then keeps what it would have kept before records
+    existed, and a store that is down fails its writes anyway."""
     try:
-        listed = records(store)
+        listed = {digest: info.version or repr(info.mtime) for digest, info in records(store).items()}
     except (CkptflowError, OSError) as e:
         log.warning(
             "the damage records in %s/%s cannot be listed (%s): this save may keep chunks other processes found "
@@ -81,9 +85,12 @@ def load(store: Store) -> None:
         )
         return
     with _lock:
-        for digest, info in listed.items():
-            if _STUCK.get((store.url, digest)) != info.mtime:  # not a record of a damage already repaired
-                _DAMAGED[(store.url, digest)] = info.mtime
+        for url, digest in [key for key, version in _DAMAGED.items() if version is not None]:
+            if url == store.url and digest not in listed:
+                del _DAMAGED[(url, digest)]
+        for digest, version in listed.items():
+            if _STUCK.get((store.url, digest)) != version:  # not a record of a damage already repaired
+                _DAMAGED[(store.url, digest)] = version
 
 
 def known(url: str, digest: str) -> bool:
@@ -94,16 +101,16 @@ def known(url: str, digest: str) -> bool:
 def repaired(store: Store, digest: str) -> None:
     """``digest`` was just written anew in ``store`` from bytes that hash to it: forgotten,
     and its record (if this process knew of one) deleted. A record this process may not
-    delete (another user's) is remembered by its time, so later saves do not write the
-    chunk anew again for it; a finding after the repair writes it anew, with a new time."""
+    delete (another user's) is remembered by its version, so this process does not write
+    the chunk anew again for it; a finding after the repair renews the record."""
     with _lock:
         if (store.url, digest) not in _DAMAGED:
             return
-        listed_at = _DAMAGED.pop((store.url, digest))
+        version = _DAMAGED.pop((store.url, digest))
     try:
-        store.delete(fmt.damaged_key(digest))
+        store.metadata_store().delete(fmt.damaged_key(digest))
     except (CkptflowError, OSError) as e:  # the repair stands
-        if listed_at is not None:
+        if version is not None:
             with _lock:
-                _STUCK[(store.url, digest)] = listed_at
+                _STUCK[(store.url, digest)] = version
         log.warning("chunk %s… of %s was repaired but its damage record stays (%s)", digest[:16], store.url, e)

@@ -35,7 +35,7 @@ SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it ke
 # at once than there are cores only evict each other's planes from the cache (1 GiB of zstd
 # chunks on 2 cores: 2.9 s with 8 threads decoding, 1.6 s with 2). Held for the decode and
 # its check only, never across a read (a delta's base is fetched first), never nested.
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _DECODING = threading.BoundedSemaphore(CORES)
 
 
@@ -74,8 +74,7 @@ class ChunkReader:
         self.stored_checksums = stored_checksums or {}  # digest -> checksum of the object as stored (first pass)
         self.address = address  # the manifest's kind of address: tried first (``checksum.matches_address``)
         self._local = threading.local()  # per-thread scratch buffers for ``check``
-        self._saved_wrongly: frozenset[tuple[str, str]] | Exception | None = None  # listed on first need
-        self._saved_wrongly_lock = threading.Lock()
+        self._saved_wrongly = undecodable.Listing(store)  # listed on first need
 
     def get(self, digest: str, size: int) -> memoryview:
         """Raw bytes of a chunk the manifest says holds ``size`` raw bytes, verified against
@@ -152,12 +151,15 @@ class ChunkReader:
         except ObjectNotFoundError:
             raise CorruptChunkError(f"its delta base {self.store.url}/{chunk_key(digest)} is missing") from None
         except ObjectTooLargeError as e:
-            raise CorruptChunkError(f"its delta base {e} (the delta needs {size} raw bytes)") from None
+            damage = CorruptChunkError(f"its delta base {e} (the delta needs {size} raw bytes)")
+            damaged.note(self.store, digest, str(damage))
+            raise damage from None
 
     def base_raw(self, digest: str, size: int) -> tuple[memoryview, int]:
         """A delta base's raw bytes, verified, and its stored size: what a delta is computed
         against. A base is never itself a delta: it is decoded without a base reader, so
-        a delta there is refused."""
+        a delta there is refused. A base refused is noted (``damaged``), whoever asked: a
+        restore whose delta it broke, or a save computing a delta on it."""
         key = chunk_key(digest)
         blob = self._base_blob(digest, size)
         try:
@@ -166,6 +168,7 @@ class ChunkReader:
                 raise CorruptChunkError(f"holds {len(raw)} bytes, the delta needs {size}")
             self._verify(digest, key, raw)
         except CorruptChunkError as e:
+            damaged.note(self.store, digest, str(e))
             raise CorruptChunkError(f"its delta base is unusable: {e}") from None
         return raw, len(blob)
 
@@ -255,15 +258,6 @@ class ChunkReader:
         """Whether this chunk object was found saved wrongly (``undecodable``): then it is
         decoded in pass one. The store's records are listed once per reader; a listing that
         failed (an outage: the restore stops) is not tried again for every chunk."""
-        with self._saved_wrongly_lock:
-            if isinstance(self._saved_wrongly, BaseException):
-                raise self._saved_wrongly
-            if self._saved_wrongly is None:
-                try:
-                    self._saved_wrongly = undecodable.recorded(self.store)
-                except Exception as e:
-                    self._saved_wrongly = e
-                    raise
         return (digest, stored) in self._saved_wrongly
 
     def _keep(self, size: int) -> bool:

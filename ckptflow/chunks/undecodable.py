@@ -58,3 +58,25 @@ def record(store: Store, digest: str, stored: str, error: str) -> None:
             store.url,
             e,
         )
+
+
+class Listing:
+    """``recorded(store)``, listed once, when first asked (a reader's whole restore); a
+    listing that failed (an outage: the restore stops) is raised again, not retried per chunk."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._listed: frozenset[tuple[str, str]] | Exception | None = None
+        self._lock = threading.Lock()
+
+    def __contains__(self, found: tuple[str, str]) -> bool:
+        with self._lock:
+            if isinstance(self._listed, BaseException):
+                raise self._listed
+            if self._listed is None:
+                try:
+                    self._listed = recorded(self.store)
+                except Exception as e:
+                    self._listed = e
+                    raise
+        return found in self._listed

@@ -70,6 +70,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"{stats.unreferenced_chunks} ({human_bytes(stats.unreferenced_bytes)})"
         + (f", reclaimable with `{PROG} gc` once older than the grace period" if stats.unreferenced_chunks else "")
     )
+    if stats.damaged_chunks:
+        warn(
+            f"{stats.damaged_chunks} chunk object(s) are recorded damaged: the next save of a job that still holds "
+            f"their content writes them anew; `{PROG} verify --all` names the checkpoints that need them"
+        )
     for r in stats.runs:
         if r.missing_chunks:
             warn(f"run {r.run} references {r.missing_chunks} chunk(s) missing from the store; run `{PROG} verify`")

@@ -83,12 +83,7 @@ class CheckpointReader(StorageReader):
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)
-        # Pass two reads what pass one just read, from the page cache: CPU work (the kernel's
-        # copy, checksums, decoding) that runs fastest one thread per core; more evict each
-        # other's pieces from the CPU cache and queue on the GIL. Pass one, which may wait
-        # on the disk, keeps the pool's width; so does any pass over a store far away.
-        local = chunks.store.cheap_reread and not single_pass
-        self._in_place_slots = threading.BoundedSemaphore(reads.CORES) if local else nullcontext()
+        self._in_place_slots: Any = nullcontext()  # how many chunks pass two reads at once (``read_data``)
         self.loaded: Seen = {}  # once read_data succeeds: the regions it loaded (``ckptflow.dcp.regions``)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -153,6 +148,12 @@ class CheckpointReader(StorageReader):
             raise ReadAborted(failure)
         loading: list = []
         staged = 0  # bytes of staging tensors allocated and not yet copied out
+        if self.chunks.store.cheap_reread and _page_cache_holds(sum(c.size for c in checked.values())):
+            # what pass one just read is in the page cache: pass two is CPU work (the kernel's
+            # copy, checksums, decoding), fastest one chunk per core; more threads evict each
+            # other's pieces from the CPU cache and queue on the GIL. Pass one, which may wait
+            # on the disk, keeps the pool's width; so do a single pass and a remote store.
+            self._in_place_slots = threading.BoundedSemaphore(reads.CORES)
         try:
             for index, reqs in by_storage.items():
                 item = self.storage[index]
@@ -193,6 +194,17 @@ class CheckpointReader(StorageReader):
         else:
             with self._in_place_slots:
                 self.chunks.read_checked(checked[digest], out)
+
+
+def _page_cache_holds(nbytes: int) -> bool:
+    """Whether ``nbytes`` just read are likely all still in the page cache: at most half of
+    the memory Linux reports available (which counts the cache); False where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) << 10 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    return 0 < nbytes <= available // 2
 
 
 def _as_torch_save(skeleton: Any) -> io.BytesIO:

@@ -24,7 +24,8 @@ class ScrubReport:
     checked: int = 0
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (run, step, problems)
     unreadable: list[str] = field(default_factory=list)  # checkpoints that could not be looked at: no verdict
-    damaged_chunks: int | None = None  # chunk objects recorded as damaged, awaiting a save that writes them anew
+    damaged_chunks: int | None = None  # damage records in the store (``damaged``); None: they could not be listed
+    records_error: str = ""  # why they could not be listed (the verdicts stand: no retry for it)
 
 
 def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = None) -> ScrubReport:
@@ -52,5 +53,5 @@ def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = No
     try:
         report.damaged_chunks = len(damaged.records(store))
     except (CkptflowError, OSError) as e:  # the verdicts stand; the count is for another run
-        report.unreadable.append(f"the damage records in {store.url}/{fmt.DAMAGED_PREFIX}: {e}")
+        report.records_error = f"the damage records in {store.url}/{fmt.DAMAGED_PREFIX} could not be listed: {e}"
     return report

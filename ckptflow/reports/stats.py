@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import damaged
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
@@ -105,6 +106,7 @@ class StoreStats(_Ratios):
     data_bytes: int = 0  # raw bytes of the distinct chunks tensors are made of (bases only deltas need excluded)
     missing_raw_bytes: int = 0  # data chunks absent from the store
     held: dict[tuple[str, int], Held] = field(default_factory=dict)
+    damaged_chunks: int = 0  # stored chunk objects a reader refused, until a save writes them anew (``damaged``)
 
     def as_dict(self) -> dict:
         return {
@@ -124,6 +126,7 @@ class StoreStats(_Ratios):
                 "encodings": {k: v.as_dict() for k, v in sorted(self.encodings.items())},
                 "data_bytes": self.data_bytes,
                 "missing_raw_bytes": self.missing_raw_bytes,
+                "damaged_chunks": self.damaged_chunks,
             },
         }
 
@@ -232,4 +235,5 @@ def store_stats(store: Store) -> StoreStats:
         data_bytes=data,
         missing_raw_bytes=missing,
         held={m.ref: _held(m) for m in every},
+        damaged_chunks=len(damaged.records(store).keys() & sizes.keys()),
     )

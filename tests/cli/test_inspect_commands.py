@@ -178,6 +178,16 @@ def test_stats_compression_and_unreferenced(tmp_path, capsys):
     assert doc["store"]["unreferenced_chunks"] == 1 and doc["store"]["unreferenced_bytes"] > 0
 
 
+def test_stats_counts_the_chunks_recorded_damaged_until_a_save_writes_them_anew(store, capsys):
+    root, _, _ = store
+    flip_byte(chunk_path(root, tensor_chunk(root, RUN, 10, "model.0.weight")))
+    assert run_cli(capsys, "verify", root, "--run", RUN, "--all")[0] == 1  # records what it refused
+    code, out, err = run_cli(capsys, "stats", root, "--json")
+    assert code == 0 and json.loads(out)["store"]["damaged_chunks"] == 1
+    code, out, err = run_cli(capsys, "stats", root)
+    assert "1 chunk object(s) are recorded damaged" in err and "verify --all" in err
+
+
 # ---- installed console script ------------------------------------------------------------
 def _console_script() -> str:
     candidate = Path(sys.executable).parent / "ckptflow"

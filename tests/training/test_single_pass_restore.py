@@ -20,6 +20,7 @@ from ckptflow import Checkpointer, PartialRestoreError
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import codecs, reads
 from ckptflow.chunks.io import ChunkStore
+from ckptflow.dcp import reader
 from ckptflow.errors import CorruptChunkError
 from ckptflow.format.layout import chunk_key
 from ckptflow.store import open_store
@@ -153,14 +154,17 @@ def test_single_pass_into_a_non_contiguous_target_is_exact(make_ck):
         assert torch.equal(live[name], value)
 
 
-@pytest.mark.parametrize("single_pass", [False, True])
-def test_the_second_pass_reads_one_chunk_per_core_at_a_time(tmp_path, monkeypatch, single_pass):
+@pytest.mark.parametrize("case", ["cached", "beyond the page cache", "single pass"])
+def test_the_second_pass_reads_one_chunk_per_core_at_a_time_from_the_page_cache(tmp_path, monkeypatch, case):
     """Pass two reads from the page cache what pass one just read: CPU work, which runs no
-    wider than the cores (``reads.CORES``, one here) whatever the pool's width; a single
-    pass may wait on the disk and keeps the pool's width."""
+    wider than the cores (``reads.CORES``, one here) whatever the pool's width. A state too
+    large for the page cache to hold (pass two then waits on the disk) and a single pass
+    keep the pool's width."""
     root = str(tmp_path / "store")
     _save(root, "raw", steps=(1,))
     monkeypatch.setattr(reads, "CORES", 1)
+    if case == "beyond the page cache":
+        monkeypatch.setattr(reader, "_page_cache_holds", lambda nbytes: False)
     running, widest, lock = [0], [0], threading.Lock()
     for name in ("read_checked", "read_verified"):
         real = getattr(ChunkStore, name)
@@ -170,7 +174,7 @@ def test_the_second_pass_reads_one_chunk_per_core_at_a_time(tmp_path, monkeypatc
                 running[0] += 1
                 widest[0] = max(widest[0], running[0])
             try:
-                time.sleep(0.002)  # long enough for the pool's other threads to start theirs
+                time.sleep(0.02)  # long enough for the pool's other threads to start theirs
                 return _real(self, *args)
             finally:
                 with lock:
@@ -179,6 +183,6 @@ def test_the_second_pass_reads_one_chunk_per_core_at_a_time(tmp_path, monkeypatc
         monkeypatch.setattr(ChunkStore, name, counted)
     target = blank_like(drifting_state(1))
     with Checkpointer(root, RUN, threads=8) as ck:
-        ck.restore(target, single_pass=single_pass)
+        ck.restore(target, single_pass=case == "single pass")
     assert_tensors_equal(target, drifting_state(1))
-    assert widest[0] > 1 if single_pass else widest[0] == 1
+    assert widest[0] == 1 if case == "cached" else widest[0] > 1
