@@ -133,3 +133,16 @@ def test_scrub_keeps_what_it_found_when_the_records_cannot_be_counted(tmp_path, 
     assert [(run, step) for run, step, _ in report.corrupt] == [("r", 1)]
     assert report.damaged_chunks is None and "SlowDown" in report.records_error
     assert report.unreadable == []  # every checkpoint was read: nothing to retry
+
+
+def test_a_save_forgets_a_record_another_process_repaired_and_deleted(chunks, tmp_path):
+    payload = os.urandom(4096)
+    write = _rotten(chunks, tmp_path, payload)
+    with pytest.raises(CorruptChunkError):
+        chunks.get(write.digest, len(payload))
+    trainer = open_store(str(tmp_path / "store"))
+    damaged.load(trainer)
+    assert damaged.known(trainer.url, write.digest)
+    trainer.delete(fmt.damaged_key(write.digest))  # another process repaired the chunk, and the record went
+    damaged.load(trainer)
+    assert not damaged.known(trainer.url, write.digest)  # no second rewrite for it here
