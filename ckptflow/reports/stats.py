@@ -19,10 +19,12 @@ copies) and ``plain`` (raw or zstd). ``costs`` prices all of it.
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import damaged
+from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
@@ -106,7 +108,7 @@ class StoreStats(_Ratios):
     data_bytes: int = 0  # raw bytes of the distinct chunks tensors are made of (bases only deltas need excluded)
     missing_raw_bytes: int = 0  # data chunks absent from the store
     held: dict[tuple[str, int], Held] = field(default_factory=dict)
-    damaged_chunks: int = 0  # stored chunk objects a reader refused, until a save writes them anew (``damaged``)
+    damaged_chunks: int | None = 0  # stored objects a reader refused (``damaged``); None: records unlisted
 
     def as_dict(self) -> dict:
         return {
@@ -235,5 +237,12 @@ def store_stats(store: Store) -> StoreStats:
         data_bytes=data,
         missing_raw_bytes=missing,
         held={m.ref: _held(m) for m in every},
-        damaged_chunks=len(damaged.records(store).keys() & sizes.keys()),
+        damaged_chunks=_damaged_chunks(store, sizes.keys()),
     )
+
+
+def _damaged_chunks(store: Store, stored: KeysView[str]) -> int | None:
+    try:
+        return len(damaged.records(store).keys() & stored)
+    except (CkptflowError, OSError):  # the figures above stand without it
+        return None
