@@ -136,13 +136,9 @@ def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: C
     hot = store.open()
     report = lifecycle.scrub(hot, older_than_s=config.older_than_days * DAY)
     corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in report.corrupt]
+    damage = {"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}
     context.add_output_metadata(
-        {
-            "checked": report.checked,
-            "corrupt": len(corrupt),
-            "unreadable": len(report.unreadable),
-            **({"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}),
-        }
+        {"checked": report.checked, "corrupt": len(corrupt), "unreadable": len(report.unreadable), **damage}
     )
     if report.records_error:
         context.log.warning(report.records_error)
@@ -152,10 +148,7 @@ def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: C
             f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; a chunk object "
             "refused is recorded in the store (where scrub may write), and the next save of a job that still holds "
             "its content writes it anew, a repair for every checkpoint sharing it",
-            metadata={
-                "corrupt": listed,
-                **({"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}),
-            },
+            metadata={"corrupt": listed, **damage},
             allow_retries=False,
         )
     if report.unreadable:

@@ -100,16 +100,6 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
     return live, loose
 
 
-def _damage_records(store: Store) -> list[tuple[str, ObjectInfo]]:
-    """The damage records (``ckptflow.chunks.damaged``): a chunk no longer stored needs no
-    repair. Records this GC may not list are left for one that may (logged)."""
-    try:
-        return list(damaged.records(store).items())
-    except (CkptflowError, OSError) as e:
-        log.warning("GC leaves the damage records of %s alone: they cannot be listed (%s)", store.url, e)
-        return []
-
-
 def gc(
     store: Store | str,
     grace: str | float = "1h",
@@ -152,12 +142,16 @@ def gc(
         doomed = [info for info in loose if info.mtime < cutoff] + held.dead  # dead leases go whatever their age
         kept: set[str] = set()
         for info in store.list("chunks/"):
-            if info.key.rsplit("/", 1)[-1] in live or info.mtime >= cutoff:
+            digest = info.key.rsplit("/", 1)[-1]
+            if digest in live or info.mtime >= cutoff:
                 report.kept_chunks += 1
-                kept.add(info.key.rsplit("/", 1)[-1])
+                kept.add(digest)
             else:
                 doomed.append(info)
-        doomed += [info for digest, info in _damage_records(store) if digest not in kept and info.mtime < cutoff]
+        records, why = damaged.listed(store)  # a chunk no longer stored needs no repair
+        if records is None:
+            log.warning("%s: GC leaves them for a GC that may list them", why)
+        doomed += [info for digest, info in (records or {}).items() if digest not in kept and info.mtime < cutoff]
         temps = list(store.stale_temp_files(cutoff))
         report.deleted = [(info.key, info.size) for info in doomed + temps]
         if dry_run:

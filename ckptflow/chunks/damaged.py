@@ -67,28 +67,33 @@ def records(store: Store) -> dict[str, ObjectInfo]:
     return {m[1]: info for info in listing if (m := _NAME.fullmatch(info.key))}
 
 
+def listed(store: Store) -> tuple[dict[str, ObjectInfo] | None, str]:
+    """``(records(store), "")``, or ``(None, why)`` where they cannot be listed (another
+    user's prefix, an outage): what no caller stops for, since the records only save work
+    or repair, and each says so in its own words."""
+    try:
+        return records(store), ""
+    except (CkptflowError, OSError) as e:
+        return None, f"the damage records in {store.url}/{fmt.DAMAGED_PREFIX} cannot be listed ({e})"
+
+
 def load(store: Store) -> None:
     """Note every chunk object ``store`` records as damaged, and forget those whose record
     is gone (repaired by another process, or GC'd): what a save does before it decides which
     chunks to keep. Records that cannot be listed (another user's, an outage) are logged,
     and the save goes on without them: it then keeps what it would have kept before records
     existed, and a store that is down fails its writes anyway."""
-    try:
-        listed = {digest: info.version or repr(info.mtime) for digest, info in records(store).items()}
-    except (CkptflowError, OSError) as e:
-        log.warning(
-            "the damage records in %s/%s cannot be listed (%s): this save may keep chunks other processes found "
-            "damaged; let the training job read and write that prefix",
-            store.url,
-            fmt.DAMAGED_PREFIX,
-            e,
-        )
+    found, why = listed(store)
+    if found is None:
+        log.warning("%s: this save may keep chunks other processes found damaged; let the training job read and "
+                    "write that prefix", why)  # fmt: skip
         return
+    versions = {digest: info.version or repr(info.mtime) for digest, info in found.items()}
     with _lock:
         for url, digest in [key for key, version in _DAMAGED.items() if version is not None]:
-            if url == store.url and digest not in listed:
+            if url == store.url and digest not in versions:
                 del _DAMAGED[(url, digest)]
-        for digest, version in listed.items():
+        for digest, version in versions.items():
             if _STUCK.get((store.url, digest)) != version:  # not a record of a damage already repaired
                 _DAMAGED[(store.url, digest)] = version
 

@@ -99,10 +99,12 @@ class ChunkReader:
             raise self._too_large(digest, e, size) from None
 
     def _too_large(self, digest: str, error: ObjectTooLargeError, size: int) -> CorruptChunkError:
-        """The damage a chunk object larger than its manifest allows is, noted (``damaged``)."""
-        damage = CorruptChunkError(f"chunk {error} (the manifest says {size} raw bytes)")
-        damaged.note(self.store, digest, str(damage))
-        return damage
+        return self._damage(digest, f"chunk {error} (the manifest says {size} raw bytes)")
+
+    def _damage(self, digest: str, message: str) -> CorruptChunkError:
+        """``message``, the damage of chunk object ``digest``, once noted (``damaged``)."""
+        damaged.note(self.store, digest, message)
+        return CorruptChunkError(message)
 
     def _decoded(self, digest: str, blob: bytes, size: int, *, out: memoryview | None = None) -> memoryview:
         """``blob`` decoded (into ``out`` if given) and verified against ``digest``. An
@@ -151,9 +153,7 @@ class ChunkReader:
         except ObjectNotFoundError:
             raise CorruptChunkError(f"its delta base {self.store.url}/{chunk_key(digest)} is missing") from None
         except ObjectTooLargeError as e:
-            damage = CorruptChunkError(f"its delta base {e} (the delta needs {size} raw bytes)")
-            damaged.note(self.store, digest, str(damage))
-            raise damage from None
+            raise self._damage(digest, f"its delta base {e} (the delta needs {size} raw bytes)") from None
 
     def base_raw(self, digest: str, size: int) -> tuple[memoryview, int]:
         """A delta base's raw bytes, verified, and its stored size: what a delta is computed

@@ -28,7 +28,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     store = open_existing(args.root)
-    stats = store_stats(store)
+    stats = store_stats(store, count_damaged=True)
     archive = store_stats(open_existing(args.archive)) if args.archive else None
     operations = recoveries.store_metrics(store, window_s=args.window, detection_s=args.detection)
     costs = cost_section.report(store, args, open_existing)

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import damaged
-from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
@@ -108,7 +107,7 @@ class StoreStats(_Ratios):
     data_bytes: int = 0  # raw bytes of the distinct chunks tensors are made of (bases only deltas need excluded)
     missing_raw_bytes: int = 0  # data chunks absent from the store
     held: dict[tuple[str, int], Held] = field(default_factory=dict)
-    damaged_chunks: int | None = 0  # stored objects a reader refused (``damaged``); None: records unlisted
+    damaged_chunks: int | None = None  # stored objects a reader refused (``damaged``); None: not counted
 
     def as_dict(self) -> dict:
         return {
@@ -203,8 +202,9 @@ def _held(m: Manifest) -> Held:
     return Held(logical_bytes=m.stats.logical_bytes, exact_logical_bytes=int(exact), lossy=m.lossy is not None)
 
 
-def store_stats(store: Store) -> StoreStats:
-    """Every run plus store-wide totals; reads each manifest once."""
+def store_stats(store: Store, *, count_damaged: bool = False) -> StoreStats:
+    """Every run plus store-wide totals; reads each manifest once. ``count_damaged`` also
+    lists the damage records (``ckptflow.chunks.damaged``): what ``ckptflow stats`` shows."""
     sizes = chunk_file_sizes(store)
     unreadable: list[str] = []
     by_run: dict[str, list[Manifest]] = {}
@@ -237,12 +237,10 @@ def store_stats(store: Store) -> StoreStats:
         data_bytes=data,
         missing_raw_bytes=missing,
         held={m.ref: _held(m) for m in every},
-        damaged_chunks=_damaged_chunks(store, sizes.keys()),
+        damaged_chunks=_damaged_chunks(store, sizes.keys()) if count_damaged else None,
     )
 
 
 def _damaged_chunks(store: Store, stored: KeysView[str]) -> int | None:
-    try:
-        return len(damaged.records(store).keys() & stored)
-    except (CkptflowError, OSError):  # the figures above stand without it
-        return None
+    records, _why = damaged.listed(store)  # the figures above stand without the count
+    return None if records is None else len(records.keys() & stored)

@@ -28,11 +28,16 @@ def _rotten(chunks: ChunkStore, tmp_path, payload: bytes) -> ChunkWrite:
     return write
 
 
+def _refused(chunks: ChunkStore, digest: str, size: int) -> None:
+    """A read of the chunk, which refuses it (and records that)."""
+    with pytest.raises(CorruptChunkError):
+        chunks.get(digest, size)
+
+
 def test_a_refused_chunk_is_recorded_and_a_save_that_reuses_it_repairs_it(chunks, tmp_path):
     payload = os.urandom(4096)
     write = _rotten(chunks, tmp_path, payload)
-    with pytest.raises(CorruptChunkError):
-        chunks.get(write.digest, len(payload))
+    _refused(chunks, write.digest, len(payload))
     assert set(damaged.records(chunks.store)) == {write.digest}
     saver = ChunkStore(open_store(str(tmp_path / "store")))
     damaged.load(saver.store)
@@ -64,8 +69,7 @@ def test_gc_deletes_the_records_of_chunks_no_longer_stored_and_keeps_those_await
     gone = os.urandom(4096)
     swept = _rotten(chunks, tmp_path, gone)
     for digest, size in ((referenced, 1024), (swept.digest, len(gone))):
-        with pytest.raises(CorruptChunkError):
-            chunks.get(digest, size)
+        _refused(chunks, digest, size)
     os.remove(chunk_path(tmp_path / "store", swept.digest))
     report = gc(chunks.store, grace=0)
     assert {key for key, _ in report.deleted} == {fmt.damaged_key(swept.digest)}
@@ -77,8 +81,7 @@ def test_a_record_the_saver_may_not_delete_costs_one_rewrite_until_the_chunk_is_
 ):
     payload = os.urandom(4096)
     write = _rotten(chunks, tmp_path, payload)
-    with pytest.raises(CorruptChunkError):
-        chunks.get(write.digest, len(payload))  # another user's verify: its record
+    _refused(chunks, write.digest, len(payload))  # another user's verify: its record
     saver = ChunkStore(open_store(str(tmp_path / "store")))
 
     def denied(key):
@@ -90,8 +93,7 @@ def test_a_record_the_saver_may_not_delete_costs_one_rewrite_until_the_chunk_is_
     damaged.load(saver.store)
     assert not saver.put(memoryview(payload), known=write).written  # not for that record again
     flip_byte(chunk_path(tmp_path / "store", write.digest), -1)
-    with pytest.raises(CorruptChunkError):
-        chunks.get(write.digest, len(payload))  # rotten again, found again: the record is renewed
+    _refused(chunks, write.digest, len(payload))  # rotten again, found again: the record is renewed
     damaged.load(saver.store)
     assert saver.put(memoryview(payload), known=write).written
     assert bytes(saver.get(write.digest, len(payload))) == payload
@@ -138,8 +140,7 @@ def test_scrub_keeps_what_it_found_when_the_records_cannot_be_counted(tmp_path, 
 def test_a_save_forgets_a_record_another_process_repaired_and_deleted(chunks, tmp_path):
     payload = os.urandom(4096)
     write = _rotten(chunks, tmp_path, payload)
-    with pytest.raises(CorruptChunkError):
-        chunks.get(write.digest, len(payload))
+    _refused(chunks, write.digest, len(payload))
     trainer = open_store(str(tmp_path / "store"))
     damaged.load(trainer)
     assert damaged.known(trainer.url, write.digest)
