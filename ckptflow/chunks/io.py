@@ -15,7 +15,7 @@ what is already stored, and the verified rewrites of compaction.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptflow.chunks import codecs, damaged
 from ckptflow.chunks.budget import MemoryBudget
@@ -127,6 +127,8 @@ class ChunkStore(ChunkReader):
         whether it exists (a ``stat``: on S3 a HEAD): its header is read and it is touched
         as always, and where it has gone since, it is stored anew. Its stored size is taken
         from ``known`` (a statistic only; a restore does not know it: then it is a ``stat``).
+        Where ``known`` is a plain (not delta) chunk a save of this process stored or kept,
+        its header is not read either: only the touch remains.
 
         A reused chunk may be stored as a delta: its base is looked up (a read of its
         header), checked to exist and touched with it, and returned, so the manifest of
@@ -142,6 +144,9 @@ class ChunkStore(ChunkReader):
         rewrite = rewrite or damaged.known(self.store.url, digest)  # never keep an object a read refused
         if not rewrite and known is not None and known.digest == digest:
             try:
+                if known.stored_bytes != UNKNOWN_SIZE and known.base is None:  # a save of ours stored it plainly,
+                    self.store.touch(key)  # and a stored chunk is never replaced by a delta: no header to read
+                    return replace(known, written=False, base_bytes=0, checksum=checksum)
                 size = self.store.stat(key).size if known.stored_bytes == UNKNOWN_SIZE else known.stored_bytes
                 reused = self._reuse(digest, size, len(raw), checksum, known.stored_checksum)
             except ObjectNotFoundError:

@@ -2,6 +2,7 @@
 
 Only the fields ckptflow's reader needs survive the round trip: per-tensor dtype,
 global size and shard layout, the storage index (our chunk lists), and planner data.
+Non-tensor values DCP would pickle are refused, or kept as JSON (``json_values``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import SavePlanner
 
-from ckptflow.errors import ManifestError
+from ckptflow.errors import ManifestError, UnsupportedStateError
 from ckptflow.format.dcp_index import DcpIndex, StorageItem
+from ckptflow.format.state_tree import flatten
 
 JSON_VALUE = "json"  # a writer's storage data for a non-tensor value kept as JSON (CheckpointWriter json_values)
 
@@ -91,3 +94,36 @@ def metadata_from_index(index: DcpIndex) -> tuple[Metadata, dict[MetadataIndex, 
         planner = {k: tuple(v) if isinstance(v, list) else v for k, v in planner.items()}
     md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage, version=index.version)
     return md, storage
+
+
+def byte_io_refusal(fqn: str, run: str, step: int) -> str:
+    """Why a non-tensor value handed to ``dcp.save`` with this writer is refused, and the
+    ways out (DCP would ``torch.save`` it into a BYTE_IO item: a pickle)."""
+    return (
+        f"{fqn!r} is not a tensor: as a dcp.save StorageWriter, ckptflow stores tensors only, since DCP would pickle "
+        f"this value into a BYTE_IO item and ckptflow never pickles; nothing was committed for run {run!r} step "
+        f"{step}. Either save the whole state with ckptflow.Checkpointer(root, run).save(step, state) (tensors as "
+        "chunks, every other value, numbers, strings, lists, dicts, as JSON, restored as it was by "
+        "Checkpointer.restore), or opt in to JSON values for this writer (CheckpointWriter(..., json_values=True): "
+        "numbers, strings, lists, tuples, dicts, bytes are stored as JSON in the manifest instead of DCP's pickle), "
+        "or hand dcp.save tensors only (torch.tensor(value))"
+    )
+
+
+def json_value(planner: SavePlanner, fqn: str, index: MetadataIndex) -> Any:
+    """The JSON form of the value DCP would pickle at ``fqn``, taken from the planner before
+    DCP's ``torch.save`` (``DefaultSavePlanner.lookup_object``): what ``json_values=True``
+    stores in the manifest. Anything JSON cannot hold is refused, naming it."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        raise UnsupportedStateError(
+            f"{fqn!r} is not a tensor and the planner {type(planner).__name__} does not hand out the value "
+            "(lookup_object), so it cannot be stored as JSON; use DCP's DefaultSavePlanner or the Checkpointer"
+        )
+    try:
+        skeleton, tensors = flatten(lookup(index))
+    except UnsupportedStateError as e:
+        raise UnsupportedStateError(f"{fqn!r} cannot be stored as JSON (json_values=True): {e}") from None
+    if tensors:
+        raise UnsupportedStateError(f"{fqn!r} holds tensors inside a value DCP did not flatten; save them as tensors")
+    return skeleton

@@ -22,6 +22,7 @@ from ckptflow.format.manifest import Manifest
 
 Region = tuple  # (fqn, item offset, chunk index, dtype, length): one chunk-sized slice of a saved tensor
 Seen = dict  # Region -> the ChunkWrite (fast checksum, address, stored size) of the bytes a save found there
+Tracked = tuple  # (snapshot epoch, address, edge checksum): a region read after a ``written_pages`` snapshot
 
 
 def region(fqn: str, offset: tuple[int, ...] | None, index: int, dtype: str, length: int) -> Region:

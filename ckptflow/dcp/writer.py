@@ -29,9 +29,10 @@ from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
 from ckptflow.dcp import regions
 from ckptflow.dcp.auto_codec import SaveEncoder
-from ckptflow.dcp.metadata import JSON_VALUE, dtype_name, metadata_to_json
-from ckptflow.dcp.regions import Region, Seen
+from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, metadata_to_json
+from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_clock import SaveClock
+from ckptflow.dcp.written_pages import Snapshot, WriteTracker, edge_checksum, tracked_span
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import ADDRESS, same_content
@@ -39,7 +40,6 @@ from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.format.checksum import STORED_FIELD as STORED_CHECKSUMS
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.sealed import seal
-from ckptflow.format.state_tree import flatten
 
 Progress = Callable[[int], None]
 
@@ -103,39 +103,6 @@ def _plan_bytes(plan: SavePlan) -> int:
     )
 
 
-def byte_io_refusal(fqn: str, run: str, step: int) -> str:
-    """Why a non-tensor value handed to ``dcp.save`` with this writer is refused, and the
-    ways out (DCP would ``torch.save`` it into a BYTE_IO item: a pickle)."""
-    return (
-        f"{fqn!r} is not a tensor: as a dcp.save StorageWriter, ckptflow stores tensors only, since DCP would pickle "
-        f"this value into a BYTE_IO item and ckptflow never pickles; nothing was committed for run {run!r} step "
-        f"{step}. Either save the whole state with ckptflow.Checkpointer(root, run).save(step, state) (tensors as "
-        "chunks, every other value, numbers, strings, lists, dicts, as JSON, restored as it was by "
-        "Checkpointer.restore), or opt in to JSON values for this writer (CheckpointWriter(..., json_values=True): "
-        "numbers, strings, lists, tuples, dicts, bytes are stored as JSON in the manifest instead of DCP's pickle), "
-        "or hand dcp.save tensors only (torch.tensor(value))"
-    )
-
-
-def json_value(planner: SavePlanner, fqn: str, index: MetadataIndex) -> Any:
-    """The JSON form of the value DCP would pickle at ``fqn``, taken from the planner before
-    DCP's ``torch.save`` (``DefaultSavePlanner.lookup_object``): what ``json_values=True``
-    stores in the manifest. Anything JSON cannot hold is refused, naming it."""
-    lookup = getattr(planner, "lookup_object", None)
-    if lookup is None:
-        raise UnsupportedStateError(
-            f"{fqn!r} is not a tensor and the planner {type(planner).__name__} does not hand out the value "
-            "(lookup_object), so it cannot be stored as JSON; use DCP's DefaultSavePlanner or the Checkpointer"
-        )
-    try:
-        skeleton, tensors = flatten(lookup(index))
-    except UnsupportedStateError as e:
-        raise UnsupportedStateError(f"{fqn!r} cannot be stored as JSON (json_values=True): {e}") from None
-    if tensors:
-        raise UnsupportedStateError(f"{fqn!r} holds tensors inside a value DCP did not flatten; save them as tensors")
-    return skeleton
-
-
 def completed_future(value: Any) -> torch.futures.Future:
     """A torch future already holding ``value``: how DCP's storage interface is answered
     for work finished before the call returns."""
@@ -153,10 +120,15 @@ class CheckpointWriter(StorageWriter):
     only); an incremental save also reuses that save's chunk without asking the store whether
     it exists (``ChunkStore.put``'s ``known``), while a full one writes it anew; a chunk some
     reader proved damaged is written anew by either (``ckptflow.chunks.damaged``, whose
-    records each save lists first). Every byte is still read, so a change made any way at
-    all (in place, through ``.data``, a view or another tensor sharing the storage) is seen;
-    what is trusted is xxh3-128 telling one's own two versions of a region apart, not a
-    defence against forgery (cross-run dedup and ``verify --deep`` keep the address)."""
+    records each save lists first). What is trusted is xxh3-128 telling one's own two
+    versions of a region apart, not a defence against forgery (cross-run dedup and
+    ``verify --deep`` keep the address).
+
+    Given a ``tracker``, an incremental save does not even read a region the kernel saw no
+    write to since the previous save read it (``written_pages``: any write, in place,
+    through ``.data``, a view or another tensor sharing the storage, is seen); ``tracked``
+    says which regions of ``previous`` were read under its protection. A full save reads
+    every region, and checks what the tracker said of each."""
 
     def __init__(
         self,
@@ -166,13 +138,18 @@ class CheckpointWriter(StorageWriter):
         progress: Progress | None = None,
         *,
         previous: Mapping[Region, ChunkWrite] | None = None,
+        tracker: WriteTracker | None = None,
+        tracked: Mapping[Region, Tracked] | None = None,
         json_values: bool = False,
     ):
         super().__init__()
         self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
         self.previous = previous or {}
+        self.tracker, self.previous_tracked = tracker, tracked or {}
         self.json_values = json_values
         self.seen: Seen = {}  # for the next save, once this one has committed
+        self.tracked: dict[Region, Tracked] = {}  # the regions of ``seen`` this save's snapshot protected
+        self.snapshot: Snapshot | None = None
         self.rank = 0
         self.is_coordinator = True
         self.manifest: Manifest | None = None
@@ -197,13 +174,21 @@ class CheckpointWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
 
-    def _put(self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region) -> ChunkWrite:
+    def _put(
+        self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region, address: int | None
+    ) -> ChunkWrite:
         digest = checksum = known = None
         earlier = self.previous.get(region)
-        if earlier is not None and same_content(piece, earlier.checksum):
+        edges = self._unwritten(region, piece, address) if earlier is not None else None
+        unwritten = edges is not None
+        if unwritten and self.spec.kind == "incremental":  # not even read: no write reached its pages
+            checksum, digest, known = earlier.checksum, earlier.digest, earlier
+        elif earlier is not None and same_content(piece, earlier.checksum):
             checksum, digest = earlier.checksum, earlier.digest  # the same bytes as last time
             if self.spec.kind == "incremental":
                 known = earlier  # and the chunk holding them: a full save rewrites it anyway
+        elif unwritten and self.tracker is not None:  # a full save checks what incremental ones trust
+            self.tracker.distrust(f"{region[0]!r} chunk {region[2]} changed without a write to its pages")
         write = self.chunks.put(
             piece,
             digest=digest,
@@ -218,7 +203,20 @@ class CheckpointWriter(StorageWriter):
         if self.progress:
             self.progress(len(piece))
         self.seen[region] = write
+        if address is not None and self.snapshot is not None and self.snapshot.covers(address, len(piece)):
+            edges = edges if edges is not None else edge_checksum(piece, address)
+            self.tracked[region] = (self.snapshot.epoch, address, edges)
         return write
+
+    def _unwritten(self, region: Region, piece: memoryview, address: int | None) -> str | None:
+        """The edge checksum of ``region`` if the kernel vouches that it (at ``address``)
+        holds the bytes the previous save read there: that save read them after the
+        snapshot before this one protected their pages, and none was written since
+        (``written_pages``); else None."""
+        snapshot, tracked = self.snapshot, self.previous_tracked.get(region)
+        if snapshot is None or address is None or tracked is None or tracked[:2] != (snapshot.since, address):
+            return None
+        return tracked[2] if snapshot.unwritten(piece, address, tracked[2]) else None
 
     def _chunk_encoder(self, item: Any, tensor: torch.Tensor, index: int) -> Encoder | None:
         if self.spec.encoder is None:
@@ -256,16 +254,22 @@ class CheckpointWriter(StorageWriter):
 
     def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         pending: list[tuple[Any, torch.Tensor | None, Any, list[Future]]] = []
+        resolved = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO and not self.json_values:
+                raise UnsupportedStateError(byte_io_refusal(item.index.fqn, self.spec.run, self.spec.step))
+            resolved.append((item, None if item.type == WriteItemType.BYTE_IO else planner.resolve_data(item)))
+        spans = [tracked_span(t) if isinstance(t, torch.Tensor) else None for _item, t in resolved]
+        if self.tracker is not None:  # before any byte is read: a write from now on is seen by the next save
+            self.snapshot = self.tracker.snapshot(span for span in spans if span is not None)
         try:
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    if not self.json_values:
-                        raise UnsupportedStateError(byte_io_refusal(item.index.fqn, self.spec.run, self.spec.step))
+            for (item, tensor), span in zip(resolved, spans):
+                if tensor is None:
                     pending.append((item, None, json_value(planner, item.index.fqn, item.index), []))
                     continue
-                tensor = planner.resolve_data(item)
-                assert isinstance(tensor, torch.Tensor)  # BYTE_IO items were refused above
+                assert isinstance(tensor, torch.Tensor)  # BYTE_IO items are resolved above
                 raw = _bytes_view(tensor)
+                base = None if span is None else tensor.data_ptr()
                 step = self.spec.chunk_bytes
                 offset = None if item.index.offset is None else tuple(item.index.offset)
                 futures = []
@@ -273,7 +277,8 @@ class CheckpointWriter(StorageWriter):
                     piece = raw[off : off + step]
                     region = regions.region(item.index.fqn, offset, off // step, dtype_name(tensor.dtype), len(piece))
                     encoder = self._chunk_encoder(item, tensor, off // step)
-                    futures.append(self.pool.submit(self._put, piece, tensor, encoder, region))
+                    address = None if base is None else base + off
+                    futures.append(self.pool.submit(self._put, piece, tensor, encoder, region, address))
                 pending.append((item, tensor, raw, futures))
             return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
         finally:  # on failure: no chunk write may outlive the lease

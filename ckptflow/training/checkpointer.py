@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog import recovery_log, selection
+from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
 from ckptflow.catalog.tiers import Tier, open_tiers
 from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
@@ -28,9 +28,10 @@ from ckptflow.chunks.lossy import record_problem as lossy_record_problem
 from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
-from ckptflow.dcp.regions import Seen
+from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec
+from ckptflow.dcp.written_pages import WriteTracker
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.lineage import RunLineage, warn_if_different
@@ -39,7 +40,7 @@ from ckptflow.format.state_tree import shared_storage
 from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
-from ckptflow.training.restore import Restore, RestoreResult
+from ckptflow.training.restore import Restore, RestoreResult, record_recovery
 from ckptflow.training.save_handle import SaveHandle, SaveResult
 from ckptflow.training.save_preflight import claim_step, flatten_on_every_rank
 from ckptflow.training.state import capture_rng
@@ -63,6 +64,7 @@ class Checkpointer:
         local: bool = False,
         restore_buffer_bytes: int = DEFAULT_RESTORE_BUFFER,
         lineage: RunLineage | None = None,
+        track_writes: bool = True,
     ):
         self.store = open_store(root)
         MemoryBudget(restore_buffer_bytes)  # refused here, not at the first restore
@@ -97,6 +99,9 @@ class Checkpointer:
         self._auto = AutoCodec() if codec == "auto" else None
         self._full: Manifest | None = None  # the newest full checkpoint this process committed: the delta base
         self._seen: Seen = {}  # per chunk region, the fast checksum and address its last committed save found
+        self._tracked: dict[Region, Tracked] = {}  # the regions of ``_seen`` whose pages the kernel watches since
+        # which pages blocking saves' tensors were written since the previous save (``written_pages``)
+        self._tracker = WriteTracker.open() if track_writes else None
         self._resumed: tuple[int, float] | None = None  # (step, perf_counter) when training last got control back
 
     # ---- save -------------------------------------------------------------------------
@@ -170,7 +175,15 @@ class Checkpointer:
             clock=clock,
             decision=self.policy.decision(step) if isinstance(self.policy, AdaptivePolicy) else None,
         )
-        writer = CheckpointWriter(self.chunks, spec, self.pool, self.progress, previous=self._seen)
+        writer = CheckpointWriter(
+            self.chunks,
+            spec,
+            self.pool,
+            self.progress,
+            previous=self._seen,
+            tracker=self._tracker if blocking else None,  # an async save reads its staged copy
+            tracked=self._tracked,
+        )
         kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
         if blocking:
             with own_errors():
@@ -211,7 +224,7 @@ class Checkpointer:
         newest full (the delta base), what each chunk region held (the next incremental
         save's fast comparison), and that its own commit is no longer one restore rejected."""
         self._last_commit = step
-        self._seen = writer.seen
+        self._seen, self._tracked = writer.seen, writer.tracked
         self._superseded.discard(step)
         if manifest is not None and manifest.kind == "full":
             self._full = manifest
@@ -299,7 +312,7 @@ class Checkpointer:
         try:
             result = restore(state, chosen)
         except CkptflowError as e:
-            self._record_recovery(started, error=e, select=selection.describe(chosen))
+            record_recovery(self.store, self.run, self.group, started, error=e, select=selection.describe(chosen))
             raise
         self._restored(started, result, restore.loaded)
         if warmup is not None:
@@ -333,7 +346,8 @@ class Checkpointer:
         self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
         hot = result.tier == self.store.url
         self._last_commit, self._seen = (result.step, loaded) if hot else (None, {})
-        self._record_recovery(started, result=result)
+        self._tracked = {}  # the loaded regions were written since: the next save reads them
+        record_recovery(self.store, self.run, self.group, started, result=result)
         if self.lineage is not None:
             warn_if_different(self.lineage, result.metadata, f"run {self.run!r} resumed from step {result.step}")
 
@@ -350,34 +364,10 @@ class Checkpointer:
         try:
             result, state = restore.load(chosen)
         except CkptflowError as e:
-            self._record_recovery(started, error=e, select=selection.describe(chosen))
+            record_recovery(self.store, self.run, self.group, started, error=e, select=selection.describe(chosen))
             raise
         self._restored(started, result, restore.loaded)
         return result, state
-
-    def _record_recovery(
-        self,
-        started: float,
-        *,
-        result: RestoreResult | None = None,
-        error: CkptflowError | None = None,
-        select: str = "latest",
-    ) -> None:
-        """Rank 0 records a restore or load begun at ``started``: what it loaded, or the error it raised."""
-        if self.group.rank == 0:
-            recovery_log.record(
-                self.store,
-                self.run,
-                ok=result is not None,
-                step=result.step if result else None,
-                digest=result.digest if result else None,
-                skipped=result.skipped if result else getattr(error, "skipped", []),
-                tier=result.tier if result else None,
-                duration_s=time.perf_counter() - started,
-                error=None if result else str(error),
-                select=result.select if result else select,
-                passed_over=result.passed_over if result else [],
-            )
 
     # ---- inspection -------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -392,6 +382,8 @@ class Checkpointer:
         self.wait()
         self._stager.close()
         self.pool.shutdown()
+        if self._tracker is not None:
+            self._tracker.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -6,7 +6,8 @@ same tensor held at this process's previous save (or in the checkpoint it restor
 reuses that save's address where they are equal. Every way of changing a tensor must still produce a checkpoint that
 restores exactly: in place, through ``.data``, through a view, through another tensor or a
 numpy array sharing its storage (none of which a version counter sees reliably), by
-replacing it, resizing it, or ``load_state_dict`` into it.
+replacing it, resizing it, or ``load_state_dict`` into it; whether the save reads every
+region or skips those the kernel saw no write to.
 """
 
 import copy
@@ -20,6 +21,7 @@ from torch import nn
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import io as chunk_io
+from ckptflow.dcp import written_pages
 from ckptflow.format import layout as fmt
 from support.corrupt import chunk_path, flip_byte
 
@@ -95,12 +97,21 @@ def _blank_like(state: dict) -> dict:
     return blank
 
 
+@pytest.fixture(params=["hashed", "page-tracked"])
+def tracking(request, monkeypatch) -> bool:
+    """Whether saves may skip reading regions the kernel saw no write to (``written_pages``),
+    here for tensors of any size; else every region is read."""
+    if request.param == "page-tracked":
+        monkeypatch.setattr(written_pages, "MIN_TRACKED_BYTES", 0)
+    return request.param == "page-tracked"
+
+
 @pytest.mark.parametrize("kind", ["incremental", "full"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
-def test_every_kind_of_change_restores_exactly(make_ck, change, blocking, kind):
+def test_every_kind_of_change_restores_exactly(make_ck, change, blocking, kind, tracking):
     state = _state()
-    ck = make_ck(chunk_bytes=CHUNK)
+    ck = make_ck(chunk_bytes=CHUNK, track_writes=tracking)
     ck.save(1, state, kind="full", rng=False)
     ck.save(2, state, kind=kind, rng=False)  # nothing changed: every address (and, incremental, chunk) reused
     change(state)
@@ -167,12 +178,12 @@ def test_a_later_full_save_hashes_only_the_changed_chunks_and_rewrites_every_one
 
 @pytest.mark.parametrize("kind", ["incremental", "full"])
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
-def test_every_kind_of_change_after_a_resume_restores_exactly(make_ck, change, kind):
+def test_every_kind_of_change_after_a_resume_restores_exactly(make_ck, change, kind, tracking):
     """A new process resumes (its Checkpointer knows only what the restore loaded), the
     state changes any way at all, and its first save still holds exactly the new values."""
     state = _state()
     make_ck(chunk_bytes=CHUNK).save(1, state, kind="full", rng=False)
-    resumed = make_ck(chunk_bytes=CHUNK)
+    resumed = make_ck(chunk_bytes=CHUNK, track_writes=tracking)
     assert resumed.restore(state).step == 1
     change(state)
     expected = _values(state)

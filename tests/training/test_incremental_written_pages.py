@@ -1,0 +1,109 @@
+"""Incremental saves skip reading tensors whose pages no write reached since the previous
+save (``ckptflow.dcp.written_pages``), and stay exact when a save fails in between, when
+tracking is off, and when a full save finds the kernel's word wrong."""
+
+import logging
+
+import pytest
+import torch
+
+from ckptflow.dcp import writer, written_pages
+from ckptflow.dcp.written_pages import WriteTracker
+
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(
+    WriteTracker.open() is None, reason="this kernel cannot track page writes (Linux 6.7+ userfaultfd WP_ASYNC)"
+)
+
+
+@pytest.fixture
+def read(monkeypatch) -> list[int]:
+    """The lengths of the regions a save reads to compare with its previous save's."""
+    lengths: list[int] = []
+    real = writer.same_content
+
+    def counting(raw, checksum):
+        lengths.append(len(raw))
+        return real(raw, checksum)
+
+    monkeypatch.setattr(writer, "same_content", counting)
+    return lengths
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {"frozen": torch.randn(2 * MiB), "adapter": torch.randn(MiB // 4)}  # 8 MiB and 1 MiB
+
+
+def _restored(make_ck, step: int) -> dict:
+    fresh = {"frozen": torch.zeros(2 * MiB), "adapter": torch.zeros(MiB // 4)}
+    make_ck(chunk_bytes=MiB).restore(fresh, step=step)
+    return fresh
+
+
+def _assert_equal(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_an_incremental_save_reads_only_the_tensors_written_since_the_previous_save(make_ck, read):
+    state = _state()
+    ck = make_ck(chunk_bytes=MiB)
+    ck.save(1, state, kind="full", rng=False)
+    state["adapter"].add_(1e-3)  # a LoRA step: the backbone is frozen
+    read.clear()
+    info = ck.save(2, state, kind="incremental", rng=False).info
+    assert read == [MiB]  # the adapter's one chunk; not one of the backbone's eight
+    assert info.bytes_written == MiB
+    read.clear()
+    ck.save(3, state, kind="incremental", rng=False)
+    assert read == []  # nothing written since: nothing read
+    _assert_equal(_restored(make_ck, 3), state)
+
+
+def test_track_writes_false_reads_every_region(make_ck, read):
+    state = _state()
+    ck = make_ck(chunk_bytes=MiB, track_writes=False)
+    ck.save(1, state, kind="full", rng=False)
+    read.clear()
+    ck.save(2, state, kind="incremental", rng=False)
+    assert len(read) == 9
+
+
+def test_a_save_that_failed_after_its_snapshot_vouches_for_nothing_read_before_it(make_ck, monkeypatch):
+    """Save 2 protects the pages again, then fails: the Checkpointer still holds save 1's
+    record. A write between save 1 and save 2 left its pages unprotected until save 2's
+    snapshot, which the kernel no longer reports to save 3: save 3 must read those regions."""
+    state = _state()
+    ck = make_ck(chunk_bytes=MiB)
+    ck.save(1, state, kind="full", rng=False)
+    state["frozen"][100_000] = 42.0  # inside its first region, not in an edge page
+    real = writer.ChunkStore.put
+    monkeypatch.setattr(writer.ChunkStore, "put", lambda *a, **k: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(Exception, match="disk gone"):
+        ck.save(2, state, kind="incremental", rng=False)
+    monkeypatch.setattr(writer.ChunkStore, "put", real)
+    ck.save(3, state, kind="incremental", rng=False)
+    _assert_equal(_restored(make_ck, 3), state)
+
+
+def test_a_full_save_that_finds_vouched_bytes_changed_stops_tracking(make_ck, monkeypatch, caplog, read):
+    """A full save reads every byte: if the kernel vouched for a region whose bytes changed
+    (a device writing by DMA into memory it pinned by other means), tracking is wrong for this
+    process: it is switched off and said so, and the checkpoint holds the new bytes."""
+    state = _state()
+    ck = make_ck(chunk_bytes=MiB)
+    ck.save(1, state, kind="full", rng=False)
+    monkeypatch.setattr(written_pages.Snapshot, "unwritten", lambda *a: True)  # the kernel's word, wrong
+    state["frozen"][100_000] = 42.0  # inside its first region, not in an edge page
+    with caplog.at_level(logging.WARNING, logger=written_pages.__name__):
+        ck.save(2, state, kind="full", rng=False)
+    assert "stop trusting page write tracking" in caplog.text
+    _assert_equal(_restored(make_ck, 2), state)
+    state["frozen"][100_001] = 43.0
+    read.clear()
+    ck.save(3, state, kind="incremental", rng=False)
+    assert len(read) == 9  # every region read again
+    _assert_equal(_restored(make_ck, 3), state)
