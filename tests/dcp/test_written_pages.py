@@ -5,12 +5,13 @@ tests write each way a training process can, and free, drop or share the memory.
 import ctypes
 import mmap
 import os
+import resource
 
 import pytest
 import torch
 
 from ckptflow.dcp import written_pages
-from ckptflow.dcp.written_pages import PAGE, WriteTracker, edge_checksum, tracked_span
+from ckptflow.dcp.written_pages import PAGE, REST_SAVES, WriteTracker, edge_checksum, tracked_span
 
 MiB = 1 << 20
 
@@ -167,3 +168,25 @@ def test_a_closed_tracker_takes_no_snapshot_and_lifts_its_protection(tracker):
     tracker.close()
     assert tracker.snapshot([tracked_span(t)]) is None
     t.add_(1)  # no longer protected: a plain write
+
+
+def _faults(write) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    write()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_span_written_all_over_between_saves_is_left_unprotected_for_a_while(tracker):
+    """A tensor trained every interval would pay a fault per page per interval for nothing
+    (its regions are read anyway): after one such interval it is left unprotected, then
+    watched again, so a layer frozen later is skipped again."""
+    t = torch.randn(MiB)  # 1,024 pages
+    address, span = t.data_ptr(), tracked_span(t)
+    tracker.snapshot([span])
+    assert _faults(lambda: t.add_(1)) >= 1000  # protected: the first write to each page faults
+    assert not tracker.snapshot([span]).covers(address, t.nbytes)
+    assert _faults(lambda: t.add_(1)) < 100  # left unprotected
+    for _ in range(REST_SAVES - 1):
+        assert not tracker.snapshot([span]).covers(address, t.nbytes)
+    assert tracker.snapshot([span]).covers(address, t.nbytes)  # watched again
+    assert _faults(lambda: t.add_(1)) >= 1000

@@ -59,7 +59,7 @@ def test_an_incremental_save_reads_only_the_tensors_written_since_the_previous_s
     assert info.bytes_written == MiB
     read.clear()
     ck.save(3, state, kind="incremental", rng=False)
-    assert read == []  # nothing written since: nothing read
+    assert read == [MiB]  # nothing written since; the adapter, written all over before, is left unprotected a while
     _assert_equal(_restored(make_ck, 3), state)
 
 
@@ -107,3 +107,24 @@ def test_a_full_save_that_finds_vouched_bytes_changed_stops_tracking(make_ck, mo
     ck.save(3, state, kind="incremental", rng=False)
     assert len(read) == 9  # every region read again
     _assert_equal(_restored(make_ck, 3), state)
+
+
+def test_a_layer_trained_then_frozen_is_read_while_trained_and_skipped_again_once_frozen(make_ck, read):
+    state = _state()  # "frozen" is not, here
+    ck = make_ck(chunk_bytes=MiB)
+    ck.save(1, state, kind="full", rng=False)
+    for step in range(2, 6):  # trained every interval: left unprotected after the first, read each time
+        state["frozen"].add_(1e-3)
+        read.clear()
+        ck.save(step, state, kind="incremental", rng=False)
+        assert len(read) == 8  # its 8 chunks; never the unchanged adapter's
+        _assert_equal(_restored(make_ck, step), state)
+    skipped_at = None
+    for step in range(6, 6 + written_pages.REST_SAVES + 2):  # frozen from now on
+        read.clear()
+        ck.save(step, state, kind="incremental", rng=False)
+        if not read:
+            skipped_at = step
+            break
+    assert skipped_at is not None
+    _assert_equal(_restored(make_ck, skipped_at), state)
