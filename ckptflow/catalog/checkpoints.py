@@ -50,6 +50,7 @@ class CheckpointInfo:
     world_size: int = 1
     chunks: int = 0
     bytes_written: int = 0
+    bytes_unread: int = 0  # of the state, not even read by the save (``ckptflow.dcp.written_pages``)
     base_step: int | None = None
     digest: str = ""  # sha256 of the manifest file: names this exact checkpoint
     lossy: dict | None = None  # a lossy archive copy: what it lost and the exact commit it came from
@@ -67,6 +68,7 @@ class CheckpointInfo:
             world_size=m.world_size,
             chunks=m.stats.chunks,
             bytes_written=m.stats.bytes_written,
+            bytes_unread=m.stats.bytes_unread,
             base_step=m.base_step,
             digest=m.digest,
             lossy=dict(m.lossy) if m.lossy is not None else None,

@@ -176,12 +176,14 @@ class CheckpointWriter(StorageWriter):
 
     def _put(
         self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region, address: int | None
-    ) -> ChunkWrite:
+    ) -> tuple[ChunkWrite, bool]:
+        """The chunk of ``piece``, and whether it was left unread (the kernel vouched for it)."""
         digest = checksum = known = None
         earlier = self.previous.get(region)
         edges = self._unwritten(region, piece, address) if earlier is not None else None
         unwritten = edges is not None
-        if unwritten and self.spec.kind == "incremental":  # not even read: no write reached its pages
+        unread = unwritten and self.spec.kind == "incremental"
+        if unread:  # not even read: no write reached its pages
             checksum, digest, known = earlier.checksum, earlier.digest, earlier
         elif earlier is not None and same_content(piece, earlier.checksum):
             checksum, digest = earlier.checksum, earlier.digest  # the same bytes as last time
@@ -206,7 +208,7 @@ class CheckpointWriter(StorageWriter):
         if address is not None and self.snapshot is not None and self.snapshot.covers(address, len(piece)):
             edges = edges if edges is not None else edge_checksum(piece, address)
             self.tracked[region] = (self.snapshot.epoch, address, edges)
-        return write
+        return write, unread
 
     def _unwritten(self, region: Region, piece: memoryview, address: int | None) -> str | None:
         """The edge checksum of ``region`` if the kernel vouches that it (at ``address``)
@@ -295,9 +297,10 @@ class CheckpointWriter(StorageWriter):
         data = {
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
-            "chunks": [[w.digest, w.raw_bytes] for w in writes],
+            "chunks": [[w.digest, w.raw_bytes] for w, _unread in writes],
             "_writes": [
-                [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum] for w in writes
+                [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum, unread]
+                for w, unread in writes
             ],
         }
         return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data)
@@ -325,7 +328,7 @@ class CheckpointWriter(StorageWriter):
         checksums: dict[str, str] = {}
         stored_checksums: dict[str, str] = {}  # where a rank stored the object (now or by the previous save)
         written_digests: set[str] = set()
-        written_bytes = written_stored = logical = 0
+        written_bytes = written_stored = logical = unread_bytes = 0
         for rank_results in results:
             for wr in rank_results:
                 data = dict(wr.storage_data)
@@ -335,9 +338,10 @@ class CheckpointWriter(StorageWriter):
                 writes = data.pop("_writes")
                 storage[wr.index] = data
                 logical += wr.size_in_bytes
-                for (digest, raw_len), (size, was_written, base, base_bytes, checksum, as_stored) in zip(
+                for (digest, raw_len), (size, was_written, base, base_bytes, checksum, as_stored, unread) in zip(
                     data["chunks"], writes
                 ):
+                    unread_bytes += raw_len if unread else 0
                     chunk_sizes[digest] = raw_len
                     checksums[digest] = checksum
                     if as_stored:
@@ -379,6 +383,7 @@ class CheckpointWriter(StorageWriter):
                 "chunks": len(chunk_sizes),
                 "chunks_written": len(written_digests),
                 "bytes_written": written_bytes,
+                "bytes_unread": unread_bytes,
                 "stored_written": written_stored,
                 "delta_chunks": len(bases),
             },

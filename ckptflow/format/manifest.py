@@ -35,6 +35,7 @@ class ManifestStats:
     bytes_written: int
     stored_written: int = 0  # encoded bytes of the chunks this save wrote (absent before codec "auto")
     delta_chunks: int = 0
+    bytes_unread: int = 0  # of the state, left unread: no write reached them since the previous save read them
 
 
 @dataclass(frozen=True)
