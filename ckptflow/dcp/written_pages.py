@@ -49,7 +49,7 @@ import xxhash
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-MIN_TRACKED_BYTES = 1 << 20  # smaller tensors are hashed: cheap, and they share pages with Python objects
+MIN_TRACKED_BYTES = 64 << 10  # smaller tensors are hashed: cheap, and they share pages with Python objects
 
 _USERFAULTFD = {"x86_64": 323, "aarch64": 282}  # syscall numbers
 _USER_MODE_ONLY = 1  # open flag: usable without privileges; asynchronous write faults are resolved anyway

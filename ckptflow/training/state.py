@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -46,16 +47,22 @@ def to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     """Plain nested state dicts for every entry of ``state`` (a ``PerRank`` entry stays
     wrapped around its state dict). Keys are any non-empty strings: a model's own
     ``state_dict()`` (``"layer0.weight"`` keys) is a state."""
-    modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(_unwrapped(v), nn.Module)}
-    out: dict[str, Any] = {}
-    for name, value in state.items():
+    for name in state:
         if not isinstance(name, str) or not name:
             raise UnsupportedStateError(f"state key {name!r} must be a non-empty string")
+    modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(_unwrapped(v), nn.Module)}
+    optimizers = {k: o for k, v in state.items() if isinstance(o := _unwrapped(v), torch.optim.Optimizer)}
+    owners = {k: _owner(o, modules, k) for k, o in optimizers.items()}
+    together = _with_their_optimizer(modules, owners, state)
+    out: dict[str, Any] = {}
+    for name, value in state.items():
         inner = _unwrapped(value)
-        if isinstance(inner, nn.Module):
-            sd: Any = get_model_state_dict(inner)
+        if name in together:
+            sd: Any = together[name]
+        elif isinstance(inner, nn.Module):
+            sd = get_model_state_dict(inner)
         elif isinstance(inner, torch.optim.Optimizer):
-            sd = get_optimizer_state_dict(_owner(inner, modules, name), inner)
+            sd = get_optimizer_state_dict(owners[name], inner)
         elif isinstance(inner, torch.Tensor):
             sd = inner.detach()
         elif _is_stateful(inner):
@@ -63,6 +70,21 @@ def to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
         else:
             sd = inner
         out[name] = PerRank(sd) if isinstance(value, PerRank) else sd
+    return out
+
+
+def _with_their_optimizer(
+    modules: dict[str, nn.Module], owners: dict[str, nn.Module], state: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The state dicts of each module that exactly one optimizer of ``state`` optimizes, and
+    of that optimizer, from one ``get_state_dict`` call: DCP maps every parameter to its
+    name once per call (~60 ms at 1,200 parameters here), not once for each."""
+    out: dict[str, Any] = {}
+    for module_name, module in modules.items():
+        optimizers = [k for k, owner in owners.items() if owner is module]
+        if len(optimizers) == 1:
+            name = optimizers[0]
+            out[module_name], out[name] = get_state_dict(module, _unwrapped(state[name]))
     return out
 
 
