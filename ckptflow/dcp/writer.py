@@ -9,6 +9,7 @@ coordinator commits the manifest last.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import time
 import warnings
@@ -40,6 +41,8 @@ from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.format.checksum import STORED_FIELD as STORED_CHECKSUMS
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.sealed import seal
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 
@@ -182,6 +185,10 @@ class CheckpointWriter(StorageWriter):
         earlier = self.previous.get(region)
         edges = self._unwritten(region, piece, address) if earlier is not None else None
         unwritten = edges is not None
+        if not unwritten and address is not None and self.snapshot is not None:
+            # before the piece is read: a write to an edge page in between makes them differ,
+            # and the next save, seeing that page written, reads the region again
+            edges = edge_checksum(piece, address)
         unread = unwritten and self.spec.kind == "incremental"
         if unread:  # not even read: no write reached its pages
             checksum, digest, known = earlier.checksum, earlier.digest, earlier
@@ -205,8 +212,7 @@ class CheckpointWriter(StorageWriter):
         if self.progress:
             self.progress(len(piece))
         self.seen[region] = write
-        if address is not None and self.snapshot is not None and self.snapshot.covers(address, len(piece)):
-            edges = edges if edges is not None else edge_checksum(piece, address)
+        if edges is not None and self.snapshot is not None and self.snapshot.covers(address, len(piece)):
             self.tracked[region] = (self.snapshot.epoch, address, edges)
         return write, unread
 

@@ -9,16 +9,16 @@ written) and the next save reads which pages were written and protects them agai
 ``PAGEMAP_SCAN`` ioctl of ``/proc/self/pagemap`` per span. A write by any thread through
 any alias (``.data``, a view, another tensor or a numpy array sharing the storage, a
 ``read()`` into it, ``process_vm_writev``) goes through this process's page tables and is
-seen; a page that was unmapped, freed to the kernel or never populated since is not
-"present and unwritten", so it counts as changed. A region whose pages all stayed
+seen; a page that was unmapped, freed to the kernel, swapped out or never populated since is
+not "present and unwritten", so it counts as changed. A region whose pages all stayed
 unwritten holds the bytes its previous save hashed, and that save's chunk is reused
 without reading them.
 
-What this process's page tables do not see, and so is never vouched for: shared memory
-(another process writes it through its own page tables: shared tensors are left out, and
-only private anonymous pages count as clean), memory a device writes by DMA (pinned
-tensors are left out; memory pinned for RDMA by other means cannot be told apart: pass
-``track_writes=False``).
+What this process's page tables do not see, and so is never vouched for: file mappings
+and shared memory (``torch.load(mmap=True)``, safetensors, ``np.memmap``,
+``share_memory_()``: another process or a rewrite of the file changes them; only anonymous
+pages count as clean), memory a device writes by DMA (pinned tensors are left out; memory
+pinned for RDMA by other means cannot be told apart: pass ``track_writes=False``).
 Every full save still reads every byte, and if one finds a region changed that this
 module said was not, tracking is switched off for the process with a warning.
 
@@ -57,7 +57,7 @@ _API = 0xAA
 _FEATURES = (1 << 13) | (1 << 15)  # UFFD_FEATURE_WP_UNPOPULATED | UFFD_FEATURE_WP_ASYNC
 _REGISTER_MODE_WP = 1 << 1
 _WP_MATCHING, _CHECK_WPASYNC = 1 << 0, 1 << 1  # PAGEMAP_SCAN flags
-_WRITTEN, _FILE, _PRESENT, _SWAPPED = 1 << 1, 1 << 2, 1 << 3, 1 << 4  # PAGEMAP_SCAN page categories
+_WRITTEN, _FILE, _PRESENT = 1 << 1, 1 << 2, 1 << 3  # PAGEMAP_SCAN page categories
 _REGIONS = 64  # page regions one PAGEMAP_SCAN call reports; it is called again from where it stopped
 REST_SAVES = 8  # saves a span found mostly written is left unprotected for (no faults), then watched again
 
@@ -113,7 +113,9 @@ class Snapshot:
         return edge_checksum(piece, address) == edges
 
     def covers(self, address: int, length: int) -> bool:
-        return not _gaps(self.covered, _page(address), _page(address + max(length, 1) - 1) + PAGE)
+        """Whether the pages of [address, address + length) are protected from now on, but
+        for its first and last: those ``unwritten`` compares by hash when they are not."""
+        return not _gaps(self.covered, _page(address) + PAGE, _page(address + max(length, 1) - 1))
 
 
 def edge_checksum(piece: memoryview, address: int) -> str:
@@ -208,39 +210,42 @@ class WriteTracker:
         self.close()
 
     def snapshot(self, spans: Iterable[Span]) -> Snapshot | None:
-        """Read which pages of ``spans`` were written since the previous snapshot and
-        protect all of them again, before the save reads any (a write after this is seen
-        by the next snapshot). None once closed.
+        """Read which pages of ``spans`` (one per tensor) were written since the previous
+        snapshot and protect all of them again, before the save reads any (a write after
+        this is seen by the next snapshot). None once closed.
 
-        A span found mostly written (a tensor trained every interval) is left unprotected
-        for the next ``REST_SAVES`` snapshots instead: protecting it would cost the training
-        loop a fault per page per interval, ~0.11 s per GiB, for nothing, since its regions
-        are read anyway. Then it is watched again (a layer frozen later is skipped again)."""
+        A tensor's span found mostly written (a tensor trained every interval) is left
+        unprotected for the next ``REST_SAVES`` snapshots instead: protecting it would cost
+        the training loop a fault per page per interval, ~0.11 s per GiB, for nothing, since
+        its regions are read anyway. Then it is watched again (a layer frozen later is
+        skipped again)."""
         with self._lock:
             if self.closed:
                 return None
-            clean: list[Span] = []
-            covered: list[Span] = []
             resting: dict[Span, int] = {}
-            for span in _merged(spans):
+            active: list[Span] = []
+            for span in set(spans):
                 left = self._resting.get(span, 0)
                 if left > 1:
                     resting[span] = left - 1
-                    continue
-                if not self._register(span):
-                    continue
-                found = self._scan(span)
-                if found is None:
-                    continue
-                clean.extend(found)  # vouched for now, protected or not from here on
-                mostly_written = 2 * sum(end - start for start, end in found) < span[1] - span[0]
-                if span in self._watched and mostly_written and self._unprotect(span):
-                    resting[span] = REST_SAVES
                 else:
-                    covered.append(span)
-            self._watched, self._resting = set(covered), resting
+                    active.append(span)
+            clean: list[Span] = []
+            scanned: list[Span] = []
+            for span in _merged(active):
+                if self._register(span) and (found := self._scan(span)) is not None:
+                    clean.extend(found)  # vouched for now, whether protected from here on or not
+                    scanned.append(span)
+            vouched, protected = tuple(clean), tuple(scanned)
+            for span in active:
+                if span in self._watched and 2 * _clean_bytes(vouched, *span) < span[1] - span[0]:
+                    if self._unprotect(span):
+                        resting[span] = REST_SAVES
+            covered = _minus(protected, sorted(s for s in resting if s in active))
+            self._watched = {s for s in active if s not in resting and not _gaps(protected, *s)}
+            self._resting = resting
             self._epoch += 1
-            return Snapshot(self._epoch, self._epoch - 1, tuple(clean), tuple(covered))
+            return Snapshot(self._epoch, self._epoch - 1, vouched, covered)
 
     def _unprotect(self, span: Span) -> bool:
         protect = (ctypes.c_uint64 * 3)(span[0], span[1] - span[0], 0)
@@ -252,24 +257,31 @@ class WriteTracker:
         return _libc().ioctl(self._fds[0], _UFFDIO_REGISTER, register) == 0
 
     def _scan(self, span: Span) -> list[Span] | None:
-        """The spans of private anonymous pages present (or swapped out) and unwritten since
-        they were last protected, protecting every page of ``span``; None if any of it is
-        not tracked. Shared memory is never clean: another process writes it through its own
-        page tables (the kernel registers shmem as well, so its pages are told apart here)."""
+        """The spans of anonymous pages present and unwritten since they were last
+        protected, protecting every page of ``span``; None if any of it is not tracked.
+
+        Only present anonymous pages count. A page of a file mapping or of shared memory
+        (shmem, memfd) shows what the file holds, which another process, a ``pwrite`` or a
+        rewrite of the file changes without a write through these page tables (the kernel
+        registers such memory too). And a page that is not present is never clean: where
+        the kernel drops a protected page of such memory (reclaim, truncation,
+        ``MADV_DONTNEED``) it leaves a marker that the scan reports like a swapped-out page,
+        whose content is whatever the file holds when it is next read; a really swapped-out
+        page costs one read more."""
         regions = (ctypes.c_uint64 * (3 * _REGIONS))()
         clean: list[Span] = []
         at, end = span
         while at < end:
             arg = (ctypes.c_uint64 * 12)(
                 96, _WP_MATCHING | _CHECK_WPASYNC, at, end, 0, ctypes.addressof(regions), _REGIONS,
-                0, 0, 0, 0, _WRITTEN | _FILE | _PRESENT | _SWAPPED,
+                0, 0, 0, 0, _WRITTEN | _FILE | _PRESENT,
             )  # fmt: skip
             count = _libc().ioctl(self._fds[1], _PAGEMAP_SCAN, arg)
             if count < 0 or arg[4] <= at:
                 return None
             for i in range(count):
                 start, stop, categories = regions[3 * i : 3 * i + 3]
-                if categories & (_PRESENT | _SWAPPED) and not categories & (_WRITTEN | _FILE):
+                if categories & _PRESENT and not categories & (_WRITTEN | _FILE):
                     if clean and clean[-1][1] == start:
                         clean[-1] = (clean[-1][0], stop)
                     else:
@@ -281,6 +293,18 @@ class WriteTracker:
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _clean_bytes(clean: tuple[Span, ...], start: int, end: int) -> int:
+    return (end - start) - sum(gap_end - gap_start for gap_start, gap_end in _gaps(clean, start, end))
+
+
+def _minus(spans: tuple[Span, ...], holes: list[Span]) -> tuple[Span, ...]:
+    """``spans`` (sorted, disjoint) without the bytes of ``holes``."""
+    kept: list[Span] = []
+    for start, end in spans:
+        kept.extend(_gaps(tuple(_merged(holes)), start, end))
+    return tuple(kept)
 
 
 def _merged(spans: Iterable[Span]) -> list[Span]:

@@ -2,6 +2,7 @@
 save (``ckptflow.dcp.written_pages``), and stay exact when a save fails in between, when
 tracking is off, and when a full save finds the kernel's word wrong."""
 
+import ctypes
 import logging
 
 import pytest
@@ -128,3 +129,51 @@ def test_a_layer_trained_then_frozen_is_read_while_trained_and_skipped_again_onc
             break
     assert skipped_at is not None
     _assert_equal(_restored(make_ck, skipped_at), state)
+
+
+def test_a_tensor_mapped_from_a_file_that_is_rewritten_is_read_again(make_ck, tmp_path):
+    """``torch.load(mmap=True)`` (or safetensors, ``np.memmap``): the live tensor shows what the
+    file holds, and rewriting the file changes it without a write through this process's
+    page tables. Such pages are never vouched for."""
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.full((MiB,), 1.0)}, path)
+    state = {"w": torch.load(path, mmap=True, weights_only=True)["w"]}
+    ck = make_ck(chunk_bytes=MiB)
+    ck.save(1, state, kind="full", rng=False)
+    torch.save({"w": torch.full((MiB,), 2.0)}, path)  # the same file, rewritten in place
+    assert state["w"][0] == 2.0
+    ck.save(2, state, kind="incremental", rng=False)
+    fresh = {"w": torch.zeros(MiB)}
+    make_ck().restore(fresh, step=2)
+    assert torch.equal(fresh["w"], state["w"])
+
+
+def _writing_during_the_save(monkeypatch, tensor: torch.Tensor, index: int, value: float) -> None:
+    """The next save's first chunk of ``tensor`` is written, then ``tensor[index] = value``
+    lands, as from a thread still training: after the bytes were read, before the save ends."""
+    real = writer.ChunkStore.put
+    fired = []
+
+    def put(self, piece, *args, **kwargs):
+        out = real(self, piece, *args, **kwargs)
+        if not fired and ctypes.addressof(ctypes.c_char.from_buffer(piece)) == tensor.data_ptr():
+            fired.append(True)
+            tensor[index] = value
+        return out
+
+    monkeypatch.setattr(writer.ChunkStore, "put", put)
+
+
+@pytest.mark.parametrize("index", [0, MiB // 8], ids=["edge-page", "interior"])
+def test_a_write_while_a_save_reads_is_read_again_by_the_next_save(make_ck, monkeypatch, index):
+    """Its page was protected before the read, so the next save sees it written; for an edge
+    page, whose bytes are compared by hash, the hash was taken before the read, too."""
+    state = {"w": torch.full((MiB,), 1.0)}  # 4 MiB: four regions of 1 MiB
+    ck = make_ck(chunk_bytes=MiB)
+    _writing_during_the_save(monkeypatch, state["w"], index, 5.0)
+    ck.save(1, state, kind="full", rng=False)  # stored with w[index] == 1.0
+    monkeypatch.undo()
+    ck.save(2, state, kind="incremental", rng=False)  # nothing writes any more
+    fresh = {"w": torch.zeros(MiB)}
+    make_ck().restore(fresh, step=2)
+    assert fresh["w"][index] == 5.0 and torch.equal(fresh["w"], state["w"])
