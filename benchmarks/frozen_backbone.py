@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = sum(p.numel() for p in net.parameters() if p.requires_grad)
     total = sum(p.numel() for p in net.parameters())
     print(
-        f"all-MiniLM-L6-v2 with {args.frozen_copies} frozen copies of its encoder ({total * 4 / 2**20:.1f} MiB fp32), top {args.trained_layers} layer(s) + head trained "
+        f"all-MiniLM-L6-v2 with {args.frozen_copies} frozen copies of its encoder "
+        f"({total * 4 / 2**20:.1f} MiB fp32), top {args.trained_layers} layer(s) + head trained "
         f"({trained * 4 / 2**20:.1f} MiB, AdamW moments for those only), {args.steps} steps in blocks of "
         f"{args.block}, an incremental save after every step; {os.cpu_count()} CPUs, torch {torch.__version__}"
     )

@@ -183,20 +183,19 @@ class CheckpointWriter(StorageWriter):
         """The chunk of ``piece``, and whether it was left unread (the kernel vouched for it)."""
         digest = checksum = known = None
         earlier = self.previous.get(region)
-        edges = self._unwritten(region, piece, address) if earlier is not None else None
-        unwritten = edges is not None
-        if not unwritten and address is not None and self.snapshot is not None:
+        edges = vouched = self._unwritten(region, piece, address) if earlier is not None else None
+        if edges is None and address is not None and self.snapshot is not None:
             # before the piece is read: a write to an edge page in between makes them differ,
             # and the next save, seeing that page written, reads the region again
             edges = edge_checksum(piece, address)
-        unread = unwritten and self.spec.kind == "incremental"
-        if unread:  # not even read: no write reached its pages
-            checksum, digest, known = earlier.checksum, earlier.digest, earlier
+        unread = False
+        if earlier is not None and vouched is not None and self.spec.kind == "incremental":
+            checksum, digest, known, unread = earlier.checksum, earlier.digest, earlier, True  # no write reached it
         elif earlier is not None and same_content(piece, earlier.checksum):
             checksum, digest = earlier.checksum, earlier.digest  # the same bytes as last time
             if self.spec.kind == "incremental":
                 known = earlier  # and the chunk holding them: a full save rewrites it anyway
-        elif unwritten and self.tracker is not None:  # a full save checks what incremental ones trust
+        elif vouched is not None and self.tracker is not None:  # a full save checks what incremental ones trust
             self.tracker.distrust(f"{region[0]!r} chunk {region[2]} changed without a write to its pages")
         write = self.chunks.put(
             piece,
@@ -212,7 +211,7 @@ class CheckpointWriter(StorageWriter):
         if self.progress:
             self.progress(len(piece))
         self.seen[region] = write
-        if edges is not None and self.snapshot is not None and self.snapshot.covers(address, len(piece)):
+        if edges is not None and address is not None and self.snapshot and self.snapshot.covers(address, len(piece)):
             self.tracked[region] = (self.snapshot.epoch, address, edges)
         return write, unread
 
