@@ -57,7 +57,7 @@ _API = 0xAA
 _FEATURES = (1 << 13) | (1 << 15)  # UFFD_FEATURE_WP_UNPOPULATED | UFFD_FEATURE_WP_ASYNC
 _REGISTER_MODE_WP = 1 << 1
 _WP_MATCHING, _CHECK_WPASYNC = 1 << 0, 1 << 1  # PAGEMAP_SCAN flags
-_WRITTEN, _FILE, _PRESENT = 1 << 1, 1 << 2, 1 << 3  # PAGEMAP_SCAN page categories
+_WRITTEN, _PRESENT = 1 << 1, 1 << 3  # PAGEMAP_SCAN page categories
 _REGIONS = 64  # page regions one PAGEMAP_SCAN call reports; it is called again from where it stopped
 REST_SAVES = 8  # saves a span found mostly written is left unprotected for (no faults), then watched again
 
@@ -155,6 +155,7 @@ class WriteTracker:
         self._fds = (uffd, pagemap)
         self._epoch = 0
         self._watched: set[Span] = set()  # spans the previous snapshot left protected
+        self._registered: set[Span] = set()  # spans the previous snapshot scanned (so registered)
         self._resting: dict[Span, int] = {}  # span -> snapshots it is still left out of
         self._lock = threading.Lock()
         self._closed = weakref.finalize(self, _close_fds, self._fds)
@@ -232,10 +233,17 @@ class WriteTracker:
                     active.append(span)
             clean: list[Span] = []
             scanned: list[Span] = []
+            private = _private_anonymous()
             for span in _merged(active):
-                if self._register(span) and (found := self._scan(span)) is not None:
+                if _gaps(private, *span):
+                    continue  # file mappings, shared memory: see the module's docstring
+                found = self._scan(span) if span in self._registered else None  # gone if it was unmapped
+                if found is None and self._register(span):
+                    found = self._scan(span)
+                if found is not None:
                     clean.extend(found)  # vouched for now, whether protected from here on or not
                     scanned.append(span)
+            self._registered = set(scanned)
             vouched, protected = tuple(clean), tuple(scanned)
             for span in active:
                 if span in self._watched and 2 * _clean_bytes(vouched, *span) < span[1] - span[0]:
@@ -257,42 +265,54 @@ class WriteTracker:
         return _libc().ioctl(self._fds[0], _UFFDIO_REGISTER, register) == 0
 
     def _scan(self, span: Span) -> list[Span] | None:
-        """The spans of anonymous pages present and unwritten since they were last
-        protected, protecting every page of ``span``; None if any of it is not tracked.
-
-        Only present anonymous pages count. A page of a file mapping or of shared memory
-        (shmem, memfd) shows what the file holds, which another process, a ``pwrite`` or a
-        rewrite of the file changes without a write through these page tables (the kernel
-        registers such memory too). And a page that is not present is never clean: where
-        the kernel drops a protected page of such memory (reclaim, truncation,
-        ``MADV_DONTNEED``) it leaves a marker that the scan reports like a swapped-out page,
-        whose content is whatever the file holds when it is next read; a really swapped-out
-        page costs one read more."""
+        """The spans of pages of ``span`` (private anonymous memory) present and unwritten
+        since they were last protected, protecting every page of it; None if any of it is
+        not tracked. A page not present is never clean (unmapped, dropped, swapped out or
+        never populated since: a swapped-out page costs one read more)."""
         regions = (ctypes.c_uint64 * (3 * _REGIONS))()
-        clean: list[Span] = []
+        unclean: list[Span] = []
         at, end = span
         while at < end:
+            # only pages written or not present are reported and protected (again): a clean
+            # page is left as it is
             arg = (ctypes.c_uint64 * 12)(
                 96, _WP_MATCHING | _CHECK_WPASYNC, at, end, 0, ctypes.addressof(regions), _REGIONS,
-                0, 0, 0, 0, _WRITTEN | _FILE | _PRESENT,
+                0, _PRESENT, 0, _WRITTEN | _PRESENT, 0,
             )  # fmt: skip
             count = _libc().ioctl(self._fds[1], _PAGEMAP_SCAN, arg)
             if count < 0 or arg[4] <= at:
                 return None
-            for i in range(count):
-                start, stop, categories = regions[3 * i : 3 * i + 3]
-                if categories & _PRESENT and not categories & (_WRITTEN | _FILE):
-                    if clean and clean[-1][1] == start:
-                        clean[-1] = (clean[-1][0], stop)
-                    else:
-                        clean.append((start, stop))
+            unclean.extend((regions[3 * i], regions[3 * i + 1]) for i in range(count))
             at = arg[4]  # where the walk ended: the report was full
-        return clean
+        return _gaps(tuple(unclean), *span)
 
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _private_anonymous() -> tuple[Span, ...]:
+    """This process's private anonymous memory (``/proc/self/maps``), merged.
+
+    Only such memory is tracked. A page of a file mapping or of shared memory (shmem, memfd)
+    shows what the file holds, which another process, a ``pwrite`` or a rewrite of the file
+    changes without a write through these page tables, and where the kernel drops one that
+    was protected it leaves a marker the scan reports like a swapped-out page (the kernel
+    registers such memory too). Asking this of each page instead (``PAGE_IS_FILE``) makes
+    the scan 5x slower: 18 ms a GiB here against 3.5."""
+    spans: list[Span] = []
+    with open("/proc/self/maps", "rb") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or fields[1][3:4] != b"p" or fields[4] != b"0":
+                continue  # shared, or backed by a file (inode)
+            name = fields[5].strip() if len(fields) == 6 else b""
+            if name and not name.startswith((b"[heap]", b"[anon:")):
+                continue  # the stack, vdso, vvar
+            start, end = fields[0].split(b"-")
+            spans.append((int(start, 16), int(end, 16)))
+    return tuple(_merged(spans))
 
 
 def _clean_bytes(clean: tuple[Span, ...], start: int, end: int) -> int:
