@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +28,10 @@ from ckptflow.catalog.commit import commit_manifest
 from ckptflow.chunks import damaged
 from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
-from ckptflow.dcp import regions
+from ckptflow.dcp import put_batches, regions
 from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, metadata_to_json
+from ckptflow.dcp.put_batches import PutBatches, Slot
 from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.dcp.written_pages import Snapshot, WriteTracker, edge_checksum, tracked_span
@@ -260,7 +261,8 @@ class CheckpointWriter(StorageWriter):
         return completed_future(results)
 
     def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        pending: list[tuple[Any, torch.Tensor | None, Any, list[Future]]] = []
+        pending: list[tuple[Any, torch.Tensor | None, Any, list[Slot]]] = []
+        batches = PutBatches(self.pool, self._put, self.spec.chunk_bytes)
         resolved = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO and not self.json_values:
@@ -285,20 +287,20 @@ class CheckpointWriter(StorageWriter):
                     region = regions.region(item.index.fqn, offset, off // step, dtype_name(tensor.dtype), len(piece))
                     encoder = self._chunk_encoder(item, tensor, off // step)
                     address = None if base is None else base + off
-                    futures.append(self.pool.submit(self._put, piece, tensor, encoder, region, address))
+                    futures.append(batches.add(piece, tensor, encoder, region, address))
                 pending.append((item, tensor, raw, futures))
+            batches.flush()
             return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
         finally:  # on failure: no chunk write may outlive the lease
-            queued = [f for *_, futures in pending for f in futures]
-            for f in queued:
+            for f in batches.submitted:
                 f.cancel()
-            wait(queued)
+            wait(batches.submitted)
 
     @staticmethod
-    def _result(item: Any, tensor: torch.Tensor | None, raw: Any, futures: list[Future]) -> WriteResult:
+    def _result(item: Any, tensor: torch.Tensor | None, raw: Any, futures: list[Slot]) -> WriteResult:
         if tensor is None:  # a JSON value (json_values=True): no chunks, it travels in the manifest
             return WriteResult(index=item.index, size_in_bytes=0, storage_data={JSON_VALUE: raw})
-        writes = [f.result() for f in futures]
+        writes = [put_batches.result(slot) for slot in futures]
         data = {
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
