@@ -6,6 +6,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+MAX_JOBS = 8  # a batch's chunks are written one after another: a written one waits on its fsync
 Slot = tuple[list, int]  # (a holder of the batch's future, once submitted; the job's place in the batch)
 
 
@@ -27,7 +28,7 @@ class PutBatches:
         handle = (self._holder, len(self._jobs))
         self._jobs.append((piece, *job))
         self._bytes += len(piece)
-        if self._bytes >= self.limit:
+        if self._bytes >= self.limit or len(self._jobs) >= MAX_JOBS:
             self.flush()
         return handle
 
