@@ -144,8 +144,10 @@ class ChunkStore(ChunkReader):
         rewrite = rewrite or damaged.known(self.store.url, digest)  # never keep an object a read refused
         if not rewrite and known is not None and known.digest == digest:
             try:
-                if known.stored_bytes != UNKNOWN_SIZE and known.base is None:  # a save of ours stored it plainly,
-                    self.store.touch(key)  # and a stored chunk is never replaced by a delta: no header to read
+                # a save of ours stored it plainly, and a stored chunk is never replaced by a delta: no
+                # header to read (unless it was swept and stored again as a delta since: docs/storage.md)
+                if known.stored_bytes != UNKNOWN_SIZE and known.base is None:
+                    self.store.touch(key)
                     return replace(known, written=False, base_bytes=0, checksum=checksum)
                 size = self.store.stat(key).size if known.stored_bytes == UNKNOWN_SIZE else known.stored_bytes
                 reused = self._reuse(digest, size, len(raw), checksum, known.stored_checksum)
@@ -165,6 +167,9 @@ class ChunkStore(ChunkReader):
                 if reused is not None:
                     return reused
                 rewrite = True  # a delta whose base is gone or damaged: store it anew
+        if known is not None:  # written anew after all (gone, damaged): what is stored under an address hashes to it
+            digest, checksum = address_and_checksum(raw)
+            key = chunk_key(digest)
         encoded = encoder(raw, digest) if encoder else Encoded(codecs.encode(raw, codec, itemsize, floating=floating))
         if rewrite and encoded.base is not None:
             encoded = Encoded(plain_encoding(raw, itemsize=itemsize, floating=floating))

@@ -6,18 +6,19 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-MAX_JOBS = 8  # a batch's chunks are written one after another: a written one waits on its fsync
 Slot = tuple[list, int]  # (a holder of the batch's future, once submitted; the job's place in the batch)
 
 
 class PutBatches:
-    """Chunk writes handed to the pool in batches of about one chunk's bytes: under GIL
-    contention a ``submit`` holds the saving thread ~0.2 ms, which at one per chunk was a
-    quarter of an incremental save of a state of 1,200 small tensors. A chunk of full size
-    is a batch of its own, so large tensors keep one task per chunk."""
+    """Chunk writes handed to the pool in batches of about one chunk's bytes and at most
+    ``jobs`` writes: under GIL contention a ``submit`` holds the saving thread ~0.2 ms, which
+    at one per chunk was a quarter of an incremental save of a state of 1,200 small tensors.
+    A chunk of full size is a batch of its own, so large tensors keep one task per chunk. A
+    batch's writes run one after another, each waiting on its store: a few per batch on a
+    local disk (an fsync), one on S3 (a request)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, put: Callable, limit: int):
-        self.pool, self.put, self.limit = pool, put, limit
+    def __init__(self, pool: ThreadPoolExecutor, put: Callable, limit: int, *, jobs: int):
+        self.pool, self.put, self.limit, self.jobs = pool, put, limit, jobs
         self.submitted: list[Future] = []
         self._jobs: list[tuple] = []
         self._holder: list[Future] = []  # gets the batch's future when it is submitted
@@ -28,7 +29,7 @@ class PutBatches:
         handle = (self._holder, len(self._jobs))
         self._jobs.append((piece, *job))
         self._bytes += len(piece)
-        if self._bytes >= self.limit or len(self._jobs) >= MAX_JOBS:
+        if self._bytes >= self.limit or len(self._jobs) >= self.jobs:
             self.flush()
         return handle
 

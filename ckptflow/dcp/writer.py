@@ -197,7 +197,11 @@ class CheckpointWriter(StorageWriter):
             if self.spec.kind == "incremental":
                 known = earlier  # and the chunk holding them: a full save rewrites it anyway
         elif vouched is not None and self.tracker is not None:  # a full save checks what incremental ones trust
-            self.tracker.distrust(f"{region[0]!r} chunk {region[2]} changed without a write to its pages")
+            self.tracker.distrust(
+                f"{region[0]!r} chunk {region[2]} changed without a write to its pages; incremental checkpoints of "
+                f"run {self.spec.run!r} before step {self.spec.step} that reused it may hold its older bytes "
+                "(this full save holds the new ones)"
+            )
         write = self.chunks.put(
             piece,
             digest=digest,
@@ -262,7 +266,8 @@ class CheckpointWriter(StorageWriter):
 
     def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         pending: list[tuple[Any, torch.Tensor | None, Any, list[Slot]]] = []
-        batches = PutBatches(self.pool, self._put, self.spec.chunk_bytes)
+        jobs = 8 if self.chunks.store.cheap_reread else 1  # a local disk's fsyncs; S3 requests run side by side
+        batches = PutBatches(self.pool, self._put, self.spec.chunk_bytes, jobs=jobs)
         resolved = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO and not self.json_values:

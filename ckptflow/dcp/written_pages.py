@@ -155,7 +155,7 @@ class WriteTracker:
         self._fds = (uffd, pagemap)
         self._epoch = 0
         self._watched: set[Span] = set()  # spans the previous snapshot left protected
-        self._registered: set[Span] = set()  # spans the previous snapshot scanned (so registered)
+        self._pid = os.getpid()  # /proc/self/pagemap, opened here, stays this process's after a fork
         self._resting: dict[Span, int] = {}  # span -> snapshots it is still left out of
         self._lock = threading.Lock()
         self._closed = weakref.finalize(self, _close_fds, self._fds)
@@ -204,7 +204,8 @@ class WriteTracker:
 
     def close(self) -> None:
         """Stop tracking: closing the userfaultfd lifts every protection it set."""
-        self._closed()
+        with self._lock:
+            self._closed()
 
     def distrust(self, why: str) -> None:
         log.warning("incremental saves stop trusting page write tracking and hash every byte: %s", why)
@@ -221,7 +222,7 @@ class WriteTracker:
         its regions are read anyway. Then it is watched again (a layer frozen later is
         skipped again)."""
         with self._lock:
-            if self.closed:
+            if self.closed or os.getpid() != self._pid:
                 return None
             resting: dict[Span, int] = {}
             active: list[Span] = []
@@ -237,13 +238,14 @@ class WriteTracker:
             for span in _merged(active):
                 if _gaps(private, *span):
                     continue  # file mappings, shared memory: see the module's docstring
-                found = self._scan(span) if span in self._registered else None  # gone if it was unmapped
-                if found is None and self._register(span):
-                    found = self._scan(span)
+                # registered every time: a span unmapped and mapped again since is registered
+                # anew, and memory another tracker holds is refused (EBUSY). Scanned once only:
+                # a scan that fails midway has protected what it walked, so a second one would
+                # call written pages clean
+                found = self._scan(span) if self._register(span) else None
                 if found is not None:
                     clean.extend(found)  # vouched for now, whether protected from here on or not
                     scanned.append(span)
-            self._registered = set(scanned)
             vouched, protected = tuple(clean), tuple(scanned)
             for span in active:
                 if span in self._watched and 2 * _clean_bytes(vouched, *span) < span[1] - span[0]:

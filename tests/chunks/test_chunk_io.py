@@ -97,3 +97,16 @@ def test_a_dropped_chunk_damaged_before_the_second_pass_is_caught(chunks):
     chunks.store.replace(chunk_key(digest), bytes(bad))
     with pytest.raises(CorruptChunkError, match="does not match its address"):
         _budgeted(chunks, 0).read_checked(checked, memoryview(bytearray(len(payload))))
+
+
+def test_a_chunk_a_save_trusted_but_must_write_anew_is_stored_under_the_hash_of_its_bytes(chunks):
+    """An incremental save passes the previous save's digest for bytes it did not read (the
+    kernel vouched for them). Where the chunk must be written after all (gone since), the
+    bytes written are hashed: an address only ever names bytes that hash to it."""
+    before, now = os.urandom(4096), os.urandom(4096)
+    known = chunks.put(memoryview(before))
+    chunks.store.delete(chunk_key(known.digest))  # gone since (GC, or a user)
+    written = chunks.put(memoryview(now), digest=known.digest, checksum=known.checksum, known=known)
+    assert written.written and written.digest != known.digest
+    assert bytes(chunks.get(written.digest, len(now))) == now
+    assert not chunks.store.exists(chunk_key(known.digest))

@@ -190,3 +190,67 @@ def test_a_span_written_all_over_between_saves_is_left_unprotected_for_a_while(t
         assert not tracker.snapshot([span]).covers(address, t.nbytes)
     assert tracker.snapshot([span]).covers(address, t.nbytes)  # watched again
     assert _faults(lambda: t.add_(1)) >= 1000
+
+
+def _anonymous(pages: int, at: int | None = None) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0x100000 if at else 0)  # MAP_FIXED_NOREPLACE
+    address = libc.mmap(at, pages * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    assert at is None or address == at
+    ctypes.memset(address, 1, pages * PAGE)
+    return address
+
+
+def _unmap(address: int, pages: int) -> None:
+    assert ctypes.CDLL(None).munmap(ctypes.c_void_p(address), ctypes.c_size_t(pages * PAGE)) == 0
+
+
+def test_a_span_partly_mapped_anew_since_is_scanned_once_and_its_written_pages_stay_written(tracker):
+    """Half of a span is unmapped and mapped again (an allocator reusing a freed tensor's
+    address beside a tracked one): the scan stops where registration ends, after protecting
+    the pages before it; a second scan of them would find them protected and call them clean."""
+    base = _anonymous(16)
+    span = (base, base + 16 * PAGE)
+    tracker.snapshot([span])
+    tracker.snapshot([span])
+    ctypes.memset(base, 2, 1)  # page 0 written
+    _unmap(base + 8 * PAGE, 8)
+    _anonymous(8, at=base + 8 * PAGE)
+    snapshot = tracker.snapshot([span])
+    piece = memoryview((ctypes.c_ubyte * PAGE).from_address(base)).cast("B")
+    assert not snapshot.unwritten(piece, base, "")  # page 0 is not vouched for
+    assert all(start >= base + PAGE for start, _end in snapshot.clean)
+    _unmap(base, 16)
+
+
+def test_memory_another_tracker_holds_is_not_scanned_by_this_one(tracker):
+    """Two Checkpointers in one process: a span the first once tracked, freed and now held
+    by the second, must not be scanned (and protected again) by the first."""
+    other = WriteTracker.open()
+    base = _anonymous(8)
+    span = (base, base + 8 * PAGE)
+    other.snapshot([span])
+    _unmap(base, 8)
+    _anonymous(8, at=base)  # another tensor in its place, tracked by this tracker
+    tracker.snapshot([span])
+    tracker.snapshot([span])
+    ctypes.memset(base + 3 * PAGE, 9, 1)
+    assert not other.snapshot([span]).covers(base, 8 * PAGE)  # refused: this tracker holds it
+    snapshot = tracker.snapshot([span])
+    assert (base + 3 * PAGE, base + 4 * PAGE) not in [(s, e) for s, e in snapshot.clean]
+    assert not any(s <= base + 3 * PAGE < e for s, e in snapshot.clean)
+    other.close()
+    _unmap(base, 8)
+
+
+def test_a_forked_child_takes_no_snapshot(tracker):
+    """/proc/self/pagemap, opened by the parent, still reads the parent's memory in a child."""
+    t = torch.randn(MiB)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if tracker.snapshot([tracked_span(t)]) is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert tracker.snapshot([tracked_span(t)]) is not None
