@@ -26,9 +26,10 @@ from ckptflow.chunks.io import ChunkStore
 from ckptflow.chunks.reads import CheckedChunk
 from ckptflow.dcp import regions
 from ckptflow.dcp.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
+from ckptflow.dcp.memory import completed_future, tensor_memory
 from ckptflow.dcp.metadata import dtype_from_name, metadata_from_index
 from ckptflow.dcp.regions import Seen
-from ckptflow.dcp.writer import Progress, completed_future, tensor_memory
+from ckptflow.dcp.writer import Progress
 from ckptflow.errors import is_damage
 from ckptflow.format.dcp_index import StorageItem
 from ckptflow.format.manifest import Manifest

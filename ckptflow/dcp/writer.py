@@ -8,7 +8,6 @@ coordinator commits the manifest last.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
 from ckptflow.dcp import put_batches, regions
 from ckptflow.dcp.auto_codec import SaveEncoder
+from ckptflow.dcp.memory import bytes_view, completed_future
 from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, metadata_to_json
 from ckptflow.dcp.put_batches import PutBatches, Slot
 from ckptflow.dcp.regions import Region, Seen, Tracked
@@ -49,29 +49,6 @@ Progress = Callable[[int], None]
 
 # Single-process use (no process group) is a supported mode here, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def _bytes_view(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return tensor_memory(flat.contiguous())
-
-
-def tensor_memory(tensor: torch.Tensor) -> memoryview:
-    """The memory of a contiguous CPU tensor as writable bytes, without a copy.
-
-    Not through ``.numpy()``: that marks the tensor's storage not resizable for good, so a
-    saved (or restored) tensor could no longer be ``resize_``d: a save must not change the
-    state it saves. The view keeps the tensor alive; the caller must not resize it while
-    the view is in use (saves and restores hold the tensors they read or fill).
-    """
-    flat = tensor.reshape(-1).view(torch.uint8)
-    if flat.numel() == 0:
-        return memoryview(bytearray(0))
-    memory = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
-    memory._owner = flat  # type: ignore[attr-defined]  # the bytes live as long as the view does
-    return memoryview(memory).cast("B")
 
 
 @dataclass
@@ -105,14 +82,6 @@ def _plan_bytes(plan: SavePlan) -> int:
         for item in plan.items
         if item.tensor_data is not None and item.tensor_data.properties.dtype is not None
     )
-
-
-def completed_future(value: Any) -> torch.futures.Future:
-    """A torch future already holding ``value``: how DCP's storage interface is answered
-    for work finished before the call returns."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 class CheckpointWriter(StorageWriter):
@@ -282,7 +251,7 @@ class CheckpointWriter(StorageWriter):
                     pending.append((item, None, json_value(planner, item.index.fqn, item.index), []))
                     continue
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items are resolved above
-                raw = _bytes_view(tensor)
+                raw = bytes_view(tensor)
                 base = None if span is None else tensor.data_ptr()
                 step = self.spec.chunk_bytes
                 offset = None if item.index.offset is None else tuple(item.index.offset)
