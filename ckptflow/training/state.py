@@ -106,17 +106,21 @@ class FreshOptimizers:
     """
 
     def __init__(self, state: Mapping[str, Any]):
-        self.names = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer) and not v.state]
-        optimizers = [state[k] for k in self.names]
+        optimizers = {k: o for k, v in state.items() if isinstance(o := _unwrapped(v), torch.optim.Optimizer)}
+        self.names = [k for k, o in optimizers.items() if not o.state]
+        self._per_rank = {k for k in self.names if isinstance(state[k], PerRank)}
         self._saved = [
             (o, [p.grad for g in o.param_groups for p in g["params"]], vars(o).get("_opt_called", _MISSING))
-            for o in optimizers
+            for o in (optimizers[k] for k in self.names)
         ]
 
     def empty(self, state_dicts: dict[str, Any]) -> None:
         """Save the fresh optimizers as fresh: no per-parameter state."""
         for name in self.names:
-            state_dicts[name] = {**state_dicts[name], "state": {}}
+            sd = state_dicts[name].value if name in self._per_rank else state_dicts[name]
+            state_dicts[name] = {**sd, "state": {}}
+            if name in self._per_rank:
+                state_dicts[name] = PerRank(state_dicts[name])
 
     def reset(self, loaded: Collection[str] = ()) -> None:
         """Put every fresh optimizer back exactly as it was: no state, the same gradients;
@@ -130,7 +134,7 @@ class FreshOptimizers:
             if called is _MISSING:
                 vars(optim).pop("_opt_called", None)
             else:
-                optim._opt_called = called
+                vars(optim)["_opt_called"] = called
 
 
 def load_state_dicts(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, strict: bool = True) -> None:

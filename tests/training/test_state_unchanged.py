@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+import ckptflow
 from ckptflow import Checkpointer, NoValidCheckpointError
 from support.corrupt import flip_byte
 from support.states import tiny_state, tiny_train
@@ -68,13 +69,15 @@ def test_a_restore_that_finds_nothing_leaves_a_fresh_optimizer_fresh(tmp_path, s
     assert losses_after(state) == losses_after(reference)  # training goes on as if restore was never called
 
 
-def test_a_save_before_the_first_step_changes_nothing_and_restores_a_fresh_optimizer(tmp_path):
+@pytest.mark.parametrize("per_rank", [False, True], ids=["optimizer", "per-rank optimizer"])
+def test_a_save_before_the_first_step_changes_nothing_and_restores_a_fresh_optimizer(tmp_path, per_rank):
     root = str(tmp_path / "store")
     state, reference = tiny_state(seed=0), tiny_state(seed=0)
     before = exact(state)
+    saved = {**state, "optim": ckptflow.per_rank(state["optim"])} if per_rank else state
     with Checkpointer(root, "r") as ck:
-        ck.save(0, state)
-        ck.save(1, state, blocking=False).wait()
+        ck.save(0, saved)
+        ck.save(1, saved, blocking=False).wait()
     assert not state["optim"].state
     assert_exact(state, before)
     assert losses_after(state) == losses_after(reference)
