@@ -153,7 +153,8 @@ class CheckpointWriter(StorageWriter):
         """The chunk of ``piece``, and whether it was left unread (the kernel vouched for it)."""
         digest = checksum = known = None
         earlier = self.previous.get(region)
-        edges = vouched = self._unwritten(region, piece, address) if earlier is not None else None
+        vouched = self._unwritten(region, piece, address) if earlier is not None else None
+        edges = vouched
         if edges is None and address is not None and self.snapshot is not None:
             # before the piece is read: a write to an edge page in between makes them differ,
             # and the next save, seeing that page written, reads the region again

@@ -15,7 +15,7 @@ unwritten holds the bytes its previous save hashed, and that save's chunk is reu
 without reading them.
 
 What this process's page tables do not see, and so is never vouched for: file mappings
-and shared memory (``torch.load(mmap=True)``, safetensors, ``np.memmap``,
+and shared memory (tensors memory-mapped from a file by torch, safetensors or ``np.memmap``,
 ``share_memory_()``: another process or a rewrite of the file changes them; only anonymous
 pages count as clean), memory a device writes by DMA (pinned tensors are left out; memory
 pinned for RDMA by other means cannot be told apart: pass ``track_writes=False``).
@@ -247,13 +247,17 @@ class WriteTracker:
                     clean.extend(found)  # vouched for now, whether protected from here on or not
                     scanned.append(span)
             vouched, protected = tuple(clean), tuple(scanned)
-            for span in active:
-                if span in self._watched and 2 * _clean_bytes(vouched, *span) < span[1] - span[0]:
-                    if self._unprotect(span):
-                        resting[span] = REST_SAVES
-            covered = _minus(protected, sorted(s for s in resting if s in active))
+            rested = [
+                span
+                for span in active
+                if span in self._watched
+                and 2 * _clean_bytes(vouched, *span) < span[1] - span[0]
+                and self._unprotect(span)
+            ]
+            resting.update(dict.fromkeys(rested, REST_SAVES))
             self._watched = {s for s in active if s not in resting and not _gaps(protected, *s)}
             self._resting = resting
+            covered = _minus(protected, rested)
             self._epoch += 1
             return Snapshot(self._epoch, self._epoch - 1, vouched, covered)
 
@@ -321,12 +325,10 @@ def _clean_bytes(clean: tuple[Span, ...], start: int, end: int) -> int:
     return (end - start) - sum(gap_end - gap_start for gap_start, gap_end in _gaps(clean, start, end))
 
 
-def _minus(spans: tuple[Span, ...], holes: list[Span]) -> tuple[Span, ...]:
+def _minus(spans: tuple[Span, ...], holes: Iterable[Span]) -> tuple[Span, ...]:
     """``spans`` (sorted, disjoint) without the bytes of ``holes``."""
-    kept: list[Span] = []
-    for start, end in spans:
-        kept.extend(_gaps(tuple(_merged(holes)), start, end))
-    return tuple(kept)
+    merged = tuple(_merged(holes))
+    return tuple(gap for start, end in spans for gap in _gaps(merged, start, end))
 
 
 def _merged(spans: Iterable[Span]) -> list[Span]:
