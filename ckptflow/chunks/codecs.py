@@ -185,7 +185,12 @@ def max_raw_size(stored: int) -> int:
 
 
 def decode(
-    blob: bytes | memoryview, base: BaseReader | None = None, *, expected: int, out: memoryview | None = None
+    blob: bytes | memoryview,
+    base: BaseReader | None = None,
+    *,
+    expected: int,
+    out: memoryview | None = None,
+    consume: planes.Consumer | None = None,
 ) -> memoryview:
     """The raw bytes of an encoded chunk, the ``expected`` length its manifest records.
 
@@ -204,6 +209,10 @@ def decode(
     ``out`` (writable, ``expected`` bytes) receives the raw bytes, and is returned: zstd
     and delta chunks are joined straight into it, without a chunk-sized temporary. On
     an error it holds whatever was written before it.
+
+    ``consume`` is handed the raw bytes in order, in pieces: a zstd chunk's (and most
+    deltas') block by block as they are joined, while they are in the CPU cache, so a
+    checksum of what was decoded costs no second trip to memory; any other's once decoded.
     """
     if len(blob) < HEADER.size:
         raise CorruptChunkError(f"chunk is {len(blob)} bytes, shorter than its header")
@@ -219,20 +228,42 @@ def decode(
         if len(target) != raw_len:
             raise ValueError(f"decode into {len(target)} bytes: the chunk holds {raw_len}")
     with decoding(f"{CODEC_NAMES.get(codec, codec)} chunk is malformed"):
-        raw = _decode(codec, itemsize, raw_len, payload, base, target)
-    if target is None:
-        return raw
-    if len(raw) != raw_len:
-        raise CorruptChunkError(f"chunk decodes to {len(raw)} bytes, its header announces {raw_len}")
-    view = planes.view(target)
-    if raw.obj is not target:  # a codec that does not decode in place: copy once
-        view[:] = raw
-    return view
+        raw, fed = _decode(codec, itemsize, raw_len, payload, base, target, consume)
+    if target is not None:
+        if len(raw) != raw_len:
+            raise CorruptChunkError(f"chunk decodes to {len(raw)} bytes, its header announces {raw_len}")
+        view = planes.view(target)
+        if raw.obj is not target:  # a codec that does not decode in place: copy once
+            view[:] = raw
+        raw = view
+    if consume is not None and not fed:
+        planes.feed(raw, consume)
+    return raw
 
 
 def _decode(
-    codec: int, itemsize: int, raw_len: int, payload: memoryview, base: BaseReader | None, out: np.ndarray | None
-) -> memoryview:
+    codec: int,
+    itemsize: int,
+    raw_len: int,
+    payload: memoryview,
+    base: BaseReader | None,
+    out: np.ndarray | None,
+    consume: planes.Consumer | None,
+) -> tuple[memoryview, bool]:
+    """The raw bytes, and whether ``consume`` was handed them all while they were joined."""
+    if codec == ZSTD:
+        return planes.view(planes.decode(payload, raw_len, itemsize, out=out, consume=consume)), True
+    if codec == DELTA:
+        digest = bytes(payload[:DIGEST_BYTES]).hex()
+        if base is None:
+            raise CorruptChunkError(f"delta chunk on base {digest[:16]}… cannot be a base itself")
+        base_blob = memoryview(base(digest, raw_len))
+        joined, fed = _decode_delta(payload[DIGEST_BYTES:], raw_len, itemsize, base_blob, out, consume)
+        return planes.view(joined), fed
+    return _decode_whole(codec, itemsize, raw_len, payload), False
+
+
+def _decode_whole(codec: int, itemsize: int, raw_len: int, payload: memoryview) -> memoryview:
     if codec == RAW:
         if itemsize != 1:
             raise CorruptChunkError(f"raw chunk header names element size {itemsize}; raw chunks are written with 1")
@@ -241,14 +272,6 @@ def _decode(
         return payload
     if codec == ZSTD_V1:
         return _decode_v1(payload, raw_len, itemsize)
-    if codec == ZSTD:
-        return planes.view(planes.decode(payload, raw_len, itemsize, out=out))
-    if codec == DELTA:
-        digest = bytes(payload[:DIGEST_BYTES]).hex()
-        if base is None:
-            raise CorruptChunkError(f"delta chunk on base {digest[:16]}… cannot be a base itself")
-        base_blob = memoryview(base(digest, raw_len))
-        return planes.view(_decode_delta(payload[DIGEST_BYTES:], raw_len, itemsize, base_blob, out))
     if codec in (BF16, Q8) and raw_len % 4:
         raise CorruptChunkError(f"{CODEC_NAMES[codec]} chunk announces {raw_len} raw bytes, not whole fp32 values")
     if codec == BF16:
@@ -271,10 +294,16 @@ def _decode(
 
 
 def _decode_delta(
-    payload: memoryview, raw_len: int, itemsize: int, base: memoryview, out: np.ndarray | None = None
-) -> np.ndarray:
+    payload: memoryview,
+    raw_len: int,
+    itemsize: int,
+    base: memoryview,
+    out: np.ndarray | None,
+    consume: planes.Consumer | None,
+) -> tuple[np.ndarray, bool]:
     """XOR the base back in: plane by plane when the base's zstd planes are laid out like
-    the delta's (one join for both), else on the joined bytes."""
+    the delta's (one join for both, ``consume`` fed as it joins: True), else on the
+    joined bytes (``consume`` not fed: False)."""
     mine, rotated = planes.decode_planes(payload, raw_len, itemsize)
     with decoding("its delta base is unusable"):
         try:
@@ -286,13 +315,13 @@ def _decode_delta(
     if out is None:
         out = np.empty(raw_len, dtype=np.uint8)
     if theirs is not None:
-        planes.join(planes.xor_planes(mine, theirs), out, rotated=rotated)
-        return out
+        planes.join(planes.xor_planes(mine, theirs), out, rotated=rotated, consume=consume)
+        return out, True
     if old is None or len(old) != raw_len:
         raise CorruptChunkError(f"its delta base holds {0 if old is None else len(old)} bytes, not {raw_len}")
     planes.join(mine, out, rotated=rotated)
     np.bitwise_xor(out, old, out=out)
-    return out
+    return out, False
 
 
 def _base_planes(base: memoryview, raw_len: int, itemsize: int, count: int, *, rotated: bool) -> list | None:

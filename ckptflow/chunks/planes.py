@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import zstandard
@@ -69,6 +70,8 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 BLOCK = 1 << 16  # elements per pass: the temporaries stay in the CPU cache
+PIECE = 256 << 10  # bytes per piece handed to a consumer of bytes that were not joined (``feed``)
+Consumer = Callable[[memoryview], None]  # what is handed decoded bytes as they are produced
 
 
 def _scratch(n: int, dtype: np.dtype) -> np.ndarray:
@@ -125,11 +128,14 @@ def split(raw: memoryview | bytes | np.ndarray, itemsize: int, *, floating: bool
     return planes, floating
 
 
-def join(planes: list[np.ndarray], out: np.ndarray, *, rotated: bool) -> None:
-    """Inverse of ``split``: write the element bytes into ``out`` (uint8, the raw length)."""
+def join(planes: list[np.ndarray], out: np.ndarray, *, rotated: bool, consume: Consumer | None = None) -> None:
+    """Inverse of ``split``: write the element bytes into ``out`` (uint8, the raw length),
+    handing each block to ``consume`` as soon as it is joined, while it is in the CPU cache."""
     k = len(planes)
     if k == 1:
         out[:] = planes[0]
+        if consume is not None:
+            feed(out, consume)
         return
     dtype = _UINTS[k]
     x = out.view(dtype)
@@ -154,6 +160,15 @@ def join(planes: list[np.ndarray], out: np.ndarray, *, rotated: bool) -> None:
                 xb |= tb
             else:
                 xb[:] = tb
+        if consume is not None:
+            consume(view(xb))
+
+
+def feed(raw: np.ndarray | memoryview, consume: Consumer) -> None:
+    """Hand ``raw`` to ``consume`` in cache-sized pieces."""
+    data = memoryview(raw).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+    for start in range(0, len(data), PIECE):
+        consume(data[start : start + PIECE])
 
 
 def _window(plane: np.ndarray) -> tuple[int, float]:
@@ -323,11 +338,13 @@ def decode_planes(payload: memoryview, raw_len: int, itemsize: int) -> tuple[lis
     return planes, bool(flags & ROTATED)
 
 
-def decode(payload: memoryview, raw_len: int, itemsize: int, *, out: np.ndarray | None = None) -> np.ndarray:
+def decode(
+    payload: memoryview, raw_len: int, itemsize: int, *, out: np.ndarray | None = None, consume: Consumer | None = None
+) -> np.ndarray:
     """The raw bytes of a planes payload, as a uint8 array: ``out`` (``raw_len`` bytes) if
-    given, so a restore decodes straight into its destination."""
+    given, so a restore decodes straight into its destination; ``consume`` (``join``)."""
     planes, rotated = decode_planes(payload, raw_len, itemsize)
     if out is None:
         out = np.empty(raw_len, dtype=np.uint8)
-    join(planes, out, rotated=rotated)
+    join(planes, out, rotated=rotated, consume=consume)
     return out

@@ -117,12 +117,18 @@ class ChunkReader:
 
     def _decode_verified(self, digest: str, blob: bytes, size: int, out: memoryview | None) -> memoryview:
         key = chunk_key(digest)
+        # checked as it is decoded, each piece while it is in the CPU cache (``codecs.decode``)
+        check = FastChecksum() if digest in self.checksums else None
         try:
             named = codecs.delta_base(blob)
             bases = {named: self._base_blob(named, size)} if named is not None else {}
             with _DECODING:
                 raw = codecs.decode(
-                    blob, expected=size, base=lambda d, n: bases.get(d) or self._base_blob(d, n), out=out
+                    blob,
+                    expected=size,
+                    base=lambda d, n: bases.get(d) or self._base_blob(d, n),
+                    out=out,
+                    consume=check.update if check else None,
                 )
         except CorruptChunkError as e:
             raise CorruptChunkError(f"chunk {self.store.url}/{key}: {e}") from None
@@ -130,7 +136,7 @@ class ChunkReader:
             raise CorruptChunkError(f"chunk {self.store.url}/{key} holds {len(raw)} bytes, the manifest expects {size}")
         try:
             with _DECODING:
-                self._verify(digest, key, raw)
+                self._verify(digest, key, raw, computed=check.hexdigest() if check else None)
         except CorruptChunkError:
             base = codecs.delta_base(blob)
             if base is not None:  # a bad base makes bad bytes: say so if that is the cause
@@ -192,13 +198,12 @@ class ChunkReader:
                 stored = self.stored_checksums.get(digest)
                 if stored is not None:
                     kept = self._keep(size)
-                    if kept or self._decode_first(digest, stored):
-                        stored = None  # decoded now: a chunk that does not decode rejects the checkpoint cleanly
-                checked = self._scan_check(digest, size, stored)
-                if checked is not None:
-                    if kept:
-                        self._release(size)
-                    return checked
+                # an encoded chunk decoded now (kept, or found saved wrongly: one that does not
+                # decode rejects the checkpoint cleanly) is fetched once, not streamed past first
+                if stored is None or not (kept or self._decode_first(digest, stored)):
+                    checked = self._scan_check(digest, size, stored)
+                    if checked is not None:
+                        return checked
             with self._room(size):
                 if kept is None:
                     kept = self._keep(size)
@@ -381,10 +386,12 @@ class ChunkReader:
         records one, else its address (``hexdigest`` compares to either)."""
         return FastChecksum() if digest in self.checksums else address_hasher(self.address or ADDRESS)
 
-    def _verify(self, digest: str, key: str, raw: memoryview | bytes) -> None:
+    def _verify(self, digest: str, key: str, raw: memoryview | bytes, *, computed: str | None = None) -> None:
+        """Raise unless ``raw`` is chunk ``digest``: by the fast checksum its manifest records
+        (``computed`` if its caller computed it as the bytes were decoded), else its address."""
         expected = self.checksums.get(digest)
         if expected is not None:
-            actual = fast_checksum(raw)
+            actual = computed if computed is not None else fast_checksum(raw)
             if actual != expected:
                 raise CorruptChunkError(
                     f"chunk {self.store.url}/{key} does not match its address (its content fails the fast "

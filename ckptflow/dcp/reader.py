@@ -7,11 +7,9 @@ every chunk before any of them is written into the caller's tensors.
 from __future__ import annotations
 
 import io
-import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -32,6 +30,7 @@ from ckptflow.dcp.regions import Seen
 from ckptflow.dcp.writer import Progress
 from ckptflow.errors import is_damage
 from ckptflow.format.dcp_index import StorageItem
+from ckptflow.format.layout import chunk_key
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.state_tree import unflatten
 
@@ -51,7 +50,8 @@ class CheckpointReader(StorageReader):
     (``ckptflow.chunks.budget``), and staging tensors (resharding, GPU targets) are filled
     and released in groups that fit it too, so host memory beyond the state stays bounded.
     A failure in pass two raises ``IntoPlaceFailed``: those tensors are partly
-    written, which restore reports as ``PartialRestoreError``.
+    written, which restore reports as ``PartialRestoreError``. A chunk the page cache holds
+    is read on one thread per core, any other on the restore's wider pool (``_pool_for``).
 
     ``single_pass`` (opt-in) skips pass one: every chunk is read or decoded straight into
     place and verified there (``ChunkStore.read_verified``), one read and one decode per
@@ -84,7 +84,6 @@ class CheckpointReader(StorageReader):
         self.manifest, self.pool, self.progress = manifest, pool, progress
         self.agree = agree or (lambda failure: failure)
         self.metadata, self.storage = metadata_from_index(manifest.dcp)
-        self._in_place_slots: Any = nullcontext()  # how many chunks pass two reads at once (``read_data``)
         self.loaded: Seen = {}  # once read_data succeeds: the regions it loaded (``ckptflow.dcp.regions``)
 
     def reset(self, checkpoint_id=None) -> None:
@@ -112,13 +111,30 @@ class CheckpointReader(StorageReader):
             self.progress(size)
         return checked
 
-    def _verify_all(self, indexes: list[MetadataIndex]) -> tuple[dict[str, CheckedChunk], Failure | None]:
+    def _pool_for(
+        self, digest: str, per_core: ThreadPoolExecutor | None, *, in_hand: bool = False
+    ) -> ThreadPoolExecutor:
+        """Where the work on one chunk runs: ``per_core`` (one thread per core) if it needs no
+        I/O (its bytes ``in_hand``, or in the page cache), since it is then CPU work (the
+        kernel's copy, checksums, decoding) and more threads only evict each other's pieces
+        from the CPU cache and queue on the GIL; else the restore's pool, whose many threads
+        keep a disk or a network busy."""
+        if per_core is not None and (in_hand or self.chunks.store.in_memory(chunk_key(digest))):
+            return per_core
+        return self.pool
+
+    def _verify_all(
+        self, indexes: list[MetadataIndex], per_core: ThreadPoolExecutor | None
+    ) -> tuple[dict[str, CheckedChunk], Failure | None]:
         """Every chunk checked; a damaged chunk anywhere outweighs a read that failed
         elsewhere (the checkpoint is bad whatever else happened)."""
         needed: dict[str, int] = {}
         for index in indexes:
             needed.update(self.storage[index].chunks)  # lengths add up: Manifest.parse checked
-        futures = {digest: self.pool.submit(self._check, digest, size) for digest, size in needed.items()}
+        futures = {
+            digest: self._pool_for(digest, per_core).submit(self._check, digest, size)
+            for digest, size in needed.items()
+        }
         checked: dict[str, CheckedChunk] = {}
         errors: list[BaseException] = []
         for digest, future in futures.items():
@@ -132,6 +148,16 @@ class CheckpointReader(StorageReader):
         return {}, failure_of(damage[0] if damage else errors[0])
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        # a store with a page cache: chunks it holds in memory are read one per core (``_pool_for``)
+        per_core = ThreadPoolExecutor(reads.CORES, "ckptflow-cpu") if self.chunks.store.cheap_reread else None
+        try:
+            self._read_data(plan, planner, per_core)
+        finally:
+            if per_core is not None:
+                per_core.shutdown()
+        return completed_future(None)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner, per_core: ThreadPoolExecutor | None) -> None:
         by_storage: dict[MetadataIndex, list] = defaultdict(list)
         values = [req for req in plan.items if req.type == LoadItemType.BYTE_IO]
         for req in plan.items:
@@ -141,7 +167,7 @@ class CheckpointReader(StorageReader):
         failure: Failure | None = None
         if not self.single_pass:
             try:
-                checked, failure = self._verify_all(list(by_storage))
+                checked, failure = self._verify_all(list(by_storage), per_core)
             except Exception as e:  # never skip ``agree``: the other ranks wait in it
                 checked, failure = {}, failure_of(e)
         failure = self.agree(failure)
@@ -149,12 +175,6 @@ class CheckpointReader(StorageReader):
             raise ReadAborted(failure)
         loading: list = []
         staged = 0  # bytes of staging tensors allocated and not yet copied out
-        if self.chunks.store.cheap_reread and _page_cache_holds(sum(c.size for c in checked.values())):
-            # what pass one just read is in the page cache: pass two is CPU work (the kernel's
-            # copy, checksums, decoding), fastest one chunk per core; more threads evict each
-            # other's pieces from the CPU cache and queue on the GIL. Pass one, which may wait
-            # on the disk, keeps the pool's width; so do a single pass and a remote store.
-            self._in_place_slots = threading.BoundedSemaphore(reads.CORES)
         try:
             for index, reqs in by_storage.items():
                 item = self.storage[index]
@@ -170,7 +190,9 @@ class CheckpointReader(StorageReader):
                     staged += item.nbytes
                 raw, offset, futures = _writable_bytes(buffer), 0, []
                 for digest, size in item.chunks:
-                    futures.append(self.pool.submit(self._into_place, checked, digest, raw[offset : offset + size]))
+                    kept = digest in checked and checked[digest].data is not None  # pass one kept it decoded
+                    pool = self._pool_for(digest, per_core, in_hand=kept)
+                    futures.append(pool.submit(self._into_place, checked, digest, raw[offset : offset + size]))
                     offset += size
                 loading.append((reqs, targets, buffer, futures))
             _finish(loading, planner)
@@ -184,7 +206,6 @@ class CheckpointReader(StorageReader):
             for f in pending:
                 f.cancel()
             wait(pending)
-        return completed_future(None)
 
     def _into_place(self, checked: dict[str, CheckedChunk], digest: str, out: memoryview) -> None:
         """One chunk read into ``out``: as pass one verified it, or verified now (single pass)."""
@@ -193,19 +214,7 @@ class CheckpointReader(StorageReader):
             if self.progress:
                 self.progress(len(out))
         else:
-            with self._in_place_slots:
-                self.chunks.read_checked(checked[digest], out)
-
-
-def _page_cache_holds(nbytes: int) -> bool:
-    """Whether ``nbytes`` just read are likely all still in the page cache: at most half of
-    the memory Linux reports available (which counts the cache); False where unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) << 10 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return False
-    return 0 < nbytes <= available // 2
+            self.chunks.read_checked(checked[digest], out)
 
 
 def _as_torch_save(skeleton: Any) -> io.BytesIO:

@@ -169,6 +169,11 @@ class Store(ABC):
             consume(data[start : start + len(buffer)])
         return len(data), None
 
+    def in_memory(self, key: str) -> bool:
+        """Whether reading ``key`` now needs no I/O (a local file all in the page cache): then
+        a read is CPU work. False where unknown, and for a missing object."""
+        return False
+
     def read_head(self, key: str, size: int) -> bytes:
         """The first ``size`` bytes of the object (all of it if shorter): enough of a
         chunk to learn its codec and delta base without reading its payload."""

@@ -34,6 +34,7 @@ from ckptflow.errors import (
     StoreNotFoundError,
     SymlinkError,
 )
+from ckptflow.store import page_cache
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.disk import Disk
 from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter, retrying_pruned
@@ -118,6 +119,16 @@ class LocalStore(Store):
                 return f.read()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+
+    def in_memory(self, key: str) -> bool:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (OSError, StoreError):  # missing, a link, not readable: the read itself reports it
+            return False
+        try:
+            return page_cache.all_cached(fd)
+        finally:
+            os.close(fd)
 
     def read_head(self, key: str, size: int) -> bytes:
         try:

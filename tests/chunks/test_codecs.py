@@ -32,6 +32,15 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def _decode_fed(blob, base=None, *, expected: int) -> bytes:
+    """``blob`` decoded into a buffer of its own while a consumer is fed; both must agree."""
+    fed: list[bytes] = []
+    out = bytearray(expected)
+    raw = codecs.decode(blob, base, expected=expected, out=memoryview(out), consume=lambda p: fed.append(bytes(p)))
+    assert bytes(raw) == bytes(out) == b"".join(fed), "the consumer was not handed exactly the decoded bytes, in order"
+    return bytes(out)
+
+
 def _weights(n=4096) -> bytes:
     rng = np.random.default_rng(0)
     return (rng.standard_normal(n).astype(np.float32) * 0.02).tobytes()
@@ -46,6 +55,7 @@ def test_every_codec_round_trips_every_dtype_bit_exactly(dtype, n):
         blob = _blob(codecs.encode(raw, codec, t.element_size(), floating=floating))
         assert codecs.header_codec(blob) == codec
         assert bytes(codecs.decode(blob, expected=len(raw))) == raw
+        assert _decode_fed(blob, expected=len(raw)) == raw
     base = _raw(_tensor(dtype, n, seed=1))
     digest = hashlib.sha256(base).hexdigest()
     blob = _blob(codecs.encode_delta(raw, base, digest, t.element_size(), floating=floating))
@@ -60,6 +70,7 @@ def test_every_codec_round_trips_every_dtype_bit_exactly(dtype, n):
 
         assert bytes(codecs.decode(blob, base_reader, expected=len(raw))) == raw
         assert asked == [(digest, len(raw))]
+        assert _decode_fed(blob, base_reader, expected=len(raw)) == raw
 
 
 def test_byte_planes_shrink_float_weights_and_bf16_to_two_thirds():
@@ -123,6 +134,7 @@ def test_legacy_byte_grouped_zstd_chunks_still_read():
     blob = codecs.HEADER.pack(codecs.MAGIC, codecs.ZSTD_V1, 4, len(data)) + zstandard.compress(grouped)
     assert codecs.header_codec(blob) == "zstd-v1"
     assert bytes(codecs.decode(blob, expected=len(data))) == data
+    assert _decode_fed(blob, expected=len(data)) == data
 
 
 def test_bf16_encoding_holds_exactly_bf16_values():
@@ -130,6 +142,7 @@ def test_bf16_encoding_holds_exactly_bf16_values():
     rounded = torch.from_numpy(exact.copy()).bfloat16().float().numpy()
     blob = _blob(codecs.encode_bf16(rounded.tobytes()))
     assert bytes(codecs.decode(blob, expected=rounded.nbytes)) == rounded.tobytes()
+    assert _decode_fed(blob, expected=rounded.nbytes) == rounded.tobytes()
     assert len(blob) < 0.4 * rounded.nbytes
     with pytest.raises(ValueError, match="already rounded"):
         codecs.encode_bf16(exact.tobytes())

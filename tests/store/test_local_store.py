@@ -17,7 +17,7 @@ from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import address_of
-from ckptflow.store import LocalStore, Store
+from ckptflow.store import LocalStore, Store, page_cache
 
 
 @pytest.fixture
@@ -213,6 +213,45 @@ def test_refused_steps(tmp_path, step):
         with pytest.raises(InvalidNameError):
             ck.save(step, {"model": torch.nn.Linear(2, 2)})
     assert _all_files(tmp_path) == []
+
+
+# ---- page cache -----------------------------------------------------------------------------
+
+
+def _evict(path: str) -> None:
+    """Drop a file's pages from the page cache (written back first, so they can be dropped)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_in_memory_says_whether_a_read_needs_the_disk(store):
+    fd = os.open(__file__, os.O_RDONLY)
+    try:
+        if page_cache.cached_bytes(fd) is None:
+            pytest.skip("this kernel has no cachestat: in_memory answers False everywhere")
+    finally:
+        os.close(fd)
+    store.put_if_absent("a/obj", os.urandom(3 << 20))
+    store.get("a/obj")
+    assert store.in_memory("a/obj")
+    _evict(os.path.join(store.root, "a", "obj"))
+    if store.in_memory("a/obj"):
+        pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
+    store.get("a/obj")
+    assert store.in_memory("a/obj")
+    assert not store.in_memory("a/missing")
+
+
+def test_in_memory_is_false_where_the_kernel_cannot_say(store, monkeypatch):
+    store.put_if_absent("obj", b"x" * 5000)
+    store.get("obj")
+    monkeypatch.setattr(page_cache, "_call", None)
+    assert not store.in_memory("obj")
+    assert not Store.in_memory(store, "obj")  # the base class knows of no page cache
 
 
 # ---- open_store ---------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from ckptflow import Checkpointer, PartialRestoreError
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import codecs, reads
 from ckptflow.chunks.io import ChunkStore
-from ckptflow.dcp import reader
 from ckptflow.errors import CorruptChunkError
 from ckptflow.format.layout import chunk_key
 from ckptflow.store import open_store
@@ -154,17 +153,16 @@ def test_single_pass_into_a_non_contiguous_target_is_exact(make_ck):
         assert torch.equal(live[name], value)
 
 
-@pytest.mark.parametrize("case", ["cached", "beyond the page cache", "single pass"])
-def test_the_second_pass_reads_one_chunk_per_core_at_a_time_from_the_page_cache(tmp_path, monkeypatch, case):
-    """Pass two reads from the page cache what pass one just read: CPU work, which runs no
-    wider than the cores (``reads.CORES``, one here) whatever the pool's width. A state too
-    large for the page cache to hold (pass two then waits on the disk) and a single pass
-    keep the pool's width."""
+@pytest.mark.parametrize("case", ["cached", "on the disk", "single pass"])
+def test_chunks_in_the_page_cache_are_read_one_per_core_at_a_time(tmp_path, monkeypatch, case):
+    """Reading a chunk the page cache holds is CPU work, which runs no wider than the cores
+    (``reads.CORES``, one here) whatever the pool's width, in either pass and in a single
+    pass; chunks that must come from the disk keep the pool's width."""
     root = str(tmp_path / "store")
     _save(root, "raw", steps=(1,))
     monkeypatch.setattr(reads, "CORES", 1)
-    if case == "beyond the page cache":
-        monkeypatch.setattr(reader, "_page_cache_holds", lambda nbytes: False)
+    if case == "on the disk":
+        monkeypatch.setattr(LocalStore, "in_memory", lambda self, key: False)
     running, widest, lock = [0], [0], threading.Lock()
     for name in ("read_checked", "read_verified"):
         real = getattr(ChunkStore, name)
@@ -185,4 +183,4 @@ def test_the_second_pass_reads_one_chunk_per_core_at_a_time_from_the_page_cache(
     with Checkpointer(root, RUN, threads=8) as ck:
         ck.restore(target, single_pass=case == "single pass")
     assert_tensors_equal(target, drifting_state(1))
-    assert widest[0] == 1 if case == "cached" else widest[0] > 1
+    assert widest[0] == 1 if case != "on the disk" else widest[0] > 1

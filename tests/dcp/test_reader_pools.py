@@ -1,0 +1,80 @@
+"""Which threads a restore reads chunks on: a chunk the page cache holds is CPU work, read
+on one thread per core; one that must come from the disk is read on the restore's wide
+pool, which keeps many reads in flight (``CheckpointReader._pool_for``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+
+from ckptflow import Checkpointer
+from ckptflow.chunks import reads
+from ckptflow.store import LocalStore
+from support.states import assert_tensors_equal, blank_like
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(64 << 10, generator=gen) for i in range(8)}  # 256 KiB each
+
+
+def _chunk_files(root) -> list[str]:
+    chunks = os.path.join(root, "chunks")
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(chunks) for f in files)
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_cached_chunks_are_read_one_per_core_and_the_rest_on_the_wide_pool(tmp_path, monkeypatch, codec):
+    root = str(tmp_path / "store")
+    state = _state()
+    with Checkpointer(root, "r", chunk_bytes=256 << 10, codec=codec, threads=6) as ck:
+        ck.save(1, {"model": state}, kind="full")
+        files = _chunk_files(root)
+        evicted = set(files[::2])
+        for path in evicted:
+            _evict(path)
+        if any(LocalStore(root).in_memory(os.path.relpath(p, root)) for p in evicted):
+            pytest.skip("this kernel cannot say what the page cache holds, or keeps these pages (tmpfs)")
+        readers: dict[str, list[str]] = defaultdict(list)  # chunk key -> the threads that read it, in order
+
+        def recording(read):
+            def record(self, key, *args, **kwargs):
+                readers[key].append(threading.current_thread().name)
+                return read(self, key, *args, **kwargs)
+
+            return record
+
+        for name in ("scan", "get_into", "get_bounded"):  # every way a restore reads a chunk
+            monkeypatch.setattr(LocalStore, name, recording(getattr(LocalStore, name)))
+        target = {"model": blank_like(state)}
+        ck.restore(target)
+    assert_tensors_equal(target["model"], state)
+    chunk_reads = {key: names for key, names in readers.items() if key.startswith("chunks/")}
+    assert sorted(os.path.join(root, key) for key in chunk_reads) == files
+    per_core = {name for names in chunk_reads.values() for name in names if name.startswith("ckptflow-cpu")}
+    assert 1 <= len(per_core) <= reads.CORES
+    for key, names in chunk_reads.items():
+        # pass one reads each chunk once; pass two once more, unless pass one kept it decoded
+        assert len(names) in (1, 2), f"{key}: read {len(names)} times"
+        verified, *into_place = names
+        if os.path.join(root, key) in evicted:
+            assert not verified.startswith("ckptflow-cpu"), f"{key} came from the disk on a per-core thread"
+        else:
+            assert verified.startswith("ckptflow-cpu"), f"{key} was in memory, yet pass one read it on {verified}"
+        # pass two reads what pass one just brought into memory: CPU work, one thread per core
+        assert all(name.startswith("ckptflow-cpu") for name in into_place), f"{key}: pass two read it on {into_place}"
+    if codec == "raw":
+        assert all(len(names) == 2 for names in chunk_reads.values())
