@@ -27,6 +27,7 @@ from stat import S_ISDIR, S_ISLNK
 from typing import BinaryIO
 
 from ckptflow.errors import (
+    InvalidNameError,
     ObjectNotFoundError,
     ObjectTooLargeError,
     StoreError,
@@ -121,9 +122,11 @@ class LocalStore(Store):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def in_memory(self, key: str) -> bool:
+        # only a hint for scheduling the read, which checks the path for links itself: so
+        # not ``_path``'s lstat of every segment, and a link at the end is simply not followed
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except (OSError, StoreError):  # missing, a link, not readable: the read itself reports it
+            fd = os.open(os.path.join(self.root, *validate_key(key).split("/")), os.O_RDONLY | os.O_NOFOLLOW)
+        except (OSError, InvalidNameError):  # missing, a link, not readable: the read itself reports it
             return False
         try:
             return page_cache.all_cached(fd)

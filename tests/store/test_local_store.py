@@ -244,6 +244,8 @@ def test_in_memory_says_whether_a_read_needs_the_disk(store):
     store.get("a/obj")
     assert store.in_memory("a/obj")
     assert not store.in_memory("a/missing")
+    os.symlink(os.path.join(store.root, "a", "obj"), os.path.join(store.root, "a", "link"))
+    assert not store.in_memory("a/link")  # a hint only, and no link is followed for it
 
 
 def test_in_memory_is_false_where_the_kernel_cannot_say(store, monkeypatch):
