@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import threading
 
@@ -248,10 +250,29 @@ def test_in_memory_says_whether_a_read_needs_the_disk(store):
     assert not store.in_memory("a/link")  # a hint only, and no link is followed for it
 
 
+def test_kernels_without_cachestat_ask_mincore(store, monkeypatch):
+    def no_cachestat(fd):
+        ctypes.set_errno(errno.ENOSYS)
+        return None
+
+    monkeypatch.setattr(page_cache, "_WAYS", [no_cachestat, page_cache._mincore])
+    store.put_if_absent("obj", os.urandom((8 << 20) + 100))
+    store.get("obj")
+    assert store.in_memory("obj")
+    assert page_cache._WAYS == [page_cache._mincore]  # asked once, then never again
+    _evict(os.path.join(store.root, "obj"))
+    if store.in_memory("obj"):
+        pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
+    with open(os.path.join(store.root, "obj"), "rb") as f:
+        f.read(64 << 10)
+        assert 0 < page_cache.cached_bytes(f.fileno()) < os.fstat(f.fileno()).st_size
+    assert not store.in_memory("obj")
+
+
 def test_in_memory_is_false_where_the_kernel_cannot_say(store, monkeypatch):
     store.put_if_absent("obj", b"x" * 5000)
     store.get("obj")
-    monkeypatch.setattr(page_cache, "_call", None)
+    monkeypatch.setattr(page_cache, "_WAYS", [])
     assert not store.in_memory("obj")
     assert not Store.in_memory(store, "obj")  # the base class knows of no page cache
 
