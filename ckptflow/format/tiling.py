@@ -33,6 +33,8 @@ def tiling_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
             return f"{_piece(offsets, sizes)} lies outside the tensor's shape {list(shape)}"
     if math.prod(shape) == 0:
         return None  # nothing to cover; empty boxes cover nothing and overlap nothing
+    if len(boxes) == 1 and not any(boxes[0][0]) and list(boxes[0][1]) == list(shape):
+        return None  # the whole tensor in one piece: most tensors of a single process
     live = [(tuple(o), tuple(n)) for o, n in boxes if math.prod(n)]
     if not ndim:
         return _one_box(live, [])
