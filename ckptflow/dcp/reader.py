@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -111,17 +111,23 @@ class CheckpointReader(StorageReader):
             self.progress(size)
         return checked
 
-    def _pool_for(
-        self, digest: str, per_core: ThreadPoolExecutor | None, *, in_hand: bool = False
-    ) -> ThreadPoolExecutor:
+    def _in_memory(self, digests: list[str], per_core: ThreadPoolExecutor | None) -> set[str]:
+        """The chunks of ``digests`` whose files the page cache holds now (none without a
+        per-core pool), asked on the wide pool: each answer is an open and a system call,
+        a round trip where the store is a network filesystem."""
+        if per_core is None:
+            return set()
+        store = self.chunks.store
+        answers = self.pool.map(lambda digest: store.in_memory(chunk_key(digest)), digests)
+        return {digest for digest, cached in zip(digests, answers) if cached}
+
+    def _pool_for(self, per_core: ThreadPoolExecutor | None, *, cpu_only: bool) -> ThreadPoolExecutor:
         """Where the work on one chunk runs: ``per_core`` (one thread per core) if it needs no
-        I/O (its bytes ``in_hand``, or in the page cache), since it is then CPU work (the
-        kernel's copy, checksums, decoding) and more threads only evict each other's pieces
-        from the CPU cache and queue on the GIL; else the restore's pool, whose many threads
-        keep a disk or a network busy."""
-        if per_core is not None and (in_hand or self.chunks.store.in_memory(chunk_key(digest))):
-            return per_core
-        return self.pool
+        I/O (``cpu_only``: its bytes in hand, or in the page cache), since it is then CPU work
+        (the kernel's copy, checksums, decoding) and more threads only evict each other's
+        pieces from the CPU cache and queue on the GIL; else the restore's pool, whose many
+        threads keep a disk or a network busy."""
+        return per_core if per_core is not None and cpu_only else self.pool
 
     def _verify_all(
         self, indexes: list[MetadataIndex], per_core: ThreadPoolExecutor | None
@@ -131,8 +137,9 @@ class CheckpointReader(StorageReader):
         needed: dict[str, int] = {}
         for index in indexes:
             needed.update(self.storage[index].chunks)  # lengths add up: Manifest.parse checked
+        cached = self._in_memory(list(needed), per_core)
         futures = {
-            digest: self._pool_for(digest, per_core).submit(self._check, digest, size)
+            digest: self._pool_for(per_core, cpu_only=digest in cached).submit(self._check, digest, size)
             for digest, size in needed.items()
         }
         checked: dict[str, CheckedChunk] = {}
@@ -148,8 +155,10 @@ class CheckpointReader(StorageReader):
         return {}, failure_of(damage[0] if damage else errors[0])
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        # a store with a page cache: chunks it holds in memory are read one per core (``_pool_for``)
-        per_core = ThreadPoolExecutor(reads.CORES, "ckptflow-cpu") if self.chunks.store.cheap_reread else None
+        # a store with a page cache: chunks it holds in memory are read one per core (``_pool_for``),
+        # never on more threads than the restore's own pool has
+        cores = min(reads.CORES, self.pool._max_workers)
+        per_core = ThreadPoolExecutor(cores, "ckptflow-cpu") if self.chunks.store.cheap_reread else None
         try:
             self._read_data(plan, planner, per_core)
         finally:
@@ -176,6 +185,7 @@ class CheckpointReader(StorageReader):
         loading: list = []
         staged = 0  # bytes of staging tensors allocated and not yet copied out
         try:
+            cached = self._in_memory([d for index in by_storage for d, _ in self.storage[index].chunks], per_core)
             for index, reqs in by_storage.items():
                 item = self.storage[index]
                 targets = [planner.resolve_tensor(req).detach() for req in reqs]
@@ -188,13 +198,14 @@ class CheckpointReader(StorageReader):
                     to_gpu = any(t.device.type == "cuda" for t in targets)
                     buffer = torch.empty(item.shape, dtype=dtype_from_name(item.dtype), pin_memory=to_gpu)
                     staged += item.nbytes
-                raw, offset, futures = _writable_bytes(buffer), 0, []
+                raw, offset = _writable_bytes(buffer), 0
+                futures: list[Future] = []
+                loading.append((reqs, targets, buffer, futures))  # before any submit: ``finally`` waits for each
                 for digest, size in item.chunks:
                     kept = digest in checked and checked[digest].data is not None  # pass one kept it decoded
-                    pool = self._pool_for(digest, per_core, in_hand=kept)
+                    pool = self._pool_for(per_core, cpu_only=kept or digest in cached)
                     futures.append(pool.submit(self._into_place, checked, digest, raw[offset : offset + size]))
                     offset += size
-                loading.append((reqs, targets, buffer, futures))
             _finish(loading, planner)
             self.loaded = regions.loaded_regions(self.manifest, (self.storage[index] for index in by_storage))
             for req in values:

@@ -122,14 +122,18 @@ class LocalStore(Store):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def in_memory(self, key: str) -> bool:
-        # only a hint for scheduling the read, which checks the path for links itself: so
-        # not ``_path``'s lstat of every segment, and a link at the end is simply not followed
+        """Only a hint for scheduling a read, which checks the path (links, what is there)
+        itself: so no ``_path`` lstat of every segment, a link at the end is not followed, a
+        FIFO does not block, and whatever goes wrong answers False instead of raising."""
         try:
-            fd = os.open(os.path.join(self.root, *validate_key(key).split("/")), os.O_RDONLY | os.O_NOFOLLOW)
-        except (OSError, InvalidNameError):  # missing, a link, not readable: the read itself reports it
+            path = os.path.join(self.root, *validate_key(key).split("/"))
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except (OSError, InvalidNameError):
             return False
         try:
             return page_cache.all_cached(fd)
+        except Exception:  # a hint that fails (an NFS error, no memory) is "on the disk": read it wide
+            return False
         finally:
             os.close(fd)
 

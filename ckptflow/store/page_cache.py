@@ -5,23 +5,25 @@ copy, then checksums), which runs fastest one chunk per core; reading from the d
 waits on it, and wants many reads in flight (``ckptflow.dcp.reader``). ``cachestat``
 answers in one system call, without mapping or reading anything. Older kernels get
 ``mincore`` over a mapping of the file that is never touched (so no page is read, and a
-file cut short meanwhile cannot raise ``SIGBUS``): three calls. Where neither works (not
-Linux, a seccomp filter), the answer is "unknown" and the caller treats the file as on disk.
+file cut short meanwhile cannot raise ``SIGBUS``): three calls. Both answer only for a
+file the process owns or may write (Linux keeps other users' page cache private:
+``cachestat`` refuses, ``mincore`` reports every page resident), so for any other file,
+and where neither works (not Linux, a seccomp filter), the answer is "unknown" and the
+caller treats the file as on disk.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import errno
 import mmap
 import os
 import platform
+import stat
 from collections.abc import Callable
 from typing import Any
 
-_CACHESTAT = 451  # the same number on every Linux architecture (new system calls share one table)
-_UNSUPPORTED = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP)
+# cachestat's number in the table most architectures share; Alpha and MIPS number it apart
+_CACHESTAT = None if platform.machine().lower().startswith(("alpha", "mips")) else 451
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -52,53 +54,86 @@ def _libc() -> Any:
 
 
 _libc_handle = _libc()
+_UNASKED: Any = object()
+_way: Any = _UNASKED  # how this process asks: ``_cachestat``, ``_mincore`` or None (chosen on first use)
 
 
 def cached_bytes(fd: int) -> int | None:
     """Bytes of the file open as ``fd`` that are in the page cache (whole pages), or None
-    where this kernel cannot say."""
-    for ask in tuple(_WAYS):
-        answer = ask(fd)
-        if answer is not None:
-            return answer
-        if ctypes.get_errno() not in _UNSUPPORTED:
-            return None  # this file, this time (a file cut short, say): ask again next time
-        with contextlib.suppress(ValueError):  # not this kernel's, or not allowed: never ask so again
-            _WAYS.remove(ask)
-    return None
+    where this process cannot know (another user's file, a kernel that cannot say)."""
+    global _way
+    if _way is _UNASKED:
+        _way = _choose()
+    return None if _way is None else _way(fd)
 
 
 def all_cached(fd: int) -> bool:
-    """Whether every byte of the file open as ``fd`` is in the page cache (False where unknown)."""
+    """Whether ``fd`` is a regular file whose every byte is in the page cache (False where unknown)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return False
     cached = cached_bytes(fd)
-    return cached is not None and cached >= os.fstat(fd).st_size
+    return cached is not None and cached >= st.st_size
+
+
+def _choose() -> Callable[[int], int | None] | None:
+    """The first way that answers for a file of this process's own (a memfd): so a kernel
+    or filter refusing ``cachestat`` is told apart from a file this process may not ask about."""
+    if _libc_handle is None or not hasattr(os, "memfd_create"):
+        return None
+    try:
+        probe = os.memfd_create("ckptflow-page-cache-probe")
+    except OSError:
+        return None
+    try:
+        os.write(probe, b"\0")
+        for way in (_cachestat, _mincore):
+            if way(probe) is not None:
+                return way
+        return None
+    finally:
+        os.close(probe)
 
 
 def _cachestat(fd: int) -> int | None:
-    whole, stat = _Range(0, 0), _Stat()  # a length of 0: to the end of the file
+    if _CACHESTAT is None:
+        return None
+    whole, counts = _Range(0, 0), _Stat()  # a length of 0: to the end of the file
     if _libc_handle.syscall(
-        ctypes.c_long(_CACHESTAT), ctypes.c_int(fd), ctypes.byref(whole), ctypes.byref(stat), ctypes.c_uint(0)
+        ctypes.c_long(_CACHESTAT), ctypes.c_int(fd), ctypes.byref(whole), ctypes.byref(counts), ctypes.c_uint(0)
     ):
         return None
-    return stat.nr_cache * mmap.PAGESIZE
+    return counts.nr_cache * mmap.PAGESIZE
 
 
 def _mincore(fd: int) -> int | None:
-    size = os.fstat(fd).st_size
-    if not size:
+    st = os.fstat(fd)
+    if not _answers_for(fd, st):
+        return None
+    if not st.st_size:
         return 0
-    address = _libc_handle.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    address = _libc_handle.mmap(None, st.st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if address in (None, _MAP_FAILED):
         return None
     try:
-        pages = -(-size // mmap.PAGESIZE)
-        resident = ctypes.create_string_buffer(pages)
-        if _libc_handle.mincore(address, size, resident):
+        resident = ctypes.create_string_buffer(-(-st.st_size // mmap.PAGESIZE))
+        if _libc_handle.mincore(address, st.st_size, resident):
             return None
         return resident.raw.translate(_RESIDENT_BIT).count(1) * mmap.PAGESIZE
     finally:
-        _libc_handle.munmap(address, size)
+        _libc_handle.munmap(address, st.st_size)
+
+
+def _answers_for(fd: int, st: os.stat_result) -> bool:
+    """Whether ``mincore`` tells this process the truth about the file: it owns it, may
+    write it, or is root; for any other file it reports every page resident."""
+    euid = os.geteuid()
+    if euid == 0 or st.st_uid == euid:
+        return True
+    try:
+        return os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+    except OSError:
+        return False
 
 
 _RESIDENT_BIT = bytes(i & 1 for i in range(256))  # mincore's answer is bit 0 of each page's byte
-_WAYS: list[Callable[[int], int | None]] = [_cachestat, _mincore] if _libc_handle is not None else []

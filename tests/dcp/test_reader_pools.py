@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import defaultdict
 
 import pytest
 import torch
 
-from ckptflow import Checkpointer
+from ckptflow import Checkpointer, PartialRestoreError
 from ckptflow.chunks import reads
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.dcp.reader import CheckpointReader
 from ckptflow.store import LocalStore
 from support.states import assert_tensors_equal, blank_like
 
@@ -46,8 +49,11 @@ def test_cached_chunks_are_read_one_per_core_and_the_rest_on_the_wide_pool(tmp_p
         evicted = set(files[::2])
         for path in evicted:
             _evict(path)
-        if any(LocalStore(root).in_memory(os.path.relpath(p, root)) for p in evicted):
-            pytest.skip("this kernel cannot say what the page cache holds, or keeps these pages (tmpfs)")
+        store = LocalStore(root)
+        if not all(store.in_memory(os.path.relpath(p, root)) for p in files if p not in evicted):
+            pytest.skip("this kernel does not say what the page cache holds")
+        if any(store.in_memory(os.path.relpath(p, root)) for p in evicted):
+            pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
         readers: dict[str, list[str]] = defaultdict(list)  # chunk key -> the threads that read it, in order
 
         def recording(read):
@@ -78,3 +84,43 @@ def test_cached_chunks_are_read_one_per_core_and_the_rest_on_the_wide_pool(tmp_p
         assert all(name.startswith("ckptflow-cpu") for name in into_place), f"{key}: pass two read it on {into_place}"
     if codec == "raw":
         assert all(len(names) == 2 for names in chunk_reads.values())
+
+
+def test_a_failure_between_submits_leaves_no_read_writing_after_restore_returns(tmp_path, monkeypatch):
+    """Whatever fails while pass two hands chunks to its threads, every read already handed
+    over has finished when restore raises: nothing writes into the caller's tensors after."""
+    root = str(tmp_path / "store")
+    state = _state()
+    with Checkpointer(root, "r", chunk_bytes=64 << 10, threads=6) as ck:  # 4 chunks a tensor
+        ck.save(1, {"model": state}, kind="full")
+        started: list[float] = []
+        finished: list[float] = []
+        real_read = ChunkStore.read_checked
+
+        def slow_read(self, checked, out):
+            started.append(time.monotonic())
+            time.sleep(0.3)
+            real_read(self, checked, out)
+            finished.append(time.monotonic())
+
+        handed = [0]
+        real_pool_for = CheckpointReader._pool_for
+
+        def failing_pool_for(self, per_core, *, cpu_only):
+            handed[0] += 1
+            if handed[0] == 32 + 3:  # pass one's 32 chunks, then the 3rd of pass two: within a tensor
+                time.sleep(0.02)  # the reads handed over have started
+                raise RuntimeError("the scheduler failed")
+            return real_pool_for(self, per_core, cpu_only=cpu_only)
+
+        monkeypatch.setattr(ChunkStore, "read_checked", slow_read)
+        monkeypatch.setattr(CheckpointReader, "_pool_for", failing_pool_for)
+        monkeypatch.setattr(
+            LocalStore, "in_memory", lambda self, key: False
+        )  # the wide pool, not waited for by shutdown
+        with pytest.raises(PartialRestoreError):
+            ck.restore({"model": blank_like(state)})
+        raised = time.monotonic()
+        time.sleep(0.5)  # long enough for any read still running to finish
+    assert started, "pass two handed no chunk over before the failure"
+    assert len(finished) == len(started) and max(finished) <= raised  # those not started were cancelled

@@ -163,6 +163,8 @@ def test_chunks_in_the_page_cache_are_read_one_per_core_at_a_time(tmp_path, monk
     monkeypatch.setattr(reads, "CORES", 1)
     if case == "on the disk":
         monkeypatch.setattr(LocalStore, "in_memory", lambda self, key: False)
+    elif not LocalStore(root).in_memory(next(k.key for k in LocalStore(root).list("chunks/"))):
+        pytest.skip("this kernel does not say what the page cache holds")
     running, widest, lock = [0], [0], threading.Lock()
     for name in ("read_checked", "read_verified"):
         real = getattr(ChunkStore, name)
