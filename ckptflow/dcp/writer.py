@@ -148,12 +148,20 @@ class CheckpointWriter(StorageWriter):
         return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
 
     def _put(
-        self, piece: memoryview, tensor: torch.Tensor, encoder: Encoder | None, region: Region, address: int | None
+        self,
+        piece: memoryview,
+        tensor: torch.Tensor,
+        encoder: Encoder | None,
+        region: Region,
+        address: int | None,
+        vouched: str | None = None,
     ) -> tuple[ChunkWrite, bool]:
-        """The chunk of ``piece``, and whether it was left unread (the kernel vouched for it)."""
+        """The chunk of ``piece``, and whether it was left unread (the kernel ``vouched`` for
+        it: ``_vouched``, asked here unless the caller found it vouched for)."""
         digest = checksum = known = None
         earlier = self.previous.get(region)
-        vouched = self._unwritten(region, piece, address) if earlier is not None else None
+        if vouched is None:
+            vouched = self._vouched(region, piece, address)
         edges = vouched
         if edges is None and address is not None and self.snapshot is not None:
             # before the piece is read: a write to an edge page in between makes them differ,
@@ -190,12 +198,13 @@ class CheckpointWriter(StorageWriter):
             self.tracked[region] = (self.snapshot.epoch, address, edges)
         return write, unread
 
-    def _unwritten(self, region: Region, piece: memoryview, address: int | None) -> str | None:
+    def _vouched(self, region: Region, piece: memoryview, address: int | None) -> str | None:
         """The edge checksum of ``region`` if the kernel vouches that it (at ``address``)
-        holds the bytes the previous save read there: that save read them after the
+        holds the bytes the previous save stored from there: that save read them after the
         snapshot before this one protected their pages, and none was written since
         (``written_pages``); else None."""
-        snapshot, tracked = self.snapshot, self.previous_tracked.get(region)
+        snapshot = self.snapshot
+        tracked = self.previous_tracked.get(region) if region in self.previous else None
         if snapshot is None or address is None or tracked is None or tracked[:2] != (snapshot.since, address):
             return None
         return tracked[2] if snapshot.unwritten(piece, address, tracked[2]) else None
@@ -262,7 +271,13 @@ class CheckpointWriter(StorageWriter):
                     region = regions.region(item.index.fqn, offset, off // step, dtype_name(tensor.dtype), len(piece))
                     encoder = self._chunk_encoder(item, tensor, off // step)
                     address = None if base is None else base + off
-                    futures.append(batches.add(piece, tensor, encoder, region, address))
+                    vouched = self._vouched(region, piece, address) if self.spec.kind == "incremental" else None
+                    if vouched is not None:
+                        # nothing to read or write, as a rule only the chunk to touch: done here,
+                        # which spares the pool's threads (and their GIL) a task per untouched region
+                        futures.append(put_batches.ready(self._put(piece, tensor, encoder, region, address, vouched)))
+                    else:
+                        futures.append(batches.add(piece, tensor, encoder, region, address))
                 pending.append((item, tensor, raw, futures))
             batches.flush()
             return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]

@@ -4,6 +4,7 @@ tracking is off, and when a full save finds the kernel's word wrong."""
 
 import ctypes
 import logging
+import threading
 
 import pytest
 import torch
@@ -47,6 +48,29 @@ def _assert_equal(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_untouched_regions_cost_the_pool_no_task(make_ck, monkeypatch):
+    """A region no write reached needs no read and no write, only its chunk touched: the
+    saving thread does that itself, and the pool's threads get only what must be read."""
+    state = _state()
+    ck = make_ck(chunk_bytes=MiB)
+    ck.save(1, state, kind="full", rng=False)
+    state["adapter"].add_(1e-3)
+    puts: list[str] = []  # the threads each chunk of the save was put on
+    real_put = writer.CheckpointWriter._put
+
+    def recording(self, piece, tensor, encoder, region, *args):
+        puts.append(threading.current_thread().name)
+        return real_put(self, piece, tensor, encoder, region, *args)
+
+    monkeypatch.setattr(writer.CheckpointWriter, "_put", recording)
+    info = ck.save(2, state, kind="incremental", rng=False).info
+    assert info.bytes_unread == 8 * MiB
+    assert puts.count("MainThread") == 8  # the backbone's eight chunks, touched by the saving thread
+    on_pool = [name for name in puts if name != "MainThread"]
+    assert len(on_pool) == 1 and on_pool[0].startswith("ckptflow")  # the adapter's one chunk, read on the pool
+    assert _restored(make_ck, 2)["adapter"].equal(state["adapter"])
 
 
 def test_an_incremental_save_reads_only_the_tensors_written_since_the_previous_save(make_ck, read):
