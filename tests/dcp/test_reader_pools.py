@@ -17,6 +17,7 @@ from ckptflow.chunks import reads
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.dcp.reader import CheckpointReader
 from ckptflow.store import LocalStore
+from support.page_cache import evict
 from support.states import assert_tensors_equal, blank_like
 
 
@@ -30,15 +31,6 @@ def _chunk_files(root) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, files in os.walk(chunks) for f in files)
 
 
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_cached_chunks_are_read_one_per_core_and_the_rest_on_the_wide_pool(tmp_path, monkeypatch, codec):
     root = str(tmp_path / "store")
@@ -48,7 +40,7 @@ def test_cached_chunks_are_read_one_per_core_and_the_rest_on_the_wide_pool(tmp_p
         files = _chunk_files(root)
         evicted = set(files[::2])
         for path in evicted:
-            _evict(path)
+            evict(path)
         store = LocalStore(root)
         if not all(store.in_memory(os.path.relpath(p, root)) for p in files if p not in evicted):
             pytest.skip("this kernel does not say what the page cache holds")

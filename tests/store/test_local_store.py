@@ -18,6 +18,7 @@ from ckptflow.errors import ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import address_of
 from ckptflow.store import LocalStore, Store, page_cache
+from support.page_cache import evict
 
 
 @pytest.fixture
@@ -218,16 +219,6 @@ def test_refused_steps(tmp_path, step):
 # ---- page cache -----------------------------------------------------------------------------
 
 
-def _evict(path: str) -> None:
-    """Drop a file's pages from the page cache (written back first, so they can be dropped)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _page_cache_visible(store: LocalStore) -> bool:
     """Whether this kernel tells this process what the page cache holds of its own files."""
     fd = os.open(store.root, os.O_RDONLY)
@@ -243,7 +234,7 @@ def test_in_memory_says_whether_a_read_needs_the_disk(store):
     store.put_if_absent("a/obj", os.urandom(3 << 20))
     store.get("a/obj")
     assert store.in_memory("a/obj")
-    _evict(os.path.join(store.root, "a", "obj"))
+    evict(os.path.join(store.root, "a", "obj"))
     if store.in_memory("a/obj"):
         pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
     store.get("a/obj")
@@ -262,7 +253,7 @@ def test_kernels_without_cachestat_ask_mincore(store, monkeypatch):
     store.put_if_absent("obj", os.urandom((8 << 20) + 100))
     store.get("obj")
     assert store.in_memory("obj")
-    _evict(os.path.join(store.root, "obj"))
+    evict(os.path.join(store.root, "obj"))
     if store.in_memory("obj"):
         pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
     with open(os.path.join(store.root, "obj"), "rb") as f:
