@@ -16,14 +16,13 @@ import os
 import threading
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from ckptflow.chunks import codecs, damaged, undecodable
 from ckptflow.chunks.budget import MemoryBudget
-from ckptflow.chunks.streaming import FirstPass, NotRaw, PayloadHash, Skipping
+from ckptflow.chunks.streaming import CheckedChunk, FirstPass, NotRaw, PayloadHash, Skipping
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format.checksum import ADDRESS, ADDRESSES, FastChecksum, address_hasher, fast_checksum, matches_address
 from ckptflow.format.layout import chunk_key
@@ -37,21 +36,6 @@ SCRATCH_MAX = 16 << 20  # the largest chunk a thread decodes into a buffer it ke
 # its check only, never across a read (a delta's base is fetched first), never nested.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _DECODING = threading.BoundedSemaphore(CORES)
-
-
-@dataclass(frozen=True)
-class CheckedChunk:
-    """A chunk that passed verification: its bytes, or the version of the file holding them,
-    or neither (``again``: the second pass fetches, decodes and verifies it (once more):
-    its stored bytes were verified without decoding, or its decoded bytes did not fit the
-    restore's memory budget)."""
-
-    digest: str
-    size: int
-    version: tuple | None = None
-    data: memoryview | None = None
-    again: bool = False
-    as_stored: bool = False  # only its stored bytes were checked (against the manifest's stored checksum)
 
 
 class ChunkReader:

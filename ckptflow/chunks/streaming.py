@@ -1,11 +1,13 @@
 """What a read computes while a chunk's bytes stream past (``ckptflow.chunks.reads``), piece
 by piece, each piece hashed while it is still in the CPU cache: restore's first pass
-(``FirstPass``), the check of what its second pass reads into place (``PayloadHash``), and
-a single-pass read's check (``Skipping`` a hasher past the header).
+(``FirstPass``) and what it hands the second (``CheckedChunk``), the check of what its second
+pass reads into place (``PayloadHash``), and a single-pass read's check (``Skipping`` a hasher
+past the header).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -66,3 +68,18 @@ class FirstPass:
                     raise NotRaw  # decode it instead
                 self.as_stored = xxhash.xxh3_128(self.header)
         (self.payload if self.as_stored is None else self.as_stored).update(piece)
+
+
+@dataclass(frozen=True)
+class CheckedChunk:
+    """A chunk that passed verification: its bytes, or the version of the file holding them,
+    or neither (``again``: the second pass fetches, decodes and verifies it (once more):
+    its stored bytes were verified without decoding, or its decoded bytes did not fit the
+    restore's memory budget)."""
+
+    digest: str
+    size: int
+    version: tuple | None = None
+    data: memoryview | None = None
+    again: bool = False
+    as_stored: bool = False  # only its stored bytes were checked (against the manifest's stored checksum)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ckptflow.chunks import reads
 from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.io import ChunkStore
-from ckptflow.chunks.reads import CheckedChunk
+from ckptflow.chunks.streaming import CheckedChunk
 from ckptflow.dcp import regions
 from ckptflow.dcp.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
 from ckptflow.dcp.memory import completed_future, tensor_memory
