@@ -111,14 +111,12 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
             if not isinstance(c, dict):
                 raise check.bad(f"has a shard of {fqn!r} that is not an object")
             shards.append(
-                Shard(
-                    check.ints(c.get("offsets"), f"offsets of {fqn!r}"), check.ints(c.get("sizes"), f"sizes of {fqn!r}")
-                )
+                Shard(check.ints(c.get("offsets"), "offsets of", fqn), check.ints(c.get("sizes"), "sizes of", fqn))
             )
         entry = TensorEntry(
             fqn=fqn,
-            dtype=check.dtype(t.get("dtype"), f"tensor {fqn!r}"),
-            size=check.ints(t.get("size"), f"size of {fqn!r}"),
+            dtype=check.dtype(t.get("dtype"), "tensor", fqn),
+            size=check.ints(t.get("size"), "size of", fqn),
             shards=tuple(shards),
         )
         _check_cover(check, entry)
@@ -130,27 +128,29 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
         if not isinstance(it, dict) or not isinstance(it.get("chunks"), list) or not isinstance(it.get("fqn"), str):
             raise check.bad("has a DCP storage item without fqn or chunks")
         fqn = it["fqn"]
-        offset = None if it.get("offset") is None else check.ints(it["offset"], f"offset of item {fqn!r}")
+        offset = None if it.get("offset") is None else check.ints(it["offset"], "offset of item", fqn)
         index = it.get("index")
         if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
             raise check.bad(f"has item {fqn!r} with index {index!r}")
         refs = []
+        stored = 0
         for ref in it["chunks"]:
             if not (
-                isinstance(ref, list)
+                type(ref) is list
                 and len(ref) == 2
-                and isinstance(ref[0], str)
+                and type(ref[0]) is str
+                and type(ref[1]) is int
                 and chunks.get(ref[0]) == ref[1]
-                and not isinstance(ref[1], bool)
             ):
                 raise check.bad(f"has item {fqn!r} referencing a chunk missing from its chunk list")
             refs.append((ref[0], ref[1]))
+            stored += ref[1]
         item = StorageItem(
             fqn=fqn,
             offset=offset,
             index=index,
-            dtype=check.dtype(it.get("dtype"), f"item {fqn!r}"),
-            shape=check.ints(it.get("shape"), f"shape of item {fqn!r}"),
+            dtype=check.dtype(it.get("dtype"), "item", fqn),
+            shape=check.ints(it.get("shape"), "shape of item", fqn),
             chunks=tuple(refs),
         )
         tensor = tensors.get(fqn)
@@ -167,10 +167,9 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
             raise check.bad(f"stores the shard of {fqn!r} at {list(shard.offsets)} twice")
         seen.add((fqn, shard.offsets))
         per_tensor[fqn] = per_tensor.get(fqn, 0) + 1
-        if sum(n for _, n in refs) != item.nbytes:
+        if stored != item.nbytes:
             raise check.bad(
-                f"has chunks of {fqn!r} adding up to {sum(n for _, n in refs)} bytes, but its shape and dtype "
-                f"need {item.nbytes}"
+                f"has chunks of {fqn!r} adding up to {stored} bytes, but its shape and dtype need {item.nbytes}"
             )
         items.append(item)
     for fqn, tensor in tensors.items():
