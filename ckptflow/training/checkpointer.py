@@ -26,6 +26,7 @@ from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
 from ckptflow.chunks.codecs import CODECS
 from ckptflow.chunks.lossy import record_problem as lossy_record_problem
 from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
+from ckptflow.dcp.blocking_save import save_tensors
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
 from ckptflow.dcp.regions import Region, Seen, Tracked
@@ -184,16 +185,21 @@ class Checkpointer:
             tracker=self._tracker if blocking else None,  # an async save reads its staged copy
             tracked=self._tracked,
         )
-        kwargs = dict(storage_writer=writer, process_group=self.group.pg, no_dist=not self.group.active)
         if blocking:
             with own_errors():
-                dcp.save(tensors, **kwargs)
+                save_tensors(tensors, writer, self.group)
             manifest = writer.manifest
             self._committed(step, manifest, writer)
             self._observed(step, clock, time.perf_counter() - clock.started)
             return SaveResult(step=step, kind=kind, info=CheckpointInfo.from_manifest(manifest) if manifest else None)
         with own_errors():
-            future = dcp.async_save(tensors, async_stager=self._stager, **kwargs)  # type: ignore[arg-type]
+            future = dcp.async_save(
+                tensors,
+                storage_writer=writer,
+                process_group=self.group.pg,
+                no_dist=not self.group.active,
+                async_stager=self._stager,
+            )
         assert isinstance(future, Future)  # AsyncSaveResponse only with a staging future requested
         self._pending = SaveHandle(future, writer, clock.release())
         self._observed(step, clock, self._pending.blocked_s)
