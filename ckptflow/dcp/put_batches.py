@@ -42,11 +42,23 @@ class PutBatches:
             self._jobs, self._holder, self._bytes = [], [], 0
 
 
+class _Ran:
+    """A job that already ran, on the calling thread: holds its result as a batch's future
+    would (a ``Future`` builds a lock and a condition; an incremental save makes one of
+    these per untouched region)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, value: Any):
+        self.values = [value]
+
+    def result(self) -> list:
+        return self.values
+
+
 def ready(value: Any) -> Slot:
     """The slot of a job that already ran, on the calling thread."""
-    done: Future = Future()
-    done.set_result([value])
-    return [done], 0
+    return [_Ran(value)], 0
 
 
 def result(slot: Slot) -> Any:
