@@ -41,6 +41,7 @@ from ckptflow.format.state_tree import shared_storage
 from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
+from ckptflow.training.collector import collector_paused
 from ckptflow.training.restore import Restore, RestoreResult, record_recovery
 from ckptflow.training.save_handle import SaveHandle, SaveResult
 from ckptflow.training.save_preflight import claim_step, flatten_on_every_rank
@@ -106,6 +107,7 @@ class Checkpointer:
         self._resumed: tuple[int, float] | None = None  # (step, perf_counter) when training last got control back
 
     # ---- save -------------------------------------------------------------------------
+    @collector_paused()  # an async save's background write (after this returns) is not paused
     def save(
         self,
         step: int,
@@ -265,6 +267,7 @@ class Checkpointer:
         return self._auto.for_save(self.chunks, kind, base)
 
     # ---- restore ----------------------------------------------------------------------
+    @collector_paused()
     def restore(
         self,
         state: MutableMapping[str, Any],
