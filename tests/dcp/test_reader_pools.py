@@ -1,6 +1,7 @@
 """Which threads a restore reads chunks on: a chunk the page cache holds is CPU work, read
 on one thread per core; one that must come from the disk is read on the restore's wide
-pool, which keeps many reads in flight (``CheckpointReader._pool_for``)."""
+pool, which keeps many reads in flight (``CheckpointReader._pool_for``); a small cached one on
+the restoring thread (``CheckpointReader._here``)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,42 @@ def test_a_failure_between_submits_leaves_no_read_writing_after_restore_returns(
         time.sleep(0.5)  # long enough for any read still running to finish
     assert started, "pass two handed no chunk over before the failure"
     assert len(finished) == len(started) and max(finished) <= raised  # those not started were cancelled
+
+
+def test_small_cached_chunks_are_read_on_the_restoring_thread_itself(tmp_path, monkeypatch):
+    """Below ``SMALL_CHUNK`` a chunk's fixed cost outweighs its bytes: one the page cache holds
+    is read by the thread that restores, in both passes; one on the disk still goes wide."""
+    root = str(tmp_path / "store")
+    state = _state()
+    with Checkpointer(root, "r", chunk_bytes=64 << 10, threads=6) as ck:  # 4 chunks a tensor
+        ck.save(1, {"model": state}, kind="full")
+        files = _chunk_files(root)
+        evicted = set(files[::2])
+        for path in evicted:
+            evict(path)
+        store = LocalStore(root)
+        if not all(store.in_memory(os.path.relpath(p, root)) for p in files if p not in evicted):
+            pytest.skip("this kernel does not say what the page cache holds")
+        if any(store.in_memory(os.path.relpath(p, root)) for p in evicted):
+            pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
+        readers: dict[str, list[str]] = defaultdict(list)
+        for name in ("scan", "get_into"):
+            read = getattr(LocalStore, name)
+
+            def record(self, key, *args, _read=read, **kwargs):
+                readers[key].append(threading.current_thread().name)
+                return _read(self, key, *args, **kwargs)
+
+            monkeypatch.setattr(LocalStore, name, record)
+        restoring = threading.current_thread().name
+        target = {"model": blank_like(state)}
+        ck.restore(target)
+    assert_tensors_equal(target["model"], state)
+    chunk_reads = {os.path.join(root, key): names for key, names in readers.items() if key.startswith("chunks/")}
+    assert sorted(chunk_reads) == files
+    for path, (verified, into_place) in chunk_reads.items():
+        if path in evicted:
+            assert verified != restoring and not verified.startswith("ckptflow-cpu"), f"{path}: read on {verified}"
+        else:
+            assert verified == restoring, f"{path} was in memory, yet pass one read it on {verified}"
+        assert into_place == restoring, f"{path}: pass two read it on {into_place}"  # in memory after pass one
