@@ -234,15 +234,12 @@ class CheckpointReader(StorageReader):
                 loading.append((reqs, targets, buffer, pinned, futures))  # before any submit: ``finally`` waits
                 for digest, size in item.chunks:
                     kept = digest in checked and checked[digest].data is not None  # pass one kept it decoded
-                    out = raw[offset : offset + size]
-                    if self._here(per_core, size, cpu_only=kept or digest in cached):
+                    cpu_only, out = kept or digest in cached, raw[offset : offset + size]
+                    if self._here(per_core, size, cpu_only=cpu_only):
                         here.append((digest, out))
                     else:
-                        futures.append(
-                            self._pool_for(per_core, cpu_only=kept or digest in cached).submit(
-                                self._into_place, checked, digest, out
-                            )
-                        )
+                        pool = self._pool_for(per_core, cpu_only=cpu_only)
+                        futures.append(pool.submit(self._into_place, checked, digest, out))
                     offset += size
             self._read_here(checked, here)
             _finish(loading, planner)

@@ -102,10 +102,10 @@ def unseal(blob: bytes, where: str) -> dict:
     if not _depth_ok(record, MAX_DEPTH):
         raise ManifestError(f"{where} is nested deeper than {MAX_DEPTH} levels; it is corrupt or hostile")
     claimed = record.pop("checksum")
-    body = _sealed_body(blob, claimed)
-    if body is None or hashlib.sha256(body).hexdigest() != claimed:
-        body = canonical(record)  # written another way (whitespace, escapes): the checksum covers its canonical form
-    actual = hashlib.sha256(body).hexdigest()
+    as_sealed = _sealed_body(blob, claimed)
+    actual = "" if as_sealed is None else hashlib.sha256(as_sealed).hexdigest()
+    if as_sealed is None or actual != claimed:  # written another way: the checksum covers its canonical form
+        actual = hashlib.sha256(canonical(record)).hexdigest()
     if claimed != actual:
         # records written before key order was kept were sealed over sorted keys
         legacy = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()

@@ -6,8 +6,9 @@ a cycle, and each 700 of them set off a collection; every tenth of those walks t
 objects again, and the oldest generation, walked in full now and then, holds everything
 the process imported (torch, and Dagster in the lifecycle's processes). At 2,400 tensors
 that was 0.3 to 0.4 s of a 1.3 s restore. The collector is paused only for the
-operation's own span, while the training loop waits for it, not during an async save's
-background write; what became garbage meanwhile is collected at its next turn after.
+operation's own span, while the training loop waits for it (a save's included wait for the
+previous async save), not during an async save's background write once ``save`` has returned;
+what became garbage meanwhile is collected at its next turn after.
 """
 
 from __future__ import annotations
