@@ -32,21 +32,28 @@ def _chunk_files(root) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, files in os.walk(chunks) for f in files)
 
 
+def _half_evicted(root: str) -> tuple[list[str], set[str]]:
+    """Every chunk file, and the half of them evicted from the page cache (the test is
+    skipped where the kernel cannot say so, or keeps them in memory anyway)."""
+    files = _chunk_files(root)
+    evicted = set(files[::2])
+    for path in evicted:
+        evict(path)
+    store = LocalStore(root)
+    if not all(store.in_memory(os.path.relpath(p, root)) for p in files if p not in evicted):
+        pytest.skip("this kernel does not say what the page cache holds")
+    if any(store.in_memory(os.path.relpath(p, root)) for p in evicted):
+        pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
+    return files, evicted
+
+
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_cached_chunks_are_read_one_per_core_and_the_rest_on_the_wide_pool(tmp_path, monkeypatch, codec):
     root = str(tmp_path / "store")
     state = _state()
     with Checkpointer(root, "r", chunk_bytes=256 << 10, codec=codec, threads=6) as ck:
         ck.save(1, {"model": state}, kind="full")
-        files = _chunk_files(root)
-        evicted = set(files[::2])
-        for path in evicted:
-            evict(path)
-        store = LocalStore(root)
-        if not all(store.in_memory(os.path.relpath(p, root)) for p in files if p not in evicted):
-            pytest.skip("this kernel does not say what the page cache holds")
-        if any(store.in_memory(os.path.relpath(p, root)) for p in evicted):
-            pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
+        files, evicted = _half_evicted(root)
         readers: dict[str, list[str]] = defaultdict(list)  # chunk key -> the threads that read it, in order
 
         def recording(read):
@@ -126,15 +133,7 @@ def test_small_cached_chunks_are_read_on_the_restoring_thread_itself(tmp_path, m
     state = _state()
     with Checkpointer(root, "r", chunk_bytes=64 << 10, threads=6) as ck:  # 4 chunks a tensor
         ck.save(1, {"model": state}, kind="full")
-        files = _chunk_files(root)
-        evicted = set(files[::2])
-        for path in evicted:
-            evict(path)
-        store = LocalStore(root)
-        if not all(store.in_memory(os.path.relpath(p, root)) for p in files if p not in evicted):
-            pytest.skip("this kernel does not say what the page cache holds")
-        if any(store.in_memory(os.path.relpath(p, root)) for p in evicted):
-            pytest.skip("this filesystem keeps its pages in memory (tmpfs)")
+        files, evicted = _half_evicted(root)
         readers: dict[str, list[str]] = defaultdict(list)
         for name in ("scan", "get_into"):
             read = getattr(LocalStore, name)
