@@ -178,6 +178,7 @@ class CheckpointReader(StorageReader):
                 errors.append(e)
         if not errors:
             return checked, None
+        checked.clear()  # chunks kept decoded: the errors' tracebacks hold this frame until collected
         damage = [e for e in errors if is_damage(e)]
         return {}, failure_of(damage[0] if damage else errors[0])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from ckptflow.format import layout as fmt
 
 MAX_RECORD_BYTES = 1 << 30  # a manifest listing 10 TB in 8 MiB chunks is ~150 MiB
 MAX_DEPTH = 128  # JSON nesting; a real state dict is a handful of levels deep
+_SHA256_HEX = re.compile("[0-9a-f]{64}")
 
 
 # ---- sealing -------------------------------------------------------------------------
@@ -80,8 +82,10 @@ def _depth_ok(obj: Any, limit: int) -> bool:
 def _sealed_body(blob: bytes, claimed: Any) -> bytes | None:
     """The bytes ``seal`` hashed, cut from ``blob`` itself when it ends as ``seal`` ends a
     record (``,"checksum":"<claimed>"}``): so the checksum covers exactly the bytes that
-    were parsed, and nothing is encoded again; None for any other layout."""
-    if not isinstance(claimed, str):
+    were parsed, and nothing is encoded again; None for any other layout. (A body that is
+    not canonical, say with a key twice, is then accepted where its hash matches: the seal
+    detects damage, which changes the hash, and was never proof of who wrote a record.)"""
+    if not isinstance(claimed, str) or _SHA256_HEX.fullmatch(claimed) is None:
         return None
     tail = b',"checksum":"' + claimed.encode() + b'"}'
     return blob[: -len(tail)] + b"}" if blob.endswith(tail) else None

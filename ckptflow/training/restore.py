@@ -19,6 +19,7 @@ damaged in the moment between the passes), leaves it partly overwritten: that ra
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, MutableMapping
@@ -255,6 +256,9 @@ class Restore:
                 hot_rejected.add(cand)
             log.warning("skipping checkpoint %s step %d: %s", self.run, cand, reason)
             skipped.append((cand, reason))
+            # a rejected try's errors hold its frames (and what they read) in reference cycles: return
+            # that memory before the next candidate, since a restore pauses the collector (``collector``)
+            gc.collect()
         where = f"run {self.run!r} in {' or '.join(t.url for t in self.tiers)}"
         if choice.exact:
             reasons = "; ".join(r for _, r in skipped)

@@ -71,7 +71,7 @@ def test_nesting_deeper_than_the_limit_is_refused():
     assert unseal(seal(shallow), "record")["x"] == [[[]]]
 
 
-@pytest.mark.parametrize("claimed", ["", None, 0], ids=["empty", "null", "zero"])
+@pytest.mark.parametrize("claimed", ["", None, 0, "\ud800"], ids=["empty", "null", "zero", "lone-surrogate"])
 def test_a_checksum_field_that_is_no_checksum_is_refused(claimed):
     blob = json.dumps({"format_version": fmt.FORMAT_VERSION, "checksum": claimed}).encode()
     with pytest.raises(ManifestError, match="checksum"):
