@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ckptflow.chunks import codecs, damaged
 from ckptflow.chunks.budget import MemoryBudget
+from ckptflow.chunks.private_copies import PrivateCopies
 from ckptflow.chunks.reads import ChunkReader
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
 from ckptflow.format.checksum import address_and_checksum, fast_checksum, same_content, stored_checksum
@@ -50,6 +52,15 @@ class Encoded:
 
 
 Encoder = Callable[[memoryview, str], Encoded]  # (raw bytes, their digest) -> how to store them
+
+
+class _Encoding(NamedTuple):
+    """How ``ChunkStore.put`` encodes a chunk it writes."""
+
+    encoder: Encoder | None
+    codec: str
+    itemsize: int
+    floating: bool
 
 
 def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False) -> list:
@@ -116,6 +127,7 @@ class ChunkStore(ChunkReader):
         floating: bool = False,
         encoder: Encoder | None = None,
         known: ChunkWrite | None = None,
+        copies: PrivateCopies | None = None,
     ) -> ChunkWrite:
         """Store ``raw`` (with ``encoder`` if given, else ``codec``). ``rewrite`` replaces
         an existing copy instead of trusting it. ``digest`` and ``checksum``, where the
@@ -135,7 +147,24 @@ class ChunkStore(ChunkReader):
         every checkpoint that references the chunk also lists its base. An existing copy
         is never replaced by a delta (it is stored plainly instead): another save may be
         committing a reference to the chunk that lists no such base.
+
+        ``copies``: ``raw`` is live memory another thread may write (a blocking save's
+        tensors); a chunk written is stored from a private copy, addressed by what was
+        copied (``ckptflow.chunks.private_copies``).
         """
+        if digest is None and copies is not None:  # hashed from a copy: the address and checksum name one content
+            with copies.copy(raw, address=True) as (copy, digest, checksum):
+                return self.put(
+                    copy,
+                    digest=digest,
+                    checksum=checksum,
+                    codec=codec,
+                    itemsize=itemsize,
+                    rewrite=rewrite,
+                    floating=floating,
+                    encoder=encoder,
+                    known=known,
+                )
         if digest is None:
             digest, checksum = address_and_checksum(raw)
         elif checksum is None:
@@ -167,12 +196,36 @@ class ChunkStore(ChunkReader):
                 if reused is not None:
                     return reused
                 rewrite = True  # a delta whose base is gone or damaged: store it anew
-        if known is not None:  # written anew after all (gone, damaged): what is stored under an address hashes to it
+        how = _Encoding(encoder, codec, itemsize, floating)
+        if copies is None:
+            return self._store(raw, digest, checksum, how, recheck=known is not None, rewrite=rewrite)
+        with copies.copy(raw, address=False) as (copy, _, copied):
+            # written to since it was hashed: stored, and addressed, as copied
+            recheck = known is not None or copied != checksum
+            return self._store(copy, digest, checksum, how, recheck=recheck, rewrite=rewrite)
+
+    def _store(
+        self,
+        raw: memoryview,
+        digest: str,
+        checksum: str,
+        how: _Encoding,
+        *,
+        recheck: bool,
+        rewrite: bool,
+    ) -> ChunkWrite:
+        """Write ``raw``, which nothing else writes meanwhile, as the chunk ``digest``
+        (hashed again first where ``recheck``: the bytes may not be those it names)."""
+        if recheck:  # written anew after all (gone, damaged): what is stored under an address hashes to it
             digest, checksum = address_and_checksum(raw)
-            key = chunk_key(digest)
-        encoded = encoder(raw, digest) if encoder else Encoded(codecs.encode(raw, codec, itemsize, floating=floating))
+            rewrite = rewrite or damaged.known(self.store.url, digest)
+        key = chunk_key(digest)
+        if how.encoder:
+            encoded = how.encoder(raw, digest)
+        else:
+            encoded = Encoded(codecs.encode(raw, how.codec, how.itemsize, floating=how.floating))
         if rewrite and encoded.base is not None:
-            encoded = Encoded(plain_encoding(raw, itemsize=itemsize, floating=floating))
+            encoded = Encoded(plain_encoding(raw, itemsize=how.itemsize, floating=how.floating))
         size = sum(memoryview(p).nbytes for p in encoded.parts)
         written = ChunkWrite(
             digest=digest,
@@ -190,8 +243,8 @@ class ChunkStore(ChunkReader):
             return written
         if self.store.put_if_absent(key, encoded.parts):
             return written
-        return self._reuse(digest, self.store.stat(key).size, len(raw), checksum) or self.put(
-            raw, digest=digest, rewrite=True, encoder=encoder, codec=codec, itemsize=itemsize, floating=floating
+        return self._reuse(digest, self.store.stat(key).size, len(raw), checksum) or self._store(
+            raw, digest, checksum, how, recheck=False, rewrite=True
         )
 
     def _reuse(self, digest: str, size: int, raw_len: int, checksum: str, stored: str = "") -> ChunkWrite | None:
