@@ -13,12 +13,18 @@ import torch.futures
 def bytes_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor`` as a save reads them: its own memory where it is a contiguous
     CPU tensor, else a contiguous CPU copy."""
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
+    if is_own_memory(tensor):
         return tensor_memory(tensor)
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return tensor_memory(flat.contiguous())
+
+
+def is_own_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``bytes_view`` reads ``tensor``'s own memory (which its owner may write
+    meanwhile), not a copy made for the save."""
+    return tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
 def tensor_memory(tensor: torch.Tensor) -> memoryview:

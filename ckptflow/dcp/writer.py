@@ -27,9 +27,10 @@ from ckptflow.catalog.commit import commit_manifest
 from ckptflow.chunks import damaged
 from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
+from ckptflow.chunks.private_copies import PrivateCopies
 from ckptflow.dcp import put_batches, regions
 from ckptflow.dcp.auto_codec import SaveEncoder
-from ckptflow.dcp.memory import bytes_view, completed_future
+from ckptflow.dcp.memory import bytes_view, completed_future, is_own_memory
 from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, metadata_to_json
 from ckptflow.dcp.put_batches import PutBatches, Slot
 from ckptflow.dcp.regions import Region, Seen, Tracked
@@ -114,12 +115,15 @@ class CheckpointWriter(StorageWriter):
         tracker: WriteTracker | None = None,
         tracked: Mapping[Region, Tracked] | None = None,
         json_values: bool = False,
+        live: bool = False,
     ):
         super().__init__()
         self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
         self.previous = previous or {}
         self.tracker, self.previous_tracked = tracker, tracked or {}
         self.json_values = json_values
+        self.live = live  # DCP hands over the caller's own tensors (a blocking save), not staged copies
+        self.copies: PrivateCopies | None = None  # where chunks of live memory are copied before they are stored
         self.seen: Seen = {}  # for the next save, once this one has committed
         self.tracked: dict[Region, Tracked] = {}  # the regions of ``seen`` this save's snapshot protected
         self.snapshot: Snapshot | None = None
@@ -168,18 +172,19 @@ class CheckpointWriter(StorageWriter):
             # and the next save, seeing that page written, reads the region again
             edges = edge_checksum(piece, address)
         unread = False
+        copies = self.copies if is_own_memory(tensor) else None
+        compared = earlier is not None and copies is not None and self.spec.kind == "full"
         if earlier is not None and vouched is not None and self.spec.kind == "incremental":
             checksum, digest, known, unread = earlier.checksum, earlier.digest, earlier, True  # no write reached it
+        elif earlier is not None and compared:
+            # written from a private copy whose checksum ``put`` compares with the earlier one: one pass, not two
+            checksum, digest = earlier.checksum, earlier.digest
         elif earlier is not None and same_content(piece, earlier.checksum):
             checksum, digest = earlier.checksum, earlier.digest  # the same bytes as last time
             if self.spec.kind == "incremental":
                 known = earlier  # and the chunk holding them: a full save rewrites it anyway
         elif vouched is not None and self.tracker is not None:  # a full save checks what incremental ones trust
-            self.tracker.distrust(
-                f"{region[0]!r} chunk {region[2]} changed without a write to its pages; incremental checkpoints of "
-                f"run {self.spec.run!r} before step {self.spec.step} that reused it may hold its older bytes "
-                "(this full save holds the new ones)"
-            )
+            self.tracker.distrust(self._unseen_change(region))
         write = self.chunks.put(
             piece,
             digest=digest,
@@ -190,7 +195,10 @@ class CheckpointWriter(StorageWriter):
             rewrite=self.spec.kind == "full",
             encoder=encoder,
             known=known,
+            copies=copies,
         )
+        if compared and write.checksum != checksum and vouched is not None and self.tracker is not None:
+            self.tracker.distrust(self._unseen_change(region))
         if self.progress:
             self.progress(len(piece))
         self.seen[region] = write
@@ -247,6 +255,7 @@ class CheckpointWriter(StorageWriter):
         pending: list[tuple[Any, torch.Tensor | None, Any, list[Slot]]] = []
         jobs = 8 if self.chunks.store.cheap_reread else 1  # a local disk's fsyncs; S3 requests run side by side
         batches = PutBatches(self.pool, self._put, self.spec.chunk_bytes, jobs=jobs)
+        self.copies = PrivateCopies(self.spec.chunk_bytes) if self.live else None
         resolved = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO and not self.json_values:
@@ -285,6 +294,14 @@ class CheckpointWriter(StorageWriter):
             for f in batches.submitted:
                 f.cancel()
             wait(batches.submitted)
+            self.copies = None  # their memory goes back when the save's writes are done
+
+    def _unseen_change(self, region: Region) -> str:
+        return (
+            f"{region[0]!r} chunk {region[2]} changed without a write to its pages; incremental checkpoints of "
+            f"run {self.spec.run!r} before step {self.spec.step} that reused it may hold its older bytes "
+            "(this full save holds the new ones)"
+        )
 
     @staticmethod
     def _result(item: Any, tensor: torch.Tensor | None, raw: Any, futures: list[Slot]) -> WriteResult:

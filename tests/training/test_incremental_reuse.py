@@ -21,6 +21,7 @@ from torch import nn
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import io as chunk_io
+from ckptflow.chunks import private_copies
 from ckptflow.dcp import written_pages
 from ckptflow.format import layout as fmt
 from support.corrupt import chunk_path, flip_byte
@@ -137,13 +138,19 @@ def _assert_restores(make_ck, state: dict, step: int, expected: dict, change) ->
 def hashed(monkeypatch) -> list[int]:
     """The lengths of the chunks a save computes a BLAKE3 address for, in order."""
     lengths: list[int] = []
-    real = chunk_io.address_and_checksum
+    real, real_copy = chunk_io.address_and_checksum, private_copies.copy_and_hash
 
     def counting(raw):
         lengths.append(len(memoryview(raw).cast("B")))
         return real(raw)
 
+    def counting_copy(raw, into, *, address):  # a blocking save hashes what it copied
+        if address:
+            lengths.append(len(memoryview(raw).cast("B")))
+        return real_copy(raw, into, address=address)
+
     monkeypatch.setattr(chunk_io, "address_and_checksum", counting)
+    monkeypatch.setattr(private_copies, "copy_and_hash", counting_copy)
     return lengths
 
 
