@@ -115,14 +115,16 @@ class CheckpointWriter(StorageWriter):
         tracker: WriteTracker | None = None,
         tracked: Mapping[Region, Tracked] | None = None,
         json_values: bool = False,
-        live: bool = False,
+        live: bool = True,
     ):
         super().__init__()
         self.chunks, self.spec, self.pool, self.progress = chunks, spec, pool, progress
         self.previous = previous or {}
         self.tracker, self.previous_tracked = tracker, tracked or {}
         self.json_values = json_values
-        self.live = live  # DCP hands over the caller's own tensors (a blocking save), not staged copies
+        # DCP hands over the caller's own tensors (a blocking save): written from private copies. False only
+        # where they are a staged copy nothing else writes (the Checkpointer's async save)
+        self.live = live
         self.copies: PrivateCopies | None = None  # where chunks of live memory are copied before they are stored
         self.seen: Seen = {}  # for the next save, once this one has committed
         self.tracked: dict[Region, Tracked] = {}  # the regions of ``seen`` this save's snapshot protected

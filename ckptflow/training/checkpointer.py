@@ -186,7 +186,7 @@ class Checkpointer:
             previous=self._seen,
             tracker=self._tracker if blocking else None,  # an async save reads its staged copy
             tracked=self._tracked,
-            live=blocking,
+            live=blocking,  # an async save writes its staged copy
         )
         if blocking:
             with own_errors():

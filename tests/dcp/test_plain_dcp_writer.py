@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptflow import Checkpointer
 from ckptflow.catalog.checkpoints import read_manifest
+from ckptflow.chunks import codecs
 from ckptflow.dcp.reader import CheckpointReader
 from ckptflow.dcp.writer import CheckpointWriter, SaveSpec
 from ckptflow.errors import ManifestError
@@ -135,3 +136,24 @@ def test_a_manifest_value_that_is_no_plain_value_is_refused_when_parsed(hostile)
     doc = {"tensors": {}, "items": [], "values": {"v": hostile}}
     with pytest.raises(ManifestError, match="DCP value 'v'"):
         parse_dcp_index(Fields("manifest m"), doc, {})
+
+
+def test_a_write_during_a_plain_dcp_save_leaves_every_chunk_as_addressed(tmp_path, monkeypatch):
+    """Under a plain ``dcp.save`` the writer reads the caller's own tensors: a write to them
+    while a chunk is encoded does not reach the stored chunk (the writer's default, ``live``)."""
+    w = torch.arange(4096.0)
+    before = w.clone()
+    real = codecs.encode
+
+    def written_meanwhile(*args, **kwargs):
+        w.mul_(-1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(codecs, "encode", written_meanwhile)
+    with Checkpointer(str(tmp_path / "s"), "plain") as ck:
+        dcp.save({"w": w}, storage_writer=writer(ck, 3), no_dist=True)
+        monkeypatch.undo()
+        assert ck.verify(3, deep=True).ok
+        loaded = {"w": torch.zeros(4096)}
+        dcp.load(loaded, storage_reader=reader(ck, 3), no_dist=True)
+        assert torch.equal(loaded["w"], before)
