@@ -23,7 +23,13 @@ from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.private_copies import PrivateCopies
 from ckptflow.chunks.reads import ChunkReader
 from ckptflow.errors import CorruptChunkError, ObjectNotFoundError
-from ckptflow.format.checksum import address_and_checksum, fast_checksum, same_content, stored_checksum
+from ckptflow.format.checksum import (
+    address_and_checksum,
+    address_of,
+    fast_checksum,
+    same_content,
+    stored_checksum,
+)
 from ckptflow.format.layout import chunk_key
 
 UNKNOWN_SIZE = -1  # a chunk's stored size where the manifest a restore read does not say it (a stat does)
@@ -71,7 +77,7 @@ def plain_encoding(raw: memoryview, *, itemsize: int = 1, floating: bool = False
     return codecs.encode(raw, "raw")
 
 
-def _stored_checksum(encoded: Encoded, raw: memoryview, checksum: str) -> str:
+def _stored_checksum(encoded: Encoded, raw: memoryview, checksum: str, *, private: bool) -> str:
     """The checksum of an encoding's bytes where a restore may verify the chunk by it
     (``codecs.checkable_as_stored``): only if ``raw`` still has the xxh3-128 its fast
     ``checksum`` records once the encoding is hashed, so the bytes encoded are the bytes
@@ -79,12 +85,13 @@ def _stored_checksum(encoded: Encoded, raw: memoryview, checksum: str) -> str:
     chunk to verify it). Hashed before that check: an encoding may be a view of the tensor
     (a plane stored as it is), and a write after the check then makes the object differ
     from its stored checksum, which sends it to be decoded and verified too. "" for a raw
-    chunk or a delta."""
+    chunk or a delta. ``private``: ``raw`` is a private copy ``checksum`` was computed from,
+    which nothing writes: no check."""
     header = memoryview(encoded.parts[0]).cast("B")
     if encoded.base is not None or not codecs.checkable_as_stored(header, len(raw)):
         return ""
     stored = stored_checksum(encoded.parts)  # first: a write after the check may change the object, never this
-    return stored if same_content(raw, checksum) else ""
+    return stored if private or same_content(raw, checksum) else ""
 
 
 class ChunkStore(ChunkReader):
@@ -152,23 +159,31 @@ class ChunkStore(ChunkReader):
         tensors); a chunk written is stored from a private copy, addressed by what was
         copied (``ckptflow.chunks.private_copies``).
         """
+        how = _Encoding(encoder, codec, itemsize, floating)
         if digest is None and copies is not None:  # hashed from a copy: the address and checksum name one content
             with copies.copy(raw, address=True) as (copy, digest, checksum):
-                return self.put(
-                    copy,
-                    digest=digest,
-                    checksum=checksum,
-                    codec=codec,
-                    itemsize=itemsize,
-                    rewrite=rewrite,
-                    floating=floating,
-                    encoder=encoder,
-                    known=known,
-                )
+                reused, rewrite = self._lookup(copy, digest, checksum, known=known, rewrite=rewrite)
+                return reused or self._store(copy, digest, checksum, how, rewrite=rewrite, private=True)
         if digest is None:
             digest, checksum = address_and_checksum(raw)
         elif checksum is None:
             checksum = fast_checksum(raw)
+        reused, rewrite = self._lookup(raw, digest, checksum, known=known, rewrite=rewrite)
+        if reused is not None:
+            return reused
+        if copies is None:
+            return self._store(raw, digest, checksum, how, rewrite=rewrite, recheck=known is not None)
+        with copies.copy(raw, address=False) as (copy, _, copied):
+            if known is not None or copied != checksum:  # ``digest`` vouched for by xxh3, or written to since
+                digest, checksum = address_of(copy), copied  # what is stored under an address hashes to it
+                rewrite = rewrite or damaged.known(self.store.url, digest)
+            return self._store(copy, digest, checksum, how, rewrite=rewrite, private=True)
+
+    def _lookup(
+        self, raw: memoryview, digest: str, checksum: str, *, known: ChunkWrite | None, rewrite: bool
+    ) -> tuple[ChunkWrite | None, bool]:
+        """The stored chunk ``digest`` kept for ``raw`` (None: it must be written), and
+        whether a write must replace what is stored under its name."""
         key = chunk_key(digest)
         rewrite = rewrite or damaged.known(self.store.url, digest)  # never keep an object a read refused
         if not rewrite and known is not None and known.digest == digest:
@@ -177,14 +192,14 @@ class ChunkStore(ChunkReader):
                 # header to read (unless it was swept and stored again as a delta since: docs/storage.md)
                 if known.stored_bytes != UNKNOWN_SIZE and known.base is None:
                     self.store.touch(key)
-                    return replace(known, written=False, base_bytes=0, checksum=checksum)
+                    return replace(known, written=False, base_bytes=0, checksum=checksum), rewrite
                 size = self.store.stat(key).size if known.stored_bytes == UNKNOWN_SIZE else known.stored_bytes
                 reused = self._reuse(digest, size, len(raw), checksum, known.stored_checksum)
             except ObjectNotFoundError:
                 pass  # gone since: look again below
             else:
                 if reused is not None:
-                    return reused
+                    return reused, rewrite
                 rewrite = True  # a delta whose base is gone or damaged: store it anew
         if not rewrite:
             try:
@@ -194,15 +209,9 @@ class ChunkStore(ChunkReader):
             else:
                 reused = self._reuse(digest, existing.size, len(raw), checksum)
                 if reused is not None:
-                    return reused
+                    return reused, rewrite
                 rewrite = True  # a delta whose base is gone or damaged: store it anew
-        how = _Encoding(encoder, codec, itemsize, floating)
-        if copies is None:
-            return self._store(raw, digest, checksum, how, recheck=known is not None, rewrite=rewrite)
-        with copies.copy(raw, address=False) as (copy, _, copied):
-            # written to since it was hashed: stored, and addressed, as copied
-            recheck = known is not None or copied != checksum
-            return self._store(copy, digest, checksum, how, recheck=recheck, rewrite=rewrite)
+        return None, rewrite
 
     def _store(
         self,
@@ -211,11 +220,13 @@ class ChunkStore(ChunkReader):
         checksum: str,
         how: _Encoding,
         *,
-        recheck: bool,
         rewrite: bool,
+        recheck: bool = False,
+        private: bool = False,
     ) -> ChunkWrite:
-        """Write ``raw``, which nothing else writes meanwhile, as the chunk ``digest``
-        (hashed again first where ``recheck``: the bytes may not be those it names)."""
+        """Write ``raw`` as the chunk ``digest`` (hashed again first where ``recheck``: the
+        bytes may not be those it names). ``private``: ``raw`` is a private copy that
+        ``digest`` and ``checksum`` were hashed from, which nothing else writes."""
         if recheck:  # written anew after all (gone, damaged): what is stored under an address hashes to it
             digest, checksum = address_and_checksum(raw)
             rewrite = rewrite or damaged.known(self.store.url, digest)
@@ -235,7 +246,7 @@ class ChunkStore(ChunkReader):
             base=encoded.base,
             base_bytes=encoded.base_bytes,
             checksum=checksum,
-            stored_checksum=_stored_checksum(encoded, raw, checksum),
+            stored_checksum=_stored_checksum(encoded, raw, checksum, private=private),
         )
         if rewrite:
             self.store.replace(key, encoded.parts)
@@ -244,7 +255,7 @@ class ChunkStore(ChunkReader):
         if self.store.put_if_absent(key, encoded.parts):
             return written
         return self._reuse(digest, self.store.stat(key).size, len(raw), checksum) or self._store(
-            raw, digest, checksum, how, recheck=False, rewrite=True
+            raw, digest, checksum, how, rewrite=True, private=private
         )
 
     def _reuse(self, digest: str, size: int, raw_len: int, checksum: str, stored: str = "") -> ChunkWrite | None:

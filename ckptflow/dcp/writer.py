@@ -27,7 +27,7 @@ from ckptflow.catalog.commit import commit_manifest
 from ckptflow.chunks import damaged
 from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
-from ckptflow.chunks.private_copies import PrivateCopies
+from ckptflow.chunks.private_copies import PrivateCopies, private_copies
 from ckptflow.dcp import put_batches, regions
 from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.memory import bytes_view, completed_future, is_own_memory
@@ -175,7 +175,7 @@ class CheckpointWriter(StorageWriter):
             edges = edge_checksum(piece, address)
         unread = False
         copies = self.copies if is_own_memory(tensor) else None
-        compared = earlier is not None and copies is not None and self.spec.kind == "full"
+        compared = copies is not None and self.spec.kind == "full"  # against the earlier checksum, in put
         if earlier is not None and vouched is not None and self.spec.kind == "incremental":
             checksum, digest, known, unread = earlier.checksum, earlier.digest, earlier, True  # no write reached it
         elif earlier is not None and compared:
@@ -257,7 +257,7 @@ class CheckpointWriter(StorageWriter):
         pending: list[tuple[Any, torch.Tensor | None, Any, list[Slot]]] = []
         jobs = 8 if self.chunks.store.cheap_reread else 1  # a local disk's fsyncs; S3 requests run side by side
         batches = PutBatches(self.pool, self._put, self.spec.chunk_bytes, jobs=jobs)
-        self.copies = PrivateCopies(self.spec.chunk_bytes) if self.live else None
+        self.copies = private_copies(self.spec.chunk_bytes, writers=self.pool._max_workers) if self.live else None
         resolved = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO and not self.json_values:

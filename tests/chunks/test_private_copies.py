@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from ckptflow.chunks import private_copies
 from ckptflow.chunks.private_copies import PrivateCopies, copy_and_hash
 from ckptflow.format.checksum import PIECE, address_of, fast_checksum
 
@@ -60,3 +61,28 @@ def test_copies_held_at_once_are_bounded_and_a_writer_waits_for_a_free_one():
     assert took_third.wait(10)
     for t in [*holders, waiting]:
         t.join(10)
+
+
+def test_a_buffer_that_cannot_be_allocated_gives_its_slot_back(monkeypatch):
+    copies = PrivateCopies(1 << 20, limit=1 << 20)  # one slot: a leaked one would hang every later writer
+    real = private_copies.np.empty
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no memory for a private copy")
+
+    monkeypatch.setattr(private_copies.np, "empty", out_of_memory)
+    with pytest.raises(MemoryError):
+        with copies.copy(memoryview(b"x" * 1024), address=False):
+            pass
+    monkeypatch.setattr(private_copies.np, "empty", real)
+    done = threading.Event()
+
+    def put():
+        with copies.copy(memoryview(b"y" * 1024), address=False) as (copy, _, _checksum):
+            assert bytes(copy) == b"y" * 1024
+            done.set()
+
+    writer = threading.Thread(target=put)
+    writer.start()
+    assert done.wait(10)  # the slot came back
+    writer.join(10)

@@ -202,10 +202,12 @@ def test_a_decoder_failing_on_bytes_as_stored_says_partly_written_once_then_fall
 
 
 def test_a_chunk_changed_while_it_was_encoded_gets_no_stored_checksum_and_is_refused_cleanly(tmp_path, monkeypatch):
-    """A tensor written to while it is saved: the bytes encoded are not those checksummed.
-    The saver sees it (the bytes no longer have their checksum after encoding) and records
-    no stored checksum, so restore decodes that chunk before writing anything, finds the
-    content wrong and falls back."""
+    """Memory the writer stores without a private copy of its own (an async save's staging
+    buffer; a blocking save copies each chunk first: test_concurrent_writes.py) written to
+    while it is saved: the bytes encoded are not those checksummed. The saver sees it (the
+    bytes no longer have their checksum after encoding) and records no stored checksum, so
+    restore decodes that chunk before writing anything, finds the content wrong and falls
+    back."""
     root = str(tmp_path / "store")
     with Checkpointer(root, RUN, codec="raw", chunk_bytes=4096) as ck:
         ck.save(1, {"model": {"w": torch.arange(4096, dtype=torch.float32)}})
@@ -218,7 +220,7 @@ def test_a_chunk_changed_while_it_was_encoded_gets_no_stored_checksum_and_is_ref
 
     monkeypatch.setattr(codecs, "encode", racing)
     with Checkpointer(root, RUN, codec="zstd", chunk_bytes=4096) as ck:
-        ck.save(2, {"model": {"w": torch.arange(4096, dtype=torch.float32) * 2}})
+        ck.save(2, {"model": {"w": torch.arange(4096, dtype=torch.float32) * 2}}, blocking=False).wait()
     monkeypatch.undo()
     manifest = catalog.read_manifest(open_store(root), RUN, 2)
     assert len(manifest.chunks) == 4 and len(manifest.stored_checksums) == 0
@@ -252,8 +254,9 @@ def test_on_s3_a_chunk_beyond_the_budget_is_checked_as_fetched_and_decoded_once(
 
 
 def test_a_tensor_written_right_after_its_check_leaves_an_object_its_stored_checksum_refuses(tmp_path, monkeypatch):
-    """An int8 chunk zstd cannot shrink is stored as a view of the tensor itself: a write
-    after the saver's check still reaches the object. The stored checksum was hashed before
+    """An int8 chunk zstd cannot shrink is stored as a view of the memory it was given (an
+    async save's staging buffer, not copied again): a write after the saver's check still
+    reaches the object. The stored checksum was hashed before
     the check, so it no longer fits: restore decodes the chunk before writing anything,
     finds its content wrong, and falls back."""
     root = str(tmp_path / "store")
@@ -269,7 +272,7 @@ def test_a_tensor_written_right_after_its_check_leaves_an_object_its_stored_chec
 
     monkeypatch.setattr(io_module, "same_content", written_right_after)
     with Checkpointer(root, RUN, codec="zstd", chunk_bytes=4096) as ck:
-        ck.save(2, {"model": {"w": noise.clone() + 1}})
+        ck.save(2, {"model": {"w": noise.clone() + 1}}, blocking=False).wait()
     monkeypatch.undo()
     assert catalog.read_manifest(open_store(root), RUN, 2).stored_checksums  # recorded: the race came after
     target = {"model": {"w": torch.zeros(16384, dtype=torch.int8)}}

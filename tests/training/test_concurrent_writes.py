@@ -73,6 +73,25 @@ def test_a_write_between_the_change_check_and_the_copy_is_stored_under_its_own_a
     assert torch.equal(fresh["w"], state["w"])
 
 
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_a_reused_chunk_gone_from_the_store_is_written_again_from_a_copy(make_ck, monkeypatch, codec):
+    """An incremental save reuses an unchanged region's chunk, finds it gone, and writes it
+    again: from a private copy too, so a write while it is encoded does not reach it."""
+    ck = make_ck(track_writes=False, codec=codec)
+    state = {"w": torch.randn(4096)}
+    ck.save(1, state, rng=False)
+    for chunk in list(ck.store.list("chunks/")):
+        ck.store.delete(chunk.key)
+    before = state["w"].clone()
+    _before_each_encoding(monkeypatch, lambda: state["w"].mul_(-1))
+    ck.save(2, state, kind="incremental", rng=False)
+    monkeypatch.undo()
+    assert ck.verify(2, deep=True).ok
+    fresh = {"w": torch.zeros(4096)}
+    assert make_ck().restore(fresh).step == 2
+    assert torch.equal(fresh["w"], before)
+
+
 def test_a_full_save_of_a_changed_region_addresses_it_by_its_new_bytes(make_ck):
     """A full save takes the previous save's address for a region only where the copy it
     writes has the previous checksum: the region changed, so it is addressed anew."""

@@ -138,11 +138,15 @@ def _assert_restores(make_ck, state: dict, step: int, expected: dict, change) ->
 def hashed(monkeypatch) -> list[int]:
     """The lengths of the chunks a save computes a BLAKE3 address for, in order."""
     lengths: list[int] = []
-    real, real_copy = chunk_io.address_and_checksum, private_copies.copy_and_hash
+    real, real_address, real_copy = chunk_io.address_and_checksum, chunk_io.address_of, private_copies.copy_and_hash
 
     def counting(raw):
         lengths.append(len(memoryview(raw).cast("B")))
         return real(raw)
+
+    def counting_address(raw):  # a copy whose checksum is known, addressed anew
+        lengths.append(len(memoryview(raw).cast("B")))
+        return real_address(raw)
 
     def counting_copy(raw, into, *, address):  # a blocking save hashes what it copied
         if address:
@@ -150,6 +154,7 @@ def hashed(monkeypatch) -> list[int]:
         return real_copy(raw, into, address=address)
 
     monkeypatch.setattr(chunk_io, "address_and_checksum", counting)
+    monkeypatch.setattr(chunk_io, "address_of", counting_address)
     monkeypatch.setattr(private_copies, "copy_and_hash", counting_copy)
     return lengths
 
