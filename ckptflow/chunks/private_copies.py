@@ -10,8 +10,9 @@ of tensors while 20 blocking saves ran: 18 of 20 committed checkpoints failed ``
 
 So a chunk that is written from live memory is first copied into a private buffer, piece by
 piece, its fast checksum computed over each piece while it is in cache, and the copy is what
-gets encoded and stored. Where that checksum differs from the one the save hashed first, the
-memory changed in between: the chunk is addressed by what was copied. A checkpoint taken
+gets encoded and stored. Where that checksum differs from the one the save was given (hashed
+from the live memory first, or a full save's previous checksum for the region), the bytes
+changed in between: the chunk is addressed by what was copied. A checkpoint taken
 while its state is written may still mix values from before and after (as DCP's can), but
 each of its chunks holds the bytes its manifest names.
 

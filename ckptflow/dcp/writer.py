@@ -14,7 +14,6 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,12 +28,11 @@ from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
 from ckptflow.chunks.private_copies import PrivateCopies, private_copies
 from ckptflow.dcp import put_batches, regions
-from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.memory import bytes_view, completed_future, is_own_memory
 from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, metadata_to_json
 from ckptflow.dcp.put_batches import PutBatches, Slot
 from ckptflow.dcp.regions import Region, Seen, Tracked
-from ckptflow.dcp.save_clock import SaveClock
+from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.dcp.written_pages import Snapshot, WriteTracker, edge_checksum, tracked_span
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
@@ -50,30 +48,6 @@ Progress = Callable[[int], None]
 
 # Single-process use (no process group) is a supported mode here, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-@dataclass
-class SaveSpec:
-    """Everything one rank's writer needs beyond the tensors DCP hands it."""
-
-    run: str
-    step: int
-    kind: str  # "full" rewrites every chunk; "incremental" trusts chunks already stored
-    base_step: int | None
-    skeleton: Any
-    rng: dict | None
-    metadata: dict
-    world_size: int
-    save_id: str  # one id per save attempt, shared by all ranks; ties rank records to their manifest
-    chunk_bytes: int = 8 << 20
-    codec: str = "raw"
-    created_at: float = field(default_factory=time.time)
-    encoder: SaveEncoder | None = None  # codec "auto": chooses raw, zstd or a delta per chunk
-    tied: list[list[str]] = field(default_factory=list)  # tensor names sharing one storage (manifest "tied")
-    lossy: dict | None = None  # the state is a lossy copy's (an import of its export): its ``lossy`` record
-    replaces: str | None = None  # sha256 of a manifest at the step proved damaged when the save began
-    clock: SaveClock | None = None  # times the save for the manifest's ``save_cost`` record
-    decision: dict | None = None  # why an adaptive policy saved this step (manifest ``save_decision``)
 
 
 def _plan_bytes(plan: SavePlan) -> int:

@@ -31,7 +31,8 @@ from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
 from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_clock import SaveClock
-from ckptflow.dcp.writer import CheckpointWriter, Progress, SaveSpec
+from ckptflow.dcp.save_spec import SaveSpec
+from ckptflow.dcp.writer import CheckpointWriter, Progress
 from ckptflow.dcp.written_pages import WriteTracker
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt

@@ -17,7 +17,8 @@ from ckptflow import Checkpointer
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.chunks import codecs
 from ckptflow.dcp.reader import CheckpointReader
-from ckptflow.dcp.writer import CheckpointWriter, SaveSpec
+from ckptflow.dcp.save_spec import SaveSpec
+from ckptflow.dcp.writer import CheckpointWriter
 from ckptflow.errors import ManifestError
 
 

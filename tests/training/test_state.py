@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 from ckptflow import Checkpointer, StateMismatchError, UnsupportedStateError, open_store, per_rank
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.dcp.failures import own_errors
-from ckptflow.dcp.writer import CheckpointWriter, SaveSpec
+from ckptflow.dcp.save_spec import SaveSpec
+from ckptflow.dcp.writer import CheckpointWriter
 from support.faulty_store import FaultyStore
 from support.states import tiny_state, tiny_train
 

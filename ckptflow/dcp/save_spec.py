@@ -1,0 +1,34 @@
+"""What one rank's writer is asked to save, beyond the tensors DCP hands it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptflow.dcp.auto_codec import SaveEncoder
+from ckptflow.dcp.save_clock import SaveClock
+
+
+@dataclass
+class SaveSpec:
+    """Everything one rank's writer needs beyond the tensors DCP hands it."""
+
+    run: str
+    step: int
+    kind: str  # "full" rewrites every chunk; "incremental" trusts chunks already stored
+    base_step: int | None
+    skeleton: Any
+    rng: dict | None
+    metadata: dict
+    world_size: int
+    save_id: str  # one id per save attempt, shared by all ranks; ties rank records to their manifest
+    chunk_bytes: int = 8 << 20
+    codec: str = "raw"
+    created_at: float = field(default_factory=time.time)
+    encoder: SaveEncoder | None = None  # codec "auto": chooses raw, zstd or a delta per chunk
+    tied: list[list[str]] = field(default_factory=list)  # tensor names sharing one storage (manifest "tied")
+    lossy: dict | None = None  # the state is a lossy copy's (an import of its export): its ``lossy`` record
+    replaces: str | None = None  # sha256 of a manifest at the step proved damaged when the save began
+    clock: SaveClock | None = None  # times the save for the manifest's ``save_cost`` record
+    decision: dict | None = None  # why an adaptive policy saved this step (manifest ``save_decision``)
