@@ -65,7 +65,7 @@ class BaseIndex:
         return cls(
             manifest.step,
             manifest.digest,
-            {(item.fqn, item.offset): (item.dtype, item.chunks) for item in manifest.items()},
+            {(item.fqn, item.offset): (item.dtype, item.chunks) for item in manifest.items() if item.packed_at is None},
         )
 
     def chunk(self, fqn: str, offset: tuple[int, ...] | None, dtype: str, index: int, size: int) -> str | None:

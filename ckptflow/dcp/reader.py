@@ -154,9 +154,8 @@ class CheckpointReader(StorageReader):
     ) -> tuple[dict[str, CheckedChunk], Failure | None]:
         """Every chunk checked; a damaged chunk anywhere outweighs a read that failed
         elsewhere (the checkpoint is bad whatever else happened)."""
-        needed: dict[str, int] = {}
-        for index in indexes:
-            needed.update(self.storage[index].chunks)  # lengths add up: Manifest.parse checked
+        sizes = self.manifest.chunks  # a pack's, not its member's slice (``packs``)
+        needed = {digest: sizes[digest] for index in indexes for digest, _ in self.storage[index].chunks}
         cached = self._in_memory(list(needed), per_core)
         futures = {
             digest: self._pool_for(per_core, cpu_only=digest in cached).submit(self._check, digest, size)
@@ -212,6 +211,7 @@ class CheckpointReader(StorageReader):
             raise ReadAborted(failure)
         loading: list = []
         here: list[tuple[str, memoryview]] = []  # small chunks this thread reads, before the next ``_finish``
+        packed: dict[str, list[tuple[int, memoryview]]] = {}  # per pack, its members' slices and where they go
         staged = 0  # bytes of staging tensors allocated and not yet copied out
         try:
             digests = {digest: None for index in by_storage for digest, _ in self.storage[index].chunks}
@@ -224,7 +224,7 @@ class CheckpointReader(StorageReader):
                     buffer = targets[0]  # chunks land in place: no staging tensor, no copy
                 else:  # resharding, another device or dtype: read the item, then copy slices
                     if staged and staged + item.nbytes > self.budget.in_flight_cap:
-                        self._read_here(checked, here)
+                        self._read_here(checked, here, packed)
                         _finish(loading, planner)  # staging stays within the budget: use what is staged
                         staged = 0
                     pinned = any(t.device.type == "cuda" for t in targets)
@@ -233,6 +233,9 @@ class CheckpointReader(StorageReader):
                 raw, offset = _writable_bytes(buffer), 0
                 futures: list[Future] = []
                 loading.append((reqs, targets, buffer, pinned, futures))  # before any submit: ``finally`` waits
+                if item.packed_at is not None:
+                    packed.setdefault(item.chunks[0][0], []).append((item.packed_at, raw))
+                    continue
                 for digest, size in item.chunks:
                     kept = digest in checked and checked[digest].data is not None  # pass one kept it decoded
                     cpu_only, out = kept or digest in cached, raw[offset : offset + size]
@@ -242,7 +245,7 @@ class CheckpointReader(StorageReader):
                         pool = self._pool_for(per_core, cpu_only=cpu_only)
                         futures.append(pool.submit(self._into_place, checked, digest, out))
                     offset += size
-            self._read_here(checked, here)
+            self._read_here(checked, here, packed)
             _finish(loading, planner)
             self.loaded = regions.loaded_regions(self.manifest, (self.storage[index] for index in by_storage))
             for req in values:
@@ -255,10 +258,23 @@ class CheckpointReader(StorageReader):
                 f.cancel()
             wait(pending)
 
-    def _read_here(self, checked: dict[str, CheckedChunk], here: list[tuple[str, memoryview]]) -> None:
-        """Read the small chunks of ``here`` into place on this thread (emptied as it goes)."""
+    def _read_here(
+        self,
+        checked: dict[str, CheckedChunk],
+        here: list[tuple[str, memoryview]],
+        packed: dict[str, list[tuple[int, memoryview]]],
+    ) -> None:
+        """Read the small chunks of ``here`` into place on this thread, and each pack of
+        ``packed`` once into a buffer of its own, copying its members' slices out (both
+        emptied as it goes: one pack's buffer at a time)."""
         while here:
             self._into_place(checked, *here.pop())
+        while packed:
+            digest, members = packed.popitem()
+            pack = memoryview(bytearray(self.manifest.chunks[digest]))  # no larger than its members: Manifest.parse
+            self._into_place(checked, digest, pack)
+            for at, out in members:
+                out[:] = pack[at : at + len(out)]
 
     def _into_place(self, checked: dict[str, CheckedChunk], digest: str, out: memoryview) -> None:
         """One chunk read into ``out``: as pass one verified it, or verified now (single pass)."""

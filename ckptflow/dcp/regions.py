@@ -40,6 +40,8 @@ def loaded_regions(manifest: Manifest, items: Iterable[StorageItem]) -> Seen:
     if manifest.address != ADDRESS:
         return seen
     for item in items:
+        if item.packed_at is not None:  # a pack's region names all its members: hashed by the next save
+            continue
         for index, (digest, length) in enumerate(item.chunks):
             checksum = manifest.fast_checksums.get(digest)
             if checksum is None:

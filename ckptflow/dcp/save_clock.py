@@ -24,6 +24,16 @@ class SaveClock:
         self._released = threading.Event()
         self._blocked_s: float | None = None
 
+    @classmethod
+    def since(cls, resumed: tuple[int, float] | None, step: int, *, blocking: bool) -> SaveClock:
+        """Starts timing a save at ``step``; the step time is measured since training
+        ``resumed`` (step, perf_counter) after the previous save or restore of this process
+        (none before the first)."""
+        now = time.perf_counter()
+        since = step - resumed[0] if resumed else 0
+        step_time = (now - resumed[1]) / since if resumed and since > 0 else None
+        return cls(now, blocking=blocking, step_time_s=step_time, steps_since=since if step_time is not None else None)
+
     def release(self) -> float:
         """The caller has control back (an async save's copy is done): how long it was held."""
         self._blocked_s = time.perf_counter() - self.started

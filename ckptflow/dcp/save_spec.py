@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.dcp.auto_codec import SaveEncoder
+from ckptflow.dcp.packs import PACK_BYTES
 from ckptflow.dcp.save_clock import SaveClock
 
 
@@ -24,6 +25,7 @@ class SaveSpec:
     world_size: int
     save_id: str  # one id per save attempt, shared by all ranks; ties rank records to their manifest
     chunk_bytes: int = 8 << 20
+    pack_bytes: int = PACK_BYTES  # small tensors share chunks of up to this (and chunk_bytes); 0: none (``packs``)
     codec: str = "raw"
     created_at: float = field(default_factory=time.time)
     encoder: SaveEncoder | None = None  # codec "auto": chooses raw, zstd or a delta per chunk

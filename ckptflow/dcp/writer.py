@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.futures
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
@@ -29,16 +28,16 @@ from ckptflow.chunks.leases import save_lease
 from ckptflow.chunks.private_copies import PrivateCopies, private_copies
 from ckptflow.dcp import put_batches, regions
 from ckptflow.dcp.memory import bytes_view, completed_future, is_own_memory
-from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, metadata_to_json
+from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value
+from ckptflow.dcp.packs import Pack, Packer
 from ckptflow.dcp.put_batches import PutBatches, Slot
 from ckptflow.dcp.regions import Region, Seen, Tracked
+from ckptflow.dcp.save_manifest import manifest_record
 from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.dcp.written_pages import Snapshot, WriteTracker, edge_checksum, tracked_span
 from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
-from ckptflow.format.checksum import ADDRESS, same_content
-from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
-from ckptflow.format.checksum import STORED_FIELD as STORED_CHECKSUMS
+from ckptflow.format.checksum import same_content
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.sealed import seal
 
@@ -48,6 +47,10 @@ Progress = Callable[[int], None]
 
 # Single-process use (no process group) is a supported mode here, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _packed(packer: Packer | None, tensor: torch.Tensor) -> bool:
+    return packer is not None and packer.fits(tensor.numel() * tensor.element_size())
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -228,28 +231,40 @@ class CheckpointWriter(StorageWriter):
         return completed_future(results)
 
     def _write_chunks(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        pending: list[tuple[Any, torch.Tensor | None, Any, list[Slot]]] = []
+        pending: list[tuple[Any, torch.Tensor | None, Any, list[Slot], int | None]] = []
         jobs = 8 if self.chunks.store.cheap_reread else 1  # a local disk's fsyncs; S3 requests run side by side
         batches = PutBatches(self.pool, self._put, self.spec.chunk_bytes, jobs=jobs)
+        pack_bytes = min(self.spec.pack_bytes, self.spec.chunk_bytes)
+        packer = Packer(pack_bytes) if pack_bytes > 0 else None
         self.copies = private_copies(self.spec.chunk_bytes, writers=self.pool._max_workers) if self.live else None
         resolved = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO and not self.json_values:
                 raise UnsupportedStateError(byte_io_refusal(item.index.fqn, self.spec.run, self.spec.step))
             resolved.append((item, None if item.type == WriteItemType.BYTE_IO else planner.resolve_data(item)))
-        spans = [tracked_span(t) if isinstance(t, torch.Tensor) else None for _item, t in resolved]
+        # a packed tensor is always read (``packs``): its pages are not watched, so writing them costs no fault
+        spans = [
+            tracked_span(t) if isinstance(t, torch.Tensor) and not _packed(packer, t) else None for _item, t in resolved
+        ]
         if self.tracker is not None:  # before any byte is read: a write from now on is seen by the next save
             self.snapshot = self.tracker.snapshot(span for span in spans if span is not None)
         try:
             for (item, tensor), span in zip(resolved, spans):
                 if tensor is None:
-                    pending.append((item, None, json_value(planner, item.index.fqn, item.index), []))
+                    pending.append((item, None, json_value(planner, item.index.fqn, item.index), [], None))
                     continue
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items are resolved above
                 raw = bytes_view(tensor)
                 base = None if span is None else tensor.data_ptr()
                 step = self.spec.chunk_bytes
                 offset = None if item.index.offset is None else tuple(item.index.offset)
+                if packer is not None and packer.fits(len(raw)):
+                    key = (item.index.fqn, offset, dtype_name(tensor.dtype), len(raw))
+                    closed, pack, at = packer.add(key, raw, tensor.element_size(), floating=tensor.is_floating_point())
+                    if closed is not None:
+                        self._submit_pack(closed, batches)
+                    pending.append((item, tensor, raw, [(pack.holder, 0)], at))
+                    continue
                 futures = []
                 for off in range(0, len(raw), step):
                     piece = raw[off : off + step]
@@ -263,14 +278,51 @@ class CheckpointWriter(StorageWriter):
                         futures.append(put_batches.ready(self._put(piece, tensor, encoder, region, address, vouched)))
                     else:
                         futures.append(batches.add(piece, tensor, encoder, region, address))
-                pending.append((item, tensor, raw, futures))
+                pending.append((item, tensor, raw, futures, None))
+            last = packer.close() if packer is not None else None
+            if last is not None:
+                self._submit_pack(last, batches)
             batches.flush()
-            return [self._result(item, tensor, raw, futures) for item, tensor, raw, futures in pending]
+            return [self._result(*entry) for entry in pending]
         finally:  # on failure: no chunk write may outlive the lease
             for f in batches.submitted:
                 f.cancel()
             wait(batches.submitted)
             self.copies = None  # their memory goes back when the save's writes are done
+
+    def _submit_pack(self, pack: Pack, batches: PutBatches) -> None:
+        future = self.pool.submit(self._put_pack, pack)
+        pack.holder.append(future)
+        batches.submitted.append(future)
+
+    def _put_pack(self, pack: Pack) -> list[tuple[ChunkWrite, bool]]:
+        """Store ``pack`` (``ckptflow.dcp.packs``) from a copy of its members; reused where
+        the copy equals what the previous save stored for the same members."""
+        copy = memoryview(bytearray(pack.size))
+        pack.fill(copy)
+        digest = checksum = known = None
+        earlier = self.previous.get(pack.region)
+        if earlier is not None and same_content(copy, earlier.checksum):
+            checksum, digest = earlier.checksum, earlier.digest
+            if self.spec.kind == "incremental":
+                known = earlier
+        itemsize, floating = pack.itemsize, pack.floating
+        encoder = pack.plain_encoder() if self.spec.codec == "auto" else None  # never a delta
+        write = self.chunks.put(
+            copy,
+            digest=digest,
+            checksum=checksum,
+            codec="raw" if encoder else self.spec.codec,
+            itemsize=itemsize,
+            floating=floating,
+            rewrite=self.spec.kind == "full",
+            encoder=encoder,
+            known=known,
+        )
+        if self.progress:
+            self.progress(pack.size)
+        self.seen[pack.region] = write
+        return [(write, False)]
 
     def _unseen_change(self, region: Region) -> str:
         return (
@@ -280,16 +332,21 @@ class CheckpointWriter(StorageWriter):
         )
 
     @staticmethod
-    def _result(item: Any, tensor: torch.Tensor | None, raw: Any, futures: list[Slot]) -> WriteResult:
+    def _result(
+        item: Any, tensor: torch.Tensor | None, raw: Any, futures: list[Slot], packed_at: int | None
+    ) -> WriteResult:
         if tensor is None:  # a JSON value (json_values=True): no chunks, it travels in the manifest
             return WriteResult(index=item.index, size_in_bytes=0, storage_data={JSON_VALUE: raw})
         writes = [put_batches.result(slot) for slot in futures]
         data = {
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
-            "chunks": [[w.digest, w.raw_bytes] for w, _unread in writes],
+            "chunks": [
+                [w.digest, w.raw_bytes] if packed_at is None else [w.digest, len(raw), packed_at]
+                for w, _unread in writes
+            ],
             "_writes": [
-                [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum, unread]
+                [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum, unread, w.raw_bytes]
                 for w, unread in writes
             ],
         }
@@ -311,78 +368,8 @@ class CheckpointWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         spec = self.spec
-        storage: dict[MetadataIndex, dict] = {}
-        chunk_sizes: dict[str, int] = {}
-        stored: dict[str, int] = {}
-        bases: dict[str, str] = {}
-        checksums: dict[str, str] = {}
-        stored_checksums: dict[str, str] = {}  # where a rank stored the object (now or by the previous save)
-        written_digests: set[str] = set()
-        written_bytes = written_stored = logical = unread_bytes = 0
-        for rank_results in results:
-            for wr in rank_results:
-                data = dict(wr.storage_data)
-                if JSON_VALUE in data:
-                    storage[wr.index] = data
-                    continue
-                writes = data.pop("_writes")
-                storage[wr.index] = data
-                logical += wr.size_in_bytes
-                for (digest, raw_len), (size, was_written, base, base_bytes, checksum, as_stored, unread) in zip(
-                    data["chunks"], writes
-                ):
-                    unread_bytes += raw_len if unread else 0
-                    chunk_sizes[digest] = raw_len
-                    checksums[digest] = checksum
-                    if as_stored:
-                        stored_checksums[digest] = as_stored
-                    stored[digest] = size
-                    if base is not None:  # restore, verify and GC must see the base: list it
-                        bases[digest] = base
-                        chunk_sizes[base] = raw_len
-                        stored.setdefault(base, base_bytes)
-                    if was_written and digest not in written_digests:
-                        written_digests.add(digest)
-                        written_bytes += raw_len
-                        written_stored += size
-        manifest = {
-            "format_version": fmt.FORMAT_VERSION,
-            "run": spec.run,
-            "step": spec.step,
-            "kind": spec.kind,
-            "save_id": spec.save_id,
-            "base_step": spec.base_step,
-            "created_at": spec.created_at,
-            "committed_at": time.time(),
-            "world_size": spec.world_size,
-            "codec": spec.codec,
-            "metadata": spec.metadata,
-            "address": ADDRESS,
-            "dcp": metadata_to_json(metadata, storage),
-            "chunks": dict(sorted(chunk_sizes.items())),
-            **({"bases": dict(sorted(bases.items()))} if bases else {}),
-            FAST_CHECKSUMS: dict(sorted(checksums.items())),
-            # a chunk two ranks found stored two ways (one as a delta) keeps its entry: readers drop it
-            **({STORED_CHECKSUMS: dict(sorted(stored_checksums.items()))} if stored_checksums else {}),
-            **({"tied": spec.tied} if spec.tied else {}),
-            **({"lossy": spec.lossy} if spec.lossy is not None else {}),
-            "stats": {
-                "logical_bytes": logical,
-                "unique_bytes": sum(chunk_sizes.values()),
-                "stored_bytes": sum(stored.values()),
-                "chunks": len(chunk_sizes),
-                "chunks_written": len(written_digests),
-                "bytes_written": written_bytes,
-                "bytes_unread": unread_bytes,
-                "stored_written": written_stored,
-                "delta_chunks": len(bases),
-            },
-            "rank_records": "by_save_id",
-            **({"save_cost": spec.clock.cost().to_json()} if spec.clock is not None else {}),
-            **({"save_decision": spec.decision} if spec.decision is not None else {}),
-        }
         key = fmt.manifest_key(spec.run, spec.step)
-        blob = seal(manifest)
+        blob = seal(manifest_record(spec, metadata, results))
         parsed = Manifest.parse(
             blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
         )  # never commit what a reader refuses

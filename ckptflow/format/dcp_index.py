@@ -3,8 +3,12 @@
 Every tensor's shards must tile it exactly (no gap, no overlap, nothing out of
 bounds), every shard must have one storage item whose chunk lengths add up to its
 bytes, and every chunk an item names must be in the manifest's chunk list with the
-same length. ``Manifest.parse`` applies this, so verify, restore and export cannot
-disagree about whether a checkpoint's tensors are whole.
+same length, except a pack: a small item's bytes may be one slice of a chunk shared with
+other small items (``ckptflow.dcp.packs``), named with its offset, which must lie inside
+the pack; a pack is no larger than the slices the manifest names in it, so a reader
+allocating one allocates no more than the state it restores. ``Manifest.parse`` applies
+this, so verify, restore and export cannot disagree about whether a checkpoint's tensors
+are whole.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class StorageItem:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[tuple[str, int], ...]  # (digest, raw length), in byte order
+    packed_at: int | None = None  # a packed item: its one chunk is a pack holding its bytes from here
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +88,7 @@ class DcpIndex:
                     "index": i.index,
                     "dtype": i.dtype,
                     "shape": list(i.shape),
-                    "chunks": [[d, n] for d, n in i.chunks],
+                    "chunks": [[d, n] if i.packed_at is None else [d, n, i.packed_at] for d, n in i.chunks],
                 }
                 for i in self.items
             ],
@@ -124,6 +129,7 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
     items: list[StorageItem] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
     per_tensor: dict[str, int] = {}
+    in_packs: dict[str, int] = {}  # per pack, the bytes of the slices named in it
     for it in items_doc:
         if not isinstance(it, dict) or not isinstance(it.get("chunks"), list) or not isinstance(it.get("fqn"), str):
             raise check.bad("has a DCP storage item without fqn or chunks")
@@ -134,17 +140,20 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
             raise check.bad(f"has item {fqn!r} with index {index!r}")
         refs = []
         stored = 0
+        packed_at = _packed_at(check, fqn, it["chunks"], chunks)
         for ref in it["chunks"]:
             if not (
                 type(ref) is list
-                and len(ref) == 2
+                and len(ref) == (2 if packed_at is None else 3)
                 and type(ref[0]) is str
                 and type(ref[1]) is int
-                and chunks.get(ref[0]) == ref[1]
+                and (chunks.get(ref[0]) == ref[1] or packed_at is not None)
             ):
                 raise check.bad(f"has item {fqn!r} referencing a chunk missing from its chunk list")
             refs.append((ref[0], ref[1]))
             stored += ref[1]
+        if packed_at is not None:
+            in_packs[refs[0][0]] = in_packs.get(refs[0][0], 0) + refs[0][1]
         item = StorageItem(
             fqn=fqn,
             offset=offset,
@@ -152,6 +161,7 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
             dtype=check.dtype(it.get("dtype"), "item", fqn),
             shape=check.ints(it.get("shape"), "shape of item", fqn),
             chunks=tuple(refs),
+            packed_at=packed_at,
         )
         tensor = tensors.get(fqn)
         if tensor is None:
@@ -172,6 +182,9 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
                 f"has chunks of {fqn!r} adding up to {stored} bytes, but its shape and dtype need {item.nbytes}"
             )
         items.append(item)
+    for digest, named in in_packs.items():
+        if chunks[digest] > named:
+            raise check.bad(f"has a pack {digest[:16]}… of {chunks[digest]} bytes of which its items name only {named}")
     for fqn, tensor in tensors.items():
         stored = per_tensor.get(fqn, 0)
         if stored != len(tensor.shards):
@@ -191,3 +204,19 @@ def parse_dcp_index(check: Fields, doc: dict, chunks: Mapping[str, int]) -> DcpI
         planner_data=doc.get("planner_data"),
         values=values,
     )
+
+
+def _packed_at(check: Fields, fqn: str, refs: list, chunks: Mapping[str, int]) -> int | None:
+    """Where item ``fqn``'s bytes start in its pack, if ``refs`` names one: a single
+    ``[digest, length, offset]``, the slice inside the pack's length (else None)."""
+    if not (len(refs) == 1 and type(refs[0]) is list and len(refs[0]) == 3):
+        return None
+    digest, length, offset = refs[0]
+    size = chunks.get(digest) if type(digest) is str else None
+    if not (type(length) is int and type(offset) is int and size is not None and length > 0 and offset >= 0):
+        raise check.bad(f"has item {fqn!r} referencing a slice of a pack missing from its chunk list")
+    if offset + length > size:
+        raise check.bad(
+            f"has item {fqn!r} at bytes {offset}-{offset + length} of a pack {digest[:16]}… of {size} bytes"
+        )
+    return offset

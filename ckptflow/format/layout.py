@@ -24,7 +24,8 @@ import re
 from ckptflow.errors import InvalidNameError
 
 FORMAT_VERSION = 2  # what this ckptflow writes; 2: chunks addressed by BLAKE3 (``checksum``)
-READABLE_FORMATS = (1, 2)
+PACKED_FORMAT = 3  # a manifest with packs (``ckptflow.dcp.packs``): a reader without them says to upgrade
+READABLE_FORMATS = (1, 2, 3)
 STEP_DIGITS = 12
 IMPORT_FORMATS = ("dcp", "safetensors", "hf", "torch")  # what `ckptflow import` reads (ckptflow.interop.importers)
 DIGEST_HEX = 64  # hex digits of every digest: chunk addresses (BLAKE3 or sha256) and manifests (sha256)

@@ -101,8 +101,9 @@ class Manifest:
         return iter(self.dcp.items)
 
     def to_json(self) -> dict:
+        packed = any(item.packed_at is not None for item in self.dcp.items)
         return {
-            "format_version": fmt.FORMAT_VERSION,
+            "format_version": fmt.PACKED_FORMAT if packed else fmt.FORMAT_VERSION,
             "run": self.run,
             "step": self.step,
             "kind": self.kind,

@@ -57,6 +57,7 @@ def write_lossy_copy(
     stored: dict[str, int] = {}
     checksums: dict[str, str] = {}
     reencoded = 0
+    pack: tuple[str, memoryview] = ("", memoryview(b""))  # the pack last decoded: its members come one after another
     for item in manifest.items():
         if item.fqn.split(".", 1)[0] in dropped:
             continue
@@ -65,7 +66,13 @@ def write_lossy_copy(
         counts[how] += 1
         chunks = []
         for digest, size in item.chunks:
-            raw = source.get(digest, size)
+            if item.packed_at is None:
+                raw = source.get(digest, size)
+            else:  # the copy stores each member of a pack as a chunk of its own
+                if pack[0] != digest:
+                    pack = (digest, source.get(digest, manifest.chunks[digest]))
+                raw = pack[1][item.packed_at : item.packed_at + size]
+                digest = address_and_checksum(raw)[0] if how == "exact" else digest
             if how == "exact":
                 checksum = fast_checksum(raw)
                 itemsize, floating = fmt.DTYPE_SIZES[item.dtype], item.dtype in fmt.FLOATING_DTYPES
@@ -85,7 +92,7 @@ def write_lossy_copy(
             sizes[digest], stored[digest], checksums[digest] = size, written, checksum
             if progress:
                 progress(size)
-        items.append(dataclasses.replace(item, chunks=tuple(chunks)))
+        items.append(dataclasses.replace(item, chunks=tuple(chunks), packed_at=None))
     lossy = {
         "codec": codec.name,
         "weights": codec.weights,

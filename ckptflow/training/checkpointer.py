@@ -29,6 +29,7 @@ from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_bas
 from ckptflow.dcp.blocking_save import save_tensors
 from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.failures import own_errors
+from ckptflow.dcp.packs import PACK_BYTES
 from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.dcp.save_spec import SaveSpec
@@ -58,6 +59,7 @@ class Checkpointer:
         *,
         policy: SavePolicy | AdaptivePolicy | None = None,
         chunk_bytes: int = 8 << 20,
+        pack_bytes: int = PACK_BYTES,
         codec: str = "raw",
         threads: int | None = None,
         process_group: Any = None,
@@ -78,6 +80,11 @@ class Checkpointer:
         self.policy = policy
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive number of bytes (default 8 MiB), got {chunk_bytes!r}")
+        if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or pack_bytes < 0:
+            raise ValueError(
+                f"pack_bytes must be a number of bytes, 0 for no packs (default 1 MiB), got {pack_bytes!r}"
+            )
+        self.pack_bytes = pack_bytes  # small tensors share chunks of up to this (``ckptflow.dcp.packs``)
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         self.chunk_bytes, self.codec, self.progress = chunk_bytes, codec, progress
@@ -142,7 +149,7 @@ class Checkpointer:
                 return None
         if kind not in ("full", "incremental"):
             raise ValueError(f"kind must be 'full' or 'incremental', got {kind!r}")
-        clock = self._clock(step, blocking=blocking)
+        clock = SaveClock.since(self._resumed, step, blocking=blocking)
         self.wait()
         problem = lossy_record_problem(lossy) if lossy is not None else None
         if problem:
@@ -171,6 +178,7 @@ class Checkpointer:
             world_size=self.group.world_size,
             save_id=save_id,
             chunk_bytes=self.chunk_bytes,
+            pack_bytes=self.pack_bytes,
             codec=self.codec,
             encoder=self._encoder(step, kind),
             tied=shared_storage(tensors),
@@ -214,15 +222,6 @@ class Checkpointer:
         self._resumed = (step, time.perf_counter())
         if isinstance(self.policy, AdaptivePolicy):
             self.policy.observe(step, blocked_s=blocked_s, step_time_s=clock.step_time_s)
-
-    def _clock(self, step: int, *, blocking: bool) -> SaveClock:
-        """Starts timing a save at ``step``; the step time is measured since training resumed
-        after the previous save or restore of this process (none before the first)."""
-        now = time.perf_counter()
-        since = step - self._resumed[0] if self._resumed else 0
-        step_time = (now - self._resumed[1]) / since if self._resumed and since > 0 else None
-        steps_since = since if step_time is not None else None
-        return SaveClock(now, blocking=blocking, step_time_s=step_time, steps_since=steps_since)
 
     @property
     def last_committed_step(self) -> int | None:

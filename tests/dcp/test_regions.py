@@ -16,10 +16,9 @@ def test_regions_name_each_chunk_of_each_item_with_its_checksums_and_none_of_a_s
     manifest = catalog.read_manifest(ck.store, "r", 1)
     items = list(metadata_from_index(manifest.dcp)[1].values())
     seen = loaded_regions(manifest, items)
-    assert sorted((fqn, index, length) for fqn, _, index, _, length in seen) == [
-        ("b", 0, 32),
-        *(("w", i, 1024) for i in range(4)),
-    ]
+    # "b" is packed (``ckptflow.dcp.packs``): a pack's region names all its members, so the next save hashes it
+    assert [i.fqn for i in items if i.packed_at is not None] == ["b"]
+    assert sorted((fqn, index, length) for fqn, _, index, _, length in seen) == [("w", i, 1024) for i in range(4)]
     for write in seen.values():
         assert write.checksum == manifest.fast_checksums[write.digest] and write.stored_bytes == UNKNOWN_SIZE
         assert write.stored_checksum == manifest.stored_checksums.get(write.digest, "")

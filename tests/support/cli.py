@@ -20,7 +20,7 @@ def make_store(tmp_path):
     root = str(tmp_path / "store")
     state = tiny_state()
     snaps, sizes = {}, {}
-    with Checkpointer(root, RUN) as ckpt:
+    with Checkpointer(root, RUN, pack_bytes=1024) as ckpt:  # weights their own chunks; biases, steps packed
         for step, loss in ((10, 0.5), (20, 0.25)):
             tiny_train(state, 2)
             ckpt.save(step, state, metadata={"loss": loss})

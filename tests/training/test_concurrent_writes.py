@@ -32,7 +32,7 @@ def _before_each_encoding(monkeypatch, action):
 def test_a_write_while_a_chunk_is_stored_changes_neither_the_chunk_nor_its_address(
     make_ck, store_url, monkeypatch, kind, codec
 ):
-    ck = make_ck(root=store_url, codec=codec, track_writes=False)
+    ck = make_ck(root=store_url, codec=codec, track_writes=False, pack_bytes=0)  # packs: test_packs_*
     state = {"w": torch.arange(4096, dtype=torch.float32)}  # one chunk
     ck.save(1, state, rng=False)
     state["w"] += 1  # step 2 has new bytes, so its chunk is written
@@ -50,7 +50,7 @@ def test_a_write_between_the_change_check_and_the_copy_is_stored_under_its_own_a
     """An incremental save finds the region as its previous save stored it (xxh3), but that
     chunk has gone from the store, so it is written anew; the owner writes the region
     before it is copied: the chunk is stored as copied, addressed anew."""
-    ck = make_ck(track_writes=False)
+    ck = make_ck(track_writes=False, pack_bytes=0)
     state = {"w": torch.randn(4096)}
     ck.save(1, state, rng=False)
     for chunk in list(ck.store.list("chunks/")):
@@ -77,7 +77,7 @@ def test_a_write_between_the_change_check_and_the_copy_is_stored_under_its_own_a
 def test_a_reused_chunk_gone_from_the_store_is_written_again_from_a_copy(make_ck, monkeypatch, codec):
     """An incremental save reuses an unchanged region's chunk, finds it gone, and writes it
     again: from a private copy too, so a write while it is encoded does not reach it."""
-    ck = make_ck(track_writes=False, codec=codec)
+    ck = make_ck(track_writes=False, codec=codec, pack_bytes=0)
     state = {"w": torch.randn(4096)}
     ck.save(1, state, rng=False)
     for chunk in list(ck.store.list("chunks/")):
@@ -95,7 +95,7 @@ def test_a_reused_chunk_gone_from_the_store_is_written_again_from_a_copy(make_ck
 def test_a_full_save_of_a_changed_region_addresses_it_by_its_new_bytes(make_ck):
     """A full save takes the previous save's address for a region only where the copy it
     writes has the previous checksum: the region changed, so it is addressed anew."""
-    ck = make_ck(track_writes=False)
+    ck = make_ck(track_writes=False, pack_bytes=0)
     state = {"w": torch.randn(4096), "same": torch.randn(4096)}
     ck.save(1, state, rng=False)
     state["w"].add_(1.0)
@@ -111,6 +111,7 @@ def test_a_full_save_of_a_changed_region_addresses_it_by_its_new_bytes(make_ck):
 def test_saves_while_a_thread_trains_commit_only_checkpoints_that_verify(make_ck, track_writes):
     ck = make_ck(chunk_bytes=64 << 10, track_writes=track_writes)
     state = {f"w{i}": torch.randn(1 << 16) for i in range(4)}  # 4 x 256 KiB, 4 chunks each
+    state |= {f"b{i}": torch.randn(256) for i in range(40)}  # 1 KiB each: packed, 16 to a pack
     stop = threading.Event()
 
     def train():
@@ -131,3 +132,29 @@ def test_saves_while_a_thread_trains_commit_only_checkpoints_that_verify(make_ck
     fresh = {name: torch.zeros_like(t) for name, t in state.items()}
     assert make_ck().restore(fresh).step == 9
     assert all(torch.equal(fresh[name], t) for name, t in state.items())
+
+
+@pytest.mark.parametrize("kind", ["full", "incremental"])
+def test_packs_a_write_after_a_pack_is_copied_is_not_in_it_and_its_address_holds(make_ck, monkeypatch, kind):
+    """A pack is hashed and stored from the copy its members were copied into: a write to a
+    member right after the copy leaves the checkpoint with the value copied, verified."""
+    from ckptflow.dcp import packs
+
+    ck = make_ck(track_writes=False)
+    model = {f"b{i}": torch.randn(256) for i in range(8)}  # one pack
+    ck.save(1, {"model": model}, rng=False)
+    model["b3"].add_(1.0)
+    saved = {name: t.clone() for name, t in model.items()}
+    real = packs.Pack.fill
+
+    def then_written(self, out):
+        real(self, out)
+        model["b3"].add_(1.0)  # the owner goes on writing
+
+    monkeypatch.setattr(packs.Pack, "fill", then_written)
+    ck.save(2, {"model": model}, kind=kind, rng=False)
+    assert ck.verify(2, deep=True).ok
+    fresh = {name: torch.zeros(256) for name in model}
+    assert make_ck().restore({"model": fresh}).step == 2
+    assert all(torch.equal(fresh[name], saved[name]) for name in model)
+    assert not torch.equal(model["b3"], saved["b3"])  # written after the copy
