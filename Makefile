@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/save_restore.py --size-mb 256
 	$(PY) benchmarks/save_restore.py --real
 	$(PY) benchmarks/codecs_motion.py --steps 100
+	$(PY) benchmarks/small_tensors.py --steps 12
 
 scale: $(STAMP)
 	$(PY) benchmarks/scale.py --checkpoints 10000 --partitions 40000 --expire 10000

@@ -50,7 +50,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 def _packed(packer: Packer | None, tensor: torch.Tensor) -> bool:
-    return packer is not None and packer.fits(tensor.numel() * tensor.element_size())
+    return packer is not None and packer.fits(tensor.numel() * tensor.dtype.itemsize)
 
 
 def _plan_bytes(plan: SavePlan) -> int:
@@ -260,7 +260,9 @@ class CheckpointWriter(StorageWriter):
                 offset = None if item.index.offset is None else tuple(item.index.offset)
                 if packer is not None and packer.fits(len(raw)):
                     key = (item.index.fqn, offset, dtype_name(tensor.dtype), len(raw))
-                    closed, pack, at = packer.add(key, raw, tensor.element_size(), floating=tensor.is_floating_point())
+                    closed, pack, at = packer.add(
+                        key, raw, tensor.dtype.itemsize, floating=tensor.dtype.is_floating_point
+                    )
                     if closed is not None:
                         self._submit_pack(closed, batches)
                     pending.append((item, tensor, raw, [(pack.holder, 0)], at))
