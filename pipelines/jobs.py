@@ -23,7 +23,9 @@ from assets.models import deployed_model
 from assets.partitions import checkpoint_key, drop_checkpoint_partitions
 from ckptflow import lifecycle
 from ckptflow.catalog.gc import gc
+from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.policy.retention import DAY
+from ckptflow.store import Store
 from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource, RetentionResource
 
 BATCH = 1000  # partitions dropped, and checkpoints named in one log line, at a time
@@ -128,26 +130,43 @@ class ScrubConfig(Config):
 
 
 @op
-def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: CheckpointStoreResource) -> dict:
+def scrub_checkpoints(
+    context: OpExecutionContext, config: ScrubConfig, store: CheckpointStoreResource, archive: ArchiveTierResource
+) -> dict:
     """Re-verify every chunk of checkpoints older than N days (bit rot, lost objects) and
-    record each verdict; fails the run if any is corrupt so an operator hears of it. What
-    could not be read keeps its earlier verdict and is retried later (an outage proves
-    nothing)."""
-    hot = store.open()
+    record each verdict; then repair each tier's damaged chunk objects from the other tier's
+    sound copies (``ckptflow.lifecycle.repair``) and validate again what failed. Fails the
+    run if a checkpoint stays corrupt, so an operator hears of it. What could not be read
+    keeps its earlier verdict and is retried later (an outage proves nothing)."""
+    hot, arc = store.open(), archive.open()
     report = lifecycle.scrub(hot, older_than_s=config.older_than_days * DAY)
-    corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in report.corrupt]
+    repairs = _repairs(context, hot, arc)
+    still = [(run, step, why) for run, step, why in report.corrupt if not _whole_again(hot, run, step, repairs["hot"])]
+    corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in still]
     damage = {"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}
     context.add_output_metadata(
-        {"checked": report.checked, "corrupt": len(corrupt), "unreadable": len(report.unreadable), **damage}
+        {
+            "checked": report.checked,
+            "corrupt": len(corrupt),
+            "repaired_by_copy": len(report.corrupt) - len(still),
+            "unreadable": len(report.unreadable),
+            **damage,
+            **{f"{tier}_chunks_repaired": len(r.repaired) for tier, r in repairs.items()},
+            **{f"{tier}_chunks_unrepaired": len(r.unrepaired) for tier, r in repairs.items()},
+        }
     )
     if report.records_error:
         context.log.warning(report.records_error)
+    for tier, r in repairs.items():
+        for digest, why in r.unrepaired + r.unavailable:
+            context.log.warning(f"{tier} chunk {digest[:16]}… not repaired: {why[:300]}")
     listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))
     if corrupt:
         raise Failure(
-            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; a chunk object "
-            "refused is recorded in the store (where scrub may write), and the next save of a job that still holds "
-            "its content writes it anew, a repair for every checkpoint sharing it",
+            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; no tier held "
+            "a sound copy of their damaged chunks. A chunk object refused is recorded in the store (where scrub "
+            "may write), and the next save of a job that still holds its content writes it anew, a repair for "
+            "every checkpoint sharing it",
             metadata={"corrupt": listed, **damage},
             allow_retries=False,
         )
@@ -161,6 +180,30 @@ def scrub_checkpoints(context: OpExecutionContext, config: ScrubConfig, store: C
             metadata={"unreadable": listed},
         )
     return {"checked": report.checked}
+
+
+def _repairs(context: OpExecutionContext, hot: Store, arc: Store) -> dict[str, lifecycle.RepairReport]:
+    """Each tier's damaged chunks repaired from the other; a tier whose records could not be
+    read is skipped with a warning (the next scrub tries again: an outage proves nothing)."""
+    repairs = {}
+    for tier, store, source in (("hot", hot, arc), ("archive", arc, hot)):
+        try:
+            repairs[tier] = lifecycle.repair(store, [source])
+        except StoreUnavailableError as e:
+            context.log.warning(f"the {tier} tier's damaged chunks were not repaired: {e}")
+            repairs[tier] = lifecycle.RepairReport()
+    return repairs
+
+
+def _whole_again(hot: Store, run: str, step: int, repaired: lifecycle.RepairReport) -> bool:
+    """Whether a checkpoint scrub found corrupt validates now that chunks were repaired (a
+    new verdict for its digest); False where nothing was repaired."""
+    if not repaired.repaired:
+        return False
+    try:
+        return bool(lifecycle.validate(hot, run, step)["ok"])
+    except CkptflowError:
+        return False
 
 
 @job(description="Re-verify old checkpoints and record the verdicts.")

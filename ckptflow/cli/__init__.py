@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from ckptflow.cli.advise import add_arguments as advise_arguments
-from ckptflow.cli.commands import UNAVAILABLE, cmd_gc, cmd_ls, cmd_thaw, cmd_verify, duration_arg
+from ckptflow.cli.commands import UNAVAILABLE, cmd_gc, cmd_ls, cmd_repair, cmd_thaw, cmd_verify, duration_arg
 from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.export_import import cmd_export, cmd_import, size_arg
 from ckptflow.cli.output import PROG
@@ -188,6 +188,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="list every key")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser(
+        "repair",
+        help="replace chunk objects the store records as damaged with sound copies from other tiers "
+        "(exit 1 if one has none, 3 if a tier could not be read)",
+    )
+    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument(
+        "--from",
+        dest="sources",
+        metavar="URL",
+        action="append",
+        required=True,
+        help="a tier holding the same checkpoints (the hot store for an archive, the archive for the hot "
+        "store); repeat to try several in order",
+    )
+    p.set_defaults(func=cmd_repair)
 
     p = sub.add_parser("thaw", help="request S3 restores of a checkpoint in a cold storage class")
     p.add_argument("root", metavar="ROOT", help="s3://bucket/prefix")

@@ -26,6 +26,7 @@ from ckptflow.catalog.tiers import thaw
 from ckptflow.cli.output import PROG, progress, table, warn
 from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.format import layout as fmt
+from ckptflow.lifecycle.repair import repair
 from ckptflow.reports.units import human_bytes, rounded
 from ckptflow.store import Store, open_store
 
@@ -272,3 +273,26 @@ def cmd_thaw(args: argparse.Namespace) -> int:
             "once its restore has finished"
         )
     return 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    """Replace the chunk objects ROOT records as damaged with sound copies from other tiers
+    (``ckptflow.lifecycle.repair``): exit 1 if one has no sound copy anywhere, 3 if a tier
+    could not be read (retry)."""
+    store = open_existing(args.root)
+    report = repair(store, [open_existing(url) for url in args.sources])
+    for digest, url in report.repaired:
+        print(f"repaired chunk {digest[:16]}… from {url}")
+    for digest, why in report.unrepaired:
+        print(f"not repaired: chunk {digest[:16]}… has no sound copy in the tiers given: {why}")
+    for digest, why in report.unavailable:
+        print(f"not repaired yet: chunk {digest[:16]}…: a tier could not be read, retry: {why}")
+    for problem in report.unlisted:
+        warn(f"a checkpoint could not be read, so its chunks were not looked up: {problem}")
+    if report.unreferenced:
+        print(f"{report.unreferenced} damage record(s) of chunks no checkpoint lists: `{PROG} gc` removes them")
+    if not (report.repaired or report.unrepaired or report.unavailable or report.unreferenced):
+        print(f"no damaged chunk objects recorded in {store.url}")
+    if report.unrepaired:
+        return 1
+    return UNAVAILABLE if report.unavailable else 0

@@ -17,6 +17,7 @@ from ckptflow.lifecycle.per_checkpoint import (
     evaluate_checkpoint,
     validate_checkpoint,
 )
+from ckptflow.lifecycle.repair import RepairReport, repair
 from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, archive_only_beyond, current_plan
 from ckptflow.lifecycle.scrub import ScrubReport, scrub
 from ckptflow.lifecycle.validate import validate
@@ -28,6 +29,7 @@ __all__ = [
     "EvaluationRule",
     "Evaluator",
     "ExpireError",
+    "RepairReport",
     "RetentionReport",
     "ScrubReport",
     "Subject",
@@ -38,6 +40,7 @@ __all__ = [
     "archive_checkpoint",
     "compress",
     "compress_checkpoint",
+    "repair",
     "copy_matches",
     "current_plan",
     "evaluate",

@@ -166,6 +166,22 @@ def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, 
     assert set(damaged.records(store)) == {rotten}  # the training job's next save writes it anew
 
 
+def test_scrub_repairs_a_damaged_chunk_from_the_archive_copy_and_passes(store_with_checkpoints, defs, paths, instance):
+    store, archive_tier = open_store(store_with_checkpoints), open_store(paths["archive"])
+    assert lifecycle.archive(store, archive_tier, RUN, 20).ok
+    rotten = corrupt_chunk(store_with_checkpoints, RUN, 20)
+    job = defs.resolve_job_def("scrub_job")
+    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+    result = job.execute_in_process(instance=instance, run_config=config)
+    assert result.success
+    [materialized] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
+    metadata = materialized.event_specific_data.metadata
+    assert metadata["repaired_by_copy"].value == 1 and metadata["hot_chunks_repaired"].value == 1
+    assert metadata["corrupt"].value == 0
+    assert record(store, 20, "validation")["ok"] is True  # validated again after the repair
+    assert rotten not in damaged.records(store) and catalog.verify_checkpoint(store, RUN, 20).ok
+
+
 def test_failure_sensor_records_runs_that_failed_before_it_started_and_tags_them(
     store_with_checkpoints, resources, instance
 ):

@@ -87,7 +87,10 @@ def test_scrub_in_an_outage_is_retried_and_keeps_every_verdict(store_with_checkp
 
     def scrub():
         return scrub_job.execute_in_process(
-            instance=instance, run_config=config, resources={"store": quick(resources)["store"]}, raise_on_error=False
+            instance=instance,
+            run_config=config,
+            resources={"store": quick(resources)["store"], "archive": resources["archive"]},
+            raise_on_error=False,
         )
 
     assert scrub().success

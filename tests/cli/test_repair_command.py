@@ -1,0 +1,38 @@
+"""`ckptflow repair ROOT --from URL`: damaged chunk objects replaced from another tier."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptflow import Checkpointer
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.errors import CorruptChunkError
+from ckptflow.format.layout import chunk_key
+from ckptflow.lifecycle import archive
+from ckptflow.store import open_store
+from support.cli import run_cli
+from support.corrupt import flip_byte
+
+
+def test_repair_from_the_archive_then_nothing_left_and_without_a_copy_exit_1(tmp_path, capsys):
+    hot_root, archive_root = str(tmp_path / "hot"), str(tmp_path / "archive")
+    hot, cold = open_store(hot_root), open_store(archive_root)
+    with Checkpointer(hot, "r") as ck:
+        ck.save(1, {"model": {"w": torch.randn(128, 128)}}, rng=False)
+        ck.save(2, {"model": {"w": torch.randn(128, 128)}}, rng=False)
+    assert archive(hot, cold, "r", 1).ok
+    for step in (1, 2):
+        digest, size = next(iter(catalog.read_manifest(hot, "r", step).chunks.items()))
+        flip_byte(Path(hot_root) / chunk_key(digest), 10)
+        with pytest.raises(CorruptChunkError):
+            ChunkStore(hot).get(digest, size)  # a reader refuses it: recorded
+
+    code, out, _ = run_cli(capsys, "repair", hot_root, "--from", archive_root)
+    assert code == 1
+    assert out.count("repaired chunk") == 1 and out.count("not repaired: chunk") == 1  # step 2 was never archived
+    assert Checkpointer(hot, "r").verify(1).ok and not Checkpointer(hot, "r").verify(2).ok
+
+    code, out, _ = run_cli(capsys, "repair", archive_root, "--from", hot_root)
+    assert code == 0 and "no damaged chunk objects recorded" in out
