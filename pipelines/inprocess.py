@@ -14,7 +14,9 @@ automation condition (the RPO freshness check) are left to the daemon.
 
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from dagster import (
     AssetKey,
@@ -93,12 +95,19 @@ def run_automation(
     cursor,
     report: DriveReport,
     run_config: dict | None = None,
+    *,
+    evaluation_time: datetime | None = None,
 ):
-    """Evaluate one automation sensor's conditions once and execute what they request,
-    one run per partition; returns the sensor's cursor (pass it to the next call)."""
+    """Evaluate one automation sensor's conditions once (at ``evaluation_time``, default
+    now) and execute what they request, one run per partition; returns the sensor's cursor
+    (pass it to the next call)."""
     asset_job = defs.resolve_implicit_global_asset_job_def()
     result = evaluate_automation_conditions(
-        defs=defs, instance=instance, asset_selection=sensor.asset_selection, cursor=cursor
+        defs=defs,
+        instance=instance,
+        asset_selection=sensor.asset_selection,
+        cursor=cursor,
+        evaluation_time=evaluation_time,
     )
     by_partition: dict[str | None, list[AssetKey]] = defaultdict(list)
     for asset_key in {r.key for r in result.results if r.true_subset.size and isinstance(r.key, AssetKey)}:
@@ -126,10 +135,22 @@ def _step_order(partition: str | None) -> tuple:
 
 
 class Driver:
-    """Holds the cursors the daemon would keep: the sensors' and each automation sensor's."""
+    """Holds the cursors the daemon would keep: the sensors' and each automation sensor's.
 
-    def __init__(self, defs: Definitions, instance: DagsterInstance, *, quiet: bool = False):
-        self.defs, self.instance = defs, instance
+    ``clock`` gives each automation evaluation its time (default: the wall clock). The
+    summaries refresh when a ``*/10`` cron tick passes between two evaluations, so a test
+    that expects a quiet second pass pins the clock instead of racing the wall clock.
+    """
+
+    def __init__(
+        self,
+        defs: Definitions,
+        instance: DagsterInstance,
+        *,
+        quiet: bool = False,
+        clock: Callable[[], datetime | None] = lambda: None,
+    ):
+        self.defs, self.instance, self.clock = defs, instance, clock
         self.run_config = QUIET if quiet else None
         self.sensor_cursor: str | None = None
         self.failure_cursor: str | None = None
@@ -137,7 +158,9 @@ class Driver:
         # the automation sensors have been running before anything landed: their first
         # evaluation only records the starting state
         self.automation_cursors = {
-            s.name: evaluate_automation_conditions(defs, instance, asset_selection=s.asset_selection).cursor
+            s.name: evaluate_automation_conditions(
+                defs, instance, asset_selection=s.asset_selection, evaluation_time=clock()
+            ).cursor
             for s in self.automation
         }
 
@@ -153,7 +176,13 @@ class Driver:
             before = len(report.runs)
             for sensor in self.automation:
                 self.automation_cursors[sensor.name] = run_automation(
-                    self.defs, self.instance, sensor, self.automation_cursors[sensor.name], report, self.run_config
+                    self.defs,
+                    self.instance,
+                    sensor,
+                    self.automation_cursors[sensor.name],
+                    report,
+                    self.run_config,
+                    evaluation_time=self.clock(),
                 )
             if len(report.runs) == before:
                 break

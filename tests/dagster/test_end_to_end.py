@@ -3,6 +3,7 @@ with the archive tier in a local directory and then on the moto S3 server (dagst
 ``S3Resource`` -> ckptflow's S3 backend, objects in GLACIER_IR)."""
 
 import json
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import torch
@@ -53,7 +54,8 @@ def test_lifecycle_end_to_end(paths, archive_defs, tmp_path, monkeypatch):
     home = tmp_path / "dagster_home"
     home.mkdir()
     with DagsterInstance.local_temp(str(home)) as instance:
-        driver = Driver(defs, instance)
+        now = [datetime.now(timezone.utc)]  # the automation's clock: a cron tick passes only when the test moves it
+        driver = Driver(defs, instance, clock=lambda: now[0])
         report = driver.drive()
         assert report.landed == keys and dynamic_keys(instance) == keys
         assert report.runs[f"validate_checkpoint[{keys[2]}]"] is False  # the blocking check failed
@@ -65,6 +67,10 @@ def test_lifecycle_end_to_end(paths, archive_defs, tmp_path, monkeypatch):
 
         again = driver.drive()  # a second pass has nothing to do
         assert again.landed == [] and again.runs == {}
+        now[0] += timedelta(minutes=10)  # a */10 cron tick passes: the summaries refresh, nothing else
+        refreshed = driver.drive()
+        summaries = "checkpoint_advice,checkpoint_inventory,recoverability,recovery_metrics,retention_plan,storage_cost"
+        assert refreshed.landed == [] and refreshed.runs == {f"{summaries}[None]": True}
 
         assert (
             defs.resolve_job_def("promotion")
