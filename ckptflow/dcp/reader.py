@@ -212,6 +212,7 @@ class CheckpointReader(StorageReader):
         loading: list = []
         here: list[tuple[str, memoryview]] = []  # small chunks this thread reads, before the next ``_finish``
         packed: dict[str, list[tuple[int, memoryview]]] = {}  # per pack, its members' slices and where they go
+        last_pack: dict[str, memoryview] = {}  # the pack read last: its other members may come after a flush
         staged = 0  # bytes of staging tensors allocated and not yet copied out
         try:
             digests = {digest: None for index in by_storage for digest, _ in self.storage[index].chunks}
@@ -224,7 +225,7 @@ class CheckpointReader(StorageReader):
                     buffer = targets[0]  # chunks land in place: no staging tensor, no copy
                 else:  # resharding, another device or dtype: read the item, then copy slices
                     if staged and staged + item.nbytes > self.budget.in_flight_cap:
-                        self._read_here(checked, here, packed)
+                        self._read_here(checked, here, packed, last_pack)
                         _finish(loading, planner)  # staging stays within the budget: use what is staged
                         staged = 0
                     pinned = any(t.device.type == "cuda" for t in targets)
@@ -245,7 +246,7 @@ class CheckpointReader(StorageReader):
                         pool = self._pool_for(per_core, cpu_only=cpu_only)
                         futures.append(pool.submit(self._into_place, checked, digest, out))
                     offset += size
-            self._read_here(checked, here, packed)
+            self._read_here(checked, here, packed, last_pack)
             _finish(loading, planner)
             self.loaded = regions.loaded_regions(self.manifest, (self.storage[index] for index in by_storage))
             for req in values:
@@ -263,18 +264,25 @@ class CheckpointReader(StorageReader):
         checked: dict[str, CheckedChunk],
         here: list[tuple[str, memoryview]],
         packed: dict[str, list[tuple[int, memoryview]]],
+        last_pack: dict[str, memoryview],
     ) -> None:
         """Read the small chunks of ``here`` into place on this thread, and each pack of
-        ``packed`` once into a buffer of its own, copying its members' slices out (both
-        emptied as it goes: one pack's buffer at a time)."""
+        ``packed`` into a buffer of its own, copying its members' slices out (both emptied
+        as it goes: one pack's buffer at a time). The last pack read is kept in
+        ``last_pack``: members come in save order, so a pack whose members a staging flush
+        split in two is read once, not once per flush."""
         while here:
             self._into_place(checked, *here.pop())
-        while packed:
-            digest, members = packed.popitem()
-            pack = memoryview(bytearray(self.manifest.chunks[digest]))  # no larger than its members: Manifest.parse
-            self._into_place(checked, digest, pack)
+        for digest, members in packed.items():
+            if digest not in last_pack:
+                last_pack.clear()
+                # at most MAX_PACK_BYTES and no larger than the slices it names: Manifest.parse
+                last_pack[digest] = memoryview(bytearray(self.manifest.chunks[digest]))
+                self._into_place(checked, digest, last_pack[digest])
+            pack = last_pack[digest]
             for at, out in members:
                 out[:] = pack[at : at + len(out)]
+        packed.clear()
 
     def _into_place(self, checked: dict[str, CheckedChunk], digest: str, out: memoryview) -> None:
         """One chunk read into ``out``: as pass one verified it, or verified now (single pass)."""

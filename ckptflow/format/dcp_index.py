@@ -5,8 +5,9 @@ bounds), every shard must have one storage item whose chunk lengths add up to it
 bytes, and every chunk an item names must be in the manifest's chunk list with the
 same length, except a pack: a small item's bytes may be one slice of a chunk shared with
 other small items (``ckptflow.dcp.packs``), named with its offset, which must lie inside
-the pack; a pack is no larger than the slices the manifest names in it, so a reader
-allocating one allocates no more than the state it restores. ``Manifest.parse`` applies
+the pack; a pack is no larger than the slices the manifest names in it nor than
+``MAX_PACK_BYTES``, so a reader allocating a pack to restore one member of it allocates a
+bounded amount whatever the manifest says. ``Manifest.parse`` applies
 this, so verify, restore and export cannot disagree about whether a checkpoint's tensors
 are whole.
 """
@@ -215,6 +216,10 @@ def _packed_at(check: Fields, fqn: str, refs: list, chunks: Mapping[str, int]) -
     size = chunks.get(digest) if type(digest) is str else None
     if not (type(length) is int and type(offset) is int and size is not None and length > 0 and offset >= 0):
         raise check.bad(f"has item {fqn!r} referencing a slice of a pack missing from its chunk list")
+    if size > fmt.MAX_PACK_BYTES:
+        raise check.bad(
+            f"has item {fqn!r} in a pack {digest[:16]}… of {size} bytes; no pack is larger than {fmt.MAX_PACK_BYTES}"
+        )
     if offset + length > size:
         raise check.bad(
             f"has item {fqn!r} at bytes {offset}-{offset + length} of a pack {digest[:16]}… of {size} bytes"

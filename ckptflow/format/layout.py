@@ -25,6 +25,7 @@ from ckptflow.errors import InvalidNameError
 
 FORMAT_VERSION = 2  # what this ckptflow writes; 2: chunks addressed by BLAKE3 (``checksum``)
 PACKED_FORMAT = 3  # a manifest with packs (``ckptflow.dcp.packs``): a reader without them says to upgrade
+MAX_PACK_BYTES = 64 << 20  # no pack is larger: a reader allocates a whole pack to restore one member of it
 READABLE_FORMATS = (1, 2, 3)
 STEP_DIGITS = 12
 IMPORT_FORMATS = ("dcp", "safetensors", "hf", "torch")  # what `ckptflow import` reads (ckptflow.interop.importers)

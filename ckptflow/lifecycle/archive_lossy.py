@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -41,6 +41,19 @@ class LossyCopy:
     reencoded: int  # chunks the tier held as deltas, stored anew plainly
 
 
+def in_pack_order(listed: Iterable[StorageItem]) -> list[tuple[int, StorageItem]]:
+    """``items`` with their places, each pack's members together (at its first member's
+    place): a manifest lists items by name, a save packs them in plan order, and each
+    pack is read and verified once for all its members."""
+    items = list(listed)
+    first: dict[str, int] = {}
+    for place, item in enumerate(items):
+        if item.packed_at is not None:
+            first.setdefault(item.chunks[0][0], place)
+    group = [first[i.chunks[0][0]] if i.packed_at is not None else place for place, i in enumerate(items)]
+    return sorted(enumerate(items), key=lambda placed: group[placed[0]])
+
+
 def write_lossy_copy(
     src: Store, dst: Store, manifest: Manifest, codec: ArchiveCodec, progress: Callable[[int], None] | None = None
 ) -> LossyCopy:
@@ -52,13 +65,13 @@ def write_lossy_copy(
     dropped = sorted(optimizers) if codec.optimizer == "drop" else []
     source, target = ChunkStore(src).scoped(manifest.chunks, address=manifest.address), ChunkStore(dst)
     stats, counts = LossStats(), {"exact": 0, "bf16": 0, "int8": 0}
-    items: list[StorageItem] = []
+    copied: dict[int, StorageItem] = {}  # by the item's place in the manifest, where the copy keeps it
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
     checksums: dict[str, str] = {}
     reencoded = 0
     pack: tuple[str, memoryview] = ("", memoryview(b""))  # the pack last decoded: its members come one after another
-    for item in manifest.items():
+    for place, item in in_pack_order(manifest.items()):
         if item.fqn.split(".", 1)[0] in dropped:
             continue
         what = tensor_class(item.fqn, item.dtype, math.prod(item.shape), optimizers)
@@ -92,7 +105,8 @@ def write_lossy_copy(
             sizes[digest], stored[digest], checksums[digest] = size, written, checksum
             if progress:
                 progress(size)
-        items.append(dataclasses.replace(item, chunks=tuple(chunks), packed_at=None))
+        copied[place] = dataclasses.replace(item, chunks=tuple(chunks), packed_at=None)
+    items = [copied[place] for place in sorted(copied)]
     lossy = {
         "codec": codec.name,
         "weights": codec.weights,

@@ -80,9 +80,10 @@ class Checkpointer:
         self.policy = policy
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive number of bytes (default 8 MiB), got {chunk_bytes!r}")
-        if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or pack_bytes < 0:
+        if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or not 0 <= pack_bytes <= fmt.MAX_PACK_BYTES:
             raise ValueError(
-                f"pack_bytes must be a number of bytes, 0 for no packs (default 1 MiB), got {pack_bytes!r}"
+                f"pack_bytes must be a number of bytes up to {fmt.MAX_PACK_BYTES} (64 MiB), 0 for no packs"
+                f" (default 1 MiB), got {pack_bytes!r}"
             )
         self.pack_bytes = pack_bytes  # small tensors share chunks of up to this (``ckptflow.dcp.packs``)
         if codec not in CODECS:

@@ -14,6 +14,7 @@ from torch import nn
 from ckptflow import Checkpointer, NoValidCheckpointError, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec, describe
+from ckptflow.chunks.reads import ChunkReader
 from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.policy.retention import DAY, Candidate, plan
 from ckptflow.reports import inventory
@@ -190,3 +191,39 @@ def test_the_inventory_shows_an_archive_only_lossy_copy_with_the_exact_commits_v
     assert entry.tiers == ["archive"] and entry.validation == "passed"
     assert entry.archive_lossy["weights"] == "bf16" and entry.candidate().archive_lossy
     assert inventory.rows([entry])[0]["archive_copy"] == "lossy"
+
+
+def test_a_lossy_copy_reads_each_pack_once_and_stores_every_member_alone(tmp_path, monkeypatch):
+    """Members are packed in the model's order (layers.0, 1, 2, ..., 10) but listed by name
+    (layers.0, 1, 10, ..., 2): the copy still reads and verifies each pack once."""
+    hot, arc = open_store(str(tmp_path / "hot")), open_store(str(tmp_path / "arc"))
+    model = nn.Sequential(*(nn.LayerNorm(64) for _ in range(40)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    with Checkpointer(hot, RUN, pack_bytes=4096) as ck:
+        ck.save(1, {"model": model}, rng=False)
+    exact = catalog.read_manifest(hot, RUN, 1)
+    packs = {i.chunks[0][0] for i in exact.items() if i.packed_at is not None}
+    assert len(packs) == 5  # 80 tensors of 256 bytes, 16 to a pack
+    reads: dict[str, int] = {}
+    real_get = ChunkReader.get
+
+    def counted(self, digest, size):
+        reads[digest] = reads.get(digest, 0) + 1
+        return real_get(self, digest, size)
+
+    monkeypatch.setattr(ChunkReader, "get", counted)
+    report = lifecycle.archive(hot, arc, RUN, 1, codec=ArchiveCodec.parse("bf16"))
+    assert report.ok, report.problems
+    assert {d: reads[d] for d in packs} == dict.fromkeys(packs, 1)
+    copy = catalog.read_manifest(arc, RUN, 1)
+    assert all(i.packed_at is None for i in copy.items()) and [i.fqn for i in copy.items()] == [
+        i.fqn for i in exact.items()
+    ]
+    lifecycle.expire(hot, RUN, 1, keep_records=True)
+    target = nn.Sequential(*(nn.LayerNorm(64) for _ in range(40)))
+    with Checkpointer(hot, RUN, tiers=[arc]) as ck:
+        ck.restore({"model": target}, allow_lossy=True)
+    for (name, got), want in zip(target.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want.bfloat16().float()), name

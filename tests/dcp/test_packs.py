@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks.reads import ChunkReader
 from ckptflow.cli import main as cli_main
 from ckptflow.errors import ManifestError
+from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from support.corrupt import chunk_path, flip_byte, manifest_path, reseal_manifest
 
@@ -124,6 +126,31 @@ def test_pack_bytes_zero_stores_each_tensor_alone(make_ck):
     assert result.info.chunks == len(state["model"]) - 1  # all but the empty tensor, none alike
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_a_pack_split_by_staging_flushes_is_read_once(make_ck, monkeypatch, single_pass):
+    """Targets of another dtype are staged, and staging is flushed every 1 KiB here (half
+    of a 2 KiB restore buffer): a flush between a pack's members does not read it again."""
+    ck = make_ck(chunk_bytes=1 << 20, pack_bytes=4096, restore_buffer_bytes=2048)
+    state = {"model": {f"t{i:02d}": torch.randn(64) for i in range(32)}}  # 2 packs of 16 members
+    ck.save(1, state, rng=False)
+    packs = set(packed_items(ck, 1).values())
+    assert len({digest for digest, _ in packs}) == 2
+    reads: list[str] = []
+    for method in ("read_checked", "read_verified"):
+        real = getattr(ChunkReader, method)
+
+        def counted(self, first, *args, real=real):
+            reads.append(first if isinstance(first, str) else first.digest)
+            return real(self, first, *args)
+
+        monkeypatch.setattr(ChunkReader, method, counted)
+    target = {"model": {k: torch.zeros(64, dtype=torch.float64) for k in state["model"]}}
+    ck.restore(target, single_pass=single_pass)
+    assert sorted(reads) == sorted({digest for digest, _ in packs})
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v.double()), k
+
+
 def test_damage_in_a_pack_falls_back_for_every_member(make_ck):
     ck = make_ck(chunk_bytes=1 << 20, pack_bytes=32 << 10)
     old = small_state(seed=1)
@@ -169,11 +196,38 @@ def test_a_pack_larger_than_its_named_slices_is_refused(make_ck):
 
     def bigger(record):
         item = next(i for i in record["dcp"]["items"] if len(i["chunks"][0]) == 3)
-        record["chunks"][item["chunks"][0][0]] = 1 << 40
+        record["chunks"][item["chunks"][0][0]] += 4096
 
     reseal_manifest(ck.store.root, "r", 1, bigger)
     with pytest.raises(ManifestError, match="name only"):
         Manifest.parse(manifest_path(ck.store.root, "r", 1).read_bytes(), "grown")
+
+
+def test_a_pack_above_the_largest_any_save_writes_is_refused(make_ck):
+    """A pack's members may lie in tensors a restore never asks for, so the slices it names
+    do not bound what one member's restore allocates: no pack is above MAX_PACK_BYTES."""
+    ck = make_ck(chunk_bytes=1 << 20, pack_bytes=4096)
+    ck.save(1, {"model": {"b": torch.randn(8)}, "optim": {"x": torch.randn(8)}}, rng=False)
+    huge = fmt.MAX_PACK_BYTES + 4
+
+    def grown(record):  # optim.x "fills" a pack shared with model.b, as a hostile manifest may say
+        b = next(i for i in record["dcp"]["items"] if i["fqn"] == "model.b")
+        x = next(i for i in record["dcp"]["items"] if i["fqn"] == "optim.x")
+        pack = b["chunks"][0][0]
+        record["chunks"][pack] = huge
+        b["chunks"] = [[pack, 32, 0]]
+        x["chunks"], x["shape"] = [[pack, huge - 32, 32]], [(huge - 32) // 4]
+        record["dcp"]["tensors"]["optim.x"].update(size=x["shape"], chunks=[{"offsets": [0], "sizes": x["shape"]}])
+
+    reseal_manifest(ck.store.root, "r", 1, grown)
+    with pytest.raises(ManifestError, match=f"no pack is larger than {fmt.MAX_PACK_BYTES}"):
+        Manifest.parse(manifest_path(ck.store.root, "r", 1).read_bytes(), "grown")
+
+
+@pytest.mark.parametrize("pack_bytes", [-1, fmt.MAX_PACK_BYTES + 1, True, 1.5])
+def test_pack_bytes_out_of_range_is_refused(make_ck, pack_bytes):
+    with pytest.raises(ValueError, match="pack_bytes must be a number of bytes up to 67108864"):
+        make_ck(pack_bytes=pack_bytes)
 
 
 def test_a_packed_ref_among_others_is_refused(make_ck):
