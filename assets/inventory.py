@@ -114,6 +114,7 @@ def checkpoint_inventory(
             "checkpoints": len(df),
             "validation_passed": counts.get("passed", 0),
             "validation_failed": counts.get("failed", 0),
+            "manifest_unreadable": counts.get("unreadable", 0),
             **tier_cost_metadata(priced),
             "hot_dedup_ratio": ratio(hot_stats.dedup_ratio),
             "hot_compression_ratio": ratio(hot_stats.compression_ratio),

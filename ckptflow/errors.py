@@ -45,6 +45,14 @@ class RecordTooLargeError(ManifestError):
     """A manifest or rank record larger than any ckptflow writes: refused unread."""
 
 
+class NewerFormatError(CkptflowError):
+    """A record a newer ckptflow sealed: its checksum verifies, and its ``format_version`` is
+    above every one this ckptflow reads. That proves nothing about the checkpoint (a newer
+    reader loads it), so it is never damage: restore stops rather than fall back past it, a
+    save never moves it aside, GC does not sweep what it might reference, and validation
+    records no verdict. The message says to upgrade."""
+
+
 class CheckpointExistsError(CkptflowError):
     """A save to a step that already has a valid commit record."""
 

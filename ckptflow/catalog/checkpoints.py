@@ -215,6 +215,11 @@ class VerifyReport:
         return any(not p.could_not_read for p in self.findings)
 
     @property
+    def newer(self) -> Problem | None:
+        """A record a newer ckptflow wrote, when nothing proved damage: no verdict, upgrade."""
+        return None if self.damaged else next((p for p in self.findings if p.kind == "newer"), None)
+
+    @property
     def unavailable(self) -> bool:
         """Something could not be read and nothing proved damage: no verdict either way."""
         return bool(self.findings) and not self.damaged

@@ -5,7 +5,8 @@ A manifest already at the step is moved aside (into quarantine) only when it is 
 damaged: its whole checkpoint is verified as restore checks it (``catalog.verify_checkpoint``)
 and found damaged. One that verifies stays, whoever wrote it and whatever an earlier
 restore said of it (``CheckpointExistsError``); one that cannot be read proves nothing
-(``StoreUnavailableError``). Either way nothing changes.
+(``StoreUnavailableError``), nor does one a newer ckptflow wrote (``NewerFormatError``).
+Either way nothing changes.
 
 When. Before the save writes anything (``check_step``), so a save over a valid commit
 costs nothing, and again at commit (``commit_manifest``), under the run's lock, where the
@@ -39,6 +40,7 @@ from ckptflow.errors import (
     CheckpointExistsError,
     CkptflowError,
     ManifestError,
+    NewerFormatError,
     ObjectNotFoundError,
     ObjectTooLargeError,
     StoreError,
@@ -124,7 +126,7 @@ def _read(store: Store, run: str, step: int) -> tuple[bytes, str] | None:
 def _parses(blob: bytes, run: str, step: int) -> bool:
     try:
         Manifest.parse(blob, "manifest", run=run, step=step)
-    except ManifestError:
+    except (ManifestError, NewerFormatError):  # verified in full next
         return False
     return True
 
@@ -136,6 +138,12 @@ def _damage(store: Store, run: str, step: int, digest: str, pool: ThreadPoolExec
     report = catalog.verify_checkpoint(store, run, step, pool, deep=False)
     if report.digest == digest and report.damaged:
         return "; ".join(report.problems)
+    if report.newer is not None:
+        raise NewerFormatError(
+            f"step {step} of run {run!r} in {store.url} holds a checkpoint a newer ckptflow wrote, which this one "
+            f"cannot verify, so it is neither replaced nor moved aside: {report.newer.message}. This save was not "
+            "committed: save under another step, or upgrade ckptflow"
+        )
     if report.unavailable:
         raise _unavailable(store, run, step, "; ".join(report.problems))
     if report.digest != digest:

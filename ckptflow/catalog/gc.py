@@ -39,6 +39,7 @@ class GCReport:
     ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
     dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
     skipped: str | None = None  # why nothing was swept, when nothing could safely be
+    newer: bool = False  # a commit record is of a newer format: what it references is unknown here
 
     @property
     def bytes(self) -> int:
@@ -89,6 +90,7 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
             report.ignored.append(str(item))
             continue
         report.unreadable_manifests.append(str(item))
+        report.newer = report.newer or item.kind == "newer"
         salvaged = (
             _salvage_chunks(store, fmt.manifest_key(item.run, item.step))
             if item.kind == "corrupt" and item.step is not None
@@ -134,8 +136,12 @@ def gc(
         if marked is None:
             report.skipped = (
                 "a commit record cannot be read and its chunks cannot be told, so GC cannot tell what is "
-                f"garbage: {report.unreadable_manifests[-1]} — inspect it, then delete it (or restore it from a "
-                "copy) and run gc again"
+                f"garbage: {report.unreadable_manifests[-1]} — "
+                + (
+                    "nothing was swept"
+                    if report.newer
+                    else "inspect it, then delete it (or restore it from a copy) and run gc again"
+                )
             )
             return report
         live, loose = marked

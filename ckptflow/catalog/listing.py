@@ -16,6 +16,7 @@ from ckptflow.errors import (
     CkptflowError,
     ColdObjectError,
     InvalidNameError,
+    NewerFormatError,
     RecordTooLargeError,
     StoreError,
     SymlinkError,
@@ -28,8 +29,9 @@ from ckptflow.store.base import ObjectInfo, Store
 @dataclass(frozen=True)
 class Problem:
     """A run or checkpoint that cannot be read, and why. ``kind`` is one of ``KINDS``;
-    those in ``UNREAD`` say it could not be looked at (it might be fine), the others
-    prove damage or a store layout ckptflow never writes."""
+    those in ``UNREAD`` say it could not be looked at (it might be fine; ``newer``: a
+    newer ckptflow wrote it), the others prove damage or a store layout ckptflow never
+    writes."""
 
     run: str
     step: int | None
@@ -38,9 +40,9 @@ class Problem:
 
     KINDS = (
         "corrupt", "too_big", "cold", "denied", "symlink", "loop", "unavailable", "bad_name", "not_a_directory",
-        "unreadable",
+        "unreadable", "newer",
     )  # fmt: skip
-    UNREAD = ("cold", "denied", "symlink", "loop", "unavailable", "unreadable")
+    UNREAD = ("cold", "denied", "symlink", "loop", "unavailable", "unreadable", "newer")
 
     @property
     def could_not_read(self) -> bool:
@@ -76,6 +78,8 @@ def problem_from(run: str, step: int | None, error: BaseException) -> Problem:
         kind = "too_big"
     elif is_damage(error):
         kind = "corrupt"
+    elif isinstance(error, NewerFormatError):
+        kind = "newer"
     elif isinstance(error, ColdObjectError):
         kind = "cold"
     elif isinstance(error, InvalidNameError):

@@ -22,7 +22,7 @@ from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.export_import import cmd_export, cmd_import, size_arg
 from ckptflow.cli.output import PROG
 from ckptflow.cli.report_commands import cmd_advise, cmd_stats
-from ckptflow.errors import CkptflowError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
 from ckptflow.format.layout import IMPORT_FORMATS
 from ckptflow.interop.export import EXPORT_DTYPES
 from ckptflow.reports.units import human_bytes
@@ -240,8 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         message = " ".join(str(e).split("\n"))
         print(f"{PROG}: error: {message}", file=sys.stderr)
-        unread = isinstance(e, StoreUnavailableError) and getattr(args, "func", None) in (cmd_verify, cmd_export)
-        return UNAVAILABLE if unread else 2  # verify and export keep "3: the store could not be read"
+        unread = isinstance(e, (StoreUnavailableError, NewerFormatError))
+        unread = unread and getattr(args, "func", None) in (cmd_verify, cmd_export)
+        return UNAVAILABLE if unread else 2  # verify and export keep "3: no verdict: it could not be read"
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

@@ -172,11 +172,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for line in problems:
             print(line)
         if not proof and not any(r.damaged for r in reports):
-            print(
-                f"{PROG}: {len(problems)} problem(s), none of them proof of damage: the store {store.url} could not "
-                "be read (unavailable, cold, denied or a link); retry when it answers, thaw or fix access",
-                file=sys.stderr,
+            newer = any(r.newer for r in reports) or any(
+                isinstance(e, catalog_listing.Problem) and e.kind == "newer" for e in listed if args.all
             )
+            why = (
+                "a newer ckptflow wrote what could not be read; verify it with a ckptflow that reads it"
+                if newer
+                else f"the store {store.url} could not be read (unavailable, cold, denied or a link); retry when it "
+                "answers, thaw or fix access"
+            )
+            print(f"{PROG}: {len(problems)} problem(s), none of them proof of damage: {why}", file=sys.stderr)
             return UNAVAILABLE
         bad = sum(not r.ok for r in reports) + sum(isinstance(e, catalog_listing.Problem) for e in listed if args.all)
         print(

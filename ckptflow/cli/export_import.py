@@ -17,7 +17,7 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.cli.commands import UNAVAILABLE, no_such_step, open_existing, require_run
 from ckptflow.cli.output import PROG, progress, warn
-from ckptflow.errors import CkptflowError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.reports.units import human_bytes
@@ -85,7 +85,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                     store, run, args.out, step=step, options=options, lineage=lineage, progress=report_progress,
                     model_config=model_config, **allowed,
                 )  # fmt: skip
-    except StoreUnavailableError as e:  # nothing proved damage: exit as verify does when it could not read
+    except (StoreUnavailableError, NewerFormatError) as e:  # nothing proved damage: exit as verify does
         print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return UNAVAILABLE
     for skipped_step, why in skipped:

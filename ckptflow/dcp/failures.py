@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptflow.errors import CkptflowError, ColdObjectError, is_damage
+from ckptflow.errors import CkptflowError, ColdObjectError, NewerFormatError, is_damage
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Failure:
     cold: bool = False  # the store cannot be read until objects are thawed
     mismatch: bool = False  # the live state does not have the checkpoint's structure: the caller's error
     partial: bool = False  # failed while reading into place: the live state is already partly overwritten
+    newer: bool = False  # a record a newer ckptflow wrote: upgrade to load it (not damage, no fallback)
 
 
 class IntoPlaceFailed(CkptflowError):
@@ -85,7 +86,10 @@ def failure_of(error: BaseException) -> Failure:
     if any(isinstance(c, IntoPlaceFailed) for c in causes):
         return Failure(message, damage=False, partial=True)
     damage = all(is_damage(c) for c in causes)
-    return Failure(message, damage=damage, cold=not damage and any(isinstance(c, ColdObjectError) for c in causes))
+    return Failure(
+        message, damage=damage, cold=not damage and any(isinstance(c, ColdObjectError) for c in causes),
+        newer=not damage and any(isinstance(c, NewerFormatError) for c in causes),
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ckptflow.errors import ManifestError
+from ckptflow.errors import ManifestError, NewerFormatError
 from ckptflow.format import layout as fmt
 
 MAX_RECORD_BYTES = 1 << 30  # a manifest listing 10 TB in 8 MiB chunks is ~150 MiB
@@ -92,7 +92,8 @@ def _sealed_body(blob: bytes, claimed: Any) -> bytes | None:
 
 
 def unseal(blob: bytes, where: str) -> dict:
-    """Parse and verify a sealed record; ``ManifestError`` naming ``where`` otherwise."""
+    """Parse and verify a sealed record; ``ManifestError`` naming ``where`` otherwise, or
+    ``NewerFormatError`` for a whole record of a format newer than this ckptflow reads."""
     if len(blob) > MAX_RECORD_BYTES:
         raise ManifestError(f"{where} is {len(blob)} bytes, more than any ckptflow record ({MAX_RECORD_BYTES})")
     try:
@@ -115,10 +116,16 @@ def unseal(blob: bytes, where: str) -> dict:
         legacy = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
         if claimed != hashlib.sha256(legacy).hexdigest():
             raise ManifestError(f"{where} fails its checksum (stored {str(claimed)[:12]}…, computed {actual[:12]}…)")
-    if record.get("format_version") not in fmt.READABLE_FORMATS:
+    version = record.get("format_version")
+    if type(version) is not int or version not in fmt.READABLE_FORMATS:  # true == 1 and 2.0 == 2 in Python
+        reads = ", ".join(map(str, fmt.READABLE_FORMATS))
+        if type(version) is int and version > max(fmt.READABLE_FORMATS):
+            raise NewerFormatError(  # sealed whole by a newer writer: not damage
+                f"{where} was written by a newer ckptflow (format_version {version}; this one reads {reads}): "
+                "upgrade ckptflow to read it"
+            )
         raise ManifestError(
-            f"{where} has format_version {record.get('format_version')!r}; this ckptflow reads "
-            f"{' and '.join(map(str, fmt.READABLE_FORMATS))}: upgrade ckptflow to read it"
+            f"{where} has format_version {version!r}, which no ckptflow writes (this one reads {reads})"
         )
     return record
 

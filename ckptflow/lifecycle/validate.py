@@ -6,7 +6,7 @@ from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, write_record
-from ckptflow.errors import StoreUnavailableError
+from ckptflow.errors import NewerFormatError, StoreUnavailableError
 from ckptflow.store.base import Store
 
 
@@ -17,8 +17,13 @@ def validate(store: Store, run: str, step: int, *, records: Store | None = None)
 
     A verdict needs proof: when something could not be read (an outage, a cold or denied
     object) and nothing proved damage, no record is written (an earlier verdict stands)
-    and ``StoreUnavailableError`` says what could not be read, to retry later."""
+    and ``StoreUnavailableError`` says what could not be read, to retry later
+    (``NewerFormatError``: a newer ckptflow wrote it, upgrade to validate it)."""
     report = catalog.verify_checkpoint(store, run, step)
+    if report.newer is not None:
+        raise NewerFormatError(
+            f"could not verify run {run} step {step} in {store.url}: {report.newer.message}; no verdict was recorded"
+        )
     if report.unavailable:
         unread = report.problems
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""

@@ -13,9 +13,10 @@ manifest digest)``: it protects the checkpoint whose manifest has that digest, n
 later commit of the same step (a model version published from a rejected commit must
 not keep its replacement).
 
-Never-delete rules (``KeepPinned``, ``KeepAliased``, ``KeepNewestValid``) are part of
-``default_policy`` and additionally enforced by ``plan`` itself, so a custom policy
-cannot expire a pinned, published or aliased checkpoint by forgetting a rule.
+Never-delete rules (``KeepPinned``, ``KeepAliased``, ``KeepNewestValid``, ``KeepUnread``)
+are part of ``default_policy`` and additionally enforced by ``plan`` itself, so a custom
+policy cannot expire a pinned, published, aliased or unreadable checkpoint by forgetting a
+rule.
 
 Tiers: the plan is for the hot tier; archive copies are never expired by retention.
 ``delete`` expires the hot copy (the checkpoint is gone unless an archive holds it);
@@ -50,6 +51,7 @@ class Candidate:
     archived: bool = False  # a copy in the archive tier verified
     archive_lossy: bool = False  # that copy was written with a lossy archive codec
     digest: str = ""  # the hot copy's manifest digest; "" if it could not be read
+    unread: str = ""  # why its commit record could not be read just now (no proof of anything): kept
 
     @property
     def ref(self) -> Ref:
@@ -170,13 +172,13 @@ class KeepBestK:
 
 @dataclass(frozen=True)
 class KeepNewestValid:
-    """The newest checkpoint of each run that is not known to be invalid: the one a
-    resume would load. Deleting it would lose training progress."""
+    """The newest checkpoint of each run that is not known to be invalid and whose commit
+    record was read: the one a resume would load. Deleting it would lose training progress."""
 
     def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
         out = {}
         for cands in _by_run(checkpoints).values():
-            valid = [c for c in cands if c.valid is not False]
+            valid = [c for c in cands if c.valid is not False and not c.unread]
             if valid:
                 out[max(valid, key=lambda c: c.step).ref] = "newest valid checkpoint of its run"
         return out
@@ -216,7 +218,21 @@ class AnyOf:
         return {ref: "; ".join(reasons) for ref, reasons in self.preserve_all(checkpoints, ctx).items()}
 
 
-NEVER_DELETE: tuple[RetentionPolicy, ...] = (KeepPinned(), KeepAliased(), KeepNewestValid())
+@dataclass(frozen=True)
+class KeepUnread:
+    """Checkpoints whose commit record could not be read just now (an outage, a cold or
+    denied object, a format a newer ckptflow wrote): nothing proves them bad or old, and
+    expiring one deletes it. The next plan, made when the record reads, decides."""
+
+    def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]:
+        return {
+            c.ref: f"its commit record could not be read ({c.unread}): no decision without it"
+            for c in checkpoints
+            if c.unread
+        }
+
+
+NEVER_DELETE: tuple[RetentionPolicy, ...] = (KeepPinned(), KeepAliased(), KeepNewestValid(), KeepUnread())
 
 
 def default_policy(

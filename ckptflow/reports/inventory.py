@@ -34,6 +34,7 @@ class Entry:
     digest: str = ""
     source_digest: str = ""  # an archive-only lossy copy: the exact commit its records are keyed by
     manifest_error: str = ""
+    manifest_unread: bool = False  # that error proves nothing: the record could not be read (``Problem.UNREAD``)
     records: dict[str, dict] = field(default_factory=dict)  # lifecycle records by kind
     trainer_metadata: dict = field(default_factory=dict)
 
@@ -43,9 +44,11 @@ class Entry:
 
     @property
     def validation(self) -> str:
-        """passed / failed / not checked (an unreadable manifest is failed)."""
+        """passed / failed / unreadable / not checked. A damaged manifest is failed; one that
+        could not be read just now (an outage, a cold or denied object, a newer format) is
+        unreadable: no verdict either way."""
         if self.manifest_error:
-            return "failed"
+            return "unreadable" if self.manifest_unread else "failed"
         record = self.records.get("validation")
         if record is None:
             return "not checked"
@@ -84,6 +87,7 @@ class Entry:
             archived=self.archived,
             archive_lossy=self.archive_lossy is not None,
             digest=self.digest if not self.manifest_error else "",  # unknown: protected by any pin of its name
+            unread=self.manifest_error if self.manifest_unread else "",
         )
 
 
@@ -94,13 +98,14 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
                 continue  # a run that cannot be listed, or a stray directory: not a checkpoint
             entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
             entry.tiers.append(tier)
-            entry.manifest_error = entry.manifest_error or item.message
+            if not entry.manifest_error:
+                entry.manifest_error, entry.manifest_unread = item.message, item.could_not_read
             continue
         entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
         entry.tiers.append(tier)
         if entry.digest:
             continue  # the hot copy describes it; the archive copy is the same commit (or reported as differing)
-        entry.manifest_error = ""
+        entry.manifest_error, entry.manifest_unread = "", False
         entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
         entry.source_digest = (item.lossy or {}).get("source_digest", "")
         entry.base_step = item.base_step

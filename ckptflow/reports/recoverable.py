@@ -77,9 +77,9 @@ def rpo_against_target(rpo_s: float | None, target_s: float) -> str:
 
 
 def attention_reason(entry: inventory.Entry) -> str | None:
-    """Why this checkpoint needs an operator, or None: it failed validation (an unreadable
-    manifest counts), or a lifecycle step recorded a failure for this commit."""
-    if entry.validation == "failed":
+    """Why this checkpoint needs an operator, or None: it failed validation, its manifest
+    could not be read, or a lifecycle step recorded a failure for this commit."""
+    if entry.validation in ("failed", "unreadable"):
         problems = entry.manifest_error or "; ".join((entry.records.get("validation") or {}).get("problems", []))
         return reason_of(problems or "failed validation").line()
     failure = entry.records.get("failure")

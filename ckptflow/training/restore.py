@@ -4,8 +4,9 @@ Candidates are tried newest first. Only proof of damage moves a restore to an ol
 checkpoint: a hash mismatch, broken framing, a malformed or missing record, a missing
 chunk. A store that could not be read (an S3 outage that outlasted the retries, a
 denied read, an object in a cold storage class, a symbolic link the local backend will
-not follow) proves nothing about the checkpoint, so restore stops and raises rather
-than silently resuming from an older step; a job that catches
+not follow) proves nothing about the checkpoint, and neither does a manifest a newer
+ckptflow wrote (``NewerFormatError``), so restore stops and raises rather than silently
+resuming from an older step; a job that catches
 ``NoValidCheckpointError`` to start from scratch never sees those.
 
 Every rank verifies every chunk it needs before any tensor in ``state`` is written, and
@@ -46,6 +47,7 @@ from ckptflow.errors import (
     CkptflowError,
     ColdObjectError,
     LossyCopyError,
+    NewerFormatError,
     NoValidCheckpointError,
     PartialRestoreError,
     StateMismatchError,
@@ -94,7 +96,7 @@ def agree(group: Group, failure: Failure | None) -> Failure | None:
     message = "; ".join(dict.fromkeys(f.message for f in chosen))
     return Failure(
         message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch,
-        partial=chosen[0].partial,
+        partial=chosen[0].partial, newer=any(f.newer for f in fatal),
     )  # fmt: skip
 
 
@@ -240,6 +242,11 @@ class Restore:
                 )
             if failure.mismatch:
                 raise StateMismatchError(f"{where}: {failure.message}")
+            if failure.newer:
+                raise NewerFormatError(
+                    f"restore of {where} stopped rather than fall back to an older checkpoint (nothing shows that "
+                    f"this one is damaged): {failure.message}; to load an older step instead, name it (step=N)"
+                )
             if not failure.damage:
                 error = ColdObjectError if failure.cold else StoreUnavailableError
                 raise error(

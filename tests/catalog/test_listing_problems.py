@@ -67,6 +67,10 @@ def test_committed_reports_each_unreadable_checkpoint_and_goes_on(root):
     entries = {e.step: e for e in inventory.collect(store)}
     assert entries[1].validation == "not checked" and entries[2].validation == "failed"
     assert "Permission denied" in entries[3].manifest_error and "GLACIER" in entries[4].manifest_error
+    assert entries[3].validation == entries[4].validation == "unreadable"  # no verdict: nothing was read
+    plan = inventory.retention_plan(list(entries.values()), now=4e9)  # long after every age rule
+    assert (RUN, 2) in plan.delete  # proof of damage
+    assert all("could not be read" in plan.keep[(RUN, step)][0] for step in (3, 4))
     counted = stats.store_stats(store)
     assert counted.checkpoints == 1 and len(counted.unreadable_manifests) == 6
 

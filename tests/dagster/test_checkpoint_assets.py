@@ -3,11 +3,19 @@ an evaluator that fails."""
 
 import os
 
-from dagster import AssetPartitionStatus, AssetRecordsFilter, evaluate_automation_conditions, materialize
+from dagster import (
+    AssetPartitionStatus,
+    AssetRecordsFilter,
+    DagsterEventType,
+    evaluate_automation_conditions,
+    materialize,
+)
 
 from assets import INTEGRITY_KEY, PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation
 from assets.partitions import checkpoints_partitions
+from ckptflow import lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from resources import EvaluatorResource
 from support.corrupt import corrupt_chunk, grow_first_tensor, reseal_manifest
@@ -167,3 +175,22 @@ def test_integrity_check_refuses_a_manifest_whose_shards_do_not_cover_a_tensor(
     assert not check.passed and "do not tile it: no piece covers" in check.metadata["problems"].value
     for asset in (evaluation, compressed, archived):
         assert latest(instance, asset, KEYS[1]) is None, asset.key
+
+
+def test_a_checkpoint_a_newer_ckptflow_wrote_gets_no_verdict_and_says_upgrade(
+    store_with_checkpoints, resources, instance
+):
+    """Not damage: the partition records no failed check and no validation record; the run
+    fails (not retried: waiting does not help) naming the format and what to do."""
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    reseal_manifest(store_with_checkpoints, RUN, 20, lambda r: r.update(format_version=max(fmt.READABLE_FORMATS) + 1))
+    result = mat(instance, resources, KEYS[1])
+    assert not result.success and result.get_asset_check_evaluations() == []
+    [failure] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    assert "newer ckptflow" in str(failure.step_failure_data.error) and "upgrade" in str(
+        failure.step_failure_data.error
+    )
+    assert not [e for e in result.all_events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+    store = open_store(store_with_checkpoints)
+    digest = fmt.digest_of(store.get(fmt.manifest_key(RUN, 20)))
+    assert lifecycle.read_record(store, lifecycle.Subject(RUN, 20, digest), "validation") is None

@@ -103,6 +103,18 @@ def test_newest_valid_skips_corrupt_newest():
     assert set(p.delete) == {("r", 10), ("r", 30)}
 
 
+def test_a_checkpoint_whose_commit_record_could_not_be_read_is_never_deleted():
+    """Nothing is known of it (an outage, a cold object, a newer format): no rule may expire
+    it, and the newest one that could be read stays as the newest valid."""
+    unread = Candidate(run="r", step=30, kind="?", created_at=0.0, valid=None, unread="S3 503 SlowDown")
+    p = plan([c(10, 100), c(20, 90), unread], NOW, policy=AnyOf(()))
+    assert p.keep == {
+        ("r", 20): ["newest valid checkpoint of its run"],
+        ("r", 30): ["its commit record could not be read (S3 503 SlowDown): no decision without it"],
+    }
+    assert set(p.delete) == {("r", 10)}
+
+
 def test_unvalidated_counts_as_valid_for_newest_but_invalid_recent_is_kept():
     p = plan([c(10, 100), c(20, 90, valid=None), c(30, 1, valid=False)], NOW, policy=default_policy(best_k=0))
     assert ("r", 20) in p.keep and ("r", 30) in p.keep and ("r", 10) in p.delete

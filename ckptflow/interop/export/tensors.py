@@ -26,7 +26,13 @@ from ckptflow.chunks.io import ChunkStore
 from ckptflow.dcp.allocation import empty_tensor
 from ckptflow.dcp.failures import failure_of, own_errors
 from ckptflow.dcp.reader import CheckpointReader
-from ckptflow.errors import CkptflowError, ColdObjectError, NoValidCheckpointError, StoreUnavailableError
+from ckptflow.errors import (
+    CkptflowError,
+    ColdObjectError,
+    NewerFormatError,
+    NoValidCheckpointError,
+    StoreUnavailableError,
+)
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store import Store, open_store
@@ -117,8 +123,9 @@ def newest_verified_step(store: Store, run: str, progress: Progress | None = Non
 
     As in restore, only proof of damage moves to an older step: a newer one that could
     not be read (an outage, a cold or denied object, a link) raises
-    ``StoreUnavailableError`` (``ColdObjectError`` for a cold one) naming what could not
-    be read, rather than silently exporting an older model."""
+    ``StoreUnavailableError`` (``ColdObjectError`` for a cold one; ``NewerFormatError`` for
+    one a newer ckptflow wrote) naming what could not be read, rather than silently
+    exporting an older model."""
     skipped: list[tuple[int, str]] = []
     entries = [e for e in catalog_listing.listing(store, run) if isinstance(e, Problem) or e.committed]
     with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-verify") as pool:
@@ -137,10 +144,16 @@ def newest_verified_step(store: Store, run: str, progress: Progress | None = Non
     raise NoValidCheckpointError(f"no checkpoint of run {run!r} in {store.url} verifies ({detail})", skipped)
 
 
-def _unreadable(store: Store, run: str, step: int | None, findings: list[Problem]) -> StoreUnavailableError:
+def _unreadable(store: Store, run: str, step: int | None, findings: list[Problem]) -> CkptflowError:
     """What stops an export that could not read a step (nothing proved it damaged)."""
     where = f"run {run!r}" + ("" if step is None else f" step {step}") + f" in {store.url}"
     more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
+    newer = next((p for p in findings if p.kind == "newer"), None)
+    if newer is not None:
+        return NewerFormatError(
+            f"export of {where} stopped rather than fall back to an older checkpoint (nothing shows that this one "
+            f"is damaged): {newer.message}; to export an older step instead, name it"
+        )
     cold = any(p.kind == "cold" for p in findings)
     then = (
         f"Thaw it (`ckptflow thaw {store.url} --run {run} --step {step}`) and export again"
