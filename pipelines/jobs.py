@@ -137,7 +137,8 @@ def scrub_checkpoints(
     record each verdict; then repair each tier's damaged chunk objects from the other tier's
     sound copies (``ckptflow.lifecycle.repair``) and validate again what failed. Fails the
     run if a checkpoint stays corrupt, so an operator hears of it. What could not be read
-    keeps its earlier verdict and is retried later (an outage proves nothing)."""
+    keeps its earlier verdict and is retried later (an outage proves nothing); what a newer
+    ckptflow wrote fails the run without retries (upgrade the code location)."""
     hot, arc = store.open(), archive.open()
     report = lifecycle.scrub(hot, older_than_s=config.older_than_days * DAY)
     repairs = _repairs(context, hot, arc)
@@ -150,6 +151,7 @@ def scrub_checkpoints(
             "corrupt": len(corrupt),
             "repaired_by_copy": len(report.corrupt) - len(still),
             "unreadable": len(report.unreadable),
+            "newer_format": len(report.newer),
             **damage,
             **{f"{tier}_chunks_repaired": len(r.repaired) for tier, r in repairs.items()},
             **{f"{tier}_chunks_unrepaired": len(r.unrepaired) for tier, r in repairs.items()},
@@ -168,6 +170,13 @@ def scrub_checkpoints(
             "may write), and the next save of a job that still holds its content writes it anew, a repair for "
             "every checkpoint sharing it",
             metadata={"corrupt": listed, **damage},
+            allow_retries=False,
+        )
+    if report.newer:
+        raise Failure(
+            f"{len(report.newer)} checkpoint(s) in {hot.url} were written by a newer ckptflow, which this code "
+            f"location cannot verify (no verdict recorded, nothing changed): upgrade it; {report.newer[0][:300]}",
+            metadata={"newer_format": MetadataValue.md("\n".join(f"- {c}" for c in report.newer))},
             allow_retries=False,
         )
     if report.unreadable:

@@ -138,7 +138,7 @@ def gc(
                 "a commit record cannot be read and its chunks cannot be told, so GC cannot tell what is "
                 f"garbage: {report.unreadable_manifests[-1]} — "
                 + (
-                    "nothing was swept"
+                    "run gc with a ckptflow that reads it"
                     if report.newer
                     else "inspect it, then delete it (or restore it from a copy) and run gc again"
                 )

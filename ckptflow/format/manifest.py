@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.errors import ManifestError, decoding
+from ckptflow.errors import ManifestError, NewerFormatError, decoding
 from ckptflow.format import checksum
 from ckptflow.format import layout as fmt
 from ckptflow.format.dcp_index import DcpIndex, StorageItem, parse_dcp_index
@@ -324,7 +324,13 @@ class RankRecord:
     def parse(cls, blob: bytes, where: str, manifest: Manifest, rank: int) -> RankRecord:
         """Verify a rank record and that it belongs to ``manifest``'s save attempt."""
         with decoding(where, ManifestError):
-            return cls._parse(unseal(blob, where), where, manifest, rank)
+            try:
+                doc = unseal(blob, where)
+            except NewerFormatError as e:  # a newer writer writes its manifest in that format too
+                raise ManifestError(
+                    f"{e}, but its manifest is one this ckptflow reads: it is not that commit's"
+                ) from None
+            return cls._parse(doc, where, manifest, rank)
 
     @classmethod
     def _parse(cls, doc: dict, where: str, manifest: Manifest, rank: int) -> RankRecord:

@@ -98,13 +98,15 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
                 continue  # a run that cannot be listed, or a stray directory: not a checkpoint
             entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
             entry.tiers.append(tier)
-            if not entry.manifest_error:
+            if not entry.manifest_error and not entry.digest:  # the hot copy, read, describes it (scrub checks this)
                 entry.manifest_error, entry.manifest_unread = item.message, item.could_not_read
             continue
         entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
         entry.tiers.append(tier)
-        if entry.digest:
-            continue  # the hot copy describes it; the archive copy is the same commit (or reported as differing)
+        if entry.digest or entry.manifest_unread:
+            # the hot copy describes it (the archive copy is the same commit, or reported as differing), or its
+            # hot commit record could not be read: that commit may differ from the archive's, so nothing is decided
+            continue
         entry.manifest_error, entry.manifest_unread = "", False
         entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
         entry.source_digest = (item.lossy or {}).get("source_digest", "")
@@ -207,8 +209,9 @@ def plan_rows(entries: list[Entry], retention: RetentionPlan) -> list[dict]:
 
 
 def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_loss", mode: str = "min") -> list[dict]:
-    """Per run, the step each selector would recover to now: ``validated`` and ``best``
-    (by ``metric`` and ``mode``), chosen by the rule restore applies
+    """Per run, the step each selector would recover to now: ``latest`` (or where it stops:
+    restore never passes a checkpoint it could not read), ``validated`` and ``best`` (by
+    ``metric`` and ``mode``), chosen by the rule restore applies
     (``ckptflow.catalog.selection``), from the commits the inventory already read."""
     by_run: dict[str, list[Entry]] = {}
     for e in entries:
@@ -223,5 +226,7 @@ def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_los
         for name, select in (("validated", "validated"), ("best", best)):
             choice = selection.choose([hot], run, select, pairs, digests=digests)
             picks[name] = choice.pairs[0][0] if choice.pairs else None
-        out.append({"run": run, "latest": pairs[0][0], **picks, "best_by": selection.describe(best)})
+        unread = max((e.step for e in entries if e.run == run and e.manifest_unread), default=-1)
+        latest: int | str = pairs[0][0] if unread < pairs[0][0] else f"stops at {unread} (unreadable)"
+        out.append({"run": run, "latest": latest, **picks, "best_by": selection.describe(best)})
     return out

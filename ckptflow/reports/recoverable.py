@@ -100,10 +100,12 @@ class RunStatus:
     rpo_target_s: float
     last_recovery: dict | None  # the newest recovery record
     detection_s: float = 0.0
+    blocked_step: int | None = None  # newer than the ready one, commit record unreadable: restore stops there
 
     @property
     def recoverable(self) -> bool:
-        return self.ready_step is not None
+        """A restore of the newest checkpoint would load a validated one now."""
+        return self.ready_step is not None and self.blocked_step is None
 
     @property
     def rpo_met(self) -> bool | None:
@@ -130,7 +132,9 @@ class RunStatus:
             last = f"{what}, {human_duration(max(0.0, now - float(r.get('at', now))))} ago"
         return {
             "run": self.run,
-            "recoverable": "yes" if self.recoverable else "NO",
+            "recoverable": "yes"
+            if self.recoverable
+            else "NO" + (f": stops at step {self.blocked_step}" if self.blocked_step is not None else ""),
             "newest ready": "-" if self.ready_step is None else f"step {self.ready_step}",
             "age": human_duration(self.ready_age_s),
             "tier": self.ready_tiers or "-",
@@ -160,6 +164,11 @@ def run_statuses(
     for run in sorted(set(by_run) | set(rpo) | set(last_recoveries)):
         found = by_run.get(run, [])
         ready = max((e for e in found if e.validation == "passed"), key=lambda e: e.step, default=None)
+        # restore never falls back past a checkpoint it could not read (an outage, a newer format)
+        blocked = max(
+            (e.step for e in found if e.validation == "unreadable" and (ready is None or e.step > ready.step)),
+            default=None,
+        )
         attention = [(e.step, why) for e in found if (why := attention_reason(e)) is not None]
         out.append(
             RunStatus(
@@ -173,6 +182,7 @@ def run_statuses(
                 rpo_target_s=rpo_target_s,
                 last_recovery=last_recoveries.get(run),
                 detection_s=detection_s,
+                blocked_step=blocked,
             )
         )
     return out
@@ -182,10 +192,16 @@ def answer(statuses: list[RunStatus]) -> str:
     """The one line: can every run recover right now, and how much needs attention."""
     if not statuses:
         return "nothing to recover: no checkpoints yet"
-    stuck = [s.run for s in statuses if not s.recoverable]
+    stuck = [s.run for s in statuses if s.ready_step is None]
+    blocked = [
+        f"{s.run} stops at step {s.blocked_step}" for s in statuses if s.ready_step is not None and not s.recoverable
+    ]
     tail = f"; {attention_total(statuses)}"
-    if stuck:
-        return f"NO: {', '.join(stuck)} has no recovery-ready checkpoint{tail}"
+    if stuck or blocked:
+        why = ([f"{', '.join(stuck)} has no recovery-ready checkpoint"] if stuck else []) + (
+            [f"a restore of {', '.join(blocked)}, whose commit record could not be read"] if blocked else []
+        )
+        return f"NO: {'; '.join(why)}{tail}"
     return f"yes: every run ({len(statuses)}) has a recovery-ready checkpoint{tail}"
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, ManifestError, NewerFormatError, open_store
+from ckptflow import Checkpointer, ManifestError, NewerFormatError, lifecycle, open_store
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import commit
 from ckptflow.catalog.gc import gc
@@ -21,6 +21,7 @@ from ckptflow.errors import is_damage
 from ckptflow.format import layout as fmt
 from ckptflow.format.sealed import seal, unseal
 from ckptflow.interop.export.tensors import newest_verified_step
+from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle import Subject, read_record, scrub, validate
 from ckptflow.reports import inventory
 from ckptflow.training.restore import agree
@@ -141,7 +142,7 @@ def test_gc_sweeps_nothing_while_a_newer_checkpoint_is_in_the_store(root):
     before = _files(root)
     report = gc(root, grace="0s")
     assert report.deleted == [] and report.skipped is not None
-    assert "newer ckptflow" in report.skipped and "nothing was swept" in report.skipped
+    assert "newer ckptflow" in report.skipped and "run gc with a ckptflow that reads it" in report.skipped
     assert _files(root) == before
 
 
@@ -155,7 +156,7 @@ def test_verify_validate_scrub_and_export_say_upgrade_and_record_nothing(root, c
         validate(store, RUN, 2)
     assert read_record(store, Subject(RUN, 2, digest), "validation") is None
     report = scrub(store, older_than_s=0.0, now=2e9)
-    assert report.corrupt == [] and any("newer ckptflow" in line for line in report.unreadable)
+    assert report.corrupt == report.unreadable == [] and any("newer ckptflow" in line for line in report.newer)
     with pytest.raises(NewerFormatError, match="export of run 'r' step 2 .* stopped rather than fall back"):
         newest_verified_step(store, RUN)
     code, out, err = run_cli(capsys, "export", root, "--run", RUN, "--out", os.path.join(root, "..", "exported"))
@@ -171,6 +172,52 @@ def test_retention_keeps_a_newer_checkpoint_and_the_newest_one_it_can_read(root)
     assert plan.delete == {}
     assert "could not be read" in plan.keep[(RUN, 2)][0] and "newer ckptflow" in plan.keep[(RUN, 2)][0]
     assert plan.keep[(RUN, 1)] == ["newest valid checkpoint of its run"]
+    assert inventory.recovery_choices(open_store(root), entries)[0]["latest"] == "stops at 2 (unreadable)"
+
+
+def test_an_archive_copy_of_an_older_commit_does_not_let_retention_expire_a_newer_one(tmp_path):
+    """Step 1 archived (commit A), its hot copy expired, then committed again in the hot tier
+    by a newer ckptflow (B): the archive's A says nothing about B, so B stays."""
+    hot, archive = open_store(str(tmp_path / "hot")), open_store(str(tmp_path / "archive"))
+    with Checkpointer(hot.root, run=RUN) as ck:
+        ck.save(1, state(1.0))
+        ck.save(2, state(2.0))
+    assert lifecycle.archive(hot, archive, RUN, 1).ok
+    lifecycle.expire(hot, RUN, 1, keep_records=True)
+    with Checkpointer(hot.root, run=RUN) as ck:
+        ck.save(1, state(9.0))
+    reseal_manifest(hot.root, RUN, 1, lambda record: record.update(format_version=NEWER))
+    theirs = manifest_path(hot.root, RUN, 1).read_bytes()
+    entries, plan = lifecycle.current_plan(hot, archive, Registry(hot), now=4e9)
+    assert next(e for e in entries if e.step == 1).validation == "unreadable" and (RUN, 1) in plan.keep
+    report = lifecycle.apply_retention(hot, archive, plan)
+    assert (RUN, 1) not in report.expired + report.hot_copies_expired
+    assert manifest_path(hot.root, RUN, 1).read_bytes() == theirs
+
+
+def test_a_rank_record_newer_than_its_readable_manifest_is_damage(saved):
+    """A newer writer seals its manifest in its own format too: such a rank record is not
+    that commit's, so restore falls back past it."""
+    store = open_store(saved)
+    key = catalog.read_manifest(store, RUN, 2).rank_key(0)
+    record = json.loads(store.get(key))
+    record.pop("checksum")
+    store.replace(key, seal({**record, "format_version": NEWER}))
+    target = state(0.0)
+    with Checkpointer(saved, run=RUN) as ck:
+        result = ck.restore(target)
+    assert result.step == 1 and "not that commit's" in result.skipped[0][1]
+    assert catalog.verify_checkpoint(store, RUN, 2).damaged
+
+
+def test_an_archive_copy_that_cannot_be_read_does_not_mark_the_hot_one(saved, tmp_path):
+    """The inventory describes a checkpoint by the hot copy it read; the archive copy's
+    problem is scrub's to report, not a verdict on the hot one."""
+    hot, archive = open_store(saved), open_store(str(tmp_path / "archive"))
+    assert lifecycle.archive(hot, archive, RUN, 1).ok
+    reseal_manifest(archive.root, RUN, 1, lambda record: record.update(format_version=NEWER))
+    entry = next(e for e in inventory.collect(hot, archive) if e.step == 1)
+    assert entry.tiers == ["hot", "archive"] and entry.validation == "not checked" and entry.digest
 
 
 def test_what_an_old_reader_met_loads_once_a_reader_knows_its_format(saved):

@@ -17,7 +17,7 @@ from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
 from sensors import failure_sensor
 from sensors.failures import FAILURE_TAG
-from support.corrupt import corrupt_chunk
+from support.corrupt import corrupt_chunk, reseal_manifest
 from support.dagster import RUN, record, subject
 
 KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
@@ -180,6 +180,23 @@ def test_scrub_repairs_a_damaged_chunk_from_the_archive_copy_and_passes(store_wi
     assert metadata["corrupt"].value == 0
     assert record(store, 20, "validation")["ok"] is True  # validated again after the repair
     assert rotten not in damaged.records(store) and catalog.verify_checkpoint(store, RUN, 20).ok
+
+
+def test_scrub_fails_without_retries_on_a_checkpoint_a_newer_ckptflow_wrote(store_with_checkpoints, defs, instance):
+    """Not an outage (waiting will not read it) and not damage (no failed verdict): upgrade."""
+    reseal_manifest(store_with_checkpoints, RUN, 20, lambda r: r.update(format_version=max(fmt.READABLE_FORMATS) + 1))
+    job = defs.resolve_job_def("scrub_job")
+    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+    result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
+    assert not result.success
+    assert not [e for e in result.all_events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    data = failure.step_failure_data.user_failure_data
+    assert (
+        "1 checkpoint(s)" in data.description and "newer ckptflow" in data.description and "upgrade" in data.description
+    )
+    assert f"{RUN} step 20" in data.metadata["newer_format"].value
+    assert record(open_store(store_with_checkpoints), 10, "validation")["ok"] is True  # the others were scrubbed
 
 
 def test_failure_sensor_records_runs_that_failed_before_it_started_and_tags_them(

@@ -104,3 +104,20 @@ def test_tier_rows_are_the_cost_reports_figures_as_money():
 
 def test_nothing_committed_yet_is_said_as_such():
     assert recoverable.answer([]) == "nothing to recover: no checkpoints yet"
+
+
+def test_a_newer_checkpoint_that_could_not_be_read_blocks_recovery_until_it_can_be():
+    """Restore never falls back past it (an outage, a newer format), so the run is not
+    recoverable now, though an older checkpoint passed validation; an older unreadable one
+    blocks nothing."""
+    unread = Entry("a", 30, tiers=["hot"], manifest_error="S3 GetObject failed after 10 attempts", manifest_unread=True)
+    old_unread = Entry("b", 1, tiers=["hot"], manifest_error="denied", manifest_unread=True)
+    a, b = recoverable.run_statuses(
+        [entry("a", 20, ok=True), unread, old_unread, entry("b", 5, ok=True)], [], {}, now=NOW, rpo_target_s=HOUR
+    )
+    assert (a.ready_step, a.blocked_step, a.recoverable) == (20, 30, False)
+    assert a.row(NOW)["recoverable"] == "NO: stops at step 30" and a.attention_line() == "1 of 2 need attention"
+    assert (b.ready_step, b.blocked_step, b.recoverable) == (5, None, True)
+    assert recoverable.answer([a, b]) == (
+        "NO: a restore of a stops at step 30, whose commit record could not be read; 2 of 4 checkpoints need attention"
+    )
