@@ -26,7 +26,7 @@ from ckptflow.lifecycle import Subject, read_record, scrub, validate
 from ckptflow.reports import inventory
 from ckptflow.training.restore import agree
 from support.cli import run_cli
-from support.corrupt import manifest_path, reseal_manifest
+from support.corrupt import manifest_path, reseal_manifest, tree_bytes
 
 RUN = "r"
 NEWER = max(fmt.READABLE_FORMATS) + 1
@@ -58,16 +58,6 @@ def root(saved):
     """Steps 1 and 2 committed; step 2's manifest then sealed again as a newer format."""
     make_newer(saved)
     return saved
-
-
-def _files(root: str) -> dict[str, bytes]:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = f.read()
-    return out
 
 
 def test_a_newer_format_is_not_damage_but_a_broken_or_impossible_one_is():
@@ -113,12 +103,12 @@ def test_ranks_agree_that_a_newer_checkpoint_stops_the_restore():
 
 
 def test_a_save_over_a_newer_checkpoint_is_refused_and_moves_nothing(root):
-    before = _files(root)
+    before = tree_bytes(root)
     with Checkpointer(root, run=RUN) as ck:
         with pytest.raises(NewerFormatError, match="neither replaced nor moved aside"):
             ck.save(2, state(3.0))
         ck.save(3, state(3.0))  # another step is no concern of the newer one
-    after = _files(root)
+    after = tree_bytes(root)
     assert {k: v for k, v in after.items() if k in before} == before
     assert not any("quarantine" in key for key in after)
 
@@ -139,11 +129,11 @@ def test_gc_sweeps_nothing_while_a_newer_checkpoint_is_in_the_store(root):
         ck.save(3, {"w": torch.full((256,), 9.0), "v": torch.full((64,), 9.0)})
     # what only step 1 referenced is garbage once step 1 is gone, but step 2 may still need it
     os.remove(manifest_path(root, RUN, 1))
-    before = _files(root)
+    before = tree_bytes(root)
     report = gc(root, grace="0s")
     assert report.deleted == [] and report.skipped is not None
     assert "newer ckptflow" in report.skipped and "run gc with a ckptflow that reads it" in report.skipped
-    assert _files(root) == before
+    assert tree_bytes(root) == before
 
 
 def test_verify_validate_scrub_and_export_say_upgrade_and_record_nothing(root, capsys):

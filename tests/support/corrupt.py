@@ -51,6 +51,17 @@ def corrupt_chunk(root: str | os.PathLike, run: str, step: int, digest: str | No
     return digest
 
 
+def tree_bytes(root: str | os.PathLike) -> dict[str, bytes]:
+    """Every file below ``root`` by its relative path: what a refused operation must leave as it was."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
 def manifest_path(root: str | os.PathLike, run: str, step: int) -> Path:
     return Path(root) / fmt.manifest_key(run, step)
 

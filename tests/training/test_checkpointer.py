@@ -19,7 +19,7 @@ import torch
 from ckptflow import CheckpointExistsError, SavePolicy, gc
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
-from support.corrupt import manifest_path
+from support.corrupt import manifest_path, tree_bytes
 from support.states import assert_state_equals, snapshot
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -340,16 +340,6 @@ def test_save_with_policy(make_ck, ckpt_store_dir, tiny_state_factory):
 # ---- errors -------------------------------------------------------------------------------
 
 
-def _tree_bytes(root: str) -> dict[str, bytes]:
-    out = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = f.read()
-    return out
-
-
 @pytest.mark.parametrize("blocking", [True, False])
 def test_save_to_committed_step_raises_and_changes_nothing(
     make_ck, ckpt_store_dir, tiny_state_factory, tiny_train_step, blocking
@@ -359,17 +349,17 @@ def test_save_to_committed_step_raises_and_changes_nothing(
     ck = make_ck()
     ck.save(4, state, metadata={"v": 1})
     snap = snapshot(state)
-    before = _tree_bytes(ckpt_store_dir)
+    before = tree_bytes(ckpt_store_dir)
 
     tiny_train_step(state, 2)
     with pytest.raises(CheckpointExistsError, match="already committed"):
         ck.save(4, state, metadata={"v": 2}, blocking=blocking)
-    assert _tree_bytes(ckpt_store_dir) == before
+    assert tree_bytes(ckpt_store_dir) == before
 
     # also from another Checkpointer (a restarted job)
     with pytest.raises(CheckpointExistsError):
         make_ck().save(4, state, kind="full")
-    assert _tree_bytes(ckpt_store_dir) == before
+    assert tree_bytes(ckpt_store_dir) == before
 
     result = ck.restore(state)
     assert result.step == 4 and result.metadata == {"v": 1}
