@@ -39,7 +39,6 @@ class GCReport:
     ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
     dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
     skipped: str | None = None  # why nothing was swept, when nothing could safely be
-    newer: bool = False  # a commit record is of a newer format: what it references is unknown here
 
     @property
     def bytes(self) -> int:
@@ -70,8 +69,8 @@ def _salvage_chunks(store: Store, key: str) -> set[str] | None:
 
 
 def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] | None:
-    """Referenced chunks, and step files no manifest owns; None if marking is unsafe
-    (a commit record that cannot be read and whose chunks cannot be told)."""
+    """Referenced chunks, and step files no manifest owns; None if marking is unsafe (a
+    commit record that cannot be read and whose chunks cannot be told: ``report.skipped``)."""
     live: set[str] = set()
     loose: list[ObjectInfo] = []
     listed = list(catalog_listing.listing(store))
@@ -90,13 +89,21 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
             report.ignored.append(str(item))
             continue
         report.unreadable_manifests.append(str(item))
-        report.newer = report.newer or item.kind == "newer"
         salvaged = (
             _salvage_chunks(store, fmt.manifest_key(item.run, item.step))
             if item.kind == "corrupt" and item.step is not None
             else None
         )
         if salvaged is None:
+            then = (
+                "run gc with a ckptflow that reads it"  # what a newer format references is unknown here
+                if item.kind == "newer"
+                else "inspect it, then delete it (or restore it from a copy) and run gc again"
+            )
+            report.skipped = (
+                "a commit record cannot be read and its chunks cannot be told, so GC cannot tell what is "
+                f"garbage: {item} — {then}"
+            )
             return None
         live |= salvaged  # an unverifiable manifest might still be repaired: keep its data
     return live, loose
@@ -133,16 +140,7 @@ def gc(
             if not dry_run:
                 return report
         marked = _mark(store, report)
-        if marked is None:
-            report.skipped = (
-                "a commit record cannot be read and its chunks cannot be told, so GC cannot tell what is "
-                f"garbage: {report.unreadable_manifests[-1]} — "
-                + (
-                    "run gc with a ckptflow that reads it"
-                    if report.newer
-                    else "inspect it, then delete it (or restore it from a copy) and run gc again"
-                )
-            )
+        if marked is None:  # report.skipped says why
             return report
         live, loose = marked
         doomed = [info for info in loose if info.mtime < cutoff] + held.dead  # dead leases go whatever their age

@@ -214,9 +214,12 @@ def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_los
     ``metric`` and ``mode``), chosen by the rule restore applies
     (``ckptflow.catalog.selection``), from the commits the inventory already read."""
     by_run: dict[str, list[Entry]] = {}
+    unread: dict[str, int] = {}  # each run's newest step whose commit record could not be read
     for e in entries:
         if e.digest and not e.manifest_error:
             by_run.setdefault(e.run, []).append(e)
+        elif e.manifest_unread:
+            unread[e.run] = max(unread.get(e.run, -1), e.step)
     out = []
     best = selection.Best(metric, mode)
     for run, found in sorted(by_run.items()):
@@ -226,7 +229,7 @@ def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_los
         for name, select in (("validated", "validated"), ("best", best)):
             choice = selection.choose([hot], run, select, pairs, digests=digests)
             picks[name] = choice.pairs[0][0] if choice.pairs else None
-        unread = max((e.step for e in entries if e.run == run and e.manifest_unread), default=-1)
-        latest: int | str = pairs[0][0] if unread < pairs[0][0] else f"stops at {unread} (unreadable)"
+        stop = unread.get(run, -1)
+        latest: int | str = pairs[0][0] if stop < pairs[0][0] else f"stops at {stop} (unreadable)"
         out.append({"run": run, "latest": latest, **picks, "best_by": selection.describe(best)})
     return out
