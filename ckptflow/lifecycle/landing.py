@@ -18,6 +18,14 @@ of old steps) is found by the full listing a tick does every ``FULL_SCAN_S``; a 
 committed again at the frontier (restore rejected the newest, training saved it anew)
 is found at once.
 
+A commit record that could not be read for a reason that may pass (a newer ckptflow
+wrote it, access was denied) lands once without a digest, and its validation run says
+why; the cursor keeps it as ``waiting`` and every full listing reads it again, so once
+the code location is upgraded (or access fixed) it lands anew under its digest and
+gets the validation it could not have (or, found damaged now, a run that records so).
+At most ``MAX_WAITING`` are kept, the oldest dropped first (a backfill of the
+validation job covers those).
+
 ``MAX_PER_TICK`` pages a large backlog: commits are taken oldest first and the
 watermark moves only as far as the last one taken. ``SLACK`` absorbs clock skew
 between writers of a shared store. A commit record that cannot be read for a
@@ -41,6 +49,7 @@ from ckptflow.store.base import Store
 MAX_PER_TICK = 500
 SLACK = 60.0  # seconds
 FULL_SCAN_S = 300.0  # a tick lists every step of every run at least this often
+MAX_WAITING = 5000  # unread commit records the cursor keeps to read again
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +88,10 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     fresh = [e for e in listed if e.manifest is not None and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
     fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
     taken = fresh[:limit]
+    waiting = [(str(r), int(s), float(m)) for r, s, m in cursor.get("waiting", [])]
     landed: list[Landed] = []
+    if full:
+        landed, waiting = _read_again(store, waiting, listed, limit)
     done: list[catalog_listing.StepListing] = []
     manifests = list(zip(taken, catalog.committed(store, listed=taken)))
     with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-landing") as pool:
@@ -93,13 +105,46 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
         else:
             marker = f"unreadable-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
             landed.append(Landed(key=key, digest="", marker=marker, validated=False))
+            if item.could_not_read:
+                waiting.append(_commit_id(entry))
         t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
         seen.add(_seen_id(entry))
         done.append(entry)
     seen = {s for s in seen if float(s.rsplit("@", 1)[1]) >= t - SLACK}
     after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done)}
+    after["waiting"] = [list(w) for w in list(dict.fromkeys(waiting))[-MAX_WAITING:]]
     after["full_at"] = now if full else full_at
     return landed, after
+
+
+def _commit_id(entry: catalog_listing.StepListing) -> tuple[str, int, float]:
+    assert entry.manifest is not None
+    return entry.run, entry.step, entry.manifest.mtime
+
+
+def _read_again(
+    store: Store, waiting: list[tuple[str, int, float]], listed: list[catalog_listing.StepListing], limit: int
+) -> tuple[list[Landed], list[tuple[str, int, float]]]:
+    """Commit records landed unread, read again (at most ``limit``): those that read now
+    land under their digest, those now proved damaged land to be recorded so, the others
+    keep waiting. One no longer listed as it was (deleted, or committed again: that commit
+    lands as new) is not waited for."""
+    by_id = {_commit_id(e): e for e in listed if e.committed}
+    still = [w for w in waiting if w in by_id]
+    entries = [by_id[w] for w in still[:limit]]
+    landed: list[Landed] = []
+    keep = still[limit:]
+    for entry, item in zip(entries, catalog.committed(store, listed=entries)):
+        key = fmt.checkpoint_name(entry.run, entry.step)
+        if isinstance(item, Manifest):
+            was_validated = _validated(store, item)
+            landed.append(Landed(key=key, digest=item.digest, marker=item.digest[:16], validated=was_validated))
+        elif item.could_not_read:
+            keep.append(_commit_id(entry))
+        else:
+            marker = f"damaged-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
+            landed.append(Landed(key=key, digest="", marker=marker, validated=False))
+    return landed, keep
 
 
 def _validated(store: Store, item: Manifest | catalog_listing.Problem) -> bool:

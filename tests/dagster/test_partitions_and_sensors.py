@@ -1,5 +1,6 @@
 """Partition keys, and the landing sensor: exactly the new commits, cursor, paging, re-commits."""
 
+import json
 import os
 
 import pytest
@@ -15,12 +16,12 @@ from assets.partitions import (
 )
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.format.layout import legacy_checkpoint_name
+from ckptflow.format.layout import READABLE_FORMATS, legacy_checkpoint_name
 from ckptflow.lifecycle.landing import FULL_SCAN_S, new_commits
 from ckptflow.store import open_store
 from pipelines import demo
 from sensors.landing import DIGEST_TAG, landing_sensor
-from support.corrupt import corrupt_chunk, only_in
+from support.corrupt import corrupt_chunk, manifest_path, only_in, reseal_manifest
 from support.dagster import RUN, write_checkpoints
 from support.faulty_store import FaultyStore
 
@@ -117,6 +118,38 @@ def test_sensor_adds_exactly_new_partitions_advances_cursor_and_is_idle_after(
         checkpoint_key(RUN, 50),
     ]
     assert sorted(r.partition_key for r in third.run_requests) == [checkpoint_key("other", 5), checkpoint_key(RUN, 50)]
+
+
+def sealed_as(root, step: int, version: int) -> None:
+    """Step ``step``'s manifest sealed again as ``version``, its commit record time kept."""
+    path = manifest_path(root, RUN, step)
+    mtime = path.stat().st_mtime
+    reseal_manifest(root, RUN, step, lambda record: record.update(format_version=version))
+    os.utime(path, (mtime, mtime))
+
+
+def test_a_commit_landed_unread_gets_its_validation_run_once_the_code_location_reads_it(
+    store_with_checkpoints, resources, instance
+):
+    """Trainers upgraded before the code location: step 40 lands as a partition whose run
+    says to upgrade. After the upgrade, the next full listing requests its validation in
+    that partition under its digest, with no second partition."""
+    sealed_as(store_with_checkpoints, 40, max(READABLE_FORMATS) + 1)
+    first = tick(instance, resources)
+    unread = first.run_requests[-1]
+    assert unread.partition_key == checkpoint_key(RUN, 40) and DIGEST_TAG not in unread.tags
+    assert unread.run_key.startswith(f"{checkpoint_key(RUN, 40)}@unreadable-")
+    instance.add_dynamic_partitions("checkpoints", list(first.dynamic_partitions_requests[0].partition_keys))
+
+    sealed_as(store_with_checkpoints, 40, max(READABLE_FORMATS))
+    cursor = json.loads(first.cursor)
+    assert tick(instance, resources, first.cursor).run_requests == []  # a quick tick: waits for a full listing
+    cursor["full_at"] -= FULL_SCAN_S
+    after = tick(instance, resources, json.dumps(cursor))
+    [request] = after.run_requests
+    assert request.partition_key == checkpoint_key(RUN, 40) and not after.dynamic_partitions_requests
+    assert request.tags[DIGEST_TAG] == digest(store_with_checkpoints, RUN, 40)
+    assert request.run_key == f"{checkpoint_key(RUN, 40)}@{digest(store_with_checkpoints, RUN, 40)[:16]}"
 
 
 def test_sensor_ignores_uncommitted_steps_and_pages_oldest_first(store_with_checkpoints):

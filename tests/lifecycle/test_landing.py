@@ -9,9 +9,9 @@ from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
-from ckptflow.lifecycle.landing import SLACK, land, new_commits
+from ckptflow.lifecycle.landing import FULL_SCAN_S, MAX_WAITING, SLACK, land, new_commits
 from ckptflow.store import open_store
-from support.corrupt import flip_byte, manifest_path
+from support.corrupt import flip_byte, manifest_path, reseal_manifest
 from support.faulty_store import FaultyStore
 from support.states import tiny_state
 
@@ -115,6 +115,66 @@ def test_an_unreadable_commit_record_lands_without_a_digest(root):
     committed_at(root, 2, T0 + 20)
     landed, _ = land(open_store(root), None)
     assert [(c.key, c.digest, c.marker) for c in landed][1] == (name(2), "", f"unreadable-{T0 + 20:.0f}")
+
+
+def sealed_as(root: str, step: int, version: int) -> None:
+    """Step ``step``'s manifest sealed again as ``version``, its commit record time kept."""
+    reseal_manifest(root, RUN, step, lambda record: record.update(format_version=version))
+    committed_at(root, step, T0 + 10 * step)
+
+
+def test_a_commit_a_newer_ckptflow_wrote_lands_again_under_its_digest_once_it_reads(root):
+    """The rolling upgrade: trainers write a format the code location does not read yet; the
+    commit lands unread (its validation says to upgrade), and the first full listing after
+    the upgrade lands it under its digest, so it gets the validation it could not have."""
+    store = open_store(root)
+    readable = max(fmt.READABLE_FORMATS)
+    sealed_as(root, 2, readable + 1)
+    landed, cursor = new_commits(store, {}, limit=10, now=T0)
+    assert [(c.key, bool(c.digest)) for c in landed] == [(name(1), True), (name(2), False), (name(3), True)]
+    assert cursor["waiting"] == [[RUN, 2, T0 + 20]]
+    again, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert again == [] and cursor["waiting"] == [[RUN, 2, T0 + 20]]  # still newer: still waiting
+
+    sealed_as(root, 2, readable)  # what an upgraded ckptflow reads
+    quick, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S + 1)
+    assert quick == []  # read again by full listings only
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + 2 * FULL_SCAN_S + 1)
+    digest = catalog.read_manifest(store, RUN, 2).digest
+    assert [(c.key, c.digest, c.marker, c.validated) for c in landed] == [(name(2), digest, digest[:16], False)]
+    assert cursor["waiting"] == []
+    assert new_commits(store, cursor, limit=10, now=T0 + 3 * FULL_SCAN_S + 2)[0] == []
+
+
+def test_a_waiting_commit_proved_damaged_lands_again_one_deleted_or_committed_again_is_dropped(root):
+    store = open_store(root)
+    newer = max(fmt.READABLE_FORMATS) + 1
+    for step in (1, 2, 3):
+        sealed_as(root, step, newer)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    assert [w[1] for w in cursor["waiting"]] == [1, 2, 3]
+    flip_byte(manifest_path(root, RUN, 1))
+    committed_at(root, 1, T0 + 10)
+    manifest_path(root, RUN, 2).unlink()
+    committed_at(root, 3, T0 + 31)  # committed again: a commit of its own, landed as new
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert [(c.key, c.marker) for c in landed] == [
+        (name(1), f"damaged-{T0 + 10:.0f}"),
+        (name(3), f"unreadable-{T0 + 31:.0f}"),
+    ]
+    assert cursor["waiting"] == [[RUN, 3, T0 + 31]]
+
+
+def test_the_cursor_keeps_at_most_max_waiting_unread_commits_the_newest(root, monkeypatch):
+    import ckptflow.lifecycle.landing as landing
+
+    monkeypatch.setattr(landing, "MAX_WAITING", 2)
+    store = open_store(root)
+    for step in (1, 2, 3):
+        sealed_as(root, step, max(fmt.READABLE_FORMATS) + 1)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    assert [w[1] for w in cursor["waiting"]] == [2, 3]
+    assert MAX_WAITING >= 1000
 
 
 def test_a_store_that_does_not_answer_stops_the_tick_there_and_the_next_tick_retries(root):
