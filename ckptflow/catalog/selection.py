@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from ckptflow.catalog import aliases as alias_records
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.catalog.verdicts import records_by_subject
-from ckptflow.errors import CkptflowError, RegistryError
+from ckptflow.errors import CkptflowError, NewerFormatError, RegistryError
 from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from ckptflow.store.base import Store
 
 NAMED = ("latest", "validated")
 FAILED = "failed validation"  # how a passed-over step whose verdict proved damage is described
+NEWER_COMMIT = "newer"  # the commit at a step a newer ckptflow wrote (not hex: no digest equals it)
 ALIAS_CHAIN = {"latest": ("latest", "stable", "fallback"), "stable": ("stable", "fallback"), "fallback": ("fallback",)}
 
 
@@ -181,12 +182,16 @@ def _current_digest(
     stores: Sequence[Store], run: str, step: int, tiers: list[int], known: Mapping[int, str]
 ) -> str | None:
     """The digest of the commit at ``step``: known, or in the first tier whose manifest
-    reads; None when none reads (restore then tries it and reports the damage)."""
+    reads; ``NEWER_COMMIT`` when a newer ckptflow wrote it (a record, verdict or alias
+    names an earlier commit: its format differs); None when none reads (restore then
+    tries it and reports the damage)."""
     if step in known:
         return known[step]
     for index in tiers:
         try:
             return read_manifest(stores[index], run, step).digest
+        except NewerFormatError:
+            return NEWER_COMMIT
         except CkptflowError:
             continue
     return None
@@ -205,7 +210,8 @@ def _on_this_commit(
     current = _current_digest(stores, run, step, tiers, known)
     if current is None or current in digests:
         return None
-    return f"{what} commit {', '.join(sorted(d[:12] for d in digests))}…, not the commit there now ({current[:12]}…)"
+    now = "one a newer ckptflow wrote" if current == NEWER_COMMIT else f"{current[:12]}…"
+    return f"{what} commit {', '.join(sorted(d[:12] for d in digests))}…, not the commit there now ({now})"
 
 
 def _validated(

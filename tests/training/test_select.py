@@ -14,13 +14,14 @@ from torch import nn
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import recovery_log, selection
 from ckptflow.catalog.selection import Alias, Best
-from ckptflow.errors import CheckpointExistsError, NoValidCheckpointError
+from ckptflow.errors import CheckpointExistsError, NewerFormatError, NoValidCheckpointError
+from ckptflow.format.layout import READABLE_FORMATS
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.reports.recoveries import run_metrics
 from ckptflow.store import open_store
 from support.cli import run_cli
-from support.corrupt import chunk_path, flip_byte, only_in
+from support.corrupt import chunk_path, flip_byte, only_in, reseal_manifest
 
 VAL_LOSS = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7}
 
@@ -89,6 +90,25 @@ def test_validated_means_this_exact_commit(tmp_path):
     assert result.step == 1
     [(step, why)] = result.passed_over
     assert step == 2 and why.startswith("validation passed on commit ") and "not the commit there now" in why
+
+
+def test_a_verdict_or_evaluation_names_an_earlier_commit_than_one_a_newer_ckptflow_wrote(tmp_path):
+    """Step 2 validated and evaluated, then committed again by a newer ckptflow (its record
+    reads only there): "validated" and "best" pass over it to what they accept, saying why,
+    where "latest" stops at it and says to upgrade."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+        lifecycle.evaluate(store, store, "r", step)
+    reseal_manifest(root, "r", 2, lambda record: record.update(format_version=max(READABLE_FORMATS) + 1))
+    with pytest.raises(NewerFormatError):
+        restored(root)
+    for select, what in (("validated", "validation passed on"), (Best("val_loss", "min"), "evaluated")):
+        result = restored(root, select=select)
+        [(step, why)] = result.passed_over
+        assert result.step == 1 and step == 2
+        assert why.startswith(f"{what} commit ")
+        assert why.endswith("not the commit there now (one a newer ckptflow wrote)")
 
 
 def test_best_picks_by_metric_and_falls_back_to_the_next_best(tmp_path):
