@@ -296,8 +296,13 @@ def cmd_repair(args: argparse.Namespace) -> int:
         warn(f"a checkpoint could not be read, so its chunks were not looked up: {problem}")
     if report.unreferenced:
         print(f"{report.unreferenced} damage record(s) of chunks no checkpoint lists: `{PROG} gc` removes them")
-    if not (report.repaired or report.unrepaired or report.unavailable or report.unreferenced):
+    if report.unresolved:
+        print(
+            f"not repaired yet: {len(report.unresolved)} damage record(s) of chunks no checkpoint read lists; "
+            "the unread checkpoint(s) above may list them: once they read (retry, or upgrade ckptflow), repair again"
+        )
+    if not (report.repaired or report.unrepaired or report.unavailable or report.unreferenced or report.unresolved):
         print(f"no damaged chunk objects recorded in {store.url}")
     if report.unrepaired:
         return 1
-    return UNAVAILABLE if report.unavailable else 0
+    return UNAVAILABLE if report.unavailable or report.unresolved else 0

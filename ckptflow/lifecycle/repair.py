@@ -21,6 +21,9 @@ What ``repair`` does not do:
 - It never writes to ``sources``. A source object found damaged on the way is recorded in
   that source, as any read records it.
 - It leaves alone records of chunks no checkpoint of ``store`` lists. GC deletes them.
+  While a checkpoint of ``store`` could not be read (an outage, a newer ckptflow wrote
+  it; not one proved damaged), a record no readable one lists is ``unresolved`` instead: that checkpoint may list
+  it, and its raw size (what bounds the read of a copy) is not known here.
 - A tier it could not read proves nothing: the chunk is reported ``unavailable``, for a
   retry. A copy that is missing or damaged everywhere is ``unrepaired``, with each tier's
   reason.
@@ -46,11 +49,13 @@ class RepairReport:
     unavailable: list[tuple[str, str]] = field(default_factory=list)  # (digest, why): a tier could not be read
     unreferenced: int = 0  # records of chunks no checkpoint of the store lists (GC's to delete)
     unlisted: list[str] = field(default_factory=list)  # checkpoints of the store that could not be read
+    # records no checkpoint read lists, while one that might be fine was not read (it may list them)
+    unresolved: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Nothing is left damaged that a tier could not supply."""
-        return not self.unrepaired and not self.unavailable
+        """Nothing is left damaged that a tier could not supply, and nothing was left unknown."""
+        return not self.unrepaired and not self.unavailable and not self.unresolved
 
 
 def repair(store: Store, sources: Sequence[Store]) -> RepairReport:
@@ -61,19 +66,23 @@ def repair(store: Store, sources: Sequence[Store]) -> RepairReport:
     if not records:
         return report
     sizes: dict[str, int] = {}  # raw size per chunk, as the store's own checkpoints list it
+    unread = False  # a checkpoint that might be fine could not be read: what it lists is unknown
     for item in catalog.committed(store.metadata_store()):
         if isinstance(item, Manifest):
             sizes.update((d, n) for d, n in item.chunks.items() if d in records)
         else:
             report.unlisted.append(str(item))
+            unread = unread or item.could_not_read
     target = ChunkStore(store)
     readers = [ChunkStore(source) for source in sources]
     for digest in sorted(records):
         size = sizes.get(digest)
-        if size is None:
+        if size is None and unread:
+            report.unresolved.append(digest)
+        elif size is None:
             report.unreferenced += 1
-            continue
-        _repair_one(target, readers, digest, size, report)
+        else:
+            _repair_one(target, readers, digest, size, report)
     return report
 
 

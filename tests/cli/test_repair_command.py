@@ -9,11 +9,11 @@ from ckptflow import Checkpointer
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import CorruptChunkError
-from ckptflow.format.layout import chunk_key
+from ckptflow.format.layout import READABLE_FORMATS, chunk_key
 from ckptflow.lifecycle import archive
 from ckptflow.store import open_store
 from support.cli import run_cli
-from support.corrupt import flip_byte
+from support.corrupt import flip_byte, reseal_manifest
 
 
 def test_repair_from_the_archive_then_nothing_left_and_without_a_copy_exit_1(tmp_path, capsys):
@@ -36,3 +36,21 @@ def test_repair_from_the_archive_then_nothing_left_and_without_a_copy_exit_1(tmp
 
     code, out, _ = run_cli(capsys, "repair", archive_root, "--from", hot_root)
     assert code == 0 and "no damaged chunk objects recorded" in out
+
+
+def test_a_record_only_a_newer_format_checkpoint_may_list_exits_3_and_says_to_repair_again(tmp_path, capsys):
+    root = str(tmp_path / "hot")
+    store = open_store(root)
+    with Checkpointer(store, "r") as ck:
+        ck.save(1, {"model": {"w": torch.randn(128, 128)}}, rng=False)
+    digest, size = next(iter(catalog.read_manifest(store, "r", 1).chunks.items()))
+    flip_byte(Path(root) / chunk_key(digest), 10)
+    with pytest.raises(CorruptChunkError):
+        ChunkStore(store).get(digest, size)
+    reseal_manifest(root, "r", 1, lambda record: record.update(format_version=max(READABLE_FORMATS) + 1))
+
+    with Checkpointer(str(tmp_path / "other"), "o") as ck:  # a tier with no copy of it
+        ck.save(1, {"w": torch.zeros(4)}, rng=False)
+    code, out, err = run_cli(capsys, "repair", root, "--from", str(tmp_path / "other"))
+    assert code == 3 and "newer ckptflow" in err
+    assert "not repaired yet: 1 damage record(s) of chunks no checkpoint read lists" in out and "gc" not in out

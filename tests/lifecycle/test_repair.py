@@ -10,11 +10,11 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import codecs, damaged
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import CorruptChunkError, StoreUnavailableError
-from ckptflow.format.layout import chunk_key
+from ckptflow.format.layout import READABLE_FORMATS, chunk_key
 from ckptflow.lifecycle import archive
 from ckptflow.lifecycle.repair import repair
 from ckptflow.store import open_store
-from support.corrupt import flip_byte
+from support.corrupt import flip_byte, manifest_path, reseal_manifest
 from support.states import DRIFT_CHUNK, assert_tensors_equal, blank_like, drifting_state
 
 RUN = "r"
@@ -145,3 +145,31 @@ def test_a_record_of_a_chunk_no_checkpoint_lists_is_left_to_gc(tiers):
     damaged.note(cold, "f" * 64, "found by a reader of a checkpoint since expired")
     report = repair(cold, [hot])
     assert report.unreferenced == 1 and report.ok and not report.repaired
+
+
+def sealed_as(store, step: int, version: int) -> None:
+    reseal_manifest(store.root, RUN, step, lambda record: record.update(format_version=version))
+
+
+def test_a_record_only_an_unread_checkpoint_may_list_is_unresolved_not_left_to_gc(tiers):
+    """Step 2, archived, then committed in hot by a newer ckptflow: the damaged chunk only it
+    lists is not 'unreferenced' (GC's to delete) but unresolved, and is repaired once it reads."""
+    hot, cold = tiers
+    assert archive(hot, cold, RUN, 2).ok
+    digest = damage(hot, 2)
+    sealed_as(hot, 2, max(READABLE_FORMATS) + 1)
+    report = repair(hot, [cold])
+    assert report.unresolved == [digest] and report.unreferenced == 0 and not report.ok
+    assert "newer ckptflow" in report.unlisted[0] and digest in damaged.records(hot)
+
+    sealed_as(hot, 2, max(READABLE_FORMATS))
+    assert repair(hot, [cold]).repaired == [(digest, cold.url)]
+    assert restores(hot, 2, state(2))
+
+
+def test_a_checkpoint_proved_damaged_leaves_what_it_listed_to_gc(tiers):
+    hot, cold = tiers
+    damage(hot, 2)
+    flip_byte(manifest_path(hot.root, RUN, 2))
+    report = repair(hot, [cold])
+    assert report.unreferenced == 1 and not report.unresolved and report.ok and len(report.unlisted) == 1
