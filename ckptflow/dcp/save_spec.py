@@ -6,9 +6,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptflow.chunks.codecs import CODECS
 from ckptflow.dcp.auto_codec import SaveEncoder
 from ckptflow.dcp.packs import PACK_BYTES
 from ckptflow.dcp.save_clock import SaveClock
+from ckptflow.format import layout as fmt
+
+
+def check_layout(*, chunk_bytes: int, pack_bytes: int, codec: str) -> None:
+    """Refuse a chunk size, pack size or codec no save can use, where it is given (a
+    ``Checkpointer``'s arguments), not at the first save hours into a run."""
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be a positive number of bytes (default 8 MiB), got {chunk_bytes!r}")
+    if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or not 0 <= pack_bytes <= fmt.MAX_PACK_BYTES:
+        raise ValueError(
+            f"pack_bytes must be a number of bytes up to {fmt.MAX_PACK_BYTES} (64 MiB), 0 for no packs"
+            f" (default 1 MiB), got {pack_bytes!r}"
+        )
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
 
 
 @dataclass

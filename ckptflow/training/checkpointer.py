@@ -23,7 +23,6 @@ from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import CheckpointInfo, VerifyReport
 from ckptflow.catalog.tiers import Tier, open_tiers
 from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
-from ckptflow.chunks.codecs import CODECS
 from ckptflow.chunks.lossy import record_problem as lossy_record_problem
 from ckptflow.dcp.auto_codec import AutoCodec, BaseIndex, SaveEncoder, delta_base
 from ckptflow.dcp.blocking_save import save_tensors
@@ -32,7 +31,7 @@ from ckptflow.dcp.failures import own_errors
 from ckptflow.dcp.packs import PACK_BYTES
 from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_clock import SaveClock
-from ckptflow.dcp.save_spec import SaveSpec
+from ckptflow.dcp.save_spec import SaveSpec, check_layout
 from ckptflow.dcp.writer import CheckpointWriter, Progress
 from ckptflow.dcp.written_pages import WriteTracker
 from ckptflow.errors import CkptflowError, UnsupportedStateError
@@ -71,23 +70,15 @@ class Checkpointer:
         lineage: RunLineage | None = None,
         track_writes: bool = True,
     ):
-        self.store = open_store(root)
+        check_layout(chunk_bytes=chunk_bytes, pack_bytes=pack_bytes, codec=codec)
         MemoryBudget(restore_buffer_bytes)  # refused here, not at the first restore
+        self.store = open_store(root)
         # host memory a restore may hold beyond the state: decoded chunks kept between its passes
         # and in flight, staging tensors (``ckptflow.chunks.budget``)
         self.restore_buffer_bytes = restore_buffer_bytes
         self.run = fmt.validate_run(run)
         self.policy = policy
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be a positive number of bytes (default 8 MiB), got {chunk_bytes!r}")
-        if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or not 0 <= pack_bytes <= fmt.MAX_PACK_BYTES:
-            raise ValueError(
-                f"pack_bytes must be a number of bytes up to {fmt.MAX_PACK_BYTES} (64 MiB), 0 for no packs"
-                f" (default 1 MiB), got {pack_bytes!r}"
-            )
         self.pack_bytes = pack_bytes  # small tensors share chunks of up to this (``ckptflow.dcp.packs``)
-        if codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         self.chunk_bytes, self.codec, self.progress = chunk_bytes, codec, progress
         self.restore_rng = restore_rng
         # what the run trains on: recorded by every save, compared by every restore
