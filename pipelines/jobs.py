@@ -155,6 +155,7 @@ def scrub_checkpoints(
             **damage,
             **{f"{tier}_chunks_repaired": len(r.repaired) for tier, r in repairs.items()},
             **{f"{tier}_chunks_unrepaired": len(r.unrepaired) for tier, r in repairs.items()},
+            **{f"{tier}_chunks_unresolved": len(r.unresolved) for tier, r in repairs.items() if r.unresolved},
         }
     )
     if report.records_error:
@@ -162,6 +163,11 @@ def scrub_checkpoints(
     for tier, r in repairs.items():
         for digest, why in r.unrepaired + r.unavailable:
             context.log.warning(f"{tier} chunk {digest[:16]}… not repaired: {why[:300]}")
+        if r.unresolved:
+            context.log.warning(
+                f"{len(r.unresolved)} damaged {tier} chunk(s) not repaired yet: a checkpoint that may list them "
+                "could not be read (an outage, or a newer ckptflow wrote it); the next scrub tries again"
+            )
     listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))
     if corrupt:
         raise Failure(

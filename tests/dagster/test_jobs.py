@@ -17,7 +17,7 @@ from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
 from sensors import failure_sensor
 from sensors.failures import FAILURE_TAG
-from support.corrupt import corrupt_chunk, reseal_manifest
+from support.corrupt import corrupt_chunk, only_in, reseal_manifest
 from support.dagster import RUN, record, subject
 
 KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
@@ -183,7 +183,11 @@ def test_scrub_repairs_a_damaged_chunk_from_the_archive_copy_and_passes(store_wi
 
 
 def test_scrub_fails_without_retries_on_a_checkpoint_a_newer_ckptflow_wrote(store_with_checkpoints, defs, instance):
-    """Not an outage (waiting will not read it) and not damage (no failed verdict): upgrade."""
+    """Not an outage (waiting will not read it) and not damage (no failed verdict): upgrade.
+    A damaged chunk only that checkpoint lists is left for later, not called GC's to delete."""
+    store = open_store(store_with_checkpoints)
+    rotten = only_in(store_with_checkpoints, RUN, 20, 10, 30, 40)[0]
+    damaged.note(store, rotten, "found by a reader")
     reseal_manifest(store_with_checkpoints, RUN, 20, lambda r: r.update(format_version=max(fmt.READABLE_FORMATS) + 1))
     job = defs.resolve_job_def("scrub_job")
     config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
@@ -196,7 +200,10 @@ def test_scrub_fails_without_retries_on_a_checkpoint_a_newer_ckptflow_wrote(stor
         "1 checkpoint(s)" in data.description and "newer ckptflow" in data.description and "upgrade" in data.description
     )
     assert f"{RUN} step 20" in data.metadata["newer_format"].value
-    assert record(open_store(store_with_checkpoints), 10, "validation")["ok"] is True  # the others were scrubbed
+    assert record(store, 10, "validation")["ok"] is True  # the others were scrubbed
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert any("1 damaged hot chunk(s) not repaired yet: a checkpoint that may list them" in m for m in logs)
+    assert rotten in damaged.records(store)
 
 
 def test_failure_sensor_records_runs_that_failed_before_it_started_and_tags_them(
