@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "repair",
         help="replace chunk objects the store records as damaged with sound copies from other tiers "
-        "(exit 1 if one has none, 3 if a tier could not be read)",
+        "(exit 1 if one has none, 3 if a tier, or a checkpoint that may list one, could not be read)",
     )
     p.add_argument("root", metavar="ROOT", help=root_help)
     p.add_argument(

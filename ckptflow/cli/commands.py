@@ -282,8 +282,8 @@ def cmd_thaw(args: argparse.Namespace) -> int:
 
 def cmd_repair(args: argparse.Namespace) -> int:
     """Replace the chunk objects ROOT records as damaged with sound copies from other tiers
-    (``ckptflow.lifecycle.repair``): exit 1 if one has no sound copy anywhere, 3 if a tier
-    could not be read (retry)."""
+    (``ckptflow.lifecycle.repair``): exit 1 if one has no sound copy anywhere, 3 if a tier,
+    or a checkpoint of ROOT that may list one, could not be read (retry, or upgrade)."""
     store = open_existing(args.root)
     report = repair(store, [open_existing(url) for url in args.sources])
     for digest, url in report.repaired:
