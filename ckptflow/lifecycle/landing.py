@@ -94,8 +94,7 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
         landed, waiting = _read_again(store, waiting, listed, limit)
     done: list[catalog_listing.StepListing] = []
     manifests = list(zip(taken, catalog.committed(store, listed=taken)))
-    with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-landing") as pool:
-        validated = list(pool.map(_validated, [store] * len(manifests), [item for _, item in manifests]))
+    validated = _validated(store, [item for _, item in manifests])
     for (entry, item), was_validated in zip(manifests, validated):
         key = fmt.checkpoint_name(entry.run, entry.step)
         if isinstance(item, Manifest):
@@ -134,10 +133,10 @@ def _read_again(
     entries = [by_id[w] for w in still[:limit]]
     landed: list[Landed] = []
     keep = still[limit:]
-    for entry, item in zip(entries, catalog.committed(store, listed=entries)):
+    items = list(catalog.committed(store, listed=entries))
+    for entry, item, was_validated in zip(entries, items, _validated(store, items)):
         key = fmt.checkpoint_name(entry.run, entry.step)
         if isinstance(item, Manifest):
-            was_validated = _validated(store, item)
             landed.append(Landed(key=key, digest=item.digest, marker=item.digest[:16], validated=was_validated))
         elif item.could_not_read:
             keep.append(_commit_id(entry))
@@ -147,8 +146,14 @@ def _read_again(
     return landed, keep
 
 
-def _validated(store: Store, item: Manifest | catalog_listing.Problem) -> bool:
-    return isinstance(item, Manifest) and read_record(store, Subject.of(item), "validation") is not None
+def _validated(store: Store, items: list[Manifest | catalog_listing.Problem]) -> list[bool]:
+    """Per commit record read, whether a validation record exists for its digest (read in parallel)."""
+
+    def one(item: Manifest | catalog_listing.Problem) -> bool:
+        return isinstance(item, Manifest) and read_record(store, Subject.of(item), "validation") is not None
+
+    with ThreadPoolExecutor(16, thread_name_prefix="ckptflow-landing") as pool:
+        return list(pool.map(one, items))
 
 
 def _frontier(

@@ -146,6 +146,17 @@ def test_a_commit_a_newer_ckptflow_wrote_lands_again_under_its_digest_once_it_re
     assert new_commits(store, cursor, limit=10, now=T0 + 3 * FULL_SCAN_S + 2)[0] == []
 
 
+def test_a_waiting_commit_validated_meanwhile_lands_marked_so(root):
+    """An operator re-materialized the partition after the upgrade: no second validation run."""
+    store = open_store(root)
+    sealed_as(root, 2, max(fmt.READABLE_FORMATS) + 1)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    sealed_as(root, 2, max(fmt.READABLE_FORMATS))
+    lifecycle.validate(store, RUN, 2)
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert [(c.key, c.validated) for c in landed] == [(name(2), True)] and cursor["waiting"] == []
+
+
 def test_a_waiting_commit_proved_damaged_lands_again_one_deleted_or_committed_again_is_dropped(root):
     store = open_store(root)
     newer = max(fmt.READABLE_FORMATS) + 1
