@@ -146,6 +146,23 @@ def test_a_commit_a_newer_ckptflow_wrote_lands_again_under_its_digest_once_it_re
     assert new_commits(store, cursor, limit=10, now=T0 + 3 * FULL_SCAN_S + 2)[0] == []
 
 
+def test_an_outage_while_reading_a_waiting_commit_again_keeps_it_waiting(root):
+    store = FaultyStore(open_store(root))
+    sealed_as(root, 2, max(fmt.READABLE_FORMATS) + 1)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    sealed_as(root, 2, max(fmt.READABLE_FORMATS))
+    store.fail_if = lambda op, key: op == "get" and key == fmt.manifest_key(RUN, 2) and _raise_unavailable(key)
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert landed == [] and cursor["waiting"] == [[RUN, 2, T0 + 20]]
+    store.fail_if = lambda op, key: False
+    landed, _ = new_commits(store, cursor, limit=10, now=T0 + 2 * FULL_SCAN_S)
+    assert [(c.key, bool(c.digest)) for c in landed] == [(name(2), True)]
+
+
+def _raise_unavailable(key: str) -> bool:
+    raise StoreUnavailableError(f"GetObject of {key}: SlowDown")
+
+
 def test_a_waiting_commit_validated_meanwhile_lands_marked_so(root):
     """An operator re-materialized the partition after the upgrade: no second validation run."""
     store = open_store(root)
