@@ -44,10 +44,18 @@ class Problem:
     )  # fmt: skip
     UNREAD = ("cold", "denied", "symlink", "loop", "unavailable", "unreadable", "newer")
 
+    PASSING = ("cold", "denied", "unavailable", "newer")  # unread for a reason that passes with time or action
+
     @property
     def could_not_read(self) -> bool:
         """Nothing was proved: retry, thaw or fix access, never record the checkpoint as bad."""
         return self.kind in self.UNREAD
+
+    @property
+    def may_read_later(self) -> bool:
+        """Unread for a reason that passes (an outage, a thaw, access granted, an upgrade), not
+        one a retry of the same layout meets again (a symlink, a loop, an unknown error)."""
+        return self.kind in self.PASSING
 
     def __str__(self) -> str:
         where = f"run {self.run}" + ("" if self.step is None else f" step {self.step}")

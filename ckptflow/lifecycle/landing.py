@@ -83,15 +83,16 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     now = time.time() if now is None else now
     full_at = cursor.get("full_at")
     full = full_at is None or now - float(full_at) >= FULL_SCAN_S
-    steps = catalog_listing.listing(store, from_steps=None if full else frontier, manifests_only=True)
+    steps = list(catalog_listing.listing(store, from_steps=None if full else frontier, manifests_only=True))
     listed = [e for e in steps if isinstance(e, catalog_listing.StepListing)]
     fresh = [e for e in listed if e.manifest is not None and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
     fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
-    taken = fresh[:limit]
-    waiting = [(str(r), int(s), float(m)) for r, s, m in cursor.get("waiting", [])]
+    waiting = _waiting(cursor.get("waiting"))
     landed: list[Landed] = []
     if full:
-        landed, waiting = _read_again(store, waiting, listed, limit)
+        unlisted = [p for p in steps if isinstance(p, catalog_listing.Problem)]
+        landed, waiting = _read_again(store, waiting, listed, unlisted, limit)
+    taken = fresh[: max(0, limit - len(landed))]  # at most ``limit`` land a tick
     done: list[catalog_listing.StepListing] = []
     manifests = list(zip(taken, catalog.committed(store, listed=taken)))
     validated = _validated(store, [item for _, item in manifests])
@@ -104,14 +105,15 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
         else:
             marker = f"unreadable-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
             landed.append(Landed(key=key, digest="", marker=marker, validated=False))
-            if item.could_not_read:
+            if item.may_read_later:
                 waiting.append(_commit_id(entry))
         t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
         seen.add(_seen_id(entry))
         done.append(entry)
     seen = {s for s in seen if float(s.rsplit("@", 1)[1]) >= t - SLACK}
     after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done)}
-    after["waiting"] = [list(w) for w in list(dict.fromkeys(waiting))[-MAX_WAITING:]]
+    newest = set(sorted(set(waiting), key=lambda w: (w[2], w[0], w[1]))[-MAX_WAITING:])
+    after["waiting"] = [list(w) for w in dict.fromkeys(waiting) if w in newest]  # in the order to read them
     after["full_at"] = now if full else full_at
     return landed, after
 
@@ -121,29 +123,51 @@ def _commit_id(entry: catalog_listing.StepListing) -> tuple[str, int, float]:
     return entry.run, entry.step, entry.manifest.mtime
 
 
+def _waiting(value: object) -> list[tuple[str, int, float]]:
+    """The cursor's waiting commits; an entry this code never writes is dropped, not raised
+    on every tick."""
+    out = []
+    for w in value if isinstance(value, list) else []:
+        if isinstance(w, list) and len(w) == 3 and isinstance(w[0], str) and type(w[1]) is int:
+            if type(w[2]) in (int, float):
+                out.append((w[0], w[1], float(w[2])))
+    return out
+
+
 def _read_again(
-    store: Store, waiting: list[tuple[str, int, float]], listed: list[catalog_listing.StepListing], limit: int
+    store: Store,
+    waiting: list[tuple[str, int, float]],
+    listed: list[catalog_listing.StepListing],
+    unlisted: list[catalog_listing.Problem],
+    limit: int,
 ) -> tuple[list[Landed], list[tuple[str, int, float]]]:
-    """Commit records landed unread, read again (at most ``limit``): those that read now
-    land under their digest, those now proved damaged land to be recorded so, the others
-    keep waiting. One no longer listed as it was (deleted, or committed again: that commit
-    lands as new) is not waited for."""
+    """Commit records landed unread, read again (at most ``limit``, in turn): those that read
+    now land under their digest, those now proved damaged land to be recorded so, the others
+    keep waiting, read again last. One the listing shows gone (deleted, or committed again:
+    that commit lands as new), or unread for a reason that will not pass, is not waited for;
+    one whose run or step could not be listed keeps waiting. An outage stops the reads."""
     by_id = {_commit_id(e): e for e in listed if e.committed}
-    still = [w for w in waiting if w in by_id]
-    entries = [by_id[w] for w in still[:limit]]
-    landed: list[Landed] = []
-    keep = still[limit:]
+    unknown = {(p.run, p.step) for p in unlisted}
+    keep = [w for w in waiting if w not in by_id and ({(w[0], None), (w[0], w[1])} & unknown)]
+    entries = [by_id[w] for w in waiting if w in by_id]
+    keep += [_commit_id(e) for e in entries[limit:]]
+    entries = entries[:limit]
     items = list(catalog.committed(store, listed=entries))
-    for entry, item, was_validated in zip(entries, items, _validated(store, items)):
+    landed: list[Landed] = []
+    retried: list[tuple[str, int, float]] = []
+    for at, (entry, item, was_validated) in enumerate(zip(entries, items, _validated(store, items))):
         key = fmt.checkpoint_name(entry.run, entry.step)
         if isinstance(item, Manifest):
             landed.append(Landed(key=key, digest=item.digest, marker=item.digest[:16], validated=was_validated))
-        elif item.could_not_read:
-            keep.append(_commit_id(entry))
-        else:
+        elif item.kind == "unavailable":
+            retried += [_commit_id(e) for e in entries[at:]]
+            break
+        elif item.may_read_later:
+            retried.append(_commit_id(entry))
+        elif not item.could_not_read:
             marker = f"damaged-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
             landed.append(Landed(key=key, digest="", marker=marker, validated=False))
-    return landed, keep
+    return landed, keep + retried
 
 
 def _validated(store: Store, items: list[Manifest | catalog_listing.Problem]) -> list[bool]:

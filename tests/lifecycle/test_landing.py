@@ -193,16 +193,54 @@ def test_a_waiting_commit_proved_damaged_lands_again_one_deleted_or_committed_ag
     assert cursor["waiting"] == [[RUN, 3, T0 + 31]]
 
 
-def test_the_cursor_keeps_at_most_max_waiting_unread_commits_the_newest(root, monkeypatch):
+def test_the_cursor_keeps_at_most_max_waiting_unread_commits_the_newest_read_in_turn(root, monkeypatch):
     import ckptflow.lifecycle.landing as landing
 
     monkeypatch.setattr(landing, "MAX_WAITING", 2)
     store = open_store(root)
     for step in (1, 2, 3):
         sealed_as(root, step, max(fmt.READABLE_FORMATS) + 1)
-    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    _, cursor = new_commits(store, {}, limit=2, now=T0)
+    assert [w[1] for w in cursor["waiting"]] == [1, 2]
+    # a full tick reads step 1 again (limit 1: it is read last next time) and lands step 3: the oldest goes
+    _, cursor = new_commits(store, cursor, limit=1, now=T0 + FULL_SCAN_S)
     assert [w[1] for w in cursor["waiting"]] == [2, 3]
     assert MAX_WAITING >= 1000
+
+
+def test_a_tick_lands_at_most_limit_commits_read_again_first(root):
+    store = open_store(root)
+    newer = max(fmt.READABLE_FORMATS) + 1
+    sealed_as(root, 1, newer)
+    _, cursor = new_commits(store, {}, limit=1, now=T0)
+    sealed_as(root, 1, max(fmt.READABLE_FORMATS))
+    landed, cursor = new_commits(store, cursor, limit=1, now=T0 + FULL_SCAN_S)
+    assert keys(landed) == [name(1)] and cursor["frontier"] == {RUN: 2}  # steps 2 and 3 wait for the next tick
+    assert keys(new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S + 1)[0]) == [name(2), name(3)]
+
+
+def test_a_run_that_could_not_be_listed_keeps_its_waiting_commits(root):
+    """Its listing failing is no proof the commit was deleted."""
+    store = FaultyStore(open_store(root))
+    sealed_as(root, 2, max(fmt.READABLE_FORMATS) + 1)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    store.fail_if = lambda op, key: op.startswith("list") and key.startswith(f"runs/{RUN}/") and _raise_unavailable(key)
+    _, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert cursor["waiting"] == [[RUN, 2, T0 + 20]]
+    store.fail_if = lambda op, key: False
+    sealed_as(root, 2, max(fmt.READABLE_FORMATS))
+    landed, _ = new_commits(store, cursor, limit=10, now=T0 + 2 * FULL_SCAN_S)
+    assert keys(landed) == [name(2)]
+
+
+@pytest.mark.parametrize("waiting", [None, 5, "x", [["r", 2]], [["r", "2", 1.0]], [["r", 2, None]], [["r", True, 1.0]]])
+def test_a_waiting_value_this_code_never_writes_is_dropped_not_raised_on(root, waiting):
+    store = open_store(root)
+    _, cursor = land(store, None)
+    state = json.loads(cursor)
+    state["waiting"] = waiting
+    landed, after = land(store, json.dumps(state))
+    assert landed == [] and json.loads(after)["waiting"] == []
 
 
 def test_a_store_that_does_not_answer_stops_the_tick_there_and_the_next_tick_retries(root):
