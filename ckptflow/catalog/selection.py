@@ -178,23 +178,16 @@ def choose(
     return _best(stores, run, select, held, by_step, known)
 
 
-def _current_digest(
-    stores: Sequence[Store], run: str, step: int, tiers: list[int], known: Mapping[int, str]
-) -> str | None:
-    """The digest of the commit at ``step``: known, or in the first tier whose manifest
-    reads; ``NEWER_COMMIT`` when a newer ckptflow wrote it (a record, verdict or alias
-    names an earlier commit: its format differs); None when none reads (restore then
-    tries it and reports the damage)."""
-    if step in known:
-        return known[step]
-    for index in tiers:
-        try:
-            return read_manifest(stores[index], run, step).digest
-        except NewerFormatError:
-            return NEWER_COMMIT
-        except CkptflowError:
-            continue
-    return None
+def _digest_in(store: Store, run: str, step: int) -> str | None:
+    """The digest of the commit at ``step`` in ``store``; ``NEWER_COMMIT`` when a newer
+    ckptflow wrote it (a record, verdict or alias names an earlier commit: its format
+    differs); None when it does not read (restore then tries it and reports the damage)."""
+    try:
+        return read_manifest(store, run, step).digest
+    except NewerFormatError:
+        return NEWER_COMMIT
+    except CkptflowError:
+        return None
 
 
 def _on_this_commit(
@@ -205,11 +198,28 @@ def _on_this_commit(
     digests: set[str],
     what: str,
     known: Mapping[int, str],
-) -> str | None:
-    """Why ``step`` is not the commit ``digests`` name (it was committed again since), or None."""
-    current = _current_digest(stores, run, step, tiers, known)
-    if current is None or current in digests:
-        return None
+) -> tuple[list[int], str | None]:
+    """The tiers of ``step`` to try for the commit ``digests`` name, and why none is (it
+    was committed again since). ``known``: the current digest per step (the inventory's),
+    else tiers are read in order until one holds that commit; one holding another commit
+    is left out, one that does not read is kept (restore tries it and reports why)."""
+    current = known.get(step)
+    if current is not None:
+        return (tiers, None) if current in digests else ([], _stale(what, digests, current))
+    kept: list[int] = []
+    other: str | None = None
+    for at, index in enumerate(tiers):
+        digest = _digest_in(stores[index], run, step)
+        if digest in digests:
+            return kept + tiers[at:], None
+        if digest is None:
+            kept.append(index)
+        elif other is None:
+            other = digest
+    return (kept, None) if other is None else ([], _stale(what, digests, other))
+
+
+def _stale(what: str, digests: set[str], current: str) -> str:
     now = "one a newer ckptflow wrote" if current == NEWER_COMMIT else f"{current[:12]}…"
     return f"{what} commit {', '.join(sorted(d[:12] for d in digests))}…, not the commit there now ({now})"
 
@@ -233,11 +243,11 @@ def _validated(
             why = f"{FAILED}: {problems or 'no problem recorded'}" if failed else "not validated yet"
             passed.append((step, why))
             continue
-        stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known)
+        tiers, stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known)
         if stale:
             passed.append((step, stale))
             continue
-        pairs += [(step, i) for i in held[step]]
+        pairs += [(step, i) for i in tiers]
     return Choice(label, pairs, passed)
 
 
@@ -249,7 +259,7 @@ def _best(
     by_step: dict[int, dict[str, dict]],
     known: Mapping[int, str],
 ) -> Choice:
-    scored: list[tuple[float, int, set[str]]] = []
+    scored: list[tuple[float, int, list[int]]] = []  # (value, step, the tiers holding the commit evaluated)
     passed: list[tuple[int, str]] = []
     for step in sorted(held, reverse=True):
         values: dict[str, float] = {}
@@ -264,14 +274,14 @@ def _best(
         if not values:
             passed.append((step, FAILED if failed else f"no evaluation of {select.metric!r}"))
             continue
-        stale = _on_this_commit(stores, run, step, held[step], set(values), "evaluated", known)
+        tiers, stale = _on_this_commit(stores, run, step, held[step], set(values), "evaluated", known)
         if stale:
             passed.append((step, stale))
             continue
-        scored.append((min(values.values()) if select.mode == "min" else max(values.values()), step, set(values)))
+        scored.append((min(values.values()) if select.mode == "min" else max(values.values()), step, tiers))
     sign = 1 if select.mode == "min" else -1
     scored.sort(key=lambda t: (sign * t[0], -t[1]))
-    pairs = [(step, i) for _, step, _ in scored for i in held[step]]
+    pairs = [(step, i) for _, step, tiers in scored for i in tiers]
     return Choice(describe(select), pairs, passed)
 
 
@@ -307,11 +317,12 @@ def _by_alias(
         if step not in held:
             passed.append((step, f"{name}: step {step} is in no tier any more"))
             continue
-        stale = _on_this_commit(stores, run, step, held[step], {str(digest)}, f"{name} was published from", known)
+        published = f"{name} was published from"
+        tiers, stale = _on_this_commit(stores, run, step, held[step], {str(digest)}, published, known)
         if stale:
             passed.append((step, stale))
             continue
-        pairs += [(step, i) for i in held[step]]
+        pairs += [(step, i) for i in tiers]
     if not aliases:
         passed.append((-1, f"model {select.model!r} has no aliases in {registry.url}"))
     return Choice(describe(select), pairs, passed)

@@ -111,6 +111,29 @@ def test_a_verdict_or_evaluation_names_an_earlier_commit_than_one_a_newer_ckptfl
         assert why.endswith("not the commit there now (one a newer ckptflow wrote)")
 
 
+@pytest.mark.parametrize("again", ["newer format", "new commit"])
+def test_validated_finds_the_validated_commit_in_the_archive_when_hot_holds_another(tmp_path, again):
+    """Step 2 validated and archived, then committed again in the hot store: the archive copy
+    is the commit the verdict names, so "validated" restores it from there."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+    for step in (1, 2):
+        assert lifecycle.archive(store, open_store(str(tmp_path / "archive")), "r", step).ok
+    if again == "newer format":
+        reseal_manifest(root, "r", 2, lambda record: record.update(format_version=max(READABLE_FORMATS) + 1))
+    else:
+        with Checkpointer(root, "r") as ck:
+            damage(root, 2)
+            ck.restore({"model": model_at(0)})
+            ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})
+    live = {"model": model_at(0)}
+    with Checkpointer(root, "r", tiers=[str(tmp_path / "archive")]) as ck:
+        result = ck.restore(live, select="validated")
+    assert (result.step, result.tier, result.passed_over) == (2, str(open_store(str(tmp_path / "archive")).url), [])
+    assert live["model"].weight[0, 0].item() == 2
+
+
 def test_best_picks_by_metric_and_falls_back_to_the_next_best(tmp_path):
     root, store = make(tmp_path)
     for step in (1, 2, 3):  # step 4 never evaluated
