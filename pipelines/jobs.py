@@ -155,7 +155,7 @@ def scrub_checkpoints(
             **damage,
             **{f"{tier}_chunks_repaired": len(r.repaired) for tier, r in repairs.items()},
             **{f"{tier}_chunks_unrepaired": len(r.unrepaired) for tier, r in repairs.items()},
-            **{f"{tier}_chunks_unresolved": len(r.unresolved) for tier, r in repairs.items() if r.unresolved},
+            **{f"{tier}_chunks_unresolved": len(r.unresolved) for tier, r in repairs.items()},
         }
     )
     if report.records_error:

@@ -21,9 +21,10 @@ What ``repair`` does not do:
 - It never writes to ``sources``. A source object found damaged on the way is recorded in
   that source, as any read records it.
 - It leaves alone records of chunks no checkpoint of ``store`` lists. GC deletes them.
-  While a checkpoint of ``store`` could not be read (an outage, a newer ckptflow wrote
-  it; not one proved damaged), a record no readable one lists is ``unresolved`` instead: that checkpoint may list
-  it, and its raw size (what bounds the read of a copy) is not known here.
+  While a checkpoint of ``store`` could not be read for a reason that passes (an outage,
+  a newer ckptflow wrote it; not one proved damaged, nor a symlink ckptflow never writes),
+  a record no readable one lists is ``unresolved`` instead: that checkpoint may list it,
+  and its raw size (what bounds the read of a copy) is not known here.
 - A tier it could not read proves nothing: the chunk is reported ``unavailable``, for a
   retry. A copy that is missing or damaged everywhere is ``unrepaired``, with each tier's
   reason.
@@ -72,7 +73,7 @@ def repair(store: Store, sources: Sequence[Store]) -> RepairReport:
             sizes.update((d, n) for d, n in item.chunks.items() if d in records)
         else:
             report.unlisted.append(str(item))
-            unread = unread or item.could_not_read
+            unread = unread or item.may_read_later
     target = ChunkStore(store)
     readers = [ChunkStore(source) for source in sources]
     for digest in sorted(records):

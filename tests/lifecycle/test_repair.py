@@ -167,9 +167,14 @@ def test_a_record_only_an_unread_checkpoint_may_list_is_unresolved_not_left_to_g
     assert restores(hot, 2, state(2))
 
 
-def test_a_checkpoint_proved_damaged_leaves_what_it_listed_to_gc(tiers):
+def test_a_checkpoint_proved_damaged_or_a_stray_symlink_leaves_what_it_lists_to_gc(tiers, tmp_path):
+    """Neither passes with a retry or an upgrade: repair must not wait for them for ever."""
     hot, cold = tiers
     damage(hot, 2)
     flip_byte(manifest_path(hot.root, RUN, 2))
+    (tmp_path / "elsewhere").mkdir()
+    strays = Path(hot.root) / "runs" / "other" / "checkpoints"
+    strays.mkdir(parents=True)
+    (strays / "000000000005").symlink_to(tmp_path / "elsewhere")
     report = repair(hot, [cold])
-    assert report.unreferenced == 1 and not report.unresolved and report.ok and len(report.unlisted) == 1
+    assert report.unreferenced == 1 and not report.unresolved and report.ok and len(report.unlisted) == 2
