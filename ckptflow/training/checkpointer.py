@@ -70,13 +70,13 @@ class Checkpointer:
         lineage: RunLineage | None = None,
         track_writes: bool = True,
     ):
+        self.run = fmt.validate_run(run)  # arguments refused before the store is opened: nothing created
         check_layout(chunk_bytes=chunk_bytes, pack_bytes=pack_bytes, codec=codec)
         MemoryBudget(restore_buffer_bytes)  # refused here, not at the first restore
         self.store = open_store(root)
         # host memory a restore may hold beyond the state: decoded chunks kept between its passes
         # and in flight, staging tensors (``ckptflow.chunks.budget``)
         self.restore_buffer_bytes = restore_buffer_bytes
-        self.run = fmt.validate_run(run)
         self.policy = policy
         self.pack_bytes = pack_bytes  # small tensors share chunks of up to this (``ckptflow.dcp.packs``)
         self.chunk_bytes, self.codec, self.progress = chunk_bytes, codec, progress

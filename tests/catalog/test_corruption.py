@@ -386,3 +386,15 @@ def test_chunk_bytes_must_be_positive(ckpt_store_dir):
         with pytest.raises(ValueError, match="chunk_bytes must be a positive"):
             Checkpointer(ckpt_store_dir, run=RUN, chunk_bytes=bad)
     assert not os.path.exists(os.path.join(ckpt_store_dir, "runs"))
+
+
+REFUSED = [{"run": "a b"}, {"chunk_bytes": 0}, {"pack_bytes": -1}, {"codec": "gzip"}, {"restore_buffer_bytes": -1}]
+
+
+@pytest.mark.parametrize("bad", REFUSED)
+def test_a_refused_argument_creates_nothing(tmp_path, bad):
+    """Refused before the store is opened: a typo leaves no empty store behind."""
+    root = tmp_path / "never"
+    with pytest.raises((ValueError, CkptflowError)):
+        Checkpointer(str(root), **{"run": RUN, **bad})
+    assert not root.exists()
