@@ -126,12 +126,16 @@ def _commit_id(entry: catalog_listing.StepListing) -> tuple[str, int, float]:
 def _waiting(value: object) -> list[tuple[str, int, float]]:
     """The cursor's waiting commits; an entry this code never writes is dropped, not raised
     on every tick."""
-    out = []
-    for w in value if isinstance(value, list) else []:
-        if isinstance(w, list) and len(w) == 3 and isinstance(w[0], str) and type(w[1]) is int:
-            if type(w[2]) in (int, float):
-                out.append((w[0], w[1], float(w[2])))
-    return out
+    entries = value if isinstance(value, list) else []
+    return [
+        (w[0], w[1], float(w[2]))
+        for w in entries
+        if isinstance(w, list)
+        and len(w) == 3
+        and isinstance(w[0], str)
+        and type(w[1]) is int
+        and type(w[2]) in (int, float)
+    ]
 
 
 def _read_again(
