@@ -28,7 +28,7 @@ from ckptflow.store.disk import Disk
 
 TEMP_PREFIX = ".tmp-"
 T = TypeVar("T")
-PRUNED_RETRIES = 20  # a write whose directory a concurrent delete keeps pruning makes it again, this often
+PRUNED_RETRIES = 200  # a write whose directory a concurrent delete keeps pruning makes it again, this often
 
 
 def retrying_pruned(make: Callable[[], T]) -> T:
