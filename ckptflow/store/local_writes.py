@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -29,17 +31,24 @@ from ckptflow.store.disk import Disk
 TEMP_PREFIX = ".tmp-"
 T = TypeVar("T")
 PRUNED_RETRIES = 200  # a write whose directory a concurrent delete keeps pruning makes it again, this often
+PRUNED_BACKOFF_S = 0.002  # the longest pause before making it again: a random pause in [0, this)
 
 
 def retrying_pruned(make: Callable[[], T]) -> T:
     """``make()``, made again while a concurrent delete keeps pruning a directory it needs
-    (a delete removes the directories it leaves empty), up to ``PRUNED_RETRIES`` times."""
+    (a delete removes the directories it leaves empty), up to ``PRUNED_RETRIES`` times.
+
+    From the second retry on, each waits a random pause first: writers and deleters that
+    churn one directory in step (threads handing the GIL over at each system call) would
+    otherwise meet in the same window again and again; the pause puts them out of step."""
     for attempt in range(PRUNED_RETRIES):
         try:
             return make()
         except FileNotFoundError:
             if attempt == PRUNED_RETRIES - 1:
                 raise
+            if attempt:
+                time.sleep(random.uniform(0, PRUNED_BACKOFF_S))
     raise AssertionError("unreachable")
 
 

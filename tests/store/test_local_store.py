@@ -17,7 +17,7 @@ from ckptflow.chunks.io import ChunkStore
 from ckptflow.errors import ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import address_of
-from ckptflow.store import LocalStore, Store
+from ckptflow.store import LocalStore, Store, local_writes
 
 
 @pytest.fixture
@@ -87,6 +87,33 @@ def test_writers_in_a_directory_that_deletes_keep_pruning_never_fail(tmp_path):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_a_write_whose_directory_stays_pruned_gives_up_after_bounded_paused_retries(monkeypatch):
+    """The retry is a bound, not a loop forever: a directory that vanishes at every attempt
+    fails the write after ``PRUNED_RETRIES`` attempts, pausing (random, under
+    ``PRUNED_BACKOFF_S``) before each retry after the first; other errors are not retried."""
+    attempts, pauses = [], []
+    monkeypatch.setattr(local_writes.time, "sleep", pauses.append)
+
+    def vanished() -> None:
+        attempts.append(1)
+        raise FileNotFoundError("pruned")
+
+    with pytest.raises(FileNotFoundError):
+        local_writes.retrying_pruned(vanished)
+    assert len(attempts) == local_writes.PRUNED_RETRIES
+    assert len(pauses) == local_writes.PRUNED_RETRIES - 2
+    assert all(0 <= p < local_writes.PRUNED_BACKOFF_S for p in pauses) and len(set(pauses)) > 1
+
+    def denied() -> None:
+        attempts.append(1)
+        raise PermissionError("no")
+
+    attempts.clear()
+    with pytest.raises(PermissionError):
+        local_writes.retrying_pruned(denied)
+    assert len(attempts) == 1
 
 
 def test_replace_overwrites_atomically(store):
