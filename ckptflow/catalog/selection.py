@@ -150,13 +150,14 @@ def choose(
     pairs: list[tuple[int, int]],
     registry: Store | None = None,
     *,
-    digests: Mapping[int, str] | None = None,
+    digests: Mapping[tuple[int, int], str] | None = None,
 ) -> Choice:
     """Order and filter ``pairs`` (restore's candidates across tiers, newest first) for
     ``select``. Verdicts and evaluations are read from ``stores[0]`` (the hot store, where
     the lifecycle records them); a registry alias from ``registry`` (default: the hot store).
-    ``digests``: the current commit of each step when the caller knows it (the inventory),
-    so no manifest is read to check a verdict is about the commit there now."""
+    ``digests``: the commit each (step, tier index) of ``pairs`` holds when the caller
+    knows it (the inventory read them all), so no manifest is read to check that a
+    verdict is about the commit there now."""
     known = dict(digests or {})
     label = describe(select)
     if isinstance(select, int):
@@ -197,19 +198,16 @@ def _on_this_commit(
     tiers: list[int],
     digests: set[str],
     what: str,
-    known: Mapping[int, str],
+    known: Mapping[tuple[int, int], str],
 ) -> tuple[list[int], str | None]:
     """The tiers of ``step`` to try for the commit ``digests`` name, and why none is (it
-    was committed again since). ``known``: the current digest per step (the inventory's),
-    else tiers are read in order until one holds that commit; one holding another commit
-    is left out, one that does not read is kept (restore tries it and reports why)."""
-    current = known.get(step)
-    if current is not None:
-        return (tiers, None) if current in digests else ([], _stale(what, digests, current))
+    was committed again since). Tiers are read in order (or looked up in ``known``) until
+    one holds that commit; one holding another commit is left out, one that does not read
+    is kept (restore tries it and reports why)."""
     kept: list[int] = []
     other: str | None = None
     for at, index in enumerate(tiers):
-        digest = _digest_in(stores[index], run, step)
+        digest = known[(step, index)] if (step, index) in known else _digest_in(stores[index], run, step)
         if digest in digests:
             return kept + tiers[at:], None
         if digest is None:
@@ -230,7 +228,7 @@ def _validated(
     label: str,
     held: dict[int, list[int]],
     by_step: dict[int, dict[str, dict]],
-    known: Mapping[int, str],
+    known: Mapping[tuple[int, int], str],
 ) -> Choice:
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
@@ -257,7 +255,7 @@ def _best(
     select: Best,
     held: dict[int, list[int]],
     by_step: dict[int, dict[str, dict]],
-    known: Mapping[int, str],
+    known: Mapping[tuple[int, int], str],
 ) -> Choice:
     scored: list[tuple[float, int, list[int]]] = []  # (value, step, the tiers holding the commit evaluated)
     passed: list[tuple[int, str]] = []
@@ -291,7 +289,7 @@ def _by_alias(
     select: Alias,
     held: dict[int, list[int]],
     registry: Store,
-    known: Mapping[int, str],
+    known: Mapping[tuple[int, int], str],
 ) -> Choice:
     aliases = alias_records.read_aliases(registry, select.model)
     pairs: list[tuple[int, int]] = []

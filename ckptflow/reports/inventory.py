@@ -35,6 +35,7 @@ class Entry:
     source_digest: str = ""  # an archive-only lossy copy: the exact commit its records are keyed by
     manifest_error: str = ""
     manifest_unread: bool = False  # that error proves nothing: the record could not be read (``Problem.UNREAD``)
+    commits: dict[str, str] = field(default_factory=dict)  # per tier, the commit read there (or NEWER_COMMIT)
     records: dict[str, dict] = field(default_factory=dict)  # lifecycle records by kind
     trainer_metadata: dict = field(default_factory=dict)
 
@@ -98,11 +99,14 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
                 continue  # a run that cannot be listed, or a stray directory: not a checkpoint
             entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
             entry.tiers.append(tier)
+            if item.kind == "newer":
+                entry.commits[tier] = selection.NEWER_COMMIT
             if not entry.manifest_error and not entry.digest:  # the hot copy, read, describes it (scrub checks this)
                 entry.manifest_error, entry.manifest_unread = item.message, item.could_not_read
             continue
         entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
         entry.tiers.append(tier)
+        entry.commits[tier] = item.digest
         if entry.digest or entry.manifest_unread:
             # the hot copy describes it (the archive copy is the same commit, or reported as differing), or its
             # hot commit record could not be read: that commit may differ from the archive's, so nothing is decided
@@ -212,19 +216,25 @@ def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_los
     """Per run, the step each selector would recover to now: ``latest`` (or where it stops:
     restore never passes a checkpoint it could not read), ``validated`` and ``best`` (by
     ``metric`` and ``mode``), chosen by the rule restore applies
-    (``ckptflow.catalog.selection``), from the commits the inventory already read."""
+    (``ckptflow.catalog.selection``), from the commits the inventory already read in each
+    tier: a step the hot tier holds in another commit than the one a verdict names
+    recovers from the archive copy when that is the commit, as restore does."""
     by_run: dict[str, list[Entry]] = {}
-    unread: dict[str, int] = {}  # each run's newest step whose commit record could not be read
+    unread: dict[str, int] = {}  # each run's newest step whose hot commit record could not be read
     for e in entries:
-        if e.digest and not e.manifest_error:
-            by_run.setdefault(e.run, []).append(e)
-        elif e.manifest_unread:
+        if e.manifest_unread:
             unread[e.run] = max(unread.get(e.run, -1), e.step)
+        if any(digest != selection.NEWER_COMMIT for digest in e.commits.values()):
+            by_run.setdefault(e.run, []).append(e)
     out = []
     best = selection.Best(metric, mode)
     for run, found in sorted(by_run.items()):
-        pairs = [(e.step, 0) for e in sorted(found, key=lambda e: -e.step)]
-        digests = {e.step: e.digest for e in found}
+        pairs, digests = [], {}
+        for e in sorted(found, key=lambda e: -e.step):
+            for index, tier in enumerate(("hot", "archive")):
+                if tier in e.commits:
+                    pairs.append((e.step, index))
+                    digests[(e.step, index)] = e.commits[tier]
         picks = {}
         for name, select in (("validated", "validated"), ("best", best)):
             choice = selection.choose([hot], run, select, pairs, digests=digests)
