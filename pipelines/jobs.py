@@ -60,7 +60,7 @@ def apply_retention(
         raise Failure(f"the retention policy (CKPTFLOW_RETENTION) is not usable: {e}; nothing was expired") from None
     hot, arc = store.open(), archive.open()
     entries, plan = compute_plan(retention, hot, arc, registry)
-    report = lifecycle.apply_retention(hot, arc, plan)
+    report = lifecycle.apply_retention(hot, arc, plan, registry=registry.open())
     expired = [checkpoint_key(*ref) for ref in report.expired]
     for batch in batches(expired):
         drop_checkpoint_partitions(context.instance, batch)
@@ -75,6 +75,10 @@ def apply_retention(
         context.log.warning(
             f"kept the hot copies of {len(batch)} checkpoint(s) not confirmed in the archive: {kept}{more}"
         )
+    for batch in batches(report.changed):
+        kept = "; ".join(f"{checkpoint_key(*ref)}: {why}" for ref, why in batch[:3])
+        more = f" (and {len(batch) - 3} more)" if len(batch) > 3 else ""
+        context.log.info(f"kept {len(batch)} checkpoint(s) that changed since the plan: {kept}{more}")
     beyond = lifecycle.archive_only_beyond(entries, report, retention.archive_partitions)
     archived = [checkpoint_key(*ref) for ref in beyond]
     for batch in batches(archived):
@@ -90,6 +94,7 @@ def apply_retention(
             "expired": len(report.expired),
             "hot_copies_expired": len(report.hot_copies_expired),
             "left_hot": len(report.left_hot),
+            "changed_since_plan": len(report.changed),
             "failed": len(report.failed),
             "kept": len(plan.keep),
             "archive_only_unpartitioned": len(archived),

@@ -106,9 +106,12 @@ def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dic
     return dict(out)
 
 
-def step_record_keys(store: Store, run: str, step: int) -> list[str]:
-    """Keys of every record of a step (all digests), for ``expire`` to delete."""
-    return [info.key for info in store.list(step_prefix(run, step))]
+def commit_record_keys(store: Store, run: str, step: int, digest: str) -> list[str]:
+    """Keys of every record of one commit of a step, for ``expire`` to delete (another
+    commit of the step, an archive copy of an earlier one, keeps its own)."""
+    if not fmt.is_digest(digest):
+        raise InvalidNameError(f"lifecycle records are keyed by a manifest's sha256 digest, got {digest!r}")
+    return [info.key for info in store.list(f"{step_prefix(run, step)}{digest}/")]
 
 
 def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, dict[str, Any]] | None:

@@ -12,7 +12,7 @@ from ckptflow.catalog.verdicts import Subject, read_record, write_record
 from ckptflow.chunks import planes
 from ckptflow.chunks.io import ChunkStore, plain_encoding
 from ckptflow.chunks.lossy import ArchiveCodec
-from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, StoreUnavailableError, is_damage
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import MAX_RECORD_BYTES
@@ -340,10 +340,13 @@ def _problem(report: ArchiveReport, error: CkptflowError) -> None:
 def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
     """None if ``archive`` holds this exact checkpoint (the same manifest digest as the
     hot copy) and archival verified it there; else why not. Checked right before a
-    hot copy is expired."""
+    hot copy is expired. A manifest that could not be read (an outage, a denied or cold
+    object) proves no copy missing: that error is raised, so nothing is decided on it."""
     try:
         hot_manifest = catalog.read_manifest(hot, run, step)
     except CkptflowError as e:
+        if not is_damage(e):
+            raise
         return str(e)
     record = read_record(hot, Subject.of(hot_manifest), "archive") or {}
     if not record.get("ok"):
@@ -353,6 +356,8 @@ def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
     try:
         arc_manifest = catalog.read_manifest(archive.metadata_store(), run, step)
     except CkptflowError as e:
+        if not is_damage(e):
+            raise
         return str(e)
     expected = record.get("archive_digest") or hot_manifest.digest  # a lossy copy has its own digest
     if arc_manifest.digest != expected:

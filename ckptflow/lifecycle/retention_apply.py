@@ -11,10 +11,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.errors import CkptflowError, is_damage
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.archive import copy_matches
-from ckptflow.lifecycle.expire import ExpireError, expire
-from ckptflow.policy.retention import Ref, RetentionPlan, RetentionPolicy
+from ckptflow.lifecycle.expire import expire
+from ckptflow.policy.retention import Commit, Ref, RetentionPlan, RetentionPolicy
 from ckptflow.reports import inventory
 from ckptflow.store.base import Store
 
@@ -26,6 +28,7 @@ class RetentionReport:
     expired: list[Ref] = field(default_factory=list)  # gone from every tier
     hot_copies_expired: list[Ref] = field(default_factory=list)  # the archive copy stays
     left_hot: list[tuple[Ref, str]] = field(default_factory=list)  # archive-only by plan, copy not confirmed
+    changed: list[tuple[Ref, str]] = field(default_factory=list)  # not what the plan decided about any more: kept
     failed: list[tuple[Ref, str]] = field(default_factory=list)  # an expiry failed; the checkpoint stays
 
 
@@ -55,7 +58,7 @@ def current_plan(
     return entries, plan
 
 
-def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan) -> RetentionReport:
+def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan, *, registry: Registry) -> RetentionReport:
     """Expire the hot copy of every checkpoint the plan expires.
 
     A checkpoint whose archive copy verified and matches (same manifest digest) keeps
@@ -63,12 +66,24 @@ def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan) -> R
     everything, unless the plan only moves it to the archive, in which case its hot copy
     stays. Retention never deletes from the archive. An expiry that fails leaves that
     checkpoint in place and is reported; the others go on.
+
+    A plan is about commits, and time passes between a plan and its apply: each
+    checkpoint is read again right before it goes, and kept (``changed``) if its step was
+    committed again since (the plan saw another commit), if the registry's versions
+    and aliases, read again before the first expiry, now pin it, or if it is damaged now
+    where the plan saw it whole. One whose commit record cannot be read now (an outage)
+    is ``failed``: nothing is decided on a read that failed.
     """
     report = RetentionReport()
+    protected = registry.pinned() | set(registry.aliased()) if plan.expire_hot else set()
     for ref in plan.expire_hot:
         run, step = ref
-        why_not = copy_matches(hot, archive, run, step) if archive is not None else "no archive tier"
         try:
+            changed = _changed_since(hot, ref, plan.digests.get(ref, ""), protected)
+            if changed:
+                report.changed.append((ref, changed))
+                continue
+            why_not = copy_matches(hot, archive, run, step) if archive is not None else "no archive tier"
             if why_not is None:
                 expire(hot, run, step, keep_records=True)
                 report.hot_copies_expired.append(ref)
@@ -77,10 +92,29 @@ def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan) -> R
             else:
                 expire(hot, run, step)
                 report.expired.append(ref)
-        except ExpireError as e:
+        except CkptflowError as e:
             log.warning("retention could not expire %s step %d: %s", run, step, e)
             report.failed.append((ref, str(e)))
     return report
+
+
+def _changed_since(hot: Store, ref: Ref, planned: str, protected: set[Commit]) -> str | None:
+    """Why the checkpoint at ``ref`` is no longer the one the plan expired (``planned``:
+    its digest then, "" for a commit record that did not read as a checkpoint); None
+    if it is. A read that fails without proving damage is raised."""
+    run, step = ref
+    try:
+        digest = catalog.read_manifest(hot, run, step).digest
+    except CkptflowError as e:
+        if not is_damage(e):
+            raise
+        return f"damaged since the plan saw it whole ({e}); the next plan decides" if planned else None
+    if digest != planned:
+        before = f"{planned[:12]}…" if planned else "one that did not read"
+        return f"committed again since the plan ({before} then, {digest[:12]}… now); the next plan decides"
+    if (run, step, digest) in protected:
+        return "a model version was published from it, or an alias moved to it, since the plan"
+    return None
 
 
 def archive_only_beyond(entries: Iterable[inventory.Entry], report: RetentionReport, keep: int) -> list[Ref]:

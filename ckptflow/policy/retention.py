@@ -250,6 +250,7 @@ class RetentionPlan:
     keep: dict[Ref, list[str]]
     delete: dict[Ref, str]
     archive_only: dict[Ref, str] = field(default_factory=dict)  # kept, in the archive tier only
+    digests: dict[Ref, str] = field(default_factory=dict)  # the commit each decision is about ("": unread then)
 
     @property
     def expire_hot(self) -> list[Ref]:
@@ -302,4 +303,5 @@ def plan(
             if c.ref in keep and c.ref not in newest and c.archived and now - c.created_at >= hot_days * DAY:
                 if not exact_required:
                     archive_only[c.ref] = f"archived and older than {hot_days:g} days"
-    return RetentionPlan(keep=dict(sorted(keep.items())), delete=delete, archive_only=archive_only)
+    digests = {c.ref: c.digest for c in checkpoints}
+    return RetentionPlan(keep=dict(sorted(keep.items())), delete=delete, archive_only=archive_only, digests=digests)

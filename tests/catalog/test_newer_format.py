@@ -180,7 +180,7 @@ def test_an_archive_copy_of_an_older_commit_does_not_let_retention_expire_a_newe
     theirs = manifest_path(hot.root, RUN, 1).read_bytes()
     entries, plan = lifecycle.current_plan(hot, archive, Registry(hot), now=4e9)
     assert next(e for e in entries if e.step == 1).validation == "unreadable" and (RUN, 1) in plan.keep
-    report = lifecycle.apply_retention(hot, archive, plan)
+    report = lifecycle.apply_retention(hot, archive, plan, registry=Registry(hot))
     assert (RUN, 1) not in report.expired + report.hot_copies_expired
     assert manifest_path(hot.root, RUN, 1).read_bytes() == theirs
 

@@ -1,0 +1,131 @@
+"""Applying a retention plan: a plan is about commits, and time passes before it is
+applied. What changed since (a promotion, a step committed again, new damage) keeps the
+checkpoint; a read that failed decides nothing; expiring one commit of a step keeps the
+records of another (an archive copy of an earlier commit)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ckptflow import Checkpointer, lifecycle, open_store
+from ckptflow.catalog.checkpoints import read_manifest
+from ckptflow.catalog.verdicts import records_by_subject
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.interop.registry import Registry
+from ckptflow.lifecycle.promote import PromotionRequest, promote
+from ckptflow.policy.retention import DAY, AnyOf
+from ckptflow.reports import inventory
+from support.corrupt import corrupt_chunk
+from support.faulty_store import FaultyStore
+
+LATER = time.time() + 100 * DAY  # every checkpoint is old; AnyOf(()) keeps only what must never go
+
+
+def saved(root, steps=(1, 2, 3), seed=0):
+    with Checkpointer(root, "r") as ck:
+        for step in steps:
+            torch.manual_seed(seed + step)
+            ck.save(step, {"model": nn.Linear(16, 16)}, metadata={"val_loss": 1.0 / step})
+    return open_store(root)
+
+
+def a_plan(hot, archive=None):
+    _, plan = lifecycle.current_plan(hot, archive, Registry(hot), AnyOf(()), now=LATER)
+    return plan
+
+
+def test_a_checkpoint_published_after_the_plan_is_kept(tmp_path):
+    hot = saved(str(tmp_path / "hot"))
+    plan = a_plan(hot)
+    assert set(plan.delete) == {("r", 1), ("r", 2)}
+    version = promote(hot, Registry(hot), PromotionRequest("m", ("r", 1), stage="stable"))
+    report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
+    assert report.expired == [("r", 2)]
+    [(ref, why)] = report.changed
+    assert ref == ("r", 1) and "published" in why
+    assert read_manifest(hot, "r", 1).digest == version.manifest_digest
+
+
+def test_a_step_committed_again_after_the_plan_is_kept(tmp_path):
+    """The plan expired step 3's first commit (it failed validation); training rejected it
+    and saved step 3 again: that new commit is the run's newest valid checkpoint."""
+    root = str(tmp_path / "hot")
+    hot = saved(root)
+    corrupt_chunk(root, "r", 3)
+    assert lifecycle.validate(hot, "r", 3)["ok"] is False
+    plan = a_plan(hot)
+    assert ("r", 3) in plan.delete
+    with Checkpointer(root, "r") as ck:
+        model = nn.Linear(16, 16)
+        assert ck.restore({"model": model}).step == 2
+        ck.save(3, {"model": model})
+    again = read_manifest(hot, "r", 3).digest
+    report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
+    assert ("r", 3) not in report.expired
+    [(ref, why)] = report.changed
+    assert ref == ("r", 3) and why.startswith("committed again since the plan")
+    assert read_manifest(hot, "r", 3).digest == again
+    assert a_plan(hot).keep[("r", 3)] == ["newest valid checkpoint of its run"]
+
+
+def test_a_checkpoint_damaged_after_the_plan_saw_it_whole_is_kept_for_the_next_plan(tmp_path):
+    root = str(tmp_path / "hot")
+    hot = saved(root)
+    plan = a_plan(hot)
+    path = tmp_path / "hot" / "runs" / "r" / "checkpoints" / "000000000002" / "manifest.json"
+    path.write_bytes(path.read_bytes().replace(b'"step"', b'"stem"', 1))
+    report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
+    assert report.expired == [("r", 1)]
+    [(ref, why)] = report.changed
+    assert ref == ("r", 2) and why.startswith("damaged since the plan saw it whole")
+
+
+def test_expiring_a_new_commit_keeps_the_records_of_the_earlier_one_the_archive_holds(tmp_path):
+    root, archive = str(tmp_path / "hot"), open_store(str(tmp_path / "archive"))
+    hot = saved(root)
+    assert lifecycle.validate(hot, "r", 3)["ok"] and lifecycle.archive(hot, archive, "r", 3).ok
+    first = read_manifest(hot, "r", 3).digest
+    corrupt_chunk(root, "r", 3)
+    with Checkpointer(root, "r") as ck:  # restore rejects the hot copy of step 3, then saves it again
+        model = nn.Linear(16, 16)
+        assert ck.restore({"model": model}).step == 2
+        for step in (3, 4):
+            ck.save(step, {"model": model})
+    plan = a_plan(hot, archive)
+    assert ("r", 3) in plan.delete  # the new commit of step 3 has no archive copy
+    report = lifecycle.apply_retention(hot, archive, plan, registry=Registry(hot))
+    assert ("r", 3) in report.expired
+    assert sorted(records_by_subject(hot)[("r", 3, first)]) == ["archive", "validation"]
+    [entry] = [e for e in inventory.collect(hot, archive) if e.ref == ("r", 3)]
+    assert (entry.tiers, entry.validation, entry.archived) == (["archive"], "passed", True)
+
+
+class ArchiveOutage(FaultyStore):
+    """An archive whose commit records do not answer (the store retried, then gave up)."""
+
+    def get_bounded(self, key, limit):
+        if key.endswith("manifest.json"):
+            raise StoreUnavailableError(f"{self.url}/{key}: 503 SlowDown after 5 attempts")
+        return self.inner.get_bounded(key, limit)
+
+
+@pytest.mark.parametrize("down", ["archive", "hot"])
+def test_an_outage_expires_nothing_of_that_checkpoint_and_keeps_its_records(tmp_path, down):
+    hot, archive = saved(str(tmp_path / "hot")), open_store(str(tmp_path / "archive"))
+    assert lifecycle.validate(hot, "r", 1)["ok"] and lifecycle.archive(hot, archive, "r", 1).ok
+    plan = a_plan(hot, archive)
+    assert set(plan.delete) == {("r", 1), ("r", 2)}
+    report = lifecycle.apply_retention(
+        ArchiveOutage(hot) if down == "hot" else hot,
+        ArchiveOutage(archive) if down == "archive" else archive,
+        plan,
+        registry=Registry(hot),
+    )
+    assert [ref for ref, _ in report.failed] == ([("r", 1)] if down == "archive" else [("r", 1), ("r", 2)])
+    assert "503 SlowDown" in report.failed[0][1]
+    [entry] = [e for e in inventory.collect(hot, archive) if e.ref == ("r", 1)]
+    assert (entry.tiers, entry.validation, entry.archived) == (["hot", "archive"], "passed", True)
