@@ -146,7 +146,11 @@ class Registry:
     def upload(self, model: str, directory: str | os.PathLike, names: list[str]) -> dict[str, dict[str, Any]]:
         """Upload files of ``directory`` under their sha256, streamed: each is hashed in
         blocks, then handed to the store as a memory map (pages go from disk to the store,
-        never a copy of the whole file in memory). Returns ``{name: {"sha256", "size"}}``."""
+        never a copy of the whole file in memory). Returns ``{name: {"sha256", "size"}}``.
+
+        A file already stored under its sha256 is written again (an atomic replace with
+        the same bytes): the object there may have rotted, and checking it would read as
+        much as writing it; so each promotion (and ``rebuild``) heals what it names."""
         files = {}
         for name in names:
             path = os.path.join(directory, name)
@@ -154,9 +158,7 @@ class Registry:
             size = os.path.getsize(path)
             key = self.file_key(model, digest)
             with open(path, "rb") as f, _mapped(f, size) as view:
-                created = self.store.put_if_absent(key, view)
-            if not created and self.store.stat(key).size != size:
-                raise RegistryError(f"{self.store.url}/{key} exists with another size: the store is damaged there")
+                self.store.replace(key, view)
             files[name] = {"sha256": digest, "size": size}
         return files
 
@@ -179,6 +181,8 @@ class Registry:
             raise RegistryError(f"stage {stage!r} is not 'latest', 'stable' or None")
         for f in files.values():
             self.file_key(model, f["sha256"])  # a digest, or refuse before claiming a number
+        if stage is not None:  # aliases a move would refuse (one names no version): refuse before claiming one
+            self._check_aliases(model, self._read_aliases(model)[0]["aliases"])
         existing = [v.version for v in self.versions(model)]
         version = (max(existing) if existing else 0) + 1
         for _ in range(CAS_ATTEMPTS):
@@ -215,15 +219,25 @@ class Registry:
             if doc.get("move", {}).get("id") == move_id:
                 return dict(doc["aliases"])  # our write landed; its response was lost
             aliases = change(dict(doc["aliases"]))
-            for alias, v in aliases.items():
-                if alias not in ALIASES:
-                    raise RegistryError(f"alias {alias!r} is not one of {ALIASES}")
-                self.get(model, v)  # must exist
+            self._check_aliases(model, aliases)
             new = {"aliases": aliases, "move": {"id": move_id, "action": action, "at": time.time()}}
             if self.store.replace_if(self._aliases_key(model), json.dumps(new, sort_keys=True).encode(), version):
                 return aliases
             time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 50)))
         raise RegistryError(f"aliases of model {model!r} kept changing under {CAS_ATTEMPTS} attempts to {action}")
+
+    def _check_aliases(self, model: str, aliases: Aliases) -> None:
+        """Each alias is one ckptflow knows and names a version that exists."""
+        for alias, v in aliases.items():
+            if alias not in ALIASES:
+                raise RegistryError(f"alias {alias!r} is not one of {ALIASES}")
+            try:
+                self.get(model, v)
+            except RegistryError as e:
+                raise RegistryError(
+                    f"{model}@{alias} names v{v}, which does not read ({e}); "
+                    f"set {alias!r} to an existing version (Registry.set_alias), then try again"
+                ) from None
 
     def set_alias(self, model: str, alias: str, version: int) -> Aliases:
         return self.move(model, f"set {alias}", lambda a: {**a, alias: version})

@@ -130,19 +130,22 @@ def promote(
 
 
 def rollback(registry: Registry, model: str, *, mirror: MlflowMirror | None = None) -> ModelVersion:
-    """``stable`` <- ``fallback``; returns the version now stable. ``mirror``: then move
-    MLflow's aliases too (as ``promote``)."""
-    registry.rollback(model)
+    """``stable`` <- ``fallback``; returns the version the rollback made stable (what its
+    own compare-and-swap set, not whatever a later move made stable). ``mirror``: then
+    move MLflow's aliases too (as ``promote``)."""
+    aliases = registry.rollback(model)
     if mirror is not None:
         mirror.sync(registry, model)
-    return registry.resolve(model, "stable")
+    return registry.get(model, aliases["stable"])
 
 
 def rebuild(registry: Registry, model: str, version: int, tiers: Sequence[Store]) -> list[str]:
     """Re-export version ``version`` of ``model`` from its source checkpoint, found in the
     first of ``tiers`` (hot, then archive) holding the same commit (manifest digest),
-    check that every file hashes to what the version recorded, then upload the missing
-    ones. Returns their names. Nothing is uploaded unless every file matches."""
+    check that every file hashes to what the version recorded, then upload them all
+    (a file that rotted in the registry is written again with the bytes it should hold).
+    Returns the names of those that were missing. Nothing is uploaded unless every file
+    matches."""
     mv = registry.get(model, version)
     source = None
     for store in tiers:
@@ -170,5 +173,5 @@ def rebuild(registry: Registry, model: str, version: int, tiers: Sequence[Store]
                 f"({', '.join(differ)}); nothing was uploaded"
             )
         missing = registry.missing_files(mv)
-        registry.upload(model, out, missing)
+        registry.upload(model, out, sorted(rebuilt))
     return missing

@@ -21,6 +21,7 @@ from ckptflow.interop.export import load_exported, model_metadata
 from ckptflow.interop.registry import Registry, describe
 from ckptflow.lifecycle.promote import PromotionRequest, promote, rebuild, rollback
 from ckptflow.store import LocalStore, open_store
+from support.corrupt import flip_byte
 
 
 # ---- the store capability ------------------------------------------------------------------
@@ -318,3 +319,56 @@ def test_version_records_are_json_with_export_options(tmp_path):
     assert record["export"]["dtype"] == "bf16" and v.dtype == "bf16"
     assert record["lineage"]["manifest_digest"] == v.manifest_digest
     assert record["lineage"]["validation"]["ok"] is True
+
+
+def test_a_model_file_that_rotted_is_written_again_by_the_next_promotion_or_rebuild(tmp_path):
+    """The object under a file's sha256 no longer hashes to it (same size): a promotion of
+    the same weights, or a rebuild, writes the right bytes there again."""
+    root, _ = checkpoints(tmp_path, steps=(1,))
+    hot = open_store(root)
+    reg = Registry(hot)
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    path = tmp_path / "hot" / reg.file_key("m", v1.files["model.safetensors"]["sha256"])
+    for heal in (
+        lambda: promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")),
+        lambda: rebuild(reg, "m", 1, [hot]),
+    ):
+        flip_byte(path, -3)
+        with pytest.raises(RegistryError, match="does not match its sha256"):
+            reg.download(v1, tmp_path / "served")
+        heal()
+        reg.download(v1, tmp_path / "served")  # checks every file's sha256
+
+
+def test_a_refused_promotion_registers_no_version(tmp_path):
+    """An alias record naming a version that does not exist (edited by hand): promotion is
+    refused before a version number is claimed, and says what to fix."""
+    root, _ = checkpoints(tmp_path)
+    hot = open_store(root)
+    reg = Registry(hot)
+    promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    doc = json.loads(hot.get(reg._aliases_key("m")))
+    doc["aliases"]["fallback"] = 7
+    hot.replace(reg._aliases_key("m"), json.dumps(doc).encode())
+    for stage in ("latest", "stable"):
+        with pytest.raises(RegistryError, match=r"m@fallback names v7, which does not read .*set_alias"):
+            promote(hot, reg, PromotionRequest("m", ("r", 2), stage=stage))
+    assert [v.version for v in reg.versions("m")] == [1] and reg.pinned() == {
+        ("r", 1, read_manifest(hot, "r", 1).digest)
+    }
+
+
+def test_rollback_returns_the_version_it_made_stable_not_one_a_later_move_did(tmp_path):
+    root, _ = checkpoints(tmp_path)
+    hot = open_store(root)
+
+    class PromotedRightAfter(Registry):  # another process makes a new version stable just after the rollback
+        def rollback(self, model):
+            aliases = super().rollback(model)
+            Registry(self.store).register(model, run="r", step=2, manifest_digest="d", files={}, stage="stable")
+            return aliases
+
+    reg = PromotedRightAfter(hot)
+    for step in (1, 2):
+        promote(hot, reg, PromotionRequest("m", ("r", step), stage="stable"))
+    assert rollback(reg, "m").version == 1 and reg.aliases("m")["stable"] == 3
