@@ -111,7 +111,8 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
             # the hot copy describes it (the archive copy is the same commit, or reported as differing), or its
             # hot commit record could not be read: that commit may differ from the archive's, so nothing is decided
             continue
-        entry.manifest_error, entry.manifest_unread = "", False
+        # a hot commit record proved damaged keeps its error: the archive copy describes the
+        # checkpoint, but the hot copy is not one a resume can load, so retention must not count it valid
         entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
         entry.source_digest = (item.lossy or {}).get("source_digest", "")
         entry.base_step = item.base_step

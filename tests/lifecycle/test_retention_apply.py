@@ -129,3 +129,22 @@ def test_an_outage_expires_nothing_of_that_checkpoint_and_keeps_its_records(tmp_
     assert "503 SlowDown" in report.failed[0][1]
     [entry] = [e for e in inventory.collect(hot, archive) if e.ref == ("r", 1)]
     assert (entry.tiers, entry.validation, entry.archived) == (["hot", "archive"], "passed", True)
+
+
+def test_a_damaged_hot_commit_record_is_not_the_newest_valid_checkpoint_though_the_archive_copy_is_sound(tmp_path):
+    """Step 3's hot manifest rotted; its archive copy is sound. A resume from the hot tier
+    cannot load step 3, so step 2 is the newest valid checkpoint there and stays hot."""
+    root, archive = str(tmp_path / "hot"), open_store(str(tmp_path / "archive"))
+    hot = saved(root)
+    assert lifecycle.validate(hot, "r", 3)["ok"] and lifecycle.archive(hot, archive, "r", 3).ok
+    path = tmp_path / "hot" / "runs" / "r" / "checkpoints" / "000000000003" / "manifest.json"
+    path.write_bytes(path.read_bytes().replace(b'"step"', b'"stem"', 1))
+    [entry] = [e for e in inventory.collect(hot, archive) if e.ref == ("r", 3)]
+    assert entry.validation == "failed" and "manifest" in entry.manifest_error
+    plan = a_plan(hot, archive)
+    assert plan.keep[("r", 2)] == ["newest valid checkpoint of its run"]
+    lifecycle.apply_retention(hot, archive, plan, registry=Registry(hot))
+    with Checkpointer(root, "r") as ck:
+        assert ck.restore({"model": nn.Linear(16, 16)}).step == 2
+    [entry] = [e for e in inventory.collect(hot, archive) if e.ref == ("r", 3)]
+    assert (entry.tiers, entry.validation, entry.archived) == (["archive"], "passed", True)
