@@ -56,7 +56,7 @@ DTYPE_SIZES = {
     "float8_e8m0fnu": 1,
 }
 FLOATING_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})  # byte planes rotate these
-_RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 def validate_run(run: str) -> str:

@@ -81,7 +81,7 @@ M = TypeVar("M")
 
 POINTER_KIND = "ckptflow-lightning-pointer"
 MAX_POINTER_BYTES = 1 << 20
-_LAST = re.compile(r"^last(-v?\d+)?$")  # what ModelCheckpoint names its last checkpoint
+_LAST = re.compile(r"^last(-v?\d+)?\Z")  # what ModelCheckpoint names its last checkpoint
 
 
 def _global_rank() -> int:

@@ -47,7 +47,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
 __all__ = ["ALIASES", "PREFIX", "ModelVersion", "Registry"]
-_VERSION = re.compile(r"^(\d{6})\.json$")
+_VERSION = re.compile(r"^(\d{6})\.json\Z")
 CAS_ATTEMPTS = 200
 
 Aliases = dict[str, int]

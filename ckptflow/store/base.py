@@ -18,7 +18,7 @@ from ckptflow.errors import CkptflowError, InvalidNameError, ObjectTooLargeError
 
 Buffers = bytes | memoryview | Sequence[bytes | memoryview]
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 
 
 def validate_key(key: str) -> str:

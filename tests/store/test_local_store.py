@@ -190,7 +190,7 @@ def test_list_recursive_and_not(store):
     assert list(store.list("missing/", recursive=False)) == []
 
 
-BAD_KEYS = ["../x", "/abs", "a//b", ".hidden", "a/../b", "a/.b", "a/", "", "a/./b", "a\\..\\b", "..", "a/b/.."]
+BAD_KEYS = ["../x", "/abs", "a//b", ".hidden", "a/../b", "a/.b", "a/", "", "a/./b", "a\\..\\b", "..", "a/b/..", "a\n", "a\n/b"]
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)
@@ -218,7 +218,9 @@ def test_refused_list_prefix(store):
         list(store.list("../"))
 
 
-@pytest.mark.parametrize("run", ["../x", "a/b", "", "a__b", "..", ".hidden", "/abs", "a..b", "x" * 200, "a b", None])
+@pytest.mark.parametrize(
+    "run", ["../x", "a/b", "", "a__b", "..", ".hidden", "/abs", "a..b", "x" * 200, "a b", None, "r\n", "r\nx"]
+)
 def test_refused_run_names(tmp_path, run):
     root = tmp_path / "store"
     with pytest.raises(InvalidNameError, match="run name"):
