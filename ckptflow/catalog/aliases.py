@@ -65,6 +65,26 @@ def read_version(store: Store, model: str, version: int) -> dict[str, Any]:
         raise RegistryError(f"model {model!r} has no version {version} in {store.url}") from None
     except (ValueError, RecursionError) as e:
         raise RegistryError(f"{store.url}/{key} is not JSON ({e}): the version record is damaged") from None
-    if not isinstance(doc, dict):
-        raise RegistryError(f"{store.url}/{key} is not a version record")
+    problem = _version_problem(doc, model, version)
+    if problem:
+        raise RegistryError(f"{store.url}/{key} is not a version record of this layout: {problem}")
     return doc
+
+
+def _version_problem(doc: Any, model: str, version: int) -> str | None:
+    """What makes ``doc`` no record of ``model`` version ``version``: the fields retention,
+    rollback and restore rely on must have their types (a step "1" is not step 1)."""
+    if not isinstance(doc, dict):
+        return "not a JSON object"
+    if doc.get("model") != model or doc.get("version") != version or type(doc.get("version")) is not int:
+        return f"it names {doc.get('model')!r} version {doc.get('version')!r}"
+    step, files = doc.get("step"), doc.get("files")
+    if not isinstance(doc.get("run"), str) or type(step) is not int or step < 0:
+        return f"run {doc.get('run')!r} step {step!r} is not a run name and a step number"
+    if not isinstance(doc.get("manifest_digest"), str) or not isinstance(doc.get("partition_key"), str):
+        return "manifest_digest and partition_key must be strings"
+    if not isinstance(files, dict) or not all(
+        isinstance(f, dict) and isinstance(f.get("sha256"), str) and type(f.get("size")) is int for f in files.values()
+    ):
+        return "files must map each name to its sha256 and size"
+    return None

@@ -37,7 +37,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ckptflow.catalog import aliases as alias_records
@@ -102,12 +102,15 @@ class Registry:
     def versions(self, model: str) -> list[ModelVersion]:
         out = []
         for info in self.store.list(f"{self._model_prefix(model)}versions/", recursive=False):
-            if _VERSION.match(info.key.rsplit("/", 1)[-1]):
-                out.append(ModelVersion(**json.loads(self.store.get(info.key))))
+            if number := _VERSION.match(info.key.rsplit("/", 1)[-1]):
+                out.append(self.get(model, int(number.group(1))))
         return sorted(out, key=lambda v: v.version)
 
     def get(self, model: str, version: int) -> ModelVersion:
-        return ModelVersion(**alias_records.read_version(self.store, model, version))
+        """The version's record, checked (``alias_records.read_version``); fields this
+        ckptflow does not know (a newer one wrote them) are left out."""
+        doc = alias_records.read_version(self.store, model, version)
+        return ModelVersion(**{f.name: doc[f.name] for f in fields(ModelVersion) if f.name in doc})
 
     def _read_aliases(self, model: str) -> tuple[dict[str, Any], str | None]:
         key = self._aliases_key(model)

@@ -372,3 +372,21 @@ def test_rollback_returns_the_version_it_made_stable_not_one_a_later_move_did(tm
     for step in (1, 2):
         promote(hot, reg, PromotionRequest("m", ("r", step), stage="stable"))
     assert rollback(reg, "m").version == 1 and reg.aliases("m")["stable"] == 3
+
+
+def test_a_version_record_of_the_wrong_types_is_refused_and_one_with_new_fields_reads(tmp_path):
+    """A version whose step is "1" would pin nothing (retention compares (run, 1, digest)):
+    reading it is refused, so a retention plan stops rather than expire what it protects.
+    Fields a newer ckptflow added are left out, not a TypeError."""
+    root, _ = checkpoints(tmp_path)
+    hot = open_store(root)
+    reg = Registry(hot)
+    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    key = reg.version_key("m", v.version)
+    record = json.loads(hot.get(key))
+    hot.replace(key, json.dumps({**record, "signed_by": "ci", "attestation": {"k": 1}}).encode())
+    assert reg.get("m", v.version) == v and reg.pinned() == {("r", 1, v.manifest_digest)}
+    hot.replace(key, json.dumps({**record, "step": "1"}).encode())
+    for read in (lambda: reg.get("m", v.version), reg.pinned, lambda: lifecycle.current_plan(hot, None, reg)):
+        with pytest.raises(RegistryError, match=r"000001.json is not a version record .* step '1'"):
+            read()

@@ -190,7 +190,22 @@ def test_list_recursive_and_not(store):
     assert list(store.list("missing/", recursive=False)) == []
 
 
-BAD_KEYS = ["../x", "/abs", "a//b", ".hidden", "a/../b", "a/.b", "a/", "", "a/./b", "a\\..\\b", "..", "a/b/..", "a\n", "a\n/b"]
+BAD_KEYS = [
+    "../x",
+    "/abs",
+    "a//b",
+    ".hidden",
+    "a/../b",
+    "a/.b",
+    "a/",
+    "",
+    "a/./b",
+    "a\\..\\b",
+    "..",
+    "a/b/..",
+    "a\n",
+    "a\n/b",
+]
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)
