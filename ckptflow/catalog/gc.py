@@ -23,6 +23,7 @@ from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, gc_lock, leases, wait_fo
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
+from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store import open_store
 from ckptflow.store.base import ObjectInfo, Store
 
@@ -60,12 +61,27 @@ def parse_duration(text: str | float | int) -> float:
 
 
 def _salvage_chunks(store: Store, key: str) -> set[str] | None:
-    """Chunks an unverifiable manifest names, if its JSON still says; None if it cannot."""
+    """Chunks an unverifiable manifest may name, if its JSON still parses with a chunk
+    map; None if it cannot. Every digest anywhere in it counts (the chunk map's keys, the
+    items' references): a bit flipped in one place leaves the chunk named in the other."""
     try:
-        chunks = json.loads(store.get(key)).get("chunks")
-    except (ValueError, AttributeError, RecursionError, CkptflowError, OSError):
+        doc = json.loads(store.get_bounded(key, MAX_RECORD_BYTES))
+    except (ValueError, RecursionError, CkptflowError, OSError):
         return None
-    return set(chunks) if isinstance(chunks, dict) and all(isinstance(d, str) for d in chunks) else None
+    if not isinstance(doc, dict) or not isinstance(doc.get("chunks"), dict):
+        return None
+    named: set[str] = set()
+    stack: list[object] = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            named.update(k for k in node if fmt.is_digest(k))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and fmt.is_digest(node):
+            named.add(node)
+    return named
 
 
 def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] | None:

@@ -233,3 +233,22 @@ def test_gc_sweep_racing_a_deduplicating_save(tmp_path):
         state = blank_state()
         assert ck.restore(state).step == 2
     assert state_tag(state) == 1
+
+
+def test_gc_keeps_every_chunk_a_damaged_manifest_names_anywhere(tmp_path):
+    """A bit flipped in a digest of the manifest's chunk map (its JSON still parses, its seal
+    fails): the items still name the real chunk, and GC keeps it for a repair from a copy."""
+    root = tmp_path / "store"
+    store = open_store(str(root))
+    with Checkpointer(store, run=RUN, chunk_bytes=CHUNK) as ck:
+        for step in (1, 2):
+            ck.save(step, tagged_state(step))
+    own = sorted(manifest_chunks(root, 1) - manifest_chunks(root, 2))
+    assert own
+    path = root / fmt.manifest_key(RUN, 1)
+    blob = path.read_bytes()
+    first = blob.index(own[0].rsplit("/", 1)[-1].encode(), blob.index(b'"chunks":{'))  # its key in the chunk map
+    path.write_bytes(blob[:first] + (b"0" if blob[first : first + 1] != b"0" else b"1") + blob[first + 1 :])
+    report = gc(store, grace=0, now=time.time() + 5)
+    assert len(report.unreadable_manifests) == 1 and report.skipped is None
+    assert all(store.exists(key) for key in own)
