@@ -236,8 +236,12 @@ def _validated(
         verdicts = {d: k["validation"] for d, k in by_step.get(step, {}).items() if "validation" in k}
         ok = {d for d, v in verdicts.items() if v.get("ok") is True}
         if not ok:
-            failed = [v for v in verdicts.values() if v.get("ok") is False]
-            problems = "; ".join(str(p) for v in failed for p in (v.get("problems") or [])[:2])
+            failed = {d: v for d, v in verdicts.items() if v.get("ok") is False}
+            if failed:  # a verdict is about its commit: the one there now may be another, not checked yet
+                index = held[step][0]
+                now = known[(step, index)] if (step, index) in known else _digest_in(stores[index], run, step)
+                failed = {d: v for d, v in failed.items() if d == now or now is None}
+            problems = "; ".join(str(p) for v in failed.values() for p in (v.get("problems") or [])[:2])
             why = f"{FAILED}: {problems or 'no problem recorded'}" if failed else "not validated yet"
             passed.append((step, why))
             continue

@@ -92,6 +92,21 @@ def test_validated_means_this_exact_commit(tmp_path):
     assert step == 2 and why.startswith("validation passed on commit ") and "not the commit there now" in why
 
 
+def test_a_failed_verdict_of_an_earlier_commit_does_not_label_the_commit_there_now(tmp_path):
+    """Step 2's first commit failed validation; training saved step 2 again: the new commit
+    is not validated yet, not "failed validation" (a verdict is about its commit)."""
+    root, store = make(tmp_path, steps=(1, 2))
+    lifecycle.validate(store, "r", 1)
+    damage(root, 2)
+    assert lifecycle.validate(store, "r", 2)["ok"] is False
+    assert restored(root, select="validated").passed_over[0][1].startswith("failed validation: ")
+    with Checkpointer(root, "r") as ck:
+        ck.restore({"model": model_at(0)})
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})
+    result = restored(root, select="validated")
+    assert result.step == 1 and result.passed_over == [(2, "not validated yet")]
+
+
 def test_a_verdict_or_evaluation_names_an_earlier_commit_than_one_a_newer_ckptflow_wrote(tmp_path):
     """Step 2 validated and evaluated, then committed again by a newer ckptflow (its record
     reads only there): "validated" and "best" pass over it to what they accept, saying why,
