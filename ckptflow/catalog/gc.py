@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,17 +48,20 @@ class GCReport:
 
 
 def parse_duration(text: str | float | int) -> float:
-    """Seconds from ``90``, ``"90s"``, ``"15m"``, ``"1h"``, ``"7d"``."""
-    if isinstance(text, (int, float)):
-        return float(text)
+    """Seconds from ``90``, ``"90s"``, ``"15m"``, ``"1h"``, ``"7d"``; a finite number (a NaN
+    grace would compare false with every age, and so protect nothing)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    text = text.strip().lower()
     try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
-    except ValueError:
+        if isinstance(text, (int, float)):
+            seconds = float(text)
+        else:
+            text = text.strip().lower()
+            seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except (ValueError, OverflowError):
         raise ValueError(f"duration {text!r} is not understood; use e.g. 30s, 15m, 1h or 7d") from None
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration {text!r} is not a finite number of seconds; use e.g. 30s, 15m, 1h or 7d")
+    return seconds
 
 
 def _salvage_chunks(store: Store, key: str) -> set[str] | None:

@@ -88,6 +88,12 @@ def load(store: Store) -> None:
         log.warning("%s: this save may keep chunks other processes found damaged; let the training job read and "
                     "write that prefix", why)  # fmt: skip
         return
+    remember(store, found)
+
+
+def remember(store: Store, found: dict[str, ObjectInfo]) -> None:
+    """Take ``found`` (``records(store)``) as what ``store`` records as damaged now, so a
+    chunk written anew (a save, a repair) deletes the record another process wrote."""
     versions = {digest: info.version or repr(info.mtime) for digest, info in found.items()}
     with _lock:
         for url, digest in [key for key, version in _DAMAGED.items() if version is not None]:

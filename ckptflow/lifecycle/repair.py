@@ -66,6 +66,7 @@ def repair(store: Store, sources: Sequence[Store]) -> RepairReport:
     records = damaged.records(store)
     if not records:
         return report
+    damaged.remember(store, records)  # records other processes wrote: each chunk repaired deletes its own
     sizes: dict[str, int] = {}  # raw size per chunk, as the store's own checkpoints list it
     unread = False  # a checkpoint that might be fine could not be read: what it lists is unknown
     for item in catalog.committed(store.metadata_store()):

@@ -151,6 +151,8 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["verify", "{root}"], "--run"),
         (["gc", "{root}", "--grace", "soon"], "not understood"),
         (["gc", "{root}", "--grace=-1h"], "negative"),
+        (["gc", "{root}", "--grace", "nan"], "not a finite number"),  # NaN compares false: would protect nothing
+        (["gc", "{root}", "--grace", "infh"], "not a finite number"),
         (["gc", "{root}"], "--grace"),
         (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--key", "ema"], "no tensors under 'ema.'"),
         (

@@ -1,5 +1,7 @@
 """Damaged chunk objects repaired from another tier's sound copies (``ckptflow.lifecycle.repair``)."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,20 @@ def test_hot_damage_is_repaired_from_the_archive_copy_and_a_later_save_needs_no_
     report = repair(hot, [cold])
     assert report.repaired == [(digest, cold.url)]
     assert Checkpointer(hot, RUN).verify(1).ok and restores(hot, 1, state(1))
+
+
+def test_a_record_another_process_wrote_goes_when_repair_fixes_the_chunk(tiers):
+    """The damage was found by another process's verify (its record is in the store, not in
+    this process's memory): repairing the chunk deletes the record, so a second repair
+    has nothing to do and stats no longer warns."""
+    hot, cold = tiers
+    digest = sorted(catalog.read_manifest(hot, RUN, 1).chunks)[0]
+    flip_byte(Path(hot.root) / chunk_key(digest), 20)
+    verify = f"from ckptflow import Checkpointer; assert not Checkpointer({hot.root!r}, {RUN!r}).verify(1).ok"
+    subprocess.run([sys.executable, "-c", verify], check=True)
+    assert digest in damaged.records(hot) and not damaged.known(hot.url, digest)
+    assert repair(hot, [cold]).repaired == [(digest, cold.url)]
+    assert digest not in damaged.records(hot) and repair(hot, [cold]).repaired == []
 
 
 def test_without_a_sound_copy_nothing_moves_and_the_record_stays(tiers):
