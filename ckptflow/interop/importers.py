@@ -84,6 +84,9 @@ def detect_format(src: str) -> str:
     )
 
 
+MAX_NESTING = 64  # levels of dicts and lists an imported state may nest (a state dict has a handful)
+
+
 def _read_json(path: str) -> Any:
     if os.path.getsize(path) > MAX_JSON_BYTES:
         raise CkptflowError(f"{path} is larger than {MAX_JSON_BYTES} bytes; refused unread")
@@ -92,6 +95,8 @@ def _read_json(path: str) -> Any:
             return json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CkptflowError(f"{path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise CkptflowError(f"{path} nests deeper than any JSON ckptflow reads; it is corrupt or hostile") from None
 
 
 def _from_dcp(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -120,7 +125,7 @@ def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
                 header_tied = json.loads((f.metadata() or {}).get(TIED_KEY, "{}"))
                 if isinstance(header_tied, dict):
                     tied.update({k: v for k, v in header_tied.items() if isinstance(v, str)})
-        except (OSError, ValueError, SafetensorError) as e:
+        except (OSError, ValueError, RecursionError, SafetensorError) as e:
             raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     for dropped, kept in tied.items():
         if kept in tensors and dropped not in tensors:
@@ -179,7 +184,7 @@ def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
             "unpickles anything else, since that can run code. Save tensors and plain values only "
             "(torch.save(model.state_dict(), ...)), or safetensors"
         ) from None
-    except (RuntimeError, OSError, EOFError) as e:
+    except Exception as e:  # whatever torch.load raises on bytes it cannot read: they are not a torch.save file
         raise CkptflowError(f"{src} is not a readable torch.save file ({type(e).__name__}: {e})") from None
     if not isinstance(obj, Mapping):
         raise CkptflowError(
@@ -235,7 +240,42 @@ def read_source(src: str | os.PathLike, format: str = "auto") -> tuple[str, dict
     if chosen not in _READERS:
         raise CkptflowError(f"import format {format!r} is not one of {('auto', *FORMATS)}")
     state, metadata = _READERS[chosen](src)
+    _check_state(src, state)
     return chosen, state, metadata
+
+
+def _check_state(src: str, state: Any) -> None:
+    """Refuse, before anything is allocated or written, what a save would choke on or blow
+    up: nesting deeper than ``MAX_NESTING``, tensors without data here (meta, sparse,
+    quantized), and views that claim more bytes than the file stores for them (a stride-0
+    ``expand`` of one element is 1.6 KB on disk and gigabytes once made contiguous)."""
+    stack: list[tuple[Any, int, str]] = [(state, 0, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        if depth > MAX_NESTING:
+            raise CkptflowError(f"{src}: the state nests deeper than {MAX_NESTING} levels (at {where[:200]!r})")
+        if isinstance(node, torch.Tensor):
+            _check_tensor(src, where, node)
+        elif isinstance(node, Mapping):
+            stack.extend((v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1, f"{where}.{i}") for i, v in enumerate(node))
+
+
+def _check_tensor(src: str, name: str, tensor: torch.Tensor) -> None:
+    what = f"{src}: tensor {name!r} ({list(tensor.shape)}, {tensor.dtype})"
+    if tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.is_quantized:
+        kind = tensor.layout if tensor.layout != torch.strided else tensor.device.type
+        raise CkptflowError(
+            f"{what} is {'quantized' if tensor.is_quantized else kind}; ckptflow imports dense tensors with their "
+            "data: save t.to_dense() / t.dequantize() / real values instead"
+        )
+    needed, stored = tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()
+    if needed > stored:
+        raise CkptflowError(
+            f"{what} needs {needed} bytes, but the file stores {stored} for it (a view that repeats its "
+            "elements, like expand()); refused rather than made in memory: save t.contiguous() if it is meant"
+        )
 
 
 def import_checkpoint(

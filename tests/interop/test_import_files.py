@@ -121,6 +121,49 @@ def test_hostile_torch_file_is_refused_without_running(tmp_path):
     assert marker.exists()
 
 
+def deep(levels: int) -> dict:
+    tree: dict = {"w": torch.zeros(1)}
+    for _ in range(levels):
+        tree = {"x": tree}
+    return tree
+
+
+@pytest.mark.parametrize(
+    "name, content, expect",
+    [
+        ("junk.pt", b"hello world", "not a readable torch.save file"),
+        ("expand.pt", {"w": torch.zeros(1).expand(20_000, 20_000)}, r"needs 1600000000 bytes, but the file stores 4"),
+        ("deep.pt", deep(200), "nests deeper than 64 levels"),
+        ("meta.pt", {"w": torch.empty(1000, 1000, device="meta")}, "is meta; ckptflow imports dense tensors"),
+        ("sparse.pt", {"w": torch.eye(3).to_sparse()}, "is torch.sparse_coo; ckptflow imports dense tensors"),
+        ("q.pt", {"w": torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)}, "is quantized"),
+    ],
+)
+def test_a_torch_file_that_is_not_a_plain_state_is_refused_before_anything_is_allocated(
+    tmp_path, capsys, name, content, expect
+):
+    """Bad bytes, a 1.6 KB file claiming 1.6 GB through a stride-0 view, a state nested
+    200 deep, tensors without data here: one clear error, exit 2, nothing written."""
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    code, out, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, path)
+    assert code == 2 and expect in err and "Traceback" not in err, err
+    assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_a_model_directory_whose_config_is_of_the_wrong_types_is_refused(tmp_path, capsys):
+    model = gpt2()
+    model.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for bad, expect in (({"architectures": 5}, "no 'architectures' entry"), ({"n_layer": "two"}, "does not build")):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **bad}))
+        code, _, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, tmp_path / "hf")
+        assert code == 2 and expect in err and "Traceback" not in err, err
+
+
 def test_unknown_source_names_what_is_supported(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(CkptflowError, match=r"DCP checkpoint directory.*Hugging Face.*safetensors.*torch\.save"):

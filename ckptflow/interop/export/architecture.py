@@ -82,7 +82,7 @@ def from_transformers_config(config: Mapping[str, Any], *, fix: str | None = Non
     """Build ``config["architectures"][0]`` on the meta device and read its structure
     (``fix``: what to do about a config that names no class)."""
     architectures = config.get("architectures") or []
-    if not architectures or not isinstance(architectures[0], str):
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         raise CkptflowError(
             "the model config has no 'architectures' entry naming its transformers class "
             f"(e.g. ['GPT2LMHeadModel']); {fix or 'record ckptflow.interop.export.model_metadata(model) when saving'}"
@@ -97,8 +97,13 @@ def from_transformers_config(config: Mapping[str, Any], *, fix: str | None = Non
     cls = getattr(transformers, architectures[0], None)
     if cls is None:
         raise CkptflowError(f"transformers {transformers.__version__} has no model class {architectures[0]!r}")
-    with torch.device("meta"):
-        model = cls(cls.config_class.from_dict(dict(config)))
+    try:
+        with torch.device("meta"):
+            model = cls(cls.config_class.from_dict(dict(config)))
+    except Exception as e:  # transformers and huggingface_hub raise their own kinds for a config of the wrong types
+        raise CkptflowError(
+            f"the model config does not build {architectures[0]} ({type(e).__name__}: {e}); fix the config"
+        ) from None
     return from_module(model, architectures[0])
 
 
