@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from ckptflow.cli.output import table
@@ -36,9 +37,10 @@ def run(store, args: argparse.Namespace) -> int:
         costs = CostModel.from_json(Path(args.prices).read_text()) if args.prices else CostModel()
     except (OSError, ValueError) as e:
         raise CkptflowError(f"cost model {args.prices}: {e}") from None
-    if args.gpus < 1 or not args.gpu_hour_usd >= 0:
+    if args.gpus < 1 or not 0 <= args.gpu_hour_usd < math.inf:
         raise CkptflowError(
-            f"--gpus must be at least 1 and --gpu-hour-usd non-negative, got {args.gpus}, {args.gpu_hour_usd}"
+            f"--gpus must be at least 1 and --gpu-hour-usd a finite non-negative number, got {args.gpus}, "
+            f"{args.gpu_hour_usd}"
         )
     advice = advise(
         store,

@@ -94,11 +94,12 @@ def failure_of(error: BaseException) -> Failure:
 
 @contextlib.contextmanager
 def own_errors() -> Iterator[None]:
-    """Re-raise our own error from inside DCP's ``CheckpointException`` when it has one cause."""
+    """Re-raise our own error from inside DCP's ``CheckpointException`` when it has one cause
+    (a Ctrl-C that DCP caught in a writer thread too: the CLI reports it as interrupted)."""
     try:
         yield
     except CheckpointException as e:
         causes = unwrap_failures(e)
-        if len(causes) == 1 and isinstance(causes[0], Exception):
+        if len(causes) == 1 and isinstance(causes[0], (Exception, KeyboardInterrupt)):
             raise causes[0] from None
         raise

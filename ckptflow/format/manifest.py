@@ -174,10 +174,10 @@ class Manifest:
             kind=kind,
             save_id=check.string(doc, "save_id", optional=True) or "",
             base_step=check.integer(doc, "base_step", optional=True),
-            created_at=check.number(doc, "created_at"),
-            committed_at=check.number(doc, "committed_at")
+            created_at=check.timestamp(doc, "created_at"),
+            committed_at=check.timestamp(doc, "committed_at")
             if "committed_at" in doc
-            else check.number(doc, "created_at"),
+            else check.timestamp(doc, "created_at"),
             world_size=world_size,
             codec=check.string(doc, "codec", optional=True) or "raw",
             metadata=metadata,

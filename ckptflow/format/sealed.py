@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from ckptflow.format import layout as fmt
 
 MAX_RECORD_BYTES = 1 << 30  # a manifest listing 10 TB in 8 MiB chunks is ~150 MiB
 MAX_DEPTH = 128  # JSON nesting; a real state dict is a handful of levels deep
+LAST_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the last second datetime can hold
 _SHA256_HEX = re.compile("[0-9a-f]{64}")
 
 
@@ -153,10 +153,12 @@ class Fields:
             raise self.bad(f"has field {name!r} = {value!r}, not an integer >= {minimum}")
         return value
 
-    def number(self, doc: Mapping, name: str) -> float:
+    def timestamp(self, doc: Mapping, name: str) -> float:
+        """Seconds since the epoch, a time every tool can print (``datetime`` and
+        ``time.localtime`` overflow past the year 9999)."""
         value = self._get(doc, name, optional=False)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.bad(f"has field {name!r} = {value!r}, not a finite number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= LAST_TIME:
+            raise self.bad(f"has field {name!r} = {value!r}, not a time between 1970 and 9999")
         return float(value)
 
     def string(self, doc: Mapping, name: str, *, optional: bool = False) -> Any:

@@ -26,6 +26,7 @@ The items add up exactly: baseline - savings = what the stores cost now.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +59,11 @@ class CostModel:
                     f"tier {tier!r} is priced as {storage_class!r}, which has no price; "
                     f"prices are given for {sorted(self.prices)}"
                 )
-        if any(not isinstance(p, (int, float)) or p < 0 for p in self.prices.values()):
-            raise ValueError(f"prices must be non-negative numbers (USD per GB-month), got {dict(self.prices)}")
+        if any(
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < math.inf
+            for p in self.prices.values()
+        ):
+            raise ValueError(f"prices must be finite non-negative numbers (USD per GB-month), got {dict(self.prices)}")
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:

@@ -103,6 +103,18 @@ def test_a_million_ranks_is_one_line_and_quick(root, capsys):
     assert "999999 of 1000000 ranks are missing" in line and "(ranks 1, 2, 3" in line
 
 
+@pytest.mark.parametrize("when", [1e300, -1.0, "nan"])
+def test_a_time_no_tool_can_print_is_a_damaged_manifest_not_an_overflow(root, capsys, when):
+    """A sealed manifest whose created_at is past the year 9999: ``ls`` printed a traceback
+    (time.localtime overflowed) where verify and export passed it as sound."""
+    reseal_manifest(root, RUN, 2, lambda r: r.update(created_at=when))
+    for argv in (["ls", root], ["ls", root, "--json"], ["verify", root, "--run", RUN, "--step", "2"]):
+        code, out, err = run_cli(capsys, *argv)
+        assert "Traceback" not in err and "not a time between 1970 and 9999" in out + err, (argv, out, err)
+    step, skipped = restore_step(root)
+    assert step == 1 and [s for s, _ in skipped] == [2]
+
+
 def test_a_shape_no_machine_can_hold_is_a_clear_export_error(root, tmp_path):
     def huge(record):
         n = 1_000_000

@@ -84,3 +84,22 @@ def test_the_cli_prints_current_and_optimal_with_the_fallbacks_taken(tmp_path, c
     assert code == 2 and "no run 'nope'" in err
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", "6h", "--scenario", "reliable")
     assert code == 2 and "not allowed with argument" in err
+
+
+@pytest.mark.parametrize(
+    "args, prices, expect",
+    [
+        (["--mtbf", "inf"], None, "not a finite number"),
+        (["--gpu-hour-usd", "inf"], None, "a finite non-negative number"),
+        (["--gpu-hour-usd", "nan"], None, "a finite non-negative number"),
+        ([], '{"prices": {"STANDARD": NaN}}', "finite non-negative numbers"),
+    ],
+)
+def test_numbers_that_are_not_finite_are_one_clear_error(tmp_path, capsys, args, prices, expect):
+    root = str(tmp_path / "store")
+    _train(root, range(0, 5))
+    if prices is not None:
+        (tmp_path / "prices.json").write_text(prices)
+        args = [*args, "--prices", str(tmp_path / "prices.json")]
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, *args)
+    assert code == 2 and expect in err and "Traceback" not in err, (out, err)

@@ -156,3 +156,16 @@ def test_load_gives_back_a_new_state_as_it_was_saved(tmp_path):
     fresh = tiny_state(seed=1)
     fresh["model"].load_state_dict(loaded["model"])
     assert torch.equal(fresh["model"][0].weight, state["model"][0].weight)
+
+
+def test_a_ctrl_c_while_chunks_are_written_is_a_keyboard_interrupt_not_a_dcp_failure(tmp_path, monkeypatch):
+    """DCP catches what its write step raises, Ctrl-C included, and wraps it: the CLI then
+    printed a traceback of a CheckpointException instead of saying it was interrupted."""
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ChunkStore, "_store", interrupted)
+    with pytest.raises(KeyboardInterrupt), Checkpointer(str(tmp_path), "r") as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    assert not ck.list()
