@@ -137,7 +137,7 @@ def _run_listing(
             listed = list(store.list(prefix))
         else:
             listed = list(store.list_after(prefix, start, roll_up=RANKS_ROLLED if manifests_only else ""))
-    except SymlinkError:  # somewhere below: find which step, so only that step is a problem
+    except (SymlinkError, PermissionError):  # somewhere below: find which step, so only that step is a problem
         yield from _steps_one_by_one(store, run)
         return
     yield from _grouped(store, run, listed)
@@ -150,7 +150,7 @@ def _steps_one_by_one(store: Store, run: str) -> Iterator[StepListing | Problem]
             continue
         try:
             yield from _grouped(store, run, list(store.list(entry.key)) if entry.key.endswith("/") else [entry])
-        except SymlinkError as e:
+        except (SymlinkError, PermissionError) as e:
             yield problem_from(run, step, e)
 
 

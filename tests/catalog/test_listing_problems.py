@@ -139,3 +139,34 @@ def test_a_listing_of_commit_records_names_each_steps_ranks_once(tmp_path):
     assert sum(f.key.startswith(ranks) for f in full.files) == 4
     assert [f.key for f in rolled.files] == [fmt.manifest_key(RUN, 1), ranks] and rolled.manifest == full.manifest
     assert [i.step for i in catalog.list_checkpoints(store, RUN)] == [1]
+
+
+class OneStepDenied(FaultyStore):
+    """A local store where step 3's directory cannot be listed (another user's, mode 700)."""
+
+    def list(self, prefix, *, recursive=True):
+        denied = fmt.step_prefix(RUN, 3)
+        for info in self.inner.list(prefix, recursive=recursive):
+            if info.key.startswith(denied) and (recursive or prefix.startswith(denied)):
+                raise PermissionError(13, "Permission denied", os.path.join(self.inner.root, denied))
+            yield info
+
+    def list_after(self, prefix, start_after="", *, roll_up=""):
+        denied = fmt.step_prefix(RUN, 3)
+        for info in self.inner.list_after(prefix, start_after, roll_up=roll_up):
+            if info.key.startswith(denied):
+                raise PermissionError(13, "Permission denied", os.path.join(self.inner.root, denied))
+            yield info
+
+
+def test_a_step_that_cannot_be_listed_is_that_steps_problem_not_the_whole_runs(root):
+    """Before, one denied step directory made the run one problem: ``ls`` showed none of
+    its checkpoints and said "no checkpoints"."""
+    store = OneStepDenied(open_store(root))
+    for manifests_only in (False, True):
+        listed = list(catalog_listing.listing(store, manifests_only=manifests_only))
+        assert [e.step for e in listed if isinstance(e, catalog_listing.StepListing)] == [1, 2, 4]
+        [problem] = [e for e in listed if isinstance(e, Problem)]
+        assert (problem.step, problem.kind) == (3, "denied") and "Permission denied" in problem.message
+    assert [i.step for i in catalog.summaries(store, RUN) if not isinstance(i, Problem)] == [1, 2, 4]
+    assert gc(store, grace=0).skipped  # what step 3 references is unknown: nothing is swept
