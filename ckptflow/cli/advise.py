@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
-from ckptflow.cli.output import table
+from ckptflow.cli.output import json_text, table
 from ckptflow.errors import CkptflowError
 from ckptflow.policy.interval import SCENARIOS, IntervalCost
 from ckptflow.reports.advice import Advice, advise
@@ -51,7 +50,7 @@ def run(store, args: argparse.Namespace) -> int:
         gpu_hour_usd=args.gpu_hour_usd,
         costs=costs,
     )
-    print(json.dumps(advice.as_dict(), indent=2, sort_keys=True) if args.json else render(advice))
+    print(json_text(advice.as_dict()) if args.json else render(advice))
     return 0
 
 

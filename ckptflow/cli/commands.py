@@ -23,7 +23,7 @@ from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import CheckpointInfo
 from ckptflow.catalog.gc import gc, parse_duration
 from ckptflow.catalog.tiers import thaw
-from ckptflow.cli.output import PROG, progress, table, warn
+from ckptflow.cli.output import PROG, json_text, progress, table, warn
 from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.repair import repair
@@ -94,7 +94,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         infos = _selected(store, run, infos, args.select)
     if args.json:
         docs = [{**asdict(i), "created": datetime.fromtimestamp(i.created_at, timezone.utc).isoformat()} for i in infos]
-        print(json.dumps(docs, indent=2, sort_keys=True))
+        print(json_text(docs))
         return 0
     if not infos:
         print(f"no checkpoints in {store.url}" + (f" for run {args.run}" if args.run else ""))

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 PROG = "ckptflow"
+
+
+def json_text(doc: Any) -> str:
+    """``doc`` as strict JSON (RFC 8259) for ``--json``: a NaN or infinite number (a loss
+    that diverged, recorded in metadata) becomes null, which every parser reads."""
+
+    def finite(node: Any) -> Any:
+        if isinstance(node, float) and not math.isfinite(node):
+            return None
+        if isinstance(node, dict):
+            return {k: finite(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [finite(v) for v in node]
+        return node
+
+    return json.dumps(finite(doc), indent=2, sort_keys=True, allow_nan=False)
 
 
 def ratio(x: float | None) -> str:

@@ -9,12 +9,11 @@ Apart from ``ckptflow.cli.commands`` because they render the read-only reports o
 from __future__ import annotations
 
 import argparse
-import json
 
 from ckptflow.cli import advise
 from ckptflow.cli import costs as cost_section
 from ckptflow.cli.commands import open_existing, require_run
-from ckptflow.cli.output import PROG, ratio, table, warn
+from ckptflow.cli.output import PROG, json_text, ratio, table, warn
 from ckptflow.reports import recoveries
 from ckptflow.reports.stats import store_stats
 from ckptflow.reports.units import human_bytes, human_duration
@@ -38,7 +37,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         doc = {**stats.as_dict(), "operations": [m.as_dict() for m in operations], "costs": costs.as_dict()}
         if archive is not None:
             doc["archive"] = archive.as_dict()["store"]
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print(json_text(doc))
         return 0
     headers = ["RUN", "CHECKPOINTS", "LOGICAL", "UNIQUE", "STORED", "DEDUP", "COMPRESSION"]
     rows = [

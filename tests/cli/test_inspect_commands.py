@@ -63,6 +63,21 @@ def test_ls_json(store, capsys):
     assert docs[0]["metadata"] == {"loss": 0.5}
 
 
+def test_ls_json_is_strict_json_when_a_loss_diverged(tmp_path, capsys):
+    """Metadata may hold NaN or infinity (a diverged loss); --json writes null for them, so
+    parsers that follow RFC 8259 (jq, JavaScript, Python with parse_constant) read it."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, {"w": torch.ones(2)}, metadata={"loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
+    code, out, _ = run_cli(capsys, "ls", root, "--json")
+
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+
+    [doc] = json.loads(out, parse_constant=refuse)
+    assert code == 0 and doc["metadata"] == {"loss": None, "grad_norm": None, "lr": 0.1}
+
+
 def test_ls_filters_by_run(store, capsys):
     root, _, _ = store
     with Checkpointer(root, "beta") as ckpt:
