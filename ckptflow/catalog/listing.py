@@ -140,6 +140,14 @@ def _run_listing(
     except (SymlinkError, PermissionError):  # somewhere below: find which step, so only that step is a problem
         yield from _steps_one_by_one(store, run)
         return
+    if not listed and from_step is None and store.exists(prefix.rstrip("/")):
+        yield Problem(
+            run,
+            None,
+            "not_a_directory",
+            f"{store.url}/{prefix.rstrip('/')} is a file where the run's checkpoints directory belongs; move it away",
+        )
+        return
     yield from _grouped(store, run, listed)
 
 

@@ -170,3 +170,18 @@ def test_a_step_that_cannot_be_listed_is_that_steps_problem_not_the_whole_runs(r
         assert (problem.step, problem.kind) == (3, "denied") and "Permission denied" in problem.message
     assert [i.step for i in catalog.summaries(store, RUN) if not isinstance(i, Problem)] == [1, 2, 4]
     assert gc(store, grace=0).skipped  # what step 3 references is unknown: nothing is swept
+
+
+def test_a_file_where_a_runs_checkpoints_directory_belongs_is_a_problem_not_an_empty_run(root, capsys):
+    """Before, the run listed as empty: verify --all said "0 checkpoints verified" (exit 0)
+    and gc went on without a word about it."""
+    checkpoints = os.path.join(root, "runs", RUN, "checkpoints")
+    os.rename(checkpoints, checkpoints + ".moved")
+    with open(checkpoints, "wb") as f:
+        f.write(b"not a directory")
+    [problem] = list(catalog_listing.listing(open_store(root), RUN))
+    assert (problem.step, problem.kind) == (None, "not_a_directory") and "is a file where" in problem.message
+    code, out, _ = run_cli(capsys, "verify", root, "--run", RUN, "--all")
+    assert code == 1 and "is a file where the run's checkpoints directory belongs" in out
+    code, _, err = run_cli(capsys, "gc", root, "--grace", "1h", "--dry-run")
+    assert code == 0 and "left alone" in err and "is a file where" in err
