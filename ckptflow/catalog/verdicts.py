@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -106,12 +107,11 @@ def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dic
     return dict(out)
 
 
-def commit_record_keys(store: Store, run: str, step: int, digest: str) -> list[str]:
-    """Keys of every record of one commit of a step, for ``expire`` to delete (another
-    commit of the step, an archive copy of an earlier one, keeps its own)."""
-    if not fmt.is_digest(digest):
-        raise InvalidNameError(f"lifecycle records are keyed by a manifest's sha256 digest, got {digest!r}")
-    return [info.key for info in store.list(f"{step_prefix(run, step)}{digest}/")]
+def step_record_keys(store: Store, run: str, step: int, *, keep_digests: Collection[str] = ()) -> list[str]:
+    """Keys of every record of a step, but those of the commits ``keep_digests`` names
+    (another tier holds one: its verdicts still describe it), for ``expire`` to delete."""
+    prefix = step_prefix(run, step)
+    return [info.key for info in store.list(prefix) if info.key[len(prefix) :].split("/", 1)[0] not in keep_digests]
 
 
 def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, dict[str, Any]] | None:

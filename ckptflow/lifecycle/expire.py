@@ -3,46 +3,37 @@ knows what else references them."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.ledger import record_expiry
-from ckptflow.catalog.verdicts import commit_record_keys
-from ckptflow.errors import CkptflowError, ExpireError, ObjectNotFoundError
+from ckptflow.catalog.verdicts import step_record_keys
+from ckptflow.errors import CkptflowError, ExpireError
 from ckptflow.format import layout as fmt
-from ckptflow.format.manifest import Manifest
-from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import Store
 
 
-def expire(store: Store, run: str, step: int, *, keep_records: bool = False) -> list[str]:
+def expire(
+    store: Store, run: str, step: int, *, keep_records: bool = False, keep_digests: Collection[str] = ()
+) -> list[str]:
     """Delete the commit record first (the checkpoint stops existing at once), then every
-    other object of the step, then the lifecycle records of that commit (those keyed by
-    its manifest's digest) unless ``keep_records`` (a hot copy expired while the archive
-    keeps the checkpoint: its verdicts still describe it). Records of another commit of
-    the step stay: an archive copy of an earlier commit is still described by them.
-    Before that, the commit goes into the ledger of expired checkpoints (``ledger``).
+    other object of the step, then its lifecycle records unless ``keep_records`` (a hot
+    copy expired while the archive keeps the checkpoint: its verdicts still describe it).
+    ``keep_digests``: commits whose records stay all the same (another tier holds an
+    earlier commit of the step). Before that, the commit goes into the ledger of expired
+    checkpoints (``ledger``).
 
-    Raises ``ExpireError`` naming what is left if any delete fails, or, deleting nothing,
-    when the commit record cannot be read (a store that did not answer); calling again
-    after the cause is fixed finishes the job (the records of a commit whose record
-    is already gone then stay: keyed by a digest no tier holds, they describe nothing).
-    Returns the keys deleted.
+    Raises ``ExpireError`` naming what is left if any delete fails; calling again after
+    the cause is fixed finishes the job. Returns the keys deleted.
     """
+    try:  # the cost model's "retention saved" counts what expiry removed
+        record_expiry(store, catalog.read_manifest(store, run, step))
+    except CkptflowError:
+        pass  # an unreadable commit record: nothing to account for
     manifest_key = fmt.manifest_key(run, step)
-    try:
-        blob: bytes | None = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
-    except ObjectNotFoundError:
-        blob = None
-    except CkptflowError as e:
-        raise ExpireError(
-            f"could not read {store.url}/{manifest_key}, so nothing of {run} step {step} was deleted: {e}"
-        ) from e
-    if blob is not None:
-        try:  # the cost model's "retention saved" counts what expiry removed
-            record_expiry(store, Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step))
-        except CkptflowError:
-            pass  # a damaged commit record: nothing to account for
     keys = [manifest_key] + sorted(i.key for i in store.list(fmt.step_prefix(run, step)) if i.key != manifest_key)
-    if blob is not None and not keep_records:
-        keys += commit_record_keys(store, run, step, fmt.digest_of(blob))
+    if not keep_records:
+        keys += step_record_keys(store, run, step, keep_digests=keep_digests)
     failed: list[str] = []
     for key in keys:
         try:

@@ -69,13 +69,16 @@ def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan, *, r
 
     A plan is about commits, and time passes between a plan and its apply: each
     checkpoint is read again right before it goes, and kept (``changed``) if its step was
-    committed again since (the plan saw another commit), if the registry's versions
-    and aliases, read again before the first expiry, now pin it, or if it is damaged now
+    committed again since (the plan saw another commit), if a model version was
+    published from it or an alias moved to it since (the registry is read again before
+    the first expiry, and compared with what the plan knew), or if it is damaged now
     where the plan saw it whole. One whose commit record cannot be read now (an outage)
-    is ``failed``: nothing is decided on a read that failed.
+    is ``failed``: nothing is decided on a read that failed. Expiring a checkpoint with
+    no matching archive copy deletes its lifecycle records, but not those of the commit
+    the archive holds at that step (an earlier commit: its verdicts still describe it).
     """
     report = RetentionReport()
-    protected = registry.pinned() | set(registry.aliased()) if plan.expire_hot else set()
+    protected = (registry.pinned() | set(registry.aliased())) - plan.protected if plan.expire_hot else set()
     for ref in plan.expire_hot:
         run, step = ref
         try:
@@ -90,12 +93,28 @@ def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan, *, r
             elif ref in plan.archive_only:
                 report.left_hot.append((ref, why_not))
             else:
-                expire(hot, run, step)
+                expire(hot, run, step, keep_digests=_archived_commits(archive, run, step))
                 report.expired.append(ref)
         except CkptflowError as e:
             log.warning("retention could not expire %s step %d: %s", run, step, e)
             report.failed.append((ref, str(e)))
     return report
+
+
+def _archived_commits(archive: Store | None, run: str, step: int) -> set[str]:
+    """The digests whose records describe what ``archive`` holds at ``(run, step)``: its
+    commit, and for a lossy copy the exact commit it was made from. None read proves no
+    copy missing: an outage is raised, so nothing is decided on it."""
+    if archive is None:
+        return set()
+    try:
+        manifest = catalog.read_manifest(archive.metadata_store(), run, step)
+    except CkptflowError as e:
+        if not is_damage(e):
+            raise
+        return set()
+    source = (manifest.lossy or {}).get("source_digest")
+    return {manifest.digest, *([source] if isinstance(source, str) else [])}
 
 
 def _changed_since(hot: Store, ref: Ref, planned: str, protected: set[Commit]) -> str | None:

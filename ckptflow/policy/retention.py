@@ -251,6 +251,7 @@ class RetentionPlan:
     delete: dict[Ref, str]
     archive_only: dict[Ref, str] = field(default_factory=dict)  # kept, in the archive tier only
     digests: dict[Ref, str] = field(default_factory=dict)  # the commit each decision is about ("": unread then)
+    protected: frozenset[Commit] = frozenset()  # the pinned and aliased commits the plan knew of
 
     @property
     def expire_hot(self) -> list[Ref]:
@@ -304,4 +305,10 @@ def plan(
                 if not exact_required:
                     archive_only[c.ref] = f"archived and older than {hot_days:g} days"
     digests = {c.ref: c.digest for c in checkpoints}
-    return RetentionPlan(keep=dict(sorted(keep.items())), delete=delete, archive_only=archive_only, digests=digests)
+    return RetentionPlan(
+        keep=dict(sorted(keep.items())),
+        delete=delete,
+        archive_only=archive_only,
+        digests=digests,
+        protected=ctx.pinned | frozenset(ctx.aliased),
+    )
