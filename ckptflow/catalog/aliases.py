@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptflow.errors import ObjectNotFoundError, RegistryError
+from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, RegistryError
 from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
 PREFIX = "registry/models/"
 ALIASES = ("latest", "stable", "fallback")
+MAX_RECORD_BYTES = 16 << 20  # an alias or version record: a few KB; more is damage, refused unread
 
 
 def model_prefix(model: str) -> str:
@@ -30,6 +31,14 @@ def version_key(model: str, version: int) -> str:
 
 def aliases_key(model: str) -> str:
     return f"{model_prefix(model)}aliases.json"
+
+
+def read_bounded(store: Store, key: str) -> bytes:
+    """A registry record's bytes, refused unread when larger than any such record."""
+    try:
+        return store.get_bounded(key, MAX_RECORD_BYTES)
+    except ObjectTooLargeError:
+        raise RegistryError(f"{store.url}/{key} is larger than any registry record: it is damaged") from None
 
 
 def parse_aliases(blob: bytes, where: str) -> dict[str, Any]:
@@ -50,7 +59,7 @@ def read_aliases(store: Store, model: str) -> dict[str, int]:
     """``{alias: version}`` of ``model`` ({} when it has none yet)."""
     key = aliases_key(model)
     try:
-        blob = store.get(key)
+        blob = read_bounded(store, key)
     except ObjectNotFoundError:
         return {}
     return dict(parse_aliases(blob, f"{store.url}/{key}")["aliases"])
@@ -60,7 +69,7 @@ def read_version(store: Store, model: str, version: int) -> dict[str, Any]:
     """The JSON record of one model version (``RegistryError`` if there is none)."""
     key = version_key(model, version)
     try:
-        doc = json.loads(store.get(key))
+        doc = json.loads(read_bounded(store, key))
     except ObjectNotFoundError:
         raise RegistryError(f"model {model!r} has no version {version} in {store.url}") from None
     except (ValueError, RecursionError) as e:

@@ -42,7 +42,7 @@ from typing import Any
 
 from ckptflow.catalog import aliases as alias_records
 from ckptflow.catalog.aliases import ALIASES, PREFIX
-from ckptflow.errors import ObjectNotFoundError, RegistryError
+from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, RegistryError
 from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
@@ -115,9 +115,11 @@ class Registry:
     def _read_aliases(self, model: str) -> tuple[dict[str, Any], str | None]:
         key = self._aliases_key(model)
         try:
-            blob, version = self.store.get_versioned(key)
+            blob, version = self.store.get_versioned(key, alias_records.MAX_RECORD_BYTES)
         except ObjectNotFoundError:
             return {"aliases": {}}, None
+        except ObjectTooLargeError:
+            raise RegistryError(f"{self.store.url}/{key} is larger than any registry record: it is damaged") from None
         return alias_records.parse_aliases(blob, f"{self.store.url}/{key}"), version
 
     def aliases(self, model: str) -> Aliases:
@@ -184,8 +186,8 @@ class Registry:
             raise RegistryError(f"stage {stage!r} is not 'latest', 'stable' or None")
         for f in files.values():
             self.file_key(model, f["sha256"])  # a digest, or refuse before claiming a number
-        if stage is not None:  # aliases a move would refuse (one names no version): refuse before claiming one
-            self._check_aliases(model, self._read_aliases(model)[0]["aliases"])
+        if stage is not None:  # an alias record a move could not read: refuse before claiming a number
+            self._read_aliases(model)
         existing = [v.version for v in self.versions(model)]
         version = (max(existing) if existing else 0) + 1
         for _ in range(CAS_ATTEMPTS):
@@ -222,7 +224,9 @@ class Registry:
             if doc.get("move", {}).get("id") == move_id:
                 return dict(doc["aliases"])  # our write landed; its response was lost
             aliases = change(dict(doc["aliases"]))
-            self._check_aliases(model, aliases)
+            # what this move sets must name a version; an alias it leaves alone is not its to check,
+            # so a broken one never blocks the move that repairs it (set_alias)
+            self._check_aliases(model, {a: v for a, v in aliases.items() if doc["aliases"].get(a) != v})
             new = {"aliases": aliases, "move": {"id": move_id, "action": action, "at": time.time()}}
             if self.store.replace_if(self._aliases_key(model), json.dumps(new, sort_keys=True).encode(), version):
                 return aliases

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import aliases as alias_records
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.errors import ObjectNotFoundError, RegistryError
 from ckptflow.interop.export import load_exported, model_metadata
@@ -340,22 +341,34 @@ def test_a_model_file_that_rotted_is_written_again_by_the_next_promotion_or_rebu
         reg.download(v1, tmp_path / "served")  # checks every file's sha256
 
 
-def test_a_refused_promotion_registers_no_version(tmp_path):
-    """An alias record naming a version that does not exist (edited by hand): promotion is
-    refused before a version number is claimed, and says what to fix."""
+def test_a_refused_promotion_registers_no_version_and_a_broken_alias_blocks_no_repair(tmp_path):
+    """An alias record that does not read: promotion is refused before a version number is
+    claimed. An alias naming a version that does not exist (edited by hand) blocks no move
+    that leaves it alone, and set_alias repairs it."""
     root, _ = checkpoints(tmp_path)
     hot = open_store(root)
     reg = Registry(hot)
     promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
-    doc = json.loads(hot.get(reg._aliases_key("m")))
-    doc["aliases"]["fallback"] = 7
-    hot.replace(reg._aliases_key("m"), json.dumps(doc).encode())
+    key = reg._aliases_key("m")
+    good = hot.get(key)
+    hot.replace(key, b"{not json")
     for stage in ("latest", "stable"):
-        with pytest.raises(RegistryError, match=r"m@fallback names v7, which does not read .*set_alias"):
+        with pytest.raises(RegistryError, match="alias record is damaged"):
             promote(hot, reg, PromotionRequest("m", ("r", 2), stage=stage))
-    assert [v.version for v in reg.versions("m")] == [1] and reg.pinned() == {
-        ("r", 1, read_manifest(hot, "r", 1).digest)
-    }
+    assert [v.version for v in reg.versions("m")] == [1]
+    hot.replace(key, good)
+    doc = json.loads(good)
+    hot.replace(key, json.dumps({**doc, "aliases": {**doc["aliases"], "fallback": 7}}).encode())
+    with pytest.raises(RegistryError, match=r"m@stable names v9, which does not read .*set_alias"):
+        reg.set_alias("m", "stable", 9)
+    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).version == 2
+    assert reg.aliases("m") == {"latest": 2, "stable": 1, "fallback": 7}
+    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable")).version == 3
+    assert reg.aliases("m") == {"latest": 3, "stable": 3, "fallback": 1}  # the old stable replaced the broken one
+    hot.replace(key, json.dumps({**doc, "aliases": {"latest": 7, "stable": 7}}).encode())
+    for alias in ("latest", "stable"):
+        reg.set_alias("m", alias, 1)
+    assert reg.aliases("m") == {"latest": 1, "stable": 1}
 
 
 def test_rollback_returns_the_version_it_made_stable_not_one_a_later_move_did(tmp_path):
@@ -389,4 +402,15 @@ def test_a_version_record_of_the_wrong_types_is_refused_and_one_with_new_fields_
     hot.replace(key, json.dumps({**record, "step": "1"}).encode())
     for read in (lambda: reg.get("m", v.version), reg.pinned, lambda: lifecycle.current_plan(hot, None, reg)):
         with pytest.raises(RegistryError, match=r"000001.json is not a version record .* step '1'"):
+            read()
+
+
+def test_a_registry_record_larger_than_any_is_refused_unread(tmp_path, monkeypatch):
+    root, _ = checkpoints(tmp_path, steps=(1,))
+    hot = open_store(root)
+    reg = Registry(hot)
+    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    monkeypatch.setattr(alias_records, "MAX_RECORD_BYTES", 16)  # every real record is larger: as if each were huge
+    for read in (lambda: reg.get("m", v.version), lambda: reg.aliases("m"), lambda: reg.promote("m", v.version)):
+        with pytest.raises(RegistryError, match="larger than any registry record"):
             read()
