@@ -85,6 +85,8 @@ def detect_format(src: str) -> str:
 
 
 MAX_NESTING = 64  # levels of dicts and lists an imported state may nest (a state dict has a handful)
+VIEW_BYTES_PER_STORED = 4  # what the views of one storage may claim: this many times its bytes ...
+VIEW_BYTES_SLACK = 64 << 20  # ... plus this much (a fused weight beside its slices and a transposed view)
 
 
 def _read_json(path: str) -> Any:
@@ -248,18 +250,37 @@ def _check_state(src: str, state: Any) -> None:
     """Refuse, before anything is allocated or written, what a save would choke on or blow
     up: nesting deeper than ``MAX_NESTING``, tensors without data here (meta, sparse,
     quantized), and views that claim more bytes than the file stores for them (a stride-0
-    ``expand`` of one element is 1.6 KB on disk and gigabytes once made contiguous)."""
+    ``expand`` of one element is 1.6 KB on disk and gigabytes once made contiguous; a
+    thousand overlapping slices of one storage, each within it, are a thousand times it).
+    Views of one storage may claim ``VIEW_BYTES_PER_STORED`` times its bytes plus
+    ``VIEW_BYTES_SLACK``: a fused weight saved beside its slices and a transposed view;
+    tied weights are one view, counted once."""
     stack: list[tuple[Any, int, str]] = [(state, 0, "")]
+    views: dict[int, dict[tuple, tuple[int, str]]] = {}  # per storage, each distinct view: (its bytes, a name)
+    stored: dict[int, int] = {}
     while stack:
         node, depth, where = stack.pop()
         if depth > MAX_NESTING:
             raise CkptflowError(f"{src}: the state nests deeper than {MAX_NESTING} levels (at {where[:200]!r})")
         if isinstance(node, torch.Tensor):
             _check_tensor(src, where, node)
+            storage = node.untyped_storage()
+            stored[storage.data_ptr()] = storage.nbytes()
+            view = (node.storage_offset(), tuple(node.shape), node.stride(), node.dtype)
+            views.setdefault(storage.data_ptr(), {})[view] = (node.numel() * node.element_size(), where)
         elif isinstance(node, Mapping):
             stack.extend((v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items())
         elif isinstance(node, (list, tuple)):
             stack.extend((v, depth + 1, f"{where}.{i}") for i, v in enumerate(node))
+    for ptr, of_storage in views.items():
+        claimed = sum(n for n, _ in of_storage.values())
+        if claimed > VIEW_BYTES_PER_STORED * stored[ptr] + VIEW_BYTES_SLACK:
+            names = sorted(name for _, name in of_storage.values())
+            raise CkptflowError(
+                f"{src}: {len(names)} tensors ({', '.join(repr(n) for n in names[:3])}, ...) are views of one "
+                f"storage of {stored[ptr]} bytes and claim {claimed} bytes together; refused rather than made "
+                "in memory: save each as its own tensor (t.clone()) if that is meant"
+            )
 
 
 def _check_tensor(src: str, name: str, tensor: torch.Tensor) -> None:

@@ -121,6 +121,9 @@ def test_hostile_torch_file_is_refused_without_running(tmp_path):
     assert marker.exists()
 
 
+STORAGE = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB; 1024 overlapping slices of it claim 254 MiB
+
+
 def deep(levels: int) -> dict:
     tree: dict = {"w": torch.zeros(1)}
     for _ in range(levels):
@@ -134,6 +137,11 @@ def deep(levels: int) -> dict:
         ("junk.pt", b"hello world", "not a readable torch.save file"),
         ("expand.pt", {"w": torch.zeros(1).expand(20_000, 20_000)}, r"needs 1600000000 bytes, but the file stores 4"),
         ("deep.pt", deep(200), "nests deeper than 64 levels"),
+        (
+            "views.pt",
+            {f"w{i}": STORAGE[i:] for i in range(1024)},
+            "1024 tensors ('model.w0', 'model.w1', 'model.w10', ...) are views of one",
+        ),
         ("meta.pt", {"w": torch.empty(1000, 1000, device="meta")}, "is meta; ckptflow imports dense tensors"),
         ("sparse.pt", {"w": torch.eye(3).to_sparse()}, "is torch.sparse_coo; ckptflow imports dense tensors"),
         ("q.pt", {"w": torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)}, "is quantized"),
@@ -152,6 +160,29 @@ def test_a_torch_file_that_is_not_a_plain_state_is_refused_before_anything_is_al
     code, out, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, path)
     assert code == 2 and expect in err and "Traceback" not in err, err
     assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_views_a_real_state_holds_import_exactly(tmp_path):
+    """A fused weight saved beside its slices, a tied weight, a transposed view, an
+    expand() of a row (HF position_ids), an empty and a 0-dim tensor: within the bounds."""
+    fused = torch.randn(12, 4)
+    state = {
+        "qkv": fused,
+        "q": fused[:4],
+        "k": fused[4:8],
+        "v": fused[8:],
+        "tied": fused,
+        "t": fused.t(),
+        "position_ids": torch.arange(16).expand((1, -1)),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(3.0),
+    }
+    torch.save(state, tmp_path / "views.pt")
+    import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "views.pt")
+    live = {"model": {k: torch.zeros_like(v).contiguous() for k, v in state.items()}}
+    with Checkpointer(str(tmp_path / "store"), "r") as ck:
+        ck.restore(live)
+    assert all(torch.equal(live["model"][k], v) for k, v in state.items())
 
 
 def test_a_model_directory_whose_config_is_of_the_wrong_types_is_refused(tmp_path, capsys):
