@@ -138,7 +138,7 @@ def _run_listing(
         else:
             listed = list(store.list_after(prefix, start, roll_up=RANKS_ROLLED if manifests_only else ""))
     except (SymlinkError, PermissionError):  # somewhere below: find which step, so only that step is a problem
-        yield from _steps_one_by_one(store, run)
+        yield from _steps_one_by_one(store, run, from_step=from_step, manifests_only=manifests_only)
         return
     if not listed and from_step is None and store.exists(prefix.rstrip("/")):
         yield Problem(
@@ -151,13 +151,17 @@ def _run_listing(
     yield from _grouped(store, run, listed)
 
 
-def _steps_one_by_one(store: Store, run: str) -> Iterator[StepListing | Problem]:
+def _steps_one_by_one(
+    store: Store, run: str, *, from_step: int | None, manifests_only: bool
+) -> Iterator[StepListing | Problem]:
     for entry in store.list(fmt.checkpoints_prefix(run), recursive=False):
         step = fmt.parse_step_dir(entry.key)
-        if step is None:
+        if step is None or (from_step is not None and step < from_step):
             continue
+        roll_up = RANKS_ROLLED if manifests_only else ""
         try:
-            yield from _grouped(store, run, list(store.list(entry.key)) if entry.key.endswith("/") else [entry])
+            listed = list(store.list_after(entry.key, "", roll_up=roll_up)) if entry.key.endswith("/") else [entry]
+            yield from _grouped(store, run, listed)
         except (SymlinkError, PermissionError) as e:
             yield problem_from(run, step, e)
 

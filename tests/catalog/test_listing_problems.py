@@ -169,6 +169,8 @@ def test_a_step_that_cannot_be_listed_is_that_steps_problem_not_the_whole_runs(r
         [problem] = [e for e in listed if isinstance(e, Problem)]
         assert (problem.step, problem.kind) == (3, "denied") and "Permission denied" in problem.message
     assert [i.step for i in catalog.summaries(store, RUN) if not isinstance(i, Problem)] == [1, 2, 4]
+    frontier = list(catalog_listing.listing(store, from_steps={RUN: 4}, manifests_only=True))  # a landing tick
+    assert [(e.step, type(e).__name__) for e in frontier] == [(4, "StepListing")]
     assert gc(store, grace=0).skipped  # what step 3 references is unknown: nothing is swept
 
 
