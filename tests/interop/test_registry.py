@@ -12,17 +12,15 @@ import tracemalloc
 import pytest
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
-from ckptflow.catalog import aliases as alias_records
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.errors import ObjectNotFoundError, RegistryError
-from ckptflow.interop.export import load_exported, model_metadata
+from ckptflow.interop.export import load_exported
 from ckptflow.interop.registry import Registry, describe
 from ckptflow.lifecycle.promote import PromotionRequest, promote, rebuild, rollback
 from ckptflow.store import LocalStore, open_store
-from support.corrupt import flip_byte
+from support.registry_models import Tiny, checkpoints
 
 
 # ---- the store capability ------------------------------------------------------------------
@@ -200,25 +198,6 @@ def test_racing_registrations_leave_a_consistent_registry(tmp_path):
 
 
 # ---- promotion through the export --------------------------------------------------------
-class Tiny(nn.Module):
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, width)
-        self.head = nn.Linear(width, 32, bias=False)
-        self.head.weight = self.embed.weight
-
-
-def checkpoints(tmp_path, steps=(1, 2), width: int = 16) -> tuple[str, dict]:
-    root = str(tmp_path / "hot")
-    models = {}
-    with Checkpointer(root, "r", chunk_bytes=1 << 20) as ck:
-        for step in steps:
-            torch.manual_seed(step)
-            models[step] = Tiny(width)
-            ck.save(step, {"model": models[step]}, metadata={**model_metadata(models[step]), "val_loss": 1.0 / step})
-    return root, models
-
-
 def test_two_promotions_racing_on_one_model_stay_consistent(tmp_path):
     root, models = checkpoints(tmp_path)
     hot = open_store(root)
@@ -320,97 +299,3 @@ def test_version_records_are_json_with_export_options(tmp_path):
     assert record["export"]["dtype"] == "bf16" and v.dtype == "bf16"
     assert record["lineage"]["manifest_digest"] == v.manifest_digest
     assert record["lineage"]["validation"]["ok"] is True
-
-
-def test_a_model_file_that_rotted_is_written_again_by_the_next_promotion_or_rebuild(tmp_path):
-    """The object under a file's sha256 no longer hashes to it (same size): a promotion of
-    the same weights, or a rebuild, writes the right bytes there again."""
-    root, _ = checkpoints(tmp_path, steps=(1,))
-    hot = open_store(root)
-    reg = Registry(hot)
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
-    path = tmp_path / "hot" / reg.file_key("m", v1.files["model.safetensors"]["sha256"])
-    for heal in (
-        lambda: promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")),
-        lambda: rebuild(reg, "m", 1, [hot]),
-    ):
-        flip_byte(path, -3)
-        with pytest.raises(RegistryError, match="does not match its sha256"):
-            reg.download(v1, tmp_path / "served")
-        heal()
-        reg.download(v1, tmp_path / "served")  # checks every file's sha256
-
-
-def test_a_refused_promotion_registers_no_version_and_a_broken_alias_blocks_no_repair(tmp_path):
-    """An alias record that does not read: promotion is refused before a version number is
-    claimed. An alias naming a version that does not exist (edited by hand) blocks no move
-    that leaves it alone, and set_alias repairs it."""
-    root, _ = checkpoints(tmp_path)
-    hot = open_store(root)
-    reg = Registry(hot)
-    promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
-    key = reg._aliases_key("m")
-    good = hot.get(key)
-    hot.replace(key, b"{not json")
-    for stage in ("latest", "stable"):
-        with pytest.raises(RegistryError, match="alias record is damaged"):
-            promote(hot, reg, PromotionRequest("m", ("r", 2), stage=stage))
-    assert [v.version for v in reg.versions("m")] == [1]
-    hot.replace(key, good)
-    doc = json.loads(good)
-    hot.replace(key, json.dumps({**doc, "aliases": {**doc["aliases"], "fallback": 7}}).encode())
-    with pytest.raises(RegistryError, match=r"m@stable names v9, which does not read .*set_alias"):
-        reg.set_alias("m", "stable", 9)
-    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).version == 2
-    assert reg.aliases("m") == {"latest": 2, "stable": 1, "fallback": 7}
-    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable")).version == 3
-    assert reg.aliases("m") == {"latest": 3, "stable": 3, "fallback": 1}  # the old stable replaced the broken one
-    hot.replace(key, json.dumps({**doc, "aliases": {"latest": 7, "stable": 7}}).encode())
-    for alias in ("latest", "stable"):
-        reg.set_alias("m", alias, 1)
-    assert reg.aliases("m") == {"latest": 1, "stable": 1}
-
-
-def test_rollback_returns_the_version_it_made_stable_not_one_a_later_move_did(tmp_path):
-    root, _ = checkpoints(tmp_path)
-    hot = open_store(root)
-
-    class PromotedRightAfter(Registry):  # another process makes a new version stable just after the rollback
-        def rollback(self, model):
-            aliases = super().rollback(model)
-            Registry(self.store).register(model, run="r", step=2, manifest_digest="d", files={}, stage="stable")
-            return aliases
-
-    reg = PromotedRightAfter(hot)
-    for step in (1, 2):
-        promote(hot, reg, PromotionRequest("m", ("r", step), stage="stable"))
-    assert rollback(reg, "m").version == 1 and reg.aliases("m")["stable"] == 3
-
-
-def test_a_version_record_of_the_wrong_types_is_refused_and_one_with_new_fields_reads(tmp_path):
-    """A version whose step is "1" would pin nothing (retention compares (run, 1, digest)):
-    reading it is refused, so a retention plan stops rather than expire what it protects.
-    Fields a newer ckptflow added are left out, not a TypeError."""
-    root, _ = checkpoints(tmp_path)
-    hot = open_store(root)
-    reg = Registry(hot)
-    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
-    key = reg.version_key("m", v.version)
-    record = json.loads(hot.get(key))
-    hot.replace(key, json.dumps({**record, "signed_by": "ci", "attestation": {"k": 1}}).encode())
-    assert reg.get("m", v.version) == v and reg.pinned() == {("r", 1, v.manifest_digest)}
-    hot.replace(key, json.dumps({**record, "step": "1"}).encode())
-    for read in (lambda: reg.get("m", v.version), reg.pinned, lambda: lifecycle.current_plan(hot, None, reg)):
-        with pytest.raises(RegistryError, match=r"000001.json is not a version record .* step '1'"):
-            read()
-
-
-def test_a_registry_record_larger_than_any_is_refused_unread(tmp_path, monkeypatch):
-    root, _ = checkpoints(tmp_path, steps=(1,))
-    hot = open_store(root)
-    reg = Registry(hot)
-    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
-    monkeypatch.setattr(alias_records, "MAX_RECORD_BYTES", 16)  # every real record is larger: as if each were huge
-    for read in (lambda: reg.get("m", v.version), lambda: reg.aliases("m"), lambda: reg.promote("m", v.version)):
-        with pytest.raises(RegistryError, match="larger than any registry record"):
-            read()
