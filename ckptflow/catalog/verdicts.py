@@ -107,11 +107,19 @@ def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dic
     return dict(out)
 
 
-def step_record_keys(store: Store, run: str, step: int, *, keep_digests: Collection[str] = ()) -> list[str]:
-    """Keys of every record of a step, but those of the commits ``keep_digests`` names
-    (another tier holds one: its verdicts still describe it), for ``expire`` to delete."""
+def step_record_keys(
+    store: Store, run: str, step: int, *, keep: Collection[str] = (), only: str | None = None
+) -> list[str]:
+    """Keys of the records of a step, for ``expire`` to delete: every commit's but those
+    ``keep`` names (another tier holds them: their verdicts still describe them), or
+    ``only`` that commit's."""
     prefix = step_prefix(run, step)
-    return [info.key for info in store.list(prefix) if info.key[len(prefix) :].split("/", 1)[0] not in keep_digests]
+    keys = []
+    for info in store.list(prefix):
+        digest = info.key[len(prefix) :].split("/", 1)[0]
+        if digest not in keep and only in (None, digest):
+            keys.append(info.key)
+    return keys
 
 
 def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, dict[str, Any]] | None:

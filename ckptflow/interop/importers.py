@@ -85,7 +85,7 @@ def detect_format(src: str) -> str:
 
 
 MAX_NESTING = 64  # levels of dicts and lists an imported state may nest (a state dict has a handful)
-VIEW_BYTES_PER_STORED = 4  # what the views of one storage may claim: this many times its bytes ...
+VIEW_BYTES_PER_STORED = 4  # what all views may claim together: this many times the bytes stored ...
 VIEW_BYTES_SLACK = 64 << 20  # ... plus this much (a fused weight beside its slices and a transposed view)
 
 
@@ -249,15 +249,15 @@ def read_source(src: str | os.PathLike, format: str = "auto") -> tuple[str, dict
 def _check_state(src: str, state: Any) -> None:
     """Refuse, before anything is allocated or written, what a save would choke on or blow
     up: nesting deeper than ``MAX_NESTING``, tensors without data here (meta, sparse,
-    quantized), and views that claim more bytes than the file stores for them (a stride-0
-    ``expand`` of one element is 1.6 KB on disk and gigabytes once made contiguous; a
-    thousand overlapping slices of one storage, each within it, are a thousand times it).
-    Views of one storage may claim ``VIEW_BYTES_PER_STORED`` times its bytes plus
-    ``VIEW_BYTES_SLACK``: a fused weight saved beside its slices and a transposed view;
-    tied weights are one view, counted once."""
+    quantized), and views that claim more bytes than the file stores for them: one view
+    (a stride-0 ``expand`` of one element is 1.6 KB on disk and gigabytes once made
+    contiguous), or all of them together (a thousand overlapping slices of a storage,
+    each within it). All views together may claim ``VIEW_BYTES_PER_STORED`` times the
+    bytes stored plus ``VIEW_BYTES_SLACK``: a fused weight saved beside its slices and a
+    transposed view; tied weights are one view, counted once."""
     stack: list[tuple[Any, int, str]] = [(state, 0, "")]
-    views: dict[int, dict[tuple, tuple[int, str]]] = {}  # per storage, each distinct view: (its bytes, a name)
-    stored: dict[int, int] = {}
+    views: dict[tuple, int] = {}  # each distinct view (its storage and place in it) -> its bytes
+    stored: dict[tuple[int, int], int] = {}  # each storage (start, size) -> its bytes
     while stack:
         node, depth, where = stack.pop()
         if depth > MAX_NESTING:
@@ -265,22 +265,22 @@ def _check_state(src: str, state: Any) -> None:
         if isinstance(node, torch.Tensor):
             _check_tensor(src, where, node)
             storage = node.untyped_storage()
-            stored[storage.data_ptr()] = storage.nbytes()
-            view = (node.storage_offset(), tuple(node.shape), node.stride(), node.dtype)
-            views.setdefault(storage.data_ptr(), {})[view] = (node.numel() * node.element_size(), where)
+            key = (storage.data_ptr(), storage.nbytes())  # an empty storage may start where the next one does
+            stored[key] = storage.nbytes()
+            views[(key, node.storage_offset(), tuple(node.shape), node.stride(), node.dtype)] = (
+                node.numel() * node.element_size()
+            )
         elif isinstance(node, Mapping):
             stack.extend((v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items())
         elif isinstance(node, (list, tuple)):
             stack.extend((v, depth + 1, f"{where}.{i}") for i, v in enumerate(node))
-    for ptr, of_storage in views.items():
-        claimed = sum(n for n, _ in of_storage.values())
-        if claimed > VIEW_BYTES_PER_STORED * stored[ptr] + VIEW_BYTES_SLACK:
-            names = sorted(name for _, name in of_storage.values())
-            raise CkptflowError(
-                f"{src}: {len(names)} tensors ({', '.join(repr(n) for n in names[:3])}, ...) are views of one "
-                f"storage of {stored[ptr]} bytes and claim {claimed} bytes together; refused rather than made "
-                "in memory: save each as its own tensor (t.clone()) if that is meant"
-            )
+    claimed, held = sum(views.values()), sum(stored.values())
+    if claimed > VIEW_BYTES_PER_STORED * held + VIEW_BYTES_SLACK:
+        raise CkptflowError(
+            f"{src}: its {len(views)} tensors claim {claimed} bytes together, but the file stores {held} for "
+            "them (views that repeat the same bytes, like overlapping slices); refused rather than made in "
+            "memory: save each as its own tensor (t.clone()) if that is meant"
+        )
 
 
 def _check_tensor(src: str, name: str, tensor: torch.Tensor) -> None:

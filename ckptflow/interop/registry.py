@@ -210,10 +210,22 @@ class Registry:
         else:
             raise RegistryError(f"could not claim a version number for model {model!r}")
         if stage == "latest":
-            self.move(model, "register", lambda a: {**a, "latest": max(version, a.get("latest", 0))})
+            self.move(model, "register", lambda a: {**a, "latest": self._newest(model, a, version)})
         elif stage == "stable":
-            self.move(model, "promote", lambda a: _promoted({**a, "latest": max(version, a.get("latest", 0))}, version))
+            self.move(model, "promote", lambda a: _promoted({**a, "latest": self._newest(model, a, version)}, version))
         return mv
+
+    def _newest(self, model: str, aliases: Aliases, version: int) -> int:
+        """What ``latest`` names once ``version`` is registered: the newer of the two, unless
+        the one ``latest`` names does not read (edited by hand): then ``version``."""
+        current = aliases.get("latest", 0)
+        if current <= version:
+            return version
+        try:
+            self.get(model, current)
+        except RegistryError:
+            return version
+        return current
 
     def move(self, model: str, action: str, change: Callable[[Aliases], Aliases]) -> Aliases:
         """Apply ``change`` to the current aliases by compare-and-swap, retrying on a

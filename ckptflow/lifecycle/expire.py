@@ -5,35 +5,53 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.ledger import record_expiry
 from ckptflow.catalog.verdicts import step_record_keys
-from ckptflow.errors import CkptflowError, ExpireError
+from ckptflow.errors import CkptflowError, ExpireError, ObjectNotFoundError, ObjectTooLargeError, is_damage
 from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
+from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import Store
 
 
 def expire(
-    store: Store, run: str, step: int, *, keep_records: bool = False, keep_digests: Collection[str] = ()
+    store: Store,
+    run: str,
+    step: int,
+    *,
+    keep_records: bool = False,
+    keep_digests: Collection[str] | None = None,
 ) -> list[str]:
     """Delete the commit record first (the checkpoint stops existing at once), then every
-    other object of the step, then its lifecycle records unless ``keep_records`` (a hot
-    copy expired while the archive keeps the checkpoint: its verdicts still describe it).
-    ``keep_digests``: commits whose records stay all the same (another tier holds an
-    earlier commit of the step). Before that, the commit goes into the ledger of expired
-    checkpoints (``ledger``).
+    other object of the step, then lifecycle records unless ``keep_records`` (a hot copy
+    expired while the archive keeps the checkpoint: its verdicts still describe it).
+    Which records: with ``keep_digests`` (the caller knows which commits another tier
+    holds, as retention does), every record of the step but theirs; without, only those
+    of the commit expired (a record of another commit, one an archive may hold, stays).
+    Before that, the commit goes into the ledger of expired checkpoints (``ledger``).
 
-    Raises ``ExpireError`` naming what is left if any delete fails; calling again after
-    the cause is fixed finishes the job. Returns the keys deleted.
+    A commit record that cannot be read for a reason that proves nothing (an outage) is
+    an ``ExpireError`` and nothing is deleted. ``ExpireError`` also names what is left if
+    any delete fails; calling again after the cause is fixed (with the same
+    ``keep_digests``) finishes the job. Returns the keys deleted.
     """
-    try:  # the cost model's "retention saved" counts what expiry removed
-        record_expiry(store, catalog.read_manifest(store, run, step))
-    except CkptflowError:
-        pass  # an unreadable commit record: nothing to account for
     manifest_key = fmt.manifest_key(run, step)
+    blob: bytes | None = None
+    try:
+        blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
+        record_expiry(store, Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step))
+    except (ObjectNotFoundError, ObjectTooLargeError):
+        pass  # gone already (an expiry retried), or larger than any record (damage): the rest still goes
+    except CkptflowError as e:
+        if not is_damage(e):
+            raise ExpireError(
+                f"could not read {store.url}/{manifest_key}, so nothing of {run} step {step} was deleted: {e}"
+            ) from e
     keys = [manifest_key] + sorted(i.key for i in store.list(fmt.step_prefix(run, step)) if i.key != manifest_key)
-    if not keep_records:
-        keys += step_record_keys(store, run, step, keep_digests=keep_digests)
+    if not keep_records and keep_digests is not None:
+        keys += step_record_keys(store, run, step, keep=keep_digests)
+    elif not keep_records and blob is not None:  # a damaged record's digest names no record: none go
+        keys += step_record_keys(store, run, step, only=fmt.digest_of(blob))
     failed: list[str] = []
     for key in keys:
         try:

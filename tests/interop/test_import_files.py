@@ -121,7 +121,7 @@ def test_hostile_torch_file_is_refused_without_running(tmp_path):
     assert marker.exists()
 
 
-STORAGE = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB; 1024 overlapping slices of it claim 254 MiB
+STORAGES = [torch.arange(1 << 16, dtype=torch.float32) + i for i in range(4)]  # 256 KiB each
 
 
 def deep(levels: int) -> dict:
@@ -138,9 +138,9 @@ def deep(levels: int) -> dict:
         ("expand.pt", {"w": torch.zeros(1).expand(20_000, 20_000)}, r"needs 1600000000 bytes, but the file stores 4"),
         ("deep.pt", deep(200), "nests deeper than 64 levels"),
         (
-            "views.pt",
-            {f"w{i}": STORAGE[i:] for i in range(1024)},
-            "1024 tensors ('model.w0', 'model.w1', 'model.w10', ...) are views of one",
+            "views.pt",  # four storages of 256 KiB, 256 overlapping slices of each
+            {f"w{i}.{j}": storage[j:] for i, storage in enumerate(STORAGES) for j in range(256)},
+            "its 1024 tensors claim 267913216 bytes together, but the file stores 1048576",
         ),
         ("meta.pt", {"w": torch.empty(1000, 1000, device="meta")}, "is meta; ckptflow imports dense tensors"),
         ("sparse.pt", {"w": torch.eye(3).to_sparse()}, "is torch.sparse_coo; ckptflow imports dense tensors"),
@@ -183,6 +183,14 @@ def test_views_a_real_state_holds_import_exactly(tmp_path):
     with Checkpointer(str(tmp_path / "store"), "r") as ck:
         ck.restore(live)
     assert all(torch.equal(live["model"][k], v) for k, v in state.items())
+
+
+def test_a_safetensors_file_with_an_empty_tensor_imports(tmp_path):
+    """safetensors gives each tensor a storage of its own, an empty one starting where the
+    next begins: views are told apart by storage start and size, not start alone."""
+    state = {"a_empty": torch.zeros(0), "b_weight": torch.ones(17 << 20)}  # 68 MiB: past the slack
+    save_file(state, tmp_path / "w.safetensors")
+    assert import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "w.safetensors").tensors == 2
 
 
 def test_a_model_directory_whose_config_is_of_the_wrong_types_is_refused(tmp_path, capsys):

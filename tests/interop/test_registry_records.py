@@ -110,3 +110,17 @@ def test_a_registry_record_larger_than_any_is_refused_unread(tmp_path, monkeypat
     for read in (lambda: reg.get("m", v.version), lambda: reg.aliases("m"), lambda: reg.promote("m", v.version)):
         with pytest.raises(RegistryError, match="larger than any registry record"):
             read()
+
+
+def test_a_latest_naming_a_missing_newer_version_is_replaced_by_the_next_registration(tmp_path):
+    """latest = the newer of what it names and the new version; one naming v99, which
+    does not exist (edited by hand), would stay for good and break every retention plan."""
+    root, _ = checkpoints(tmp_path)
+    hot = open_store(root)
+    reg = Registry(hot)
+    promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    doc = json.loads(hot.get(reg._aliases_key("m")))
+    hot.replace(reg._aliases_key("m"), json.dumps({**doc, "aliases": {**doc["aliases"], "latest": 99}}).encode())
+    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).version == 2
+    assert reg.aliases("m")["latest"] == 2 and reg.resolve("m", "latest").step == 2
+    lifecycle.current_plan(hot, None, reg)  # reads every alias

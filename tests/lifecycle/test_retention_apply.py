@@ -166,9 +166,10 @@ def test_a_checkpoint_published_before_the_plan_still_moves_to_the_archive(tmp_p
 
 @pytest.mark.parametrize("how", ["damaged manifest", "retried expiry"])
 def test_expiry_deletes_the_records_of_the_step_when_no_tier_holds_it(tmp_path, how):
-    """The records go with the checkpoint: one whose manifest is damaged (the records are
-    keyed by the digest it had), or an expiry retried after a record's delete failed.
-    Left behind, an older step's evaluation would be read as this run's previous one."""
+    """Retention tells expire which commits another tier holds (here none): the records go
+    with the checkpoint, of one whose manifest is damaged (they are keyed by the digest it
+    had) or on a retry after a record's delete failed. Left behind, an older step's
+    evaluation would be read as this run's previous one."""
     root = str(tmp_path / "hot")
     hot = saved(root, steps=(1, 2))
     assert lifecycle.validate(hot, "r", 1)["ok"]
@@ -176,11 +177,31 @@ def test_expiry_deletes_the_records_of_the_step_when_no_tier_holds_it(tmp_path, 
     if how == "damaged manifest":
         path = tmp_path / "hot" / "runs" / "r" / "checkpoints" / "000000000001" / "manifest.json"
         path.write_bytes(path.read_bytes().replace(b'"step"', b'"stem"', 1))
-        lifecycle.expire(hot, "r", 1)
+        lifecycle.expire(hot, "r", 1, keep_digests=())
     else:
         flaky, failures = FaultyStore(hot), [True]
         flaky.fail_if = lambda op, key: op == "delete" and key.startswith("lifecycle/") and failures and failures.pop()
         with pytest.raises(lifecycle.ExpireError, match="run the expiry again"):
-            lifecycle.expire(flaky, "r", 1)
-        lifecycle.expire(hot, "r", 1)
+            lifecycle.expire(flaky, "r", 1, keep_digests=())
+        lifecycle.expire(hot, "r", 1, keep_digests=())
     assert [subject for subject in records_by_subject(hot) if subject[:2] == ("r", 1)] == []
+
+
+def test_an_expiry_called_by_hand_deletes_only_the_expired_commits_records_and_nothing_in_an_outage(tmp_path):
+    """Without retention's knowledge of the archive, ``expire`` keeps the records of any
+    other commit of the step (the one an archive copy holds); and a commit record that
+    does not answer deletes nothing."""
+    root, archive = str(tmp_path / "hot"), open_store(str(tmp_path / "archive"))
+    hot = saved(root)
+    assert lifecycle.validate(hot, "r", 3)["ok"] and lifecycle.archive(hot, archive, "r", 3).ok
+    first = read_manifest(hot, "r", 3).digest
+    corrupt_chunk(root, "r", 3)
+    with Checkpointer(root, "r") as ck:
+        model = nn.Linear(16, 16)
+        assert ck.restore({"model": model}).step == 2
+        ck.save(3, {"model": model})
+    with pytest.raises(lifecycle.ExpireError, match="nothing of r step 3 was deleted"):
+        lifecycle.expire(ArchiveOutage(hot), "r", 3)
+    assert read_manifest(hot, "r", 3).digest != first
+    lifecycle.expire(hot, "r", 3)
+    assert sorted(records_by_subject(hot)[("r", 3, first)]) == ["archive", "validation"]
