@@ -29,6 +29,7 @@ from ckptflow.errors import (
     ObjectNotFoundError,
     ObjectTooLargeError,
     RecordTooLargeError,
+    is_damage,
 )
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest, RankRecord
@@ -93,6 +94,18 @@ def read_manifest(store: Store, run: str, step: int) -> Manifest:
             f"no manifest at {store.url}/{key}: the checkpoint was never committed (or was deleted)"
         ) from None
     return Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
+
+
+def manifest_or_damage(store: Store, run: str, step: int) -> Manifest | CkptflowError:
+    """The manifest at ``(run, step)``, or the error proving it damaged or absent. An
+    error that proves nothing (an outage, a denied or cold object, a newer format) is
+    raised: whoever deletes on what this says decides nothing on a read that failed."""
+    try:
+        return read_manifest(store, run, step)
+    except CkptflowError as e:
+        if not is_damage(e):
+            raise
+        return e
 
 
 def read_rank_record(store: Store, manifest: Manifest, rank: int) -> RankRecord:

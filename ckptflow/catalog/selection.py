@@ -179,12 +179,17 @@ def choose(
     return _best(stores, run, select, held, by_step, known)
 
 
-def _digest_in(store: Store, run: str, step: int) -> str | None:
-    """The digest of the commit at ``step`` in ``store``; ``NEWER_COMMIT`` when a newer
-    ckptflow wrote it (a record, verdict or alias names an earlier commit: its format
-    differs); None when it does not read (restore then tries it and reports the damage)."""
+def _digest_in(
+    stores: Sequence[Store], run: str, step: int, index: int, known: Mapping[tuple[int, int], str]
+) -> str | None:
+    """The digest of the commit at ``step`` in tier ``index`` (``known``, else read);
+    ``NEWER_COMMIT`` when a newer ckptflow wrote it (a record, verdict or alias names an
+    earlier commit: its format differs); None when it does not read (restore then tries
+    it and reports the damage)."""
+    if (step, index) in known:
+        return known[(step, index)]
     try:
-        return read_manifest(store, run, step).digest
+        return read_manifest(stores[index], run, step).digest
     except NewerFormatError:
         return NEWER_COMMIT
     except CkptflowError:
@@ -207,7 +212,7 @@ def _on_this_commit(
     kept: list[int] = []
     other: str | None = None
     for at, index in enumerate(tiers):
-        digest = known[(step, index)] if (step, index) in known else _digest_in(stores[index], run, step)
+        digest = _digest_in(stores, run, step, index, known)
         if digest in digests:
             return kept + tiers[at:], None
         if digest is None:
@@ -238,8 +243,7 @@ def _validated(
         if not ok:
             failed = {d: v for d, v in verdicts.items() if v.get("ok") is False}
             if failed:  # a verdict is about its commit: the one there now may be another, not checked yet
-                index = held[step][0]
-                now = known[(step, index)] if (step, index) in known else _digest_in(stores[index], run, step)
+                now = _digest_in(stores, run, step, held[step][0], known)
                 failed = {d: v for d, v in failed.items() if d == now or now is None}
             problems = "; ".join(str(p) for v in failed.values() for p in (v.get("problems") or [])[:2])
             why = f"{FAILED}: {problems or 'no problem recorded'}" if failed else "not validated yet"

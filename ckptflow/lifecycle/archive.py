@@ -12,7 +12,7 @@ from ckptflow.catalog.verdicts import Subject, read_record, write_record
 from ckptflow.chunks import planes
 from ckptflow.chunks.io import ChunkStore, plain_encoding
 from ckptflow.chunks.lossy import ArchiveCodec
-from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, StoreUnavailableError, is_damage
+from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import MAX_RECORD_BYTES
@@ -342,23 +342,17 @@ def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
     hot copy) and archival verified it there; else why not. Checked right before a
     hot copy is expired. A manifest that could not be read (an outage, a denied or cold
     object) proves no copy missing: that error is raised, so nothing is decided on it."""
-    try:
-        hot_manifest = catalog.read_manifest(hot, run, step)
-    except CkptflowError as e:
-        if not is_damage(e):
-            raise
-        return str(e)
+    hot_manifest = catalog.manifest_or_damage(hot, run, step)
+    if not isinstance(hot_manifest, Manifest):
+        return str(hot_manifest)
     record = read_record(hot, Subject.of(hot_manifest), "archive") or {}
     if not record.get("ok"):
         return "archival has not verified a copy in the archive tier"
     if record.get("url") not in (None, archive.url):
         return f"it was archived to {record['url']}, not {archive.url}"
-    try:
-        arc_manifest = catalog.read_manifest(archive.metadata_store(), run, step)
-    except CkptflowError as e:
-        if not is_damage(e):
-            raise
-        return str(e)
+    arc_manifest = catalog.manifest_or_damage(archive.metadata_store(), run, step)
+    if not isinstance(arc_manifest, Manifest):
+        return str(arc_manifest)
     expected = record.get("archive_digest") or hot_manifest.digest  # a lossy copy has its own digest
     if arc_manifest.digest != expected:
         return f"the archive's manifest differs ({arc_manifest.digest[:12]}… vs {expected[:12]}…)"

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.errors import CkptflowError, is_damage
+from ckptflow.errors import CkptflowError
+from ckptflow.format.manifest import Manifest
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.lifecycle.expire import expire
@@ -105,13 +106,8 @@ def _archived_commits(archive: Store | None, run: str, step: int) -> set[str]:
     """The digests whose records describe what ``archive`` holds at ``(run, step)``: its
     commit, and for a lossy copy the exact commit it was made from. None read proves no
     copy missing: an outage is raised, so nothing is decided on it."""
-    if archive is None:
-        return set()
-    try:
-        manifest = catalog.read_manifest(archive.metadata_store(), run, step)
-    except CkptflowError as e:
-        if not is_damage(e):
-            raise
+    manifest = catalog.manifest_or_damage(archive.metadata_store(), run, step) if archive is not None else None
+    if not isinstance(manifest, Manifest):
         return set()
     source = (manifest.lossy or {}).get("source_digest")
     return {manifest.digest, *([source] if isinstance(source, str) else [])}
@@ -122,12 +118,10 @@ def _changed_since(hot: Store, ref: Ref, planned: str, protected: set[Commit]) -
     its digest then, "" for a commit record that did not read as a checkpoint); None
     if it is. A read that fails without proving damage is raised."""
     run, step = ref
-    try:
-        digest = catalog.read_manifest(hot, run, step).digest
-    except CkptflowError as e:
-        if not is_damage(e):
-            raise
-        return f"damaged since the plan saw it whole ({e}); the next plan decides" if planned else None
+    manifest = catalog.manifest_or_damage(hot, run, step)
+    if not isinstance(manifest, Manifest):
+        return f"damaged since the plan saw it whole ({manifest}); the next plan decides" if planned else None
+    digest = manifest.digest
     if digest != planned:
         before = f"{planned[:12]}…" if planned else "one that did not read"
         return f"committed again since the plan ({before} then, {digest[:12]}… now); the next plan decides"
