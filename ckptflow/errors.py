@@ -136,8 +136,17 @@ class PromotionError(CkptflowError):
     """A promotion that cannot be made; nothing was written."""
 
 
+class HostMemoryError(CkptflowError):
+    """This host ran out of memory while decoding or checking bytes that were read, each
+    allocation within what the manifest allows: not damage, so nothing falls back or is moved."""
+
+
 class ExpireError(CkptflowError):
     """A delete failed while expiring a checkpoint: it (or part of it) is still there."""
+
+
+class RetentionError(CkptflowError):
+    """Retention could not start expiring (another retention, or promotions in flight); nothing was expired."""
 
 
 class LossyCopyError(CkptflowError):
@@ -156,13 +165,14 @@ class DcpFormatError(CkptflowError):
 DAMAGE = (ManifestError, CorruptChunkError)  # the errors that prove a checkpoint is damaged
 
 # What decoding or checking bytes that were already read raises when they are bad: a zstd
-# frame that does not decode, a length that does not unpack, a record the parser chokes on,
-# an allocation a damaged size demanded.
+# frame that does not decode, a length that does not unpack, a record the parser chokes on.
+# Not MemoryError: every allocation is bounded by what the manifest and the bytes stored can
+# hold, so running out of memory says the host is short of it, not that the bytes are bad.
 MALFORMED: tuple[type[Exception], ...] = (
-    MemoryError, ValueError, TypeError, LookupError, ArithmeticError, RecursionError, struct.error,
-    zstandard.ZstdError,
+    ValueError, TypeError, LookupError, ArithmeticError, RecursionError, struct.error, zstandard.ZstdError,
 )  # fmt: skip
-CHECK_ERRORS: tuple[type[Exception], ...] = (CkptflowError, OSError, *MALFORMED)  # sorted by ``is_damage``
+# what a check of a checkpoint reports as a finding, sorted by ``is_damage``
+CHECK_ERRORS: tuple[type[Exception], ...] = (CkptflowError, OSError, MemoryError, *MALFORMED)
 
 
 def is_damage(error: BaseException) -> bool:
@@ -186,6 +196,12 @@ def decoding(what: str, damage: type[CkptflowError] = CorruptChunkError) -> Iter
         yield
     except CkptflowError:
         raise
+    except MemoryError as e:
+        raise HostMemoryError(
+            f"{what.split(' is ')[0]}: not enough host memory to decode it" + (f" ({e})" if str(e) else "")
+            + "; nothing shows its bytes are damaged: free memory (or lower the threads or restore_buffer_bytes), "
+            "then try again"
+        ) from None  # fmt: skip
     except MALFORMED as e:
         if isinstance(e, OSError):
             raise

@@ -60,7 +60,10 @@ def apply_retention(
         raise Failure(f"the retention policy (CKPTFLOW_RETENTION) is not usable: {e}; nothing was expired") from None
     hot, arc = store.open(), archive.open()
     entries, plan = compute_plan(retention, hot, arc, registry)
-    report = lifecycle.apply_retention(hot, arc, plan, registry=registry.open())
+    try:
+        report = lifecycle.apply_retention(hot, arc, plan, registry=registry.open())
+    except CkptflowError as e:  # another retention, or promotions still publishing: nothing was expired
+        raise Failure(str(e)) from None
     expired = [checkpoint_key(*ref) for ref in report.expired]
     for batch in batches(expired):
         drop_checkpoint_partitions(context.instance, batch)

@@ -1,5 +1,7 @@
 """Save leases and the GC lock: the handshake that keeps GC from deleting a chunk that a
 save is reusing at that very moment, and that never lets a dead process block the other.
+The same handshake keeps retention from expiring a checkpoint that a promotion is
+publishing (``PROMOTIONS``): each pair is a ``LockFamily``.
 
 The grace period alone cannot cover that case: GC lists a chunk as old and unreferenced,
 a save then finds the same content already stored and reuses it, and GC deletes it.
@@ -43,8 +45,23 @@ from pathlib import Path
 from ckptflow.errors import CkptflowError, ObjectNotFoundError
 from ckptflow.store.base import ObjectInfo, Store
 
-LEASES = "locks/leases/"
-GC_LOCK = "locks/gc.json"
+
+@dataclass(frozen=True)
+class LockFamily:
+    """Many shared holders (each with a lease under ``leases``) and one exclusive holder (the
+    object ``lock``) that wait for each other; ``shared`` and ``exclusive`` name them in
+    messages."""
+
+    leases: str
+    lock: str
+    shared: str
+    exclusive: str
+
+
+SAVES = LockFamily("locks/leases/", "locks/gc.json", "save", "garbage collection")
+PROMOTIONS = LockFamily("locks/promotions/", "locks/retention.json", "promotion", "retention")
+LEASES = SAVES.leases
+GC_LOCK = SAVES.lock
 HEARTBEAT = 5.0  # seconds between renewals
 DEAD_AFTER = 30.0  # not renewed for this long: its holder died
 SAVE_WAIT = 600.0  # how long a save waits for a live GC before it gives up
@@ -112,8 +129,8 @@ class Heartbeat:
     holder can no longer trust it holds ``key``: taken over, deleted, or not renewed for
     half of ``DEAD_AFTER`` (the store did not answer)."""
 
-    def __init__(self, store: Store, key: str, version: str | None = None):
-        self.store, self.key, self.version = store, key, version
+    def __init__(self, store: Store, key: str, version: str | None = None, *, what: str = "gc"):
+        self.store, self.key, self.version, self.what = store, key, version, what
         self.renewed = time.monotonic()
         self.taken = False
         self._stop = threading.Event()
@@ -136,8 +153,8 @@ class Heartbeat:
     def _renew(self) -> None:
         if self.version is None:  # a lease: only its age matters
             self.store.touch(self.key)
-        else:  # the GC lock: a new version each beat, written only if it is still ours
-            body = _owner("gc")
+        else:  # an exclusive lock: a new version each beat, written only if it is still ours
+            body = _owner(self.what)
             if not self.store.replace_if(self.key, body, self.version):
                 self.taken = True
                 return
@@ -152,91 +169,106 @@ class Heartbeat:
 @contextmanager
 def save_lease(store: Store, timeout: float = SAVE_WAIT) -> Iterator[Heartbeat]:
     """Hold a lease for the chunk phase of a save; wait out a live GC first."""
-    key = f"{LEASES}{uuid.uuid4().hex}.json"
-    store.put_if_absent(key, _owner("save"))
+    with shared_lease(store, SAVES, timeout) as beat:
+        yield beat
+
+
+@contextmanager
+def shared_lease(store: Store, family: LockFamily, timeout: float) -> Iterator[Heartbeat]:
+    """Hold a lease of ``family``, renewed while held; wait out its live exclusive holder first."""
+    key = f"{family.leases}{uuid.uuid4().hex}.json"
+    store.put_if_absent(key, _owner(family.shared))
     beat = Heartbeat(store, key)
     try:
-        _wait_for_gc(store, timeout)
+        _wait_for_lock(store, family, timeout)
         yield beat
     finally:
         beat.stop()
         store.delete(key)
 
 
-def _gc_holder_gone(store: Store) -> bool:
-    """Whether the GC lock was left by a process on this machine that is gone."""
+def _lock_holder_gone(store: Store, family: LockFamily) -> bool:
+    """Whether ``family``'s lock was left by a process on this machine that is gone."""
     try:
-        return _holder_gone(store.get_bounded(GC_LOCK, 1 << 16))
+        return _holder_gone(store.get_bounded(family.lock, 1 << 16))
     except (CkptflowError, OSError):  # released meanwhile, or unreadable: it proves nothing
         return False
 
 
-def _wait_for_gc(store: Store, timeout: float) -> None:
+def _wait_for_lock(store: Store, family: LockFamily, timeout: float) -> None:
     started = time.monotonic()
     said = False
     checked: str | None = None  # the lock version whose holder was last checked (a GET each)
     while True:
         try:
-            info = store.stat(GC_LOCK)
+            info = store.stat(family.lock)
         except ObjectNotFoundError:
             return
         if _age(info) >= DEAD_AFTER:
-            return  # left by a GC that died: it sweeps nothing any more
+            return  # left by a holder that died: it does nothing any more
         if info.version != checked:
             checked = info.version
-            if _gc_holder_gone(store):
-                return  # its GC was killed on this machine: it sweeps nothing any more
+            if _lock_holder_gone(store, family):
+                return  # its holder was killed on this machine: it does nothing any more
         if not said and time.monotonic() - started > 1.0:
-            log.warning("save waiting for garbage collection to finish sweeping %s (%s, renewed %.0f s ago)",
-                        store.url, GC_LOCK, _age(info))  # fmt: skip
+            log.warning("%s waiting for %s to finish on %s (%s, renewed %.0f s ago)",
+                        family.shared, family.exclusive, store.url, family.lock, _age(info))  # fmt: skip
             said = True
         if time.monotonic() - started > timeout:
             raise CkptflowError(
-                f"garbage collection has held {store.url}/{GC_LOCK} for over {timeout:.0f} s and is still alive "
-                "(renewed within the last 30 s); wait for it to finish, or stop it, then save again"
+                f"{family.exclusive} has held {store.url}/{family.lock} for over {timeout:.0f} s and is still alive "
+                f"(renewed within the last {DEAD_AFTER:.0f} s); wait for it to finish, or stop it, then try the "
+                f"{family.shared} again"
             )
         time.sleep(POLL)
 
 
 @contextmanager
 def gc_lock(store: Store) -> Iterator[Heartbeat]:
-    """Exclusive lock for a GC sweep, renewed while held; a dead holder's lock is taken
-    over by compare-and-swap, so of two GCs that find it dead only one gets it."""
-    body = _owner("gc")
-    if not store.put_if_absent(GC_LOCK, body):
+    """Exclusive lock for a GC sweep (see ``exclusive_lock``)."""
+    with exclusive_lock(store, SAVES) as beat:
+        yield beat
+
+
+@contextmanager
+def exclusive_lock(store: Store, family: LockFamily) -> Iterator[Heartbeat]:
+    """``family``'s exclusive lock, renewed while held; a dead holder's lock is taken over
+    by compare-and-swap, so of two that find it dead only one gets it. It does not wait
+    for the leases: the holder does (``wait_for_leases``), once it holds the lock."""
+    what, lock = family.exclusive, family.lock
+    body = _owner(what)
+    if not store.put_if_absent(lock, body):
         try:
-            info = store.stat(GC_LOCK)
-            version = store.get_versioned(GC_LOCK)[1] if store.compare_and_swap else None
+            info = store.stat(lock)
+            version = store.get_versioned(lock)[1] if store.compare_and_swap else None
         except ObjectNotFoundError:  # released in between: try once more
-            if not store.put_if_absent(GC_LOCK, body):
-                raise CkptflowError(
-                    f"another garbage collection just took {store.url}/{GC_LOCK}; run gc later"
-                ) from None
+            if not store.put_if_absent(lock, body):
+                raise CkptflowError(f"another {what} just took {store.url}/{lock}; run it again later") from None
         else:
-            if _age(info) < DEAD_AFTER and not _gc_holder_gone(store):
+            if _age(info) < DEAD_AFTER and not _lock_holder_gone(store, family):
                 raise CkptflowError(
-                    f"another garbage collection holds {store.url}/{GC_LOCK} (renewed {_age(info):.0f} s ago); "
-                    "run gc again when it has finished"
+                    f"another {what} holds {store.url}/{lock} (renewed {_age(info):.0f} s ago); "
+                    "run it again when that one has finished"
                 )
-            if not _take_over(store, body, version):
-                raise CkptflowError(f"another garbage collection just took over {store.url}/{GC_LOCK}; run gc later")
-            log.warning("took over %s/%s from a garbage collection that died", store.url, GC_LOCK)
-    beat = Heartbeat(store, GC_LOCK, store.get_versioned(GC_LOCK)[1] if store.compare_and_swap else None)
+            if not _take_over(store, lock, body, version):
+                raise CkptflowError(f"another {what} just took over {store.url}/{lock}; run it again later")
+            log.warning("took over %s/%s from a %s that died", store.url, lock, what)
+    beat = Heartbeat(store, lock, store.get_versioned(lock)[1] if store.compare_and_swap else None, what=what)
     try:
         yield beat
     finally:
         beat.stop()
         if not beat.taken:
-            store.delete(GC_LOCK)
+            store.delete(lock)
 
 
-def _take_over(store: Store, body: bytes, version: str | None) -> bool:
-    """Replace a dead GC's lock. With compare-and-swap only one of two GCs doing this wins;
+def _take_over(store: Store, lock: str, body: bytes, version: str | None) -> bool:
+    """Replace a dead holder's lock. With compare-and-swap only one of two doing this wins;
     a store without it falls back to delete + create-only put, which leaves a short race."""
     if store.compare_and_swap:
-        return store.replace_if(GC_LOCK, body, version)
-    store.delete(GC_LOCK)
-    return store.put_if_absent(GC_LOCK, body)
+        return store.replace_if(lock, body, version)
+    store.delete(lock)
+    return store.put_if_absent(lock, body)
 
 
 @dataclass
@@ -245,12 +277,12 @@ class Leases:
     dead: list[ObjectInfo] = field(default_factory=list)  # left by writers that died
 
 
-def leases(store: Store, holders: dict[str, bytes] | None = None) -> Leases:
-    """The leases in ``store``: dead if not renewed for ``DEAD_AFTER`` or if their holder is
-    gone from this machine. ``holders`` caches lease bodies (never rewritten) across calls."""
+def leases(store: Store, holders: dict[str, bytes] | None = None, *, family: LockFamily = SAVES) -> Leases:
+    """``family``'s leases in ``store``: dead if not renewed for ``DEAD_AFTER`` or if their
+    holder is gone from this machine. ``holders`` caches lease bodies (never rewritten)."""
     found = Leases()
     holders = {} if holders is None else holders
-    for info in store.list(LEASES):
+    for info in store.list(family.leases):
         if _age(info) < DEAD_AFTER:
             try:
                 body = holders.get(info.key) or holders.setdefault(info.key, store.get_bounded(info.key, 1 << 16))
@@ -265,10 +297,10 @@ def leases(store: Store, holders: dict[str, bytes] | None = None) -> Leases:
     return found
 
 
-def wait_for_leases(store: Store, timeout: float) -> Leases:
-    """Wait up to ``timeout`` s for live leases to clear; what is held after it."""
+def wait_for_leases(store: Store, timeout: float, *, family: LockFamily = SAVES) -> Leases:
+    """Wait up to ``timeout`` s for ``family``'s live leases to clear; what is held after it."""
     deadline = time.monotonic() + timeout
     holders: dict[str, bytes] = {}
-    while (found := leases(store, holders)).live and time.monotonic() < deadline:
+    while (found := leases(store, holders, family=family)).live and time.monotonic() < deadline:
         time.sleep(POLL)
     return found

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptflow.errors import CkptflowError, ColdObjectError, NewerFormatError, is_damage
+from ckptflow.errors import CkptflowError, ColdObjectError, HostMemoryError, NewerFormatError, is_damage
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Failure:
     mismatch: bool = False  # the live state does not have the checkpoint's structure: the caller's error
     partial: bool = False  # failed while reading into place: the live state is already partly overwritten
     newer: bool = False  # a record a newer ckptflow wrote: upgrade to load it (not damage, no fallback)
+    memory: bool = False  # this host ran out of memory (not damage, no fallback)
 
 
 class IntoPlaceFailed(CkptflowError):
@@ -89,6 +90,7 @@ def failure_of(error: BaseException) -> Failure:
     return Failure(
         message, damage=damage, cold=not damage and any(isinstance(c, ColdObjectError) for c in causes),
         newer=not damage and any(isinstance(c, NewerFormatError) for c in causes),
+        memory=not damage and any(isinstance(c, (MemoryError, HostMemoryError)) for c in causes),
     )  # fmt: skip
 
 

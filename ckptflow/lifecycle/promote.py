@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, read_record
+from ckptflow.chunks.leases import PROMOTIONS, Heartbeat, shared_lease
 from ckptflow.chunks.lossy import describe as describe_lossy
 from ckptflow.errors import CkptflowError, PromotionError, RegistryError
 from ckptflow.format import layout as fmt
@@ -34,6 +35,7 @@ from ckptflow.reports import inventory
 from ckptflow.store.base import Store
 
 STAGES = ("latest", "stable")
+PROMOTION_WAIT = 600.0  # seconds a promotion waits for a retention that is expiring checkpoints
 
 
 @dataclass(frozen=True)
@@ -81,14 +83,32 @@ def choose_checkpoint(entries: list[inventory.Entry], metric: str, mode: str) ->
 
 
 def promote(
-    hot: Store, registry: Registry, request: PromotionRequest, *, mirror: MlflowMirror | None = None
+    hot: Store,
+    registry: Registry,
+    request: PromotionRequest,
+    *,
+    mirror: MlflowMirror | None = None,
+    wait: float = PROMOTION_WAIT,
 ) -> ModelVersion:
     """Export the chosen checkpoint, register it as the next version of ``request.model``
     and move ``latest`` (and, for stage "stable", ``stable`` and ``fallback``).
 
     ``mirror``: then also bring MLflow up to date (``MlflowMirror.sync``). ckptflow's
     registry is written first and stays the source of truth: a ``MirrorError`` means the
-    version is registered here and only the mirror is behind (``mirror.sync`` finishes it)."""
+    version is registered here and only the mirror is behind (``mirror.sync`` finishes it).
+
+    From choosing the checkpoint until its version is registered (and so pins it), the
+    promotion holds a lease in ``hot`` that retention waits for (``PROMOTIONS``): a
+    retention that runs meanwhile cannot expire the checkpoint being published. One
+    running already is waited for, up to ``wait`` seconds."""
+    with shared_lease(hot, PROMOTIONS, wait) as lease:
+        version = _export_and_register(hot, registry, request, lease)
+    if mirror is not None:
+        mirror.sync(registry, request.model)
+    return version
+
+
+def _export_and_register(hot: Store, registry: Registry, request: PromotionRequest, lease: Heartbeat) -> ModelVersion:
     if request.checkpoint is None:
         run, step = choose_checkpoint(inventory.collect(hot), request.metric, request.mode).ref
     else:
@@ -114,7 +134,12 @@ def promote(
         if result.digest != manifest.digest:
             raise PromotionError(f"{run} step {step} was committed again while it was being exported; promote again")
         files = registry.upload(request.model, out, list(result.files))
-    version = registry.register(
+    if lease.lost:
+        raise PromotionError(
+            f"refusing to register {run} step {step}: this promotion's lease in {hot.url} could not be renewed, so "
+            "retention may have expired the checkpoint meanwhile; nothing was registered, promote again"
+        )
+    return registry.register(
         request.model,
         run=run,
         step=step,
@@ -124,9 +149,6 @@ def promote(
         lineage=lineage.to_json(),
         stage=request.stage,
     )
-    if mirror is not None:
-        mirror.sync(registry, request.model)
-    return version
 
 
 def rollback(registry: Registry, model: str, *, mirror: MlflowMirror | None = None) -> ModelVersion:

@@ -12,11 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.errors import CkptflowError
+from ckptflow.chunks.leases import DEAD_AFTER, PROMOTIONS, Heartbeat, exclusive_lock, wait_for_leases
+from ckptflow.errors import CkptflowError, RetentionError
 from ckptflow.format.manifest import Manifest
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.lifecycle.expire import expire
+from ckptflow.lifecycle.promote import PROMOTION_WAIT
 from ckptflow.policy.retention import Commit, Ref, RetentionPlan, RetentionPolicy
 from ckptflow.reports import inventory
 from ckptflow.store.base import Store
@@ -59,7 +61,9 @@ def current_plan(
     return entries, plan
 
 
-def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan, *, registry: Registry) -> RetentionReport:
+def apply_retention(
+    hot: Store, archive: Store | None, plan: RetentionPlan, *, registry: Registry, wait: float = PROMOTION_WAIT
+) -> RetentionReport:
     """Expire the hot copy of every checkpoint the plan expires.
 
     A checkpoint whose archive copy verified and matches (same manifest digest) keeps
@@ -77,11 +81,44 @@ def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan, *, r
     is ``failed``: nothing is decided on a read that failed. Expiring a checkpoint with
     no matching archive copy deletes its lifecycle records, but not those of the commit
     the archive holds at that step (an earlier commit: its verdicts still describe it).
+
+    Promotions and retention exclude each other (``ckptflow.chunks.leases.PROMOTIONS``):
+    retention takes its lock in ``hot``, waits up to ``wait`` seconds for promotions in
+    flight, and reads the registry only then, so a version registered meanwhile is seen
+    and one registered later waits. Promotions still publishing after ``wait``, or
+    another retention holding the lock, raise ``RetentionError``; nothing was expired.
     """
     report = RetentionReport()
-    protected = (registry.pinned() | set(registry.aliased())) - plan.protected if plan.expire_hot else set()
+    if not plan.expire_hot:
+        return report
+    with exclusive_lock(hot, PROMOTIONS) as lock:
+        held = wait_for_leases(hot, wait, family=PROMOTIONS)
+        if held.live:
+            raise RetentionError(
+                f"{len(held.live)} promotion(s) are publishing checkpoints of {hot.url} ({held.live[0].key}, renewed "
+                f"within the last {DEAD_AFTER:.0f} s) after {wait:.0f} s; nothing was expired: run retention again "
+                "when they finish"
+            )
+        for info in held.dead:
+            hot.delete(info.key)
+        protected = (registry.pinned() | set(registry.aliased())) - plan.protected
+        _expire_planned(hot, archive, plan, protected, lock, report)
+    return report
+
+
+def _expire_planned(
+    hot: Store,
+    archive: Store | None,
+    plan: RetentionPlan,
+    protected: set[Commit],
+    lock: Heartbeat,
+    report: RetentionReport,
+) -> None:
     for ref in plan.expire_hot:
         run, step = ref
+        if lock.lost:
+            report.failed.append((ref, f"retention lost its lock ({PROMOTIONS.lock}) and stopped before this one"))
+            continue
         try:
             changed = _changed_since(hot, ref, plan.digests.get(ref, ""), protected)
             if changed:
@@ -99,7 +136,6 @@ def apply_retention(hot: Store, archive: Store | None, plan: RetentionPlan, *, r
         except CkptflowError as e:
             log.warning("retention could not expire %s step %d: %s", run, step, e)
             report.failed.append((ref, str(e)))
-    return report
 
 
 def _archived_commits(archive: Store | None, run: str, step: int) -> set[str]:

@@ -46,6 +46,7 @@ from ckptflow.dcp.writer import Progress
 from ckptflow.errors import (
     CkptflowError,
     ColdObjectError,
+    HostMemoryError,
     LossyCopyError,
     NewerFormatError,
     NoValidCheckpointError,
@@ -96,7 +97,7 @@ def agree(group: Group, failure: Failure | None) -> Failure | None:
     message = "; ".join(dict.fromkeys(f.message for f in chosen))
     return Failure(
         message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch,
-        partial=chosen[0].partial, newer=any(f.newer for f in fatal),
+        partial=chosen[0].partial, newer=any(f.newer for f in fatal), memory=any(f.memory for f in fatal),
     )  # fmt: skip
 
 
@@ -246,6 +247,11 @@ class Restore:
                 raise NewerFormatError(
                     f"restore of {where} stopped rather than fall back to an older checkpoint (nothing shows that "
                     f"this one is damaged): {failure.message}; to load an older step instead, name it (step=N)"
+                )
+            if failure.memory:
+                raise HostMemoryError(
+                    f"restore of {where} ran out of host memory, so it stopped rather than fall back to an older "
+                    f"checkpoint (nothing shows that this one is damaged): {failure.message}"
                 )
             if not failure.damage:
                 error = ColdObjectError if failure.cold else StoreUnavailableError

@@ -26,6 +26,7 @@ from ckptflow.catalog import listing as catalog_listing
 from ckptflow.chunks import codecs
 from ckptflow.chunks.codecs import BF16, DELTA, HEADER, MAGIC, Q8, ZSTD, ZSTD_V1
 from ckptflow.dcp.failures import failure_of
+from ckptflow.errors import HostMemoryError
 from ckptflow.interop.export.tensors import load_tensors
 from ckptflow.lifecycle import scrub, validate
 from support import decode_probe
@@ -198,7 +199,6 @@ def _restored_step(root: str) -> tuple[int, list]:
 
 
 ERRORS = [
-    MemoryError(),
     zstandard.ZstdError("decompression error"),
     ValueError("bad value"),
     struct.error("unpack requires a buffer of 5 bytes"),
@@ -232,6 +232,29 @@ def test_any_error_while_decoding_read_bytes_is_damage_to_every_reader(tmp_path,
     with pytest.raises(CkptflowError) as raised:
         load_tensors(root, RUN, 2)
     assert not isinstance(raised.value, StoreUnavailableError)
+
+
+def test_running_out_of_memory_while_decoding_is_not_damage_to_any_reader(tmp_path, monkeypatch, capsys):
+    """Every allocation is bounded by what the manifest allows, so a MemoryError says the host
+    is short of memory: restore stops (no fallback), verify and validate give no verdict,
+    scrub counts the checkpoint unreadable, and nothing is recorded as damaged."""
+    root = str(tmp_path / "store")
+    _raw_then_zstd(root)
+
+    def short_of_memory(*_args, **_kwargs):
+        raise MemoryError("Unable to allocate 32.0 MiB")
+
+    monkeypatch.setattr("ckptflow.chunks.planes.join", short_of_memory)
+    with pytest.raises(HostMemoryError, match="step 2 .* stopped rather than fall back .* not enough host memory"):
+        _restored_step(root)
+    report = catalog.verify_checkpoint(open_store(root), RUN, 2)
+    assert report.unavailable and not report.damaged
+    assert run_cli(capsys, "verify", root, "--run", RUN, "--step", "2")[0] not in (0, 1)
+    with pytest.raises(StoreUnavailableError, match="not enough host memory"):
+        validate(open_store(root), RUN, 2)
+    scrubbed = scrub(open_store(root), older_than_s=0)
+    assert not scrubbed.corrupt and len(scrubbed.unreadable) == 1 and "not enough host memory" in scrubbed.unreadable[0]
+    assert not os.path.exists(os.path.join(root, "damaged"))
 
 
 def test_only_failing_to_read_is_an_outage():

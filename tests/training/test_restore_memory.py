@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from ckptflow import Checkpointer
 from ckptflow.chunks.budget import MemoryBudget
 
 SCRIPT = Path(__file__).parents[1] / "support" / "restore_rss.py"
@@ -102,3 +104,34 @@ def test_staged_restore_in_groups_within_a_small_budget_is_exact(make_ck):
     make_ck(restore_buffer_bytes=40 << 10).restore(live, step=1)  # staging room: 20 KiB
     for name, value in saved.items():
         assert torch.equal(live[name], value)
+
+
+SHORT = Path(__file__).parents[1] / "support" / "short_of_memory.py"
+
+
+def _short_of_memory(root: str, what: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(SHORT.parents[2]))
+    done = subprocess.run(
+        [sys.executable, str(SHORT), root, what], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1]) if what != "make" else {}
+
+
+def test_running_short_of_memory_is_not_damage_nothing_falls_back_or_moves_aside(tmp_path):
+    """A restore that cannot allocate what a sound manifest declares stops with a clear
+    error (no fallback to step 1, no damage recorded); a save of that step again does not
+    take the failed check for proof of damage and move the valid commit aside."""
+    root = str(tmp_path / "store")
+    _short_of_memory(root, "make")
+    committed = [(c.step, c.digest) for c in Checkpointer(root, "r").list()]
+    restored = _short_of_memory(root, "restore")
+    assert restored["error"] == "HostMemoryError", restored
+    assert "step 2" in restored["message"] and "not enough host memory" in restored["message"]
+    saved = _short_of_memory(root, "save")
+    assert saved["error"] in ("CheckpointExistsError", "StoreUnavailableError", "HostMemoryError"), saved
+    assert [(c.step, c.digest) for c in Checkpointer(root, "r").list()] == committed
+    assert not (tmp_path / "store" / "runs" / "r" / "quarantine").exists()
+    assert not (tmp_path / "store" / "damaged").exists()
+    with Checkpointer(root, "r") as ck:
+        assert ck.verify(2).ok and ck.restore({"w": torch.zeros(16 << 20)}).step == 2
