@@ -7,6 +7,7 @@ it into the live model, in place (``ckptflow.training.restore``).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import MutableMapping, Sequence
@@ -166,7 +167,7 @@ class Checkpointer:
             base_step=base,
             skeleton=skeleton,
             rng=capture_rng() if rng else None,
-            metadata=dict(metadata or {}),
+            metadata=json.loads(json.dumps(metadata or {})),  # as it is now: an async save seals it later
             world_size=self.group.world_size,
             save_id=save_id,
             chunk_bytes=self.chunk_bytes,

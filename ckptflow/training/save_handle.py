@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -9,6 +12,8 @@ from ckptflow.catalog.checkpoints import CheckpointInfo
 from ckptflow.dcp.failures import own_errors
 from ckptflow.dcp.writer import CheckpointWriter
 from ckptflow.format.manifest import Manifest
+
+log = logging.getLogger("ckptflow")
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class SaveHandle:
         self.step, self.kind = writer.spec.step, writer.spec.kind
         self.blocked_s = blocked_s  # how long the caller was held (host copy, and any wait for the previous save)
         self.error_reported = False
+        _finish_before_exit(self)
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed): ``wait()`` would not block."""
@@ -53,3 +59,35 @@ class SaveHandle:
     def manifest(self) -> Manifest | None:
         """What the save committed (on the coordinator rank, once it has)."""
         return self._writer.manifest
+
+
+_IN_FLIGHT: set[SaveHandle] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
+_hooked = False
+
+
+def _finish_before_exit(handle: SaveHandle) -> None:
+    """Keep ``handle`` until its save ends, so that a script whose last call is an async
+    save (or that raises after one) still commits it: the interpreter's exit would
+    otherwise stop the thread pools the save writes with, and the save would be lost."""
+    global _hooked
+    with _IN_FLIGHT_LOCK:
+        if not _hooked:
+            _hooked = True
+            try:  # runs before concurrent.futures refuses new work at exit (its own hook, registered earlier)
+                threading._register_atexit(_finish_in_flight)  # type: ignore[attr-defined]
+            except AttributeError:  # not CPython: the latest an exit hook can run
+                atexit.register(_finish_in_flight)
+        _IN_FLIGHT.add(handle)
+    handle._future.add_done_callback(lambda _future: _IN_FLIGHT.discard(handle))
+
+
+def _finish_in_flight() -> None:
+    for handle in list(_IN_FLIGHT):
+        if handle.done():
+            continue
+        log.warning("the process is exiting: waiting for the async save of step %d to commit", handle.step)
+        try:
+            handle._future.result()
+        except BaseException as e:
+            log.error("the async save of step %d failed at exit and was not committed: %s", handle.step, e)

@@ -144,8 +144,10 @@ def test_async_save_restores_exactly_and_caller_may_keep_training(make_ck, tiny_
     ck = make_ck()
 
     called = time.perf_counter()
-    handle = ck.save(2, state, blocking=False, metadata={"async": True})
+    losses = [0.9]
+    handle = ck.save(2, state, blocking=False, metadata={"async": True, "losses": losses})
     returned_after = time.perf_counter() - called
+    losses.append(float("nan"))  # the loop's own list: the save holds the metadata as it was
     assert handle.step == 2 and handle.kind == "full"
     assert 0 < handle.blocked_s <= returned_after  # the time save() held the caller, measured inside the call
     # right after save returns, training mutates weights and optimizer state in place
@@ -159,13 +161,13 @@ def test_async_save_restores_exactly_and_caller_may_keep_training(make_ck, tiny_
     result = handle.wait()
     assert handle.done()
     assert result.step == 2 and result.kind == "full"
-    assert result.info is not None and result.info.metadata == {"async": True}
+    assert result.info is not None and result.info.metadata == {"async": True, "losses": [0.9]}
     assert ck.verify(2).ok
 
     # the checkpoint holds the values at save time, not the mutated ones
     fresh = tiny_state_factory(seed=5)
     restored = make_ck().restore(fresh)
-    assert restored.step == 2 and restored.metadata == {"async": True}
+    assert restored.step == 2 and restored.metadata == {"async": True, "losses": [0.9]}
     assert_state_equals(fresh, snap)
 
 

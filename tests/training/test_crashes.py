@@ -224,3 +224,34 @@ def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
     )
     ck.close()
     shutil.rmtree(root)  # a few hundred MB; pytest keeps old temp dirs around
+
+
+ENDS = {
+    "returns": "",
+    "raises": "raise RuntimeError('the training loop failed after the save returned')",
+}
+
+
+@pytest.mark.parametrize("end", sorted(ENDS))
+def test_an_async_save_in_flight_when_the_script_ends_is_committed(tmp_path, end):
+    """A script whose last call is ``save(..., blocking=False)`` (or that raises after it)
+    exits with the save committed: the interpreter's exit stops thread pools, so without
+    a wait at exit the save was lost without a word."""
+    root = str(tmp_path / "store")
+    script = (
+        "import torch\n"
+        "from ckptflow import Checkpointer\n"
+        f"ck = Checkpointer({root!r}, {RUN!r}, codec='zstd')\n"
+        "torch.manual_seed(0)\n"
+        "handle = ck.save(1, {'model': torch.nn.Linear(2048, 2048).state_dict()}, blocking=False)\n"
+        "print('in flight' if not handle.done() else 'done', flush=True)\n"
+        f"{ENDS[end]}\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == (1 if end == "raises" else 0), done.stderr[-2000:]
+    if done.stdout.strip() == "in flight":
+        assert "waiting for the async save of step 1 to commit" in done.stderr
+    assert committed_steps(Path(root)) == [1]
+    with Checkpointer(root, RUN) as ck:
+        assert ck.verify(1).ok
