@@ -141,6 +141,9 @@ class Choice:
     pairs: list[tuple[int, int]]  # (step, tier index), in the order to try
     passed_over: list[tuple[int, str]] = field(default_factory=list)  # (step, why it was not a candidate)
     exact: bool = False  # an exact step: no other step is ever tried
+    # per step, the commits (manifest digests) the selector accepted there; a step not in it: any.
+    # Restore loads only one of them: the step may be committed again after the choice
+    commits: Mapping[int, frozenset[str]] = field(default_factory=dict)
 
 
 def choose(
@@ -192,7 +195,7 @@ def _digest_in(
         return read_manifest(stores[index], run, step).digest
     except NewerFormatError:
         return NEWER_COMMIT
-    except CkptflowError:
+    except (CkptflowError, OSError):
         return None
 
 
@@ -222,6 +225,11 @@ def _on_this_commit(
     return (kept, None) if other is None else ([], _stale(what, digests, other))
 
 
+def not_the_commit_accepted(accepted: frozenset[str], current: str) -> str:
+    """Why a step's commit read at restore is passed over: the selector accepted another."""
+    return _stale("the selector accepted", set(accepted), current) + "; committed again since, or not read then"
+
+
 def _stale(what: str, digests: set[str], current: str) -> str:
     now = "one a newer ckptflow wrote" if current == NEWER_COMMIT else f"{current[:12]}…"
     return f"{what} commit {', '.join(sorted(d[:12] for d in digests))}…, not the commit there now ({now})"
@@ -237,6 +245,7 @@ def _validated(
 ) -> Choice:
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
+    commits: dict[int, frozenset[str]] = {}
     for step in sorted(held, reverse=True):
         verdicts = {d: k["validation"] for d, k in by_step.get(step, {}).items() if "validation" in k}
         ok = {d for d, v in verdicts.items() if v.get("ok") is True}
@@ -254,7 +263,8 @@ def _validated(
             passed.append((step, stale))
             continue
         pairs += [(step, i) for i in tiers]
-    return Choice(label, pairs, passed)
+        commits[step] = frozenset(ok)
+    return Choice(label, pairs, passed, commits=commits)
 
 
 def _best(
@@ -267,6 +277,7 @@ def _best(
 ) -> Choice:
     scored: list[tuple[float, int, list[int]]] = []  # (value, step, the tiers holding the commit evaluated)
     passed: list[tuple[int, str]] = []
+    commits: dict[int, frozenset[str]] = {}
     for step in sorted(held, reverse=True):
         values: dict[str, float] = {}
         failed = False
@@ -285,10 +296,11 @@ def _best(
             passed.append((step, stale))
             continue
         scored.append((min(values.values()) if select.mode == "min" else max(values.values()), step, tiers))
+        commits[step] = frozenset(values)
     sign = 1 if select.mode == "min" else -1
     scored.sort(key=lambda t: (sign * t[0], -t[1]))
     pairs = [(step, i) for _, step, tiers in scored for i in tiers]
-    return Choice(describe(select), pairs, passed)
+    return Choice(describe(select), pairs, passed, commits=commits)
 
 
 def _by_alias(
@@ -302,6 +314,7 @@ def _by_alias(
     aliases = alias_records.read_aliases(registry, select.model)
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
+    commits: dict[int, frozenset[str]] = {}
     seen: set[int] = set()
     for alias in ALIAS_CHAIN[select.alias]:
         if alias not in aliases:
@@ -329,9 +342,10 @@ def _by_alias(
             passed.append((step, stale))
             continue
         pairs += [(step, i) for i in tiers]
+        commits[step] = frozenset({str(digest)})
     if not aliases:
         passed.append((-1, f"model {select.model!r} has no aliases in {registry.url}"))
-    return Choice(describe(select), pairs, passed)
+    return Choice(describe(select), pairs, passed, commits=commits)
 
 
 def failed_steps(passed_over: list[tuple[int, str]]) -> set[int]:

@@ -5,8 +5,8 @@ DCP wraps every rank's failure as ``rank -> (exception, traceback)`` in a
 not catch it). Restore needs the causes, each judged by ``errors.is_damage``: a hash
 mismatch, a malformed record or any error while decoding bytes that were read proves the
 checkpoint is damaged (fall back to an older one); failing to read only says the store
-could not be read (stop). ``ReadAborted`` carries the verdict the ranks agreed on out of
-the reader.
+could not be read (stop). ``agree`` combines every rank's verdict into one, and
+``ReadAborted`` carries the verdict the ranks agreed on out of the reader.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckptflow.dcp.collectives import Group
 from ckptflow.errors import CkptflowError, ColdObjectError, HostMemoryError, NewerFormatError, is_damage
 
 
@@ -34,6 +35,7 @@ class Failure:
     partial: bool = False  # failed while reading into place: the live state is already partly overwritten
     newer: bool = False  # a record a newer ckptflow wrote: upgrade to load it (not damage, no fallback)
     memory: bool = False  # this host ran out of memory (not damage, no fallback)
+    committed_again: bool = False  # not the commit the selector accepted: not a candidate (restore passes it over)
 
 
 class IntoPlaceFailed(CkptflowError):
@@ -105,3 +107,19 @@ def own_errors() -> Iterator[None]:
         if len(causes) == 1 and isinstance(causes[0], (Exception, KeyboardInterrupt)):
             raise causes[0] from None
         raise
+
+
+def agree(group: Group, failure: Failure | None) -> Failure | None:
+    """Every rank's verdict combined: any failure fails all ranks; any failure that is not
+    damage makes the combined one not damage (one rank unable to read stops everyone)."""
+    failures = [f for f in group.all_gather(failure) if f]
+    if not failures:
+        return None
+    fatal = [f for f in failures if not f.damage and not f.mismatch]
+    chosen = [f for f in failures if f.partial] or fatal or [f for f in failures if f.mismatch] or failures
+    message = "; ".join(dict.fromkeys(f.message for f in chosen))
+    return Failure(
+        message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch,
+        partial=chosen[0].partial, newer=any(f.newer for f in fatal), memory=any(f.memory for f in fatal),
+        committed_again=all(f.committed_again for f in chosen),
+    )  # fmt: skip

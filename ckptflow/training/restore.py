@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from ckptflow.chunks import lossy
 from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
 from ckptflow.dcp.allocation import empty_tensor
 from ckptflow.dcp.collectives import Group
-from ckptflow.dcp.failures import Failure, failure_of
+from ckptflow.dcp.failures import Failure, agree, failure_of
 from ckptflow.dcp.reader import CheckpointReader
 from ckptflow.dcp.regions import Seen
 from ckptflow.dcp.writer import Progress
@@ -84,21 +84,6 @@ class RestoreResult:
     def fell_back(self) -> bool:
         """Whether a checkpoint the selector preferred was skipped as damaged."""
         return bool(self.skipped)
-
-
-def agree(group: Group, failure: Failure | None) -> Failure | None:
-    """Every rank's verdict combined: any failure fails all ranks; any failure that is not
-    damage makes the combined one not damage (one rank unable to read stops everyone)."""
-    failures = [f for f in group.all_gather(failure) if f]
-    if not failures:
-        return None
-    fatal = [f for f in failures if not f.damage and not f.mismatch]
-    chosen = [f for f in failures if f.partial] or fatal or [f for f in failures if f.mismatch] or failures
-    message = "; ".join(dict.fromkeys(f.message for f in chosen))
-    return Failure(
-        message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch,
-        partial=chosen[0].partial, newer=any(f.newer for f in fatal), memory=any(f.memory for f in fatal),
-    )  # fmt: skip
 
 
 class Restore:
@@ -148,12 +133,30 @@ class Restore:
             found = self._search(step, plan_for)
             saved = entries(found.record.state)
             loaded = {e: unflatten(saved[e], found.plan.targets) for e in found.plan.entries}
-            load_state_dicts(state, loaded, strict=self.strict)
+            self._apply(state, loaded, found.step)
         except BaseException:
             fresh.reset()  # nothing was loaded: the state is as it was
             raise
         fresh.reset(loaded=found.plan.entries)  # an optimizer the checkpoint did not fill stays fresh
         return self._result(found)
+
+    def _apply(self, state: MutableMapping[str, Any], loaded: dict[str, Any], step: int) -> None:
+        """Hand the live objects what was read (``load_state_dicts``). The tensors are in
+        place by now, so an object that refuses its state (a data loader built for another
+        dataset) leaves ``state`` partly overwritten: every rank says so, as one."""
+        error: str | None = None
+        try:
+            load_state_dicts(state, loaded, strict=self.strict)
+        except Exception as e:
+            error = f"rank {self.group.rank}: {type(e).__name__}: {e}"
+        errors = [e for e in self.group.all_gather(error) if e]
+        if errors:
+            raise PartialRestoreError(
+                f"restoring run {self.run!r} step {step} read every tensor into place, then handing the live "
+                f"objects their saved state failed ({'; '.join(errors)}). `state` is now partly overwritten with "
+                "this step's values: make the live objects accept the state they saved, then restore again, or "
+                "rebuild the state before training on it"
+            )
 
     def load(self, step: selection.Selector | None) -> tuple[RestoreResult, dict[str, Any]]:
         """A new state holding what was saved: full tensors (shards gathered) and the
@@ -214,7 +217,11 @@ class Restore:
         hot_rejected: set[int] = set()
         for cand, index in pairs:
             tier = self.tiers[index]
-            failure, loaded = self._try_load(cand, plan_for, tier, collective=collective)
+            accepted = choice.commits.get(cand)
+            failure, loaded = self._try_load(cand, plan_for, tier, collective=collective, accepted=accepted)
+            if failure is not None and failure.committed_again:  # not the commit the selector accepted
+                choice = replace(choice, passed_over=[*choice.passed_over, (cand, failure.message)])
+                continue
             if failure is None:
                 assert loaded is not None
                 manifest, record, plan = loaded
@@ -288,13 +295,18 @@ class Restore:
         )
 
     def _try_load(
-        self, step: int, plan_for: PlanFor, tier: Tier, *, collective: bool
+        self, step: int, plan_for: PlanFor, tier: Tier, *, collective: bool, accepted: frozenset[str] | None
     ) -> tuple[Failure | None, tuple[Manifest, RankRecord, LoadPlan] | None]:
         """(the agreed failure, or None and what was loaded). The plan is made from the
-        records before any chunk is read, so a mismatch costs no I/O and changes nothing."""
+        records before any chunk is read, so a mismatch costs no I/O and changes nothing.
+        ``accepted``: the commits the selector accepted at ``step`` (None: any); another
+        one there now (committed again since, or not read when the selector looked) is
+        ``Failure.committed_again``."""
         local: Failure | None = None
         try:
             manifest = read_manifest(tier.store, self.run, step)
+            if accepted is not None and manifest.digest not in accepted:
+                raise _CommittedAgain(selection.not_the_commit_accepted(accepted, manifest.digest))
             lossy.check_allowed(
                 manifest, allow_lossy=self.allow_lossy, how_to_allow="restore(..., allow_lossy=True) loads it"
             )
@@ -303,6 +315,8 @@ class Restore:
             plan = plan_for(manifest, record, tier)
         except StateMismatchError as e:
             local = Failure(str(e), damage=False, mismatch=True)
+        except _CommittedAgain as e:
+            local = Failure(str(e), damage=False, committed_again=True)
         except LossyCopyError as e:  # not damage, but never what a plain restore wants: try the next one
             local = Failure(str(e), damage=True)
         except Exception as e:
@@ -331,6 +345,10 @@ class Restore:
 
 
 PlanFor = Callable[[Manifest, RankRecord, Tier], LoadPlan]  # the targets to load a checkpoint into
+
+
+class _CommittedAgain(Exception):
+    """The commit at a step is not one the selector accepted there (``Failure.committed_again``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,10 +9,12 @@ them. The demo's own checkpoints are driven in-process (fast); then the real dae
 carries another training process's checkpoints through (``pipelines/demo/daemon.py``).
 """
 
+import contextlib
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 
 import pandas as pd
 from dagster import AssetSelection, DagsterInstance, materialize
@@ -42,15 +44,36 @@ def _mb(n: int) -> str:
 
 
 def run_lifecycle(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: bool = True) -> int:
+    with _quiet_logs():
+        return _drive(store, archive, dagster_home, fresh=fresh, daemon=daemon)
+
+
+@contextlib.contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """Run logs live in the instance (the UI) and sensors log through their own handlers, so
+    the demo prints only its tables; logging is as it was after, for a caller in the same
+    process (the tests run the demo in theirs)."""
+    names = ("dagster", "dagster.automation_condition_tester")
+    levels = {name: logging.getLogger(name).level for name in names}
+    disabled = logging.root.manager.disable
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(disabled)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _drive(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: bool) -> int:
     if fresh:
         shutil.rmtree(dagster_home, ignore_errors=True)
         shutil.rmtree(archive, ignore_errors=True)
     os.makedirs(dagster_home, exist_ok=True)
     if not os.path.exists(os.path.join(dagster_home, "dagster.yaml")):
         shutil.copy(LOCAL_INSTANCE, os.path.join(dagster_home, "dagster.yaml"))
-    for name in ("dagster", "dagster.automation_condition_tester"):  # run logs live in the instance (the UI)
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    logging.disable(logging.INFO)  # sensors log through their own handlers; their lines are in the instance too
     defs = build_definitions("local", store=store, archive=archive)
     print(
         f"== Dagster lifecycle in-process (DAGSTER_HOME={dagster_home}): landing sensor, validation, "

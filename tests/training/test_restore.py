@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow import NoValidCheckpointError, StateMismatchError, UnsupportedStateError
+from ckptflow import NoValidCheckpointError, PartialRestoreError, StateMismatchError, UnsupportedStateError
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import recovery_log
 from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from support.corrupt import manifest_path
@@ -169,3 +170,36 @@ def test_restore_into_tensors_of_other_shapes_raises_and_never_falls_back(make_c
         make_ck().restore(live, strict=strict)
     assert all(torch.equal(v, before[k]) for k, v in live["model"].state_dict().items())
     assert make_ck().restore(live, step=1, strict=strict).step == 1  # the step of its size loads
+
+
+class SampleCursor:
+    """A data loader's position, which refuses a position saved for another dataset."""
+
+    def __init__(self, samples: int):
+        self.samples, self.position = samples, 0
+
+    def state_dict(self) -> dict:
+        return {"samples": self.samples, "position": self.position}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved["samples"] != self.samples:
+            raise ValueError(f"dataset has {self.samples} samples, the checkpoint's position is for {saved['samples']}")
+        self.position = saved["position"]
+
+
+def test_a_live_object_refusing_its_state_after_the_tensors_are_in_place_is_a_partial_restore(make_ck, ckpt_store_dir):
+    """The tensors are read into place before the live objects get their JSON state: one
+    refusing it cannot leave the caller believing nothing changed (a raw ValueError did).
+    The restore is recorded as failed, and no older checkpoint is tried."""
+    torch.manual_seed(0)
+    with make_ck() as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 4), "data": SampleCursor(100)})
+        ck.save(2, {"model": torch.nn.Linear(4, 4), "data": SampleCursor(100)})
+    model = torch.nn.Linear(4, 4)
+    with make_ck() as ck, pytest.raises(PartialRestoreError, match=r"step 2 .* ValueError: dataset has 50 samples"):
+        ck.restore({"model": model, "data": SampleCursor(50)})
+    [record] = recovery_log.read_all(open_store(ckpt_store_dir), "r")
+    assert record["ok"] is False and "partly overwritten" in record["error"]
+    cursor = SampleCursor(100)
+    with make_ck() as ck:
+        assert ck.restore({"model": model, "data": cursor}).step == 2  # the same state accepted: whole again

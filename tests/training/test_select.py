@@ -14,12 +14,13 @@ from torch import nn
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import recovery_log, selection
 from ckptflow.catalog.selection import Alias, Best
-from ckptflow.errors import CheckpointExistsError, NewerFormatError, NoValidCheckpointError
+from ckptflow.errors import CheckpointExistsError, NewerFormatError, NoValidCheckpointError, StoreUnavailableError
 from ckptflow.format.layout import READABLE_FORMATS
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.reports.recoveries import run_metrics
 from ckptflow.store import open_store
+from ckptflow.store.local import LocalStore
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in, reseal_manifest
 
@@ -90,6 +91,39 @@ def test_validated_means_this_exact_commit(tmp_path):
     assert result.step == 1
     [(step, why)] = result.passed_over
     assert step == 2 and why.startswith("validation passed on commit ") and "not the commit there now" in why
+
+
+class ManifestReadFailsOnce(LocalStore):
+    """The step-2 commit record does not read once (an outage the selector meets), then does."""
+
+    def __init__(self, root, error):
+        super().__init__(root)
+        self.error = error
+
+    def get_bounded(self, key, limit):
+        if key.endswith("000000000002/manifest.json") and self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return super().get_bounded(key, limit)
+
+
+@pytest.mark.parametrize("error", [StoreUnavailableError("503, 10 attempts"), OSError(5, "Input/output error")])
+def test_validated_never_loads_another_commit_than_the_validated_one_after_a_read_fails(tmp_path, error):
+    """The selector could not read which commit step 2 holds now, so it left the step to
+    restore, whose read then succeeded: restore loads only a commit the selector accepted."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+    with Checkpointer(root, "r") as ck:
+        damage(root, 2)
+        ck.restore({"model": model_at(0)})
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})  # a new commit, never validated
+    live = {"model": model_at(0)}
+    with Checkpointer(ManifestReadFailsOnce(root, error), "r") as ck:
+        result = ck.restore(live, select="validated")
+    assert result.step == 1 and live["model"].weight[0, 0].item() == 1
+    [(step, why)] = result.passed_over
+    assert step == 2 and why.startswith("the selector accepted commit ") and "not the commit there now" in why
 
 
 def test_a_failed_verdict_of_an_earlier_commit_does_not_label_the_commit_there_now(tmp_path):
