@@ -82,6 +82,7 @@ def plan_load(
     if strict and (absent or missing or unexpected):
         raise StateMismatchError(_describe(absent, missing, unexpected, sorted(saved_entries)))
     _check_shapes({n: live_tensors[n] for n in names}, saved_shapes or {})
+    _check_writable({n: live_tensors[n] for n in names})
     return LoadPlan(
         entries=[name for name in live_entries if name in saved_entries],
         targets={n: live_tensors[n] for n in names},
@@ -89,6 +90,31 @@ def plan_load(
         unexpected_keys=sorted(unexpected),
         fresh_params=fresh,
     )
+
+
+def _check_writable(targets: Mapping[str, torch.Tensor]) -> None:
+    """Live tensors a restore cannot read into: on the meta device (deferred init, no
+    storage yet) or with elements sharing memory (an ``expand``). Refused here, before
+    anything is read, not inside the read as if the checkpoint were damaged."""
+    meta = sorted(repr(n) for n, t in targets.items() if t.is_meta)
+    overlapping = sorted(
+        repr(n)
+        for n, t in targets.items()
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta and torch._debug_has_internal_overlap(t) == 1
+    )
+    problems = []
+    if meta:
+        problems.append(
+            f"{len(meta)} tensor(s) of the state are on the meta device ({', '.join(meta[:SHOWN])}): materialize "
+            "them first (module.to_empty(device=...)), then restore"
+        )
+    if overlapping:
+        problems.append(
+            f"{len(overlapping)} tensor(s) of the state share memory between their elements "
+            f"({', '.join(overlapping[:SHOWN])}; an expand()): give them storage of their own (.clone()), then restore"
+        )
+    if problems:
+        raise StateMismatchError("; ".join(problems) + "; nothing was read")
 
 
 def _check_shapes(targets: Mapping[str, torch.Tensor], saved: Mapping[str, Sequence[int]]) -> None:

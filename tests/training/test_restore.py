@@ -172,6 +172,35 @@ def test_restore_into_tensors_of_other_shapes_raises_and_never_falls_back(make_c
     assert make_ck().restore(live, step=1, strict=strict).step == 1  # the step of its size loads
 
 
+def _meta_model() -> dict:
+    with torch.device("meta"):
+        return {"model": torch.nn.Linear(8, 8)}
+
+
+def _expanded_buffer() -> dict:
+    model = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        model.bias = torch.nn.Parameter(torch.zeros(1).expand(8), requires_grad=False)
+    return {"model": model}
+
+
+@pytest.mark.parametrize(
+    ("live", "why"),
+    [(_meta_model, r"on the meta device \('model.bias', 'model.weight'\).*to_empty"),
+     (_expanded_buffer, r"share memory between their elements \('model.bias'.*clone")],
+    ids=["meta", "expanded"],
+)  # fmt: skip
+def test_live_tensors_a_restore_cannot_read_into_are_refused_before_any_read(make_ck, live, why):
+    """Deferred init (meta) or an expand() is the caller's state, not damage: every sound
+    checkpoint was skipped as damaged (NoValidCheckpointError, a job starts from scratch),
+    or the restore failed half-way through writing."""
+    with make_ck() as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": torch.nn.Linear(8, 8)}, rng=False)
+    with make_ck() as ck, pytest.raises(StateMismatchError, match=f"step 2 .*{why}.*nothing was read"):
+        ck.restore(live())
+
+
 class SampleCursor:
     """A data loader's position, which refuses a position saved for another dataset."""
 
