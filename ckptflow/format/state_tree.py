@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckptflow.errors import UnsupportedStateError
+from ckptflow.format.layout import DTYPE_SIZES
 
 if TYPE_CHECKING:  # torch is imported where tensors are met: parsing a manifest's JSON values needs none
     import torch
@@ -52,6 +53,25 @@ def _path(path: tuple) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
+def _unstorable(tensor: torch.Tensor) -> str | None:
+    """Why ckptflow cannot store ``tensor`` (as a dense array of a known dtype); None if it can."""
+    import torch
+
+    if tensor.is_nested:
+        return "is a nested tensor, which ckptflow cannot store: store its components (tensor.unbind()) instead"
+    if tensor.layout != torch.strided:
+        return f"has layout {tensor.layout}, which ckptflow cannot store: store tensor.to_dense() instead"
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.is_quantized:
+        return (
+            f"is quantized ({dtype}), which ckptflow cannot store: store tensor.dequantize(), or tensor.int_repr() "
+            "with its scale and zero point"
+        )
+    if dtype not in DTYPE_SIZES:
+        return f"has dtype {dtype}, which ckptflow cannot store (it stores {', '.join(sorted(DTYPE_SIZES))})"
+    return None
+
+
 def flatten(tree: Any, rank: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
     """A JSON skeleton of ``tree`` with tensors replaced by references, and those tensors."""
     import torch
@@ -63,6 +83,9 @@ def flatten(tree: Any, rank: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
             name = ".".join(str(p) for p in path) + suffix
             if name in tensors:
                 raise UnsupportedStateError(f"two tensors of the state flatten to the name {name!r}; rename one")
+            problem = _unstorable(node)
+            if problem:
+                raise UnsupportedStateError(f"tensor at {name!r} {problem}")
             tensor = node.detach()
             if tensor.is_conj():
                 tensor = tensor.resolve_conj()

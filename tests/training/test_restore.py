@@ -134,6 +134,23 @@ def test_unsupported_state_value_names_its_path(make_ck, ckpt_store_dir, tiny_st
     assert not os.path.exists(manifest_path(ckpt_store_dir, "r", 1))
 
 
+@pytest.mark.parametrize(
+    ("tensor", "why"),
+    [
+        (lambda: torch.quantize_per_tensor(torch.ones(1000), 0.1, 0, torch.qint8), r"is quantized \(qint8\)"),
+        (lambda: torch.eye(3).to_sparse(), "has layout torch.sparse_coo"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "is a nested tensor"),
+    ],
+    ids=["quantized", "sparse", "nested"],
+)
+def test_a_tensor_ckptflow_cannot_store_is_refused_before_anything_is_written(make_ck, ckpt_store_dir, tensor, why):
+    """Refused up front, naming it: a quantized tensor was written, then refused at commit
+    as a damaged manifest ("written by a newer ckptflow?"); sparse and nested ones raised raw."""
+    with pytest.raises(UnsupportedStateError, match=f"tensor at 'extra.t' {why}, which ckptflow cannot store"):
+        make_ck().save(1, {"extra": {"t": tensor()}})
+    assert not [f for _, _, files in os.walk(ckpt_store_dir) for f in files]
+
+
 def test_state_keys_must_be_non_empty_strings(make_ck, tiny_state_factory):
     for bad in ("", 3):
         state = tiny_state_factory()
