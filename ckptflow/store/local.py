@@ -23,7 +23,7 @@ import hashlib
 import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from stat import S_ISDIR, S_ISLNK
+from stat import S_ISDIR, S_ISLNK, S_ISREG
 from typing import BinaryIO
 
 from ckptflow.errors import (
@@ -112,14 +112,29 @@ class LocalStore(Store):
         return self.get_bounded(key, None)
 
     def get_bounded(self, key: str, limit: int | None) -> bytes:
+        with os.fdopen(self._open(key), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if limit is not None and size > limit:
+                raise ObjectTooLargeError(f"{self.url}/{key} holds {size} bytes, more than the {limit} expected")
+            return f.read()
+
+    def _open(self, key: str) -> int:
+        """A read-only descriptor of the object ``key``. Opened without blocking (a FIFO
+        where an object belongs would wait for a writer forever), and only a regular file
+        is an object: anything else there (a FIFO, a device, a directory) is none."""
         try:
-            with open(self._path(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if limit is not None and size > limit:
-                    raise ObjectTooLargeError(f"{self.url}/{key} holds {size} bytes, more than the {limit} expected")
-                return f.read()
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        try:
+            regular = S_ISREG(os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise ObjectNotFoundError(f"{self.url}/{key} is not a regular file (a FIFO, a device?): no object is there")
+        return fd
 
     def in_memory(self, key: str) -> bool:
         """Only a hint for scheduling a read, which checks the path (links, what is there)
@@ -138,11 +153,8 @@ class LocalStore(Store):
             os.close(fd)
 
     def read_head(self, key: str, size: int) -> bytes:
-        try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                return f.read(size)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        with os.fdopen(self._open(key), "rb", buffering=0) as f:
+            return f.read(size)
 
     def get_into(
         self,
@@ -162,10 +174,7 @@ class LocalStore(Store):
         bytes at a time and each piece is handed to it as soon as it lands, while it is
         still in the CPU cache: a check of what was read costs no second trip to memory.
         """
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        fd = self._open(key)
         try:
             st = os.fstat(fd)
             version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -197,11 +206,7 @@ class LocalStore(Store):
         For verifying without keeping the bytes: a small reused buffer stays in the CPU
         cache while it is hashed, and nothing the size of the object is allocated.
         """
-        try:
-            f = open(self._path(key), "rb", buffering=0)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
-        with f:
+        with os.fdopen(self._open(key), "rb", buffering=0) as f:
             st = os.fstat(f.fileno())
             if limit is not None and st.st_size > limit:
                 raise ObjectTooLargeError(f"{self.url}/{key} holds {st.st_size} bytes, more than the {limit} expected")
@@ -386,7 +391,7 @@ def _read_pieces(fd: int, views: list[memoryview], consume: Callable[[memoryview
 
 def _sha256_file(path: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO reads empty, never blocks
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()

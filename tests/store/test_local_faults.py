@@ -212,3 +212,32 @@ def test_a_full_disk_leaves_no_temp_file_and_says_what_the_save_needed(tmp_path,
     )
     assert not [p for p in root.rglob(".tmp-*")]
     assert catalog_listing.committed_steps(open_store(str(root)), "a") == [1]
+
+
+# ---- what is not a regular file is no object ----------------------------------------------
+@pytest.mark.parametrize("where", ["chunk", "manifest"])
+def test_a_fifo_where_an_object_belongs_is_no_object_and_never_blocks_a_reader(tmp_path, where):
+    """open() of a FIFO waits for a writer forever: a restore hung. Now it is read as
+    missing: the chunk's checkpoint is damaged (restore falls back), the manifest's step
+    is not committed."""
+    root = tmp_path / "store"
+    with Checkpointer(str(root), "r", chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+        ck.save(2, tagged_state(2))
+    path = chunk_path(str(root), only_in(str(root), "r", 2)[0]) if where == "chunk" else root / fmt.manifest_key("r", 2)
+    os.unlink(path)
+    os.mkfifo(path)
+    script = (
+        "import sys\n"
+        "from ckptflow import Checkpointer\n"
+        "from support.states import blank_state, state_tag\n"
+        f"with Checkpointer({str(root)!r}, 'r') as ck:\n"
+        "    state = blank_state()\n"
+        "    result = ck.restore(state)\n"
+        "    print(result.step, state_tag(state), ck.verify(1).ok, [c.step for c in ck.list()])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = "[1, 2]" if where == "chunk" else "[1]"
+    assert done.stdout.strip() == f"1 1 True {listed}"
