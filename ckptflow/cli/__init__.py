@@ -19,7 +19,17 @@ import sys
 from collections.abc import Sequence
 
 from ckptflow.cli.advise import add_arguments as advise_arguments
-from ckptflow.cli.commands import UNAVAILABLE, cmd_gc, cmd_ls, cmd_repair, cmd_thaw, cmd_verify, duration_arg
+from ckptflow.cli.commands import (
+    UNAVAILABLE,
+    cmd_gc,
+    cmd_ls,
+    cmd_repair,
+    cmd_thaw,
+    cmd_verify,
+    duration_arg,
+    root_arg,
+    step_arg,
+)
 from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.export_import import cmd_export, cmd_import, size_arg
 from ckptflow.cli.output import PROG
@@ -49,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     root_help = "store root: a path, file:// or s3://bucket/prefix URL"
 
     p = sub.add_parser("ls", help="list runs and checkpoints")
-    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help)
     p.add_argument("--run", help="only this run")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument(
@@ -62,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "verify", help="re-read and check checkpoints (exit 1 if any is corrupt, 3 if the store could not be read)"
     )
-    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help)
     p.add_argument("--run", required=True)
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="this step (default: the latest committed one)")
+    which.add_argument("--step", type=step_arg, help="this step (default: the latest committed one)")
     which.add_argument("--all", action="store_true", help="every step, also reporting uncommitted ones")
     p.add_argument(
         "--deep",
@@ -81,11 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a checkpoint as a model directory, one safetensors file, or a plain DCP checkpoint "
         "(exit 3 if the store could not be read)",
     )
-    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help)
     p.add_argument("--run", required=True)
     p.add_argument(
         "--step",
-        type=int,
+        type=step_arg,
         help="default: the newest checkpoint that verifies, past damaged ones only (exit 3 if one could not be read)",
     )
     p.add_argument(
@@ -138,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "import", help="commit a DCP directory, safetensors file, HF model directory or .pt file as a checkpoint"
     )
-    p.add_argument("root", metavar="ROOT", help=root_help + " (created if missing)")
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help + " (created if missing)")
     p.add_argument("--run", required=True)
-    p.add_argument("--step", type=int, required=True, help="the step to commit it as (must be free)")
+    p.add_argument("--step", type=step_arg, required=True, help="the step to commit it as (must be free)")
     p.add_argument("src", metavar="SRC", help="what to import")
     p.add_argument(
         "--format",
@@ -155,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stats",
         help="storage and its cost per run and tier; checkpoint frequency, recovery-readiness, recoveries, RPO, RTO",
     )
-    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help)
     p.add_argument("--archive", metavar="URL", help="also count the archive tier at URL (priced in --archive-class)")
     p.add_argument("--window", type=duration_arg, default=86400.0, help="history for frequency and RPO (default 1d)")
     p.add_argument(
@@ -169,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("gc", help="delete chunks no checkpoint references")
-    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help)
     p.add_argument(
         "--grace",
         required=True,
@@ -196,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace chunk objects the store records as damaged with sound copies from other tiers "
         "(exit 1 if one has none, 3 if a tier, or a checkpoint that may list one, could not be read)",
     )
-    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help)
     p.add_argument(
         "--from",
         dest="sources",
@@ -209,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_repair)
 
     p = sub.add_parser("thaw", help="request S3 restores of a checkpoint in a cold storage class")
-    p.add_argument("root", metavar="ROOT", help="s3://bucket/prefix")
+    p.add_argument("root", metavar="ROOT", type=root_arg, help="s3://bucket/prefix")
     p.add_argument("--run", required=True)
-    p.add_argument("--step", type=int, help="default: the latest committed step")
+    p.add_argument("--step", type=step_arg, help="default: the latest committed step")
     p.add_argument("--days", type=int, default=1, help="how long restored copies stay readable (default 1)")
     p.add_argument(
         "--tier",
@@ -222,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_thaw)
 
     p = sub.add_parser("advise", help="how often a run should checkpoint (cost model), next to how often it does")
-    p.add_argument("root", metavar="ROOT", help=root_help)
+    p.add_argument("root", metavar="ROOT", type=root_arg, help=root_help)
     advise_arguments(p, duration_arg)
     p.set_defaults(func=cmd_advise)
     return parser

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,23 @@ def open_existing(root: str) -> Store:
         return open_store(root, create=False)
     except ValueError as e:
         raise CkptflowError(str(e)) from None
+
+
+def root_arg(text: str) -> str:
+    """A store root from the command line: an empty one would be the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("ROOT is empty: give a store path, a file:// or an s3://bucket/prefix URL")
+    return text
+
+
+def step_arg(text: str) -> int:
+    """A step number from the command line: ASCII digits only (``int`` takes "1_0" as 10)."""
+    if not re.fullmatch(r"[0-9]+", text):
+        raise argparse.ArgumentTypeError(f"step {text!r} is not a step number (0, 1, 2, ...)")
+    try:
+        return fmt.validate_step(int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def require_run(store: Store, run: str) -> str:
@@ -90,7 +108,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             infos.append(item)
         else:
             warn(str(item))
-    if args.select:
+    if args.select is not None:
         infos = _selected(store, run, infos, args.select)
     if args.json:
         docs = [{**asdict(i), "created": datetime.fromtimestamp(i.created_at, timezone.utc).isoformat()} for i in infos]

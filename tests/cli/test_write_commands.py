@@ -162,6 +162,10 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["export", "{root}", "--run", RUN, "--out", "{tmp}/no/dir/m.st"], "does not exist"),
         (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--dtype", "int4"], "invalid choice"),
         (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--max-shard-size", "big"], "not understood"),
+        (["ls", ""], "ROOT is empty"),  # was the working directory
+        (["ls", "{root}", "--run", RUN, "--select", ""], "selector '' is not one of"),  # listed everything
+        (["verify", "{root}", "--run", RUN, "--step", "1_0"], "step '1_0' is not a step number"),  # was step 10
+        (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--step", "+10"], "is not a step number"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
