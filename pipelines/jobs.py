@@ -78,6 +78,10 @@ def apply_retention(
         context.log.warning(
             f"kept the hot copies of {len(batch)} checkpoint(s) not confirmed in the archive: {kept}{more}"
         )
+    for batch in batches(report.expiries_finished):
+        done = "; ".join(f"{checkpoint_key(*ref)} ({digest[:12]}…)" for ref, digest in batch[:3])
+        more = f" (and {len(batch) - 3} more)" if len(batch) > 3 else ""
+        context.log.info(f"finished {len(batch)} earlier expiries (their lifecycle records): {done}{more}")
     for batch in batches(report.changed):
         kept = "; ".join(f"{checkpoint_key(*ref)}: {why}" for ref, why in batch[:3])
         more = f" (and {len(batch) - 3} more)" if len(batch) > 3 else ""
@@ -98,6 +102,7 @@ def apply_retention(
             "hot_copies_expired": len(report.hot_copies_expired),
             "left_hot": len(report.left_hot),
             "changed_since_plan": len(report.changed),
+            "expiries_finished": len(report.expiries_finished),
             "failed": len(report.failed),
             "kept": len(plan.keep),
             "archive_only_unpartitioned": len(archived),

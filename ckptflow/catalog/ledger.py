@@ -4,7 +4,9 @@ what keeping it would have cost.
 One small JSON object per expired commit, ``ledger/expired/<run>/<step:012d>-<digest>.json``
 in the store it was expired from, written before the commit record is deleted (a failed
 expiry leaves an entry for a checkpoint that still exists, which readers ignore by
-checking what is held). GC never sweeps ``ledger/``.
+checking what is held). ``ledger/expiring/`` holds a marker per expiry deleting a commit's
+lifecycle records, deleted when it is done: retention finishes those left (``unfinished_expiries``).
+GC never sweeps ``ledger/``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
 
 PREFIX = "ledger/expired/"
+EXPIRING = "ledger/expiring/"  # expiries deleting records now (or that failed doing so)
 
 
 def record_expiry(store: Store, manifest: Manifest) -> None:
@@ -34,6 +37,30 @@ def record_expiry(store: Store, manifest: Manifest) -> None:
         "expired_at": time.time(),
     }
     store.replace(key, json.dumps(body, sort_keys=True).encode())
+
+
+def expiry_begun(store: Store, run: str, step: int, digest: str) -> str:
+    """Note that the expiry of commit ``digest`` at ``(run, step)`` is deleting its records:
+    one that fails (or dies) after its commit record went is in no later plan, so
+    ``unfinished_expiries`` is how retention finds it. Returns the key, for ``expiry_done``."""
+    key = f"{EXPIRING}{fmt.validate_run(run)}/{fmt.validate_step(step):0{fmt.STEP_DIGITS}d}-{digest}.json"
+    store.replace(key, b"{}")
+    return key
+
+
+def expiry_done(store: Store, key: str) -> None:
+    store.delete(key)
+
+
+def unfinished_expiries(store: Store) -> list[tuple[str, int, str, str]]:
+    """``(run, step, digest, key)`` of every expiry begun and not done: key names only."""
+    found = []
+    for info in store.list(EXPIRING):
+        run, _, name = info.key[len(EXPIRING) :].partition("/")
+        step, _, digest = name.removesuffix(".json").partition("-")
+        if step.isdigit() and fmt.is_digest(digest):
+            found.append((run, int(step), digest, info.key))
+    return found
 
 
 def expired(store: Store) -> list[dict[str, Any]]:

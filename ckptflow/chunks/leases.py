@@ -65,6 +65,7 @@ GC_LOCK = SAVES.lock
 HEARTBEAT = 5.0  # seconds between renewals
 DEAD_AFTER = 30.0  # not renewed for this long: its holder died
 SAVE_WAIT = 600.0  # how long a save waits for a live GC before it gives up
+PROMOTION_WAIT = 600.0  # how long a promotion and a retention wait for each other
 POLL = 0.05
 log = logging.getLogger("ckptflow")
 

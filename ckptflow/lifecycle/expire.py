@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ckptflow.catalog.ledger import record_expiry
+from ckptflow.catalog import ledger
 from ckptflow.catalog.verdicts import step_record_keys
 from ckptflow.errors import CkptflowError, ExpireError, ObjectNotFoundError, ObjectTooLargeError, is_damage
 from ckptflow.format import layout as fmt
@@ -33,13 +33,14 @@ def expire(
     A commit record that cannot be read for a reason that proves nothing (an outage) is
     an ``ExpireError`` and nothing is deleted. ``ExpireError`` also names what is left if
     any delete fails; calling again after the cause is fixed (with the same
-    ``keep_digests``) finishes the job. Returns the keys deleted.
+    ``keep_digests``) finishes the job, and so does the next retention for the records
+    of a commit whose record went (``ledger.expiry_begun``). Returns the keys deleted.
     """
     manifest_key = fmt.manifest_key(run, step)
     blob: bytes | None = None
     try:
         blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
-        record_expiry(store, Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step))
+        ledger.record_expiry(store, Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step))
     except (ObjectNotFoundError, ObjectTooLargeError):
         pass  # gone already (an expiry retried), or larger than any record (damage): the rest still goes
     except CkptflowError as e:
@@ -52,6 +53,9 @@ def expire(
         keys += step_record_keys(store, run, step, keep=keep_digests)
     elif not keep_records and blob is not None:  # a damaged record's digest names no record: none go
         keys += step_record_keys(store, run, step, only=fmt.digest_of(blob))
+    begun = (
+        ledger.expiry_begun(store, run, step, fmt.digest_of(blob)) if blob is not None and not keep_records else None
+    )
     failed: list[str] = []
     for key in keys:
         try:
@@ -66,6 +70,8 @@ def expire(
     if failed:
         raise ExpireError(
             f"checkpoint {run} step {step} no longer exists in {store.url}, but {len(failed)} of its "
-            f"objects could not be deleted: {'; '.join(failed[:5])}; run the expiry again"
+            f"objects could not be deleted: {'; '.join(failed[:5])}; run the expiry again (retention finishes it)"
         )
+    if begun is not None:
+        ledger.expiry_done(store, begun)
     return keys

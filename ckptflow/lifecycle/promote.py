@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, read_record
-from ckptflow.chunks.leases import PROMOTIONS, Heartbeat, shared_lease
+from ckptflow.chunks.leases import PROMOTION_WAIT, PROMOTIONS, Heartbeat, shared_lease
 from ckptflow.chunks.lossy import describe as describe_lossy
 from ckptflow.errors import CkptflowError, PromotionError, RegistryError
 from ckptflow.format import layout as fmt
@@ -35,7 +35,6 @@ from ckptflow.reports import inventory
 from ckptflow.store.base import Store
 
 STAGES = ("latest", "stable")
-PROMOTION_WAIT = 600.0  # seconds a promotion waits for a retention that is expiring checkpoints
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.chunks.leases import DEAD_AFTER, PROMOTIONS, Heartbeat, exclusive_lock, wait_for_leases
+from ckptflow.catalog import ledger, verdicts
+from ckptflow.chunks.leases import DEAD_AFTER, PROMOTION_WAIT, PROMOTIONS, Heartbeat, exclusive_lock, wait_for_leases
 from ckptflow.errors import CkptflowError, RetentionError
 from ckptflow.format.manifest import Manifest
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.lifecycle.expire import expire
-from ckptflow.lifecycle.promote import PROMOTION_WAIT
 from ckptflow.policy.retention import Commit, Ref, RetentionPlan, RetentionPolicy
 from ckptflow.reports import inventory
 from ckptflow.store.base import Store
@@ -33,6 +33,7 @@ class RetentionReport:
     left_hot: list[tuple[Ref, str]] = field(default_factory=list)  # archive-only by plan, copy not confirmed
     changed: list[tuple[Ref, str]] = field(default_factory=list)  # not what the plan decided about any more: kept
     failed: list[tuple[Ref, str]] = field(default_factory=list)  # an expiry failed; the checkpoint stays
+    expiries_finished: list[tuple[Ref, str]] = field(default_factory=list)  # (ref, digest): an earlier one's records
 
 
 def current_plan(
@@ -89,7 +90,7 @@ def apply_retention(
     another retention holding the lock, raise ``RetentionError``; nothing was expired.
     """
     report = RetentionReport()
-    if not plan.expire_hot:
+    if not plan.expire_hot and not ledger.unfinished_expiries(hot):
         return report
     with exclusive_lock(hot, PROMOTIONS) as lock:
         held = wait_for_leases(hot, wait, family=PROMOTIONS)
@@ -103,7 +104,32 @@ def apply_retention(
             hot.delete(info.key)
         protected = (registry.pinned() | set(registry.aliased())) - plan.protected
         _expire_planned(hot, archive, plan, protected, lock, report)
+        if not lock.lost:
+            _finish_expiries(hot, archive, report)
     return report
+
+
+def _finish_expiries(hot: Store, archive: Store | None, report: RetentionReport) -> None:
+    """Finish expiries that failed (or died) after their commit record went: no later
+    plan sees them, since no commit is left to plan about (``ledger.expiry_begun``).
+    The records still held for that commit go now, unless a tier holds it again (the
+    same bytes committed again, or the archive's copy); one whose commit record was
+    never deleted still exists, and the next plan decides about it."""
+    just_failed = {ref for ref, _ in report.failed}  # not again at once: the next retention tries it
+    for run, step, digest, key in ledger.unfinished_expiries(hot):
+        if (run, step) in just_failed:
+            continue
+        try:
+            held = catalog.manifest_or_damage(hot, run, step)
+            if not (isinstance(held, Manifest) and held.digest == digest):
+                if digest not in _archived_commits(archive, run, step):
+                    for record in verdicts.step_record_keys(hot, run, step, only=digest):
+                        hot.delete(record)
+                    report.expiries_finished.append(((run, step), digest))
+            ledger.expiry_done(hot, key)
+        except (CkptflowError, OSError) as e:
+            log.warning("retention could not finish the expiry of %s step %d (%s…): %s", run, step, digest[:12], e)
+            report.failed.append(((run, step), f"finishing its expiry: {e}"))
 
 
 def _expire_planned(

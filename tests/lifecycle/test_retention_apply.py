@@ -205,3 +205,28 @@ def test_an_expiry_called_by_hand_deletes_only_the_expired_commits_records_and_n
     assert read_manifest(hot, "r", 3).digest != first
     lifecycle.expire(hot, "r", 3)
     assert sorted(records_by_subject(hot)[("r", 3, first)]) == ["archive", "validation"]
+
+
+def test_the_next_retention_finishes_an_expiry_that_failed_after_its_commit_record_went(tmp_path):
+    """A record's delete failed after the commit record went: no plan sees the checkpoint
+    again (no commit is left), so the ledger's marker is how the next retention finds the
+    records left (an older step's evaluation would be read as the run's previous one)."""
+    hot = saved(str(tmp_path / "hot"))
+    for step in (1, 2):
+        lifecycle.evaluate(hot, hot, "r", step)
+    digest = read_manifest(hot, "r", 1).digest
+    flaky, failures = FaultyStore(hot), [True]
+    flaky.fail_if = lambda op, key: (
+        op == "delete" and key.startswith("lifecycle/r/000000000001/") and failures and failures.pop()
+    )
+    report = lifecycle.apply_retention(flaky, None, a_plan(hot), registry=Registry(hot))
+    assert report.expired == [("r", 2)] and [ref for ref, _ in report.failed] == [("r", 1)]
+    assert ("r", 1, digest) in records_by_subject(hot) and not hot.exists(
+        "runs/r/checkpoints/000000000001/manifest.json"
+    )
+    plan = a_plan(hot)
+    assert ("r", 1) not in plan.delete  # nothing is left to plan about
+    report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
+    assert report.expiries_finished == [(("r", 1), digest)] and report.failed == []
+    assert [s for s in records_by_subject(hot) if s[:2] in (("r", 1), ("r", 2))] == []
+    assert not list(hot.list("ledger/expiring/"))
