@@ -40,6 +40,7 @@ class GCReport:
     unreadable_manifests: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
     dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
+    live_leases: list[str] = field(default_factory=list)  # saves writing chunks (a dry run lists what it would do)
     skipped: str | None = None  # why nothing was swept, when nothing could safely be
 
     @property
@@ -152,13 +153,13 @@ def gc(
     with contextlib.nullcontext() if dry_run else gc_lock(store) as lock:
         held = leases(store) if dry_run else wait_for_leases(store, wait)
         report.dead_leases = [info.key for info in held.dead]
-        if held.live:
+        report.live_leases = [info.key for info in held.live]
+        if held.live and not dry_run:
             report.skipped = (
                 f"{len(held.live)} save(s) are writing chunks ({held.live[0].key}, renewed within the last "
                 f"{DEAD_AFTER:.0f} s); run gc again when they finish"
             )
-            if not dry_run:
-                return report
+            return report
         marked = _mark(store, report)
         if marked is None:  # report.skipped says why
             return report

@@ -273,6 +273,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.verbose:
         for key, size in report.deleted:
             print(f"  {key}  {human_bytes(size)}")
+    if report.live_leases:  # a dry run: a gc now would wait for these saves, then sweep nothing
+        print(
+            f"{PROG}: a gc now would sweep nothing: {len(report.live_leases)} save(s) are writing chunks "
+            f"({report.live_leases[0]}); the above is what it deletes once they finish",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

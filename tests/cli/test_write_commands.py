@@ -132,6 +132,9 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
     assert code == 1 and "save(s) are writing chunks" in err
     assert all(chunk_path(root, d).exists() for d in doomed)
     assert not (Path(root) / "locks" / "gc.json").exists(), "gc released its lock"
+    code, out, err = run_cli(capsys, "gc", root, "--grace", "1h", "--dry-run", "-v")  # says what it would do
+    assert code == 1 and "a gc now would sweep nothing: 1 save(s) are writing chunks" in err
+    assert out.startswith(f"would delete {len(doomed) + 1} object(s)") and all(d in out for d in doomed)
     lease.unlink()
     assert run_cli(capsys, "gc", root, "--grace", "1h", "--wait", "0")[0] == 0
     assert not any(chunk_path(root, d).exists() for d in doomed)
