@@ -60,7 +60,13 @@ class LocalStore(Store):
         # durable writes; the fsyncs of ``chunks`` and the directories below it wait for a batch's end
         self._writer = DurableWriter(self.disk, os.path.join(self.root, "chunks"))
         if create:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise StoreNotFoundError(
+                    f"store root {self.root} (or a directory above it) is a file, not a directory; give the path of "
+                    "a store directory (one is created if missing)"
+                ) from None
         elif not os.path.isdir(self.root):
             raise StoreNotFoundError(f"store root {self.root} does not exist or is not a directory; check the path")
 
