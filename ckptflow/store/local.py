@@ -132,15 +132,10 @@ class LocalStore(Store):
             fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
-        try:
-            regular = S_ISREG(os.fstat(fd).st_mode)
-        except BaseException:
-            os.close(fd)
-            raise
-        if not regular:
-            os.close(fd)
-            raise ObjectNotFoundError(f"{self.url}/{key} is not a regular file (a FIFO, a device?): no object is there")
-        return fd
+        if S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        raise ObjectNotFoundError(f"{self.url}/{key} is not a regular file (a FIFO, a device?): no object is there")
 
     def in_memory(self, key: str) -> bool:
         """Only a hint for scheduling a read, which checks the path (links, what is there)

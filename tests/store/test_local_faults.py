@@ -1,5 +1,5 @@
 """Faults of a local store found by trying to break it: symbolic links, two writers on one
-step, unreadable objects, a full disk."""
+step, unreadable objects, a full disk, a FIFO where an object belongs, a root that is a file."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError, gc, open_store
 from ckptflow.catalog import listing as catalog_listing
-from ckptflow.errors import StoreFullError, SymlinkError
+from ckptflow.errors import StoreFullError, StoreNotFoundError, SymlinkError
 from ckptflow.format import layout as fmt
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in
@@ -215,6 +215,16 @@ def test_a_full_disk_leaves_no_temp_file_and_says_what_the_save_needed(tmp_path,
 
 
 # ---- what is not a regular file is no object ----------------------------------------------
+@pytest.mark.parametrize("below", ["", "/sub"])
+def test_a_store_root_that_is_a_file_is_refused_saying_so(tmp_path, below):
+    """It was "[Errno 17] File exists" (from makedirs), naming no store root."""
+    (tmp_path / "x.pt").write_bytes(b"a model, not a store")
+    root = f"{tmp_path / 'x.pt'}{below}"
+    with pytest.raises(StoreNotFoundError, match=r"store root .*x\.pt.* is a file, not a directory"):
+        Checkpointer(root, "r")
+    assert (tmp_path / "x.pt").read_bytes() == b"a model, not a store"
+
+
 @pytest.mark.parametrize("where", ["chunk", "manifest"])
 def test_a_fifo_where_an_object_belongs_is_no_object_and_never_blocks_a_reader(tmp_path, where):
     """open() of a FIFO waits for a writer forever: a restore hung. Now it is read as

@@ -14,7 +14,7 @@ from ckptflow import Checkpointer, CorruptChunkError, InvalidNameError, open_sto
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import codecs
 from ckptflow.chunks.io import ChunkStore
-from ckptflow.errors import ObjectNotFoundError, StoreNotFoundError
+from ckptflow.errors import ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import address_of
 from ckptflow.store import LocalStore, Store, local_writes
@@ -130,16 +130,6 @@ def test_replace_overwrites_atomically(store):
         store.replace("x/y", b"newer")
         assert reader.read() == b"new-bytes"
     assert store.get("x/y") == b"newer"
-
-
-@pytest.mark.parametrize("below", ["", "/sub"])
-def test_a_store_root_that_is_a_file_is_refused_saying_so(tmp_path, below):
-    """It was "[Errno 17] File exists" (from makedirs), naming no store root."""
-    (tmp_path / "x.pt").write_bytes(b"a model, not a store")
-    root = f"{tmp_path / 'x.pt'}{below}"
-    with pytest.raises(StoreNotFoundError, match=r"store root .*x\.pt.* is a file, not a directory"):
-        Checkpointer(root, "r")
-    assert (tmp_path / "x.pt").read_bytes() == b"a model, not a store"
 
 
 def test_get_and_stat_missing(store):
