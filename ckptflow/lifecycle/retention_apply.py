@@ -112,20 +112,22 @@ def apply_retention(
 def _finish_expiries(hot: Store, archive: Store | None, report: RetentionReport) -> None:
     """Finish expiries that failed (or died) after their commit record went: no later
     plan sees them, since no commit is left to plan about (``ledger.expiry_begun``).
-    The records still held for that commit go now, unless a tier holds it again (the
-    same bytes committed again, or the archive's copy); one whose commit record was
-    never deleted still exists, and the next plan decides about it."""
+    The records still held for that commit go now, unless the archive holds it. One
+    whose commit is still held (its record's delete failed, or an expiry by hand is at
+    work) is left, marker and all: the plan decides about it, and its next expiry
+    clears the marker."""
     just_failed = {ref for ref, _ in report.failed}  # not again at once: the next retention tries it
     for run, step, digest, key in ledger.unfinished_expiries(hot):
         if (run, step) in just_failed:
             continue
         try:
             held = catalog.manifest_or_damage(hot, run, step)
-            if not (isinstance(held, Manifest) and held.digest == digest):
-                if digest not in _archived_commits(archive, run, step):
-                    for record in verdicts.step_record_keys(hot, run, step, only=digest):
-                        hot.delete(record)
-                    report.expiries_finished.append(((run, step), digest))
+            if isinstance(held, Manifest) and held.digest == digest:
+                continue
+            if digest not in _archived_commits(archive, run, step):
+                for record in verdicts.step_record_keys(hot, run, step, only=digest):
+                    hot.delete(record)
+                report.expiries_finished.append(((run, step), digest))
             ledger.expiry_done(hot, key)
         except (CkptflowError, OSError) as e:
             log.warning("retention could not finish the expiry of %s step %d (%s…): %s", run, step, digest[:12], e)
