@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptflow.errors import CkptflowError, ObjectNotFoundError
+from ckptflow.errors import CkptflowError, ObjectNotFoundError, PromotionError, RetentionError
 from ckptflow.store.base import ObjectInfo, Store
 
 
@@ -56,10 +56,14 @@ class LockFamily:
     lock: str
     shared: str
     exclusive: str
+    shared_error: type[CkptflowError] = CkptflowError  # a lease holder waited too long for the lock
+    exclusive_error: type[CkptflowError] = CkptflowError  # another holds the lock
 
 
 SAVES = LockFamily("locks/leases/", "locks/gc.json", "save", "garbage collection")
-PROMOTIONS = LockFamily("locks/promotions/", "locks/retention.json", "promotion", "retention")
+PROMOTIONS = LockFamily(
+    "locks/promotions/", "locks/retention.json", "promotion", "retention", PromotionError, RetentionError
+)
 LEASES = SAVES.leases
 GC_LOCK = SAVES.lock
 HEARTBEAT = 5.0  # seconds between renewals
@@ -176,12 +180,24 @@ def save_lease(store: Store, timeout: float = SAVE_WAIT) -> Iterator[Heartbeat]:
 
 @contextmanager
 def shared_lease(store: Store, family: LockFamily, timeout: float) -> Iterator[Heartbeat]:
-    """Hold a lease of ``family``, renewed while held; wait out its live exclusive holder first."""
-    key = f"{family.leases}{uuid.uuid4().hex}.json"
-    store.put_if_absent(key, _owner(family.shared))
+    """Hold a lease of ``family``, renewed while held. The lease is put first, then the lock
+    looked at (so the exclusive holder, which does the opposite, always sees one of the
+    two); a live lock is waited out without the lease, which it would be waiting for."""
+    started = time.monotonic()
+    while True:
+        key = f"{family.leases}{uuid.uuid4().hex}.json"
+        store.put_if_absent(key, _owner(family.shared))
+        try:
+            locked = _live_lock(store, family)[0]
+        except BaseException:
+            store.delete(key)
+            raise
+        if locked is None:
+            break
+        store.delete(key)
+        _wait_for_lock(store, family, timeout, started)
     beat = Heartbeat(store, key)
     try:
-        _wait_for_lock(store, family, timeout)
         yield beat
     finally:
         beat.stop()
@@ -196,27 +212,37 @@ def _lock_holder_gone(store: Store, family: LockFamily) -> bool:
         return False
 
 
-def _wait_for_lock(store: Store, family: LockFamily, timeout: float) -> None:
-    started = time.monotonic()
+def _live_lock(store: Store, family: LockFamily, checked: str | None = None) -> tuple[ObjectInfo | None, str | None]:
+    """``family``'s lock if a live holder has it (not one left by a holder that died: not
+    renewed for ``DEAD_AFTER``, or killed on this machine), and the lock version whose
+    holder was looked at: passed back as ``checked``, a poll reads the lock only when it
+    changes."""
+    try:
+        info = store.stat(family.lock)
+    except ObjectNotFoundError:
+        return None, checked
+    if _age(info) >= DEAD_AFTER:
+        return None, checked
+    if info.version != checked or checked is None:
+        if _lock_holder_gone(store, family):
+            return None, info.version
+    return info, info.version
+
+
+def _wait_for_lock(store: Store, family: LockFamily, timeout: float, started: float) -> None:
+    """Until ``family``'s lock has no live holder; ``timeout`` s after ``started``, raise."""
     said = False
-    checked: str | None = None  # the lock version whose holder was last checked (a GET each)
+    checked: str | None = None
     while True:
-        try:
-            info = store.stat(family.lock)
-        except ObjectNotFoundError:
+        info, checked = _live_lock(store, family, checked)
+        if info is None:
             return
-        if _age(info) >= DEAD_AFTER:
-            return  # left by a holder that died: it does nothing any more
-        if info.version != checked:
-            checked = info.version
-            if _lock_holder_gone(store, family):
-                return  # its holder was killed on this machine: it does nothing any more
         if not said and time.monotonic() - started > 1.0:
             log.warning("%s waiting for %s to finish on %s (%s, renewed %.0f s ago)",
                         family.shared, family.exclusive, store.url, family.lock, _age(info))  # fmt: skip
             said = True
         if time.monotonic() - started > timeout:
-            raise CkptflowError(
+            raise family.shared_error(
                 f"{family.exclusive} has held {store.url}/{family.lock} for over {timeout:.0f} s and is still alive "
                 f"(renewed within the last {DEAD_AFTER:.0f} s); wait for it to finish, or stop it, then try the "
                 f"{family.shared} again"
@@ -244,15 +270,17 @@ def exclusive_lock(store: Store, family: LockFamily) -> Iterator[Heartbeat]:
             version = store.get_versioned(lock)[1] if store.compare_and_swap else None
         except ObjectNotFoundError:  # released in between: try once more
             if not store.put_if_absent(lock, body):
-                raise CkptflowError(f"another {what} just took {store.url}/{lock}; run it again later") from None
+                raise family.exclusive_error(
+                    f"another {what} just took {store.url}/{lock}; run it again later"
+                ) from None
         else:
             if _age(info) < DEAD_AFTER and not _lock_holder_gone(store, family):
-                raise CkptflowError(
+                raise family.exclusive_error(
                     f"another {what} holds {store.url}/{lock} (renewed {_age(info):.0f} s ago); "
                     "run it again when that one has finished"
                 )
             if not _take_over(store, lock, body, version):
-                raise CkptflowError(f"another {what} just took over {store.url}/{lock}; run it again later")
+                raise family.exclusive_error(f"another {what} just took over {store.url}/{lock}; run it again later")
             log.warning("took over %s/%s from a %s that died", store.url, lock, what)
     beat = Heartbeat(store, lock, store.get_versioned(lock)[1] if store.compare_and_swap else None, what=what)
     try:

@@ -279,8 +279,8 @@ class LocalStore(Store):
             st = os.lstat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
-        if S_ISDIR(st.st_mode):
-            raise ObjectNotFoundError(f"{self.url}/{key} is a directory, not an object")
+        if not S_ISREG(st.st_mode):  # as reads (``_open``) and listings see it
+            raise ObjectNotFoundError(f"{self.url}/{key} is not a regular file (a directory, a FIFO?): no object")
         return _info(key, st)
 
     def touch(self, key: str) -> None:

@@ -299,13 +299,13 @@ class Restore:
     ) -> tuple[Failure | None, tuple[Manifest, RankRecord, LoadPlan] | None]:
         """(the agreed failure, or None and what was loaded). The plan is made from the
         records before any chunk is read, so a mismatch costs no I/O and changes nothing.
-        ``accepted``: the commits the selector accepted at ``step`` (None: any); another
-        one there now (committed again since, or not read when the selector looked) is
-        ``Failure.committed_again``."""
+        ``accepted``: the commits the selector accepted at ``step`` (None: any; a lossy
+        copy made from one of them is one too); another one there now (committed again
+        since, or not read when the selector looked) is ``Failure.committed_again``."""
         local: Failure | None = None
         try:
             manifest = read_manifest(tier.store, self.run, step)
-            if accepted is not None and manifest.digest not in accepted:
+            if accepted is not None and not accepted & {manifest.digest, (manifest.lossy or {}).get("source_digest")}:
                 raise _CommittedAgain(selection.not_the_commit_accepted(accepted, manifest.digest))
             lossy.check_allowed(
                 manifest, allow_lossy=self.allow_lossy, how_to_allow="restore(..., allow_lossy=True) loads it"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ class SaveHandle:
 _IN_FLIGHT: set[SaveHandle] = set()
 _IN_FLIGHT_LOCK = threading.Lock()
 _hooked = False
+# a forked child (a DataLoader worker) inherits the set but not the threads that finish its saves
+os.register_at_fork(after_in_child=_IN_FLIGHT.clear)
 
 
 def _finish_before_exit(handle: SaveHandle) -> None:
@@ -89,5 +92,8 @@ def _finish_in_flight() -> None:
         log.warning("the process is exiting: waiting for the async save of step %d to commit", handle.step)
         try:
             handle._future.result()
-        except BaseException as e:
+        except KeyboardInterrupt:
+            log.warning("interrupted: no longer waiting for the async save of step %d at exit", handle.step)
+            return
+        except Exception as e:
             log.error("the async save of step %d failed at exit and was not committed: %s", handle.step, e)

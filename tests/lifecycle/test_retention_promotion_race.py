@@ -18,7 +18,7 @@ from torch import nn
 from ckptflow import Checkpointer, lifecycle, open_store
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.chunks import leases
-from ckptflow.errors import CkptflowError, ObjectNotFoundError, RetentionError
+from ckptflow.errors import CkptflowError, ObjectNotFoundError, PromotionError, RetentionError
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle import retention_apply
 from ckptflow.lifecycle.promote import PromotionRequest, promote
@@ -87,7 +87,7 @@ def test_a_promotion_waits_for_retention_then_refuses_the_checkpoint_it_expired(
     with ThreadPoolExecutor(2) as pool:
         retaining = pool.submit(lifecycle.apply_retention, hot, None, plan, registry=registry, wait=60)
         assert expire.reached.wait(60)
-        with pytest.raises(CkptflowError, match="retention has held .* try the promotion again"):
+        with pytest.raises(PromotionError, match="retention has held .* try the promotion again"):
             promote(hot, registry, PromotionRequest("m", ("r", 1)), wait=0.3)
         promoting = pool.submit(promote, hot, registry, PromotionRequest("m", ("r", 1)), wait=60)
         time.sleep(0.3)
@@ -99,10 +99,36 @@ def test_a_promotion_waits_for_retention_then_refuses_the_checkpoint_it_expired(
     assert registry.versions("m") == [] and registry.pinned() == set()
 
 
+def test_a_promotion_arriving_while_retention_waits_lets_it_go_on(hot):
+    """Retention holds its lock and waits for promotion 1; promotion 2 arrives meanwhile.
+    It waits for the retention without a lease (the retention would wait for it: both
+    stalled until a timeout), so the retention goes on as soon as promotion 1 is done."""
+    plan = a_plan(hot)
+    registry = Registry(hot)
+    registry.upload = upload = Paused(registry.upload)
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(promote, hot, registry, PromotionRequest("m", ("r", 3), stage="stable"))
+        assert upload.reached.wait(60)
+        retaining = pool.submit(lifecycle.apply_retention, hot, None, plan, registry=Registry(hot), wait=60)
+        while not hot.exists(leases.PROMOTIONS.lock):
+            time.sleep(0.01)
+        second = pool.submit(promote, hot, Registry(hot), PromotionRequest("m", ("r", 1)), wait=60)
+        time.sleep(0.5)  # it has found the lock held
+        upload.release.set()
+        first.result(60)
+        released = time.monotonic()
+        report = retaining.result(60)
+        assert time.monotonic() - released < 10  # not the wait's 60 s
+        assert report.expired == [("r", 1), ("r", 2)]
+        with pytest.raises(CkptflowError, match="000000000001.* never committed"):
+            second.result(60)  # then it found step 1 expired
+    assert [v.step for v in registry.versions("m")] == [3]
+
+
 def test_another_retention_holding_the_lock_expires_nothing(hot):
     plan = a_plan(hot)
     with leases.exclusive_lock(hot, leases.PROMOTIONS):
-        with pytest.raises(CkptflowError, match="another retention holds"):
+        with pytest.raises(RetentionError, match="another retention holds"):
             lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
     assert {read_manifest(hot, "r", s).step for s in (1, 2)} == {1, 2}
     assert lifecycle.apply_retention(hot, None, plan, registry=Registry(hot)).expired == [("r", 1), ("r", 2)]

@@ -237,6 +237,8 @@ def test_a_fifo_where_an_object_belongs_is_no_object_and_never_blocks_a_reader(t
     path = chunk_path(str(root), only_in(str(root), "r", 2)[0]) if where == "chunk" else root / fmt.manifest_key("r", 2)
     os.unlink(path)
     os.mkfifo(path)
+    key = str(Path(path).relative_to(root))
+    assert not open_store(str(root)).exists(key)  # as reads and listings see it
     script = (
         "import sys\n"
         "from ckptflow import Checkpointer\n"

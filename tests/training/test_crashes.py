@@ -255,3 +255,27 @@ def test_an_async_save_in_flight_when_the_script_ends_is_committed(tmp_path, end
     assert committed_steps(Path(root)) == [1]
     with Checkpointer(root, RUN) as ck:
         assert ck.verify(1).ok
+
+
+def test_a_child_forked_while_an_async_save_is_in_flight_exits_at_once(tmp_path):
+    """A forked child (a DataLoader worker) inherits the saves in flight but not the threads
+    that finish them: waiting for them at its exit hung it for ever."""
+    root = str(tmp_path / "store")
+    script = (
+        "import multiprocessing, time, torch\n"
+        "from ckptflow import Checkpointer\n"
+        f"ck = Checkpointer({root!r}, {RUN!r}, codec='zstd')\n"
+        "handle = ck.save(1, {'model': torch.nn.Linear(2048, 2048).state_dict()}, blocking=False)\n"
+        "child = multiprocessing.get_context('fork').Process(target=time.sleep, args=(0,))\n"
+        "started = time.monotonic()\n"
+        "child.start()\n"
+        "child.join(30)\n"
+        "print(child.exitcode, round(time.monotonic() - started, 1), flush=True)\n"
+        "handle.wait()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exitcode, seconds = done.stdout.split()
+    assert exitcode == "0" and float(seconds) < 10, done.stdout
+    assert committed_steps(Path(root)) == [1]

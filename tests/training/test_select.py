@@ -14,6 +14,7 @@ from torch import nn
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import recovery_log, selection
 from ckptflow.catalog.selection import Alias, Best
+from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CheckpointExistsError, NewerFormatError, NoValidCheckpointError, StoreUnavailableError
 from ckptflow.format.layout import READABLE_FORMATS
 from ckptflow.interop.registry import Registry
@@ -181,6 +182,22 @@ def test_validated_finds_the_validated_commit_in_the_archive_when_hot_holds_anot
         result = ck.restore(live, select="validated")
     assert (result.step, result.tier, result.passed_over) == (2, str(open_store(str(tmp_path / "archive")).url), [])
     assert live["model"].weight[0, 0].item() == 2
+
+
+def test_validated_falls_back_to_the_lossy_archive_copy_of_the_validated_commit(tmp_path):
+    """A lossy copy is named by the commit it was made from (``source_digest``): with
+    allow_lossy it is what "validated" recovers to when the hot copy rots."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+    archive = open_store(str(tmp_path / "archive"))
+    assert lifecycle.archive(store, archive, "r", 2, codec=ArchiveCodec.parse("bf16")).ok
+    damage(root, 2)
+    live = {"model": model_at(0)}
+    with Checkpointer(root, "r", tiers=[str(tmp_path / "archive")]) as ck:
+        result = ck.restore(live, select="validated", allow_lossy=True)
+    assert (result.step, result.tier, result.passed_over) == (2, archive.url, [])
+    assert result.lossy is not None and live["model"].weight[0, 0].item() == 2
 
 
 def test_best_picks_by_metric_and_falls_back_to_the_next_best(tmp_path):
