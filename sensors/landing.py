@@ -5,12 +5,17 @@ Which commits are new, and the cursor that remembers them, is the library's
 ``SensorResult`` both adds the dynamic partitions and requests their runs, so a
 partition never exists without its validation having been requested (and a tick that
 fails adds neither). Each run's key holds the commit's marker (its manifest digest),
-so a step committed again gets a run of its own; a commit that already has a
-validation record gets its partition but no new run.
+so a step committed again gets a run of its own. A commit that already has a
+validation record (scrub, a promotion or the demo's in-process driver validated it)
+gets no new run only if its ``checkpoint`` partition was materialized for that very
+digest: a verdict in the store is not a materialization, and without one the automation
+never requests its evaluation, compression or archival.
 """
 
 from dagster import (
+    AssetRecordsFilter,
     AssetSelection,
+    DagsterInstance,
     DefaultSensorStatus,
     RunRequest,
     SensorEvaluationContext,
@@ -63,7 +68,7 @@ def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
             tags={LANE_TAG: "validation", **checkpoint_tags(c.key), **({DIGEST_TAG: c.digest} if c.digest else {})},
         )
         for c in landed
-        if not c.validated
+        if not (c.validated and _materialized_for(context.instance, keys[c.key], c.digest))
     ]
     context.log.info(
         f"{len(landed)} new commit record(s); {len(new_keys)} new partition(s), {len(requests)} validation run(s)"
@@ -73,3 +78,15 @@ def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
         dynamic_partitions_requests=[checkpoints_partitions.build_add_request(new_keys)] if new_keys else [],
         cursor=cursor,
     )
+
+
+def _materialized_for(instance: DagsterInstance, partition_key: str, digest: str) -> bool:
+    """Whether the newest materialization of ``checkpoint`` in ``partition_key`` is of the
+    commit ``digest`` (asked only of commits that have a validation record: few)."""
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=checkpoint.key, asset_partitions=[partition_key]), limit=1
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return False
+    named = records[0].asset_materialization.metadata.get("manifest_digest")
+    return getattr(named, "value", named) == digest

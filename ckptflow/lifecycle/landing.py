@@ -7,8 +7,10 @@ watermark on the commit records' modification times (``{"t": newest seen, "seen"
 [commits within SLACK of it]}``): a tick lists the store (names, sizes and times; no
 reads), reads only the commit records at or after the watermark that it has not seen,
 and names each commit by its manifest digest (``Landed.marker``). A commit that already
-has a validation record for its digest (the demo's in-process driver wrote one) is
-``validated``: it needs a partition but no new validation.
+has a validation record for its digest (scrub, a promotion or the demo's in-process
+driver wrote one) is ``validated``: a record is not the orchestrator's own verdict, so
+whether it still needs a validation run is the orchestrator's to say (the landing sensor
+requests one unless its ``checkpoint`` partition was materialized for that digest).
 
 A tick does not list every step of every run: the cursor keeps, per run, the newest
 step landed (its ``frontier``), and a tick lists each run from there on (S3
@@ -62,7 +64,7 @@ class Landed:
 
 def land(store: Store, cursor: str | None, *, limit: int = MAX_PER_TICK) -> tuple[list[Landed], str]:
     """``new_commits`` over a cursor as a sensor keeps it (JSON text, or None before the
-    first tick); a cursor of an older layout starts over (validated commits are passed over)."""
+    first tick); a cursor of an older layout starts over (commits validated already are marked so)."""
     state = json.loads(cursor) if cursor else {}
     if not isinstance(state.get("seen", []), list):
         state = {}

@@ -5,8 +5,9 @@ import os
 
 import pytest
 import torch
-from dagster import SensorResult, build_sensor_context
+from dagster import SensorResult, build_sensor_context, materialize
 
+from assets.checkpoints import checkpoint
 from assets.partitions import (
     checkpoint_key,
     drop_checkpoint_partitions,
@@ -184,14 +185,23 @@ def test_a_step_committed_again_is_landed_again(store_with_checkpoints, resource
     )
 
 
-def test_sensor_passes_over_commits_already_validated(store_with_checkpoints, resources, instance):
-    for step in (10, 20):
-        lifecycle.validate(open_store(store_with_checkpoints), RUN, step)
-    result = tick(instance, resources)  # e.g. a daemon on an instance the demo filled: nothing to re-run
-    assert list(result.dynamic_partitions_requests[0].partition_keys) == [
-        checkpoint_key(RUN, s) for s in (10, 20, 30, 40)
-    ]
-    assert [r.partition_key for r in result.run_requests] == [checkpoint_key(RUN, s) for s in (30, 40)]
+def test_a_validated_commit_is_spared_its_run_only_where_its_partition_was_materialized_for_it(
+    store_with_checkpoints, resources, instance
+):
+    """Step 10 went through the landing path of this instance (its ``checkpoint``
+    partition materialized for its digest); step 20 was validated before the sensor
+    ticked (scrub with ``older_than_days=0``, a promotion by partition key). Only 10 is
+    spared a run: 20 without one would never be materialized, so never evaluated,
+    compressed or archived."""
+    instance.add_dynamic_partitions("checkpoints", [checkpoint_key(RUN, 10)])
+    materialized = materialize(
+        [checkpoint], partition_key=checkpoint_key(RUN, 10), resources=resources, instance=instance
+    )
+    assert materialized.success
+    lifecycle.validate(open_store(store_with_checkpoints), RUN, 20)
+    result = tick(instance, resources)
+    assert list(result.dynamic_partitions_requests[0].partition_keys) == [checkpoint_key(RUN, s) for s in (20, 30, 40)]
+    assert [r.partition_key for r in result.run_requests] == [checkpoint_key(RUN, s) for s in (20, 30, 40)]
 
 
 def test_a_quick_tick_lists_from_the_frontier_and_a_full_listing_finds_what_is_behind_it(store_with_checkpoints):
