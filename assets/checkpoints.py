@@ -28,6 +28,9 @@ run is tagged with the digest of the commit it processes (``pin_commit``), so it
 failure is recorded against that commit.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from dagster import (
     AssetCheckKey,
     AssetCheckResult,
@@ -48,7 +51,7 @@ from assets.metadata import bullet_list, metrics, ratio, size
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key, pin_commit
 from ckptflow import lifecycle
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.errors import EvaluatorError
+from ckptflow.errors import EvaluatorError, FailedValidationError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle import EvaluationRule
 from ckptflow.reports import recoverable
@@ -102,6 +105,17 @@ def _reason_metadata(reason: recoverable.Reason) -> dict[str, MetadataValue]:
         "failed_check": MetadataValue.text(f"integrity: {reason.check}"),
         "chunk": MetadataValue.text(f"{reason.chunk}…" if reason.chunk else "-"),
     }
+
+
+@contextmanager
+def _refusing_failed_commits() -> Iterator[None]:
+    """A commit whose validation failed fails the partition with the verdict, never retried:
+    a blocking check holds back what the automation requests, not a materialization by
+    hand or a backfill, so the library refuses it (``lifecycle.per_checkpoint``)."""
+    try:
+        yield
+    except FailedValidationError as e:
+        raise Failure(description=str(e), allow_retries=False) from None
 
 
 def _lineage(trainer: dict) -> dict:
@@ -198,7 +212,7 @@ def evaluation(
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
     rule = EvaluationRule(evaluator.val_metric, evaluator.train_metric, evaluator.mode)
-    with store.retrying_outages(context):
+    with store.retrying_outages(context), _refusing_failed_commits():
         try:
             record = lifecycle.evaluate_checkpoint(
                 hot,
@@ -239,7 +253,7 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
     raw bytes, so nothing that references them changes; every chunk is verified first."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    with store.retrying_outages(context):
+    with store.retrying_outages(context), _refusing_failed_commits():
         report = lifecycle.compress_checkpoint(hot, run, step, on_commit=pin_commit(context))
     if report is None:
         return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
@@ -268,7 +282,7 @@ def archived(
     what was lost, and the run's evaluator scores it next to the exact checkpoint."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
-    with store.retrying_outages(context):
+    with store.retrying_outages(context), _refusing_failed_commits():
         report = lifecycle.archive_checkpoint(
             hot,
             arc,

@@ -153,6 +153,11 @@ class LossyCopyError(CkptflowError):
     """A lossy archive copy was about to be restored without ``allow_lossy=True``."""
 
 
+class FailedValidationError(CkptflowError):
+    """The commit's validation verdict failed: part of it was proved damaged, so nothing
+    reads it unless its caller opted in (``catalog.verdicts.check_not_failed``)."""
+
+
 class EvaluatorError(CkptflowError):
     """A run's evaluator (anyone's code) could not be loaded or raised: the checkpoint's
     evaluation failed, not its store or its bytes, and a retry would only repeat it."""

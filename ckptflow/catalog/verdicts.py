@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ckptflow.catalog.object_index import ObjectIndex, record_value
-from ckptflow.errors import CkptflowError, InvalidNameError, ObjectNotFoundError
+from ckptflow.errors import CkptflowError, FailedValidationError, InvalidNameError, ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import ObjectInfo, Store
@@ -149,7 +149,7 @@ def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, 
 def check_not_failed(records: Store, manifest: Manifest, *, allow_failed: bool, how_to_allow: str) -> dict | None:
     """The failed validation verdict of exactly this commit (its manifest digest), or None.
 
-    Without ``allow_failed`` a failed verdict raises ``CkptflowError`` saying when it was
+    Without ``allow_failed`` a failed verdict raises ``FailedValidationError`` saying when it was
     recorded, what failed and how to go on (``how_to_allow``: the caller's opt-in). The
     verdict stands until validation runs again, even if the bytes verify now: a record
     is history, and only a new validation replaces it."""
@@ -165,7 +165,7 @@ def check_not_failed(records: Store, manifest: Manifest, *, allow_failed: bool, 
         )
         problems = [str(p) for p in verdict.get("problems") or []] or ["no problem recorded"]
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CkptflowError(
+        raise FailedValidationError(
             f"run {manifest.run!r} step {manifest.step} failed validation (recorded {when} for manifest "
             f"{manifest.digest[:12]}…, in {verdict.get('tier') or records.url}): {'; '.join(problems[:3])}{more}. "
             "Refused: part of this commit was proved damaged, so none of it is trusted. Choose another step, "

@@ -7,8 +7,12 @@ to do for a checkpoint the archive alone holds. The commit: before the work read
 checkpoint, ``on_commit`` is told the digest of the commit it is about, so a failure is
 recorded against that commit even if the step is committed again before anyone looks
 (``lifecycle.attribution``); a commit record that cannot be read tells nothing (the
-work's own read reports why). Lifecycle records go to the hot store whichever tier is
-read. Evaluators are named by import path and loaded by the caller's ``load``.
+work's own read reports why). A commit whose validation verdict failed is never
+evaluated, compressed or archived (``FailedValidationError``, before anything is
+written): an orchestrator's blocking check holds back only what it requests itself,
+not a materialization by hand or a backfill. Lifecycle records go to the hot store
+whichever tier is read. Evaluators are named by import path and loaded by the caller's
+``load``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.tiers import holds_commit, source_tier
+from ckptflow.catalog.verdicts import check_not_failed
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
@@ -32,12 +37,24 @@ from ckptflow.store.base import Store
 OnCommit = Callable[[str], None]  # told the manifest digest of the commit about to be processed
 
 
-def tell_commit(source: Store, run: str, step: int, on_commit: OnCommit) -> None:
+def tell_commit(source: Store, run: str, step: int, on_commit: OnCommit) -> Manifest | None:
+    """Tells ``on_commit`` the digest of the commit in ``source``; returns its manifest, or
+    None when it cannot be read (the work's own read reports why)."""
     try:
-        digest = catalog.read_manifest(source, run, step).digest
+        manifest = catalog.read_manifest(source, run, step)
     except (CkptflowError, OSError):
-        return
-    on_commit(digest)
+        return None
+    on_commit(manifest.digest)
+    return manifest
+
+
+def admit_commit(source: Store, hot: Store, run: str, step: int, *, on_commit: OnCommit, work: str) -> None:
+    """``tell_commit``, then refuse (``FailedValidationError``) a commit whose validation
+    verdict, recorded in ``hot`` for its digest, failed."""
+    manifest = tell_commit(source, run, step, on_commit)
+    if manifest is not None:
+        how = f"leave it: {work} waits for a passing validation of this commit"
+        check_not_failed(hot, manifest, allow_failed=False, how_to_allow=how)
 
 
 @dataclass(frozen=True)
@@ -73,7 +90,7 @@ def evaluate_checkpoint(
     (None: the trainer's metrics) and record it in ``hot``. The evaluator's own error,
     loading it included, raises ``EvaluatorError`` (``evaluate.evaluator_errors``)."""
     source = source_tier(hot, run, step, archive)
-    tell_commit(source, run, step, on_commit)
+    admit_commit(source, hot, run, step, on_commit=on_commit, work="its evaluation")
     with evaluator_errors(evaluator, fmt.checkpoint_name(run, step)):
         function = None if evaluator is None else load(evaluator)
         return evaluate(source, hot, run, step, function, evaluator_name=evaluator or TRAINER, key=key, rule=rule)
@@ -84,7 +101,7 @@ def compress_checkpoint(hot: Store, run: str, step: int, *, on_commit: OnCommit)
     archive keeps its bytes as they are)."""
     if not holds_commit(hot, run, step):
         return None
-    tell_commit(hot, run, step, on_commit)
+    admit_commit(hot, hot, run, step, on_commit=on_commit, work="its compression")
     return compress(hot, run, step)
 
 
@@ -105,6 +122,6 @@ def archive_checkpoint(
     and ``cold`` holds the checkpoint (archived earlier)."""
     if not holds_commit(hot, run, step) and holds_commit(cold, run, step):
         return None
-    tell_commit(hot, run, step, on_commit)
+    admit_commit(hot, hot, run, step, on_commit=on_commit, work="its archival")
     function = None if evaluator is None else load(evaluator)
     return archive(hot, cold, run, step, codec=codec, evaluator=function, evaluator_name=evaluator or TRAINER, key=key)

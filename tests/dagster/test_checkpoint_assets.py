@@ -94,6 +94,27 @@ def test_corrupt_checkpoint_fails_blocking_check_and_nothing_downstream_runs(
     assert not os.path.exists(os.path.join(archive, "runs", RUN, "checkpoints", "000000000030"))
 
 
+def test_downstream_materialized_by_hand_refuses_a_checkpoint_that_failed_validation(
+    store_with_checkpoints, resources, instance
+):
+    """``dagster asset materialize --select evaluation`` (or a backfill) runs no blocking
+    check: each downstream asset refuses the failed commit itself, and records nothing.
+    Evaluated from the trainer's metrics, so no read of the damaged chunk would stop it."""
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    corrupt_chunk(store_with_checkpoints, RUN, 30)
+    assert not mat(instance, resources, KEYS[2], selection=[checkpoint]).success
+    trainer_metrics = {**resources, "evaluator": EvaluatorResource(evaluators={})}
+    for asset in (evaluation, compressed, archived):
+        result = mat(instance, trainer_metrics, KEYS[2], selection=[asset])
+        [failure] = [e for e in result.all_events if e.is_step_failure]
+        description = failure.step_failure_data.user_failure_data.description
+        assert description.startswith(f"run '{RUN}' step 30 failed validation"), asset.key
+        assert latest(instance, asset, KEYS[2]) is None, asset.key
+    assert [record(store_with_checkpoints, 30, what) for what in ("evaluation", "compression", "archive")] == [None] * 3
+    archive = os.path.join(store_with_checkpoints, "..", "archive")
+    assert not os.path.exists(os.path.join(archive, "runs", RUN, "checkpoints", "000000000030"))
+
+
 def test_automation_requests_downstream_only_for_checkpoints_that_passed(store_with_checkpoints, defs, instance):
     cursor = evaluate_automation_conditions(defs=defs, instance=instance).cursor  # the daemon was already running
     instance.add_dynamic_partitions("checkpoints", KEYS[:3])

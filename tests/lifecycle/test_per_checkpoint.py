@@ -1,12 +1,15 @@
 """The per-checkpoint operations as an orchestrator runs them: the tier read, the commit
-told before the work, the skips of an expired hot copy, the evaluator policy."""
+told before the work, the skips of an expired hot copy, the refusal of a commit that
+failed validation, the evaluator policy."""
+
+import os
 
 import pytest
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec
-from ckptflow.errors import EvaluatorError
+from ckptflow.errors import EvaluatorError, FailedValidationError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle import EvaluationRule
 from ckptflow.store import open_store
@@ -63,6 +66,44 @@ def test_an_unreadable_commit_record_is_not_told(tiers, tmp_path):
     digests, on_commit = told()
     validated = lifecycle.validate_checkpoint(hot, RUN, 3, archive=lambda: arc, on_commit=on_commit)
     assert digests == [] and validated.manifest is None and not validated.record["ok"]
+
+
+def files(root) -> dict[str, tuple[int, int]]:
+    return {
+        os.path.join(d, f): (os.stat(os.path.join(d, f)).st_size, os.stat(os.path.join(d, f)).st_mtime_ns)
+        for d, _, names in os.walk(root)
+        for f in names
+    }
+
+
+def test_a_commit_that_failed_validation_is_neither_evaluated_compressed_nor_archived(tiers, tmp_path):
+    """Materialized by hand or by a backfill, where no blocking check stands in the way:
+    each refuses with the verdict, after telling its commit, and writes nothing."""
+    hot, arc = tiers
+    corrupt_chunk(tmp_path / "hot", RUN, 3)
+    assert not lifecycle.validate(hot, RUN, 3)["ok"]
+    before = files(tmp_path)
+    digests, on_commit = told()
+
+    def load(path):
+        raise AssertionError("no evaluator is configured")
+
+    works = {  # the trainer's metrics: no chunk read that could fail on the damage
+        "evaluation": lambda: lifecycle.evaluate_checkpoint(
+            hot, RUN, 3, archive=lambda: arc, on_commit=on_commit, evaluator=None, load=load,
+            key="model", rule=EvaluationRule(),
+        ),
+        "compression": lambda: lifecycle.compress_checkpoint(hot, RUN, 3, on_commit=on_commit),
+        "archival": lambda: lifecycle.archive_checkpoint(
+            hot, arc, RUN, 3, on_commit=on_commit, codec=ArchiveCodec.parse("exact"), evaluator=None, load=load,
+            key="model",
+        ),
+    }  # fmt: skip
+    for what, work in works.items():
+        with pytest.raises(FailedValidationError, match=rf"run '{RUN}' step 3 failed validation .*its {what} waits"):
+            work()
+    assert files(tmp_path) == before
+    assert digests == [digest(hot, 3)] * 3
 
 
 def test_an_expired_hot_copy_is_not_compressed(tiers):
