@@ -107,6 +107,18 @@ def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dic
     return dict(out)
 
 
+def subjects_with(store: Store, what: str) -> set[tuple[str, int, str]]:
+    """``(run, step, digest)`` of every commit that has a ``what`` record: one listing of
+    key names, no reads."""
+    found = set()
+    for info in store.list(PREFIX):
+        parts = info.key[len(PREFIX) :].split("/")
+        step = fmt.parse_step_dir(parts[1]) if len(parts) == 4 else None
+        if step is not None and parts[3] == f"{what}.json":
+            found.add((parts[0], step, parts[2]))
+    return found
+
+
 def step_record_keys(
     store: Store, run: str, step: int, *, keep: Collection[str] = (), only: str | None = None
 ) -> list[str]:

@@ -20,6 +20,15 @@ of old steps) is found by the full listing a tick does every ``FULL_SCAN_S``; a 
 committed again at the frontier (restore rejected the newest, training saved it anew)
 is found at once.
 
+A commit record whose time is behind the watermark by more than ``SLACK`` (a run copied
+in with its times kept, ``cp -a`` or ``rsync -a``; a writer whose clock is behind) is
+never fresh: the full listing lands it too, by its digest, unless that commit has a
+validation record or is ``pending`` (``_behind_watermark``). The cursor keeps as
+``pending`` each commit it landed that had no validation record, until a full listing
+finds one (or the commit gone): it grows with the validation backlog only, at most
+``MAX_WAITING``. The digests come from each run's manifest index (one read per run once
+known) and the records from one listing of their names, so a quick tick costs what it did.
+
 A commit record that could not be read for a reason that may pass (a newer ckptflow
 wrote it, access was denied) lands once without a digest, and its validation run says
 why; the cursor keeps it as ``waiting`` and every full listing reads it again, so once
@@ -43,7 +52,9 @@ from dataclasses import dataclass
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
-from ckptflow.catalog.verdicts import Subject, read_record
+from ckptflow.catalog.object_index import ObjectIndex
+from ckptflow.catalog.verdicts import Subject, read_record, subjects_with
+from ckptflow.errors import ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
@@ -88,13 +99,16 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     steps = list(catalog_listing.listing(store, from_steps=None if full else frontier, manifests_only=True))
     listed = [e for e in steps if isinstance(e, catalog_listing.StepListing)]
     fresh = [e for e in listed if e.manifest is not None and e.manifest.mtime >= t - SLACK and _seen_id(e) not in seen]
-    fresh.sort(key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
-    waiting = _waiting(cursor.get("waiting"))
+    waiting = _commit_ids(cursor.get("waiting"))
+    pending = set(_commit_ids(cursor.get("pending")))
     landed: list[Landed] = []
+    behind: list[catalog_listing.StepListing] = []
     if full:
         unlisted = [p for p in steps if isinstance(p, catalog_listing.Problem)]
+        behind, pending = _behind_watermark(store, listed, t, set(waiting), pending)
         landed, waiting = _read_again(store, waiting, listed, unlisted, limit)
-    taken = fresh[: max(0, limit - len(landed))]  # at most ``limit`` land a tick
+    order = sorted(fresh + behind, key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
+    taken = order[: max(0, limit - len(landed))]  # at most ``limit`` land a tick
     done: list[catalog_listing.StepListing] = []
     manifests = list(zip(taken, catalog.committed(store, listed=taken)))
     validated = _validated(store, [item for _, item in manifests])
@@ -102,6 +116,8 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
         key = fmt.checkpoint_name(entry.run, entry.step)
         if isinstance(item, Manifest):
             landed.append(Landed(key=key, digest=item.digest, marker=item.digest[:16], validated=was_validated))
+            if not was_validated:
+                pending.add(_commit_id(entry))
         elif item.kind == "unavailable":
             break  # retried next tick: a store that did not answer proves nothing about the checkpoint
         else:
@@ -116,8 +132,43 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done)}
     newest = set(sorted(set(waiting), key=lambda w: (w[2], w[0], w[1]))[-MAX_WAITING:])
     after["waiting"] = [list(w) for w in dict.fromkeys(waiting) if w in newest]  # in the order to read them
+    after["pending"] = [list(p) for p in sorted(pending, key=lambda p: (p[2], p[0], p[1]))[-MAX_WAITING:]]
     after["full_at"] = now if full else full_at
     return landed, after
+
+
+def _behind_watermark(
+    store: Store,
+    listed: list[catalog_listing.StepListing],
+    t: float,
+    waiting: set[tuple[str, int, float]],
+    pending: set[tuple[str, int, float]],
+) -> tuple[list[catalog_listing.StepListing], set[tuple[str, int, float]]]:
+    """Commits listed behind the watermark (older than ``t - SLACK``) that were never
+    landed: neither ``pending`` nor ``waiting``, with no validation record for their
+    digest (or a commit record that does not read); and the ``pending`` commits still
+    listed without one."""
+    looked_at = {
+        _commit_id(e): e
+        for e in listed
+        if e.manifest is not None and (e.manifest.mtime < t - SLACK or _commit_id(e) in pending)
+    }
+    if not looked_at:
+        return [], set()
+    validated = subjects_with(store, "validation")
+    unvalidated = set()
+    for run in dict.fromkeys(e.run for e in looked_at.values()):
+        committed = [e.manifest for e in listed if e.run == run and e.manifest is not None]
+        summaries = ObjectIndex(store, f"runs/{run}", catalog.manifest_summary).values(committed)
+        for commit, entry in ((c, e) for c, e in looked_at.items() if e.run == run):
+            summary = summaries[fmt.manifest_key(run, entry.step)]
+            if isinstance(summary, ObjectNotFoundError):
+                continue  # deleted since the listing
+            if isinstance(summary, Exception) or (run, entry.step, summary["digest"]) not in validated:
+                unvalidated.add(commit)
+    never_landed = unvalidated - waiting - pending
+    behind = [e for commit, e in looked_at.items() if commit in never_landed and commit[2] < t - SLACK]
+    return behind, pending & unvalidated
 
 
 def _commit_id(entry: catalog_listing.StepListing) -> tuple[str, int, float]:
@@ -125,9 +176,9 @@ def _commit_id(entry: catalog_listing.StepListing) -> tuple[str, int, float]:
     return entry.run, entry.step, entry.manifest.mtime
 
 
-def _waiting(value: object) -> list[tuple[str, int, float]]:
-    """The cursor's waiting commits; an entry this code never writes is dropped, not raised
-    on every tick."""
+def _commit_ids(value: object) -> list[tuple[str, int, float]]:
+    """The cursor's waiting or pending commits; an entry this code never writes is
+    dropped, not raised on every tick."""
     entries = value if isinstance(value, list) else []
     return [
         (w[0], w[1], float(w[2]))

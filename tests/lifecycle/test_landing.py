@@ -56,6 +56,41 @@ def test_commits_land_oldest_first_once_each_named_by_their_digest(root):
     assert json.loads(cursor)["t"] == T0 + 40
 
 
+def test_a_full_listing_lands_commits_whose_times_are_behind_the_watermark(root):
+    """A run copied in with its times kept (``cp -a``), and step 2 committed again by a
+    writer whose clock is behind: no quick tick sees them, the next full listing lands
+    each by its digest, once (the cursor keeps them pending until validated)."""
+    store = open_store(root)
+    landed, cursor = new_commits(store, {}, limit=10, now=T0)
+    for c in landed:
+        lifecycle.validate(store, RUN, fmt.parse_checkpoint_name(c.key)[1])
+    with Checkpointer(root, "copied") as ck:
+        for step in (5, 6):
+            ck.save(step, tiny_state(seed=step))
+            committed_at(root, step, T0 - 600, run="copied")
+    old_digest = catalog.read_manifest(store, RUN, 2).digest
+    lifecycle.expire(store, RUN, 2)
+    with Checkpointer(root, RUN) as ck:
+        ck.save(2, tiny_state(seed=7))
+    committed_at(root, 2, T0 - 300)
+    assert new_commits(store, cursor, limit=10, now=T0 + 1)[0] == []  # a quick tick
+    full, after = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    new_digest = catalog.read_manifest(store, RUN, 2).digest
+    assert new_digest != old_digest
+    assert [(c.key, c.digest) for c in full] == [
+        (name(5, "copied"), catalog.read_manifest(store, "copied", 5).digest),
+        (name(6, "copied"), catalog.read_manifest(store, "copied", 6).digest),
+        (name(2), new_digest),
+    ]
+    assert after["t"] == cursor["t"]  # the watermark stays where the fresh commits put it
+    assert len(after["pending"]) == 3  # landed, not validated yet: not landed again
+    assert new_commits(store, after, limit=10, now=T0 + 2 * FULL_SCAN_S)[0] == []
+    for run, step in (("copied", 5), ("copied", 6), (RUN, 2)):
+        lifecycle.validate(store, run, step)
+    landed, after = new_commits(store, after, limit=10, now=T0 + 3 * FULL_SCAN_S)
+    assert landed == [] and after["pending"] == []  # validated: nothing left to remember
+
+
 def test_a_cursor_of_an_older_layout_starts_over(root):
     store = open_store(root)
     _, cursor = land(store, None)
