@@ -49,8 +49,10 @@ def apply_retention(
 ) -> dict:
     """Recompute the plan now (never trust an older dry run), expire hot copies
     (``ckptflow.lifecycle.apply_retention``), drop the partitions of checkpoints gone
-    from every tier and of archive-only ones beyond the newest ``archive_partitions``
-    (bounding the partitions the automation evaluates), then GC the hot tier. The policy
+    from every tier (not of a step whose hot commit went while the archive holds an
+    earlier commit of it: that one is archive-only now) and of archive-only ones beyond
+    the newest ``archive_partitions`` (bounding the partitions the automation
+    evaluates), then GC the hot tier. The policy
     is the ``retention`` resource's, the one ``retention_plan`` and the inventory show. A
     checkpoint whose expiry failed keeps its partition; the run fails after the rest is
     done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time."""
@@ -71,6 +73,11 @@ def apply_retention(
     for batch in batches([checkpoint_key(*ref) for ref in report.hot_copies_expired]):
         context.log.info(
             f"expired the hot copies of {len(batch)} checkpoint(s) ({_span(batch)}); {arc.url} keeps theirs"
+        )
+    for batch in batches([checkpoint_key(*ref) for ref in report.hot_commits_expired]):
+        context.log.info(
+            f"expired {len(batch)} hot commit(s) never archived ({_span(batch)}); {arc.url} holds an earlier "
+            "commit of each step, which keeps its partition"
         )
     for batch in batches(report.left_hot):
         kept = "; ".join(f"{checkpoint_key(*ref)}: {why}" for ref, why in batch[:3])
@@ -100,6 +107,7 @@ def apply_retention(
         {
             "expired": len(report.expired),
             "hot_copies_expired": len(report.hot_copies_expired),
+            "hot_commits_expired": len(report.hot_commits_expired),
             "left_hot": len(report.left_hot),
             "changed_since_plan": len(report.changed),
             "expiries_finished": len(report.expiries_finished),
@@ -122,6 +130,7 @@ def apply_retention(
     return {
         "expired": expired,
         "hot_copies_expired": [checkpoint_key(*r) for r in report.hot_copies_expired],
+        "hot_commits_expired": [checkpoint_key(*r) for r in report.hot_commits_expired],
         "left_hot": [checkpoint_key(*r) for r, _ in report.left_hot],
         "gc_bytes": gc_report.bytes,
         "gc_skipped": gc_report.skipped,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import ledger, verdicts
+from ckptflow.catalog.tiers import holds_commit
 from ckptflow.chunks.leases import DEAD_AFTER, PROMOTION_WAIT, PROMOTIONS, Heartbeat, exclusive_lock, wait_for_leases
 from ckptflow.errors import CkptflowError, RetentionError
 from ckptflow.format.manifest import Manifest
@@ -30,6 +31,8 @@ log = logging.getLogger("ckptflow")
 class RetentionReport:
     expired: list[Ref] = field(default_factory=list)  # gone from every tier
     hot_copies_expired: list[Ref] = field(default_factory=list)  # the archive copy stays
+    # the hot commit went, never archived; the archive still holds an earlier commit of the step
+    hot_commits_expired: list[Ref] = field(default_factory=list)
     left_hot: list[tuple[Ref, str]] = field(default_factory=list)  # archive-only by plan, copy not confirmed
     changed: list[tuple[Ref, str]] = field(default_factory=list)  # not what the plan decided about any more: kept
     failed: list[tuple[Ref, str]] = field(default_factory=list)  # an expiry failed; the checkpoint stays
@@ -159,8 +162,10 @@ def _expire_planned(
             elif ref in plan.archive_only:
                 report.left_hot.append((ref, why_not))
             else:
-                expire(hot, run, step, keep_digests=_archived_commits(archive, run, step))
-                report.expired.append(ref)
+                archived = _archived_commits(archive, run, step)
+                expire(hot, run, step, keep_digests=archived)
+                held = archive is not None and holds_commit(archive.metadata_store(), run, step)
+                (report.hot_commits_expired if held else report.expired).append(ref)
         except CkptflowError as e:
             log.warning("retention could not expire %s step %d: %s", run, step, e)
             report.failed.append((ref, str(e)))
@@ -206,6 +211,6 @@ def archive_only_beyond(entries: Iterable[inventory.Entry], report: RetentionRep
     expired = set(report.expired)
     archive_only = {e.ref: e.created_at for e in entries if "hot" not in e.tiers and e.ref not in expired}
     created = {e.ref: e.created_at for e in entries}
-    archive_only.update({ref: created.get(ref, 0.0) for ref in report.hot_copies_expired})
+    archive_only.update({ref: created.get(ref, 0.0) for ref in report.hot_copies_expired + report.hot_commits_expired})
     newest_first = sorted(archive_only, key=lambda ref: (archive_only[ref], ref), reverse=True)
     return sorted(newest_first[max(0, keep) :])

@@ -9,12 +9,13 @@ from safetensors.torch import load_file
 
 from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
 from assets.partitions import in_step_order, parse_checkpoint_key
-from ckptflow import lifecycle
+from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks import damaged
 from ckptflow.format import layout as fmt
 from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
+from pipelines import demo
 from sensors import failure_sensor
 from sensors.failures import FAILURE_TAG
 from support.corrupt import corrupt_chunk, only_in, reseal_manifest
@@ -284,6 +285,29 @@ def test_retention_job_expires_only_hot_copies_of_verified_archived_checkpoints(
     assert lifecycle.read_record(hot, first, "archive")["ok"] is True  # its records stay with it
     assert {i.key for i in arc.list("chunks/")} == archived_chunks  # hot GC never touches the archive
     assert catalog.verify_checkpoint(arc, RUN, 10).ok and catalog.verify_checkpoint(hot, RUN, 20).ok
+
+
+def test_retention_keeps_the_partition_of_a_step_whose_earlier_commit_the_archive_holds(
+    store_with_checkpoints, defs_with_retention, instance, paths
+):
+    """Step 40 archived (commit A), then its hot copy damaged: training falls back to 30
+    and commits 40 again (B) and 50. Retention expires B, never archived; the archive
+    still holds A, so ``tinylm@40`` keeps its partition (archive-only now)."""
+    hot, arc = open_store(paths["store"]), open_store(paths["archive"])
+    assert lifecycle.archive(hot, arc, RUN, 40).ok
+    corrupt_chunk(store_with_checkpoints, RUN, 40, only_in(store_with_checkpoints, RUN, 40, 30)[0])
+    state = demo.build()
+    with Checkpointer(hot, RUN) as ck:
+        assert ck.restore(state).step == 30
+        for step in (40, 50):
+            ck.save(step, state, metadata={"train_loss": 0.1})
+    keys = [*KEYS, checkpoint_key(RUN, 50)]
+    instance.add_dynamic_partitions("checkpoints", keys)
+    defs = defs_with_retention(recent_days=0, full_days=0, best_k=0, gc_grace="0s")
+    out = defs.resolve_job_def("retention_job").execute_in_process(instance=instance).output_for_node("apply_retention")
+    assert not hot.exists(fmt.manifest_key(RUN, 40)) and catalog.verify_checkpoint(arc, RUN, 40).ok
+    assert KEYS[3] in instance.get_dynamic_partitions("checkpoints")
+    assert out["hot_commits_expired"] == [KEYS[3]] and KEYS[3] not in out["expired"]
 
 
 @pytest.mark.parametrize("kind", ["ephemeral", "on disk"])
