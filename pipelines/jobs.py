@@ -155,33 +155,54 @@ class ScrubConfig(Config):
 def scrub_checkpoints(
     context: OpExecutionContext, config: ScrubConfig, store: CheckpointStoreResource, archive: ArchiveTierResource
 ) -> dict:
-    """Re-verify every chunk of checkpoints older than N days (bit rot, lost objects) and
-    record each verdict; then repair each tier's damaged chunk objects from the other tier's
-    sound copies (``ckptflow.lifecycle.repair``) and validate again what failed. Fails the
-    run if a checkpoint stays corrupt, so an operator hears of it. What could not be read
-    keeps its earlier verdict and is retried later (an outage proves nothing); what a newer
+    """Re-verify every chunk of checkpoints older than N days (bit rot, lost objects) in
+    the hot tier, and of those only the archive holds (``lifecycle.scrub_archive_only``:
+    their one copy rots unseen otherwise), and record each verdict in the hot store; then
+    repair each tier's damaged chunk objects from the other tier's sound copies
+    (``ckptflow.lifecycle.repair``) and validate again what failed. Figures are metadata
+    per tier. Fails the run if a checkpoint stays corrupt, so an operator hears of it.
+    What could not be read keeps its earlier verdict; in the hot tier it is retried
+    later (an outage proves nothing), in the archive it waits for the next scrub (a cold
+    storage class reads only once thawed: a retry would not read it). What a newer
     ckptflow wrote fails the run without retries (upgrade the code location)."""
     hot, arc = store.open(), archive.open()
-    report = lifecycle.scrub(hot, older_than_s=config.older_than_days * DAY)
+    older_than_s = config.older_than_days * DAY
+    reports = {
+        "hot": lifecycle.scrub(hot, older_than_s=older_than_s),
+        "archive": lifecycle.scrub_archive_only(hot, arc, older_than_s=older_than_s),
+    }
     repairs = _repairs(context, hot, arc)
-    still = [(run, step, why) for run, step, why in report.corrupt if not _whole_again(hot, run, step, repairs["hot"])]
-    corrupt = [f"{checkpoint_key(run, step)}: {why[:300]}" for run, step, why in still]
-    damage = {"damaged_chunks": report.damaged_chunks} if report.damaged_chunks is not None else {}
+    tiers = {"hot": hot, "archive": arc}
+    still = {
+        tier: [
+            (run, step, why)
+            for run, step, why in r.corrupt
+            if not _whole_again(tiers[tier], hot, run, step, repairs[tier])
+        ]
+        for tier, r in reports.items()
+    }
+    corrupt = [f"{checkpoint_key(run, step)} ({tier}): {why[:300]}" for tier in still for run, step, why in still[tier]]
+    unreadable = [f"{c} ({tier})" for tier, r in reports.items() for c in r.unreadable]
+    newer = [c for r in reports.values() for c in r.newer]
+    damage = {f"{t}_damaged_chunks": r.damaged_chunks for t, r in reports.items() if r.damaged_chunks is not None}
     context.add_output_metadata(
         {
-            "checked": report.checked,
+            "checked": sum(r.checked for r in reports.values()),
             "corrupt": len(corrupt),
-            "repaired_by_copy": len(report.corrupt) - len(still),
-            "unreadable": len(report.unreadable),
-            "newer_format": len(report.newer),
+            **{f"{tier}_checked": r.checked for tier, r in reports.items()},
+            **{f"{tier}_corrupt": len(still[tier]) for tier in reports},
+            **{f"{tier}_repaired_by_copy": len(r.corrupt) - len(still[tier]) for tier, r in reports.items()},
+            **{f"{tier}_unreadable": len(r.unreadable) for tier, r in reports.items()},
+            **{f"{tier}_newer_format": len(r.newer) for tier, r in reports.items()},
             **damage,
             **{f"{tier}_chunks_repaired": len(r.repaired) for tier, r in repairs.items()},
             **{f"{tier}_chunks_unrepaired": len(r.unrepaired) for tier, r in repairs.items()},
             **{f"{tier}_chunks_unresolved": len(r.unresolved) for tier, r in repairs.items()},
         }
     )
-    if report.records_error:
-        context.log.warning(report.records_error)
+    for r in reports.values():
+        if r.records_error:
+            context.log.warning(r.records_error)
     for tier, r in repairs.items():
         for digest, why in r.unrepaired + r.unavailable:
             context.log.warning(f"{tier} chunk {digest[:16]}… not repaired: {why[:300]}")
@@ -190,33 +211,38 @@ def scrub_checkpoints(
                 f"{len(r.unresolved)} damaged {tier} chunk(s) not repaired yet: a checkpoint that may list them "
                 "could not be read (an outage, or a newer ckptflow wrote it); the next scrub tries again"
             )
-    listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + report.unreadable))
+    listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + unreadable))
     if corrupt:
         raise Failure(
-            f"{len(corrupt)} checkpoint(s) failed scrub, {len(report.unreadable)} could not be read; no tier held "
+            f"{len(corrupt)} checkpoint(s) failed scrub, {len(unreadable)} could not be read; no tier held "
             "a sound copy of their damaged chunks. A chunk object refused is recorded in the store (where scrub "
             "may write), and the next save of a job that still holds its content writes it anew, a repair for "
             "every checkpoint sharing it",
             metadata={"corrupt": listed, **damage},
             allow_retries=False,
         )
-    if report.newer:
+    if newer:
         raise Failure(
-            f"{len(report.newer)} checkpoint(s) in {hot.url} were written by a newer ckptflow, which this code "
-            f"location cannot verify (no verdict recorded, nothing changed): upgrade it; {report.newer[0][:300]}",
-            metadata={"newer_format": MetadataValue.md("\n".join(f"- {c}" for c in report.newer))},
+            f"{len(newer)} checkpoint(s) were written by a newer ckptflow, which this code location cannot "
+            f"verify (no verdict recorded, nothing changed): upgrade it; {newer[0][:300]}",
+            metadata={"newer_format": MetadataValue.md("\n".join(f"- {c}" for c in newer))},
             allow_retries=False,
         )
-    if report.unreadable:
+    if reports["archive"].unreadable:
         context.log.warning(
-            f"{len(report.unreadable)} checkpoint(s) in {hot.url} could not be read (no verdict recorded); "
-            f"retrying: {report.unreadable[0][:300]}"
+            f"{len(reports['archive'].unreadable)} archive-only checkpoint(s) in {arc.url} could not be read (no "
+            f"verdict recorded; the next scrub tries again): {reports['archive'].unreadable[0][:300]}"
+        )
+    if reports["hot"].unreadable:
+        context.log.warning(
+            f"{len(reports['hot'].unreadable)} checkpoint(s) in {hot.url} could not be read (no verdict recorded); "
+            f"retrying: {reports['hot'].unreadable[0][:300]}"
         )
         raise store.retry_unavailable(context.retry_number) from Failure(
-            f"the store {hot.url} could not be read: {len(report.unreadable)} checkpoint(s) not verified",
+            f"the store {hot.url} could not be read: {len(reports['hot'].unreadable)} checkpoint(s) not verified",
             metadata={"unreadable": listed},
         )
-    return {"checked": report.checked}
+    return {tier: {"checked": r.checked} for tier, r in reports.items()}
 
 
 def _repairs(context: OpExecutionContext, hot: Store, arc: Store) -> dict[str, lifecycle.RepairReport]:
@@ -232,18 +258,19 @@ def _repairs(context: OpExecutionContext, hot: Store, arc: Store) -> dict[str, l
     return repairs
 
 
-def _whole_again(hot: Store, run: str, step: int, repaired: lifecycle.RepairReport) -> bool:
-    """Whether a checkpoint scrub found corrupt validates now that chunks were repaired (a
-    new verdict for its digest); False where nothing was repaired."""
+def _whole_again(tier: Store, hot: Store, run: str, step: int, repaired: lifecycle.RepairReport) -> bool:
+    """Whether a checkpoint scrub found corrupt in ``tier`` validates now that chunks
+    were repaired (a new verdict for its digest, in ``hot``); False where nothing was
+    repaired."""
     if not repaired.repaired:
         return False
     try:
-        return bool(lifecycle.validate(hot, run, step)["ok"])
+        return bool(lifecycle.validate(tier, run, step, records=hot)["ok"])
     except CkptflowError:
         return False
 
 
-@job(description="Re-verify old checkpoints and record the verdicts.")
+@job(description="Re-verify old checkpoints, hot and archive-only, and record the verdicts.")
 def scrub_job():
     scrub_checkpoints()
 

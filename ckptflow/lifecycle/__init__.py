@@ -19,7 +19,7 @@ from ckptflow.lifecycle.per_checkpoint import (
 )
 from ckptflow.lifecycle.repair import RepairReport, repair
 from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, archive_only_beyond, current_plan
-from ckptflow.lifecycle.scrub import ScrubReport, scrub
+from ckptflow.lifecycle.scrub import ScrubReport, scrub, scrub_archive_only
 from ckptflow.lifecycle.validate import validate
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "read_record",
     "records_by_subject",
     "scrub",
+    "scrub_archive_only",
     "validate",
     "validate_checkpoint",
     "write_record",

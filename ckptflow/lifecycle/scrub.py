@@ -4,14 +4,22 @@ A checkpoint the store would not let it read (an outage) keeps its earlier verdi
 is listed as unreadable, never recorded as failed; one a newer ckptflow wrote is listed
 apart (``newer``), since no retry reads it. A chunk object found damaged is
 recorded in the store (``ckptflow.chunks.damaged``): the next save of a job that holds
-its content writes it anew, which repairs every checkpoint sharing it."""
+its content writes it anew, which repairs every checkpoint sharing it.
+
+The archive tier rots too, and a checkpoint retention expired from the hot tier has no
+other copy: ``scrub_archive_only`` re-verifies those, recording the verdicts in the hot
+store as validation of an archive-only checkpoint does. An archive copy of a checkpoint
+the hot tier still holds is scrubbed there (a verdict names the commit, whichever tier
+was read, so the hot copy's stands)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.listing import Problem, StepListing, listing
 from ckptflow.chunks import damaged
 from ckptflow.errors import NewerFormatError, StoreUnavailableError
 from ckptflow.format.manifest import Manifest
@@ -32,9 +40,35 @@ class ScrubReport:
 def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = None) -> ScrubReport:
     """Validate every committed checkpoint created more than ``older_than_s`` ago (young
     ones were validated when they landed); each verdict is recorded for its digest."""
+    return _scrub(store, listing(store, manifests_only=True), records=store, older_than_s=older_than_s, now=now)
+
+
+def scrub_archive_only(
+    hot: Store, archive: Store, *, older_than_s: float = 86400.0, now: float | None = None
+) -> ScrubReport:
+    """``scrub`` of the checkpoints ``archive`` holds and ``hot`` does not, verdicts
+    recorded in ``hot``. A step the hot tier could not list (a run or a commit record it
+    could not read) is left for the next scrub: it may be a hot checkpoint."""
+    in_hot = list(listing(hot, manifests_only=True))
+    held = {(e.run, e.step) for e in in_hot if isinstance(e, Problem) or e.committed}
+    unlisted_runs = {e.run for e in in_hot if isinstance(e, Problem) and e.step is None}
+    archive_only = (
+        e for e in listing(archive, manifests_only=True) if (e.run, e.step) not in held and e.run not in unlisted_runs
+    )
+    return _scrub(archive, archive_only, records=hot, older_than_s=older_than_s, now=now)
+
+
+def _scrub(
+    store: Store,
+    listed: Iterable[StepListing | Problem],
+    *,
+    records: Store,
+    older_than_s: float,
+    now: float | None,
+) -> ScrubReport:
     cutoff = (time.time() if now is None else now) - older_than_s
     report = ScrubReport()
-    for item in catalog.committed(store):
+    for item in catalog.committed(store, listed=listed):
         if not isinstance(item, Manifest):
             if item.kind == "corrupt" and item.step is not None:
                 report.corrupt.append((item.run, item.step, item.message))
@@ -44,7 +78,7 @@ def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = No
         if item.created_at >= cutoff:
             continue
         try:
-            record = validate(store, item.run, item.step)
+            record = validate(store, item.run, item.step, records=records)
         except StoreUnavailableError as e:
             report.unreadable.append(str(e))
             continue
@@ -54,6 +88,6 @@ def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = No
         report.checked += 1
         if not record["ok"]:
             report.corrupt.append((item.run, item.step, "; ".join(record["problems"])))
-    records, report.records_error = damaged.listed(store)  # the verdicts stand without the count
-    report.damaged_chunks = None if records is None else len(records)
+    damage, report.records_error = damaged.listed(store)  # the verdicts stand without the count
+    report.damaged_chunks = None if damage is None else len(damage)
     return report

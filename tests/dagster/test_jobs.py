@@ -11,6 +11,7 @@ from assets import PARTITIONED, checkpoint, checkpoint_key, evaluation
 from assets.partitions import in_step_order, parse_checkpoint_key
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.gc import gc
 from ckptflow.chunks import damaged
 from ckptflow.format import layout as fmt
 from ckptflow.interop.registry import Registry
@@ -160,7 +161,7 @@ def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, 
     result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
-    assert failure.step_failure_data.user_failure_data.metadata["damaged_chunks"].value == 1
+    assert failure.step_failure_data.user_failure_data.metadata["hot_damaged_chunks"].value == 1
     store = open_store(store_with_checkpoints)
     assert record(store, 20, "validation")["ok"] is False
     assert record(store, 10, "validation")["ok"] is True
@@ -177,10 +178,39 @@ def test_scrub_repairs_a_damaged_chunk_from_the_archive_copy_and_passes(store_wi
     assert result.success
     [materialized] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
     metadata = materialized.event_specific_data.metadata
-    assert metadata["repaired_by_copy"].value == 1 and metadata["hot_chunks_repaired"].value == 1
+    assert metadata["hot_repaired_by_copy"].value == 1 and metadata["hot_chunks_repaired"].value == 1
     assert metadata["corrupt"].value == 0
     assert record(store, 20, "validation")["ok"] is True  # validated again after the repair
     assert rotten not in damaged.records(store) and catalog.verify_checkpoint(store, RUN, 20).ok
+
+
+def test_scrub_verifies_what_only_the_archive_holds_and_fails_on_its_rot(store_with_checkpoints, defs, paths, instance):
+    """Step 20 archived and its hot copy expired: the archive's copy is its only one, so
+    the nightly scrub verifies it there (the verdict in the hot store) and fails on its
+    rot; the archive copy of 10, which the hot tier still holds, is scrubbed in hot."""
+    hot, arc = open_store(store_with_checkpoints), open_store(paths["archive"])
+    for step in (10, 20):
+        assert lifecycle.archive(hot, arc, RUN, step).ok
+    only_20 = only_in(store_with_checkpoints, RUN, 20, 10, 30, 40)[0]
+    lifecycle.expire(hot, RUN, 20, keep_records=True)
+    gc(hot, grace=0)  # no sound copy of its own chunks is left in hot
+    job = defs.resolve_job_def("scrub_job")
+    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+    sound = job.execute_in_process(instance=instance, run_config=config)
+    verdict = lifecycle.Subject(RUN, 20, catalog.read_manifest(arc, RUN, 20).digest)
+    assert lifecycle.read_record(hot, verdict, "validation")["tier"] == arc.url
+    rotten = corrupt_chunk(paths["archive"], RUN, 20, only_20)
+    result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    data = failure.step_failure_data.user_failure_data
+    assert f"{checkpoint_key(RUN, 20)} (archive): chunk" in data.metadata["corrupt"].value
+    assert data.metadata["archive_damaged_chunks"].value == 1 and rotten in damaged.records(arc)
+    assert lifecycle.read_record(hot, verdict, "validation")["ok"] is False
+    assert not any(lifecycle.read_record(hot, subject(hot, s), "validation")["tier"] == arc.url for s in (10, 30, 40))
+    [output] = [e for e in sound.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
+    metadata = output.event_specific_data.metadata
+    assert (metadata["hot_checked"].value, metadata["archive_checked"].value, metadata["corrupt"].value) == (3, 1, 0)
 
 
 def test_scrub_fails_without_retries_on_a_checkpoint_a_newer_ckptflow_wrote(store_with_checkpoints, defs, instance):
