@@ -242,6 +242,7 @@ def evaluation(
             "overfitting": bool(record["overfitting"]),
             "evaluator": record["evaluator"],
             "source": "the trainer's recorded metrics" if record["source"] == "trainer" else "evaluator",
+            "tier": record["tier"],
             "manifest_digest": record["manifest_digest"],
         }
     )

@@ -96,7 +96,8 @@ def evaluate(
     With ``evaluator``, the ``key`` entry's tensors are loaded (every chunk verified) and
     scored; without, the trainer's recorded metrics are the evaluation. The record holds
     the metrics, the improvement of ``rule.val_metric`` over the nearest older evaluated
-    checkpoint, and whether that looks like overfitting.
+    checkpoint, whether that looks like overfitting, and the ``tier`` it was read from
+    (the archive, once retention expired the hot copy).
     """
     manifest = catalog.read_manifest(source, run, step)
     trainer = numeric(manifest.metadata)
@@ -124,5 +125,6 @@ def evaluate(
             "improvement": improvement,
             "overfitting": overfitting,
             "val_metric": rule.val_metric,
+            "tier": source.url,
         },
     )

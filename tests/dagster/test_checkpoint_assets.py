@@ -115,6 +115,19 @@ def test_downstream_materialized_by_hand_refuses_a_checkpoint_that_failed_valida
     assert not os.path.exists(os.path.join(archive, "runs", RUN, "checkpoints", "000000000030"))
 
 
+def test_evaluation_names_the_tier_it_read(store_with_checkpoints, paths, resources, instance):
+    """Step 20 archived and its hot copy expired: it is evaluated from the archive, and
+    its metadata says so, as the checkpoint's does; step 10 from the hot store."""
+    hot, arc = open_store(paths["store"]), open_store(paths["archive"])
+    assert lifecycle.archive(hot, arc, RUN, 20).ok
+    lifecycle.expire(hot, RUN, 20, keep_records=True)
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    for key, tier in ((KEYS[0], hot.url), (KEYS[1], arc.url)):
+        assert mat(instance, resources, key, selection=[checkpoint, evaluation]).success
+        assert latest(instance, checkpoint, key)["tier"].value == tier
+        assert latest(instance, evaluation, key)["tier"].value == tier
+
+
 def test_automation_requests_downstream_only_for_checkpoints_that_passed(store_with_checkpoints, defs, instance):
     cursor = evaluate_automation_conditions(defs=defs, instance=instance).cursor  # the daemon was already running
     instance.add_dynamic_partitions("checkpoints", KEYS[:3])
