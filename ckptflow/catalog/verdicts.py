@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -134,27 +134,27 @@ def step_record_keys(
     return keys
 
 
-def previous_record(store: Store, run: str, step: int, what: str) -> tuple[int, dict[str, Any]] | None:
-    """The newest ``what`` record of the nearest older step of ``run`` that has one: one
-    listing of key names, then reads of that step's records only."""
+def previous_record(
+    store: Store, run: str, step: int, what: str, *, current: Callable[[int], str | None]
+) -> tuple[int, dict[str, Any]] | None:
+    """The ``what`` record of the current commit of the nearest older step of ``run``
+    that has one: one listing of key names, then ``current`` (the digest of the commit
+    an older step holds now; None: none) and one read per step looked at. A record of
+    a commit the step no longer holds (committed again since) describes nothing there."""
     prefix = f"{PREFIX}{fmt.validate_run(run)}/"
-    steps: dict[int, list[str]] = defaultdict(list)
+    steps: dict[int, set[str]] = defaultdict(set)
     for info in store.list(prefix):
         parts = info.key[len(prefix) :].split("/")
         older = fmt.parse_step_dir(parts[0])
         if len(parts) == 3 and parts[2] == f"{what}.json" and older is not None and older < step:
-            steps[older].append(info.key)
+            steps[older].add(parts[1])
     for older in sorted(steps, reverse=True):
-        found = []
-        for key in steps[older]:
-            try:
-                record = json.loads(store.get(key))
-            except (CkptflowError, ValueError, RecursionError):
-                continue
-            if isinstance(record, dict):
-                found.append(record)
-        if found:
-            return older, max(found, key=lambda r: r.get("recorded_at", 0))
+        digest = current(older)
+        if digest not in steps[older]:
+            continue
+        record = read_record(store, Subject(run, older, digest), what)
+        if record is not None:
+            return older, record
     return None
 
 

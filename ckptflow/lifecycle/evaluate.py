@@ -4,6 +4,12 @@ An evaluator is any ``evaluate(state_dict, info) -> {metric: float}``; which one
 a run is the caller's choice (the Dagster resource maps run names to evaluators). A
 checkpoint with no evaluator is evaluated from the metrics the trainer recorded at save
 time (``Checkpointer.save(..., metadata={"val_loss": ...})``), marked as such.
+
+The improvement and the overfitting flag compare with the evaluation of the nearest
+older step's current commit (a record of a commit it no longer holds describes no
+checkpoint), and only if the same evaluator made it: two evaluators' figures are not on
+one scale, and a backfill with a new evaluator would otherwise give figures that depend
+on the order its runs happened to take. Otherwise there is no improvement figure.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, previous_record, write_record
-from ckptflow.errors import CkptflowError, EvaluatorError
+from ckptflow.errors import CkptflowError, EvaluatorError, ObjectNotFoundError
+from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
 
@@ -80,6 +87,15 @@ def score(source: Store, manifest: Manifest, evaluator: Evaluator, key: str = "m
     return numeric(evaluator(tensors, info))
 
 
+def commit_digest(store: Store, run: str, step: int) -> str | None:
+    """The digest of the commit record ``store`` holds at ``(run, step)``; None when it
+    holds none (a read that fails otherwise is raised)."""
+    try:
+        return fmt.digest_of(store.get(fmt.manifest_key(run, step)))
+    except ObjectNotFoundError:
+        return None
+
+
 def evaluate(
     source: Store,
     records: Store,
@@ -90,13 +106,16 @@ def evaluate(
     evaluator_name: str = "",
     key: str = "model",
     rule: EvaluationRule = EvaluationRule(),
+    current: Callable[[int], str | None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``(run, step)`` held in ``source`` and record it in ``records`` (the hot store).
 
     With ``evaluator``, the ``key`` entry's tensors are loaded (every chunk verified) and
     scored; without, the trainer's recorded metrics are the evaluation. The record holds
     the metrics, the improvement of ``rule.val_metric`` over the nearest older evaluated
-    checkpoint, whether that looks like overfitting, and the ``tier`` it was read from
+    checkpoint (``current``: the digest of the commit an older step of ``run`` holds now,
+    in whichever tier; by default the one ``records``, else ``source``, holds), whether
+    that looks like overfitting, and the ``tier`` it was read from
     (the archive, once retention expired the hot copy).
     """
     manifest = catalog.read_manifest(source, run, step)
@@ -106,7 +125,13 @@ def evaluate(
     else:
         metrics, by = score(source, manifest, evaluator, key), evaluator_name or "evaluator"
     train = trainer.get(rule.train_metric)
-    previous = previous_record(records, run, step, "evaluation")
+
+    def held_now(older: int) -> str | None:
+        return commit_digest(records, run, older) or commit_digest(source, run, older)
+
+    previous = previous_record(records, run, step, "evaluation", current=current or held_now)
+    if previous is not None and previous[1].get("evaluator") != by:
+        previous = None  # another evaluator's figures: not on this one's scale
     improvement = overfitting = None
     if previous and rule.val_metric in metrics and rule.val_metric in (previous[1].get("metrics") or {}):
         improvement = rule.improvement(previous[1]["metrics"][rule.val_metric], metrics[rule.val_metric])

@@ -30,7 +30,14 @@ from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.archive import ArchiveReport, archive
 from ckptflow.lifecycle.compress import CompressionReport, compress
-from ckptflow.lifecycle.evaluate import TRAINER, EvaluationRule, Evaluator, evaluate, evaluator_errors
+from ckptflow.lifecycle.evaluate import (
+    TRAINER,
+    EvaluationRule,
+    Evaluator,
+    commit_digest,
+    evaluate,
+    evaluator_errors,
+)
 from ckptflow.lifecycle.validate import validate
 from ckptflow.store.base import Store
 
@@ -74,6 +81,12 @@ def validate_checkpoint(
     return Validated(record, source, catalog.read_manifest(source, run, step) if record["ok"] else None)
 
 
+def current_digest(hot: Store, archive: Callable[[], Store], run: str, step: int) -> str | None:
+    """The digest of the commit ``(run, step)`` holds now: the hot store's, else (its hot
+    copy expired) the archive's; None when neither holds one."""
+    return commit_digest(hot, run, step) or commit_digest(archive(), run, step)
+
+
 def evaluate_checkpoint(
     hot: Store,
     run: str,
@@ -93,7 +106,10 @@ def evaluate_checkpoint(
     admit_commit(source, hot, run, step, on_commit=on_commit, work="its evaluation")
     with evaluator_errors(evaluator, fmt.checkpoint_name(run, step)):
         function = None if evaluator is None else load(evaluator)
-        return evaluate(source, hot, run, step, function, evaluator_name=evaluator or TRAINER, key=key, rule=rule)
+        return evaluate(
+            source, hot, run, step, function, evaluator_name=evaluator or TRAINER, key=key, rule=rule,
+            current=lambda older: current_digest(hot, archive, run, older),
+        )  # fmt: skip
 
 
 def compress_checkpoint(hot: Store, run: str, step: int, *, on_commit: OnCommit) -> CompressionReport | None:

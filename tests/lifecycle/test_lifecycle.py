@@ -208,6 +208,35 @@ def test_evaluate_without_an_evaluator_uses_the_trainers_metrics_and_flags_overf
     assert lifecycle.read_record(store, subject(store, 3), "evaluation")["metrics"] == {"val_loss": 8.0}
 
 
+def test_improvement_compares_with_an_older_steps_current_commit_by_the_same_evaluator(tmp_path):
+    """Step 2 evaluated (commit A), then committed again (B, not evaluated yet): step 3
+    compares with step 1, not with A. Scored by another evaluator than step 1's, it has
+    no improvement figure until step 1 is scored by that evaluator too."""
+    root = str(tmp_path / "store")
+    model = torch.nn.Linear(4, 2)
+    with Checkpointer(root, "r") as ck:
+        for step, val in ((1, 0.9), (2, 0.7)):
+            ck.save(step, {"model": model}, metadata={"val_loss": val})
+    store = open_store(root)
+    lifecycle.evaluate(store, store, "r", 1)
+    assert lifecycle.evaluate(store, store, "r", 2)["improvement"] == pytest.approx(0.2)
+    lifecycle.expire(store, "r", 2, keep_records=True)
+    with Checkpointer(root, "r") as ck:
+        for step, val in ((2, 0.5), (3, 0.4)):
+            ck.save(step, {"model": model}, metadata={"val_loss": val})
+    third = lifecycle.evaluate(store, store, "r", 3)
+    assert (third["previous_step"], third["improvement"]) == (1, pytest.approx(0.5))
+
+    def by_step(state_dict, info):
+        return {"val_loss": 1.0 / info["step"]}
+
+    scored = lifecycle.evaluate(store, store, "r", 3, by_step, evaluator_name="team.eval:by_step")
+    assert (scored["previous_step"], scored["improvement"], scored["overfitting"]) == (None, None, None)
+    lifecycle.evaluate(store, store, "r", 1, by_step, evaluator_name="team.eval:by_step")
+    scored = lifecycle.evaluate(store, store, "r", 3, by_step, evaluator_name="team.eval:by_step")
+    assert (scored["previous_step"], scored["improvement"]) == (1, pytest.approx(1.0 - 1.0 / 3))
+
+
 def test_a_bad_promotion_request_writes_nothing(tmp_path):
     store, _ = make(tmp_path)
     registry = Registry(store)

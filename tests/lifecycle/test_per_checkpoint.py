@@ -152,6 +152,19 @@ def test_evaluation_without_an_evaluator_is_the_trainers_metrics(tiers):
     assert record["source"] == "trainer" and record["metrics"] == {"val_loss": 1.0, "train_loss": 2.0}
 
 
+def test_evaluation_compares_with_an_older_step_only_the_archive_holds(tiers):
+    """Step 1's current commit is the archive's (its hot copy expired): step 2 compares
+    with its evaluation."""
+    hot, arc = tiers
+
+    def load(path):
+        raise AssertionError("no evaluator is configured")
+
+    evaluate(hot, arc, 1, None, load)
+    record = evaluate(hot, arc, 2, None, load)
+    assert (record["previous_step"], record["improvement"]) == (1, pytest.approx(0.5))
+
+
 def test_an_evaluator_that_raises_or_cannot_be_loaded_fails_with_one_line(tiers):
     hot, arc = tiers
 
