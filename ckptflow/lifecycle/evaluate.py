@@ -22,9 +22,10 @@ from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, previous_record, write_record
-from ckptflow.errors import CkptflowError, EvaluatorError, ObjectNotFoundError
+from ckptflow.errors import CkptflowError, EvaluatorError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
+from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import Store
 
 Evaluator = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, float]]
@@ -89,10 +90,10 @@ def score(source: Store, manifest: Manifest, evaluator: Evaluator, key: str = "m
 
 def commit_digest(store: Store, run: str, step: int) -> str | None:
     """The digest of the commit record ``store`` holds at ``(run, step)``; None when it
-    holds none (a read that fails otherwise is raised)."""
+    holds none, or one larger than any record (a read that fails otherwise is raised)."""
     try:
-        return fmt.digest_of(store.get(fmt.manifest_key(run, step)))
-    except ObjectNotFoundError:
+        return fmt.digest_of(store.get_bounded(fmt.manifest_key(run, step), MAX_RECORD_BYTES))
+    except (ObjectNotFoundError, ObjectTooLargeError):
         return None
 
 
