@@ -83,40 +83,43 @@ def records_by_subject(store: Store, run: str | None = None) -> dict[tuple[str, 
     return _read(store, PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/")
 
 
+def _subject_of(key: str) -> tuple[str, int, str, str] | None:
+    """``(run, step, digest, kind)`` a record's key names; None for any other key (records
+    of the layout before digests, or debris: history nobody reads)."""
+    parts = key[len(PREFIX) :].split("/")
+    if len(parts) != 4 or not parts[3].endswith(".json") or parts[3][:-5] not in KINDS:
+        return None
+    step = fmt.parse_step_dir(parts[1])
+    return None if step is None else (parts[0], step, parts[2], parts[3][:-5])
+
+
 def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
     """One listing; the records' contents through each run's listing-validated index, so
     a store with thousands of records costs one read per run once they are known."""
-    by_run: dict[str, list[ObjectInfo]] = defaultdict(list)
+    by_run: dict[str, list[tuple[ObjectInfo, tuple[str, int, str, str]]]] = defaultdict(list)
     for info in store.list(prefix):
-        parts = info.key[len(PREFIX) :].split("/")
-        if len(parts) != 4 or not parts[3].endswith(".json") or parts[3][:-5] not in KINDS:
-            continue  # records of the layout before digests, or debris: history nobody reads
-        if fmt.parse_step_dir(parts[1]) is not None:
-            by_run[parts[0]].append(info)
+        subject = _subject_of(info.key)
+        if subject is not None:
+            by_run[subject[0]].append((info, subject))
     out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
-    for run, infos in by_run.items():
+    for run, listed in by_run.items():
         try:
-            values = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value).values(infos)
+            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value)
+            values = index.values([info for info, _ in listed])
         except CkptflowError:
             continue  # a stray directory under lifecycle/: not a run's records
-        for info in infos:
+        for info, (_, step, digest, kind) in listed:
             record = values[info.key]
-            _, step, digest, name = info.key[len(PREFIX) :].split("/")
             if isinstance(record, dict):
-                out[(run, int(step), digest)][name[:-5]] = record
+                out[(run, step, digest)][kind] = record
     return dict(out)
 
 
 def subjects_with(store: Store, what: str) -> set[tuple[str, int, str]]:
     """``(run, step, digest)`` of every commit that has a ``what`` record: one listing of
     key names, no reads."""
-    found = set()
-    for info in store.list(PREFIX):
-        parts = info.key[len(PREFIX) :].split("/")
-        step = fmt.parse_step_dir(parts[1]) if len(parts) == 4 else None
-        if step is not None and parts[3] == f"{what}.json":
-            found.add((parts[0], step, parts[2]))
-    return found
+    subjects = (_subject_of(info.key) for info in store.list(PREFIX))
+    return {(run, step, digest) for run, step, digest, kind in filter(None, subjects) if kind == what}
 
 
 def step_record_keys(
@@ -141,13 +144,11 @@ def previous_record(
     that has one: one listing of key names, then ``current`` (the digest of the commit
     an older step holds now; None: none) and one read per step looked at. A record of
     a commit the step no longer holds (committed again since) describes nothing there."""
-    prefix = f"{PREFIX}{fmt.validate_run(run)}/"
     steps: dict[int, set[str]] = defaultdict(set)
-    for info in store.list(prefix):
-        parts = info.key[len(prefix) :].split("/")
-        older = fmt.parse_step_dir(parts[0])
-        if len(parts) == 3 and parts[2] == f"{what}.json" and older is not None and older < step:
-            steps[older].add(parts[1])
+    for info in store.list(f"{PREFIX}{fmt.validate_run(run)}/"):
+        subject = _subject_of(info.key)
+        if subject is not None and subject[3] == what and subject[1] < step:
+            steps[subject[1]].add(subject[2])
     for older in sorted(steps, reverse=True):
         digest = current(older)
         if digest not in steps[older]:

@@ -107,15 +107,15 @@ def evaluate(
     evaluator_name: str = "",
     key: str = "model",
     rule: EvaluationRule = EvaluationRule(),
-    current: Callable[[int], str | None] | None = None,
+    archive: Callable[[], Store] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``(run, step)`` held in ``source`` and record it in ``records`` (the hot store).
 
     With ``evaluator``, the ``key`` entry's tensors are loaded (every chunk verified) and
     scored; without, the trainer's recorded metrics are the evaluation. The record holds
     the metrics, the improvement of ``rule.val_metric`` over the nearest older evaluated
-    checkpoint (``current``: the digest of the commit an older step of ``run`` holds now,
-    in whichever tier; by default the one ``records``, else ``source``, holds), whether
+    checkpoint (the commit an older step of ``run`` holds now: in ``records``, else
+    ``source``, else ``archive`` (called to open it, only then)), whether
     that looks like overfitting, and the ``tier`` it was read from
     (the archive, once retention expired the hot copy).
     """
@@ -128,9 +128,10 @@ def evaluate(
     train = trainer.get(rule.train_metric)
 
     def held_now(older: int) -> str | None:
-        return commit_digest(records, run, older) or commit_digest(source, run, older)
+        found = commit_digest(records, run, older) or commit_digest(source, run, older)
+        return found or (commit_digest(archive(), run, older) if archive is not None else None)
 
-    previous = previous_record(records, run, step, "evaluation", current=current or held_now)
+    previous = previous_record(records, run, step, "evaluation", current=held_now)
     if previous is not None and previous[1].get("evaluator") != by:
         previous = None  # another evaluator's figures: not on this one's scale
     improvement = overfitting = None

@@ -34,7 +34,6 @@ from ckptflow.lifecycle.evaluate import (
     TRAINER,
     EvaluationRule,
     Evaluator,
-    commit_digest,
     evaluate,
     evaluator_errors,
 )
@@ -81,12 +80,6 @@ def validate_checkpoint(
     return Validated(record, source, catalog.read_manifest(source, run, step) if record["ok"] else None)
 
 
-def current_digest(hot: Store, archive: Callable[[], Store], run: str, step: int) -> str | None:
-    """The digest of the commit ``(run, step)`` holds now: the hot store's, else (its hot
-    copy expired) the archive's; None when neither holds one."""
-    return commit_digest(hot, run, step) or commit_digest(archive(), run, step)
-
-
 def evaluate_checkpoint(
     hot: Store,
     run: str,
@@ -108,7 +101,7 @@ def evaluate_checkpoint(
         function = None if evaluator is None else load(evaluator)
         return evaluate(
             source, hot, run, step, function, evaluator_name=evaluator or TRAINER, key=key, rule=rule,
-            current=lambda older: current_digest(hot, archive, run, older),
+            archive=archive,
         )  # fmt: skip
 
 

@@ -118,22 +118,24 @@ class LocalStore(Store):
         return self.get_bounded(key, None)
 
     def get_bounded(self, key: str, limit: int | None) -> bytes:
-        with os.fdopen(self._open(key), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        fd, st = self._open(key)
+        with os.fdopen(fd, "rb") as f:
+            size = st.st_size
             if limit is not None and size > limit:
                 raise ObjectTooLargeError(f"{self.url}/{key} holds {size} bytes, more than the {limit} expected")
             return f.read()
 
-    def _open(self, key: str) -> int:
-        """A read-only descriptor of the object ``key``. Opened without blocking (a FIFO
-        where an object belongs would wait for a writer forever), and only a regular file
-        is an object: anything else there (a FIFO, a device, a directory) is none."""
+    def _open(self, key: str) -> tuple[int, os.stat_result]:
+        """A read-only descriptor of the object ``key``, and its stat. Opened without
+        blocking (a FIFO where an object belongs would wait for a writer forever), and only
+        a regular file is an object: anything else there (a FIFO, a device, a directory) is none."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
-        if S_ISREG(os.fstat(fd).st_mode):
-            return fd
+        st = os.fstat(fd)
+        if S_ISREG(st.st_mode):
+            return fd, st
         os.close(fd)
         raise ObjectNotFoundError(f"{self.url}/{key} is not a regular file (a FIFO, a device?): no object is there")
 
@@ -154,7 +156,7 @@ class LocalStore(Store):
             os.close(fd)
 
     def read_head(self, key: str, size: int) -> bytes:
-        with os.fdopen(self._open(key), "rb", buffering=0) as f:
+        with os.fdopen(self._open(key)[0], "rb", buffering=0) as f:
             return f.read(size)
 
     def get_into(
@@ -175,9 +177,8 @@ class LocalStore(Store):
         bytes at a time and each piece is handed to it as soon as it lands, while it is
         still in the CPU cache: a check of what was read costs no second trip to memory.
         """
-        fd = self._open(key)
+        fd, st = self._open(key)
         try:
-            st = os.fstat(fd)
             version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             views = [memoryview(b).cast("B") for b in buffers]
             views = [v for v in views if len(v)]
@@ -207,8 +208,8 @@ class LocalStore(Store):
         For verifying without keeping the bytes: a small reused buffer stays in the CPU
         cache while it is hashed, and nothing the size of the object is allocated.
         """
-        with os.fdopen(self._open(key), "rb", buffering=0) as f:
-            st = os.fstat(f.fileno())
+        fd, st = self._open(key)
+        with os.fdopen(fd, "rb", buffering=0) as f:
             if limit is not None and st.st_size > limit:
                 raise ObjectTooLargeError(f"{self.url}/{key} holds {st.st_size} bytes, more than the {limit} expected")
             size = 0
