@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import selection
@@ -33,6 +32,7 @@ from ckptflow.dcp.packs import PACK_BYTES
 from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_clock import SaveClock
 from ckptflow.dcp.save_spec import SaveSpec, check_layout
+from ckptflow.dcp.staging import CachedStager
 from ckptflow.dcp.writer import CheckpointWriter, Progress
 from ckptflow.dcp.written_pages import WriteTracker
 from ckptflow.errors import CkptflowError, UnsupportedStateError
@@ -90,12 +90,7 @@ class Checkpointer:
         self.pool = ThreadPoolExecutor(threads or min(32, 4 * (os.cpu_count() or 1)), thread_name_prefix="ckptflow")
         # local=True: saves and restores by this process alone, even in a torch.distributed job
         self.group = Group(process_group, local=local)
-        cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
-            )
-        )
+        self._stager = CachedStager(pinned=torch.cuda.is_available())
         self._pending: SaveHandle | None = None
         self._superseded: set[int] = set()
         self._last_commit: int | None = None  # newest step this process committed or restored

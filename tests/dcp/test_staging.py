@@ -1,0 +1,28 @@
+"""The async save's stager (``ckptflow.dcp.staging``) keeps its host buffers for the
+Checkpointer's life: every stage copies into the buffers the first one (``prepare``)
+allocated, and the copy is complete when ``stage`` returns."""
+
+from __future__ import annotations
+
+import torch
+
+from ckptflow.dcp.staging import CachedStager
+
+
+def test_every_stage_copies_into_the_buffers_the_first_allocated():
+    stager = CachedStager(pinned=False)
+    live = {"w": torch.randn(1000), "b": torch.arange(7)}
+    first = stager.stage(live)
+    addresses = {k: v.data_ptr() for k, v in first.items()}
+    for _ in range(3):  # a stager that dropped its cache after one stage failed at the second
+        live["w"].add_(1.0)
+        staged = stager.stage(live)
+        assert {k: v.data_ptr() for k, v in staged.items()} == addresses
+        assert all(torch.equal(staged[k], live[k]) for k in live)
+    live["w"].zero_()
+    assert not torch.equal(staged["w"], live["w"])  # a copy, not the live tensor
+    stager.close()
+
+
+def test_a_stage_needs_no_synchronize_afterwards():
+    assert CachedStager(pinned=False).should_synchronize_after_execute is False
