@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -27,6 +27,7 @@ from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
 from ckptflow.chunks.leases import save_lease
 from ckptflow.chunks.private_copies import PrivateCopies, private_copies
 from ckptflow.dcp import put_batches, regions
+from ckptflow.dcp.host_copies import HostCopies, copied_in_chunks
 from ckptflow.dcp.memory import bytes_view, completed_future, is_own_memory
 from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value
 from ckptflow.dcp.packs import Pack, Packer
@@ -234,6 +235,7 @@ class CheckpointWriter(StorageWriter):
         pending: list[tuple[Any, torch.Tensor | None, Any, list[Slot], int | None]] = []
         jobs = 8 if self.chunks.store.cheap_reread else 1  # a local disk's fsyncs; S3 requests run side by side
         batches = PutBatches(self.pool, self._put, self.spec.chunk_bytes, jobs=jobs)
+        host_copies = HostCopies(batches)  # a GPU tensor's chunks: copied to host memory as they are queued
         pack_bytes = min(self.spec.pack_bytes, self.spec.chunk_bytes)
         packer = Packer(pack_bytes) if pack_bytes > 0 else None
         self.copies = private_copies(self.spec.chunk_bytes, writers=self.pool._max_workers) if self.live else None
@@ -254,22 +256,28 @@ class CheckpointWriter(StorageWriter):
                     pending.append((item, None, json_value(planner, item.index.fqn, item.index), [], None))
                     continue
                 assert isinstance(tensor, torch.Tensor)  # BYTE_IO items are resolved above
-                raw = bytes_view(tensor)
+                nbytes = tensor.numel() * tensor.element_size()
                 base = None if span is None else tensor.data_ptr()
                 step = self.spec.chunk_bytes
                 offset = None if item.index.offset is None else tuple(item.index.offset)
-                if packer is not None and packer.fits(len(raw)):
+                if packer is not None and packer.fits(nbytes):
+                    raw = bytes_view(tensor)
                     key = (item.index.fqn, offset, dtype_name(tensor.dtype), len(raw))
                     closed, pack, at = packer.add(
                         key, raw, tensor.dtype.itemsize, floating=tensor.dtype.is_floating_point
                     )
                     if closed is not None:
                         self._submit_pack(closed, batches)
-                    pending.append((item, tensor, raw, [(pack.holder, 0)], at))
+                    pending.append((item, tensor, nbytes, [(pack.holder, 0)], at))
                     continue
                 futures = []
-                for off in range(0, len(raw), step):
-                    piece = raw[off : off + step]
+                copied = copied_in_chunks(tensor)
+                if copied:
+                    pieces: Iterable[memoryview] = host_copies.pieces(tensor, step)
+                else:
+                    raw = bytes_view(tensor)
+                    pieces = (raw[off : off + step] for off in range(0, len(raw), step))
+                for off, piece in zip(range(0, nbytes, step), pieces):
                     region = regions.region(item.index.fqn, offset, off // step, dtype_name(tensor.dtype), len(piece))
                     encoder = self._chunk_encoder(item, tensor, off // step)
                     address = None if base is None else base + off
@@ -280,7 +288,9 @@ class CheckpointWriter(StorageWriter):
                         futures.append(put_batches.ready(self._put(piece, tensor, encoder, region, address, vouched)))
                     else:
                         futures.append(batches.add(piece, tensor, encoder, region, address))
-                pending.append((item, tensor, raw, futures, None))
+                    if copied:
+                        host_copies.queued(len(piece), futures[-1])
+                pending.append((item, tensor, nbytes, futures, None))
             last = packer.close() if packer is not None else None
             if last is not None:
                 self._submit_pack(last, batches)
@@ -335,24 +345,24 @@ class CheckpointWriter(StorageWriter):
 
     @staticmethod
     def _result(
-        item: Any, tensor: torch.Tensor | None, raw: Any, futures: list[Slot], packed_at: int | None
+        item: Any, tensor: torch.Tensor | None, value: Any, futures: list[Slot], packed_at: int | None
     ) -> WriteResult:
+        """``value``: the tensor's size in bytes, or a JSON value (``tensor`` None)."""
         if tensor is None:  # a JSON value (json_values=True): no chunks, it travels in the manifest
-            return WriteResult(index=item.index, size_in_bytes=0, storage_data={JSON_VALUE: raw})
+            return WriteResult(index=item.index, size_in_bytes=0, storage_data={JSON_VALUE: value})
         writes = [put_batches.result(slot) for slot in futures]
         data = {
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
             "chunks": [
-                [w.digest, w.raw_bytes] if packed_at is None else [w.digest, len(raw), packed_at]
-                for w, _unread in writes
+                [w.digest, w.raw_bytes] if packed_at is None else [w.digest, value, packed_at] for w, _unread in writes
             ],
             "_writes": [
                 [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum, unread, w.raw_bytes]
                 for w, unread in writes
             ],
         }
-        return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=data)
+        return WriteResult(index=item.index, size_in_bytes=value, storage_data=data)
 
     def _write_rank_record(self, results: list[WriteResult]) -> None:
         spec = self.spec
