@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -23,6 +23,7 @@ from ckptflow.chunks.budget import MemoryBudget
 from ckptflow.chunks.io import ChunkStore
 from ckptflow.chunks.streaming import CheckedChunk
 from ckptflow.dcp import regions
+from ckptflow.dcp.device_landing import DeviceLanding, lands_on_device
 from ckptflow.dcp.failures import Failure, IntoPlaceFailed, ReadAborted, describe, failure_of
 from ckptflow.dcp.memory import completed_future, tensor_memory
 from ckptflow.dcp.metadata import dtype_from_name, metadata_from_index
@@ -82,6 +83,7 @@ class CheckpointReader(StorageReader):
         super().__init__()
         self.single_pass = single_pass
         self.budget = budget or MemoryBudget()
+        self.landing = DeviceLanding(self.budget.in_flight_cap)  # chunks copied onto GPU targets
         self.chunks = chunks.scoped(
             manifest.chunks,
             checksums=manifest.fast_checksums,
@@ -221,7 +223,14 @@ class CheckpointReader(StorageReader):
                 item = self.storage[index]
                 targets = [planner.resolve_tensor(req).detach() for req in reqs]
                 pinned = False  # whether ``buffer`` is pinned staging memory, copied to a GPU without blocking
-                if len(reqs) == 1 and _whole_item_target(item, reqs[0], targets[0]):
+                futures: list[Future] = []
+                whole = len(reqs) == 1 and _laid_out_like(item, reqs[0], targets[0])
+                if whole and lands_on_device(targets[0]) and item.packed_at is None:
+                    loading.append((reqs, targets, targets[0], False, futures))  # before any submit: ``finally`` waits
+                    for digest, offset, size in _chunk_offsets(item.chunks):
+                        futures.append(self.pool.submit(self._onto_device, checked, digest, targets[0], offset, size))
+                    continue
+                if whole and targets[0].device.type == "cpu":
                     buffer = targets[0]  # chunks land in place: no staging tensor, no copy
                 else:  # resharding, another device or dtype: read the item, then copy slices
                     if staged and staged + item.nbytes > self.budget.in_flight_cap:
@@ -232,7 +241,6 @@ class CheckpointReader(StorageReader):
                     buffer = torch.empty(item.shape, dtype=dtype_from_name(item.dtype), pin_memory=pinned)
                     staged += item.nbytes
                 raw, offset = _writable_bytes(buffer), 0
-                futures: list[Future] = []
                 loading.append((reqs, targets, buffer, pinned, futures))  # before any submit: ``finally`` waits
                 if item.packed_at is not None:
                     packed.setdefault(item.chunks[0][0], []).append((item.packed_at, raw))
@@ -284,6 +292,11 @@ class CheckpointReader(StorageReader):
                 out[:] = pack[at : at + len(out)]
         packed.clear()
 
+    def _onto_device(
+        self, checked: dict[str, CheckedChunk], digest: str, target: torch.Tensor, offset: int, size: int
+    ) -> None:
+        self.landing.land(lambda out: self._into_place(checked, digest, out), target, offset, size)
+
     def _into_place(self, checked: dict[str, CheckedChunk], digest: str, out: memoryview) -> None:
         """One chunk read into ``out``: as pass one verified it, or verified now (single pass)."""
         if self.single_pass:
@@ -330,11 +343,19 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor_memory(tensor)
 
 
-def _whole_item_target(item: StorageItem, req: Any, target: torch.Tensor) -> bool:
+def _chunk_offsets(chunks: Sequence[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """An item's chunks with the byte offset each starts at: (digest, offset, size)."""
+    out, offset = [], 0
+    for digest, size in chunks:
+        out.append((digest, offset, size))
+        offset += size
+    return out
+
+
+def _laid_out_like(item: StorageItem, req: Any, target: torch.Tensor) -> bool:
     """Whether ``req`` reads the whole stored item into a tensor laid out exactly like it."""
     return (
         type(target) is torch.Tensor
-        and target.device.type == "cpu"
         and target.dtype == dtype_from_name(item.dtype)
         and tuple(target.shape) == item.shape
         and target.is_contiguous()
