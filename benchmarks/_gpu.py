@@ -1,15 +1,21 @@
-"""GPU mode of benchmarks/save_restore.py (``--device cuda --size-gb 10``): async save of
-a state living on the GPU, and restore back onto it, against DCP.
+"""GPU mode of benchmarks/save_restore.py (``--device cuda --size-gb 10``): saves of a
+state living on the GPU, and restores back onto it, against DCP.
 
-  blocked s   how long the training loop is held (device-to-host copy into pinned memory)
-  total s     until the checkpoint is committed on disk
-  GB/s        state bytes / total s (restore: / restore s)
+  blocked s    how long the training loop is held (async: the copy into pinned host memory)
+  total s      until the checkpoint is committed on disk
+  GB/s         state bytes / total s (restore: / restore s)
+  host MiB     peak resident host memory beyond the process's before the save (with the
+               buffers ``prepare`` allocates for ckptflow's async save) or the restore
+  next save    blocked s of the following (incremental) async save
 
 ckptflow's async save stages through pinned host buffers allocated by ``prepare()``
-with non-blocking copies (DCP's ``DefaultStager``); its restore reads each item into a
-pinned buffer, verifies it, and copies it to the device without blocking. DCP runs as
-``dcp.async_save`` / ``dcp.load`` with its defaults. Needs a CUDA device; without one it
-says so and exits 2.
+and kept for the Checkpointer's life (``ckptflow.dcp.staging``), so it holds the whole
+state in host memory, as DCP's does (DCP allocates them at every ``async_save``); its
+blocking save copies one chunk at a time through pinned memory, at most
+``COPY_AHEAD_BYTES`` ahead of its writes (``ckptflow.dcp.host_copies``). Its restore
+verifies every chunk first, then copies each through a chunk-sized pinned buffer onto the
+device (``ckptflow.dcp.device_landing``). DCP runs as ``dcp.async_save`` / ``dcp.save`` /
+``dcp.load`` with its defaults. Needs a CUDA device: without one it says so and exits 2.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _util import quiet
+from _util import PeakRss, quiet
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from ckptflow import Checkpointer
@@ -41,45 +47,61 @@ def _sync() -> float:
     return time.perf_counter()
 
 
-def _dcp(state: dict, work: Path) -> dict[str, float]:
+def _dcp(state: dict, work: Path, *, blocking: bool) -> dict[str, float]:
     path = work / "dcp"
     shutil.rmtree(path, ignore_errors=True)
     with quiet():
-        start = _sync()
-        future = dcp.async_save(state, storage_writer=FileSystemWriter(path), no_dist=True)
-        blocked = time.perf_counter() - start
-        future.result()
-        total = time.perf_counter() - start
+        with PeakRss() as saving:
+            start = _sync()
+            if blocking:
+                dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+                blocked = total = time.perf_counter() - start
+            else:
+                future = dcp.async_save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+                blocked = time.perf_counter() - start
+                future.result()
+                total = time.perf_counter() - start
         target = {k: torch.empty_like(v) for k, v in state.items()}
-        start = _sync()
-        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
-        restore = _sync() - start
+        with PeakRss() as restoring:
+            start = _sync()
+            dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+            restore = _sync() - start
     _check(state, target, "DCP")
     shutil.rmtree(path, ignore_errors=True)
-    return dict(blocked=blocked, total=total, restore=restore)
+    return dict(blocked=blocked, total=total, restore=restore, **_peaks(saving, restoring))
 
 
-def _ckptflow(state: dict, work: Path) -> dict[str, float]:
+def _ckptflow(state: dict, work: Path, *, blocking: bool) -> dict[str, float]:
     root = work / "ckptflow"
     shutil.rmtree(root, ignore_errors=True)
+    sample: dict[str, float] = {}
     with Checkpointer(str(root), "gpu") as ck:
-        ck.prepare({"model": state})
-        start = _sync()
-        handle = ck.save(1, {"model": state}, kind="full", blocking=False)
-        blocked = time.perf_counter() - start
-        handle.wait()
-        total = time.perf_counter() - start
-        start = _sync()
-        handle = ck.save(2, {"model": state}, kind="incremental", blocking=False)
-        warm = time.perf_counter() - start
-        handle.wait()
+        with PeakRss() as saving:  # an async save's host buffers, allocated by ``prepare``, counted
+            if not blocking:
+                ck.prepare({"model": state})
+            start = _sync()
+            handle = ck.save(1, {"model": state}, kind="full", blocking=blocking)
+            sample["blocked"] = time.perf_counter() - start
+            if not blocking:
+                handle.wait()
+            sample["total"] = time.perf_counter() - start
+        if not blocking:
+            start = _sync()
+            handle = ck.save(2, {"model": state}, kind="incremental", blocking=False)
+            sample["warm"] = time.perf_counter() - start
+            handle.wait()
         target = {k: torch.empty_like(v) for k, v in state.items()}
-        start = _sync()
-        ck.restore({"model": target}, step=1)
-        restore = _sync() - start
+        with PeakRss() as restoring:
+            start = _sync()
+            ck.restore({"model": target}, step=1)
+            sample["restore"] = _sync() - start
     _check(state, target, "ckptflow")
     shutil.rmtree(root, ignore_errors=True)
-    return dict(blocked=blocked, total=total, restore=restore, warm=warm)
+    return {**sample, **_peaks(saving, restoring)}
+
+
+def _peaks(saving: PeakRss, restoring: PeakRss) -> dict[str, float]:
+    return {"save_rss": saving.bytes or 0, "restore_rss": restoring.bytes or 0}
 
 
 def _check(expected: dict, actual: dict, method: str) -> None:
@@ -96,20 +118,30 @@ def run(size_gb: float, repeats: int, work: Path) -> int:
     nbytes = sum(t.nbytes for t in state.values())
     print(f"state: {len(state)} fp32 tensors on {torch.cuda.get_device_name()}, {nbytes / GiB:.1f} GiB")
     work.mkdir(parents=True, exist_ok=True)
-    samples: dict[str, list[dict[str, float]]] = {"DCP async_save / dcp.load": [], "ckptflow async / restore": []}
+    methods = {
+        "DCP async_save / dcp.load": lambda: _dcp(state, work, blocking=False),
+        "ckptflow async / restore": lambda: _ckptflow(state, work, blocking=False),
+        "DCP save (blocking) / dcp.load": lambda: _dcp(state, work, blocking=True),
+        "ckptflow blocking / restore": lambda: _ckptflow(state, work, blocking=True),
+    }
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in methods}
     try:
         for _ in range(repeats):
-            samples["DCP async_save / dcp.load"].append(_dcp(state, work))
-            samples["ckptflow async / restore"].append(_ckptflow(state, work))
+            for name, method in methods.items():
+                samples[name].append(method())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("| method | blocked s | total s | save GB/s | restore s | restore GB/s | next save blocked s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| method | blocked s | total s | save GB/s | save host MiB | restore s | restore GB/s | restore host MiB "
+        "| next save blocked s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, rows in samples.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         warm = f"{med['warm']:.3f}" if "warm" in med else "-"
         print(
             f"| {name} | {med['blocked']:.3f} | {med['total']:.3f} | {nbytes / med['total'] / 1e9:.2f} | "
-            f"{med['restore']:.3f} | {nbytes / med['restore'] / 1e9:.2f} | {warm} |"
+            f"{med['save_rss'] / 2**20:.0f} | {med['restore']:.3f} | {nbytes / med['restore'] / 1e9:.2f} | "
+            f"{med['restore_rss'] / 2**20:.0f} | {warm} |"
         )
     return 0
