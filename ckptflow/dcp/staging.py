@@ -22,17 +22,25 @@ from torch.distributed.checkpoint.staging import AsyncStager
 class CachedStager(AsyncStager):
     """Stages synchronously: when ``stage`` returns, the copy is complete (CUDA copies are
     queued without blocking, then waited for once), so the save's writer threads may read
-    it and training may write the live tensors."""
+    it and training may write the live tensors.
+
+    Host buffers are pinned only for a state with tensors on a CUDA device: pinning the
+    copy of a CPU state gains nothing, and on a GPU machine it would start a CUDA context
+    (seconds, and GPU memory) in a process that never used the GPU."""
 
     _synchronize_after_execute = False  # nothing left to wait for after ``stage``
 
-    def __init__(self, *, pinned: bool):
-        self.pinned = pinned
-        self._stager = StateDictStager(pin_memory=pinned, share_memory=False)
+    def __init__(self) -> None:
+        self.pinned = False
+        self._stager = StateDictStager(pin_memory=False, share_memory=False)
 
     def stage(self, state_dict: Any) -> Any:
-        staged = self._stager.stage(state_dict, non_blocking=self.pinned)
-        if self.pinned:
+        pinned = _on_cuda(state_dict)
+        if pinned != self.pinned:  # the buffers kept so far are of the other kind
+            self._stager.close()
+            self._stager, self.pinned = StateDictStager(pin_memory=pinned, share_memory=False), pinned
+        staged = self._stager.stage(state_dict, non_blocking=pinned)
+        if pinned:
             torch.cuda.synchronize()
         return staged
 
@@ -42,3 +50,8 @@ class CachedStager(AsyncStager):
 
     def close(self) -> None:
         self._stager.close()
+
+
+def _on_cuda(state_dict: Any) -> bool:
+    """Whether any tensor of a flat state dict (``flatten_on_every_rank``'s) lives on a CUDA device."""
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state_dict.values())

@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptflow.catalog import checkpoints as catalog
@@ -90,7 +89,7 @@ class Checkpointer:
         self.pool = ThreadPoolExecutor(threads or min(32, 4 * (os.cpu_count() or 1)), thread_name_prefix="ckptflow")
         # local=True: saves and restores by this process alone, even in a torch.distributed job
         self.group = Group(process_group, local=local)
-        self._stager = CachedStager(pinned=torch.cuda.is_available())
+        self._stager = CachedStager()
         self._pending: SaveHandle | None = None
         self._superseded: set[int] = set()
         self._last_commit: int | None = None  # newest step this process committed or restored

@@ -10,7 +10,7 @@ from ckptflow.dcp.staging import CachedStager
 
 
 def test_every_stage_copies_into_the_buffers_the_first_allocated():
-    stager = CachedStager(pinned=False)
+    stager = CachedStager()
     live = {"w": torch.randn(1000), "b": torch.arange(7)}
     first = stager.stage(live)
     addresses = {k: v.data_ptr() for k, v in first.items()}
@@ -25,4 +25,12 @@ def test_every_stage_copies_into_the_buffers_the_first_allocated():
 
 
 def test_a_stage_needs_no_synchronize_afterwards():
-    assert CachedStager(pinned=False).should_synchronize_after_execute is False
+    assert CachedStager().should_synchronize_after_execute is False
+
+
+def test_a_cpu_state_is_staged_in_plain_memory_without_starting_cuda():
+    started = torch.cuda.is_initialized()
+    stager = CachedStager()
+    staged = stager.stage({"w": torch.randn(100)})
+    assert not stager.pinned and not staged["w"].is_pinned()
+    assert torch.cuda.is_initialized() == started  # on a GPU machine too: no context for a CPU state
