@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -93,7 +95,21 @@ def _finish_in_flight() -> None:
         try:
             handle._future.result()
         except KeyboardInterrupt:
-            log.warning("interrupted: no longer waiting for the async save of step %d at exit", handle.step)
-            return
+            log.warning("interrupted: the async save of step %d is abandoned, not committed", handle.step)
+            _exit_now(128 + signal.SIGINT)
         except Exception as e:
             log.error("the async save of step %d failed at exit and was not committed: %s", handle.step, e)
+
+
+def _exit_now(status: int) -> None:
+    """End the process at once. Returning from an exit hook would not: the interpreter's
+    exit then joins the thread pools, whose queued chunk writes finish the save anyway, so
+    a Ctrl-C at exit would still wait for all of it. Nothing is committed half: the commit
+    is one atomic write, and the chunks already written are garbage for ``ckptflow gc``."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe nobody reads
+            pass
+    os._exit(status)

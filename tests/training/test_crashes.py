@@ -279,3 +279,37 @@ def test_a_child_forked_while_an_async_save_is_in_flight_exits_at_once(tmp_path)
     exitcode, seconds = done.stdout.split()
     assert exitcode == "0" and float(seconds) < 10, done.stdout
     assert committed_steps(Path(root)) == [1]
+
+
+def test_ctrl_c_while_the_exit_waits_for_an_async_save_ends_the_process_at_once(tmp_path):
+    """Ctrl-C during the wait at exit abandons the save, as the message says: returning from
+    the exit hook left the interpreter joining the thread pools, which finished the save anyway."""
+    root = str(tmp_path / "store")
+    script = (
+        "import time, torch\n"
+        "from ckptflow import Checkpointer\n"
+        "from ckptflow.chunks.io import ChunkStore\n"
+        "put = ChunkStore.put\n"
+        "ChunkStore.put = lambda self, *a, **k: (time.sleep(2), put(self, *a, **k))[1]  # a slow store\n"
+        f"ck = Checkpointer({root!r}, {RUN!r}, chunk_bytes=1 << 18)\n"
+        "ck.save(1, {'model': torch.nn.Linear(2048, 2048).state_dict()}, blocking=False)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        while "waiting for the async save of step 1" not in seen:
+            line = proc.stderr.readline()
+            assert line, f"exited before waiting for the save: {seen[-2000:]}"
+            seen += line
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+        seconds = time.monotonic() - interrupted
+        seen += proc.stderr.read()
+    finally:
+        proc.kill()
+    assert status == 128 + signal.SIGINT, seen[-2000:]
+    assert "the async save of step 1 is abandoned, not committed" in seen
+    assert seconds < 5, f"the process took {seconds:.1f} s to end after Ctrl-C: it waited for the save"
+    assert committed_steps(Path(root)) == []
