@@ -26,8 +26,10 @@ never fresh: the full listing lands it too, by its digest, unless that commit ha
 validation record or is ``pending`` (``_behind_watermark``). The cursor keeps as
 ``pending`` each commit it landed that had no validation record, until a full listing
 finds one (or the commit gone): it grows with the validation backlog only, at most
-``MAX_WAITING``. The digests come from each run's manifest index (one read per run once
-known) and the records from one listing of their names, so a quick tick costs what it did.
+``MAX_WAITING``. A commit record proved damaged stays pending until it is gone (quarantined,
+or committed again: a commit of its own), so each full listing does not land it again. The
+digests come from each run's manifest index (one read per run once known) and the records
+from one listing of their names, so a quick tick costs what it did.
 
 A commit record that could not be read for a reason that may pass (a newer ckptflow
 wrote it, access was denied) lands once without a digest, and its validation run says
@@ -125,6 +127,8 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
             landed.append(Landed(key=key, digest="", marker=marker, validated=False))
             if item.may_read_later:
                 waiting.append(_commit_id(entry))
+            else:  # damaged: no validation record will ever name it; kept so no full listing lands it again
+                pending.add(_commit_id(entry))
         t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
         seen.add(_seen_id(entry))
         done.append(entry)

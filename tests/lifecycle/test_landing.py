@@ -294,3 +294,20 @@ def test_a_store_that_does_not_answer_stops_the_tick_there_and_the_next_tick_ret
     down["now"] = False
     landed, _ = new_commits(store, cursor, limit=10, now=T0 + 1)
     assert keys(landed) == [name(2), name(3)]
+
+
+def test_a_damaged_commit_behind_the_watermark_lands_once_not_at_every_full_listing(root):
+    """Each full listing landed it again (a sensor log line, and a run request Dagster
+    dropped by its key, every five minutes for as long as it stayed)."""
+    store = open_store(root)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    with Checkpointer(root, "copied") as ck:
+        ck.save(5, tiny_state(seed=5))
+    flip_byte(manifest_path(root, "copied", 5))
+    committed_at(root, 5, T0 - 600, run="copied")
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert [(c.key, c.digest) for c in landed] == [(name(5, "copied"), "")]
+    assert new_commits(store, cursor, limit=10, now=T0 + 2 * FULL_SCAN_S)[0] == []
+    manifest_path(root, "copied", 5).unlink()  # quarantined: nothing left to remember
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + 3 * FULL_SCAN_S)
+    assert landed == [] and [p[0] for p in cursor["pending"]] == [RUN, RUN, RUN]  # steps 1-3: not validated
