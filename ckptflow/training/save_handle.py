@@ -88,17 +88,22 @@ def _finish_before_exit(handle: SaveHandle) -> None:
 
 
 def _finish_in_flight() -> None:
-    for handle in list(_IN_FLIGHT):
-        if handle.done():
-            continue
-        log.warning("the process is exiting: waiting for the async save of step %d to commit", handle.step)
-        try:
-            handle._future.result()
-        except KeyboardInterrupt:
-            log.warning("interrupted: the async save of step %d is abandoned, not committed", handle.step)
-            _exit_now(128 + signal.SIGINT)
-        except Exception as e:
-            log.error("the async save of step %d failed at exit and was not committed: %s", handle.step, e)
+    step = None  # the save being waited for
+    try:
+        for handle in list(_IN_FLIGHT):
+            if handle.done():
+                continue
+            step = handle.step
+            log.warning("the process is exiting: waiting for the async save of step %d to commit", step)
+            try:
+                handle._future.result()
+            except Exception as e:
+                log.error("the async save of step %d failed at exit and was not committed: %s", step, e)
+    except KeyboardInterrupt:  # wherever it lands, the message above included
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the last message short
+        saves = "the async saves in flight are" if step is None else f"the async save of step {step} is"
+        log.warning("interrupted: %s abandoned, not committed", saves)
+        _exit_now(128 + signal.SIGINT)
 
 
 def _exit_now(status: int) -> None:
