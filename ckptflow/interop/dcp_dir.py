@@ -18,7 +18,8 @@ torch 2.13 has no safe mode for either, so this module reads them itself:
 - nothing read or allocated before every tensor's pieces are proved to tile it exactly
   and every item to fit in its file (``_check_items``), so a crafted ``.metadata`` can
   neither import uninitialised memory nor make the reader allocate what the files
-  cannot hold; items that are not ``torch.save``'s uncompressed zip are refused unloaded.
+  cannot hold; items that are not ``torch.save``'s uncompressed zip are refused unloaded
+  (``torch_files.check_plain_zip``, the check a ``.pt`` import makes too).
 
 The state comes back nested as it was saved (``Metadata.planner_data`` holds each
 flattened name's path): a string in a path is a dict key, an integer a list index.
@@ -32,7 +33,6 @@ import io
 import math
 import os
 import pickle
-import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.tiling import tiling_problem
+from ckptflow.interop.torch_files import check_plain_zip
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
@@ -255,27 +256,8 @@ def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:
     return data
 
 
-def _check_stored(data: bytes, what: str) -> None:
-    """``torch.save`` writes a zip whose entries are stored uncompressed, so what
-    ``torch.load`` allocates for them fits in the item's bytes. A compressed entry could
-    inflate to any size (a few KiB to gigabytes) before a byte of it is checked: refused."""
-    try:
-        entries = zipfile.ZipFile(io.BytesIO(data)).infolist()
-    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
-        raise DcpFormatError(f"{what} is not in torch.save's zip format, which DCP writes ({e})") from None
-    for entry in entries:
-        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
-            raise DcpFormatError(
-                f"{what} holds {entry.filename!r} compressed ({entry.compress_size} bytes declaring "
-                f"{entry.file_size}); torch.save never compresses, and inflating it could take any amount of memory"
-            )
-    declared = sum(entry.file_size for entry in entries)
-    if declared > len(data):
-        raise DcpFormatError(f"{what} declares {declared} bytes of entries in its {len(data)} bytes")
-
-
 def _torch_load(data: bytes, what: str) -> Any:
-    _check_stored(data, what)
+    check_plain_zip(data, what, error=DcpFormatError)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

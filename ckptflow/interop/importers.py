@@ -17,6 +17,8 @@ Hugging Face model dir    ``{"model": the model's state dict}``: tied names     
 (.pt .pth .bin .ckpt)     becomes ``{"model": it}``, any other dict the state
 ========================  ====================================================  ============================
 
+A ``torch.save`` file must be in the zip format with its entries stored, as torch.save
+writes them (``ckptflow.interop.torch_files``): ``torch.load`` trusts the sizes in it.
 Every import records ``metadata["import"] = {"format", "source"}``. No RNG state is stored:
 the importing process's RNG is not the run's. An export of a lossy archive copy carries
 its ``lossy`` record (a DCP export's ``ckptflow.json``, a safetensors header): the import
@@ -42,6 +44,7 @@ from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS
+from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
 
@@ -177,6 +180,7 @@ def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    check_plain_zip(src, src)  # before torch.load trusts a size in it (ckptflow.interop.torch_files)
     try:
         obj = torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

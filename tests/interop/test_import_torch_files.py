@@ -1,0 +1,81 @@
+"""torch.save files whose sizes torch.load would trust: refused before it runs.
+
+``torch.load(weights_only=True)`` unpickles nothing hostile, but it allocates what a file
+declares: a compressed zip entry inflates to its declared size, and the legacy format
+allocates each storage first and fills only those its key list names. The DCP importer
+refused the first already (``test_import_dcp_pieces``); a ``.pt`` import did neither.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+
+import pytest
+import torch
+
+from ckptflow import CkptflowError
+from ckptflow.interop.importers import read_source
+from support.cli import run_cli
+
+
+def test_a_pt_file_with_a_compressed_entry_is_refused_unloaded(tmp_path, capsys):
+    """66 KB on disk that torch.load would inflate to a 64 MiB tensor."""
+    plain, bomb = tmp_path / "plain.pt", tmp_path / "bomb.pt"
+    torch.save({"w": torch.zeros(64 << 20, dtype=torch.uint8)}, plain)
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(bomb, "w") as zout:
+        for info in zin.infolist():
+            method = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED  # the tensor's bytes
+            zout.writestr(info.filename, zin.read(info.filename), compress_type=method)
+    assert bomb.stat().st_size < 1 << 20
+    code, _, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, bomb)
+    assert code == 2 and "data/0' compressed" in err and "Traceback" not in err, err
+    assert not (tmp_path / "store" / "runs").exists()
+
+
+def _legacy_without_storage_keys(path) -> None:
+    """A legacy torch.save file whose trailing key list is empty: torch.load allocates the
+    storage and never reads its bytes into it."""
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, path, _use_new_zipfile_serialization=False)
+    blob = path.read_bytes()
+    f = io.BytesIO(blob)
+    for _ in range(3):  # magic, protocol, system info
+        pickle.load(f)
+
+    class Skim(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return None
+
+        def find_class(self, module, name):
+            return lambda *args, **kwargs: None
+
+    Skim(f).load()  # the object
+    keys_at = f.tell()
+    pickle.load(f)  # the storage keys
+    path.write_bytes(blob[:keys_at] + pickle.dumps([], protocol=2) + blob[f.tell() :])
+
+
+def test_a_legacy_format_file_is_refused_rather_than_imported_uninitialised(tmp_path):
+    path = tmp_path / "legacy.pt"
+    _legacy_without_storage_keys(path)
+    assert torch.load(path, weights_only=True)["w"].shape == (4,)  # torch accepts it, unread
+    with pytest.raises(CkptflowError, match=r"not a readable torch.save file: not in the zip format.*save it again"):
+        read_source(path)
+
+
+def test_a_zip_appended_to_legacy_bytes_is_refused(tmp_path):
+    """zipfile finds a zip anywhere at the end; torch.load reads the legacy bytes in front."""
+    legacy, good = tmp_path / "legacy.pt", tmp_path / "good.pt"
+    _legacy_without_storage_keys(legacy)
+    torch.save({"w": torch.ones(4)}, good)
+    polyglot = tmp_path / "polyglot.pt"
+    polyglot.write_bytes(legacy.read_bytes() + good.read_bytes())
+    with pytest.raises(CkptflowError, match="does not start with a zip entry"):
+        read_source(polyglot)
+
+
+def test_a_plain_torch_save_file_still_imports(tmp_path):
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "ok.pt")
+    _, state, _ = read_source(tmp_path / "ok.pt")
+    assert torch.equal(state["model"]["w"], torch.arange(4.0))
