@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         help="a new directory (model.safetensors or shards, config.json, README.md; from_pretrained loads it) "
-        "or a FILE.safetensors (replaced atomically); with --format dcp a new DCP checkpoint directory",
+        "or a new FILE.safetensors (written atomically; an existing one is refused, never replaced); with "
+        "--format dcp a new DCP checkpoint directory",
     )
     p.add_argument(
         "--format",

@@ -1,7 +1,7 @@
 """Export one checkpoint's model weights: a safetensors file, or a model directory that
 ``transformers`` loads with ``from_pretrained``.
 
-``--out x.safetensors`` writes one file. Any other ``--out`` is a directory in the
+``--out x.safetensors`` writes one new file. Any other ``--out`` is a new directory in the
 Hugging Face layout: ``model.safetensors`` (past ``max_shard_bytes``, shards and
 ``model.safetensors.index.json``), ``config.json`` when the run recorded its model config
 (``ck.save(step, state, metadata=model_metadata(model))``) or one is given
@@ -189,9 +189,17 @@ def prepare(
 
 
 def _check_out(out: str, *, as_dir: bool) -> None:
+    """Refuse, before any tensor is read, an output path the export would have to replace:
+    an export creates its file or directory and never replaces one (an existing model file
+    may be the one deployed)."""
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise CkptflowError(f"output directory {parent} does not exist; create it first")
+    if not as_dir and os.path.exists(out):
+        raise CkptflowError(
+            f"{out} already exists; an export never replaces a file (it may be a model in use): choose a new path "
+            "or remove it"
+        )
     if as_dir and os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise CkptflowError(
             f"{out} already exists and is not an empty directory; a model directory is written whole: "

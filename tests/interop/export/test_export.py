@@ -10,7 +10,7 @@ import hashlib
 
 import pytest
 import torch
-from safetensors.torch import load_file, load_model
+from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 
 from ckptflow import Checkpointer
@@ -69,8 +69,9 @@ def test_fp16_refuses_out_of_range_values_naming_them(tmp_path):
     # the same values in bf16 are fine; with the flag fp16 writes inf as asked
     export_safetensors(root, "r", out, options=ExportOptions(dtype="bf16"))
     assert load_file(str(out))["norm.running_var"][3].item() == pytest.approx(7e4, rel=1e-2)
-    export_safetensors(root, "r", out, options=ExportOptions(dtype="fp16", allow_fp16_overflow=True))
-    assert load_file(str(out))["embed.weight"][0, 0].isinf()
+    inf = tmp_path / "inf.safetensors"  # an export never replaces a file
+    export_safetensors(root, "r", inf, options=ExportOptions(dtype="fp16", allow_fp16_overflow=True))
+    assert load_file(str(inf))["embed.weight"][0, 0].isinf()
 
 
 def test_tied_weights_written_once_load_strictly(tmp_path):
@@ -184,3 +185,17 @@ def test_export_passes_over_damage_only_and_stops_at_what_it_could_not_read(tmp_
     assert result.step == 2 and [s for s, _ in result.skipped] == [3]
     assert "does not match its address" in result.skipped[0][1]
     assert export_dcp(outage.store, "a", tmp_path / "dcp").step == 2
+
+
+def test_a_file_export_never_replaces_an_existing_file(tmp_path, capsys):
+    """A directory export refused an existing non-empty directory, but ``--out x.safetensors``
+    replaced an existing file silently: a deployed model lost. Now refused before any read."""
+    root = save(tmp_path, TiedLM())
+    out = tmp_path / "deployed.safetensors"
+    save_file({"precious": torch.arange(5.0)}, out)
+    before = out.read_bytes()
+    with pytest.raises(CkptflowError, match="already exists; an export never replaces a file"):
+        export_safetensors(root, "r", out, step=1)
+    code, _, err = run_cli(capsys, "export", root, "--run", "r", "--step", 1, "--out", out)
+    assert code == 2 and "already exists" in err and "Traceback" not in err, err
+    assert out.read_bytes() == before
