@@ -189,12 +189,18 @@ def prepare(
 
 
 def _check_out(out: str, *, as_dir: bool) -> None:
-    """Refuse, before any tensor is read, an output path the export would have to replace:
-    an export creates its file or directory and never replaces one (an existing model file
-    may be the one deployed)."""
+    """Refuse, before any tensor is read, an output path the export would have to replace
+    or could not rename into: an export creates its file or directory and never replaces
+    one (an existing model file may be the one deployed), and a symbolic link would be
+    replaced by the rename (a file) or make it fail once all the work is done (a directory)."""
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise CkptflowError(f"output directory {parent} does not exist; create it first")
+    if os.path.islink(out):
+        raise CkptflowError(
+            f"{out} is a symbolic link; an export writes a new file or directory in its place rather than "
+            "follow or replace a link: pass the path it points to (if that is new or an empty directory) or a new path"
+        )
     if not as_dir and os.path.exists(out):
         raise CkptflowError(
             f"{out} already exists; an export never replaces a file (it may be a model in use): choose a new path "

@@ -199,3 +199,20 @@ def test_a_file_export_never_replaces_an_existing_file(tmp_path, capsys):
     code, _, err = run_cli(capsys, "export", root, "--run", "r", "--step", 1, "--out", out)
     assert code == 2 and "already exists" in err and "Traceback" not in err, err
     assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("target", ["empty", "nowhere"])
+def test_an_export_to_a_symlink_is_refused_up_front(tmp_path, target):
+    """A link to an empty directory or a dangling one passed the checks, and the export
+    then failed after all its work with a bare ``[Errno 20] Not a directory``."""
+    root = save(tmp_path, TiedLM())
+    (tmp_path / "empty").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / target)
+    for export in (
+        lambda: export_safetensors(root, "r", link, step=1),
+        lambda: export_dcp(root, "r", link, step=1),
+    ):
+        with pytest.raises(CkptflowError, match="is a symbolic link"):
+            export()
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "store"]
