@@ -44,7 +44,10 @@ _DTYPE_NAMES = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
-}
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",  # a rotary embedding's freqs_cis buffer, for one
+}  # every dtype the safetensors format (0.8) names
 
 
 def lineage_metadata(run: str, step: int, digest: str, key: str, **extra: str) -> dict[str, str]:
@@ -71,7 +74,10 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLik
     for name in sorted(tensors):
         t = tensors[name]
         if t.dtype not in _DTYPE_NAMES:
-            raise CkptflowError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
+            raise CkptflowError(
+                f"tensor {name!r} has dtype {t.dtype}, which the safetensors format cannot hold: save it as one it "
+                "can (a complex128 buffer as torch.view_as_real(t)), or export the state with --format dcp"
+            )
         end = offset + nbytes(t)
         header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
         offset = end

@@ -216,3 +216,37 @@ def test_an_export_to_a_symlink_is_refused_up_front(tmp_path, target):
         with pytest.raises(CkptflowError, match="is a symbolic link"):
             export()
     assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "store"]
+
+
+def test_every_dtype_safetensors_holds_exports_and_imports_back_exactly(tmp_path):
+    """complex64 (a rotary freqs_cis buffer) and the fnuz float8 types were refused as dtypes
+    "safetensors cannot hold", though the safetensors format holds them."""
+    from ckptflow.interop.importers import import_checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "freqs_cis": torch.polar(torch.ones(4, 2), torch.randn(4, 2, generator=g)),
+        "f8fnuz": torch.randn(6, generator=g).to(torch.float8_e4m3fnuz),
+        "f8e5fnuz": torch.randn(6, generator=g).to(torch.float8_e5m2fnuz),
+        "bf16": torch.randn(3, generator=g).bfloat16(),
+        "bool": torch.tensor([True, False]),
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(2.5),
+    }
+    with Checkpointer(str(tmp_path / "store"), "r") as ck:
+        ck.save(1, {"model": tensors})
+    out = tmp_path / "m.safetensors"
+    export_safetensors(str(tmp_path / "store"), "r", out, step=1)
+    loaded = load_file(str(out))
+    import_checkpoint(str(tmp_path / "again"), "r", 1, out)
+    with Checkpointer(str(tmp_path / "again"), "r") as ck:
+        _, state = ck.load(step=1)
+    for copy in (loaded, state["model"]):
+        assert sorted(copy) == sorted(tensors)
+        for name, t in tensors.items():
+            assert copy[name].dtype == t.dtype and copy[name].shape == t.shape, name
+            assert copy[name].reshape(-1).view(torch.uint8).equal(t.reshape(-1).view(torch.uint8)), name
+    with Checkpointer(str(tmp_path / "store"), "r") as ck:
+        ck.save(2, {"model": {"w": torch.ones(2, dtype=torch.complex128)}})
+    with pytest.raises(CkptflowError, match=r"complex128.*cannot hold: save it as one it can.*--format dcp"):
+        export_safetensors(str(tmp_path / "store"), "r", tmp_path / "c128.safetensors", step=2)
