@@ -43,7 +43,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
-from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS
+from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
 from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
@@ -142,25 +142,8 @@ def _from_safetensors(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"model": _read_safetensors([src])}, {}
 
 
-def _hf_weights(src: str) -> tuple[list[str], set[str]]:
-    """A model directory's safetensors files (its index's, else model.safetensors) and the
-    tensor names its index lists."""
-    index = os.path.join(src, INDEX)
-    if not os.path.isfile(index):
-        return [os.path.join(src, WEIGHTS)], set()
-    doc = _read_json(index)
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CkptflowError(f"{index} has no weight_map of tensor names to files")
-    files = sorted(set(weight_map.values()))
-    outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]
-    if outside:
-        raise CkptflowError(f"{index} names files outside the directory: {outside[:4]}")
-    return [os.path.join(src, f) for f in files], set(weight_map)
-
-
 def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    files, listed = _hf_weights(src)
+    files, listed = weight_files(src)
     tensors = _read_safetensors(files)
     if listed - set(tensors):
         raise CkptflowError(f"{src}: tensors listed in {INDEX} are missing: {sorted(listed - set(tensors))[:8]}")
@@ -216,7 +199,7 @@ def carried_lossy(src: str, format: str) -> dict | None:
         doc = _read_json(os.path.join(src, SIDECAR))
         found = doc.get("lossy") if isinstance(doc, dict) else None
     elif format in ("safetensors", "hf"):
-        for path in [src] if format == "safetensors" else _hf_weights(src)[0]:
+        for path in [src] if format == "safetensors" else weight_files(src)[0]:
             try:
                 with safe_open(path, "pt") as f:
                     text = (f.metadata() or {}).get(LOSSY_KEY)

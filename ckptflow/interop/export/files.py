@@ -139,22 +139,41 @@ def write_json(doc: object, path: str) -> None:
         f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
+MAX_INDEX_BYTES = 64 << 20  # an index of a million tensor names is a few tens of MB
+
+
+def weight_files(directory: str) -> tuple[list[str], set[str]]:
+    """A model directory's safetensors files (its index's, else ``model.safetensors``) and
+    the tensor names its index lists: the one reader of an index, for the importer and
+    ``load_exported`` alike, so both refuse an index read unbounded, without a
+    ``weight_map`` of names to files, or naming a file outside the directory."""
+    index = os.path.join(directory, INDEX)
+    if not os.path.isfile(index):
+        return [os.path.join(directory, WEIGHTS)], set()
+    if os.path.getsize(index) > MAX_INDEX_BYTES:
+        raise CkptflowError(f"{index} is larger than {MAX_INDEX_BYTES} bytes; refused unread")
+    try:
+        with open(index, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CkptflowError(f"{index} is not valid JSON ({type(e).__name__}: {e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CkptflowError(f"{index} has no weight_map of tensor names to files")
+    files = sorted(set(weight_map.values()))
+    outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]
+    if outside:
+        raise CkptflowError(f"{index} names files outside the directory: {outside[:4]}")
+    return [os.path.join(directory, f) for f in files], set(weight_map)
+
+
 def load_exported(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """ckptflow's loader for what ``export_safetensors`` wrote (a file or a model
     directory, sharded or not): a plain state dict. int8 weights come back dequantized
     (float32), and every tied name dropped at export is back, sharing its tensor, so
     ``model.load_state_dict(load_exported(path))`` is strict-clean."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        index = os.path.join(path, INDEX)
-        if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = [WEIGHTS]
-        paths = [os.path.join(path, f) for f in files]
-    else:
-        paths = [path]
+    paths = weight_files(path)[0] if os.path.isdir(path) else [path]
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     for file in paths:

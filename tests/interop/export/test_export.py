@@ -7,6 +7,7 @@ transformers config: ``test_export_int8_config``, ``test_export_hf``.)"""
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -250,3 +251,22 @@ def test_every_dtype_safetensors_holds_exports_and_imports_back_exactly(tmp_path
         ck.save(2, {"model": {"w": torch.ones(2, dtype=torch.complex128)}})
     with pytest.raises(CkptflowError, match=r"complex128.*cannot hold: save it as one it can.*--format dcp"):
         export_safetensors(str(tmp_path / "store"), "r", tmp_path / "c128.safetensors", step=2)
+
+
+def test_load_exported_reads_an_index_by_the_importers_rules(tmp_path):
+    """load_exported read the files an index names with no check (one outside the directory
+    was read; an index without weight_map raised KeyError); the importer refused both.
+    One reader of an index now (files.weight_files) refuses both for either."""
+    from ckptflow.interop.importers import read_source
+
+    (tmp_path / "model").mkdir()
+    save_file({"secret": torch.arange(3.0)}, tmp_path / "outside.safetensors")
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    for doc, refusal in (
+        ({"weight_map": {"secret": "../outside.safetensors"}}, "names files outside the directory"),
+        ({"nope": 1}, "has no weight_map of tensor names to files"),
+    ):
+        index.write_text(json.dumps(doc))
+        for read in (load_exported, read_source):
+            with pytest.raises(CkptflowError, match=refusal):
+                read(tmp_path / "model")
