@@ -80,6 +80,14 @@ def read_version(store: Store, model: str, version: int) -> dict[str, Any]:
     return doc
 
 
+def file_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be a file of a model version (None if it can): a download writes
+    each file at ``directory/name``, so a path (``../x``, ``/etc/x``) would write outside it."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return f"file name {name!r} is not a plain file name (a download writes it inside a model directory)"
+    return None
+
+
 def _version_problem(doc: Any, model: str, version: int) -> str | None:
     """What makes ``doc`` no record of ``model`` version ``version``: the fields retention,
     rollback and restore rely on must have their types (a step "1" is not step 1)."""
@@ -96,4 +104,7 @@ def _version_problem(doc: Any, model: str, version: int) -> str | None:
         isinstance(f, dict) and isinstance(f.get("sha256"), str) and type(f.get("size")) is int for f in files.values()
     ):
         return "files must map each name to its sha256 and size"
+    for name in files:
+        if problem := file_name_problem(name):
+            return problem
     return None

@@ -184,8 +184,10 @@ class Registry:
         "stable" (also ``stable`` to it, the old stable to ``fallback``), or None."""
         if stage not in ("latest", "stable", None):
             raise RegistryError(f"stage {stage!r} is not 'latest', 'stable' or None")
-        for f in files.values():
+        for name, f in files.items():
             self.file_key(model, f["sha256"])  # a digest, or refuse before claiming a number
+            if problem := alias_records.file_name_problem(name):
+                raise RegistryError(f"model {model!r}: {problem}; nothing registered")
         if stage is not None:  # an alias record a move could not read: refuse before claiming a number
             self._read_aliases(model)
         existing = [v.version for v in self.versions(model)]

@@ -124,3 +124,25 @@ def test_a_latest_naming_a_missing_newer_version_is_replaced_by_the_next_registr
     assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).version == 2
     assert reg.aliases("m")["latest"] == 2 and reg.resolve("m", "latest").step == 2
     lifecycle.current_plan(hot, None, reg)  # reads every alias
+
+
+@pytest.mark.parametrize("name", ["../../escaped.txt", "/tmp/escaped.txt", "..", "a\\b", ""])
+def test_a_version_file_name_that_is_a_path_is_refused_on_register_and_read(tmp_path, name):
+    """A version's file names are written at ``directory/name`` by ``download`` (the MLflow
+    mirror downloads into a temporary directory): ``../../escaped.txt`` was registered and
+    downloaded outside it. Now register refuses it before claiming a number, and a record
+    holding one (written by hand, or by an older ckptflow) does not read."""
+    reg = Registry(open_store(str(tmp_path / "store")))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a").write_bytes(b"model bytes\n")
+    files = reg.upload("m", tmp_path / "src", ["a"])
+    with pytest.raises(RegistryError, match="is not a plain file name.*nothing registered"):
+        reg.register("m", run="r", step=1, manifest_digest="0" * 64, files={name: files["a"]})
+    assert reg.versions("m") == []
+    good = reg.register("m", run="r", step=1, manifest_digest="0" * 64, files=files)
+    key = reg.version_key("m", good.version)
+    record = json.loads(reg.store.get(key))
+    reg.store.replace(key, json.dumps({**record, "files": {name: files["a"]}}).encode())
+    with pytest.raises(RegistryError, match="is not a version record of this layout: file name"):
+        reg.download(reg.get("m", good.version), tmp_path / "dl" / "sub")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]
