@@ -87,6 +87,7 @@ def detect_format(src: str) -> str:
     )
 
 
+TENSOR_SLACK = 256  # a model directory's config may build this many more tensors than twice the files hold
 MAX_NESTING = 64  # levels of dicts and lists an imported state may nest (a state dict has a handful)
 VIEW_BYTES_PER_STORED = 4  # what all views may claim together: this many times the bytes stored ...
 VIEW_BYTES_SLACK = 64 << 20  # ... plus this much (a fused weight beside its slices and a transposed view)
@@ -154,7 +155,7 @@ def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if not isinstance(config, dict):
         raise CkptflowError(f"{config_path} is not a JSON object")
     if config.get("architectures"):
-        for group in from_transformers_config(config).shared:
+        for group in from_transformers_config(config, max_tensors=2 * len(tensors) + TENSOR_SLACK).shared:
             present = [n for n in group if n in tensors]
             for name in group:
                 if present and name not in tensors:  # one tensor, as in the model's state_dict()

@@ -246,3 +246,18 @@ def test_cli_import_then_export_dcp(tmp_path, capsys):
 
     code, _, err = run_cli(capsys, "import", store, "--run", "gpt", "--step", 7, tmp_path / "hf")
     assert code == 2 and "already committed" in err
+
+
+def test_a_model_config_declaring_more_than_its_files_hold_is_refused_before_it_is_built(tmp_path, capsys):
+    """A 139-byte config.json with n_layer=5000 beside one tiny tensor: the import built the
+    whole declared model on the meta device before comparing a tensor (20 s here; a million
+    layers, an hour and tens of GB). Building now stops at twice the tensors the files hold
+    (plus a slack), and says so."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"w": torch.ones(1)}, src / "model.safetensors", metadata={"format": "pt"})
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 5000, "n_embd": 8, "n_head": 2}
+    (src / "config.json").write_text(json.dumps({**config, "vocab_size": 16, "bos_token_id": 0, "eos_token_id": 0}))
+    code, _, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, src)
+    assert code == 2 and "declares a larger GPT2LMHeadModel than its files hold" in err, err
+    assert not (tmp_path / "store" / "runs").exists()

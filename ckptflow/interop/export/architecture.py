@@ -17,9 +17,11 @@ first, as ``safetensors.torch.save_model`` groups them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +80,46 @@ def from_module(model: nn.Module, name: str) -> Architecture:
     )
 
 
-def from_transformers_config(config: Mapping[str, Any], *, fix: str | None = None) -> Architecture:
+class _TooLarge(Exception):
+    """Raised inside a model's constructor once it has registered more tensors than allowed."""
+
+
+@contextlib.contextmanager
+def _tensor_budget(limit: int | None) -> Iterator[None]:
+    """Stop a model being built (in this thread) once it registers more than ``limit``
+    parameters and buffers: the meta device allocates no memory, but each layer costs its
+    Python objects and milliseconds, so a config declaring a million layers would take an
+    hour and tens of GB before a single tensor is compared."""
+    if limit is None:
+        yield
+        return
+    count, thread = 0, threading.get_ident()
+
+    def hook(module: nn.Module, name: str, tensor: Any) -> None:
+        nonlocal count
+        if threading.get_ident() == thread:
+            count += 1
+            if count > limit:
+                raise _TooLarge
+
+    handles = [
+        nn.modules.module.register_module_parameter_registration_hook(hook),
+        nn.modules.module.register_module_buffer_registration_hook(hook),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def from_transformers_config(
+    config: Mapping[str, Any], *, fix: str | None = None, max_tensors: int | None = None
+) -> Architecture:
     """Build ``config["architectures"][0]`` on the meta device and read its structure
-    (``fix``: what to do about a config that names no class)."""
+    (``fix``: what to do about a config that names no class). ``max_tensors``: refuse a
+    config whose model registers more parameters and buffers than that, stopping the
+    build there (a config read from a file describes at most what its files hold)."""
     architectures = config.get("architectures") or []
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         raise CkptflowError(
@@ -98,8 +137,14 @@ def from_transformers_config(config: Mapping[str, Any], *, fix: str | None = Non
     if cls is None:
         raise CkptflowError(f"transformers {transformers.__version__} has no model class {architectures[0]!r}")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _tensor_budget(max_tensors):
             model = cls(cls.config_class.from_dict(dict(config)))
+    except _TooLarge:
+        raise CkptflowError(
+            f"the model config declares a larger {architectures[0]} than its files hold: building it registered "
+            f"more than {max_tensors} tensors (its layer or expert counts?); refused before building the rest. "
+            "Fix the config to describe the weights saved"
+        ) from None
     except Exception as e:  # transformers and huggingface_hub raise their own kinds for a config of the wrong types
         raise CkptflowError(
             f"the model config does not build {architectures[0]} ({type(e).__name__}: {e}); fix the config"
