@@ -28,6 +28,9 @@ Not supported (refused at construction): ``load_best_model_at_end`` and
 ``save_strategy="best"`` (they need the Trainer's checkpoint directories), DeepSpeed.
 ``save_total_limit`` does not apply: the store's retention decides what is kept.
 
+One commit per step: a second save the Trainer asks for at a step this trainer committed
+(a preemption save, then ``save_strategy="epoch"``'s at the epoch end) commits nothing.
+
 Preemption: ``ckptflow_preemption=(signal.SIGTERM,)`` installs a ``PreemptionHandler``
 (``ckptflow.training.preemption``); at the end of the step where any rank has received one
 of those signals (one collective agrees), the Trainer saves that step through ckptflow and
@@ -99,10 +102,16 @@ class CkptflowTrainerMixin:
             self.preemption = PreemptionHandler(self.checkpointer, signals=tuple(ckptflow_preemption), exit=False)
             trainer.add_callback(_SaveOnPreemption(self.preemption))
         self._ckptflow_resume: tuple[str, dict[str, Any]] | None = None  # (temporary directory, loaded state)
+        self._ckptflow_saved: int | None = None  # the step this trainer committed last
 
     # ---- save -------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Commit this step; a second save at a step this trainer committed commits nothing
+        (a checkpoint per step is create-only): the Trainer asks twice when a preemption
+        save at a step end is followed by ``save_strategy="epoch"``'s save at the epoch end."""
         trainer: Any = self
+        if trainer.state.global_step == self._ckptflow_saved:
+            return
         trainer.store_flos()
         for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
             name, cb_state = type(cb).__name__, cb.state()  # as the Trainer records stateful callbacks
@@ -120,6 +129,7 @@ class CkptflowTrainerMixin:
             state["rng"] = capture_rng()
         state["trainer_state"] = json.loads(json.dumps(dataclasses.asdict(trainer.state)))  # as save_to_json
         self.checkpointer.save(step, state, metadata={**model_metadata(trainer.model), **_logged(trainer.state, step)})
+        self._ckptflow_saved = step
 
     # ---- resume -----------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | int | None = None, *args: Any, **kwargs: Any) -> Any:

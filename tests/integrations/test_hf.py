@@ -203,3 +203,24 @@ def test_a_preemption_signal_saves_that_step_and_stops_then_resume_starts_there(
     resumed = make(tmp_path, "pre", seed=1)
     resumed.train(resume_from_checkpoint=True)
     assert len(resumed.losses) == MAX_STEPS - 6  # resumed exactly at the signalled step
+
+
+def test_a_preemption_save_mid_epoch_with_epoch_saves_returns_and_resumes(tmp_path):
+    """save_strategy="epoch": the preemption save at the signalled step's end was followed
+    by the Trainer's epoch-end save at the same step, committed again: CheckpointExistsError
+    out of train(), a preempted job dying with a traceback. Now the second one commits nothing."""
+    import signal
+
+    trainer = make(tmp_path, "pre", save_strategy="epoch")
+    trainer = Recording(
+        model=gpt2(0), args=trainer.args, train_dataset=dataset(), callbacks=[Signal(3, signal.SIGUSR1)],
+        ckptflow_root=str(tmp_path / "store"), ckptflow_run="pre", ckptflow_preemption=(signal.SIGUSR1,),
+    )  # fmt: skip
+    trainer.train()
+    trainer.preemption.close()
+    assert trainer.state.global_step == 4 and trainer.preemption.saved_step == 4
+    with Checkpointer(str(tmp_path / "store"), "pre") as ckpt:
+        assert [i.step for i in ckpt.list()] == [4]
+    resumed = make(tmp_path, "pre", seed=1, save_strategy="epoch")
+    resumed.train(resume_from_checkpoint=True)
+    assert len(resumed.losses) == MAX_STEPS - 4
