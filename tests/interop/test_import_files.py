@@ -261,3 +261,27 @@ def test_a_model_config_declaring_more_than_its_files_hold_is_refused_before_it_
     code, _, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, src)
     assert code == 2 and "declares a larger GPT2LMHeadModel than its files hold" in err, err
     assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_a_model_config_naming_a_hub_repository_is_refused_without_reaching_the_network(tmp_path, monkeypatch):
+    """Reading tie groups builds the class config.json names; transformers resolves a
+    ``backbone`` it names on the Hub while building the config (``repo_exists``), so an
+    imported directory sent the importer to any repository it liked (a DNS lookup of
+    huggingface.co here). Now the build runs with the Hub offline and says why it stopped."""
+    import socket
+
+    lookups: list = []
+
+    def no_network(*args, **kwargs):
+        lookups.append(args[:2])
+        raise OSError("the test allows no network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"w": torch.ones(1)}, src / "model.safetensors", metadata={"format": "pt"})
+    config = {"architectures": ["DetrForObjectDetection"], "model_type": "detr", "use_timm_backbone": False}
+    (src / "config.json").write_text(json.dumps({**config, "backbone": "someone/some-repo", "backbone_config": None}))
+    with pytest.raises(CkptflowError, match="names something to fetch from the Hugging Face Hub.*someone/some-repo"):
+        import_checkpoint(str(tmp_path / "store"), "r", 1, src)
+    assert lookups == [] and not (tmp_path / "store" / "runs").exists()

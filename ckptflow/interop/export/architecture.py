@@ -113,6 +113,25 @@ def _tensor_budget(limit: int | None) -> Iterator[None]:
             handle.remove()
 
 
+@contextlib.contextmanager
+def _no_downloads() -> Iterator[None]:
+    """The Hugging Face Hub offline while a model is built from a config: transformers
+    resolves a sub-config named by ``backbone`` on the Hub (``repo_exists``, then its
+    config.json) and a pretrained backbone's weights there, so an imported config.json could
+    send this process to any repository it names. The structure needs none of that."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - transformers depends on it
+        yield
+        return
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
 def from_transformers_config(
     config: Mapping[str, Any], *, fix: str | None = None, max_tensors: int | None = None
 ) -> Architecture:
@@ -137,8 +156,9 @@ def from_transformers_config(
     if cls is None:
         raise CkptflowError(f"transformers {transformers.__version__} has no model class {architectures[0]!r}")
     try:
-        with torch.device("meta"), _tensor_budget(max_tensors):
-            model = cls(cls.config_class.from_dict(dict(config)))
+        with torch.device("meta"), _tensor_budget(max_tensors), _no_downloads():
+            built = {**config, "use_pretrained_backbone": False}  # the weights are the checkpoint's
+            model = cls(cls.config_class.from_dict(built))
     except _TooLarge:
         raise CkptflowError(
             f"the model config declares a larger {architectures[0]} than its files hold: building it registered "
@@ -146,6 +166,12 @@ def from_transformers_config(
             "Fix the config to describe the weights saved"
         ) from None
     except Exception as e:  # transformers and huggingface_hub raise their own kinds for a config of the wrong types
+        if type(e).__name__ == "OfflineModeIsEnabled":
+            raise CkptflowError(
+                f"the model config of {architectures[0]} names something to fetch from the Hugging Face Hub ({e}); "
+                "ckptflow builds the model from the config alone and downloads nothing: give the sub-config inline "
+                "(backbone_config rather than backbone)"
+            ) from None
         raise CkptflowError(
             f"the model config does not build {architectures[0]} ({type(e).__name__}: {e}); fix the config"
         ) from None
