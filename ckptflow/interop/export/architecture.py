@@ -207,9 +207,13 @@ def structure(
     return Architecture(name="", shared=tuple(groups), linear_weights=frozenset(), linear_modules=frozenset()), None
 
 
-def check_fits(arch: Architecture, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+def check_fits(
+    arch: Architecture, tensors: Mapping[str, torch.Tensor], where: str, *, recorded_for: str | None = None
+) -> None:
     """Refuse a config that does not describe the tensors saved (names and shapes): its
-    config.json would load them wrongly, or not at all. ``tensors``: one name per tie."""
+    config.json would load them wrongly, or not at all (transformers initialises a missing
+    layer at random with a warning). ``tensors``: one name per tie. ``recorded_for``: the
+    state entry exported, when the config is the one the run recorded (not one given)."""
     aliases = {n for group in arch.shared for n in group[1:]}
     expected = {n: s for n, s in arch.shapes.items() if n not in aliases}
     saved = {n: tuple(t.shape) for n, t in tensors.items()}
@@ -223,6 +227,12 @@ def check_fits(arch: Architecture, tensors: Mapping[str, torch.Tensor], where: s
         )
         if names
     ]
+    if problems and recorded_for is not None:
+        raise CkptflowError(
+            f"the model config the run recorded ({arch.name}, metadata 'model_config') does not describe the "
+            f"tensors under {recorded_for!r} of {where}: {'; '.join(problems)}. Export the entry it describes "
+            "(--key), or pass the config.json of the model under this one (--config)"
+        )
     if problems:
         raise CkptflowError(
             f"the config given ({arch.name}) does not describe {where}: {'; '.join(problems)}. "

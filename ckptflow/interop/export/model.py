@@ -156,8 +156,8 @@ def prepare(
     admitted.check_same(manifest)
     source = f"the {arch.name} architecture" if arch.name else "the tie groups recorded at save time"
     tensors, tied = write_once(tensors, arch.shared, source)
-    if model_config is not None:
-        check_fits(arch, tensors, where)
+    if config is not None:  # given, or recorded by the run (for the entry it saved it with)
+        check_fits(arch, tensors, where, recorded_for=None if model_config is not None else options.key)
     extra: dict[str, str] = {TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {}
     if options.dtype == "int8":
         assert config is not None  # refused above, before any tensor was read

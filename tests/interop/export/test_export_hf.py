@@ -205,3 +205,19 @@ def test_transformers_without_compressed_tensors_refuses_int8(tmp_path, monkeypa
     monkeypatch.setattr(quantization, "is_compressed_tensors_available", lambda *a, **k: False)
     with pytest.raises(ImportError, match="compressed-tensors"):
         AutoModel.from_pretrained(tmp_path / "int8")
+
+
+def test_another_entry_than_the_recorded_config_describes_is_refused(tmp_path):
+    """The run recorded the config of 'model'; ``--key draft`` (a one-layer draft model saved
+    beside it) was written under that config.json unchecked, and transformers loaded it with
+    the second layer initialised at random. The recorded config is now checked as a given one is."""
+    model = build("gpt2")
+    cls, config, _ = MODELS["gpt2"]
+    draft = cls(GPT2Config(**{**config().to_dict(), "n_layer": 1})).eval()
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "run") as ck:
+        ck.save(7, {"model": model, "draft": draft}, metadata=model_metadata(model))
+    with pytest.raises(CkptflowError, match=r"config the run recorded \(GPT2LMHeadModel.*under 'draft'.*h\.1\."):
+        export_safetensors(root, "run", tmp_path / "out", options=ExportOptions(key="draft"))
+    assert not (tmp_path / "out").exists()
+    export_safetensors(root, "run", tmp_path / "model")  # the entry it describes
