@@ -196,9 +196,10 @@ def convert_dtype(
 ) -> dict[str, torch.Tensor]:
     """Floating-point tensors in ``dtype`` (integer buffers keep theirs).
 
-    fp16's largest finite value is 65504: a larger finite value (a weight of 1e5, a
-    BatchNorm running_var of 7e4) would become ``inf``. That is refused, naming each
-    such tensor and its largest magnitude, unless ``allow_fp16_overflow``.
+    A finite value beyond the target's largest would become ``inf``: fp16's is 65504 (a
+    weight of 1e5, a BatchNorm running_var of 7e4); bf16's, 3.39e38, is just under fp32's,
+    and fp32's far under fp64's. That is refused, naming each such tensor and its largest
+    magnitude; for fp16 alone ``allow_fp16_overflow`` writes the inf instead.
     """
     target = DTYPES[dtype]
     out, overflow = {}, []
@@ -207,13 +208,19 @@ def convert_dtype(
             out[name] = t
             continue
         out[name] = t.to(target)
-        if target == torch.float16 and bool((out[name].isinf() & ~t.isinf()).any()):
+        narrower = torch.finfo(target).max < torch.finfo(t.dtype).max
+        if narrower and bool((out[name].isinf() & ~t.isinf()).any()):
             overflow.append((name, t[torch.isfinite(t)].abs().max().item()))
-    if overflow and not allow_fp16_overflow:
+    if overflow and not (allow_fp16_overflow and target == torch.float16):
         listed = ", ".join(f"{n!r} (max |x| {m:.4g})" for n, m in sorted(overflow))
+        wider = (
+            "Export as bf16 (about the range of fp32), or pass --allow-fp16-overflow (allow_fp16_overflow=True) "
+            "to write inf"
+            if target == torch.float16
+            else "Export in a wider dtype (fp32, or the checkpoint's own with no --dtype)"
+        )
         raise CkptflowError(
-            f"fp16 cannot hold {len(overflow)} tensor(s) of {where}: {listed}; fp16's largest finite "
-            f"value is {torch.finfo(torch.float16).max:.0f}, so they would become inf. Export as bf16 "
-            "(the range of fp32), or pass --allow-fp16-overflow (allow_fp16_overflow=True) to write inf"
+            f"{dtype} cannot hold {len(overflow)} tensor(s) of {where}: {listed}; {dtype}'s largest finite "
+            f"value is {torch.finfo(target).max:.4g}, so they would become inf. {wider}"
         )
     return out

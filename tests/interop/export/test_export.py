@@ -75,6 +75,21 @@ def test_fp16_refuses_out_of_range_values_naming_them(tmp_path):
     assert load_file(str(inf))["embed.weight"][0, 0].isinf()
 
 
+def test_bf16_refuses_values_beyond_its_range_too(tmp_path):
+    """bf16's largest finite value (3.39e38) is just under fp32's: an fp32 value between
+    the two became inf in the export, unchecked (fp16 alone was)."""
+    model = TiedLM()
+    with torch.no_grad():
+        model.norm.running_var[3] = 3.4e38
+    root = save(tmp_path, model, **model_metadata(model))
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(CkptflowError, match=r"bf16 cannot hold 1 tensor.*'norm.running_var' \(max \|x\| 3.4e\+38\)"):
+        export_safetensors(root, "r", out, options=ExportOptions(dtype="bf16", allow_fp16_overflow=True))
+    assert not out.exists()
+    export_safetensors(root, "r", out, options=ExportOptions(dtype="fp32"))
+    assert load_file(str(out))["norm.running_var"][3].item() == pytest.approx(3.4e38)
+
+
 def test_tied_weights_written_once_load_strictly(tmp_path):
     model = TiedLM()
     assert model_metadata(model) == {"tied_weights": [["embed.weight", "head.weight"]]}
