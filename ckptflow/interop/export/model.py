@@ -162,7 +162,7 @@ def prepare(
     if options.dtype == "int8":
         assert config is not None  # refused above, before any tensor was read
         names = _int8_names(arch, tensors, where)
-        tensors = quantize_weights(tensors, names)
+        tensors = quantize_weights(tensors, names, where=where)
         config["quantization_config"] = quantization_config(arch.linear_modules - {n[: -len(".weight")] for n in names})
         extra["ckptflow.quantization"] = json.dumps(config["quantization_config"], sort_keys=True)
     elif options.dtype:

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from ckptflow.errors import CkptflowError
+
 SCALE = "weight_scale"
 ERROR_BOUND = "per element at most half a quantization step: |w - q * scale| <= scale / 2, scale = max|row| / 127"
 
@@ -41,8 +43,21 @@ def scale_name(weight: str) -> str:
     return weight[: -len("weight")] + SCALE
 
 
-def quantize_weights(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """``tensors`` with each of ``names`` (``*.weight``) replaced by its codes and scale."""
+def quantize_weights(
+    tensors: Mapping[str, torch.Tensor], names: Iterable[str], *, where: str = "the checkpoint"
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with each of ``names`` (``*.weight``) replaced by its codes and scale.
+
+    A weight holding inf or NaN is refused: its row's scale would be inf or NaN, and every
+    value of the row would dequantize to NaN, far beyond the error bound promised."""
+    names = list(names)
+    bad = sorted(name for name in names if not bool(torch.isfinite(tensors[name]).all()))
+    if bad:
+        raise CkptflowError(
+            f"int8 export of {where}: {len(bad)} weight(s) hold inf or NaN ({', '.join(bad[:5])}), which int8 "
+            "cannot represent (their rows would load as NaN); export in a floating-point dtype, or from a "
+            "checkpoint whose weights are finite"
+        )
     out = dict(tensors)
     for name in names:
         out[name], out[scale_name(name)] = quantize_int8(tensors[name])

@@ -1,7 +1,9 @@
 """int8 quantization: per-row symmetric, within half a step; the compressed-tensors layout."""
 
+import pytest
 import torch
 
+from ckptflow.errors import CkptflowError
 from ckptflow.interop.export.quantize import (
     SCALE,
     dequantize_int8,
@@ -31,3 +33,12 @@ def test_weights_layout_round_trips_and_leaves_the_rest():
     assert set(restored) == set(tensors) and torch.allclose(restored["fc.weight"], tensors["fc.weight"], atol=0.02)
     config = quantization_config({"lm_head"})
     assert config["ignore"] == ["lm_head"] and config["config_groups"]["group_0"]["weights"]["num_bits"] == 8
+
+
+def test_a_weight_holding_inf_or_nan_is_refused_not_written_as_nan_rows():
+    """Its row's scale became inf or NaN and the whole row loaded as NaN, silently."""
+    for bad in (float("inf"), float("nan")):
+        weight = torch.randn(4, 8)
+        weight[2, 5] = bad
+        with pytest.raises(CkptflowError, match=r"int8 export of run r: 1 weight\(s\) hold inf or NaN \(fc.weight\)"):
+            quantize_weights({"fc.weight": weight, "fc.bias": torch.zeros(4)}, ["fc.weight"], where="run r")
