@@ -21,6 +21,9 @@ from safetensors import safe_open
 
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.export.quantize import dequantize_weights
+from ckptflow.store.disk import Disk
+
+DISK = Disk()  # the local store's durable file calls: write, fsync, fsync the directory
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -93,6 +96,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLik
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
+        DISK.fsync_dir(os.path.dirname(os.path.abspath(out)))  # the rename survives a crash too
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -135,8 +139,14 @@ def write_weights(
 
 
 def write_json(doc: object, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """A new file of an export, fsynced: a model directory is renamed into place only once
+    all it holds is on disk, or a crash after the rename could leave a config.json or an
+    index empty beside its weights."""
+    DISK.write_new(path, [text.encode("utf-8")])
 
 
 MAX_INDEX_BYTES = 64 << 20  # an index of a million tensor names is a few tens of MB

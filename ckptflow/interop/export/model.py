@@ -33,6 +33,7 @@ from ckptflow.format.manifest import Manifest
 from ckptflow.interop.export.architecture import Architecture, check_fits, structure
 from ckptflow.interop.export.card import Lineage, render
 from ckptflow.interop.export.files import (
+    DISK,
     FAILED_KEY,
     LOSSY_KEY,
     TIED_KEY,
@@ -40,6 +41,7 @@ from ckptflow.interop.export.files import (
     nbytes,
     write_json,
     write_safetensors,
+    write_text,
     write_weights,
 )
 from ckptflow.interop.export.options import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
@@ -231,12 +233,13 @@ def write_model_dir(out: str, prepared: Prepared, lineage: Lineage, options: Exp
             architecture=prepared.architecture,
             lossy=prepared.lossy,
         )
-        with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
-            f.write(card)
+        write_text(os.path.join(tmp, CARD), card)
         files.append(CARD)
+        DISK.fsync_dir(tmp)
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked before): the rename replaces it
         os.rename(tmp, out)
+        DISK.fsync_dir(os.path.dirname(os.path.abspath(out)))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -221,3 +221,30 @@ def test_another_entry_than_the_recorded_config_describes_is_refused(tmp_path):
         export_safetensors(root, "run", tmp_path / "out", options=ExportOptions(key="draft"))
     assert not (tmp_path / "out").exists()
     export_safetensors(root, "run", tmp_path / "model")  # the entry it describes
+
+
+def test_every_file_of_a_model_directory_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """The shards were fsynced, but config.json, README.md and the index were not, nor the
+    directories: a crash after the rename could leave a model directory whose config.json is
+    empty beside its weights, or no directory at all."""
+    root, _model = saved(tmp_path, "gpt2")
+    out = tmp_path / "sharded"
+    events: list[tuple[str, str]] = []
+    fsync, rename = os.fsync, os.rename
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def recorded_rename(src, dst):
+        events.append(("rename", os.fspath(dst)))
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "rename", recorded_rename)
+    result = export_safetensors(root, "run", out, options=ExportOptions(max_shard_bytes=40_000))
+    renamed = events.index(("rename", str(out)))
+    synced = {os.path.basename(path).split(".tmp-")[0] for op, path in events[:renamed] if op == "fsync"}
+    assert set(result.files) | {"config.json", "README.md", "model.safetensors.index.json"} <= synced
+    assert any(op == "fsync" and os.path.basename(path).startswith("sharded.tmp-") for op, path in events[:renamed])
+    assert ("fsync", str(tmp_path)) in events[renamed:]  # the rename itself
