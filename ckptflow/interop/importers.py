@@ -133,6 +133,8 @@ def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
                     tied.update({k: v for k, v in header_tied.items() if isinstance(v, str)})
         except (OSError, ValueError, RecursionError, SafetensorError) as e:
             raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if not tensors:  # as a torch.save file of an empty dict is refused
+        raise CkptflowError(f"{', '.join(paths)} hold(s) no tensors: nothing to import")
     for dropped, kept in tied.items():
         if kept in tensors and dropped not in tensors:
             tensors[dropped] = tensors[kept]

@@ -193,6 +193,13 @@ def test_a_safetensors_file_with_an_empty_tensor_imports(tmp_path):
     assert import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "w.safetensors").tensors == 2
 
 
+def test_a_safetensors_file_holding_no_tensors_is_refused_as_an_empty_torch_file_is(tmp_path):
+    save_file({}, tmp_path / "none.safetensors")
+    with pytest.raises(CkptflowError, match="none.safetensors hold\\(s\\) no tensors: nothing to import"):
+        import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "none.safetensors")
+    assert not (tmp_path / "store" / "runs").exists()
+
+
 def test_a_model_directory_whose_config_is_of_the_wrong_types_is_refused(tmp_path, capsys):
     model = gpt2()
     model.save_pretrained(tmp_path / "hf")
