@@ -276,19 +276,7 @@ def _monitored(checkpoint: dict[str, Any]) -> dict[str, float]:
 
 
 def _write_pointer(path: Any, pointer: dict[str, Any]) -> None:
-    """The pointer file, whole or not at all (temporary name, then a rename)."""
-    fs = get_filesystem(path)
-    path = str(path)
-    fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with fs.open(tmp, "w") as f:
-        f.write(json.dumps(pointer, indent=2) + "\n")
-    try:
-        fs.mv(tmp, path)
-    except BaseException:
-        if fs.exists(tmp):
-            fs.rm(tmp)
-        raise
+    _write_whole(path, (json.dumps(pointer, indent=2) + "\n").encode())
 
 
 def _write_weights(state_dict: dict[str, Any], path: Any) -> None:
@@ -300,11 +288,26 @@ def _write_weights(state_dict: dict[str, Any], path: Any) -> None:
             "CkptflowIO saves Lightning training checkpoints (with 'global_step') and plain state dicts of "
             f"tensors; {path} would get a dict with the non-tensor entries {others[:8]}"
         )
+    _write_whole(
+        path, save({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, metadata={"format": "pt"})
+    )
+
+
+def _write_whole(path: Any, blob: bytes) -> None:
+    """A file Lightning names, whole or not at all (temporary name, then a rename): a crash
+    mid-write must not leave a truncated pointer or weights file where a good one was."""
     fs = get_filesystem(path)
-    fs.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
-    blob = save({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, metadata={"format": "pt"})
-    with fs.open(path, "wb") as f:
-        f.write(blob)
+    path = str(path)
+    fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            f.write(blob)
+        fs.mv(tmp, path)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
 
 
 def _read_weights(path: Any) -> dict[str, Any]:

@@ -208,6 +208,25 @@ def test_a_pickled_ckpt_is_refused_unread(tmp_path):
     assert not marker.exists()
 
 
+def test_a_weights_file_that_fails_to_write_leaves_the_one_there(tmp_path, monkeypatch):
+    """ddp_spawn's weights file was written in place: a failure (a full disk, a kill)
+    mid-write left a truncated file where a good one was."""
+    io = CkptflowIO(str(tmp_path / "store"), "r")
+    path = tmp_path / "weights.ckpt"
+    io.save_checkpoint({"w": torch.ones(3)}, path)
+    before = path.read_bytes()
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("fsspec.implementations.local.LocalFileSystem.mv", no_room)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({"w": torch.zeros(3)}, path)
+    assert path.read_bytes() == before
+    assert [name for name in os.listdir(tmp_path) if ".tmp-" in name] == []  # nothing left behind
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.ones(3))
+
+
 class PlantsMarker:
     def __init__(self, path: str):
         self.path = path
