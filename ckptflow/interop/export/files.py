@@ -95,12 +95,28 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLik
                 f.write(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out)
-        DISK.fsync_dir(os.path.dirname(os.path.abspath(out)))  # the rename survives a crash too
+        _publish(tmp, os.fspath(out))
+        DISK.fsync_dir(os.path.dirname(os.path.abspath(out)))  # the new name survives a crash too
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return offset
+
+
+def _publish(tmp: str, out: str) -> None:
+    """Give the finished file ``tmp`` the name ``out``, never replacing a file there: a hard
+    link fails if ``out`` exists, even one made since the export checked (a rename would
+    replace it). On a filesystem without hard links, a rename after one more check."""
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        raise CkptflowError(
+            f"{out} appeared while the export was being written; an export never replaces a file: choose a new path"
+        ) from None
+    except OSError:  # no hard links here (EPERM, ENOTSUP): the check, then the rename
+        if os.path.lexists(out):
+            raise CkptflowError(f"{out} already exists; an export never replaces a file: choose a new path") from None
+        os.rename(tmp, out)
 
 
 def shard_names(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

@@ -25,6 +25,7 @@ from ckptflow.interop.export import (
     model_metadata,
     tied_weights,
 )
+from ckptflow.interop.export.files import write_safetensors
 from ckptflow.store import open_store
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in
@@ -285,3 +286,15 @@ def test_load_exported_reads_an_index_by_the_importers_rules(tmp_path):
         for read in (load_exported, read_source):
             with pytest.raises(CkptflowError, match=refusal):
                 read(tmp_path / "model")
+
+
+def test_a_file_made_at_the_path_during_an_export_is_not_replaced(tmp_path):
+    """The export checks its path first, then writes; a file made there in between (another
+    export, a deploy) was replaced by the final rename. Publishing by hard link refuses it."""
+    out = tmp_path / "deployed.safetensors"
+    save_file({"precious": torch.arange(5.0)}, out)  # made after the check, before the publish
+    before = out.read_bytes()
+    with pytest.raises(CkptflowError, match="appeared while the export was being written"):
+        write_safetensors({"w": torch.ones(3)}, out, {})
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deployed.safetensors"]  # no temporary left
