@@ -138,14 +138,29 @@ class Registry:
 
     def download(self, version: ModelVersion, directory: str | os.PathLike) -> None:
         """The version's files into ``directory`` (a model directory), each checked
-        against its recorded sha256."""
+        against its recorded sha256. Each is written under a temporary name first; only
+        once every one is checked are they renamed into place, so a file that does not
+        match (or a failed read) changes nothing in ``directory``: a served model is never
+        left half replaced by the version meant to replace it."""
         os.makedirs(directory, exist_ok=True)
-        for name, f in sorted(version.files.items()):
-            data = self.store.get(self.file_key(version.model, f["sha256"]))
-            if hashlib.sha256(data).hexdigest() != f["sha256"]:
-                raise RegistryError(f"{version.model} v{version.version} file {name} does not match its sha256")
-            with open(os.path.join(directory, name), "wb") as out:
-                out.write(data)
+        fetched: list[tuple[str, str]] = []  # (temporary path, final path)
+        try:
+            for name, f in sorted(version.files.items()):
+                data = self.store.get(self.file_key(version.model, f["sha256"]))
+                if hashlib.sha256(data).hexdigest() != f["sha256"]:
+                    raise RegistryError(f"{version.model} v{version.version} file {name} does not match its sha256")
+                final = os.path.join(directory, name)
+                fetched.append((f"{final}.tmp-{uuid.uuid4().hex}", final))
+                with open(fetched[-1][0], "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+            for tmp, final in fetched:
+                os.replace(tmp, final)
+        finally:
+            for tmp, _ in fetched:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
 
     # ---- writes ----------------------------------------------------------------------
     def upload(self, model: str, directory: str | os.PathLike, names: list[str]) -> dict[str, dict[str, Any]]:

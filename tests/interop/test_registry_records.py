@@ -37,6 +37,25 @@ def test_a_model_file_that_rotted_is_written_again_by_the_next_promotion_or_rebu
         reg.download(v1, tmp_path / "served")  # checks every file's sha256
 
 
+def test_a_download_that_finds_one_file_rotted_changes_nothing_in_its_directory(tmp_path):
+    """Files were written as they were checked: one that did not match left the directory
+    half the new version, half the one served before."""
+    root, _ = checkpoints(tmp_path, steps=(1, 2))
+    hot = open_store(root)
+    reg = Registry(hot)
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable"))
+    served = tmp_path / "served"
+    reg.download(v1, served)
+    before = {p.name: p.read_bytes() for p in served.iterdir()}
+    last = max(v2.files)  # written after the others
+    assert len(v2.files) > 1 and v2.files[last]["sha256"] != v1.files[last]["sha256"]
+    flip_byte(tmp_path / "hot" / reg.file_key("m", v2.files[last]["sha256"]), -3)
+    with pytest.raises(RegistryError, match=f"file {last} does not match its sha256"):
+        reg.download(v2, served)
+    assert {p.name: p.read_bytes() for p in served.iterdir()} == before
+
+
 def test_a_refused_promotion_registers_no_version_and_a_broken_alias_blocks_no_repair(tmp_path):
     """An alias record that does not read: promotion is refused before a version number is
     claimed. An alias naming a version that does not exist (edited by hand) blocks no move
