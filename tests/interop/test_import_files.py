@@ -292,3 +292,14 @@ def test_a_model_config_naming_a_hub_repository_is_refused_without_reaching_the_
     with pytest.raises(CkptflowError, match="names something to fetch from the Hugging Face Hub.*someone/some-repo"):
         import_checkpoint(str(tmp_path / "store"), "r", 1, src)
     assert lookups == [] and not (tmp_path / "store" / "runs").exists()
+
+
+def test_a_model_directory_of_a_class_transformers_does_not_ship_says_what_to_do(tmp_path):
+    """A trust_remote_code model: no code from the directory is run, and the message says how to import anyway."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"w": torch.ones(1)}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"architectures": ["MyOwnModelForCausalLM"], "model_type": "mine"}))
+    with pytest.raises(CkptflowError, match=r"no model class 'MyOwnModelForCausalLM'.*trust_remote_code.*without that"):
+        import_checkpoint(str(tmp_path / "store"), "r", 1, src)
+    assert not (tmp_path / "store" / "runs").exists()

@@ -154,7 +154,12 @@ def from_transformers_config(
         ) from None
     cls = getattr(transformers, architectures[0], None)
     if cls is None:
-        raise CkptflowError(f"transformers {transformers.__version__} has no model class {architectures[0]!r}")
+        raise CkptflowError(
+            f"transformers {transformers.__version__} has no model class {architectures[0]!r} (a model whose code "
+            "ships with its weights, trust_remote_code, is not built: ckptflow runs no code from a model directory); "
+            "the structure is needed to tell tied weights apart: import (or export) without that config.json, "
+            "or with one naming a class transformers ships that has the same structure"
+        )
     try:
         with torch.device("meta"), _tensor_budget(max_tensors), _no_downloads():
             built = {**config, "use_pretrained_backbone": False}  # the weights are the checkpoint's
