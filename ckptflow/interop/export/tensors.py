@@ -97,6 +97,11 @@ def load_tensors(
     store = open_store(store)
     manifest = catalog.read_manifest(store, fmt.validate_run(run), fmt.validate_step(step))
     index = manifest.dcp.tensors
+    if prefix in index:  # a tensor named "" under the entry: a file of named tensors cannot hold it
+        raise CkptflowError(
+            f"run {run!r} step {step} holds a tensor with an empty name under {prefix[:-1]!r}, which an export cannot "
+            "name in its files (it was dropped before); restore the state, give the tensor a name, and save it again"
+        )
     names = sorted(n for n in index if n.startswith(prefix) and len(n) > len(prefix))
     if not names:
         tops = sorted({n.split(".", 1)[0] for n in index})

@@ -298,3 +298,13 @@ def test_a_file_made_at_the_path_during_an_export_is_not_replaced(tmp_path):
         write_safetensors({"w": torch.ones(3)}, out, {})
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deployed.safetensors"]  # no temporary left
+
+
+def test_a_tensor_with_an_empty_name_is_refused_not_dropped(tmp_path):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, {"model": {"": torch.ones(2), "a": torch.zeros(1)}})
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(CkptflowError, match="holds a tensor with an empty name under 'model'"):
+        export_safetensors(root, "r", out)
+    assert not out.exists()
