@@ -53,7 +53,7 @@ def _path(path: tuple) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
-def _unstorable(tensor: torch.Tensor) -> str | None:
+def unstorable(tensor: torch.Tensor) -> str | None:
     """Why ckptflow cannot store ``tensor`` (as a dense array of a known dtype); None if it can."""
     import torch
 
@@ -83,7 +83,7 @@ def flatten(tree: Any, rank: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
             name = ".".join(str(p) for p in path) + suffix
             if name in tensors:
                 raise UnsupportedStateError(f"two tensors of the state flatten to the name {name!r}; rename one")
-            problem = _unstorable(node)
+            problem = unstorable(node)
             if problem:
                 raise UnsupportedStateError(f"tensor at {name!r} {problem}")
             tensor = node.detach()

@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from ckptflow.chunks import lossy as lossy_codecs
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
+from ckptflow.format.state_tree import unstorable
 from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
@@ -275,12 +276,14 @@ def _check_state(src: str, state: Any) -> None:
 
 def _check_tensor(src: str, name: str, tensor: torch.Tensor) -> None:
     what = f"{src}: tensor {name!r} ({list(tensor.shape)}, {tensor.dtype})"
-    if tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.is_quantized:
-        kind = tensor.layout if tensor.layout != torch.strided else tensor.device.type
+    if tensor.device.type != "cpu":
         raise CkptflowError(
-            f"{what} is {'quantized' if tensor.is_quantized else kind}; ckptflow imports dense tensors with their "
-            "data: save t.to_dense() / t.dequantize() / real values instead"
+            f"{what} is on the {tensor.device.type} device, with no data in the file; ckptflow imports tensors with "
+            "their data: save them once they are materialized"
         )
+    problem = unstorable(tensor)  # what a save refuses, refused as a save would (ckptflow.format.state_tree)
+    if problem:
+        raise CkptflowError(f"{what} {problem}")
     needed, stored = tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()
     if needed > stored:
         raise CkptflowError(

@@ -142,8 +142,12 @@ def deep(levels: int) -> dict:
             {f"w{i}.{j}": storage[j:] for i, storage in enumerate(STORAGES) for j in range(256)},
             "its 1024 tensors claim 267913216 bytes together, but the file stores 1048576",
         ),
-        ("meta.pt", {"w": torch.empty(1000, 1000, device="meta")}, "is meta; ckptflow imports dense tensors"),
-        ("sparse.pt", {"w": torch.eye(3).to_sparse()}, "is torch.sparse_coo; ckptflow imports dense tensors"),
+        ("meta.pt", {"w": torch.empty(1000, 1000, device="meta")}, "is on the meta device, with no data in the file"),
+        (
+            "sparse.pt",
+            {"w": torch.eye(3).to_sparse()},
+            "has layout torch.sparse_coo, which ckptflow cannot store",
+        ),
         ("q.pt", {"w": torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)}, "is quantized"),
     ],
 )
