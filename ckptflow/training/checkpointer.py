@@ -229,8 +229,11 @@ class Checkpointer:
         """Allocate now the host buffers async saves copy ``state``'s tensors into (pinned
         when CUDA is present), so even the first ``save(..., blocking=False)`` holds the
         loop only for the copy. Buffers are kept per tensor storage: call it on every rank
-        after building the model and optimizer state, and again if tensors are replaced."""
+        after building the model and optimizer state, and again if tensors are replaced.
+        An async save in flight is waited for first: it writes from those very buffers, so
+        staging into them meanwhile would put later values into its checkpoint."""
         _skeleton, tensors = flatten_on_every_rank(state, None, self.group)
+        self.wait()
         self._stager.stage(tensors)
 
     def wait(self) -> SaveResult | None:
