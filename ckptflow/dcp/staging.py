@@ -21,8 +21,10 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 class CachedStager(AsyncStager):
     """Stages synchronously: when ``stage`` returns, the copy is complete (CUDA copies are
-    queued without blocking, then waited for once), so the save's writer threads may read
-    it and training may write the live tensors.
+    queued without blocking, then waited for on every device that holds some of the state:
+    ``torch.cuda.synchronize()`` alone waits for the current device only, and a process may
+    hold a model across several, ``device_map="auto"``), so the save's writer threads may
+    read it and training may write the live tensors.
 
     Host buffers are pinned only for a state with tensors on a CUDA device: pinning the
     copy of a CPU state gains nothing, and on a GPU machine it would start a CUDA context
@@ -35,13 +37,14 @@ class CachedStager(AsyncStager):
         self._stager = StateDictStager(pin_memory=False, share_memory=False)
 
     def stage(self, state_dict: Any) -> Any:
-        pinned = _on_cuda(state_dict)
+        devices = _cuda_devices(state_dict)
+        pinned = bool(devices)
         if pinned != self.pinned:  # the buffers kept so far are of the other kind
             self._stager.close()
             self._stager, self.pinned = StateDictStager(pin_memory=pinned, share_memory=False), pinned
         staged = self._stager.stage(state_dict, non_blocking=pinned)
-        if pinned:
-            torch.cuda.synchronize()
+        for device in devices:
+            torch.cuda.synchronize(device)
         return staged
 
     def synchronize_staging(self) -> None:
@@ -52,6 +55,6 @@ class CachedStager(AsyncStager):
         self._stager.close()
 
 
-def _on_cuda(state_dict: Any) -> bool:
-    """Whether any tensor of a flat state dict (``flatten_on_every_rank``'s) lives on a CUDA device."""
-    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state_dict.values())
+def _cuda_devices(state_dict: Any) -> set[torch.device]:
+    """The CUDA devices the tensors of a flat state dict (``flatten_on_every_rank``'s) live on."""
+    return {v.device for v in state_dict.values() if isinstance(v, torch.Tensor) and v.device.type == "cuda"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ckptflow.dcp import staging
 from ckptflow.dcp.staging import CachedStager
 
 
@@ -34,3 +35,35 @@ def test_a_cpu_state_is_staged_in_plain_memory_without_starting_cuda():
     staged = stager.stage({"w": torch.randn(100)})
     assert not stager.pinned and not staged["w"].is_pinned()
     assert torch.cuda.is_initialized() == started  # on a GPU machine too: no context for a CPU state
+
+
+class _OnCuda1(torch.Tensor):
+    """A CPU tensor that says it is on cuda:1 (no GPU here): what the stager looks at."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 1)
+
+
+def test_a_stage_waits_for_the_copies_on_every_device_holding_the_state(monkeypatch):
+    """The copies are queued without blocking on each tensor's own device: waiting for the
+    current device alone (cuda:0) returned while cuda:1's were still landing in the buffers
+    the save writes from, and training went on to change the tensors they copy."""
+    waited, staged = [], {}
+
+    class Stager:
+        def __init__(self, **kwargs):
+            pass
+
+        def stage(self, state, non_blocking):
+            staged["non_blocking"] = non_blocking
+            return state
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(staging, "StateDictStager", Stager)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    state = {"w": torch.zeros(4).as_subclass(_OnCuda1), "step": torch.tensor(3)}
+    staging.CachedStager().stage(state)
+    assert staged["non_blocking"] and waited == [torch.device("cuda", 1)]
