@@ -108,7 +108,8 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     if full:
         unlisted = [p for p in steps if isinstance(p, catalog_listing.Problem)]
         behind, pending = _behind_watermark(store, listed, t, set(waiting), pending)
-        landed, waiting = _read_again(store, waiting, listed, unlisted, limit)
+        landed, waiting, damaged = _read_again(store, waiting, listed, unlisted, limit)
+        pending |= damaged  # landed as damaged now: no full listing lands it again
     order = sorted(fresh + behind, key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
     taken = order[: max(0, limit - len(landed))]  # at most ``limit`` land a tick
     done: list[catalog_listing.StepListing] = []
@@ -201,10 +202,11 @@ def _read_again(
     listed: list[catalog_listing.StepListing],
     unlisted: list[catalog_listing.Problem],
     limit: int,
-) -> tuple[list[Landed], list[tuple[str, int, float]]]:
+) -> tuple[list[Landed], list[tuple[str, int, float]], set[tuple[str, int, float]]]:
     """Commit records landed unread, read again (at most ``limit``, in turn): those that read
-    now land under their digest, those now proved damaged land to be recorded so, the others
-    keep waiting, read again last. One the listing shows gone (deleted, or committed again:
+    now land under their digest, those now proved damaged land to be recorded so (and are
+    returned, to be kept ``pending`` as the tick's own damaged ones are), the others keep
+    waiting, read again last. One the listing shows gone (deleted, or committed again:
     that commit lands as new), or unread for a reason that will not pass, is not waited for;
     one whose run or step could not be listed keeps waiting. An outage stops the reads."""
     by_id = {_commit_id(e): e for e in listed if e.committed}
@@ -216,6 +218,7 @@ def _read_again(
     items = list(catalog.committed(store, listed=entries))
     landed: list[Landed] = []
     retried: list[tuple[str, int, float]] = []
+    damaged: set[tuple[str, int, float]] = set()
     for at, (entry, item, was_validated) in enumerate(zip(entries, items, _validated(store, items))):
         key = fmt.checkpoint_name(entry.run, entry.step)
         if isinstance(item, Manifest):
@@ -228,7 +231,8 @@ def _read_again(
         elif not item.could_not_read:
             marker = f"damaged-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
             landed.append(Landed(key=key, digest="", marker=marker, validated=False))
-    return landed, keep + retried
+            damaged.add(_commit_id(entry))
+    return landed, keep + retried, damaged
 
 
 def _validated(store: Store, items: list[Manifest | catalog_listing.Problem]) -> list[bool]:

@@ -311,3 +311,21 @@ def test_a_damaged_commit_behind_the_watermark_lands_once_not_at_every_full_list
     manifest_path(root, "copied", 5).unlink()  # quarantined: nothing left to remember
     landed, cursor = new_commits(store, cursor, limit=10, now=T0 + 3 * FULL_SCAN_S)
     assert landed == [] and [p[0] for p in cursor["pending"]] == [RUN, RUN, RUN]  # steps 1-3: not validated
+
+
+def test_a_waiting_commit_proved_damaged_behind_the_watermark_lands_once(root):
+    """Read again and proved damaged, it was dropped from ``waiting`` but not kept
+    ``pending``, so the next full listing landed it a second time (as unreadable)."""
+    store = open_store(root)
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    with Checkpointer(root, "copied") as ck:
+        ck.save(5, tiny_state(seed=5))
+    reseal_manifest(root, "copied", 5, lambda record: record.update(format_version=max(fmt.READABLE_FORMATS) + 1))
+    committed_at(root, 5, T0 - 600, run="copied")
+    _, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert cursor["waiting"] == [["copied", 5, T0 - 600]]
+    flip_byte(manifest_path(root, "copied", 5))
+    committed_at(root, 5, T0 - 600, run="copied")
+    landed, cursor = new_commits(store, cursor, limit=10, now=T0 + 2 * FULL_SCAN_S)
+    assert [(c.key, c.marker) for c in landed] == [(name(5, "copied"), f"damaged-{T0 - 600:.0f}")]
+    assert new_commits(store, cursor, limit=10, now=T0 + 3 * FULL_SCAN_S)[0] == []
