@@ -110,7 +110,19 @@ def _exit_now(status: int) -> None:
     """End the process at once. Returning from an exit hook would not: the interpreter's
     exit then joins the thread pools, whose queued chunk writes finish the save anyway, so
     a Ctrl-C at exit would still wait for all of it. Nothing is committed half: the commit
-    is one atomic write, and the chunks already written are garbage for ``ckptflow gc``."""
+    is one atomic write, and the chunks already written are garbage for ``ckptflow gc``.
+
+    ``os._exit`` skips the ``atexit`` handlers, which run only after this hook: they are run
+    first (the script's own, a library's flush, multiprocessing's, which ends the daemonic
+    children that otherwise outlived the process), with Ctrl-C working as at any exit: it
+    cuts short the handler it lands in, and the next one runs."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        atexit._run_exitfuncs()
+    except KeyboardInterrupt:  # after the last handler returned
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -286,8 +286,9 @@ def test_ctrl_c_while_the_exit_waits_for_an_async_save_ends_the_process_at_once(
     the exit hook left the interpreter joining the thread pools, which finished the save anyway."""
     root = str(tmp_path / "store")
     script = (
-        "import time, torch\n"
+        "import atexit, sys, time, torch\n"
         "from ckptflow import Checkpointer\n"
+        "atexit.register(lambda: print('the script exit handler ran', file=sys.stderr))\n"
         "from ckptflow.chunks.io import ChunkStore\n"
         "put = ChunkStore.put\n"
         "ChunkStore.put = lambda self, *a, **k: (time.sleep(2), put(self, *a, **k))[1]  # a slow store\n"
@@ -311,5 +312,6 @@ def test_ctrl_c_while_the_exit_waits_for_an_async_save_ends_the_process_at_once(
         proc.kill()
     assert status == 128 + signal.SIGINT, seen[-2000:]
     assert "the async save of step 1 is abandoned, not committed" in seen
+    assert "the script exit handler ran" in seen  # os._exit skipped it: it runs only after the hook
     assert seconds < 5, f"the process took {seconds:.1f} s to end after Ctrl-C: it waited for the save"
     assert committed_steps(Path(root)) == []
