@@ -6,8 +6,11 @@ shard in host memory by the end of a save: at 10-80 GB per rank on GPUs that is 
 of the machine. Here each chunk-sized slice is copied when its write is queued, and a new
 copy waits for the oldest writes once ``limit`` bytes of copies are in flight, so a save's
 host memory stays about ``limit`` whatever the state's size (DCP bounds its copy-ahead
-the same way). Copies go through pinned memory where the tensor is on a CUDA device: a
-pageable copy is staged by the driver through its own pinned buffer anyway, at half the rate.
+the same way). A small tensor a pack holds (``packs``) is copied whole, once there is
+room, and counted with its pack once that is handed to its write: a state of many small
+tensors would otherwise be copied entirely while the writes lag. Chunks are copied through
+pinned memory where the tensor is on a CUDA device: a pageable copy is staged by the driver
+through its own pinned buffer anyway, at half the rate.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ckptflow.dcp.memory import tensor_memory
+from ckptflow.dcp.memory import bytes_view, tensor_memory
+from ckptflow.dcp.packs import Pack
 from ckptflow.dcp.put_batches import PutBatches, Slot
 
 COPY_AHEAD_BYTES = 256 << 20
@@ -36,6 +40,7 @@ class HostCopies:
         self.batches, self.limit = batches, limit
         self._waiting: deque[tuple[int, Slot]] = deque()
         self._bytes = 0
+        self._in_packs: dict[int, int] = {}  # per pack not yet written (by id): bytes of copies in it
 
     def pieces(self, tensor: torch.Tensor, step: int) -> Iterator[memoryview]:
         """``tensor``'s bytes in slices of ``step``, each a host copy made as it is asked for.
@@ -48,6 +53,21 @@ class HostCopies:
             host = torch.empty(part.numel(), dtype=torch.uint8, pin_memory=pinned)
             host.copy_(part)  # blocking: the slice is in host memory when it is handed over
             yield tensor_memory(host)
+
+    def whole(self, tensor: torch.Tensor) -> memoryview:
+        """A host copy of a small tensor a pack will hold, made once there is room for it."""
+        self._make_room(tensor.numel() * tensor.element_size())
+        return bytes_view(tensor)
+
+    def packed(self, pack: Pack, nbytes: int) -> None:
+        """``pack`` holds a copy of ``nbytes`` made by ``whole``: counted once it is ``sent``."""
+        self._in_packs[id(pack)] = self._in_packs.get(id(pack), 0) + nbytes
+
+    def sent(self, pack: Pack) -> None:
+        """``pack`` was handed to its write: its copies wait for it like a chunk's."""
+        nbytes = self._in_packs.pop(id(pack), 0)
+        if nbytes:
+            self.queued(nbytes, (pack.holder, 0))
 
     def queued(self, nbytes: int, slot: Slot) -> None:
         self._waiting.append((nbytes, slot))

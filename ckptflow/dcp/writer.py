@@ -260,18 +260,21 @@ class CheckpointWriter(StorageWriter):
                 base = None if span is None else tensor.data_ptr()
                 step = self.spec.chunk_bytes
                 offset = None if item.index.offset is None else tuple(item.index.offset)
+                copied = copied_in_chunks(tensor)
                 if packer is not None and packer.fits(nbytes):
-                    raw = bytes_view(tensor)
+                    raw = host_copies.whole(tensor) if copied else bytes_view(tensor)
                     key = (item.index.fqn, offset, dtype_name(tensor.dtype), len(raw))
                     closed, pack, at = packer.add(
                         key, raw, tensor.dtype.itemsize, floating=tensor.dtype.is_floating_point
                     )
                     if closed is not None:
                         self._submit_pack(closed, batches)
+                        host_copies.sent(closed)
+                    if copied:
+                        host_copies.packed(pack, nbytes)
                     pending.append((item, tensor, nbytes, [(pack.holder, 0)], at))
                     continue
                 futures = []
-                copied = copied_in_chunks(tensor)
                 if copied:
                     pieces: Iterable[memoryview] = host_copies.pieces(tensor, step)
                 else:

@@ -5,12 +5,18 @@ on an event; ``tests/gpu`` runs a save of a GPU state through it."""
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ckptflow import Checkpointer
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.dcp import host_copies, writer
 from ckptflow.dcp.host_copies import HostCopies, copied_in_chunks
+from ckptflow.dcp.memory import tensor_memory
 from ckptflow.dcp.put_batches import PutBatches
 
 CHUNK = 1024
@@ -61,3 +67,33 @@ def test_only_tensors_on_a_device_are_copied_in_chunks():
     assert not copied_in_chunks(torch.zeros(4))
     assert not copied_in_chunks(torch.zeros(4).t())
     assert not copied_in_chunks(torch.zeros(4, device="meta"))
+
+
+def test_small_tensors_in_packs_are_copied_no_further_ahead_of_their_writes(tmp_path, monkeypatch):
+    """A pack's members were copied whole (``bytes_view``) outside the copy-ahead: with the
+    writes lagging, a GPU state of small tensors was copied to host memory entirely. CPU
+    tensors stand in for device ones here, their ``bytes_view`` a copy as a device's is."""
+    copies = []
+
+    def copying_view(tensor):
+        copies.append(tensor)
+        return tensor_memory(tensor.detach().reshape(-1).clone())
+
+    monkeypatch.setattr(writer, "copied_in_chunks", lambda tensor: True)
+    monkeypatch.setattr(writer, "bytes_view", copying_view)
+    monkeypatch.setattr(host_copies, "bytes_view", copying_view, raising=False)
+    monkeypatch.setattr(writer, "HostCopies", functools.partial(HostCopies, limit=64 << 10))
+    release, put = threading.Event(), ChunkStore.put
+    monkeypatch.setattr(ChunkStore, "put", lambda self, *a, **k: (release.wait(10), put(self, *a, **k))[1])
+    state = {"model": {f"t{i}": torch.randn(4096) for i in range(64)}}  # 16 KiB each: 4 to a pack of 64 KiB
+    with Checkpointer(str(tmp_path / "store"), "r", pack_bytes=64 << 10) as ck:
+        save = threading.Thread(target=ck.save, args=(1, state))
+        save.start()
+        time.sleep(0.5)
+        made = len(copies)
+        release.set()
+        save.join(30)
+        assert made <= 8, f"{made} small tensors copied while no write could finish (the limit holds 4)"
+        target = {"model": {name: torch.zeros(4096) for name in state["model"]}}
+        ck.restore(target, step=1)
+    assert all(torch.equal(target["model"][name], t) for name, t in state["model"].items())
