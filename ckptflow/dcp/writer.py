@@ -36,7 +36,7 @@ from ckptflow.dcp.regions import Region, Seen, Tracked
 from ckptflow.dcp.save_manifest import manifest_record
 from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.dcp.written_pages import Snapshot, WriteTracker, edge_checksum, tracked_span
-from ckptflow.errors import StoreFullError, StoreUnavailableError, UnsupportedStateError
+from ckptflow.errors import CkptflowError, StoreFullError, StoreUnavailableError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import same_content
 from ckptflow.format.manifest import Manifest, RankRecord
@@ -110,6 +110,7 @@ class CheckpointWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self.manifest: Manifest | None = None
+        self.abandoned = False  # Ctrl-C at exit (``save_handle``): the process ends with nothing committed
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -388,5 +389,7 @@ class CheckpointWriter(StorageWriter):
         parsed = Manifest.parse(
             blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
         )  # never commit what a reader refuses
+        if self.abandoned:
+            raise CkptflowError(f"the save of run {spec.run!r} step {spec.step} was abandoned at exit: not committed")
         commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
         self.manifest = parsed

@@ -101,6 +101,8 @@ def _finish_in_flight() -> None:
                 log.error("the async save of step %d failed at exit and was not committed: %s", step, e)
     except KeyboardInterrupt:  # wherever it lands, the message above included
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the last message short
+        for handle in list(_IN_FLIGHT):  # the atexit handlers run before the end: no save commits meanwhile
+            handle._writer.abandoned = True
         saves = "the async saves in flight are" if step is None else f"the async save of step {step} is"
         log.warning("interrupted: %s abandoned, not committed", saves)
         _exit_now(128 + signal.SIGINT)

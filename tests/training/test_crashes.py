@@ -315,3 +315,41 @@ def test_ctrl_c_while_the_exit_waits_for_an_async_save_ends_the_process_at_once(
     assert "the script exit handler ran" in seen  # os._exit skipped it: it runs only after the hook
     assert seconds < 5, f"the process took {seconds:.1f} s to end after Ctrl-C: it waited for the save"
     assert committed_steps(Path(root)) == []
+
+
+def test_a_save_abandoned_by_ctrl_c_at_exit_commits_nothing_while_the_exit_handlers_run(tmp_path):
+    """The atexit handlers run before the process ends (one here waits for the save): the
+    save went on meanwhile and committed, though the message said it was not."""
+    root = str(tmp_path / "store")
+    script = (
+        "import atexit, sys, time, torch\n"
+        "from ckptflow import Checkpointer\n"
+        "from ckptflow.chunks.io import ChunkStore\n"
+        "put = ChunkStore.put\n"
+        "ChunkStore.put = lambda self, *a, **k: (time.sleep(1), put(self, *a, **k))[1]  # a slow store\n"
+        f"ck = Checkpointer({root!r}, {RUN!r}, chunk_bytes=1 << 18)\n"
+        "handle = ck.save(1, {'w': torch.randn(1 << 18)}, blocking=False)\n"
+        "def outcome():\n"
+        "    try:\n"
+        "        handle.wait()\n"
+        "        print('the save committed', file=sys.stderr)\n"
+        "    except Exception as e:\n"
+        "        print('the save failed:', e, file=sys.stderr)\n"
+        "atexit.register(outcome)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        while "waiting for the async save of step 1" not in seen:
+            line = proc.stderr.readline()
+            assert line, f"exited before waiting for the save: {seen[-2000:]}"
+            seen += line
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+        seen += proc.stderr.read()
+    finally:
+        proc.kill()
+    assert status == 128 + signal.SIGINT, seen[-2000:]
+    assert "was abandoned at exit: not committed" in seen, seen[-2000:]
+    assert committed_steps(Path(root)) == []
