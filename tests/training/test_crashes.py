@@ -295,21 +295,7 @@ def test_ctrl_c_while_the_exit_waits_for_an_async_save_ends_the_process_at_once(
         f"ck = Checkpointer({root!r}, {RUN!r}, chunk_bytes=1 << 18)\n"
         "ck.save(1, {'model': torch.nn.Linear(2048, 2048).state_dict()}, blocking=False)\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        seen = ""
-        while "waiting for the async save of step 1" not in seen:
-            line = proc.stderr.readline()
-            assert line, f"exited before waiting for the save: {seen[-2000:]}"
-            seen += line
-        interrupted = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        status = proc.wait(timeout=60)
-        seconds = time.monotonic() - interrupted
-        seen += proc.stderr.read()
-    finally:
-        proc.kill()
+    status, seen, seconds = interrupted_at_exit(script)
     assert status == 128 + signal.SIGINT, seen[-2000:]
     assert "the async save of step 1 is abandoned, not committed" in seen
     assert "the script exit handler ran" in seen  # os._exit skipped it: it runs only after the hook
@@ -337,6 +323,15 @@ def test_a_save_abandoned_by_ctrl_c_at_exit_commits_nothing_while_the_exit_handl
         "        print('the save failed:', e, file=sys.stderr)\n"
         "atexit.register(outcome)\n"
     )
+    status, seen, _seconds = interrupted_at_exit(script)
+    assert status == 128 + signal.SIGINT, seen[-2000:]
+    assert "was abandoned at exit: not committed" in seen, seen[-2000:]
+    assert committed_steps(Path(root)) == []
+
+
+def interrupted_at_exit(script: str) -> tuple[int, str, float]:
+    """Run ``script``, send SIGINT once its exit waits for the async save of step 1: its
+    exit status, its stderr, and the seconds it took to end after the signal."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -345,11 +340,11 @@ def test_a_save_abandoned_by_ctrl_c_at_exit_commits_nothing_while_the_exit_handl
             line = proc.stderr.readline()
             assert line, f"exited before waiting for the save: {seen[-2000:]}"
             seen += line
+        interrupted = time.monotonic()
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=60)
+        seconds = time.monotonic() - interrupted
         seen += proc.stderr.read()
     finally:
         proc.kill()
-    assert status == 128 + signal.SIGINT, seen[-2000:]
-    assert "was abandoned at exit: not committed" in seen, seen[-2000:]
-    assert committed_steps(Path(root)) == []
+    return status, seen, seconds
