@@ -30,6 +30,7 @@ from ckptflow.errors import HostMemoryError
 from ckptflow.interop.export.tensors import load_tensors
 from ckptflow.lifecycle import scrub, validate
 from support import decode_probe
+from support.child_env import child_env
 from support.cli import run_cli
 from support.corrupt import chunk_path, chunks_of, one_plane_zstd_chunk, only_in, reseal_manifest
 
@@ -45,7 +46,7 @@ def _probe(command: str, root: str) -> dict:
         capture_output=True,
         text=True,
         cwd=TESTS,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])},  # this checkout
+        env=child_env(TESTS.parent, TESTS),  # this checkout
         timeout=280,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -10,7 +10,6 @@ in tests/support/.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import torch
 from ckptflow import Checkpointer
 from ckptflow.cli import human_bytes
 from ckptflow.format import layout as fmt
+from support.child_env import child_env
 from support.cli import RUN, make_store, run_cli
 from support.corrupt import chunk_path, chunks_of, flip_byte, tensor_chunk
 from support.states import tensor_bytes, tiny_state
@@ -239,5 +239,5 @@ def test_inspecting_commands_do_not_import_torch(store, command):
     argv = [a.format(root=store[0]) for a in command]
     code = f"import sys; from ckptflow.cli import main; main({argv!r}); assert 'torch' not in sys.modules, 'torch'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})  # fmt: skip
+                         env=child_env(Path(__file__).parents[2]))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

@@ -9,13 +9,14 @@ A block that cannot run here says so in an HTML comment on the line before it
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from support.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -89,7 +90,7 @@ def test_a_block_runs_as_written(tmp_path, page, line, code, why):
     if why is not None:
         pytest.skip(f"{page} line {line}: {why}")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=280,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+                         env=child_env(REPO))  # fmt: skip
     assert run.returncode == 0, f"{page} block at line {line} failed:\n{run.stderr[-3000:]}"
 
 

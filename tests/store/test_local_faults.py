@@ -17,6 +17,7 @@ from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError,
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.errors import StoreFullError, StoreNotFoundError, SymlinkError
 from ckptflow.format import layout as fmt
+from support.child_env import child_env
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore
@@ -142,7 +143,7 @@ def _cli_without_root_privileges(*args: str) -> subprocess.CompletedProcess:
         [*prefix, sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=child_env(REPO),
         timeout=120,
     )
 
@@ -248,7 +249,7 @@ def test_a_fifo_where_an_object_belongs_is_no_object_and_never_blocks_a_reader(t
         "    result = ck.restore(state)\n"
         "    print(result.step, state_tag(state), ck.verify(1).ok, [c.step for c in ck.list()])\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    env = child_env(REPO, REPO / "tests")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     listed = "[1, 2]" if where == "chunk" else "[1]"

@@ -23,6 +23,7 @@ import torch
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
+from support.child_env import child_env
 from support.faulty_store import FaultyStore, InjectedFault
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
@@ -247,7 +248,7 @@ def test_an_async_save_in_flight_when_the_script_ends_is_committed(tmp_path, end
         "print('in flight' if not handle.done() else 'done', flush=True)\n"
         f"{ENDS[end]}\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
+    env = child_env(TESTS.parent)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == (1 if end == "raises" else 0), done.stderr[-2000:]
     if done.stdout.strip() == "in flight":
@@ -273,7 +274,7 @@ def test_a_child_forked_while_an_async_save_is_in_flight_exits_at_once(tmp_path)
         "print(child.exitcode, round(time.monotonic() - started, 1), flush=True)\n"
         "handle.wait()\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
+    env = child_env(TESTS.parent)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     exitcode, seconds = done.stdout.split()
@@ -332,7 +333,7 @@ def test_a_save_abandoned_by_ctrl_c_at_exit_commits_nothing_while_the_exit_handl
 def interrupted_at_exit(script: str) -> tuple[int, str, float]:
     """Run ``script``, send SIGINT once its exit waits for the async save of step 1: its
     exit status, its stderr, and the seconds it took to end after the signal."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    env = child_env(TESTS.parent)
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
     try:
         seen = ""

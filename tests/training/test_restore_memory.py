@@ -8,7 +8,6 @@ well under half the state here (in flight and kept chunks, plus the allocator's 
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from ckptflow import Checkpointer
 from ckptflow.chunks.budget import MemoryBudget
+from support.child_env import child_env
 
 SCRIPT = Path(__file__).parents[1] / "support" / "restore_rss.py"
 STATE_MIB = 320
@@ -25,7 +25,7 @@ BUDGET_MIB = 16
 
 
 def _run(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[2]), str(SCRIPT.parents[1])]))
+    env = child_env(SCRIPT.parents[2], SCRIPT.parents[1])
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -110,7 +110,7 @@ SHORT = Path(__file__).parents[1] / "support" / "short_of_memory.py"
 
 
 def _short_of_memory(root: str, what: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(SHORT.parents[2]))
+    env = child_env(SHORT.parents[2])
     done = subprocess.run(
         [sys.executable, str(SHORT), root, what], env=env, capture_output=True, text=True, timeout=300, check=False
     )
