@@ -45,6 +45,7 @@ from ckptflow.catalog.aliases import ALIASES, PREFIX
 from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, RegistryError
 from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
+from ckptflow.store.disk import Disk
 
 __all__ = ["ALIASES", "PREFIX", "ModelVersion", "Registry"]
 _VERSION = re.compile(r"^(\d{6})\.json\Z")
@@ -151,10 +152,7 @@ class Registry:
                     raise RegistryError(f"{version.model} v{version.version} file {name} does not match its sha256")
                 final = os.path.join(directory, name)
                 fetched.append((f"{final}.tmp-{uuid.uuid4().hex}", final))
-                with open(fetched[-1][0], "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
+                Disk().write_new(fetched[-1][0], [data])
             for tmp, final in fetched:
                 os.replace(tmp, final)
         finally:
