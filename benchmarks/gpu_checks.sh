@@ -37,3 +37,10 @@ echo "tests rc=${PIPESTATUS[0]}"
 timeout 270 python3 benchmarks/save_restore.py --device cuda --size-gb "$SIZE_GB" --repeats "$REPEATS" \
   --dir /tmp/bench 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=${PIPESTATUS[0]}"
+
+# the library's CPU suites with CUDA present: a CPU-only state must not start a CUDA context or slow down
+XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n 8"
+PYTHONPATH=$PYTHONPATH:$PWD/tests timeout "${SUITE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -c /dev/null \
+  --rootdir "$PWD" --import-mode=importlib $XDIST tests/training tests/dcp tests/chunks \
+  --ignore=tests/dcp/test_distributed_s3.py -k "not s3" 2>&1 | tail -40 | tee "$OUT/suites.log"
+echo "suites rc=${PIPESTATUS[0]}"

@@ -10,6 +10,8 @@ than this machine's memory.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ckptflow.chunks import codecs
@@ -23,14 +25,22 @@ from ckptflow.store.base import Store
 def empty_tensor(store: Store, manifest: Manifest, fqn: str, where: str) -> torch.Tensor:
     """An uninitialised tensor of ``fqn``'s declared shape and dtype. ``ManifestError`` if
     the manifest does not index it or its chunks cannot hold that many bytes (damage);
-    ``StateMismatchError`` if they can and this machine cannot allocate it."""
+    ``StateMismatchError`` if they can and this machine cannot allocate it.
+
+    A tensor larger than this machine's memory is judged before allocating: where the kernel
+    overcommits, ``torch.empty`` of terabytes succeeds and the damage would show up later, as
+    some other error, or not until the pages are touched."""
     entry = manifest.dcp.tensors.get(fqn)
     if entry is None:
         raise ManifestError(f"{where}: its rank record names tensor {fqn!r}, which its manifest does not index")
-    try:
-        return torch.empty(entry.size, dtype=dtype_from_name(entry.dtype))
-    except (RuntimeError, MemoryError) as e:
-        failure = f"{type(e).__name__}: {e}"
+    memory = _physical_memory()
+    if memory is not None and entry.nbytes > memory:
+        failure = f"larger than this machine's {memory} bytes of memory"
+    else:
+        try:
+            return torch.empty(entry.size, dtype=dtype_from_name(entry.dtype))
+        except (RuntimeError, MemoryError) as e:
+            failure = f"{type(e).__name__}: {e}"
     declared = f"tensor {fqn!r} declares shape {list(entry.size)} ({entry.nbytes} bytes), which cannot be allocated"
     capacity = _capacity(store, manifest, fqn)
     if entry.nbytes > capacity:
@@ -42,6 +52,14 @@ def empty_tensor(store: Store, manifest: Manifest, fqn: str, where: str) -> torc
         f"{where}: {declared} ({failure}); its chunks can hold it: load it on a machine with more memory, or "
         "restore into live objects with restore(), which reads into them in place"
     )
+
+
+def _physical_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _capacity(store: Store, manifest: Manifest, fqn: str) -> int:

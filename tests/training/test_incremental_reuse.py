@@ -272,7 +272,7 @@ def test_damage_found_by_another_process_is_written_anew_by_the_next_save(make_c
     frozen = next(item for item in items if item.fqn == "frozen").chunks[5][0]
     flip_byte(chunk_path(ckpt_store_dir, frozen), -1)
     verify = subprocess.run(
-        [str(Path(sys.executable).parent / "ckptflow"), "verify", ckpt_store_dir, "--run", "r", "--all"],
+        [sys.executable, "-m", "ckptflow", "verify", ckpt_store_dir, "--run", "r", "--all"],
         capture_output=True,
         text=True,
         timeout=120,
