@@ -10,7 +10,7 @@ leave the disk (tests/support/crashfs.py), so the order is checked, not assumed.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 
 class Disk:
@@ -35,8 +35,9 @@ class Disk:
     def mkdir(self, path: str) -> None:
         os.mkdir(path)
 
-    def write_new(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
-        """Create ``path`` (it must not exist) with ``parts``, flushed and fsynced."""
+    def write_new(self, path: str, parts: Iterable[bytes | memoryview]) -> None:
+        """Create ``path`` (it must not exist) with ``parts``, flushed and fsynced. ``parts``
+        may be a generator: each part is made only when the one before is written."""
         with open(path, "xb") as f:
             for part in parts:
                 f.write(part)

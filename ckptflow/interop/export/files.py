@@ -10,6 +10,7 @@ Readers (``safetensors``, transformers) accept any order.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -88,13 +89,10 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLik
     blob += b" " * (-len(blob) % 8)
     tmp = f"{os.fspath(out)}.tmp-{uuid.uuid4().hex}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for name in sorted(tensors):
-                f.write(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            f.flush()
-            os.fsync(f.fileno())
+        data = (
+            tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data for name in sorted(tensors)
+        )
+        DISK.write_new(tmp, itertools.chain((struct.pack("<Q", len(blob)), blob), data))
         _publish(tmp, os.fspath(out))
         DISK.fsync_dir(os.path.dirname(os.path.abspath(out)))  # the new name survives a crash too
     finally:
