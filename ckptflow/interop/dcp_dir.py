@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.tiling import tiling_problem
+from ckptflow.interop.source_files import check_regular_file
 from ckptflow.interop.torch_files import check_plain_zip
 
 METADATA_FILE = ".metadata"
@@ -243,6 +244,7 @@ def _check_items(md: dcp_metadata.Metadata, directory: str) -> dict[str, dict[tu
 def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:
     """The item's bytes; ``_check_items`` has bounded its length by its file's size."""
     path = os.path.join(directory, info.relative_path)
+    check_regular_file(path, error=DcpFormatError)
     try:
         with open(path, "rb") as f:
             f.seek(info.offset)

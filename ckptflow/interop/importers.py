@@ -45,6 +45,7 @@ from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
+from ckptflow.interop.source_files import check_regular_file
 from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
@@ -95,6 +96,7 @@ VIEW_BYTES_SLACK = 64 << 20  # ... plus this much (a fused weight beside its sli
 
 
 def _read_json(path: str) -> Any:
+    check_regular_file(path)
     if os.path.getsize(path) > MAX_JSON_BYTES:
         raise CkptflowError(f"{path} is larger than {MAX_JSON_BYTES} bytes; refused unread")
     try:
@@ -123,6 +125,7 @@ def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     for path in paths:
+        check_regular_file(path)
         try:
             with safe_open(path, "pt") as f:
                 for name in f.keys():

@@ -22,6 +22,7 @@ import os
 import zipfile
 
 from ckptflow.errors import CkptflowError
+from ckptflow.interop.source_files import check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
 
@@ -36,6 +37,7 @@ def check_plain_zip(
         if isinstance(source, bytes):
             head, size, archive = source[:4], len(source), zipfile.ZipFile(io.BytesIO(source))
         else:
+            check_regular_file(source, error=error)
             with open(source, "rb") as f:
                 head = f.read(4)
             size, archive = os.path.getsize(source), zipfile.ZipFile(source)

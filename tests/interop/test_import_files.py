@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +26,11 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from ckptflow import Checkpointer, CkptflowError
 from ckptflow.interop.export import export_safetensors
 from ckptflow.interop.importers import detect_format, import_checkpoint
+from support.child_env import child_env
 from support.cli import run_cli
 from support.states import tiny_state, tiny_train
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def gpt2(seed: int = 0) -> GPT2LMHeadModel:
@@ -231,6 +237,34 @@ def test_hf_index_naming_a_file_outside_is_refused(tmp_path):
     index.write_text(json.dumps(doc))
     with pytest.raises(CkptflowError, match="outside the directory"):
         import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("source", ["hf shard", "safetensors", "torch"])
+def test_a_fifo_among_the_files_is_refused_instead_of_blocking_the_import(tmp_path, source):
+    """Opening a FIFO blocks until a writer comes: the import would hang without a word.
+    The command runs in a process of its own, which the timeout ends if it blocks."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    fifo = {"hf shard": hf / "model-00001-of-00001.safetensors", "safetensors": tmp_path / "x.safetensors"}
+    fifo_path = fifo.get(source, tmp_path / "x.pt")
+    os.mkfifo(fifo_path)
+    index = {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    src, fmt = (hf, "auto") if source == "hf shard" else (fifo_path, source)
+    command = [sys.executable, "-m", "ckptflow", "import", tmp_path / "store", "--run", "r", "--step", "1"]
+    try:
+        done = subprocess.run(
+            [*map(str, command), "--format", fmt, str(src)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(REPO),
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the import of {src} blocked on the FIFO {fifo_path}")
+    assert done.returncode == 2, done.stderr
+    assert f"{fifo_path} is not a regular file" in done.stderr and "import that" in done.stderr
+    assert not (tmp_path / "store" / "runs").exists()
 
 
 # ---- the command line -------------------------------------------------------------
