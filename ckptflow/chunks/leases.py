@@ -287,8 +287,21 @@ def exclusive_lock(store: Store, family: LockFamily) -> Iterator[Heartbeat]:
         yield beat
     finally:
         beat.stop()
-        if not beat.taken:
-            store.delete(lock)
+        _release(store, lock, beat)
+
+
+def _release(store: Store, lock: str, beat: Heartbeat) -> None:
+    """Delete the lock only if it is still the version this holder last wrote. A holder
+    whose renewals could not reach the store for ``DEAD_AFTER`` may have been taken over
+    without its heartbeat seeing it yet; a plain delete would then remove the new
+    holder's lock, and saves (or promotions) would stop waiting for a sweep (or an
+    expiry) still at work."""
+    if beat.taken:
+        return
+    if beat.version is None:  # no compare-and-swap: the holder's own lock is all it can delete
+        store.delete(lock)
+    elif not store.delete_if(lock, beat.version):
+        log.warning("%s/%s was taken over by another holder; left to it", store.url, lock)
 
 
 def _take_over(store: Store, lock: str, body: bytes, version: str | None) -> bool:

@@ -133,6 +133,30 @@ def test_a_gc_whose_lock_was_taken_over_stops_deleting(tmp_path, fast):
     assert inner.get(leases.GC_LOCK) == b'{"what": "another gc"}'  # and the new holder's lock stays
 
 
+def test_a_gc_taken_over_while_its_renewals_failed_leaves_the_new_holders_lock(tmp_path, fast):
+    """A's renewals cannot reach the store until B takes its lock over; A then stops, and
+    on its way out deletes only its own version of the lock, so saves keep waiting for B."""
+    inner = open_store(str(tmp_path / "store"))
+    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    inner.delete(fmt.manifest_key(RUN, 1))
+    view = FaultyStore(inner)
+    pause = view.pause_before("delete", lambda key: key.startswith("chunks/"))
+    outcome: list = []
+    sweeper = threading.Thread(target=lambda: outcome.append(_run(lambda: gc(view, grace=0))))
+    sweeper.start()
+    assert pause.reached.wait(30)
+    view.fail_if = lambda op, key: op == "replace" and key == leases.GC_LOCK  # A's renewals fail
+    time.sleep(3 * leases.DEAD_AFTER)
+    with leases.gc_lock(inner):  # B finds A's lock dead and takes it over
+        taken = inner.get(leases.GC_LOCK)
+        pause.release()
+        sweeper.join(30)
+        [error] = outcome
+        assert isinstance(error, CkptflowError) and "lost its lock" in str(error)
+        assert inner.exists(leases.GC_LOCK) and inner.get(leases.GC_LOCK) == taken
+
+
 def _run(fn):
     try:
         return fn()
