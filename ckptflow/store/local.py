@@ -355,8 +355,14 @@ class LocalStore(Store):
         writers do, then compare what was taken: the expected version is deleted; another
         (the object was deleted and created again since the caller read it) is linked
         back, create-only. So there is no moment between the check and the delete in
-        which a new object could be deleted in the old one's place."""
+        which a new object could be deleted in the old one's place. Another version found
+        before the rename stays in place: taken aside, readers would miss it for a moment."""
         path = self._path(key)
+        try:
+            if _sha256_file(path) != expected:
+                return False
+        except (FileNotFoundError, NotADirectoryError):
+            return False
         aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         try:
             self.disk.rename(path, aside)

@@ -17,6 +17,8 @@ from ckptflow import Checkpointer, CheckpointExistsError, StoreUnavailableError,
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.errors import StoreFullError, StoreNotFoundError, SymlinkError
 from ckptflow.format import layout as fmt
+from ckptflow.store.disk import Disk
+from ckptflow.store.local import LocalStore
 from support.child_env import child_env
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in
@@ -254,3 +256,26 @@ def test_a_fifo_where_an_object_belongs_is_no_object_and_never_blocks_a_reader(t
     assert done.returncode == 0, done.stderr[-2000:]
     listed = "[1, 2]" if where == "chunk" else "[1]"
     assert done.stdout.strip() == f"1 1 True {listed}"
+
+
+def test_a_refused_conditional_delete_never_takes_the_object_away(tmp_path):
+    """``delete_if`` with a version that is not there leaves the object in place throughout:
+    taken aside and linked back, it was missing for a moment to every reader (a restore saw
+    no commit, a save saw no GC lock, a lock's holder thought it taken over)."""
+
+    class Renames(Disk):
+        def __init__(self) -> None:
+            super().__init__(fsync=False)
+            self.renamed: list[str] = []
+
+        def rename(self, src: str, dst: str) -> None:
+            self.renamed.append(os.path.relpath(src, tmp_path))
+            super().rename(src, dst)
+
+    disk = Renames()
+    store = LocalStore(str(tmp_path), disk=disk)
+    store.put_if_absent("locks/gc.json", b"the new holder's lock")
+    assert store.delete_if("locks/gc.json", "0" * 64) is False
+    assert disk.renamed == [] and store.get("locks/gc.json") == b"the new holder's lock"
+    assert store.delete_if("locks/gc.json", store.get_versioned("locks/gc.json")[1]) is True
+    assert disk.renamed == ["locks/gc.json"] and not store.exists("locks/gc.json")
