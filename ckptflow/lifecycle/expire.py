@@ -38,8 +38,12 @@ def expire(
     """
     manifest_key = fmt.manifest_key(run, step)
     blob: bytes | None = None
+    version: str | None = None  # the commit read, deleted only while it is still that one
     try:
-        blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
+        if store.compare_and_swap:
+            blob, version = store.get_versioned(manifest_key, MAX_RECORD_BYTES)
+        else:
+            blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
         ledger.record_expiry(store, Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step))
     except (ObjectNotFoundError, ObjectTooLargeError):
         pass  # gone already (an expiry retried), or larger than any record (damage): the rest still goes
@@ -56,16 +60,12 @@ def expire(
     begun = (
         ledger.expiry_begun(store, run, step, fmt.digest_of(blob)) if blob is not None and not keep_records else None
     )
+    _delete_commit(store, manifest_key, version, f"checkpoint {run} step {step}")
     failed: list[str] = []
-    for key in keys:
+    for key in keys[1:]:
         try:
             store.delete(key)
         except (CkptflowError, OSError) as e:
-            if key == manifest_key:
-                raise ExpireError(
-                    f"could not delete the commit record {store.url}/{key}, so checkpoint {run} step "
-                    f"{step} still exists: {e}"
-                ) from e
             failed.append(f"{key} ({e})")
     if failed:
         raise ExpireError(
@@ -75,3 +75,21 @@ def expire(
     if begun is not None:
         ledger.expiry_done(store, begun)
     return keys
+
+
+def _delete_commit(store: Store, key: str, version: str | None, what: str) -> None:
+    """Delete the commit record ``key``, only while it is the ``version`` read (where the
+    store can say): a damaged commit may be moved to quarantine and the step saved again
+    between the read and the delete, and that new, valid commit is not the one expired."""
+    try:
+        if version is None:
+            store.delete(key)
+            return
+        if store.delete_if(key, version) or not store.exists(key):
+            return
+    except (CkptflowError, OSError) as e:
+        raise ExpireError(f"could not delete the commit record {store.url}/{key}, so {what} still exists: {e}") from e
+    raise ExpireError(
+        f"{store.url}/{key} was committed again while {what} was being expired, so nothing of it was deleted; "
+        "the next retention plan decides about the new commit"
+    )

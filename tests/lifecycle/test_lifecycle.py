@@ -1,6 +1,8 @@
 """Lifecycle operations in the library: verdict records keyed by digest, compress, archive,
 expire, inventory."""
 
+import threading
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.policy.retention import KeepNewestValid
 from ckptflow.reports import inventory
 from ckptflow.store import open_store
-from support.corrupt import chunk_path, flip_byte, only_in
+from support.corrupt import chunk_path, flip_byte, manifest_path, only_in
 from support.faulty_store import FaultyStore
 
 
@@ -183,6 +185,36 @@ def test_expire_raises_when_a_delete_fails_and_finishes_when_called_again(tmp_pa
     with pytest.raises(ExpireError, match="still exists"):
         lifecycle.expire(faulty, "r", 2)
     assert [i.step for i in catalog.list_checkpoints(store, "r")] == [2]
+
+
+def test_expiring_a_damaged_commit_leaves_the_valid_one_a_save_made_meanwhile(tmp_path):
+    """Retention expires a damaged checkpoint; between the expiry's read of the commit record
+    and its delete, the job saves that step again (the damaged manifest to quarantine, a
+    valid one committed). The expiry refuses instead of deleting the new commit."""
+    store, model = make(tmp_path, steps=(1,))
+    flip_byte(manifest_path(store.root, "r", 1), 10)
+    faulty = FaultyStore(store)
+    pause = faulty.pause_before("delete", lambda key: key == fmt.manifest_key("r", 1))
+    outcome: list = []
+    expiry = threading.Thread(target=lambda: outcome.append(_raised(lambda: lifecycle.expire(faulty, "r", 1))))
+    expiry.start()
+    assert pause.reached.wait(30)
+    with Checkpointer(store, "r", chunk_bytes=4096) as ck:
+        ck.save(1, {"model": model})
+    saved = catalog.read_manifest(store, "r", 1)
+    pause.release()
+    expiry.join(30)
+    [error] = outcome
+    assert isinstance(error, ExpireError) and "committed again" in str(error)
+    assert catalog.read_manifest(store, "r", 1).digest == saved.digest
+    assert all(store.exists(key) for key in saved.rank_keys())
+
+
+def _raised(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e
 
 
 def test_evaluate_without_an_evaluator_uses_the_trainers_metrics_and_flags_overfitting(tmp_path):

@@ -112,6 +112,11 @@ class ArchiveOutage(FaultyStore):
             raise StoreUnavailableError(f"{self.url}/{key}: 503 SlowDown after 5 attempts")
         return self.inner.get_bounded(key, limit)
 
+    def get_versioned(self, key, limit=None):
+        if key.endswith("manifest.json"):
+            raise StoreUnavailableError(f"{self.url}/{key}: 503 SlowDown after 5 attempts")
+        return self.inner.get_versioned(key, limit)
+
 
 @pytest.mark.parametrize("down", ["archive", "hot"])
 def test_an_outage_expires_nothing_of_that_checkpoint_and_keeps_its_records(tmp_path, down):
