@@ -150,25 +150,27 @@ class S3Store(Store):
         return self.get_bounded(key, None)
 
     def get_bounded(self, key: str, limit: int | None) -> bytes:
-        """The object's bytes (a body cut off while streaming is retried like the request);
-        an object over ``limit`` is refused from its length header, before the body is read."""
+        return self._fetch(key, limit)[0]
 
-        def attempt() -> bytes:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+    def _fetch(self, key: str, limit: int | None, **kwargs: Any) -> tuple[bytes, dict]:
+        """One GetObject with its body, and the response: the body is read inside the attempt,
+        so one cut off while streaming is retried like the request (and what outlasts the
+        retries is ``StoreUnavailableError``, not damage); an object over ``limit`` is
+        refused from its length header, before the body is read."""
+
+        def attempt() -> tuple[bytes, dict]:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
             size = int(response.get("ContentLength", 0))
             if limit is not None and size > limit:
                 response["Body"].close()
                 raise ObjectTooLargeError(f"{self._where(key)} holds {size} bytes, more than the {limit} expected")
-            return response["Body"].read()
+            return response["Body"].read(), response
 
         return self._attempts("GetObject", key, attempt)
 
     def read_head(self, key: str, size: int) -> bytes:
         """A ranged GET: a chunk's header without its payload."""
-        response = self._call(
-            "GetObject", key, self.client.get_object, Key=self._key(key), Range=f"bytes=0-{max(0, size - 1)}"
-        )
-        return response["Body"].read()[:size]
+        return self._fetch(key, None, Range=f"bytes=0-{max(0, size - 1)}")[0][:size]
 
     def stat(self, key: str) -> ObjectInfo:
         head = self._call("HeadObject", key, self.client.head_object, Key=self._key(key))
@@ -305,15 +307,8 @@ class S3Store(Store):
 
     # ---- compare-and-swap: conditional puts on the ETag ------------------------------------
     def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
-        response = self._call("GetObject", key, self.client.get_object, Key=self._key(key))
-        size = int(response.get("ContentLength", 0))
-        if limit is not None and size > limit:
-            response["Body"].close()
-            raise ObjectTooLargeError(f"{self._where(key)} holds {size} bytes, more than the {limit} expected")
-        try:
-            return response["Body"].read(), str(response["ETag"])
-        except (BotoCoreError, OSError) as e:
-            raise StoreError(f"S3 GetObject of {self._where(key)} failed while reading the body: {e}") from e
+        body, response = self._fetch(key, limit)
+        return body, str(response["ETag"])
 
     def delete_if(self, key: str, expected: str) -> bool:
         """``DeleteObject`` with ``If-Match: <ETag>``: S3 refuses it (412) if the object

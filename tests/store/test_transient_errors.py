@@ -16,7 +16,7 @@ from ckptflow.store.s3 import S3Store
 from ckptflow.store.s3_retry import Retry
 from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore
-from support.s3_faults import Bursts
+from support.s3_faults import Bursts, CutBodies
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
 FAST = Retry(max_attempts=12, base=0.002, cap=0.05)  # the real backoff, on a test's time scale
@@ -57,6 +57,22 @@ def test_an_outage_that_outlasts_the_retries_stops_restore_and_names_the_object(
     assert "step 2" in message and "restore stopped rather than fall back" in message
     assert not isinstance(err.value, NoValidCheckpointError)  # a job that "starts fresh" on that must not
     assert state["epoch"] is None and state["z"].eq(-7).all()  # untouched
+
+
+@pytest.mark.parametrize("read", ["get", "read_head", "get_versioned"])
+def test_a_body_cut_off_while_streaming_is_retried_by_every_read(s3_endpoint, s3_bucket, read):
+    """The connection drops after the headers: every read retries it like a failed request.
+    ``read_head`` (an incremental save looking at a chunk it reuses) raised botocore's own
+    IncompleteReadError, and ``get_versioned`` (a commit, an expiry, a lock) a StoreError."""
+    store = s3(s3_endpoint, s3_bucket, retry=FAST)
+    store.put_if_absent("chunks/ab/cd", bytes(range(100)))
+    CutBodies(store.client, "chunks/ab/cd", length=100)
+    got = {
+        "get": lambda: store.get("chunks/ab/cd"),
+        "read_head": lambda: store.read_head("chunks/ab/cd", 40),
+        "get_versioned": lambda: store.get_versioned("chunks/ab/cd")[0],
+    }[read]()
+    assert got == bytes(range(100))[: 40 if read == "read_head" else 100]
 
 
 def only_in_s3(store, step: int, other: int) -> list[str]:

@@ -62,3 +62,34 @@ class Bursts:
         if kind == 2:
             return timeout(request)
         return reset(request)
+
+
+class _ShortRaw:
+    """A raw HTTP body that ends before its Content-Length: the connection dropped mid-body."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def read(self, amt: int | None = None) -> bytes:
+        taken, self.body = (self.body, b"") if amt is None else (self.body[:amt], self.body[amt:])
+        return taken
+
+    def stream(self, **_kwargs):
+        yield self.read()
+
+
+class CutBodies:
+    """Answer the next ``times`` GetObject requests of keys containing ``key_part`` with
+    headers announcing ``length`` bytes and a body cut off after 10 (botocore raises
+    IncompleteReadError while the caller reads it)."""
+
+    def __init__(self, client, key_part: str, length: int, times: int = 1):
+        self.key_part, self.length, self.left = key_part, length, times
+        client.meta.events.register("before-send.s3.GetObject", self)
+
+    def __call__(self, request, **_kwargs):
+        if self.left <= 0 or self.key_part not in request.url:
+            return None
+        self.left -= 1
+        headers = {"Content-Length": str(self.length), "ETag": '"cut"'}
+        return AWSResponse(request.url, 200, headers, _ShortRaw(b"0123456789"))
