@@ -41,8 +41,11 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         if not 0 < self.max_overhead < 1:
             raise ValueError(f"max_overhead must be a fraction of training time in (0, 1), got {self.max_overhead!r}")
-        if not self.mtbf_s > 0:
-            raise ValueError(f"mtbf_s must be a positive number of seconds, got {self.mtbf_s!r}")
+        if not 0 < self.mtbf_s < math.inf:  # an infinite one makes Daly's interval infinite: no step count
+            raise ValueError(
+                f"mtbf_s must be a positive, finite number of seconds, got {self.mtbf_s!r}; for a job that "
+                "(almost) never fails give a long one (e.g. 30 days) and max_every bounds the interval"
+            )
         if min(self.full_every, self.initial_every, self.min_every) < 1 or self.max_every < self.min_every:
             raise ValueError("full_every, initial_every and min_every must be at least 1, max_every >= min_every")
         self._every = min(max(self.initial_every, self.min_every), self.max_every)

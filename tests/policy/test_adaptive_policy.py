@@ -60,7 +60,18 @@ def test_it_moves_when_the_costs_change_and_places_a_full_every_k_saves():
     assert kinds.count("full") == 2 and kinds.count("incremental") == 4
 
 
-@pytest.mark.parametrize("bad", [{"max_overhead": 0.0}, {"max_overhead": 1.5}, {"mtbf_s": 0.0}, {"full_every": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"max_overhead": 0.0}, {"max_overhead": 1.5}, {"mtbf_s": 0.0}, {"mtbf_s": math.inf}, {"full_every": 0}],
+)
 def test_bad_options_are_refused(bad):
     with pytest.raises(ValueError):
         SavePolicy.adaptive(**bad)
+
+
+def test_an_infinite_mtbf_is_refused_when_the_policy_is_made_not_at_the_first_measured_save():
+    """It used to pass construction, then the second save's ``observe`` raised OverflowError
+    (Daly's interval infinite, no whole number of steps) inside the training loop."""
+    with pytest.raises(ValueError, match="finite"):
+        policy = SavePolicy.adaptive(mtbf_s=math.inf, initial_every=5)
+        policy.observe(0, blocked_s=0.1, step_time_s=0.01)
