@@ -7,7 +7,9 @@ check https://aws.amazon.com/s3/pricing/ before relying on them).
 
 ``storage_costs`` compares what the stores hold with a baseline: every checkpoint
 ever committed (held now, or expired by retention per the ``ledger``) kept raw and
-hot. The difference is split into what each mechanism saved, per month:
+hot. A checkpoint is a commit (its manifest digest): a step committed again after its
+first commit expired, or held by another commit in the other tier, counts twice.
+The difference is split into what each mechanism saved, per month:
 
 * retention: checkpoints no longer held anywhere;
 * tiering: held checkpoints priced in the archive's class instead of the hot one
@@ -129,12 +131,12 @@ def storage_costs(hot: Store, archive: Store | None = None, *, model: CostModel 
 
 def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: CostModel) -> CostReport:
     """The report for per-tier ``stats`` and the ledger of expired checkpoints (pure)."""
-    held: dict[tuple[str, int], int] = {}
+    held: dict[tuple[str, int, str], int] = {}  # by commit: a step committed again is another checkpoint
     for s in stats.values():
-        for ref, h in s.held.items():
-            held.setdefault(ref, h.exact_logical_bytes)
-    gone = {(e["run"], e["step"]): e["logical_bytes"] for e in expired_entries}
-    gone = {ref: n for ref, n in gone.items() if ref not in held}
+        for commit, h in s.held.items():
+            held.setdefault(commit, h.exact_logical_bytes)
+    gone = {(e["run"], e["step"], e.get("digest")): e["logical_bytes"] for e in expired_entries}
+    gone = {commit: n for commit, n in gone.items() if commit not in held}
     baseline = sum(held.values()) + sum(gone.values())
     hot_price = model.monthly("hot", 1.0)
     usd = dict.fromkeys(SAVINGS, 0.0)

@@ -106,7 +106,7 @@ class StoreStats(_Ratios):
     encodings: dict[str, EncodingBytes] = field(default_factory=dict)  # "plain", "delta", "lossy", "base"
     data_bytes: int = 0  # raw bytes of the distinct chunks tensors are made of (bases only deltas need excluded)
     missing_raw_bytes: int = 0  # data chunks absent from the store
-    held: dict[tuple[str, int], Held] = field(default_factory=dict)
+    held: dict[tuple[str, int, str], Held] = field(default_factory=dict)  # by commit: run, step, digest
     damaged_chunks: int | None = None  # stored objects a reader refused (``damaged``); None: not counted
 
     def as_dict(self) -> dict:
@@ -197,6 +197,13 @@ def encodings(manifests: list[Manifest], sizes: dict[str, int]) -> tuple[dict[st
     return {k: EncodingBytes(*v) for k, v in totals.items()}, sum(raw[d] for d in data), missing
 
 
+def commit_of(m: Manifest) -> tuple[str, int, str]:
+    """The commit ``m`` holds a copy of: a lossy archive copy has a manifest of its own, and
+    names the commit it was made from. A step committed twice is two checkpoints, so the
+    cost model counts commits, not (run, step) names."""
+    return (m.run, m.step, str((m.lossy or {}).get("source_digest") or m.digest))
+
+
 def _held(m: Manifest) -> Held:
     exact = (m.lossy or {}).get("source_logical_bytes", m.stats.logical_bytes)
     return Held(logical_bytes=m.stats.logical_bytes, exact_logical_bytes=int(exact), lossy=m.lossy is not None)
@@ -236,7 +243,7 @@ def store_stats(store: Store, *, count_damaged: bool = False) -> StoreStats:
         encodings=kinds,
         data_bytes=data,
         missing_raw_bytes=missing,
-        held={m.ref: _held(m) for m in every},
+        held={commit_of(m): _held(m) for m in every},
         damaged_chunks=_damaged_chunks(store, sizes.keys()) if count_damaged else None,
     )
 

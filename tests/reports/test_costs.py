@@ -4,6 +4,7 @@ the difference between every checkpoint raw and hot and what the stores hold now
 import json
 
 import pytest
+import torch
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
@@ -70,3 +71,21 @@ def test_a_tier_priced_as_an_unknown_class_is_refused(tiers, capsys):
         CostModel(tiers={"hot": "PLATINUM"})
     code, _, err = run_cli(capsys, "stats", tiers[0].root, "--hot-class", "PLATINUM")
     assert code == 2 and "PLATINUM" in err
+
+
+def test_a_step_committed_again_after_its_expiry_is_another_checkpoint_in_the_baseline(tmp_path):
+    """The ledger records commits: keyed by (run, step), an expired commit whose step now
+    holds another one fell out of the baseline and of what retention saved (1 MiB, not 2)."""
+    hot = open_store(str(tmp_path))
+    with Checkpointer(hot, RUN) as ck:
+        ck.save(1, {"w": torch.zeros(1 << 18)})
+    first = catalog.read_manifest(hot, RUN, 1)
+    lifecycle.expire(hot, RUN, 1)
+    with Checkpointer(hot, RUN) as ck:
+        ck.save(1, {"w": torch.ones(1 << 18)})  # training saved step 1 again: another commit
+    report = storage_costs(hot)
+    again = catalog.read_manifest(hot, RUN, 1)
+    assert again.digest != first.digest
+    assert report.baseline_bytes == first.stats.logical_bytes + again.stats.logical_bytes == 2 << 20
+    assert report.savings_bytes["retention"] == first.stats.logical_bytes
+    assert report.baseline_usd - sum(report.savings_usd.values()) == pytest.approx(report.monthly_usd, rel=1e-9)
