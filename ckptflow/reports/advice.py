@@ -156,14 +156,18 @@ def _mtbf(
         return mtbf_s, "given"
     if scenario is not None:
         return model.SCENARIOS[scenario][0], f"preset {scenario!r}: {model.SCENARIOS[scenario][1]}"
-    if len(recoveries) >= MIN_FAILURES:
-        start = min(m.created_at for m in manifests)
-        end = max([m.committed_at for m in manifests] + [float(r.get("at", 0)) for r in recoveries])
+    # the history is what the store still holds: retention expires old checkpoints but never the
+    # recovery records, so only the recoveries since the oldest checkpoint held fall in that span
+    start = min(m.created_at for m in manifests)
+    within = [r for r in recoveries if float(r.get("at", 0)) >= start]
+    if len(within) >= MIN_FAILURES:
+        end = max([m.committed_at for m in manifests] + [float(r.get("at", 0)) for r in within])
         if end > start:
-            return (end - start) / len(recoveries), f"measured: {len(recoveries)} recoveries over the run's history"
+            return (end - start) / len(within), f"measured: {len(within)} recoveries over the run's history"
     preset = model.SCENARIOS[DEFAULT_SCENARIO]
     notes.append(
-        f"too little history to measure the failure rate ({len(recoveries)} recoveries, {MIN_FAILURES} needed): "
+        f"too little history to measure the failure rate ({len(within)} recoveries since the oldest checkpoint "
+        f"held, {MIN_FAILURES} needed): "
         f"using the {DEFAULT_SCENARIO!r} preset (MTBF {preset[0] / 3600:g} h); give an MTBF or a scenario to override"
     )
     return preset[0], f"preset {DEFAULT_SCENARIO!r} (too little history): {preset[1]}"

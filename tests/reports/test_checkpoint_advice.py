@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from ckptflow import Checkpointer, SavePolicy, open_store
+from ckptflow import Checkpointer, SavePolicy, lifecycle, open_store
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.recovery_log import read_all
 from ckptflow.errors import CkptflowError
@@ -103,3 +103,24 @@ def test_numbers_that_are_not_finite_are_one_clear_error(tmp_path, capsys, args,
         args = [*args, "--prices", str(tmp_path / "prices.json")]
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN, *args)
     assert code == 2 and expect in err and "Traceback" not in err, (out, err)
+
+
+def test_retention_expiring_old_checkpoints_does_not_shrink_the_measured_mtbf(tmp_path):
+    """The span is the checkpoints held, the count was every recovery ever recorded: after
+    retention expired the history before the last recovery, 3 recoveries were divided over
+    the last segment alone (MTBF 0.32 s instead of 1.36 s in the reproducer). Only the
+    recoveries since the oldest checkpoint held count; too few of them: the preset, said so."""
+    root = str(tmp_path)
+    _train(root, range(0, 10))
+    for i in range(MIN_FAILURES):
+        _train(root, range(10 + 10 * i, 20 + 10 * i), resume=True)
+    store = open_store(root)
+    records = read_all(store, RUN)
+    for step in range(0, 30):
+        lifecycle.expire(store, RUN, step)
+    advice = advise(store, RUN)
+    held = [m for m in catalog.committed(store, RUN) if not isinstance(m, Exception)]
+    since = [r for r in records if r["at"] >= min(m.created_at for m in held)]
+    assert len(since) < MIN_FAILURES  # the recoveries before the oldest checkpoint held are outside the span
+    assert advice.inputs.mtbf_s == SCENARIOS[DEFAULT_SCENARIO][0]
+    assert any(f"{len(since)} recoveries since the oldest checkpoint held" in n for n in advice.notes)
