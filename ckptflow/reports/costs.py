@@ -74,7 +74,16 @@ class CostModel:
         doc = json.loads(text)
         if not isinstance(doc, dict):
             raise ValueError("a cost model is a JSON object with 'prices' and/or 'tiers'")
-        return cls({**DEFAULT_PRICES, **doc.get("prices", {})}, {**DEFAULT_TIERS, **doc.get("tiers", {})})
+        prices, tiers = doc.get("prices", {}), doc.get("tiers", {})
+        # checked here, so a file of the wrong shape is one ValueError naming the key, not a TypeError
+        if not isinstance(prices, dict) or not isinstance(tiers, dict):
+            raise ValueError(
+                "'prices' must be an object {CLASS: USD per GB-month} and 'tiers' an object {TIER: CLASS}, "
+                f"got {type(prices).__name__} and {type(tiers).__name__}"
+            )
+        if not all(isinstance(c, str) for c in tiers.values()):
+            raise ValueError(f"'tiers' maps each tier to a storage class name, got {tiers}")
+        return cls({**DEFAULT_PRICES, **prices}, {**DEFAULT_TIERS, **tiers})
 
     def with_classes(self, *, hot: str | None = None, archive: str | None = None) -> CostModel:
         tiers = dict(self.tiers)

@@ -89,3 +89,17 @@ def test_a_step_committed_again_after_its_expiry_is_another_checkpoint_in_the_ba
     assert report.baseline_bytes == first.stats.logical_bytes + again.stats.logical_bytes == 2 << 20
     assert report.savings_bytes["retention"] == first.stats.logical_bytes
     assert report.baseline_usd - sum(report.savings_usd.values()) == pytest.approx(report.monthly_usd, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "text", ['{"prices": [0.02]}', '{"tiers": "STANDARD"}', '{"tiers": {"hot": ["STANDARD"]}}', '{"prices": null}']
+)
+def test_a_price_file_of_the_wrong_shape_is_one_clear_error_not_a_traceback(tmp_path, capsys, text):
+    """``stats --prices`` and ``advise --prices`` catch ValueError: the wrong shape was a TypeError
+    out of ``from_json`` and the command printed a traceback."""
+    with pytest.raises(ValueError, match="'prices' must be|'tiers' maps"):
+        CostModel.from_json(text)
+    prices = tmp_path / "prices.json"
+    prices.write_text(text)
+    code, _, err = run_cli(capsys, "stats", str(tmp_path), "--prices", str(prices))
+    assert code == 2 and "prices.json" in err and "Traceback" not in err
