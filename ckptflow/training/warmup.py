@@ -147,6 +147,10 @@ class Warmup:
             raise ValueError(f"Warmup(when=...) must be one of {WHEN}, got {self.when!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise ValueError(f"Warmup(steps=...) must be a number of steps >= 0, got {self.steps!r}")
+        # checked here, not by WarmupLR: that runs only after a degraded load, so a bad factor
+        # would surface as an error in the middle of recovering from damage
+        if not 0 < self.start_factor <= 1:
+            raise ValueError(f"Warmup(start_factor=...) must be in (0, 1], got {self.start_factor!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +185,12 @@ def warm_up(result: RestoreResult, state: Mapping[str, Any], warmup: Warmup, *, 
     if (warmup.steps or warmup.reset_momentum) and not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedStateError(
             f"Warmup(optimizer={warmup.optimizer!r}) names no optimizer in the state (it has {sorted(state)})"
+        )
+    if warmup.steps and warmup.scheduler is not None and warmup.scheduler not in state:
+        # the ramp would run without the schedule, and the caller steps the ramp instead of it
+        raise UnsupportedStateError(
+            f"Warmup(scheduler={warmup.scheduler!r}) names no entry of the state (it has {sorted(state)}): "
+            "name the scheduler's key, or leave scheduler=None for a constant learning rate"
         )
     reasons = degraded(result, optimizer)
     act = warmup.when == "always" or bool(reasons)

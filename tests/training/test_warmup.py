@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ckptflow import Checkpointer, Warmup, WarmupLR
+from ckptflow.errors import UnsupportedStateError
 from ckptflow.training.warmup import derived_seed, reseed
 from support.corrupt import chunk_path, flip_byte, only_in
 
@@ -137,3 +138,18 @@ def test_restore_warms_up_only_a_degraded_load_and_reseeds_when_rng_was_not_save
         assert result.warmup.lr is not None and always["optim"].param_groups[0]["lr"] == pytest.approx(0.01)
     with pytest.raises(ValueError, match="when"):
         Warmup(when="sometimes")
+
+
+def test_a_bad_warmup_is_refused_before_a_load_needs_it_not_after_a_degraded_one(tmp_path):
+    """``start_factor`` was checked only by WarmupLR, made only after a degraded load, so a
+    bad one raised in the middle of a recovery from damage; a scheduler named but absent
+    was ignored (the ramp ran without the schedule, and the caller steps the ramp instead)."""
+    with pytest.raises(ValueError, match="start_factor"):
+        Warmup(steps=4, start_factor=2.0)
+    with pytest.raises(ValueError, match="start_factor"):
+        Warmup(steps=4, start_factor=0.0)
+    root = str(tmp_path)
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, plain_state())
+        with pytest.raises(UnsupportedStateError, match="scheduler='schedule'"):  # the key is "sched"
+            ck.restore(plain_state(), warmup=Warmup(steps=4, scheduler="schedule", when="always"))
