@@ -104,7 +104,8 @@ def run_metrics(
         if verdict and verdict.get("ok") and isinstance(verdict.get("recorded_at"), (int, float)):
             ready.append(max(0.0, verdict["recorded_at"] - info.created_at))
             ready_at.append(info.created_at)
-    recs = read_all(store, run)
+    first = created[0] if created else None
+    recs = [r for r in read_all(store, run) if not _first_start(r, first)]
     ok = [r for r in recs if r.get("ok")]
     durations = [r["duration_s"] for r in ok if isinstance(r.get("duration_s"), (int, float))]
     return RunMetrics(
@@ -125,6 +126,21 @@ def run_metrics(
         detection_s=detection_s,
         selectors=dict(Counter(str(r.get("select") or "latest") for r in recs)),
         last_recovery=recs[-1] if recs else None,
+    )
+
+
+def _first_start(record: dict, first_checkpoint_at: float | None) -> bool:
+    """A restore that found no checkpoint at all before the run's first one was committed:
+    the run's first launch (the documented pattern catches ``NoValidCheckpointError`` and
+    trains from scratch), not a failed recovery. Without a checkpoint held nothing tells
+    the two apart, so such a record still counts."""
+    return (
+        first_checkpoint_at is not None
+        and not record.get("ok")
+        and not record.get("skipped")
+        and not record.get("passed_over")
+        and isinstance(record.get("at"), (int, float))
+        and record["at"] < first_checkpoint_at
     )
 
 

@@ -125,3 +125,23 @@ def test_rpo_rto_and_freshness_from_a_store(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "RPO" in out and "RTO (MED / WORST)" in out and "detection (30.0 s" in out
     assert "archive" in out.split("bytes per tier:")[1].splitlines()[0]
+
+
+def test_a_first_launch_that_finds_nothing_to_restore_is_not_a_failed_recovery(tmp_path):
+    """The documented fresh start (catch NoValidCheckpointError, train from scratch) was
+    counted as a failed recovery: 1 recovery, 0 succeeded, success rate 0% for a run that
+    never lost anything. A restore that fails on a run with checkpoints still counts."""
+    root = str(tmp_path)
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(root, "job") as ck:
+        with pytest.raises(NoValidCheckpointError):
+            ck.restore(state)  # the first launch: nothing saved yet
+        ck.save(1, state)
+    store = open_store(root)
+    m = recoveries.run_metrics(store, "job")
+    assert (m.recoveries, m.recoveries_ok, m.recovery_success_rate, m.last_recovery) == (0, 0, None, None)
+    with Checkpointer(root, "job") as ck:
+        with pytest.raises(NoValidCheckpointError):
+            ck.restore(state, step=7)  # a restore that fails once checkpoints exist is a failed recovery
+    m = recoveries.run_metrics(store, "job")
+    assert (m.recoveries, m.recoveries_ok) == (1, 0)
