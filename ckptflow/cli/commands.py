@@ -80,7 +80,7 @@ def duration_arg(text: str) -> float:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if seconds < 0:
-        raise argparse.ArgumentTypeError(f"grace {text!r} is negative; it must be at least the slowest save")
+        raise argparse.ArgumentTypeError(f"{text!r} is negative: a duration is 0 or more")
     return seconds
 
 

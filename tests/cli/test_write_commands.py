@@ -153,7 +153,8 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["verify", "{root}", "--run", RUN, "--step", "10", "--all"], "not allowed with argument"),
         (["verify", "{root}"], "--run"),
         (["gc", "{root}", "--grace", "soon"], "not understood"),
-        (["gc", "{root}", "--grace=-1h"], "negative"),
+        (["gc", "{root}", "--grace=-1h"], "argument --grace: '-1h' is negative"),
+        (["advise", "{root}", "--run", RUN, "--mtbf=-6h"], "argument --mtbf: '-6h' is negative"),  # was "grace"
         (["gc", "{root}", "--grace", "nan"], "not a finite number"),  # NaN compares false: would protect nothing
         (["gc", "{root}", "--grace", "infh"], "not a finite number"),
         (["gc", "{root}"], "--grace"),
