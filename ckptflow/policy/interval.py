@@ -70,13 +70,18 @@ class IntervalInputs:
             "full_bytes",
             "gpu_hour_usd",
             "storage_usd_per_gb_month",
+            "recent_days",
+            "full_days",
+            "incremental_bytes",
         ):
             value = getattr(self, name)
+            if value is None and name == "incremental_bytes":
+                continue
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
         if not math.isfinite(self.mtbf_s) or self.mtbf_s <= 0:
             raise ValueError(f"mtbf_s must be a positive number of seconds, got {self.mtbf_s!r}")
-        if self.step_time_s is not None and not self.step_time_s > 0:
+        if self.step_time_s is not None and not (math.isfinite(self.step_time_s) and self.step_time_s > 0):
             raise ValueError(f"step_time_s must be positive or None, got {self.step_time_s!r}")
         if self.full_every < 1 or self.gpus < 1:
             raise ValueError(f"full_every and gpus must be at least 1, got {self.full_every} and {self.gpus}")

@@ -67,7 +67,19 @@ def test_mixing_fulls_and_incrementals_averages_the_save_cost():
     assert model.with_mix(base, full_s=10.0, incremental_s=None, every=10).save_s == 10.0
 
 
-@pytest.mark.parametrize("bad", [{"mtbf_s": 0.0}, {"save_s": -1.0}, {"step_time_s": 0.0}, {"restore_s": math.nan}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"mtbf_s": 0.0},
+        {"save_s": -1.0},
+        {"step_time_s": 0.0},
+        {"step_time_s": math.inf},  # every interval zero steps
+        {"restore_s": math.nan},
+        {"incremental_bytes": -1.0},  # negative storage bills
+        {"recent_days": math.nan},
+        {"full_days": -30.0},
+    ],
+)
 def test_bad_inputs_are_refused_saying_which(bad):
     fields = {"save_s": 1.0, "save_duration_s": 1.0, "restore_s": 1.0, "mtbf_s": DAY, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
