@@ -42,5 +42,5 @@ echo "bench rc=${PIPESTATUS[0]}"
 XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n 8"
 PYTHONPATH=$PYTHONPATH:$PWD/tests timeout "${SUITE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -c /dev/null \
   --rootdir "$PWD" --import-mode=importlib $XDIST tests/training tests/dcp tests/chunks \
-  --ignore=tests/dcp/test_distributed_s3.py -k "not s3" 2>&1 | tail -40 | tee "$OUT/suites.log"
+  --ignore=tests/dcp/test_distributed_s3.py -k "not s3" --tb=short -W ignore 2>&1 | tee "$OUT/suites.log" | tail -60
 echo "suites rc=${PIPESTATUS[0]}"
