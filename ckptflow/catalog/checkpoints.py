@@ -174,7 +174,7 @@ def summaries(store: Store, run: str | None = None) -> Iterator[CheckpointInfo |
     listed = list(listing(store, run, manifests_only=True))
     for name in dict.fromkeys(e.run for e in listed if isinstance(e, StepListing)):
         steps = [e for e in listed if isinstance(e, StepListing) and e.run == name and e.manifest is not None]
-        index = ObjectIndex(store, f"runs/{name}", manifest_summary)
+        index = ObjectIndex(store, f"runs/{name}", manifest_summary, limit=MAX_RECORD_BYTES)
         values = index.values(e.manifest for e in steps)  # type: ignore[misc]
         for entry in steps:
             key = fmt.manifest_key(name, entry.step)

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptflow.errors import CkptflowError, ManifestError, ObjectNotFoundError
-from ckptflow.format.sealed import seal, unseal
+from ckptflow.errors import CkptflowError, ManifestError, ObjectNotFoundError, ObjectTooLargeError, RecordTooLargeError
+from ckptflow.format.sealed import MAX_RECORD_BYTES, seal, unseal
 from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "index/"
@@ -36,13 +36,16 @@ Derive = Callable[[ObjectInfo, bytes], Any]
 
 
 class ObjectIndex:
-    def __init__(self, store: Store, name: str, derive: Derive, *, threads: int | None = None):
-        self.store, self.key, self.derive = store, f"{PREFIX}{name}.json", derive
+    """``limit``: the most bytes an indexed object may hold; a larger one is refused unread
+    (``RecordTooLargeError`` as its value), so one multi-GB object never costs its size in memory."""
+
+    def __init__(self, store: Store, name: str, derive: Derive, *, limit: int, threads: int | None = None):
+        self.store, self.key, self.derive, self.limit = store, f"{PREFIX}{name}.json", derive, limit
         self.threads = threads or (2 if store.cheap_reread else 32)
 
     def _load(self) -> dict[str, Any]:
         try:
-            doc = unseal(self.store.get(self.key), f"index {self.store.url}/{self.key}")
+            doc = unseal(self.store.get_bounded(self.key, MAX_RECORD_BYTES), f"index {self.store.url}/{self.key}")
         except ObjectNotFoundError:
             return {}
         except (CkptflowError, OSError) as e:  # damaged or unreadable: rebuild it
@@ -67,7 +70,9 @@ class ObjectIndex:
 
         def read(info: ObjectInfo) -> Any:
             try:
-                return self.derive(info, self.store.get(info.key))
+                return self.derive(info, self.store.get_bounded(info.key, self.limit))
+            except ObjectTooLargeError as e:
+                return RecordTooLargeError(f"{e}; no ckptflow record is that large: it is corrupt or hostile")
             except (CkptflowError, OSError) as e:
                 return e
 

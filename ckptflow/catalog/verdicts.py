@@ -27,6 +27,7 @@ from ckptflow.catalog.object_index import ObjectIndex, record_value
 from ckptflow.errors import CkptflowError, FailedValidationError, InvalidNameError, ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
+from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "lifecycle/"
@@ -104,7 +105,7 @@ def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dic
     out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
     for run, listed in by_run.items():
         try:
-            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value)
+            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value, limit=MAX_RECORD_BYTES)
             values = index.values([info for info, _ in listed])
         except CkptflowError:
             continue  # a stray directory under lifecycle/: not a run's records

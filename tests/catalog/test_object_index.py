@@ -11,6 +11,7 @@ import torch
 
 from ckptflow import Checkpointer, lifecycle, open_store
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.object_index import PREFIX
 from ckptflow.format import layout as fmt
 from support.corrupt import flip_byte, manifest_path
@@ -110,3 +111,15 @@ def test_an_s3_object_rewritten_within_the_same_second_is_read_again(s3_store_ur
     else:
         pytest.skip("could not rewrite within one second of the listing")
     assert catalog.list_checkpoints(store, RUN) == []
+
+
+def test_an_object_over_the_limit_is_refused_unread(tmp_path, monkeypatch):
+    """A manifest larger than any record is a ``too_big`` problem before its bytes are read:
+    ``ls`` read a 1.2 GB manifest whole (peak RSS 1.27 GB) before refusing it."""
+    root = str(tmp_path / "store")
+    saved(root, [1])
+    monkeypatch.setattr(catalog, "MAX_RECORD_BYTES", 64)  # the real manifest is a few hundred bytes
+    store = open_store(root)
+    monkeypatch.setattr(store, "get", lambda key: pytest.fail(f"{key} was read whole"))
+    (problem,) = catalog.summaries(store)
+    assert isinstance(problem, Problem) and problem.kind == "too_big" and "more than the 64 expected" in problem.message
