@@ -12,7 +12,8 @@ import logging
 import time
 import uuid
 
-from ckptflow.errors import CkptflowError, ObjectNotFoundError
+from ckptflow.catalog.records import is_number, read_object
+from ckptflow.errors import CkptflowError, ManifestError, ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
@@ -58,12 +59,42 @@ def record(
 
 
 def read_all(store: Store, run: str | None = None) -> list[dict]:
-    """Recovery records, oldest first (one listing plus small reads)."""
+    """Recovery records, oldest first (one listing plus small reads). A damaged record (too
+    large, not JSON, not an object, or a field of another type than ``record`` writes) is
+    skipped with a warning naming it: every report built on these records compares ``at``,
+    counts ``ok`` and averages ``duration_s``, so one such record crashed them or skewed them."""
     prefix = PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/"
     out = []
     for info in store.list(prefix):
         try:
-            out.append(json.loads(store.get(info.key)))
-        except (ObjectNotFoundError, ValueError):
+            body = read_object(store, info.key)
+        except ObjectNotFoundError:
             continue
-    return sorted(out, key=lambda r: r.get("at", 0))
+        except ManifestError as e:
+            _skip(e)
+            continue
+        if problem := _problem(body):
+            _skip(f"recovery record {store.url}/{info.key} {problem}: it is damaged")
+        else:
+            out.append(body)
+    return sorted(out, key=lambda r: r["at"])
+
+
+def _problem(body: dict) -> str | None:
+    """What in a recovery record is not of the type ``record`` writes (None if nothing)."""
+    if not is_number(body.get("at"), minimum=0):
+        return f"has 'at' = {body.get('at')!r}, not a time"
+    if type(body.get("ok")) is not bool:
+        return f"has 'ok' = {body.get('ok')!r}, not true or false"
+    step, duration = body.get("step"), body.get("duration_s")
+    if step is not None and (type(step) is not int or step < 0):
+        return f"has 'step' = {step!r}, not a step number"
+    if duration is not None and not is_number(duration, minimum=0):
+        return f"has 'duration_s' = {duration!r}, not a duration"
+    if not all(isinstance(body.get(k, []), list) for k in ("skipped", "passed_over")):
+        return "has 'skipped' or 'passed_over' that is not a list"
+    return None
+
+
+def _skip(problem: object) -> None:
+    log.warning("%s; it is left out of the recovery figures (delete it)", problem)

@@ -91,9 +91,10 @@ def _sealed_body(blob: bytes, claimed: Any) -> bytes | None:
     return blob[: -len(tail)] + b"}" if blob.endswith(tail) else None
 
 
-def unseal(blob: bytes, where: str) -> dict:
-    """Parse and verify a sealed record; ``ManifestError`` naming ``where`` otherwise, or
-    ``NewerFormatError`` for a whole record of a format newer than this ckptflow reads."""
+def parse_json(blob: bytes, where: str) -> Any:
+    """Any ckptflow record's JSON, sealed or not, within the size and depth bounds: one rule
+    for every reader, so a truncated, hostile or deeply nested record is one ``ManifestError``
+    naming ``where`` (damage), never a ``ValueError`` or ``RecursionError`` from the parser."""
     if len(blob) > MAX_RECORD_BYTES:
         raise ManifestError(f"{where} is {len(blob)} bytes, more than any ckptflow record ({MAX_RECORD_BYTES})")
     try:
@@ -102,10 +103,17 @@ def unseal(blob: bytes, where: str) -> dict:
         raise ManifestError(f"{where} is not valid JSON ({e}); the record is corrupt") from None
     except RecursionError:
         raise ManifestError(f"{where} is nested deeper than any ckptflow record; it is corrupt or hostile") from None
+    if type(record) in (dict, list) and not _depth_ok(record, MAX_DEPTH):
+        raise ManifestError(f"{where} is nested deeper than {MAX_DEPTH} levels; it is corrupt or hostile")
+    return record
+
+
+def unseal(blob: bytes, where: str) -> dict:
+    """Parse and verify a sealed record; ``ManifestError`` naming ``where`` otherwise, or
+    ``NewerFormatError`` for a whole record of a format newer than this ckptflow reads."""
+    record = parse_json(blob, where)
     if not isinstance(record, dict) or "checksum" not in record:
         raise ManifestError(f"{where} has no checksum field; it is not a ckptflow record")
-    if not _depth_ok(record, MAX_DEPTH):
-        raise ManifestError(f"{where} is nested deeper than {MAX_DEPTH} levels; it is corrupt or hostile")
     claimed = record.pop("checksum")
     as_sealed = _sealed_body(blob, claimed)
     actual = "" if as_sealed is None else hashlib.sha256(as_sealed).hexdigest()
