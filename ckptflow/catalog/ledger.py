@@ -12,15 +12,18 @@ GC never sweeps ``ledger/``.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
-from ckptflow.errors import CkptflowError
+from ckptflow.catalog.records import is_number, read_object
+from ckptflow.errors import CkptflowError, ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
 
 PREFIX = "ledger/expired/"
+log = logging.getLogger("ckptflow")
 EXPIRING = "ledger/expiring/"  # expiries deleting records now (or that failed doing so)
 
 
@@ -64,13 +67,34 @@ def unfinished_expiries(store: Store) -> list[tuple[str, int, str, str]]:
 
 
 def expired(store: Store) -> list[dict[str, Any]]:
-    """Every ledger entry of ``store`` (unreadable ones skipped)."""
+    """Every ledger entry of ``store``. An unreadable or damaged one (too large, not JSON, or
+    without the run, step, digest and byte count ``record_expiry`` writes) is skipped with a
+    warning naming it: the cost report keys entries by commit and sums their bytes, so one
+    crashed it (KeyError, TypeError) or priced retention at a negative 4.5 TiB."""
     out = []
     for info in store.list(PREFIX):
         try:
-            entry = json.loads(store.get(info.key))
-        except (CkptflowError, ValueError, RecursionError):
+            entry = read_object(store, info.key)
+        except ObjectNotFoundError:
             continue
-        if isinstance(entry, dict) and isinstance(entry.get("logical_bytes"), int):
+        except CkptflowError as e:
+            log.warning("%s; the ledger entry is left out of the cost report", e)
+            continue
+        step, nbytes = entry.get("step"), entry.get("logical_bytes")
+        if (
+            isinstance(entry.get("run"), str)
+            and type(step) is int
+            and step >= 0
+            and isinstance(entry.get("digest", ""), (str, type(None)))
+            and type(nbytes) is int
+            and is_number(nbytes, minimum=0)
+        ):
             out.append(entry)
+        else:
+            log.warning(
+                "ledger entry %s/%s has no run, step, digest and byte count of the types ckptflow writes: it is "
+                "damaged and left out of the cost report (delete it)",
+                store.url,
+                info.key,
+            )
     return out
