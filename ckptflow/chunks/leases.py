@@ -108,7 +108,7 @@ def _holder_gone(body: bytes) -> bool:
     try:
         holder = json.loads(body)
         machine, pid, started = holder["machine"], holder["pid"], holder["started"]
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # a body nested deep is no holder either
         return False
     if type(pid) is not int or pid <= 0 or machine != _this_process().get("machine"):
         return False

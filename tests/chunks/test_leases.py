@@ -258,3 +258,12 @@ def test_a_lease_whose_holder_exited_or_whose_pid_names_another_process_is_dead_
     zombie.wait()
     assert [i.key.split("/")[-1] for i in found.dead] == ["exited.json", "reused.json", "zombie.json"]
     assert [i.key.split("/")[-1] for i in found.live] == ["elsewhere.json", "mine.json"]
+
+
+def test_a_lease_nested_deep_is_held_not_a_recursion_error(tmp_path):
+    """A fresh lease whose body is JSON nested 30,000 deep (damaged, or another writer's)
+    proves nothing about its holder: it holds until it ages out. gc died of RecursionError."""
+    store = open_store(str(tmp_path / "store"))
+    key = f"{leases.SAVES.leases}other.json"
+    store.put_if_absent(key, b"[" * 30_000 + b"]" * 30_000)
+    assert [i.key for i in leases.leases(store).live] == [key]
