@@ -141,9 +141,10 @@ class Choice:
     pairs: list[tuple[int, int]]  # (step, tier index), in the order to try
     passed_over: list[tuple[int, str]] = field(default_factory=list)  # (step, why it was not a candidate)
     exact: bool = False  # an exact step: no other step is ever tried
-    # per step, the commits (manifest digests) the selector accepted there; a step not in it: any.
-    # Restore loads only one of them: the step may be committed again after the choice
-    commits: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    # per (step, tier index) of ``pairs``, the commits (manifest digests) the selector accepted
+    # there; a pair not in it: any. Restore loads only one of them: the step may be committed again
+    # after the choice, and a step committed twice is ranked by each commit's own evaluation
+    commits: Mapping[tuple[int, int], frozenset[str]] = field(default_factory=dict)
 
 
 def choose(
@@ -245,7 +246,7 @@ def _validated(
 ) -> Choice:
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
-    commits: dict[int, frozenset[str]] = {}
+    commits: dict[tuple[int, int], frozenset[str]] = {}
     for step in sorted(held, reverse=True):
         verdicts = {d: k["validation"] for d, k in by_step.get(step, {}).items() if "validation" in k}
         ok = {d for d, v in verdicts.items() if v.get("ok") is True}
@@ -263,7 +264,7 @@ def _validated(
             passed.append((step, stale))
             continue
         pairs += [(step, i) for i in tiers]
-        commits[step] = frozenset(ok)
+        commits.update({(step, i): frozenset(ok) for i in tiers})
     return Choice(label, pairs, passed, commits=commits)
 
 
@@ -275,9 +276,9 @@ def _best(
     by_step: dict[int, dict[str, dict]],
     known: Mapping[tuple[int, int], str],
 ) -> Choice:
-    scored: list[tuple[float, int, list[int]]] = []  # (value, step, the tiers holding the commit evaluated)
+    scored: list[tuple[float, int, int]] = []  # (the score of the commit a tier holds, step, tier index)
     passed: list[tuple[int, str]] = []
-    commits: dict[int, frozenset[str]] = {}
+    commits: dict[tuple[int, int], frozenset[str]] = {}
     for step in sorted(held, reverse=True):
         values: dict[str, float] = {}
         failed = False
@@ -291,16 +292,52 @@ def _best(
         if not values:
             passed.append((step, FAILED if failed else f"no evaluation of {select.metric!r}"))
             continue
-        tiers, stale = _on_this_commit(stores, run, step, held[step], set(values), "evaluated", known)
+        tiers, stale = _scored_tiers(stores, run, step, held[step], values, select.mode, known)
         if stale:
             passed.append((step, stale))
             continue
-        scored.append((min(values.values()) if select.mode == "min" else max(values.values()), step, tiers))
-        commits[step] = frozenset(values)
+        for value, index, accepted in tiers:
+            scored.append((value, step, index))
+            commits[(step, index)] = accepted
     sign = 1 if select.mode == "min" else -1
-    scored.sort(key=lambda t: (sign * t[0], -t[1]))
-    pairs = [(step, i) for _, step, tiers in scored for i in tiers]
+    scored.sort(key=lambda t: (sign * t[0], -t[1]))  # stable: a step's tiers of one score keep their order
+    pairs = [(step, index) for _, step, index in scored]
     return Choice(describe(select), pairs, passed, commits=commits)
+
+
+def _scored_tiers(
+    stores: Sequence[Store],
+    run: str,
+    step: int,
+    tiers: list[int],
+    values: dict[str, float],
+    mode: str,
+    known: Mapping[tuple[int, int], str],
+) -> tuple[list[tuple[float, int, frozenset[str]]], str | None]:
+    """``(score, tier index, the commits accepted there)`` for each tier of ``step`` to try,
+    and why none is. ``values``: the score of each evaluated commit of the step. A tier is
+    ranked by the evaluation of the commit it holds, never by another commit of the step:
+    a step committed twice (the first commit evaluated 0.1, the one there now 0.9) ranks at
+    0.9 where the new commit is. With one evaluated commit, the tiers ``_on_this_commit``
+    keeps; with several every tier is read, and one that does not read is ranked at the
+    best score and accepts only the commits that have it (restore passes it over if it
+    then holds another)."""
+    if len(values) == 1:
+        [(only, value)] = values.items()
+        kept, stale = _on_this_commit(stores, run, step, tiers, {only}, "evaluated", known)
+        return [(value, index, frozenset({only})) for index in kept], stale
+    top = min(values.values()) if mode == "min" else max(values.values())
+    ranked: list[tuple[float, int, frozenset[str]]] = []
+    other: str | None = None
+    for index in tiers:
+        held_there = _digest_in(stores, run, step, index, known)
+        if held_there is None:
+            ranked.append((top, index, frozenset(d for d, v in values.items() if v == top)))
+        elif held_there in values:
+            ranked.append((values[held_there], index, frozenset({held_there})))
+        elif other is None:
+            other = held_there
+    return (ranked, None) if ranked or other is None else ([], _stale("evaluated", set(values), other))
 
 
 def _by_alias(
@@ -314,7 +351,7 @@ def _by_alias(
     aliases = alias_records.read_aliases(registry, select.model)
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
-    commits: dict[int, frozenset[str]] = {}
+    commits: dict[tuple[int, int], frozenset[str]] = {}
     seen: set[int] = set()
     for alias in ALIAS_CHAIN[select.alias]:
         if alias not in aliases:
@@ -342,7 +379,7 @@ def _by_alias(
             passed.append((step, stale))
             continue
         pairs += [(step, i) for i in tiers]
-        commits[step] = frozenset({str(digest)})
+        commits.update({(step, i): frozenset({str(digest)}) for i in tiers})
     if not aliases:
         passed.append((-1, f"model {select.model!r} has no aliases in {registry.url}"))
     return Choice(describe(select), pairs, passed, commits=commits)

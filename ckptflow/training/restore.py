@@ -217,7 +217,7 @@ class Restore:
         hot_rejected: set[int] = set()
         for cand, index in pairs:
             tier = self.tiers[index]
-            accepted = choice.commits.get(cand)
+            accepted = choice.commits.get((cand, index))
             failure, loaded = self._try_load(cand, plan_for, tier, collective=collective, accepted=accepted)
             if failure is not None and failure.committed_again:  # not the commit the selector accepted
                 choice = replace(choice, passed_over=[*choice.passed_over, (cand, failure.message)])

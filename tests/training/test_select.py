@@ -19,6 +19,7 @@ from ckptflow.errors import CheckpointExistsError, NewerFormatError, NoValidChec
 from ckptflow.format.layout import READABLE_FORMATS
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
+from ckptflow.reports import inventory
 from ckptflow.reports.recoveries import run_metrics
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
@@ -290,3 +291,35 @@ def test_a_re_evaluation_changes_what_best_recovers_to(tmp_path):
     for step in (1, 2, 3, 4):
         lifecycle.evaluate(store, store, "r", step, lambda tensors, info: {"val_loss": -float(tensors["weight"][0, 0])})
     assert restored(root, select=Best("val_loss")).step == 4
+
+
+@pytest.mark.parametrize("with_archive", [False, True])
+def test_best_ranks_a_step_committed_twice_by_the_commit_each_tier_holds(tmp_path, with_archive):
+    """Step 2's first commit scored 0.1, rotted and was committed again, scoring 0.9: "best"
+    ranks the commit there now at 0.9 (behind step 3's 0.4), never at its predecessor's 0.1;
+    the archive copy of the first commit still ranks first, from the archive."""
+    root = str(tmp_path / "store")
+    archive = open_store(str(tmp_path / "archive"))
+    with Checkpointer(root, "r", chunk_bytes=256) as ck:
+        for step, loss in ((1, 0.5), (2, 0.1)):
+            ck.save(step, {"model": model_at(step)}, metadata={"val_loss": loss})
+    store = open_store(root)
+    for step in (1, 2):
+        lifecycle.evaluate(store, store, "r", step)
+    if with_archive:
+        assert lifecycle.archive(store, archive, "r", 2).ok
+    damage(root, 2)
+    with Checkpointer(root, "r", chunk_bytes=256) as ck:
+        assert ck.restore({"model": model_at(0)}).step == 1  # rejects step 2: a save may replace it
+        ck.save(2, {"model": model_at(22)}, metadata={"val_loss": 0.9})
+        ck.save(3, {"model": model_at(3)}, metadata={"val_loss": 0.4})
+    for step in (2, 3):
+        lifecycle.evaluate(store, store, "r", step)
+    live = {"model": model_at(0)}
+    tiers = [archive.root] if with_archive else []
+    with Checkpointer(root, "r", tiers=tiers) as ck:
+        result = ck.restore(live, select=Best("val_loss", "min"))
+    expected = (2, archive.url, 2.0) if with_archive else (3, store.url, 3.0)
+    assert (result.step, result.tier, live["model"].weight[0, 0].item()) == expected
+    [row] = inventory.recovery_choices(store, inventory.collect(store, archive if with_archive else None))
+    assert row["best"] == expected[0]
