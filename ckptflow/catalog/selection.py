@@ -208,22 +208,28 @@ def _on_this_commit(
     digests: set[str],
     what: str,
     known: Mapping[tuple[int, int], str],
+    *,
+    every: bool = False,
 ) -> tuple[list[int], str | None]:
     """The tiers of ``step`` to try for the commit ``digests`` name, and why none is (it
     was committed again since). Tiers are read in order (or looked up in ``known``) until
     one holds that commit; one holding another commit is left out, one that does not read
-    is kept (restore tries it and reports why)."""
+    is kept (restore tries it and reports why). ``every``: read every tier, not trusting
+    those after the first that holds it: an alias chain may name another commit of the
+    step, which only a later tier (the archive) holds."""
     kept: list[int] = []
     other: str | None = None
+    found = False
     for at, index in enumerate(tiers):
         digest = _digest_in(stores, run, step, index, known)
-        if digest in digests:
+        if digest in digests and not every:
             return kept + tiers[at:], None
-        if digest is None:
+        if digest in digests or digest is None:
+            found = found or digest is not None
             kept.append(index)
         elif other is None:
             other = digest
-    return (kept, None) if other is None else ([], _stale(what, digests, other))
+    return (kept, None) if found or other is None else ([], _stale(what, digests, other))
 
 
 def not_the_commit_accepted(accepted: frozenset[str], current: str) -> str:
@@ -352,7 +358,7 @@ def _by_alias(
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
     commits: dict[tuple[int, int], frozenset[str]] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, str]] = set()  # (step, digest): two aliases may name two commits of one step
     for alias in ALIAS_CHAIN[select.alias]:
         if alias not in aliases:
             continue
@@ -367,14 +373,15 @@ def _by_alias(
             elsewhere = f"{name} was published from run {v_run!r}, not {run!r}"
             passed.append((step if isinstance(step, int) else -1, elsewhere))
             continue
-        if step in seen:
+        if (step, str(digest)) in seen:
             continue
-        seen.add(step)
+        seen.add((step, str(digest)))
         if step not in held:
             passed.append((step, f"{name}: step {step} is in no tier any more"))
             continue
         published = f"{name} was published from"
-        tiers, stale = _on_this_commit(stores, run, step, held[step], {str(digest)}, published, known)
+        untried = [i for i in held[step] if (step, i) not in commits]
+        tiers, stale = _on_this_commit(stores, run, step, untried, {str(digest)}, published, known, every=True)
         if stale:
             passed.append((step, stale))
             continue

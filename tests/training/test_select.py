@@ -323,3 +323,26 @@ def test_best_ranks_a_step_committed_twice_by_the_commit_each_tier_holds(tmp_pat
     assert (result.step, result.tier, live["model"].weight[0, 0].item()) == expected
     [row] = inventory.recovery_choices(store, inventory.collect(store, archive if with_archive else None))
     assert row["best"] == expected[0]
+
+
+def test_an_alias_falls_back_to_the_fallback_commit_of_the_same_step_in_the_archive(tmp_path):
+    """stable (v2) and fallback (v1) were published from two commits of step 2; the archive
+    holds v1's. v2's commit rots: the restore falls back to v1's commit from the archive
+    (the chain reads every tier of the step), not to "no checkpoint is 'm@stable'"."""
+    root, store = make(tmp_path, steps=(1, 2))
+    archive = open_store(str(tmp_path / "archive"))
+    registry = Registry(store)
+    promote(store, registry, PromotionRequest("m", ("r", 2), stage="stable"))
+    assert lifecycle.archive(store, archive, "r", 2).ok
+    damage(root, 2)
+    with Checkpointer(root, "r") as ck:
+        assert ck.restore({"model": model_at(0)}).step == 1
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})  # another commit of step 2
+    promote(store, registry, PromotionRequest("m", ("r", 2), stage="stable"))
+    assert registry.aliases("m") == {"latest": 2, "stable": 2, "fallback": 1}
+    damage(root, 2)
+    live = {"model": model_at(0)}
+    with Checkpointer(root, "r", tiers=[archive.root]) as ck:
+        result = ck.restore(live, select=Alias("m", "stable"))
+    assert (result.step, result.tier, result.digest) == (2, archive.url, registry.get("m", 1).manifest_digest)
+    assert [s for s, _ in result.skipped] == [2] and live["model"].weight[0, 0].item() == 2
