@@ -16,6 +16,7 @@ GC never sweeps ``lifecycle/``; expiring a checkpoint deletes its records.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection
@@ -24,14 +25,24 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ckptflow.catalog.object_index import ObjectIndex, record_value
-from ckptflow.errors import CkptflowError, FailedValidationError, InvalidNameError, ObjectNotFoundError
+from ckptflow.catalog.records import SMALL_RECORD_BYTES, is_number, read_object
+from ckptflow.errors import (
+    CkptflowError,
+    FailedValidationError,
+    InvalidNameError,
+    ManifestError,
+    ObjectNotFoundError,
+    RecordTooLargeError,
+    is_damage,
+)
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
-from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "lifecycle/"
 KINDS = ("validation", "evaluation", "compression", "archive", "failure")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,11 +82,52 @@ def write_record(store: Store, subject: Subject, what: str, data: dict[str, Any]
 
 
 def read_record(store: Store, subject: Subject, what: str) -> dict[str, Any] | None:
+    """The ``what`` record of ``subject``; None when there is none, or it is damaged (said
+    in the log, naming the object): a damaged verdict is no verdict."""
+    key = record_key(subject, what)
     try:
-        record = json.loads(store.get(record_key(subject, what)))
-    except (ObjectNotFoundError, ValueError, RecursionError):
+        record: Any = read_object(store, key)
+    except ObjectNotFoundError:
         return None
-    return record if isinstance(record, dict) else None
+    except (ManifestError, RecordTooLargeError) as e:
+        record = e
+    return _sound(record, what, f"{store.url}/{key}")
+
+
+def _sound(record: Any, what: str, where: str) -> dict[str, Any] | None:
+    """``record`` if it has the shape ckptflow writes a ``what`` record in, else None, with a
+    warning. The fields checked are those decisions read: a validation or archive record's
+    ``ok`` (``"false"``, a string, is truthy: a failed verdict read as passed), an
+    evaluation's ``metrics`` (ranked by ``Best``, retention and promotion; ckptflow records
+    finite numbers only), and when it was recorded."""
+    problem = _shape_problem(record, what)
+    if problem is None:
+        return record
+    log.warning(
+        "lifecycle record %s is damaged (%s) and counts as none; delete it (the next %s of that checkpoint "
+        "records it anew)",
+        where,
+        problem,
+        what,
+    )
+    return None
+
+
+def _shape_problem(record: Any, what: str) -> str | None:
+    if isinstance(record, CkptflowError):
+        return str(record)
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    if "recorded_at" in record and not is_number(record["recorded_at"]):
+        return f"'recorded_at' is {record['recorded_at']!r}, not a time"
+    if what in ("validation", "archive") and type(record.get("ok")) is not bool:
+        return f"'ok' is {record.get('ok')!r}, not true or false"
+    metrics = record.get("metrics")
+    if what == "evaluation" and not (
+        isinstance(metrics, dict) and all(isinstance(k, str) and is_number(v) for k, v in metrics.items())
+    ):
+        return "'metrics' is not an object of finite numbers"
+    return None
 
 
 def records_by_subject(store: Store, run: str | None = None) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
@@ -105,13 +157,16 @@ def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dic
     out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
     for run, listed in by_run.items():
         try:
-            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value, limit=MAX_RECORD_BYTES)
+            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value, limit=SMALL_RECORD_BYTES)
             values = index.values([info for info, _ in listed])
         except CkptflowError:
             continue  # a stray directory under lifecycle/: not a run's records
         for info, (_, step, digest, kind) in listed:
-            record = values[info.key]
-            if isinstance(record, dict):
+            value = values[info.key]
+            if isinstance(value, Exception) and not is_damage(value):
+                continue  # not read (an outage, access denied): that proves nothing about it
+            record = _sound(value, kind, f"{store.url}/{info.key}")
+            if record is not None:
                 out[(run, step, digest)][kind] = record
     return dict(out)
 
