@@ -48,6 +48,7 @@ transient reason (the store is unavailable) stops the tick there and is retried.
 from __future__ import annotations
 
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.catalog.object_index import ObjectIndex
+from ckptflow.catalog.records import is_number
 from ckptflow.catalog.verdicts import Subject, read_record, subjects_with
 from ckptflow.errors import ObjectNotFoundError
 from ckptflow.format import layout as fmt
@@ -79,11 +81,37 @@ class Landed:
 def land(store: Store, cursor: str | None, *, limit: int = MAX_PER_TICK) -> tuple[list[Landed], str]:
     """``new_commits`` over a cursor as a sensor keeps it (JSON text, or None before the
     first tick); a cursor of an older layout starts over (commits validated already are marked so)."""
-    state = json.loads(cursor) if cursor else {}
-    if not isinstance(state.get("seen", []), list):
-        state = {}
-    landed, after = new_commits(store, state, limit)
+    landed, after = new_commits(store, _cursor_state(cursor), limit)
     return landed, json.dumps(after, sort_keys=True)
+
+
+def _cursor_state(cursor: str | None) -> dict:
+    """The cursor as ``new_commits`` reads it; ``{}`` (start over) for one of a shape this
+    code never writes (an older layout, or an operator's hand-edit), which would otherwise
+    raise on every tick, or with a NaN watermark silently land nothing."""
+    try:
+        state = json.loads(cursor) if cursor else {}
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(state, dict):
+        return {}
+    seen, frontier = state.get("seen", []), state.get("frontier", {})
+    sound = (
+        all(is_number(state[k]) for k in ("t", "full_at") if k in state)
+        and isinstance(seen, list)
+        and all(isinstance(s, str) and math.isfinite(_seen_time(s)) for s in seen)
+        and isinstance(frontier, dict)
+        and all(type(v) is int for v in frontier.values())
+    )
+    return state if sound else {}
+
+
+def _seen_time(seen_id: str) -> float:
+    """The commit record's time a ``_seen_id`` ends with; NaN if it is not one."""
+    try:
+        return float(seen_id.rsplit("@", 1)[1])
+    except (IndexError, ValueError):
+        return math.nan
 
 
 def _seen_id(entry: catalog_listing.StepListing) -> str:
@@ -134,7 +162,7 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
         t = max(t, entry.manifest.mtime)  # type: ignore[union-attr]
         seen.add(_seen_id(entry))
         done.append(entry)
-    seen = {s for s in seen if float(s.rsplit("@", 1)[1]) >= t - SLACK}
+    seen = {s for s in seen if _seen_time(s) >= t - SLACK}
     after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done)}
     newest = set(sorted(set(waiting), key=lambda w: (w[2], w[0], w[1]))[-MAX_WAITING:])
     after["waiting"] = [list(w) for w in dict.fromkeys(waiting) if w in newest]  # in the order to read them

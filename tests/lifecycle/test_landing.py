@@ -100,6 +100,28 @@ def test_a_cursor_of_an_older_layout_starts_over(root):
     assert keys(land(store, older)[0]) == [name(1), name(2), name(3)]
 
 
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "[]",
+        "null",
+        "{not json",
+        '{"t": "x"}',
+        '{"t": NaN}',  # compared false with every time: landed nothing, ever
+        '{"full_at": "x"}',
+        '{"seen": ["no-at-sign"]}',
+        '{"seen": ["r/1@inf"]}',
+        '{"frontier": []}',
+        '{"frontier": {"r": "x"}}',
+    ],
+)
+def test_a_cursor_of_a_shape_never_written_starts_over_instead_of_failing_every_tick(root, cursor):
+    store = open_store(root)
+    landed, after = land(store, cursor)
+    assert keys(landed) == [name(1), name(2), name(3)]
+    assert land(store, after)[0] == []
+
+
 def test_a_validated_commit_lands_marked_so(root):
     store = open_store(root)
     lifecycle.validate(store, RUN, 2)
