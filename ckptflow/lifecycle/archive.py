@@ -141,8 +141,8 @@ def _exact(
     if not report.ok:
         return
     try:
-        records = [(key, src.get(key)) for key in manifest.rank_keys()]
-        blob = src.get(fmt.manifest_key(manifest.run, manifest.step))
+        records = [(key, src.get_bounded(key, MAX_RECORD_BYTES)) for key in manifest.rank_keys()]
+        blob = src.get_bounded(fmt.manifest_key(manifest.run, manifest.step), MAX_RECORD_BYTES)
     except CkptflowError as e:
         _problem(report, e)
         return

@@ -9,6 +9,7 @@ manifest only after every chunk verifies, and leave no commit behind when it fai
 Run on a local archive and on a bucket of the moto S3 server (``store_url``).
 """
 
+import os
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from ckptflow.chunks import codecs
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CorruptChunkError, StoreUnavailableError
 from ckptflow.format import layout as fmt
+from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, flip_byte
@@ -259,3 +261,19 @@ def test_compaction_never_replaces_a_chunk_with_bytes_that_do_not_decode_to_it(t
     assert catalog.verify_checkpoint(store, RUN, 1).ok
     assert lifecycle.compress(store, RUN, 1).reencoded > 0
     assert catalog.verify_checkpoint(store, RUN, 1).ok
+
+
+def test_a_rank_record_larger_than_any_record_is_refused_unread_and_nothing_is_committed(tmp_path):
+    """Archival reads the commit's rank records to copy them: bounded like every record
+    (a sparse 1 GiB + 1 byte file here), so damage is a problem of the copy, not 1 GiB read."""
+    hot = open_store(str(tmp_path / "hot"))
+    with Checkpointer(hot, RUN) as ck:
+        ck.save(1, {"w": torch.ones(64)})
+    manifest = catalog.read_manifest(hot, RUN, 1)
+    [rank_key] = manifest.rank_keys()
+    with open(os.path.join(hot.root, rank_key), "r+b") as f:
+        f.truncate(MAX_RECORD_BYTES + 1)
+    archive = open_store(str(tmp_path / "archive"))
+    report = lifecycle.archive(hot, archive, RUN, 1)
+    assert not report.ok and any(rank_key in p for p in report.problems), report.problems
+    assert not archive.exists(fmt.manifest_key(RUN, 1)) and not archive.exists(rank_key)
