@@ -110,7 +110,7 @@ def _holder_gone(body: bytes) -> bool:
         machine, pid, started = holder["machine"], holder["pid"], holder["started"]
     except (ValueError, TypeError, KeyError, RecursionError):  # a body nested deep is no holder either
         return False
-    if type(pid) is not int or pid <= 0 or machine != _this_process().get("machine"):
+    if type(pid) is not int or not 0 < pid < 1 << 31 or machine != _this_process().get("machine"):  # a pid_t
         return False
     try:
         os.kill(pid, 0)  # signal 0 only asks whether the pid exists

@@ -267,3 +267,15 @@ def test_a_lease_nested_deep_is_held_not_a_recursion_error(tmp_path):
     key = f"{leases.SAVES.leases}other.json"
     store.put_if_absent(key, b"[" * 30_000 + b"]" * 30_000)
     assert [i.key for i in leases.leases(store).live] == [key]
+
+
+@pytest.mark.parametrize("pid", [2**70, -(2**70)])
+def test_a_lease_naming_a_pid_no_process_can_have_is_held_not_an_overflow_error(tmp_path, pid):
+    """A lease of this machine whose pid is beyond any pid (damaged, or another writer's)
+    proves nothing about its holder: os.kill raised OverflowError out of gc."""
+    store = open_store(str(tmp_path / "store"))
+    key = f"{leases.SAVES.leases}other.json"
+    body = {**leases._this_process(), "pid": pid}
+    assert body.get("machine"), "needs Linux /proc"
+    store.put_if_absent(key, json.dumps(body).encode())
+    assert [i.key for i in leases.leases(store).live] == [key]
