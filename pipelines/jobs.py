@@ -156,7 +156,7 @@ def scrub_checkpoints(
     context: OpExecutionContext, config: ScrubConfig, store: CheckpointStoreResource, archive: ArchiveTierResource
 ) -> dict:
     """Re-verify every chunk of checkpoints older than N days (bit rot, lost objects) in
-    the hot tier, and of those only the archive holds (``lifecycle.scrub_archive_only``:
+    the hot tier, and of the commits only the archive holds (``lifecycle.scrub_archive_only``:
     their one copy rots unseen otherwise), and record each verdict in the hot store; then
     repair each tier's damaged chunk objects from the other tier's sound copies
     (``ckptflow.lifecycle.repair``) and validate again what failed. Figures are metadata

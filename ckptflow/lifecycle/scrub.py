@@ -8,21 +8,24 @@ its content writes it anew, which repairs every checkpoint sharing it.
 
 The archive tier rots too, and a checkpoint retention expired from the hot tier has no
 other copy: ``scrub_archive_only`` re-verifies those, recording the verdicts in the hot
-store as validation of an archive-only checkpoint does. An archive copy of a checkpoint
-the hot tier still holds is scrubbed there (a verdict names the commit, whichever tier
-was read, so the hot copy's stands)."""
+store as validation of an archive-only checkpoint does. An archive copy of the commit
+the hot tier holds is scrubbed there (a verdict names the commit, whichever tier was
+read, so the hot copy's stands). An archive copy of another commit of that step (a
+lossy copy, or an earlier commit the step was saved again after) is scrubbed in the
+archive: no hot scrub reads its chunks, and retention trusts it once the hot copy goes."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.listing import Problem, StepListing, listing
 from ckptflow.chunks import damaged
-from ckptflow.errors import NewerFormatError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
 from ckptflow.format.manifest import Manifest
+from ckptflow.lifecycle.evaluate import commit_digest
 from ckptflow.lifecycle.validate import validate
 from ckptflow.store.base import Store
 
@@ -46,16 +49,26 @@ def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = No
 def scrub_archive_only(
     hot: Store, archive: Store, *, older_than_s: float = 86400.0, now: float | None = None
 ) -> ScrubReport:
-    """``scrub`` of the checkpoints ``archive`` holds and ``hot`` does not, verdicts
-    recorded in ``hot``. A step the hot tier could not list (a run or a commit record it
-    could not read) is left for the next scrub: it may be a hot checkpoint."""
+    """``scrub`` of the commits ``archive`` holds and ``hot`` does not, verdicts recorded
+    in ``hot``: checkpoints only the archive holds, and archive copies of another commit
+    than the hot one of their step. A step the hot tier could not list or read (a run or
+    a commit record it could not read) is left for the next scrub: it may hold that commit."""
     in_hot = list(listing(hot, manifests_only=True))
     held = {(e.run, e.step) for e in in_hot if isinstance(e, Problem) or e.committed}
     unlisted_runs = {e.run for e in in_hot if isinstance(e, Problem) and e.step is None}
-    archive_only = (
-        e for e in listing(archive, manifests_only=True) if (e.run, e.step) not in held and e.run not in unlisted_runs
-    )
-    return _scrub(archive, archive_only, records=hot, older_than_s=older_than_s, now=now)
+
+    def scrubbed_in_hot(item: Manifest | Problem) -> bool:
+        if (item.run, item.step) not in held:
+            return False
+        if not isinstance(item, Manifest):
+            return True  # which commit the archive holds is unknown: the hot one may be it
+        try:
+            return commit_digest(hot, item.run, item.step) == item.digest
+        except (CkptflowError, OSError):
+            return True
+
+    listed = (e for e in listing(archive, manifests_only=True) if e.run not in unlisted_runs)
+    return _scrub(archive, listed, records=hot, older_than_s=older_than_s, now=now, skip=scrubbed_in_hot)
 
 
 def _scrub(
@@ -65,10 +78,13 @@ def _scrub(
     records: Store,
     older_than_s: float,
     now: float | None,
+    skip: Callable[[Manifest | Problem], bool] = lambda item: False,
 ) -> ScrubReport:
     cutoff = (time.time() if now is None else now) - older_than_s
     report = ScrubReport()
     for item in catalog.committed(store, listed=listed):
+        if skip(item):
+            continue
         if not isinstance(item, Manifest):
             if item.kind == "corrupt" and item.step is not None:
                 report.corrupt.append((item.run, item.step, item.message))

@@ -1,0 +1,69 @@
+"""The archive scrub: which archive copies it verifies.
+
+An archive copy of the commit the hot tier holds is verified by the hot scrub (one
+verdict per commit). Any other commit the archive holds at that step (a lossy copy, an
+earlier commit the step was saved again after) is read by nothing else, so the archive
+scrub verifies it: its rot was unseen while retention counted the copy sound.
+"""
+
+import torch
+from torch import nn
+
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks.lossy import ArchiveCodec
+from ckptflow.format import layout as fmt
+from ckptflow.store import open_store
+from support.corrupt import chunk_path, flip_byte
+
+
+def _stores(tmp_path):
+    return open_store(str(tmp_path / "hot")), open_store(str(tmp_path / "arc"))
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 8))
+
+
+def _rot(root, manifest) -> None:
+    for digest in manifest.chunks:
+        flip_byte(chunk_path(root, digest))
+
+
+def test_a_rotten_lossy_copy_of_a_hot_checkpoint_is_found_and_recorded_as_its_own_commit(tmp_path):
+    hot, arc = _stores(tmp_path)
+    with Checkpointer(hot, "r") as ck:
+        ck.save(1, {"model": _model()})
+    assert lifecycle.archive(hot, arc, "r", 1, codec=ArchiveCodec.parse("weights=bf16,optimizer=exact")).ok
+    copy = catalog.read_manifest(arc, "r", 1)
+    _rot(tmp_path / "arc", copy)
+    report = lifecycle.scrub_archive_only(hot, arc, older_than_s=0)
+    assert report.checked == 1 and [(run, step) for run, step, _ in report.corrupt] == [("r", 1)]
+    assert lifecycle.read_record(hot, lifecycle.Subject.of(copy), "validation")["ok"] is False
+    hot_commit = lifecycle.Subject.of(catalog.read_manifest(hot, "r", 1))
+    assert lifecycle.read_record(hot, hot_commit, "validation") is None  # the hot commit's verdict is its own
+
+
+def test_an_earlier_commit_the_archive_holds_is_scrubbed_in_the_archive(tmp_path):
+    hot, arc = _stores(tmp_path)
+    with Checkpointer(hot, "r") as ck:
+        ck.save(1, {"model": _model(0)})
+    assert lifecycle.archive(hot, arc, "r", 1).ok
+    earlier = catalog.read_manifest(arc, "r", 1)
+    hot.delete(fmt.manifest_key("r", 1))  # as a save of the step again after a rejected restore
+    with Checkpointer(hot, "r") as ck:
+        ck.save(1, {"model": _model(1)})
+    assert catalog.read_manifest(hot, "r", 1).digest != earlier.digest
+    _rot(tmp_path / "arc", earlier)
+    report = lifecycle.scrub_archive_only(hot, arc, older_than_s=0)
+    assert report.checked == 1 and len(report.corrupt) == 1
+
+
+def test_an_archive_copy_of_the_hot_commit_is_left_to_the_hot_scrub(tmp_path):
+    hot, arc = _stores(tmp_path)
+    with Checkpointer(hot, "r") as ck:
+        ck.save(1, {"model": _model()})
+    assert lifecycle.archive(hot, arc, "r", 1).ok
+    report = lifecycle.scrub_archive_only(hot, arc, older_than_s=0)
+    assert report.checked == 0 and not report.corrupt and not report.unreadable
