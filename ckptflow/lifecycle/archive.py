@@ -212,16 +212,20 @@ def _lossy(
 
 
 def _reevaluate(src: Store, dst: Store, manifest: Manifest, evaluator: Evaluator, name: str, key: str) -> dict:
-    """Metrics of the exact checkpoint (its evaluation record, when an evaluator made
-    it) and of the lossy copy, and the change: what the archive codec cost."""
+    """Metrics of the exact checkpoint (its evaluation record, when this evaluator made
+    it: another one's figures are on another scale, so the change would measure the
+    evaluators, not the codec) and of the lossy copy, and the change: what the archive
+    codec cost."""
     if dst.writes_cold:
         return {"skipped": "the copy is in a cold storage class: thaw it, then evaluate it"}
+    name = name or "evaluator"
     record = read_record(src, Subject.of(manifest), "evaluation") or {}
-    exact = record.get("metrics") if record.get("source") == "evaluator" else None
+    ours = record.get("source") == "evaluator" and record.get("evaluator") == name
+    exact = record.get("metrics") if ours else None
     exact = exact or score(src, manifest, evaluator, key)
     lossy = score(dst, catalog.read_manifest(dst, manifest.run, manifest.step), evaluator, key)
     change = {k: lossy[k] - exact[k] for k in lossy if isinstance(exact.get(k), (int, float))}
-    return {"evaluator": name or "evaluator", "metrics_exact": exact, "metrics_lossy": lossy, "metric_change": change}
+    return {"evaluator": name, "metrics_exact": exact, "metrics_lossy": lossy, "metric_change": change}
 
 
 def _check_chunks(
