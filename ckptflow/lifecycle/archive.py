@@ -73,15 +73,19 @@ def archive(
     what an earlier one left.
 
     A ``codec`` that is not exact writes a lossy copy instead (``archive_lossy``),
-    unless the archive already holds the exact one; with an ``evaluator`` the copy is
-    then re-evaluated and the metric change recorded next to the exact metrics.
+    unless the archive already holds the exact one, or the checkpoint is a lossy copy
+    already (an import of its export): rounded again, its record would name only the
+    second loss, so it is copied as it is, with the record of what it lost; with an
+    ``evaluator`` a lossy copy is then re-evaluated and the metric change recorded next
+    to the exact metrics.
 
     A tier that could not be read (an outage, a cold or denied object) proves nothing:
     ``StoreUnavailableError`` is raised and no record is written, so archival can retry.
     """
     manifest = catalog.read_manifest(src, run, step)
-    report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest)
-    if codec is None or codec.exact or _holds_exact(dst, manifest):
+    lost = None if manifest.lossy is None else dict(manifest.lossy)
+    report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest, lossy=lost)
+    if codec is None or codec.exact or manifest.lossy is not None or _holds_exact(dst, manifest):
         _exact(src, dst, manifest, report, progress)
     else:
         _lossy(src, dst, manifest, codec, report, progress)

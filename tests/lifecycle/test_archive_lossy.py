@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.store import open_store
 
@@ -50,3 +51,16 @@ def test_the_metric_change_reuses_the_same_evaluators_exact_score(tmp_path):
     report = lifecycle.archive(hot, arc, "r", 1, codec=BF16, evaluator=counting, evaluator_name="pkg:set")
     assert report.evaluation["metrics_exact"] == recorded["metrics"]
     assert calls == [report.archive_digest]  # only the lossy copy was scored again
+
+
+def test_a_lossy_checkpoint_is_archived_as_it_is_with_what_it_lost(tmp_path):
+    """A checkpoint that is a lossy copy already (an import of a lossy export): rounded
+    again for an optimizer-only codec, its record said the weights were exact."""
+    hot, lossy_hot, arc = _hot(tmp_path), open_store(str(tmp_path / "lossy")), open_store(str(tmp_path / "arc"))
+    assert lifecycle.archive(hot, lossy_hot, "r", 1, codec=BF16).ok
+    held = catalog.read_manifest(lossy_hot, "r", 1)
+    report = lifecycle.archive(lossy_hot, arc, "r", 1, codec=ArchiveCodec.parse("weights=exact,optimizer=int8"))
+    assert report.ok, report.problems
+    copy = catalog.read_manifest(arc, "r", 1)
+    assert copy.digest == held.digest == report.archive_digest and copy.lossy["weights"] == "bf16"
+    assert report.lossy == held.lossy
