@@ -75,10 +75,18 @@ def evaluator_errors(evaluator: str | None, checkpoint: str) -> Iterator[None]:
 
 
 def score(source: Store, manifest: Manifest, evaluator: Evaluator, key: str = "model") -> dict[str, float]:
-    """``evaluator``'s metrics for the ``key`` tensors of a checkpoint (every chunk verified)."""
+    """``evaluator``'s metrics for the ``key`` tensors of the commit ``manifest`` (every
+    chunk verified). The tensors are read by ``(run, step)``: a step committed again
+    after ``manifest`` was read would be scored under its digest, so that raises."""
     from ckptflow.interop.export import load_tensors  # torch only where a model is scored
 
-    tensors, _ = load_tensors(source, manifest.run, manifest.step, prefix=key.rstrip(".") + ".")
+    tensors, loaded = load_tensors(source, manifest.run, manifest.step, prefix=key.rstrip(".") + ".")
+    if loaded.digest != manifest.digest:
+        raise CkptflowError(
+            f"run {manifest.run!r} step {manifest.step} in {source.url} was committed again while it was being "
+            f"evaluated (manifest {manifest.digest[:12]}… is now {loaded.digest[:12]}…); nothing was recorded: "
+            "evaluate the new commit"
+        )
     info = {
         "run": manifest.run,
         "step": manifest.step,
