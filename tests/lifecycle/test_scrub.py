@@ -13,6 +13,7 @@ from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.format import layout as fmt
+from ckptflow.lifecycle.archive import copy_matches
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, flip_byte
 
@@ -36,6 +37,7 @@ def test_a_rotten_lossy_copy_of_a_hot_checkpoint_is_found_and_recorded_as_its_ow
     with Checkpointer(hot, "r") as ck:
         ck.save(1, {"model": _model()})
     assert lifecycle.archive(hot, arc, "r", 1, codec=ArchiveCodec.parse("weights=bf16,optimizer=exact")).ok
+    assert copy_matches(hot, arc, "r", 1) is None
     copy = catalog.read_manifest(arc, "r", 1)
     _rot(tmp_path / "arc", copy)
     report = lifecycle.scrub_archive_only(hot, arc, older_than_s=0)
@@ -43,6 +45,8 @@ def test_a_rotten_lossy_copy_of_a_hot_checkpoint_is_found_and_recorded_as_its_ow
     assert lifecycle.read_record(hot, lifecycle.Subject.of(copy), "validation")["ok"] is False
     hot_commit = lifecycle.Subject.of(catalog.read_manifest(hot, "r", 1))
     assert lifecycle.read_record(hot, hot_commit, "validation") is None  # the hot commit's verdict is its own
+    # and retention no longer counts that copy as the checkpoint's: the hot copy stays
+    assert "failed validation" in copy_matches(hot, arc, "r", 1)
 
 
 def test_an_earlier_commit_the_archive_holds_is_scrubbed_in_the_archive(tmp_path):
