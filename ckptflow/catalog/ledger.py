@@ -66,13 +66,14 @@ def unfinished_expiries(store: Store) -> list[tuple[str, int, str, str]]:
     return found
 
 
-def expired(store: Store) -> list[dict[str, Any]]:
-    """Every ledger entry of ``store``. An unreadable or damaged one (too large, not JSON, or
-    without the run, step, digest and byte count ``record_expiry`` writes) is skipped with a
-    warning naming it: the cost report keys entries by commit and sums their bytes, so one
-    crashed it (KeyError, TypeError) or priced retention at a negative 4.5 TiB."""
+def expired(store: Store, run: str | None = None) -> list[dict[str, Any]]:
+    """Every ledger entry of ``store`` (of ``run`` only, if given). An unreadable or damaged
+    one (too large, not JSON, or without the run, step, digest and byte count
+    ``record_expiry`` writes) is skipped with a warning naming it: the cost report keys
+    entries by commit and sums their bytes, so one crashed it (KeyError, TypeError) or priced
+    retention at a negative 4.5 TiB."""
     out = []
-    for info in store.list(PREFIX):
+    for info in store.list(PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/"):
         try:
             entry = read_object(store, info.key)
         except ObjectNotFoundError:

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
+from ckptflow.catalog.ledger import expired
+from ckptflow.catalog.records import is_number
 from ckptflow.catalog.recovery_log import PREFIX, read_all
 from ckptflow.catalog.verdicts import records_by_subject
 from ckptflow.store.base import Store
@@ -104,7 +106,7 @@ def run_metrics(
         if verdict and verdict.get("ok") and isinstance(verdict.get("recorded_at"), (int, float)):
             ready.append(max(0.0, verdict["recorded_at"] - info.created_at))
             ready_at.append(info.created_at)
-    first = created[0] if created else None
+    first = _first_commit_at(store, run, created)
     recs = [r for r in read_all(store, run) if not _first_start(r, first)]
     ok = [r for r in recs if r.get("ok")]
     durations = [r["duration_s"] for r in ok if isinstance(r.get("duration_s"), (int, float))]
@@ -129,11 +131,20 @@ def run_metrics(
     )
 
 
+def _first_commit_at(store: Store, run: str, created: list[float]) -> float | None:
+    """When the run's first checkpoint was committed: the oldest held, or an older one that
+    retention expired (the ledger keeps its commit time). Only the held ones would move the
+    run's start forward with every expiry, and every failed recovery before the oldest
+    checkpoint still held would read as a first launch."""
+    gone = [e["created_at"] for e in expired(store, run) if is_number(e.get("created_at"), minimum=0)]
+    return min(created + gone, default=None)
+
+
 def _first_start(record: dict, first_checkpoint_at: float | None) -> bool:
-    """A restore that found no checkpoint at all before the run's first one was committed:
-    the run's first launch (the documented pattern catches ``NoValidCheckpointError`` and
-    trains from scratch), not a failed recovery. Without a checkpoint held nothing tells
-    the two apart, so such a record still counts."""
+    """A restore that found no checkpoint at all before the run's first one was committed
+    (``_first_commit_at``): the run's first launch (the documented pattern catches
+    ``NoValidCheckpointError`` and trains from scratch), not a failed recovery. Without a
+    checkpoint ever committed nothing tells the two apart, so such a record still counts."""
     return (
         first_checkpoint_at is not None
         and not record.get("ok")

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from ckptflow import Checkpointer, NoValidCheckpointError, lifecycle, open_store
+from ckptflow import Checkpointer, NoValidCheckpointError, StateMismatchError, lifecycle, open_store
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import recovery_log
 from ckptflow.cli import main as cli
@@ -143,5 +143,21 @@ def test_a_first_launch_that_finds_nothing_to_restore_is_not_a_failed_recovery(t
     with Checkpointer(root, "job") as ck:
         with pytest.raises(NoValidCheckpointError):
             ck.restore(state, step=7)  # a restore that fails once checkpoints exist is a failed recovery
+    m = recoveries.run_metrics(store, "job")
+    assert (m.recoveries, m.recoveries_ok) == (1, 0)
+
+
+def test_a_failed_recovery_still_counts_once_retention_expired_the_checkpoints_before_it(tmp_path):
+    """The run's first commit is when its first checkpoint was committed, expired or not (the
+    ledger keeps its time): measured from the oldest checkpoint still held, every failed
+    recovery older than it read as a first launch once retention expired the ones before."""
+    root = str(tmp_path)
+    with Checkpointer(root, "job") as ck:
+        ck.save(1, {"w": torch.zeros(8)})
+        with pytest.raises(StateMismatchError):
+            ck.restore({"w": torch.zeros(9)})  # a failed recovery of a run with a checkpoint
+        ck.save(2, {"w": torch.zeros(8)})
+    store = open_store(root)
+    lifecycle.expire(store, "job", 1)
     m = recoveries.run_metrics(store, "job")
     assert (m.recoveries, m.recoveries_ok) == (1, 0)
