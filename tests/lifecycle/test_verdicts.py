@@ -6,6 +6,8 @@ import pytest
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.records import SMALL_RECORD_BYTES
+from ckptflow.catalog.verdicts import record_key, records_by_subject
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.store import open_store
 from support.cli import RUN as CLI_RUN
@@ -103,3 +105,16 @@ def test_a_missing_chunk_is_damage_and_a_denied_record_is_not(tmp_path):
     assert report.unavailable and "Permission denied" in report.problems[0]
     with pytest.raises(StoreUnavailableError, match="Permission denied"):
         lifecycle.validate(flaky, "r", 1)
+
+
+def test_a_verdict_larger_than_any_record_is_refused_unread(tmp_path, monkeypatch):
+    """A verdict is a few KB; one over ``SMALL_RECORD_BYTES`` is damage, refused from its size
+    by ``read_record`` and by the verdict index alike. Both read it whole (the index took 1.2 GB
+    of RSS for a 300 MB verdict) and trusted what it said."""
+    store, _ = make(tmp_path)
+    key = record_key(subject(store, 1), "validation")
+    store.replace(key, b'{"ok": true, "pad": "' + b"x" * SMALL_RECORD_BYTES + b'"}')
+    whole = store.get
+    monkeypatch.setattr(store, "get", lambda k: pytest.fail(f"{k} was read whole") if k == key else whole(k))
+    assert lifecycle.read_record(store, subject(store, 1), "validation") is None
+    assert not any(s[1] == 1 for s in records_by_subject(store, "r"))
