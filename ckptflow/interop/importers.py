@@ -45,7 +45,7 @@ from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
-from ckptflow.interop.source_files import check_regular_file
+from ckptflow.interop.source_files import check_regular_file, read_json_file
 from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
@@ -96,16 +96,7 @@ VIEW_BYTES_SLACK = 64 << 20  # ... plus this much (a fused weight beside its sli
 
 
 def _read_json(path: str) -> Any:
-    check_regular_file(path)
-    if os.path.getsize(path) > MAX_JSON_BYTES:
-        raise CkptflowError(f"{path} is larger than {MAX_JSON_BYTES} bytes; refused unread")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CkptflowError(f"{path} is not valid JSON ({e})") from None
-    except RecursionError:
-        raise CkptflowError(f"{path} nests deeper than any JSON ckptflow reads; it is corrupt or hostile") from None
+    return read_json_file(path, limit=MAX_JSON_BYTES)
 
 
 def _from_dcp(src: str) -> tuple[dict[str, Any], dict[str, Any]]:

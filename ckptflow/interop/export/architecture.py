@@ -30,6 +30,7 @@ from torch import nn
 
 from ckptflow.errors import CkptflowError
 from ckptflow.format.manifest import Manifest
+from ckptflow.interop.source_files import read_json_file
 
 MAX_CONFIG_BYTES = 16 << 20
 
@@ -247,14 +248,7 @@ def check_fits(
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """A model's config.json, for ``--config``: a JSON object, read bounded."""
-    path = os.fspath(path)
-    try:
-        if os.path.getsize(path) > MAX_CONFIG_BYTES:
-            raise CkptflowError(f"--config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a model config")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CkptflowError(f"--config {path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+    config = read_json_file(path, limit=MAX_CONFIG_BYTES, what="--config ")
     if not isinstance(config, dict):
         raise CkptflowError(
             f"--config {path} holds a {type(config).__name__}, not a JSON object (a model's config.json)"

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from transformers import AutoModel, BertConfig, BertModel
 from ckptflow import Checkpointer
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.export import ExportOptions, export_safetensors, load_exported
+from support.child_env import child_env
 from support.cli import run_cli
 
 BERT = {
@@ -133,3 +137,23 @@ def test_cli_int8_needs_config_and_writes_it(tmp_path, capsys):
     bad = ("--dtype", "int8", "--config", tmp_path / "bad.json")
     code, _, err = run_cli(capsys, "export", root, "--run", "run", "--out", tmp_path / "x", *bad)
     assert code == 2 and "bad.json" in err and "JSON object" in err
+
+
+def test_a_fifo_given_as_the_config_is_refused_instead_of_blocking_the_export(tmp_path):
+    """The same check as every file an import opens (``interop.source_files``), in a process
+    of its own that the timeout ends if it blocks."""
+    root, _ = saved_without_config(tmp_path)
+    os.mkfifo(tmp_path / "config.json")
+    command = ["export", root, "--run", "run", "--out", tmp_path / "int8", "--dtype", "int8"]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "ckptflow", *map(str, command), "--config", str(tmp_path / "config.json")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env(Path(__file__).resolve().parents[3]),
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the export blocked opening the FIFO given as --config")
+    assert done.returncode == 2 and "config.json is not a regular file" in done.stderr, done.stderr
+    assert nothing_written(tmp_path, "int8")
