@@ -307,6 +307,8 @@ class Checkpointer:
         ``PartialRestoreError`` with ``state`` partly overwritten, and does not fall back.
         """
         started = time.perf_counter()
+        if warmup is not None:
+            warmup.check_names(state)
         chosen = selection.from_arguments(step, select)
         restore = self._restorer(chosen, strict=strict, allow_lossy=allow_lossy, single_pass=single_pass)
         try:

@@ -40,6 +40,11 @@ MOMENTS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 WHEN = ("degraded", "always")
 
 
+def check_start_factor(owner: str, start_factor: float) -> None:
+    if not 0 < start_factor <= 1:
+        raise ValueError(f"{owner}(start_factor=...) must be in (0, 1], got {start_factor!r}")
+
+
 class WarmupLR:
     """Learning rate = the schedule's value x a factor rising linearly from ``start_factor``
     (at construction) to 1 after ``steps`` calls of ``step()``; then the schedule alone.
@@ -52,8 +57,7 @@ class WarmupLR:
     ):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"WarmupLR(steps=...) must be a positive number of steps, got {steps!r}")
-        if not 0 < start_factor <= 1:
-            raise ValueError(f"WarmupLR(start_factor=...) must be in (0, 1], got {start_factor!r}")
+        check_start_factor("WarmupLR", start_factor)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.steps, self.start_factor = steps, float(start_factor)
         self.done = 0
@@ -147,10 +151,24 @@ class Warmup:
             raise ValueError(f"Warmup(when=...) must be one of {WHEN}, got {self.when!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise ValueError(f"Warmup(steps=...) must be a number of steps >= 0, got {self.steps!r}")
-        # checked here, not by WarmupLR: that runs only after a degraded load, so a bad factor
-        # would surface as an error in the middle of recovering from damage
-        if not 0 < self.start_factor <= 1:
-            raise ValueError(f"Warmup(start_factor=...) must be in (0, 1], got {self.start_factor!r}")
+        # here too, not only by WarmupLR: that is made only after a degraded load, so a bad
+        # factor would surface as an error in the middle of recovering from damage
+        check_start_factor("Warmup", self.start_factor)
+
+    def check_names(self, state: Mapping[str, Any]) -> None:
+        """``UnsupportedStateError`` unless the entries this warm-up names are in ``state``.
+        ``restore`` checks before it loads anything: after a load, the error would come in
+        the middle of a recovery the log already called done."""
+        if (self.steps or self.reset_momentum) and not isinstance(state.get(self.optimizer), torch.optim.Optimizer):
+            raise UnsupportedStateError(
+                f"Warmup(optimizer={self.optimizer!r}) names no optimizer in the state (it has {sorted(state)})"
+            )
+        if self.steps and self.scheduler is not None and self.scheduler not in state:
+            # the ramp would run without the schedule, and the caller steps the ramp instead of it
+            raise UnsupportedStateError(
+                f"Warmup(scheduler={self.scheduler!r}) names no entry of the state (it has {sorted(state)}): "
+                "name the scheduler's key, or leave scheduler=None for a constant learning rate"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,17 +199,8 @@ def degraded(result: RestoreResult, optimizer: Any) -> list[str]:
 
 def warm_up(result: RestoreResult, state: Mapping[str, Any], warmup: Warmup, *, rank: int = 0) -> WarmupReport:
     """Apply ``warmup`` to ``state`` after ``result``'s load (on every rank)."""
+    warmup.check_names(state)
     optimizer = state.get(warmup.optimizer)
-    if (warmup.steps or warmup.reset_momentum) and not isinstance(optimizer, torch.optim.Optimizer):
-        raise UnsupportedStateError(
-            f"Warmup(optimizer={warmup.optimizer!r}) names no optimizer in the state (it has {sorted(state)})"
-        )
-    if warmup.steps and warmup.scheduler is not None and warmup.scheduler not in state:
-        # the ramp would run without the schedule, and the caller steps the ramp instead of it
-        raise UnsupportedStateError(
-            f"Warmup(scheduler={warmup.scheduler!r}) names no entry of the state (it has {sorted(state)}): "
-            "name the scheduler's key, or leave scheduler=None for a constant learning rate"
-        )
     reasons = degraded(result, optimizer)
     act = warmup.when == "always" or bool(reasons)
     lr = moments = None

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from ckptflow import Checkpointer, Warmup, WarmupLR
+from ckptflow import Checkpointer, Warmup, WarmupLR, open_store
+from ckptflow.catalog import recovery_log
 from ckptflow.errors import UnsupportedStateError
 from ckptflow.training.warmup import derived_seed, reseed
 from support.corrupt import chunk_path, flip_byte, only_in
@@ -151,5 +152,10 @@ def test_a_bad_warmup_is_refused_before_a_load_needs_it_not_after_a_degraded_one
     root = str(tmp_path)
     with Checkpointer(root, "r") as ck:
         ck.save(1, plain_state())
+        fresh = plain_state()
+        with torch.no_grad():
+            fresh["model"].weight.zero_()
         with pytest.raises(UnsupportedStateError, match="scheduler='schedule'"):  # the key is "sched"
-            ck.restore(plain_state(), warmup=Warmup(steps=4, scheduler="schedule", when="always"))
+            ck.restore(fresh, warmup=Warmup(steps=4, scheduler="schedule", when="always"))
+    # refused before anything was loaded or a recovery recorded (it was after both)
+    assert not fresh["model"].weight.any() and recovery_log.read_all(open_store(root), "r") == []
