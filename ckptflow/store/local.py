@@ -351,20 +351,16 @@ class LocalStore(Store):
             return True
 
     def delete_if(self, key: str, expected: str) -> bool:
-        """Take the file aside with one rename, which takes exactly one file whatever other
-        writers do, then compare what was taken: the expected version is deleted; another
-        (the object was deleted and created again since the caller read it) is linked
-        back, create-only. So there is no moment between the check and the delete in
-        which a new object could be deleted in the old one's place. Another version found
-        before the rename stays in place: taken aside, readers would miss it for a moment."""
+        """Compare, then take the file aside with one rename (which takes exactly one file
+        whatever other writers do) and compare what was taken: the expected version is
+        deleted; another (deleted and created again since the check) is linked back,
+        create-only. So no new object is ever deleted in the old one's place, and one that
+        differs at the check stays in place (taken aside, readers would miss it a moment)."""
         path = self._path(key)
+        aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         try:
             if _sha256_file(path) != expected:
                 return False
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        try:
             self.disk.rename(path, aside)
         except (FileNotFoundError, NotADirectoryError):
             return False
