@@ -54,12 +54,7 @@ def test_a_gc_that_died_holding_the_lock_blocks_no_save_and_is_taken_over(tmp_pa
 
 
 def test_a_live_gc_keeps_its_lock_and_a_save_says_what_it_waits_for(tmp_path, fast, caplog):
-    inner = open_store(str(tmp_path / "store"))
-    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK) as ck:
-        ck.save(1, tagged_state(1))
-    inner.delete(fmt.manifest_key(RUN, 1))
-    view = FaultyStore(inner)
-    pause = view.pause_before("delete", lambda key: key.startswith("chunks/"))
+    inner, view, pause = _sweep_paused_at_its_first_delete(tmp_path)
     sweeper = threading.Thread(target=lambda: gc(view, grace=0))
     sweeper.start()
     try:
@@ -111,13 +106,8 @@ def _race_for_the_lock(store) -> list[bool]:
 
 
 def test_a_gc_whose_lock_was_taken_over_stops_deleting(tmp_path, fast):
-    inner = open_store(str(tmp_path / "store"))
-    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK) as ck:
-        ck.save(1, tagged_state(1))
-    inner.delete(fmt.manifest_key(RUN, 1))
+    inner, view, pause = _sweep_paused_at_its_first_delete(tmp_path)
     chunks_before = {i.key for i in inner.list("chunks/")}
-    view = FaultyStore(inner)
-    pause = view.pause_before("delete", lambda key: key.startswith("chunks/"))
     outcome: list = []
     sweeper = threading.Thread(target=lambda: outcome.append(_run(lambda: gc(view, grace=0))))
     sweeper.start()
@@ -136,12 +126,7 @@ def test_a_gc_whose_lock_was_taken_over_stops_deleting(tmp_path, fast):
 def test_a_gc_taken_over_while_its_renewals_failed_leaves_the_new_holders_lock(tmp_path, fast):
     """A's renewals cannot reach the store until B takes its lock over; A then stops, and
     on its way out deletes only its own version of the lock, so saves keep waiting for B."""
-    inner = open_store(str(tmp_path / "store"))
-    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK) as ck:
-        ck.save(1, tagged_state(1))
-    inner.delete(fmt.manifest_key(RUN, 1))
-    view = FaultyStore(inner)
-    pause = view.pause_before("delete", lambda key: key.startswith("chunks/"))
+    inner, view, pause = _sweep_paused_at_its_first_delete(tmp_path)
     outcome: list = []
     sweeper = threading.Thread(target=lambda: outcome.append(_run(lambda: gc(view, grace=0))))
     sweeper.start()
@@ -155,6 +140,17 @@ def test_a_gc_taken_over_while_its_renewals_failed_leaves_the_new_holders_lock(t
         [error] = outcome
         assert isinstance(error, CkptflowError) and "lost its lock" in str(error)
         assert inner.exists(leases.GC_LOCK) and inner.get(leases.GC_LOCK) == taken
+
+
+def _sweep_paused_at_its_first_delete(tmp_path):
+    """A store whose one step lost its commit record (its chunks are garbage), and a view of
+    it that pauses the first chunk delete a GC through it makes."""
+    inner = open_store(str(tmp_path / "store"))
+    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    inner.delete(fmt.manifest_key(RUN, 1))
+    view = FaultyStore(inner)
+    return inner, view, view.pause_before("delete", lambda key: key.startswith("chunks/"))
 
 
 def _run(fn):
