@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ckptflow.catalog.checkpoints import CheckpointInfo
-from ckptflow.dcp.failures import own_errors
+from ckptflow.dcp.failures import describe, own_errors, unwrap_failures
 from ckptflow.dcp.writer import CheckpointWriter
 from ckptflow.format.manifest import Manifest
 
@@ -46,7 +46,8 @@ class SaveHandle:
                 self._future.result(timeout)
         except BaseException:
             if self._future.done():  # the save's own failure (not a wait timeout): reported now,
-                self.error_reported = True  # so Checkpointer.wait() must not raise it again
+                self.error_reported = True  # so Checkpointer.wait() must not raise it again, nor the exit
+                _IN_FLIGHT.discard(self)
             raise
         manifest = self.manifest
         return SaveResult(
@@ -84,21 +85,34 @@ def _finish_before_exit(handle: SaveHandle) -> None:
             except AttributeError:  # not CPython: the latest an exit hook can run
                 atexit.register(_finish_in_flight)
         _IN_FLIGHT.add(handle)
-    handle._future.add_done_callback(lambda _future: _IN_FLIGHT.discard(handle))
+    handle._future.add_done_callback(lambda future: _forget_if_committed(handle, future))
+
+
+def _forget_if_committed(handle: SaveHandle, future: Future) -> None:
+    """A committed save needs nothing more at exit; a failed one is kept until its error is
+    reported (``SaveHandle.wait``, which ``Checkpointer.wait`` calls), else the exit reports
+    it: a save that failed while training went on, and was never waited for, was lost
+    without a word."""
+    if not future.cancelled() and future.exception() is None:
+        _IN_FLIGHT.discard(handle)
 
 
 def _finish_in_flight() -> None:
     step = None  # the save being waited for
     try:
-        for handle in list(_IN_FLIGHT):
-            if handle.done():
+        for handle in sorted(_IN_FLIGHT, key=lambda h: h.step):
+            if handle.error_reported:
                 continue
-            step = handle.step
-            log.warning("the process is exiting: waiting for the async save of step %d to commit", step)
+            if not handle.done():
+                step = handle.step
+                log.warning("the process is exiting: waiting for the async save of step %d to commit", step)
             try:
-                handle._future.result()
-            except Exception as e:
-                log.error("the async save of step %d failed at exit and was not committed: %s", step, e)
+                with own_errors():
+                    handle._future.result()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # DCP's CheckpointException is not an Exception
+                _report_lost(handle, e)
     except KeyboardInterrupt:  # wherever it lands, the message above included
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the last message short
         for handle in list(_IN_FLIGHT):  # the atexit handlers run before the end: no save commits meanwhile
@@ -106,6 +120,21 @@ def _finish_in_flight() -> None:
         saves = "the async saves in flight are" if step is None else f"the async save of step {step} is"
         log.warning("interrupted: %s abandoned, not committed", saves)
         _exit_now(128 + signal.SIGINT)
+
+
+def _report_lost(handle: SaveHandle, error: BaseException) -> None:
+    """The exit's report of a save nobody learned had failed: which, where, why, what now."""
+    spec = handle._writer.spec
+    causes = "; ".join(dict.fromkeys(describe(c) for c in unwrap_failures(error)))
+    log.error(
+        "the async save of run %r step %d in %s failed and was not committed: %s; a restore resumes from "
+        "the newest checkpoint committed before it: fix the cause, then save step %d again",
+        spec.run,
+        spec.step,
+        handle._writer.chunks.store.url,
+        causes,
+        spec.step,
+    )
 
 
 def _exit_now(status: int) -> None:

@@ -1,0 +1,64 @@
+"""What the exit says of async saves (``ckptflow.training.save_handle``): a save that failed
+and that nobody waited for is reported, whether it failed before the exit or during its wait."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.child_env import child_env
+
+TESTS = Path(__file__).resolve().parents[1]
+
+FAILING_STORE = (
+    "import sys, time, torch\n"
+    "from ckptflow import Checkpointer\n"
+    "from ckptflow.chunks.io import ChunkStore\n"
+    "from ckptflow.errors import StoreUnavailableError\n"
+    "def put(self, *a, **k):\n"
+    "    time.sleep({delay})\n"
+    "    raise StoreUnavailableError('injected: the store went away')\n"
+    "ChunkStore.put = put\n"
+    "ck = Checkpointer({root!r}, 'run')\n"
+    "handle = ck.save(7, {{'w': torch.randn(1 << 16)}}, blocking=False)\n"
+    "{then}\n"
+)
+
+ENDS = {
+    # the save failed while training went on, and the script ended without waiting for it
+    "failed before the exit": {"delay": 0, "then": "time.sleep(1); assert handle.done()"},
+    # the exit waits for the save, which fails meanwhile (DCP wraps it in a BaseException)
+    "fails during the exit": {"delay": 1, "then": "assert not handle.done()"},
+}
+
+
+@pytest.mark.parametrize("end", sorted(ENDS))
+def test_an_async_save_that_failed_unwaited_is_reported_at_exit(tmp_path, end):
+    """Before: the first case exited without a word; in the second, the hook's ``except
+    Exception`` missed DCP's ``CheckpointException`` and Python printed a raw traceback
+    instead of the message saying the save was not committed."""
+    root = str(tmp_path / "store")
+    script = FAILING_STORE.format(root=root, **ENDS[end])
+    env = child_env(TESTS.parent)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        f"the async save of run 'run' step 7 in file://{root} failed and was not committed: "
+        "injected: the store went away"
+    ) in done.stderr, done.stderr[-3000:]
+    assert "save step 7 again" in done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_failure_already_raised_by_wait_is_not_reported_again_at_exit(tmp_path):
+    root = str(tmp_path / "store")
+    then = "try:\n    handle.wait()\nexcept StoreUnavailableError:\n    print('raised by wait', file=sys.stderr)"
+    script = FAILING_STORE.format(root=root, delay=0, then=then)
+    env = child_env(TESTS.parent)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "raised by wait" in done.stderr
+    assert "was not committed" not in done.stderr, done.stderr[-3000:]
