@@ -4,7 +4,8 @@ A scheduler that reclaims a node (SLURM, Kubernetes, a spot VM) sends SIGTERM (o
 configurable) some seconds before it kills the job. Opted in, ``PreemptionHandler``
 records the signal and does nothing else in the handler (a save cannot safely start in the
 middle of a step). The training loop calls ``check(step, state)`` at each step boundary:
-once a signal arrived, it waits for the async save in flight, writes a checkpoint of
+once a signal arrived, it waits for the async save in flight (a failure of it is logged,
+not raised: it must not cost the save of this step), writes a checkpoint of
 ``step`` synchronously unless that step is already committed, and exits with status 128 +
 the signal number (or returns True, with ``exit=False``). A later ``restore`` starts
 exactly at that step.
@@ -18,6 +19,7 @@ spaces the collective out when a step is very short.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from collections.abc import MutableMapping, Sequence
@@ -26,8 +28,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from ckptflow.dcp.failures import describe, unwrap_failures
 from ckptflow.training.checkpointer import Checkpointer
+
+log = logging.getLogger("ckptflow")
 
 
 class PreemptionHandler:
@@ -74,7 +80,7 @@ class PreemptionHandler:
         if not signum:
             return False
         ckpt = self.checkpointer
-        ckpt.wait()
+        self._wait_for_save_in_flight(ckpt)
         if ckpt.last_committed_step != step:
             name = signal.Signals(signum).name
             ckpt.save(step, state, kind="incremental", metadata={**(metadata or {}), "preempted_by": name})
@@ -86,6 +92,27 @@ class PreemptionHandler:
                 dist.destroy_process_group()
             sys.exit(128 + signum)
         return True
+
+    @staticmethod
+    def _wait_for_save_in_flight(ckpt: Checkpointer) -> None:
+        """Wait for the async save in flight; if it failed, say so and go on: the save of
+        this step is then the only one that can keep the work since the last commit, and
+        raising the earlier failure here ended the job without it (a restart lost every
+        step since the previous commit)."""
+        pending = ckpt._pending
+        if pending is None:
+            return
+        try:
+            ckpt.wait()
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is not an Exception
+            causes = "; ".join(dict.fromkeys(describe(c) for c in unwrap_failures(e)))
+            log.error(
+                "preempted while the async save of run %r step %d was in flight: it failed and was not "
+                "committed (%s); saving the current step instead",
+                ckpt.run,
+                pending.step,
+                causes,
+            )
 
     def close(self) -> None:
         for s, previous in self._previous.items():

@@ -1,15 +1,19 @@
 """Save on preemption (``PreemptionHandler``): a signal at a random step, and the restore starts there."""
 
+import logging
 import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptflow import Checkpointer, PreemptionHandler
+from ckptflow.chunks.io import ChunkStore
+from ckptflow.errors import StoreUnavailableError
 from support import preempted_trainer
 from support.dist_workers import free_port
 
@@ -96,3 +100,30 @@ def test_a_signal_at_a_step_whose_async_save_is_in_flight_waits_for_it_instead_o
         assert h.check(7, state) and h.saved_step == 7
         [info] = ckpt.list()
         assert info.step == 7 and "preempted_by" not in info.metadata  # the async save is the checkpoint
+
+
+def test_a_signal_while_an_async_save_fails_still_saves_the_step_and_says_which_save_was_lost(
+    tmp_path, monkeypatch, caplog
+):
+    """The failure of the save in flight was raised by ``check``: the job ended without the
+    preemption checkpoint, and a restart went back to the last commit before it."""
+    real_put, outage = ChunkStore.put, threading.Event()
+    outage.set()
+
+    def put(self, *args, **kwargs):
+        if outage.is_set():  # one failure: the outage is over after it
+            outage.clear()
+            raise StoreUnavailableError("injected: a transient outage")
+        return real_put(self, *args, **kwargs)
+
+    state = {"w": torch.arange(1000.0)}
+    with Checkpointer(str(tmp_path), "r") as ckpt, PreemptionHandler(ckpt, signals=(signal.SIGUSR1,), exit=False) as h:
+        monkeypatch.setattr(ChunkStore, "put", put)
+        ckpt.save(7, state, blocking=False)
+        signal.raise_signal(signal.SIGUSR1)
+        state["w"] += 1
+        with caplog.at_level(logging.ERROR, logger="ckptflow"):
+            assert h.check(8, state) and h.saved_step == 8
+        assert [info.step for info in ckpt.list()] == [8]
+    assert "the async save of run 'r' step 7 was in flight: it failed and was not committed" in caplog.text
+    assert "injected: a transient outage" in caplog.text
