@@ -42,6 +42,7 @@ from ckptflow.format.state_tree import shared_storage
 from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
+from ckptflow.training import forks
 from ckptflow.training.collector import collector_paused
 from ckptflow.training.restore import Restore, RestoreResult, record_recovery
 from ckptflow.training.save_handle import SaveHandle, SaveResult
@@ -100,6 +101,7 @@ class Checkpointer:
         # which pages blocking saves' tensors were written since the previous save (``written_pages``)
         self._tracker = WriteTracker.open() if track_writes else None
         self._resumed: tuple[int, float] | None = None  # (step, perf_counter) when training last got control back
+        forks.follow(self)  # a forked child gets threads of its own
 
     # ---- save -------------------------------------------------------------------------
     @collector_paused()  # an async save's background write (after this returns) is not paused
