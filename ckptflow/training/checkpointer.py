@@ -43,6 +43,7 @@ from ckptflow.policy.adaptive import AdaptivePolicy
 from ckptflow.policy.save import SavePolicy
 from ckptflow.store import Store, open_store
 from ckptflow.training import forks
+from ckptflow.training.agreed_policy import AgreedPolicy
 from ckptflow.training.collector import collector_paused
 from ckptflow.training.restore import Restore, RestoreResult, record_recovery
 from ckptflow.training.save_handle import SaveHandle, SaveResult
@@ -90,6 +91,7 @@ class Checkpointer:
         self.pool = ThreadPoolExecutor(threads or min(32, 4 * (os.cpu_count() or 1)), thread_name_prefix="ckptflow")
         # local=True: saves and restores by this process alone, even in a torch.distributed job
         self.group = Group(process_group, local=local)
+        self._agreed = AgreedPolicy(policy, self.group) if isinstance(policy, AdaptivePolicy) else None
         self._stager = CachedStager()
         self._pending: SaveHandle | None = None
         self._superseded: set[int] = set()
@@ -209,8 +211,8 @@ class Checkpointer:
     def _observed(self, step: int, clock: SaveClock, blocked_s: float) -> None:
         """Training resumes now: step times are measured from here; an adaptive policy learns the cost."""
         self._resumed = (step, time.perf_counter())
-        if isinstance(self.policy, AdaptivePolicy):
-            self.policy.observe(step, blocked_s=blocked_s, step_time_s=clock.step_time_s)
+        if self._agreed is not None:  # the slowest rank's measurements: every rank then decides alike
+            self._agreed.observe(step, blocked_s=blocked_s, step_time_s=clock.step_time_s)
 
     @property
     def last_committed_step(self) -> int | None:

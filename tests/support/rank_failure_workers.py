@@ -1,0 +1,31 @@
+"""Rank bodies where the ranks see different things (run by ``dist_workers.launch``):
+different step times under an adaptive policy, an error on one rank only. Each returns
+what its rank saw; a rank left waiting in a collective is killed at the launch's deadline."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+RUN = "ranks"
+
+
+def adaptive_slow_rank(rank: int, world: int, workdir: Path) -> dict:
+    """Rank 1's steps take 25x longer: each rank measures other step times."""
+    from ckptflow import Checkpointer, SavePolicy
+
+    state = {"w": torch.full((64,), float(rank))}
+    policy = SavePolicy.adaptive(max_overhead=0.5, initial_every=2, mtbf_s=0.5, full_every=3)
+    saved = []
+    with Checkpointer(str(workdir / "store"), run=RUN, policy=policy, threads=2) as ck:
+        for step in range(1, 30):
+            time.sleep(0.002 if rank == 0 else 0.05)
+            state["w"] += 1
+            if ck.save(step, state, blocking=step % 2 == 0) is not None:
+                saved.append(step)
+    return {"rank": rank, "saved": saved}
+
+
+SCENARIOS = {"adaptive_slow_rank": adaptive_slow_rank}
