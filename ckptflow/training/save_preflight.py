@@ -32,8 +32,11 @@ def flatten_on_every_rank(
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """The state as a JSON skeleton and tensors, and the metadata checked, on every rank
     before anything is written (any rank's refusal is every rank's: a lone raise would
-    hang the others in the collectives that follow)."""
+    hang the others in the collectives that follow). Any exception counts, not only ours:
+    a ``state_dict()`` that raises on one rank (a data loader's) would otherwise leave the
+    others waiting in this gather until the group's timeout (30 minutes by default)."""
     error: CkptflowError | None = None
+    own: Exception | None = None
     try:
         problem = json_problem(metadata or {}, "metadata")
         if problem:
@@ -46,10 +49,16 @@ def flatten_on_every_rank(
             fresh.reset()  # a save never changes the state it saves
         skeleton, tensors = flatten(state_dicts, rank=group.rank)
     except CkptflowError as e:
-        error = e
+        error = own = e
+    except Exception as e:  # told to the others as text: it may not pickle
+        own = e
+        error = CkptflowError(
+            f"rank {group.rank} could not take the state to save ({type(e).__name__}: {e}; its traceback is in "
+            "that rank's log), so no rank saved anything: fix what that rank's state raised and save again"
+        )
     errors = [e for e in group.all_gather(error) if e is not None]
     if errors:
-        raise error or errors[0]
+        raise own or errors[0]
     return skeleton, tensors
 
 

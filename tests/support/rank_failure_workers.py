@@ -28,4 +28,39 @@ def adaptive_slow_rank(rank: int, world: int, workdir: Path) -> dict:
     return {"rank": rank, "saved": saved}
 
 
-SCENARIOS = {"adaptive_slow_rank": adaptive_slow_rank}
+class _Loader:
+    """A data loader whose state cannot be taken on ``failing_rank``."""
+
+    def __init__(self, rank: int, failing_rank: int | None):
+        self.rank, self.failing_rank = rank, failing_rank
+
+    def state_dict(self) -> dict:
+        if self.rank == self.failing_rank:
+            raise RuntimeError(f"no state on rank {self.rank}")
+        return {"position": 7}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def state_dict_raises_on_one_rank(rank: int, world: int, workdir: Path) -> dict:
+    """Rank 1's loader raises in ``state_dict()``; then the ranks save again, all sound."""
+    from ckptflow import Checkpointer
+
+    with Checkpointer(str(workdir / "store"), run=RUN, threads=2) as ck:
+        started = time.monotonic()
+        try:
+            ck.save(1, {"w": torch.ones(8), "loader": _Loader(rank, failing_rank=1)})
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        refused_s = time.monotonic() - started
+        ck.save(1, {"w": torch.ones(8), "loader": _Loader(rank, failing_rank=None)})
+        steps = [info.step for info in ck.list()]
+    return {"rank": rank, "error": error, "refused_s": refused_s, "steps": steps}
+
+
+SCENARIOS = {
+    "adaptive_slow_rank": adaptive_slow_rank,
+    "state_dict_raises_on_one_rank": state_dict_raises_on_one_rank,
+}
