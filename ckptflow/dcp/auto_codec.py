@@ -201,13 +201,19 @@ def delta_base(
     every rank of ``group`` (rank 0 names it, each rank reads it, checked by digest).
 
     ``known`` is the newest full this process committed: while ``last_commit`` shows
-    the process committed everything since, it answers without listing the store.
+    the process committed everything since, it answers without listing the store. A
+    listing that fails on rank 0 costs this save its deltas on every rank, as a manifest
+    a rank cannot read costs that rank its own: deltas only save space.
     """
     named = None
     if group.rank == 0:
         found = known
         if known is None or last_commit is None or not known.step <= last_commit < step:
-            found = newest_full(store, run, step, known=known, skip=superseded)
+            try:  # raised here alone, it would leave the other ranks waiting in the broadcast below
+                found = newest_full(store, run, step, known=known, skip=superseded)
+            except (CkptflowError, OSError) as e:
+                log.warning("incremental save of step %d stores no deltas on any rank: %s", step, e)
+                found = None
         named = None if found is None else (found.step, found.digest)
     named = group.broadcast(named)
     if named is None:

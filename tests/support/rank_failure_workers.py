@@ -60,7 +60,35 @@ def state_dict_raises_on_one_rank(rank: int, world: int, workdir: Path) -> dict:
     return {"rank": rank, "error": error, "refused_s": refused_s, "steps": steps}
 
 
+def delta_base_unlisted_on_rank_0(rank: int, world: int, workdir: Path) -> dict:
+    """codec="auto", a resumed job's first incremental save: rank 0 cannot list the fulls."""
+    import torch.distributed as dist
+
+    from ckptflow import Checkpointer
+    from ckptflow.dcp import auto_codec
+    from ckptflow.errors import StoreUnavailableError
+
+    root = str(workdir / "store")
+    state = {"w": torch.arange(256, dtype=torch.float32) + rank}
+    with Checkpointer(root, run=RUN, codec="auto", threads=2) as ck:
+        ck.save(1, state)
+    dist.barrier()
+    if rank == 0:
+
+        def outage(*args: object, **kwargs: object) -> None:
+            raise StoreUnavailableError("listing the checkpoints failed after 10 attempts")
+
+        auto_codec.newest_full = outage  # type: ignore[assignment]
+    started = time.monotonic()
+    with Checkpointer(root, run=RUN, codec="auto", threads=2) as ck:
+        ck.save(2, state, kind="incremental")
+        took = time.monotonic() - started
+        kinds = [(info.step, info.kind) for info in ck.list()]
+    return {"rank": rank, "took_s": took, "kinds": kinds}
+
+
 SCENARIOS = {
+    "delta_base_unlisted_on_rank_0": delta_base_unlisted_on_rank_0,
     "adaptive_slow_rank": adaptive_slow_rank,
     "state_dict_raises_on_one_rank": state_dict_raises_on_one_rank,
 }
