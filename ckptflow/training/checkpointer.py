@@ -235,9 +235,10 @@ class Checkpointer:
         loop only for the copy. Buffers are kept per tensor storage: call it on every rank
         after building the model and optimizer state, and again if tensors are replaced.
         An async save in flight is waited for first: it writes from those very buffers, so
-        staging into them meanwhile would put later values into its checkpoint."""
-        _skeleton, tensors = flatten_on_every_rank(state, None, self.group)
+        staging into them meanwhile would put later values into its checkpoint, and its
+        collectives run on the group that flattening the state gathers on."""
         self.wait()
+        _skeleton, tensors = flatten_on_every_rank(state, None, self.group)
         self._stager.stage(tensors)
 
     def wait(self) -> SaveResult | None:

@@ -87,7 +87,30 @@ def delta_base_unlisted_on_rank_0(rank: int, world: int, workdir: Path) -> dict:
     return {"rank": rank, "took_s": took, "kinds": kinds}
 
 
+def prepare_during_async_save(rank: int, world: int, workdir: Path) -> dict:
+    """``prepare`` called while an async save is in flight, whose writes are slow on rank 1."""
+    from ckptflow import Checkpointer
+    from ckptflow.chunks.io import ChunkStore
+
+    if rank == 1:
+        put = ChunkStore.put
+
+        def slow_put(self: ChunkStore, *args: object, **kwargs: object) -> object:
+            time.sleep(0.3)
+            return put(self, *args, **kwargs)
+
+        ChunkStore.put = slow_put  # type: ignore[method-assign]
+    state = {"w": torch.ones(1024) * rank}
+    with Checkpointer(str(workdir / "store"), run=RUN, threads=2, pack_bytes=0, chunk_bytes=1024) as ck:
+        handle = ck.save(1, state, blocking=False)
+        ck.prepare(state)
+        assert handle is not None
+        handle.wait()
+        return {"rank": rank, "steps": [info.step for info in ck.list()]}
+
+
 SCENARIOS = {
+    "prepare_during_async_save": prepare_during_async_save,
     "delta_base_unlisted_on_rank_0": delta_base_unlisted_on_rank_0,
     "adaptive_slow_rank": adaptive_slow_rank,
     "state_dict_raises_on_one_rank": state_dict_raises_on_one_rank,
