@@ -1,0 +1,70 @@
+"""One rank fails or differs while the others go on: every rank must decide alike, at once.
+
+Each case left the other ranks waiting in a collective until the group timed out (30
+minutes by default; 40 s in these workers), and one garbled rank 0's data. One spawned
+2-rank group runs the four scenarios of ``support.rank_failure_workers`` in turn (starting
+ranks costs seconds): a scenario that left the group out of step would fail the ones after.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from ckptflow import open_store
+from ckptflow.catalog import checkpoints as catalog
+from support import dist_workers, rank_failure_workers
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
+SCENARIOS = [
+    "adaptive_slow_rank",
+    "state_dict_raises_on_one_rank",
+    "delta_base_unlisted_on_rank_0",
+    "prepare_during_async_save",
+]
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> dist_workers.Session:
+    workdir = tmp_path_factory.mktemp("rank_failures")
+    return dist_workers.launch(SCENARIOS, workdir, timeout=150, registry=rank_failure_workers.__name__)
+
+
+def test_a_slower_rank_saves_at_the_same_steps_as_the_others(session):
+    # before: each rank set its interval from its own step time, rank 0 skipped a step rank 1
+    # saved, and rank 1 waited in the save's first collective until the group timed out
+    fast, slow = session.results("adaptive_slow_rank")
+    assert fast["saved"] == slow["saved"]
+    store = open_store(str(session.workdir / "adaptive_slow_rank" / "store"))
+    committed = [m.step for m in catalog.committed(store, "ranks")]
+    assert committed == fast["saved"]
+    assert len(committed) > 2  # the interval was set from measurements, not only the initial one
+
+
+def test_a_state_dict_that_raises_on_one_rank_refuses_the_save_on_every_rank_at_once(session):
+    # before: rank 1 raised alone and rank 0 waited in the save's first collective for the
+    # group's timeout, then failed with gloo's "Connection closed by peer"
+    other, failing = session.results("state_dict_raises_on_one_rank")
+    assert failing["error"] == "RuntimeError: no state on rank 1"  # its own error, as raised
+    assert other["error"].startswith("CkptflowError: rank 1 could not take the state to save (RuntimeError: no state")
+    assert "no rank saved anything" in other["error"]
+    assert other["refused_s"] < 10 and failing["refused_s"] < 10
+    assert other["steps"] == failing["steps"] == [1]  # the collectives stayed in step: the next save commits
+
+
+def test_a_listing_that_fails_on_rank_0_costs_the_deltas_not_the_save(session):
+    # before: rank 0 raised alone and rank 1 waited in the broadcast of the base until the
+    # group timed out, then failed with gloo's "Connection closed by peer"
+    for result in session.results("delta_base_unlisted_on_rank_0"):
+        assert result["kinds"] == [[1, "full"], [2, "incremental"]]
+        assert result["took_s"] < 10
+
+
+def test_prepare_waits_for_the_async_save_before_its_own_collective(session):
+    # before: prepare gathered on the save group while the async save's collectives ran on it
+    # in the background; they paired up differently on the two ranks: rank 0 raised
+    # "UnpicklingError: pickle data was truncated" and rank 1 hung until the group timed out
+    assert [r["steps"] for r in session.results("prepare_during_async_save")] == [[1], [1]]
