@@ -27,7 +27,14 @@ class AgreedPolicy:
         self.group = saves
         if saves.active:
             ranks = dist.get_process_group_ranks(saves.pg)
-            pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            if len(ranks) == dist.get_world_size():
+                # every rank saves, so every rank makes this group: made as the save group is,
+                # it is named alike on every rank. A local synchronization names a group by
+                # how many this rank holds, which differs after a group some ranks are not in
+                # (``new_group([0])``): each rank then waited for its peers under another name.
+                pg = dist.new_group(backend="gloo")
+            else:  # a subgroup's ranks alone make it
+                pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
             self.group = Group(pg)
 
     def observe(self, step: int, *, blocked_s: float, step_time_s: float | None) -> None:

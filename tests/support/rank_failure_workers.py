@@ -28,6 +28,23 @@ def adaptive_slow_rank(rank: int, world: int, workdir: Path) -> dict:
     return {"rank": rank, "saved": saved}
 
 
+def adaptive_after_a_group_of_rank_0_alone(rank: int, world: int, workdir: Path) -> dict:
+    """The job made a group only rank 0 is in (every rank called ``new_group``, as torch
+    asks), then an adaptive Checkpointer on every rank: its agreeing group must be named
+    alike on each."""
+    import torch.distributed as dist
+
+    from ckptflow import Checkpointer, SavePolicy
+
+    dist.new_group([0], backend="gloo")
+    state = {"w": torch.full((64,), float(rank))}
+    policy = SavePolicy.adaptive(max_overhead=0.5, initial_every=1, mtbf_s=0.5)
+    started = time.monotonic()
+    with Checkpointer(str(workdir / "store"), run=RUN, policy=policy, threads=2) as ck:
+        saved = [step for step in (1, 2) if ck.save(step, state, kind="full") is not None]
+    return {"rank": rank, "saved": saved, "took_s": time.monotonic() - started}
+
+
 class _Loader:
     """A data loader whose state cannot be taken on ``failing_rank``."""
 
@@ -113,5 +130,6 @@ SCENARIOS = {
     "prepare_during_async_save": prepare_during_async_save,
     "delta_base_unlisted_on_rank_0": delta_base_unlisted_on_rank_0,
     "adaptive_slow_rank": adaptive_slow_rank,
+    "adaptive_after_a_group_of_rank_0_alone": adaptive_after_a_group_of_rank_0_alone,
     "state_dict_raises_on_one_rank": state_dict_raises_on_one_rank,
 }

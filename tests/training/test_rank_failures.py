@@ -24,6 +24,7 @@ SCENARIOS = [
     "state_dict_raises_on_one_rank",
     "delta_base_unlisted_on_rank_0",
     "prepare_during_async_save",
+    "adaptive_after_a_group_of_rank_0_alone",  # last: before the fix, it hung the group
 ]
 
 
@@ -68,3 +69,12 @@ def test_prepare_waits_for_the_async_save_before_its_own_collective(session):
     # in the background; they paired up differently on the two ranks: rank 0 raised
     # "UnpicklingError: pickle data was truncated" and rank 1 hung until the group timed out
     assert [r["steps"] for r in session.results("prepare_during_async_save")] == [[1], [1]]
+
+
+def test_an_adaptive_checkpointer_after_a_group_not_every_rank_is_in(session):
+    # before: its agreeing group was made with a local synchronization, named on each rank by
+    # how many groups that rank held; rank 1 is not in new_group([0]), so the ranks met under
+    # different names and every rank hung in Checkpointer() (past the group's timeout)
+    for result in session.results("adaptive_after_a_group_of_rank_0_alone"):
+        assert result["saved"] == [1, 2]
+        assert result["took_s"] < 20
