@@ -97,7 +97,8 @@ def _cursor_state(cursor: str | None) -> dict:
         return {}
     seen, frontier = state.get("seen", []), state.get("frontier", {})
     sound = (
-        all(is_number(state[k]) for k in ("t", "full_at") if k in state)
+        # a tick that landed nothing yet keeps ``new_commits``'s start, -inf (JSON -Infinity)
+        all(is_number(state[k]) or (k == "t" and state[k] == -math.inf) for k in ("t", "full_at") if k in state)
         and isinstance(seen, list)
         and all(isinstance(s, str) and math.isfinite(_seen_time(s)) for s in seen)
         and isinstance(frontier, dict)

@@ -122,6 +122,16 @@ def test_a_cursor_of_a_shape_never_written_starts_over_instead_of_failing_every_
     assert land(store, after)[0] == []
 
 
+def test_the_cursor_of_a_tick_that_landed_nothing_is_kept(tmp_path):
+    """Before: its watermark, -inf (JSON -Infinity), read as a cursor of a shape never
+    written, so every tick started over with a full listing until a commit landed."""
+    store = open_store(str(tmp_path / "empty"))
+    landed, first = land(store, None)
+    assert landed == [] and json.loads(first)["t"] == float("-inf")
+    _, second = land(store, first)
+    assert json.loads(second)["full_at"] == json.loads(first)["full_at"]  # a quick tick, not a full one
+
+
 def test_a_validated_commit_lands_marked_so(root):
     store = open_store(root)
     lifecycle.validate(store, RUN, 2)
