@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptflow.errors import CkptflowError, ManifestError, ObjectNotFoundError, ObjectTooLargeError, RecordTooLargeError
-from ckptflow.format.sealed import MAX_RECORD_BYTES, seal, unseal
+from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, RecordTooLargeError
+from ckptflow.format.sealed import MAX_RECORD_BYTES, parse_json, seal, unseal
 from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "index/"
@@ -98,9 +98,6 @@ def _stamp(info: ObjectInfo) -> list[Any]:
 
 
 def record_value(info: ObjectInfo, blob: bytes) -> Any:
-    import json
-
-    try:
-        return json.loads(blob)
-    except (ValueError, RecursionError) as e:
-        raise ManifestError(f"record {info.key} is not JSON: {e}") from None
+    """A record's JSON within the bounds every ckptflow record reader keeps (``parse_json``):
+    the index must not accept a record that ``catalog.records.read_object`` refuses."""
+    return parse_json(blob, f"record {info.key}")

@@ -28,6 +28,7 @@ DAMAGED = [
     ("evaluation", b'{"metrics": {"val_loss": true}}', "'metrics'"),
     ("evaluation", b'{"metrics": {"val_loss": NaN}}', "'metrics'"),
     ("validation", b'{"ok": ' * 50_000, "nest"),
+    ("validation", b'{"ok": false, "x": ' + b"[" * 200 + b"]" * 200 + b"}", "nest"),  # JSON parses it; too deep
 ]
 
 
