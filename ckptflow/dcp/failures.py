@@ -79,13 +79,18 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def describe_causes(causes: list[BaseException]) -> str:
+    """Each distinct cause once (every rank often fails alike), in one line."""
+    return "; ".join(dict.fromkeys(describe(c) for c in causes))
+
+
 def failure_of(error: BaseException) -> Failure:
     """The verdict an exception carries: damage only if every cause proves damage."""
     causes = unwrap_failures(error)
     for cause in causes:
         if isinstance(cause, ReadAborted):
             return cause.failure
-    message = "; ".join(dict.fromkeys(describe(c) for c in causes))
+    message = describe_causes(causes)
     if any(isinstance(c, IntoPlaceFailed) for c in causes):
         return Failure(message, damage=False, partial=True)
     damage = all(is_damage(c) for c in causes)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptflow.dcp.failures import describe, unwrap_failures
+from ckptflow.dcp.failures import describe_causes, unwrap_failures
 from ckptflow.training.checkpointer import Checkpointer
 
 log = logging.getLogger("ckptflow")
@@ -105,7 +105,7 @@ class PreemptionHandler:
         try:
             ckpt.wait()
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is not an Exception
-            causes = "; ".join(dict.fromkeys(describe(c) for c in unwrap_failures(e)))
+            causes = describe_causes(unwrap_failures(e))
             log.error(
                 "preempted while the async save of run %r step %d was in flight: it failed and was not "
                 "committed (%s); saving the current step instead",

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ckptflow.catalog.checkpoints import CheckpointInfo
-from ckptflow.dcp.failures import describe, own_errors, unwrap_failures
+from ckptflow.dcp.failures import describe_causes, own_errors, unwrap_failures
 from ckptflow.dcp.writer import CheckpointWriter
 from ckptflow.format.manifest import Manifest
 
@@ -125,7 +125,7 @@ def _finish_in_flight() -> None:
 def _report_lost(handle: SaveHandle, error: BaseException) -> None:
     """The exit's report of a save nobody learned had failed: which, where, why, what now."""
     spec = handle._writer.spec
-    causes = "; ".join(dict.fromkeys(describe(c) for c in unwrap_failures(error)))
+    causes = describe_causes(unwrap_failures(error))
     log.error(
         "the async save of run %r step %d in %s failed and was not committed: %s; a restore resumes from "
         "the newest checkpoint committed before it: fix the cause, then save step %d again",
