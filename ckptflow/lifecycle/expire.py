@@ -22,8 +22,9 @@ def expire(
     keep_records: bool = False,
     keep_digests: Collection[str] | None = None,
 ) -> list[str]:
-    """Delete the commit record first (the checkpoint stops existing at once), then every
-    other object of the step, then lifecycle records unless ``keep_records`` (a hot copy
+    """Delete the commit record first (the checkpoint stops existing at once), then the
+    step's other objects that are the commit's (``_objects_of_commit``: never those of a
+    save of the step in flight), then lifecycle records unless ``keep_records`` (a hot copy
     expired while the archive keeps the checkpoint: its verdicts still describe it).
     Which records: with ``keep_digests`` (the caller knows which commits another tier
     holds, as retention does), every record of the step but theirs; without, only those
@@ -32,19 +33,20 @@ def expire(
 
     A commit record that cannot be read for a reason that proves nothing (an outage) is
     an ``ExpireError`` and nothing is deleted. ``ExpireError`` also names what is left if
-    any delete fails; calling again after the cause is fixed (with the same
-    ``keep_digests``) finishes the job, and so does the next retention for the records
-    of a commit whose record went (``ledger.expiry_begun``). Returns the keys deleted.
+    any delete fails: the next retention finishes the lifecycle records of a commit whose
+    record went (``ledger.expiry_begun``), and GC its rank records. Returns the keys deleted.
     """
     manifest_key = fmt.manifest_key(run, step)
     blob: bytes | None = None
     version: str | None = None  # the commit read, deleted only while it is still that one
+    manifest: Manifest | None = None
     try:
         if store.compare_and_swap:
             blob, version = store.get_versioned(manifest_key, MAX_RECORD_BYTES)
         else:
             blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
-        ledger.record_expiry(store, Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step))
+        manifest = Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step)
+        ledger.record_expiry(store, manifest)
     except (ObjectNotFoundError, ObjectTooLargeError):
         pass  # gone already (an expiry retried), or larger than any record (damage): the rest still goes
     except CkptflowError as e:
@@ -52,7 +54,7 @@ def expire(
             raise ExpireError(
                 f"could not read {store.url}/{manifest_key}, so nothing of {run} step {step} was deleted: {e}"
             ) from e
-    keys = [manifest_key] + sorted(i.key for i in store.list(fmt.step_prefix(run, step)) if i.key != manifest_key)
+    keys = [manifest_key] + _objects_of_commit(store, run, step, manifest)
     if not keep_records and keep_digests is not None:
         keys += step_record_keys(store, run, step, keep=keep_digests)
     elif not keep_records and blob is not None:  # a damaged record's digest names no record: none go
@@ -70,11 +72,27 @@ def expire(
     if failed:
         raise ExpireError(
             f"checkpoint {run} step {step} no longer exists in {store.url}, but {len(failed)} of its "
-            f"objects could not be deleted: {'; '.join(failed[:5])}; run the expiry again (retention finishes it)"
+            f"objects could not be deleted: {'; '.join(failed[:5])}; the next retention (or this expiry again) "
+            "finishes its lifecycle records, and GC its rank records once they are older than its grace period"
         )
     if begun is not None:
         ledger.expiry_done(store, begun)
     return keys
+
+
+def _objects_of_commit(store: Store, run: str, step: int, manifest: Manifest | None) -> list[str]:
+    """The step's objects that belong to the commit expired: the rank records it names, and
+    anything written before its commit record (its records when it is damaged and names
+    none, a failed attempt's). Anything newer may be a save of this step in flight (one
+    replacing a damaged commit): its records stay. Without a commit record (an expiry
+    retried after it went) nothing tells them apart, so none go: GC deletes stray rank
+    records once they are older than its grace period."""
+    infos = list(store.list(fmt.step_prefix(run, step)))
+    commit = next((i for i in infos if i.key == fmt.manifest_key(run, step)), None)
+    if commit is None:
+        return []
+    named = {i.key for i in infos if manifest is not None and manifest.rank_of(i.key) is not None}
+    return sorted(i.key for i in infos if i is not commit and (i.mtime < commit.mtime or i.key in named))
 
 
 def _delete_commit(store: Store, key: str, version: str | None, what: str) -> None:

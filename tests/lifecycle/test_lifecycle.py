@@ -8,6 +8,7 @@ import torch
 
 from ckptflow import Checkpointer, ExpireError, PromotionError, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.gc import gc
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.interop.registry import Registry
@@ -170,17 +171,20 @@ def test_archive_copy_must_match_and_have_verified_before_a_hot_copy_expires(tmp
     assert [e.tiers for e in inventory.collect(store, dst) if e.step == 1] == [["archive"]]
 
 
-def test_expire_raises_when_a_delete_fails_and_finishes_when_called_again(tmp_path):
+def test_expire_raises_when_a_delete_fails_and_gc_finishes_it(tmp_path):
+    """Once the commit record went, nothing tells the expired commit's leftover rank record
+    from one of a save of that step in flight: a second expiry leaves it, and GC (past its
+    grace period) deletes it."""
     store, _ = make(tmp_path)
     faulty = FaultyStore(store)
     record = catalog.read_manifest(store, "r", 1).rank_key(0)
     faulty.fail_if = lambda op, key: op == "delete" and key == record
-    with pytest.raises(ExpireError, match="could not be deleted"):
+    with pytest.raises(ExpireError, match="could not be deleted.*GC its rank records"):
         lifecycle.expire(faulty, "r", 1)
     assert not store.exists(fmt.manifest_key("r", 1)) and store.exists(record)
     faulty.fail_if = lambda op, key: False
-    lifecycle.expire(faulty, "r", 1)
-    assert not store.exists(record)
+    assert lifecycle.expire(faulty, "r", 1) == [fmt.manifest_key("r", 1)] and store.exists(record)
+    assert (record, store.stat(record).size) in gc(store, grace="0s").deleted and not store.exists(record)
     faulty.fail_if = lambda op, key: op == "delete" and key.endswith("manifest.json")
     with pytest.raises(ExpireError, match="still exists"):
         lifecycle.expire(faulty, "r", 2)
@@ -208,6 +212,39 @@ def test_expiring_a_damaged_commit_leaves_the_valid_one_a_save_made_meanwhile(tm
     assert isinstance(error, ExpireError) and "committed again" in str(error)
     assert catalog.read_manifest(store, "r", 1).digest == saved.digest
     assert all(store.exists(key) for key in saved.rank_keys())
+
+
+def test_expiring_a_damaged_commit_keeps_the_records_of_a_save_of_that_step_in_flight(tmp_path):
+    """The job saves a damaged step again; retention expires the damaged commit after the
+    save wrote its rank records and before it commits. The expiry deletes the damaged
+    commit and its own records only: the save commits and restores exactly."""
+    store, model = make(tmp_path, steps=(1,))
+    old_records = [i.key for i in store.list(fmt.step_prefix("r", 1)) if "/ranks/" in i.key]
+    flip_byte(manifest_path(store.root, "r", 1), 10)
+    faulty = FaultyStore(store)
+    pause = faulty.pause_before("put_if_absent", lambda key: key == fmt.manifest_key("r", 1))
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    saving = threading.Thread(target=lambda: _save(faulty, model))
+    saving.start()
+    assert pause.reached.wait(30)
+    try:
+        deleted = lifecycle.expire(store, "r", 1)
+    finally:
+        pause.release()
+        saving.join(30)
+    assert deleted == [fmt.manifest_key("r", 1), *old_records]
+    saved = catalog.read_manifest(store, "r", 1)
+    assert all(store.exists(key) for key in saved.rank_keys())
+    restored = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    with Checkpointer(store, "r") as ck:
+        assert ck.restore({"model": restored}).step == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
+
+
+def _save(store, model):
+    with Checkpointer(store, "r", chunk_bytes=4096) as ck:
+        ck.save(1, {"model": model})
 
 
 def _raised(fn):
