@@ -205,17 +205,20 @@ def delta_base(
     listing that fails on rank 0 costs this save its deltas on every rank, as a manifest
     a rank cannot read costs that rank its own: deltas only save space.
     """
-    named = None
-    if group.rank == 0:
+
+    def name_base() -> tuple[int, str] | None:
         found = known
         if known is None or last_commit is None or not known.step <= last_commit < step:
-            try:  # raised here alone, it would leave the other ranks waiting in the broadcast below
+            try:
                 found = newest_full(store, run, step, known=known, skip=superseded)
             except (CkptflowError, OSError) as e:
                 log.warning("incremental save of step %d stores no deltas on any rank: %s", step, e)
                 found = None
-        named = None if found is None else (found.step, found.digest)
-    named = group.broadcast(named)
+        return None if found is None else (found.step, found.digest)
+
+    named = group.decided_on_rank_0(
+        name_base, f"find the full checkpoint an incremental save of step {step} deltas against"
+    )
     if named is None:
         return None
     if known is not None and known.digest == named[1]:

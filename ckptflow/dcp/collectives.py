@@ -1,10 +1,42 @@
-"""The few collectives restore needs, as no-ops without a process group."""
+"""The few collectives save and restore need, as no-ops without a process group."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from ckptflow.errors import CkptflowError
+
+T = TypeVar("T")
+
+
+def job_timeout() -> timedelta | None:
+    """The timeout the job gave ``init_process_group``, so the groups ckptflow makes wait
+    as long as the job's own collectives, not torch's default (30 minutes). Read from the
+    default group's backend options, which torch does not expose publicly: None where they
+    do not say (a torch that changed them), and torch's default applies."""
+    try:
+        default = dist.distributed_c10d._get_default_group()
+        for device in default._device_types:
+            timeout = default._get_backend(device).options._timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        pass
+    return None
+
+
+def new_gloo_group(ranks: list[int] | None = None, *, local_synchronization: bool = False) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` (all by default) with the job's timeout (``job_timeout``).
+    Gloo whatever the job's backend: ckptflow's collectives carry small Python objects."""
+    group = dist.new_group(
+        ranks=ranks, backend="gloo", timeout=job_timeout(), use_local_synchronization=local_synchronization
+    )
+    assert group is not None  # every caller is in ``ranks``
+    return group
 
 
 class Group:
@@ -17,7 +49,7 @@ class Group:
         if self.active and self.pg is None:
             # A dedicated gloo group keeps checkpoint collectives (also those of async
             # saves in a background thread) apart from the training job's collectives.
-            self.pg = dist.new_group(backend="gloo")
+            self.pg = new_gloo_group()
         self.rank = dist.get_rank(self.pg) if self.active else 0
         self.world_size = dist.get_world_size(self.pg) if self.active else 1
 
@@ -35,3 +67,28 @@ class Group:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
+
+    def decided_on_rank_0(self, decide: Callable[[], T], what: str) -> T:
+        """Rank 0's answer from ``decide`` on every rank, or its exception raised on every
+        rank at once: raised on rank 0 alone, it would leave the others waiting in the
+        broadcast until the group's timeout. Any exception counts, not only ckptflow's;
+        one of another kind travels as text (it may not pickle), and rank 0 raises its
+        own. ``what`` completes "rank 0 could not …" in the others' message."""
+        answer: T | None = None
+        error: CkptflowError | None = None
+        own: Exception | None = None
+        if self.rank == 0:
+            try:
+                answer = decide()
+            except CkptflowError as e:
+                error = own = e
+            except Exception as e:
+                own = e
+                error = CkptflowError(
+                    f"rank 0 could not {what} ({type(e).__name__}: {e}; its traceback is in rank 0's log), so "
+                    "no rank went on"
+                )
+        answer, error = self.broadcast((answer, error))
+        if error is not None:
+            raise own or error
+        return answer

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ckptflow.dcp.collectives import Group
+from ckptflow.dcp.collectives import Group, new_gloo_group
 from ckptflow.policy.adaptive import AdaptivePolicy
 
 
@@ -32,9 +32,9 @@ class AgreedPolicy:
                 # it is named alike on every rank. A local synchronization names a group by
                 # how many this rank holds, which differs after a group some ranks are not in
                 # (``new_group([0])``): each rank then waited for its peers under another name.
-                pg = dist.new_group(backend="gloo")
+                pg = new_gloo_group()
             else:  # a subgroup's ranks alone make it
-                pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+                pg = new_gloo_group(ranks, local_synchronization=True)
             self.group = Group(pg)
 
     def observe(self, step: int, *, blocked_s: float, step_time_s: float | None) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckptflow.dcp.collectives import new_gloo_group
 from ckptflow.dcp.failures import describe_causes, unwrap_failures
 from ckptflow.training.checkpointer import Checkpointer
 
@@ -56,7 +57,7 @@ class PreemptionHandler:
         self.received: int = 0  # the signal number this process received (0: none)
         self.saved_step: int | None = None
         group = checkpointer.group
-        self._pg = dist.new_group(backend="gloo") if group.active else None
+        self._pg = new_gloo_group() if group.active else None
         self._previous = {s: signal.signal(s, self._on_signal) for s in signals}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

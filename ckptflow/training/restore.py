@@ -196,22 +196,18 @@ class Restore:
             passed_over=list(found.choice.passed_over),
         )
 
-    def _choose(self, select: selection.Selector) -> tuple[selection.Choice | None, BaseException | None]:
-        try:
-            pairs = candidates(self.tiers, self.run, select if isinstance(select, int) else None)
-            stores = [t.store for t in self.tiers]
-            return selection.choose(stores, self.run, select, pairs, self.registry), None
-        except Exception as e:  # every rank raises it, not only rank 0 (the others would hang)
-            return None, e
+    def _choose(self, select: selection.Selector) -> selection.Choice:
+        pairs = candidates(self.tiers, self.run, select if isinstance(select, int) else None)
+        stores = [t.store for t in self.tiers]
+        return selection.choose(stores, self.run, select, pairs, self.registry)
 
     def _search(self, select: selection.Selector | None, plan_for: PlanFor, *, collective: bool = True) -> Found:
         """The first candidate the selector accepts whose chunks all verify, loaded into its
         plan's targets; damage moves to the selector's next candidate, anything else raises."""
         select = "latest" if select is None else select
-        choice, error = self.group.broadcast(self._choose(select) if self.group.rank == 0 else None)
-        if error is not None:
-            raise error
-        assert choice is not None
+        choice = self.group.decided_on_rank_0(
+            lambda: self._choose(select), f"choose the checkpoint of run {self.run!r} to restore"
+        )
         pairs = choice.pairs
         skipped: list[tuple[int, str]] = []
         hot_rejected: set[int] = set()

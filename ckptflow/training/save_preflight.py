@@ -78,19 +78,13 @@ def claim_step(
     the same error (a lone raise would hang the others in DCP's collectives).
     ``superseded``: steps whose commit a restore rejected (a save may replace them);
     ``last_commit``: the newest step this process committed or restored."""
-    base: int | None = None
-    replaces: str | None = None
-    error: CkptflowError | None = None
-    if group.rank == 0:
-        try:
-            replaces = check_step(store, run, step, pool, rejected=step in superseded)
-            base = newest_committed_before(store, run, step, superseded=superseded, last_commit=last_commit)
-        except CkptflowError as e:
-            error = e
-    base, replaces, error, save_id = group.broadcast((base, replaces, error, uuid.uuid4().hex))
-    if error is not None:
-        raise error
-    return base, save_id, replaces
+
+    def decide() -> tuple[int | None, str, str | None]:
+        replaces = check_step(store, run, step, pool, rejected=step in superseded)
+        base = newest_committed_before(store, run, step, superseded=superseded, last_commit=last_commit)
+        return base, uuid.uuid4().hex, replaces
+
+    return group.decided_on_rank_0(decide, f"check that step {step} of run {run!r} is free to save")
 
 
 def newest_committed_before(

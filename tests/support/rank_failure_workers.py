@@ -126,7 +126,78 @@ def prepare_during_async_save(rank: int, world: int, workdir: Path) -> dict:
         return {"rank": rank, "steps": [info.step for info in ck.list()]}
 
 
+def _a_bug(*args: object, **kwargs: object) -> None:
+    raise TypeError("a bug on rank 0")
+
+
+def unexpected_errors_on_rank_0(rank: int, world: int, workdir: Path) -> dict:
+    """A bug's exception (not ckptflow's) on rank 0 where rank 0 alone decides: whether the
+    step is free, the base of an incremental save's deltas, which checkpoint to restore."""
+    from ckptflow import Checkpointer
+    from ckptflow.catalog import selection
+    from ckptflow.dcp import auto_codec
+    from ckptflow.training import save_preflight
+
+    root = str(workdir / "store")
+    state = {"w": torch.arange(256, dtype=torch.float32) + rank}
+    with Checkpointer(root, run=RUN, codec="auto", threads=2) as ck:
+        ck.save(1, state)
+    errors, took = {}, {}
+    with Checkpointer(root, run=RUN, codec="auto", threads=2) as ck:  # a new one lists the store for its delta base
+        for name, module, attr, call in [
+            ("delta_base", auto_codec, "newest_full", lambda: ck.save(2, state, kind="incremental")),
+            ("claim_step", save_preflight, "check_step", lambda: ck.save(2, state)),
+            ("restore", selection, "choose", lambda: ck.restore(state)),
+        ]:
+            original = getattr(module, attr)
+            if rank == 0:
+                setattr(module, attr, _a_bug)
+            started = time.monotonic()
+            try:
+                call()
+                errors[name] = None
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+            finally:
+                setattr(module, attr, original)
+            took[name] = time.monotonic() - started
+        ck.save(2, state)
+        steps = [info.step for info in ck.list()]
+    return {"rank": rank, "errors": errors, "took_s": took, "steps": steps}
+
+
+def save_waits_as_long_as_the_job(rank: int, world: int, workdir: Path) -> dict:
+    """The job's collectives time out after 3 s, and rank 1 never saves: rank 0's save must
+    fail once those 3 s pass, not after torch's default of 30 minutes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptflow import Checkpointer
+
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=3))  # what init_process_group(timeout=) sets
+    done = workdir / "rank-0-done"
+    result: dict = {"rank": rank}
+    with Checkpointer(str(workdir / "store"), run=RUN, threads=2) as ck:
+        if rank == 0:
+            started = time.monotonic()
+            try:
+                ck.save(1, {"w": torch.ones(8)})
+                result["error"] = None
+            except Exception as e:
+                result["error"] = f"{type(e).__name__}: {e}"
+            result["took_s"] = time.monotonic() - started
+            done.touch()
+        else:
+            deadline = time.monotonic() + 60
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    return result
+
+
 SCENARIOS = {
+    "unexpected_errors_on_rank_0": unexpected_errors_on_rank_0,
+    "save_waits_as_long_as_the_job": save_waits_as_long_as_the_job,
     "prepare_during_async_save": prepare_during_async_save,
     "delta_base_unlisted_on_rank_0": delta_base_unlisted_on_rank_0,
     "adaptive_slow_rank": adaptive_slow_rank,

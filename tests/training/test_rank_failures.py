@@ -2,7 +2,7 @@
 
 Each case left the other ranks waiting in a collective until the group timed out (30
 minutes by default; 40 s in these workers), and one garbled rank 0's data. One spawned
-2-rank group runs the four scenarios of ``support.rank_failure_workers`` in turn (starting
+2-rank group runs the scenarios of ``support.rank_failure_workers`` in turn (starting
 ranks costs seconds): a scenario that left the group out of step would fail the ones after.
 """
 
@@ -23,6 +23,7 @@ SCENARIOS = [
     "adaptive_slow_rank",
     "state_dict_raises_on_one_rank",
     "delta_base_unlisted_on_rank_0",
+    "unexpected_errors_on_rank_0",
     "prepare_during_async_save",
     "adaptive_after_a_group_of_rank_0_alone",  # last: before the fix, it hung the group
 ]
@@ -62,6 +63,32 @@ def test_a_listing_that_fails_on_rank_0_costs_the_deltas_not_the_save(session):
     for result in session.results("delta_base_unlisted_on_rank_0"):
         assert result["kinds"] == [[1, "full"], [2, "incremental"]]
         assert result["took_s"] < 10
+
+
+def test_a_bug_where_rank_0_alone_decides_fails_every_rank_at_once(session):
+    # before: rank 0 raised its TypeError alone (only ckptflow's errors were shared) and rank 1
+    # waited in the broadcast of rank 0's answer until the group timed out
+    first, second = session.results("unexpected_errors_on_rank_0")
+    assert set(first["errors"]) == {"delta_base", "claim_step", "restore"}
+    for name, error in first["errors"].items():
+        assert error == "TypeError: a bug on rank 0"  # rank 0's own, as raised
+        assert second["errors"][name].startswith("CkptflowError: rank 0 could not ")
+        assert (
+            "(TypeError: a bug on rank 0; its traceback is in rank 0's log), so no rank went on"
+            in (second["errors"][name])
+        )
+        assert first["took_s"][name] < 10 and second["took_s"][name] < 10
+    assert first["steps"] == second["steps"] == [1, 2]  # the collectives stayed in step: the next save commits
+
+
+def test_ckptflows_groups_time_out_with_the_jobs_own(tmp_path):
+    # before: ckptflow's gloo group had torch's default timeout (30 minutes), whatever the job
+    # gave init_process_group, so rank 0 waited for rank 1 until rank 1 gave up after 60 s
+    session = dist_workers.launch(
+        ["save_waits_as_long_as_the_job"], tmp_path, timeout=120, registry=rank_failure_workers.__name__
+    )
+    waiting, _ = session.results("save_waits_as_long_as_the_job")
+    assert waiting["error"] is not None and waiting["took_s"] < 15
 
 
 def test_prepare_waits_for_the_async_save_before_its_own_collective(session):
