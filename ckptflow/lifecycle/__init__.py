@@ -14,6 +14,7 @@ from ckptflow.lifecycle.per_checkpoint import (
     Validated,
     archive_checkpoint,
     compress_checkpoint,
+    content_bytes,
     evaluate_checkpoint,
     validate_checkpoint,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "archive_checkpoint",
     "compress",
     "compress_checkpoint",
+    "content_bytes",
     "repair",
     "copy_matches",
     "current_plan",

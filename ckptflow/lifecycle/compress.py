@@ -8,6 +8,7 @@ codecs only, so it never turns a base into a delta.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptflow.catalog import checkpoints as catalog
@@ -25,6 +26,7 @@ class CompressionReport:
     reencoded: int = 0  # chunks this call rewrote (others were already compressed)
     bytes_before: int = 0
     bytes_after: int = 0
+    bytes_raw: int = 0  # the chunks' content, what each decodes to: what ``progress`` counts
 
     @property
     def ratio(self) -> float | None:
@@ -41,9 +43,20 @@ def itemsizes(manifest: Manifest) -> dict[str, tuple[int, bool]]:
     return sizes
 
 
-def compress(store: Store, run: str, step: int, *, codec: str = "zstd", level: int = 3) -> CompressionReport:
+def compress(
+    store: Store,
+    run: str,
+    step: int,
+    *,
+    codec: str = "zstd",
+    level: int = 3,
+    progress: Callable[[int], None] | None = None,
+) -> CompressionReport:
     """Re-encode every chunk of a checkpoint with ``codec`` (every chunk is verified
-    first) and record the result for the checkpoint's digest."""
+    first) and record the result for the checkpoint's digest. ``progress`` is called
+    with each chunk's content size once it is done: decoding and encoding the content is
+    the work, and the calls add up to ``bytes_raw``, the manifest's chunk sizes, a total
+    known before the first chunk is read."""
     manifest = catalog.read_manifest(store, run, step)
     chunks = ChunkStore(store)
     report = CompressionReport()
@@ -57,6 +70,9 @@ def compress(store: Store, run: str, step: int, *, codec: str = "zstd", level: i
         report.bytes_before += before
         report.bytes_after += after
         report.reencoded += after < before
+        report.bytes_raw += size
+        if progress:
+            progress(size)
     write_record(
         store,
         Subject.of(manifest),

@@ -41,6 +41,7 @@ from ckptflow.lifecycle.validate import validate
 from ckptflow.store.base import Store
 
 OnCommit = Callable[[str], None]  # told the manifest digest of the commit about to be processed
+Progress = Callable[[int], None]  # told the bytes each piece of the work went over (see each operation)
 
 
 def tell_commit(source: Store, run: str, step: int, on_commit: OnCommit) -> Manifest | None:
@@ -70,13 +71,32 @@ class Validated:
     manifest: Manifest | None  # its commit record, when it passed
 
 
+def content_bytes(hot: Store, run: str, step: int, *, archive: Callable[[], Store] | None = None) -> int | None:
+    """The content of the chunks of ``(run, step)`` (in the tier holding it, when
+    ``archive`` is given; else in ``hot``): what the ``progress`` of its validation or
+    compression counts up to, for a caller to show a percentage. None when its commit
+    record cannot be read: the work's own read says why."""
+    try:
+        source = hot if archive is None else source_tier(hot, run, step, archive)
+        return sum(catalog.read_manifest(source, run, step).chunks.values())
+    except (CkptflowError, OSError):
+        return None
+
+
 def validate_checkpoint(
-    hot: Store, run: str, step: int, *, archive: Callable[[], Store], on_commit: OnCommit
+    hot: Store,
+    run: str,
+    step: int,
+    *,
+    archive: Callable[[], Store],
+    on_commit: OnCommit,
+    progress: Progress | None = None,
 ) -> Validated:
-    """Verify ``(run, step)`` in the tier that holds it and record the verdict in ``hot``."""
+    """Verify ``(run, step)`` in the tier that holds it and record the verdict in ``hot``
+    (``progress``: ``lifecycle.validate``'s)."""
     source = source_tier(hot, run, step, archive)
     tell_commit(source, run, step, on_commit)
-    record = validate(source, run, step, records=hot)
+    record = validate(source, run, step, records=hot, progress=progress)
     return Validated(record, source, catalog.read_manifest(source, run, step) if record["ok"] else None)
 
 
@@ -105,13 +125,15 @@ def evaluate_checkpoint(
         )  # fmt: skip
 
 
-def compress_checkpoint(hot: Store, run: str, step: int, *, on_commit: OnCommit) -> CompressionReport | None:
-    """Compress the hot copy of ``(run, step)``; None when retention expired it (the
-    archive keeps its bytes as they are)."""
+def compress_checkpoint(
+    hot: Store, run: str, step: int, *, on_commit: OnCommit, progress: Progress | None = None
+) -> CompressionReport | None:
+    """Compress the hot copy of ``(run, step)`` (``progress``: ``lifecycle.compress``'s);
+    None when retention expired it (the archive keeps its bytes as they are)."""
     if not holds_commit(hot, run, step):
         return None
     admit_commit(hot, hot, run, step, on_commit=on_commit, work="its compression")
-    return compress(hot, run, step)
+    return compress(hot, run, step, progress=progress)
 
 
 def archive_checkpoint(
@@ -125,12 +147,16 @@ def archive_checkpoint(
     evaluator: str | None,
     load: Callable[[str], Evaluator],
     key: str,
+    progress: Progress | None = None,
 ) -> ArchiveReport | None:
     """Archive the hot copy of ``(run, step)`` into ``cold`` (``lifecycle.archive``; a
-    lossy copy is scored by the run's ``evaluator``); None when the hot copy expired
-    and ``cold`` holds the checkpoint (archived earlier)."""
+    lossy copy is scored by the run's ``evaluator``; ``progress`` is told the bytes of
+    each chunk copied); None when the hot copy expired and ``cold`` holds the checkpoint
+    (archived earlier)."""
     if not holds_commit(hot, run, step) and holds_commit(cold, run, step):
         return None
     admit_commit(hot, hot, run, step, on_commit=on_commit, work="its archival")
     function = None if evaluator is None else load(evaluator)
-    return archive(hot, cold, run, step, codec=codec, evaluator=function, evaluator_name=evaluator or TRAINER, key=key)
+    return archive(
+        hot, cold, run, step, progress, codec=codec, evaluator=function, evaluator_name=evaluator or TRAINER, key=key
+    )

@@ -33,6 +33,7 @@ from ckptflow.store.base import Store
 @dataclass
 class ScrubReport:
     checked: int = 0
+    bytes_checked: int = 0  # the content of the chunks of the checkpoints given a verdict
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (run, step, problems)
     unreadable: list[str] = field(default_factory=list)  # checkpoints that could not be looked at: no verdict
     newer: list[str] = field(default_factory=list)  # written by a newer ckptflow: no verdict, retrying will not help
@@ -40,14 +41,28 @@ class ScrubReport:
     records_error: str = ""  # why they could not be listed (the verdicts stand: no retry for it)
 
 
-def scrub(store: Store, *, older_than_s: float = 86400.0, now: float | None = None) -> ScrubReport:
+def scrub(
+    store: Store,
+    *,
+    older_than_s: float = 86400.0,
+    now: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ScrubReport:
     """Validate every committed checkpoint created more than ``older_than_s`` ago (young
-    ones were validated when they landed); each verdict is recorded for its digest."""
-    return _scrub(store, listing(store, manifests_only=True), records=store, older_than_s=older_than_s, now=now)
+    ones were validated when they landed); each verdict is recorded for its digest.
+    ``progress`` is called with the content size of each chunk checked (``validate``): a
+    scrub re-reads a whole store, hours of it on a large one."""
+    listed = listing(store, manifests_only=True)
+    return _scrub(store, listed, records=store, older_than_s=older_than_s, now=now, progress=progress)
 
 
 def scrub_archive_only(
-    hot: Store, archive: Store, *, older_than_s: float = 86400.0, now: float | None = None
+    hot: Store,
+    archive: Store,
+    *,
+    older_than_s: float = 86400.0,
+    now: float | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> ScrubReport:
     """``scrub`` of the commits ``archive`` holds and ``hot`` does not, verdicts recorded
     in ``hot``: checkpoints only the archive holds, and archive copies of another commit
@@ -68,7 +83,9 @@ def scrub_archive_only(
             return True
 
     listed = (e for e in listing(archive, manifests_only=True) if e.run not in unlisted_runs)
-    return _scrub(archive, listed, records=hot, older_than_s=older_than_s, now=now, skip=scrubbed_in_hot)
+    return _scrub(
+        archive, listed, records=hot, older_than_s=older_than_s, now=now, skip=scrubbed_in_hot, progress=progress
+    )
 
 
 def _scrub(
@@ -79,6 +96,7 @@ def _scrub(
     older_than_s: float,
     now: float | None,
     skip: Callable[[Manifest | Problem], bool] = lambda item: False,
+    progress: Callable[[int], None] | None = None,
 ) -> ScrubReport:
     cutoff = (time.time() if now is None else now) - older_than_s
     report = ScrubReport()
@@ -94,7 +112,7 @@ def _scrub(
         if item.created_at >= cutoff:
             continue
         try:
-            record = validate(store, item.run, item.step, records=records)
+            record = validate(store, item.run, item.step, records=records, progress=progress)
         except StoreUnavailableError as e:
             report.unreadable.append(str(e))
             continue
@@ -102,6 +120,7 @@ def _scrub(
             report.newer.append(str(e))
             continue
         report.checked += 1
+        report.bytes_checked += record["bytes_checked"]
         if not record["ok"]:
             report.corrupt.append((item.run, item.step, "; ".join(record["problems"])))
     damage, report.records_error = damaged.listed(store)  # the verdicts stand without the count

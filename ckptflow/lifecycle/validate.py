@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
@@ -10,16 +11,26 @@ from ckptflow.errors import NewerFormatError, StoreUnavailableError
 from ckptflow.store.base import Store
 
 
-def validate(store: Store, run: str, step: int, *, records: Store | None = None) -> dict[str, Any]:
+def validate(
+    store: Store,
+    run: str,
+    step: int,
+    *,
+    records: Store | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Verify manifest, rank records and every chunk of ``(run, step)`` in ``store`` and
     record the verdict in ``records`` (the hot store, when ``store`` is the archive tier
     holding the checkpoint). A checkpoint without a commit record gets no record.
+    ``progress`` is called, from the verifying threads, with each chunk's content size
+    once it is checked: a multi-GB checkpoint takes minutes, and the calls add up to the
+    verdict's ``bytes_checked``.
 
     A verdict needs proof: when something could not be read (an outage, a cold or denied
     object) and nothing proved damage, no record is written (an earlier verdict stands)
     and ``StoreUnavailableError`` says what could not be read, to retry later
     (``NewerFormatError``: a newer ckptflow wrote it, upgrade to validate it)."""
-    report = catalog.verify_checkpoint(store, run, step)
+    report = catalog.verify_checkpoint(store, run, step, progress=progress)
     if report.newer is not None:
         raise NewerFormatError(
             f"could not verify run {run} step {step} in {store.url}: {report.newer.message}; no verdict was recorded"

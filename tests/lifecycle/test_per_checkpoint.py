@@ -181,3 +181,34 @@ def test_an_evaluator_that_raises_or_cannot_be_loaded_fails_with_one_line(tiers)
         evaluate(hot, arc, 2, "team.eval:score", missing)
     record = evaluate(hot, arc, 2, "team.eval:score", lambda path: lambda tensors, info: {"val_loss": 0.25})
     assert record["evaluator"] == "team.eval:score" and record["metrics"] == {"val_loss": 0.25}
+
+
+def counted():
+    calls: list[int] = []  # list.append: safe from the verifying threads
+    return calls, calls.append
+
+
+def test_progress_adds_up_to_what_each_operation_reports(tiers):
+    """The callbacks an orchestrator logs progress with: validation and compression
+    count each chunk's content, toward the total ``content_bytes`` gives up front;
+    archival counts the bytes it copies."""
+    hot, arc = tiers
+    assert lifecycle.content_bytes(hot, RUN, 1) is None  # expired from hot: the archive holds it
+    assert lifecycle.content_bytes(hot, RUN, 1, archive=lambda: arc) == sum(
+        catalog.read_manifest(arc, RUN, 1).chunks.values()
+    )
+    calls, progress = counted()
+    record = lifecycle.validate_checkpoint(
+        hot, RUN, 1, archive=lambda: arc, on_commit=lambda d: None, progress=progress
+    ).record
+    assert sum(calls) == record["bytes_checked"] == lifecycle.content_bytes(hot, RUN, 1, archive=lambda: arc) > 0
+    assert len(calls) == record["chunks_checked"]
+    calls, progress = counted()
+    compressed = lifecycle.compress_checkpoint(hot, RUN, 2, on_commit=lambda d: None, progress=progress)
+    assert sum(calls) == compressed.bytes_raw == lifecycle.content_bytes(hot, RUN, 2) > compressed.bytes_after
+    calls, progress = counted()
+    archived = lifecycle.archive_checkpoint(
+        hot, arc, RUN, 2, on_commit=lambda d: None, codec=ArchiveCodec.parse("exact"), evaluator=None,
+        load=lambda path: None, key="model", progress=progress,
+    )  # fmt: skip
+    assert archived.chunks_copied > 0 and sum(calls) == archived.bytes_copied and len(calls) == archived.chunks_copied

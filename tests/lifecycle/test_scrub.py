@@ -71,3 +71,21 @@ def test_an_archive_copy_of_the_hot_commit_is_left_to_the_hot_scrub(tmp_path):
     assert lifecycle.archive(hot, arc, "r", 1).ok
     report = lifecycle.scrub_archive_only(hot, arc, older_than_s=0)
     assert report.checked == 0 and not report.corrupt and not report.unreadable
+
+
+def test_scrub_progress_adds_up_to_the_bytes_it_checked(tmp_path):
+    hot, arc = _stores(tmp_path)
+    with Checkpointer(hot, "r") as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": _model(step)})
+    calls: list[int] = []
+    report = lifecycle.scrub(hot, older_than_s=0, progress=calls.append)
+    every = sum(sum(catalog.read_manifest(hot, "r", step).chunks.values()) for step in (1, 2))
+    assert report.checked == 2 and sum(calls) == report.bytes_checked == every
+    assert lifecycle.archive(hot, arc, "r", 1).ok
+    hot.delete(fmt.manifest_key("r", 1))  # only the archive holds it now
+    calls.clear()
+    report = lifecycle.scrub_archive_only(hot, arc, older_than_s=0, progress=calls.append)
+    assert report.checked == 1 and sum(calls) == report.bytes_checked == sum(
+        catalog.read_manifest(arc, "r", 1).chunks.values()
+    )
