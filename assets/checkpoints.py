@@ -47,8 +47,9 @@ from dagster import (
     asset,
 )
 
-from assets.metadata import bullet_list, metrics, ratio, size
+from assets.metadata import bullet_list, metrics, ratio, size, throughput
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key, pin_commit
+from assets.progress import logged_progress
 from ckptflow import lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import EvaluatorError, FailedValidationError
@@ -143,12 +144,21 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
     them ("N of M need attention") and says whether every run can recover now. The
     partition's Events view gives the reason (which chunk, which check); the blocking
     ``integrity`` check keeps it from being evaluated, compressed or archived. One that
-    could not be read is retried, with no verdict."""
+    could not be read is retried, with no verdict. Progress (bytes re-read of the total,
+    the rate) is logged as it goes; the time and rate are metadata of the check and of
+    the materialization."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    with store.retrying_outages(context):
-        validated = lifecycle.validate_checkpoint(hot, run, step, archive=archive.open, on_commit=pin_commit(context))
+    total = lifecycle.content_bytes(hot, run, step, archive=archive.open)
+    with (
+        logged_progress(context, f"validating {context.partition_key}", total=total) as meter,
+        store.retrying_outages(context),
+    ):
+        validated = lifecycle.validate_checkpoint(
+            hot, run, step, archive=archive.open, on_commit=pin_commit(context), progress=meter
+        )
     record = validated.record
+    timed = throughput("validation", record["bytes_checked"], meter.seconds)
     problems = record["problems"] or ([] if record["ok"] else ["no problem recorded"])
     reason = recoverable.reason_of(problems[0]) if problems else None
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -166,6 +176,7 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
             f"{run}/chunks": MetadataValue.int(record["chunks_checked"]),
             f"{run}/bytes": MetadataValue.int(record["bytes_checked"]),
             "checked": MetadataValue.text(human_bytes(record["bytes_checked"])),  # plotted per run, above
+            **timed,
             "tier": record["tier"],
             "manifest_digest": record["manifest_digest"],
             **(_reason_metadata(reason) if reason else {}),
@@ -194,7 +205,7 @@ def checkpoint(context: AssetExecutionContext, store: CheckpointStoreResource, a
             allow_retries=False,
         )
     yield MaterializeResult(
-        metadata={**_describe(validated.manifest), "tier": validated.source.url}, check_results=[check]
+        metadata={**_describe(validated.manifest), "tier": validated.source.url, **timed}, check_results=[check]
     )
 
 
@@ -251,11 +262,17 @@ def evaluation(
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
 def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -> MaterializeResult:
     """Re-encode the checkpoint's chunks with byte-grouped zstd. Chunk addresses hash the
-    raw bytes, so nothing that references them changes; every chunk is verified first."""
+    raw bytes, so nothing that references them changes; every chunk is verified first.
+    Progress is logged as it goes; the content's size, the time and the rate are metadata."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot = store.open()
-    with store.retrying_outages(context), _refusing_failed_commits():
-        report = lifecycle.compress_checkpoint(hot, run, step, on_commit=pin_commit(context))
+    total = lifecycle.content_bytes(hot, run, step)
+    with (
+        logged_progress(context, f"compressing {context.partition_key}", total=total) as meter,
+        store.retrying_outages(context),
+        _refusing_failed_commits(),
+    ):
+        report = lifecycle.compress_checkpoint(hot, run, step, on_commit=pin_commit(context), progress=meter)
     if report is None:
         return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
     return MaterializeResult(
@@ -265,6 +282,8 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
             **size("before", report.bytes_before),
             **size("after", report.bytes_after),
             "ratio": ratio(report.ratio),
+            **size("content", report.bytes_raw),
+            **throughput("compression", report.bytes_raw, meter.seconds),
         }
     )
 
@@ -280,10 +299,16 @@ def archived(
     (every chunk re-read from the archive and checked against its address; by size in
     a cold storage class). After compression, so the archive holds the smaller encoding.
     With a lossy ``archive_codec`` the copy is rounded as configured, its manifest says
-    what was lost, and the run's evaluator scores it next to the exact checkpoint."""
+    what was lost, and the run's evaluator scores it next to the exact checkpoint.
+    Progress (bytes copied, the rate) is logged as it goes; the archival's time, and the
+    bytes copied per second of it (verification and commit included), are metadata."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
-    with store.retrying_outages(context), _refusing_failed_commits():
+    with (
+        logged_progress(context, f"archiving {context.partition_key} to {arc.url}") as meter,
+        store.retrying_outages(context),
+        _refusing_failed_commits(),
+    ):
         report = lifecycle.archive_checkpoint(
             hot,
             arc,
@@ -294,6 +319,7 @@ def archived(
             evaluator=evaluator.name_for(run),
             load=load_function,
             key=evaluator.key,
+            progress=meter,
         )
     if report is None:
         return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
@@ -310,6 +336,7 @@ def archived(
             "chunks_already_there": report.chunks_present,
             "chunks_reencoded": report.chunks_reencoded,
             **size("copied", report.bytes_copied),
+            **throughput("archival", report.bytes_copied, meter.seconds),
             "verified": True,
             "chunks_verified": report.chunks_verified,
             "verified_by": report.verified_by,

@@ -13,6 +13,7 @@ from typing import Any
 
 from dagster import MetadataValue
 
+from assets.progress import rate
 from ckptflow.lifecycle.evaluate import numeric
 from ckptflow.reports.units import human_bytes
 
@@ -27,6 +28,17 @@ def rounded(value: float, digits: int = SIGNIFICANT) -> float:
 def size(name: str, n: int) -> dict[str, MetadataValue]:
     """``<name>_bytes`` (plotted) and ``<name>`` in human units, side by side."""
     return {f"{name}_bytes": MetadataValue.int(int(n)), name: MetadataValue.text(human_bytes(n))}
+
+
+def throughput(name: str, n: int, seconds: float) -> dict[str, MetadataValue]:
+    """``<name>_seconds`` and ``<name>_mb_per_s`` (``n`` bytes in ``seconds``), plotted
+    across partitions: a tier or network slowing down shows as a falling line. No rate
+    for an instant."""
+    timed: dict[str, MetadataValue] = {f"{name}_seconds": MetadataValue.float(rounded(seconds, 3))}
+    mbs = rate(n, seconds)
+    if mbs is not None:
+        timed[f"{name}_mb_per_s"] = MetadataValue.float(rounded(mbs, 3))
+    return timed
 
 
 def ratio(value: float | None) -> MetadataValue:

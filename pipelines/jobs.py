@@ -19,8 +19,10 @@ from dagster import (
 )
 
 from assets.inventory import compute_plan
+from assets.metadata import rounded, size, throughput
 from assets.models import deployed_model
 from assets.partitions import checkpoint_key, drop_checkpoint_partitions
+from assets.progress import logged_progress
 from ckptflow import lifecycle
 from ckptflow.catalog.gc import gc
 from ckptflow.errors import CkptflowError, StoreUnavailableError
@@ -55,7 +57,8 @@ def apply_retention(
     evaluates), then GC the hot tier. The policy
     is the ``retention`` resource's, the one ``retention_plan`` and the inventory show. A
     checkpoint whose expiry failed keeps its partition; the run fails after the rest is
-    done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time."""
+    done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time; GC logs the
+    bytes it deleted as it goes, and its time is metadata."""
     try:
         retention.check()  # before anything is expired: a policy the last step cannot read changes nothing
     except ValueError as e:
@@ -102,7 +105,8 @@ def apply_retention(
                 f"dropped the partitions of {dropped} archive-only checkpoint(s) ({_span(batch)}): only the newest "
                 f"{retention.archive_partitions} keep one; their archive copies and records stay"
             )
-    gc_report = gc(hot, grace=retention.grace_s())
+    with logged_progress(context, f"GC of {hot.url} (bytes deleted)") as meter:
+        gc_report = gc(hot, grace=retention.grace_s(), progress=meter)
     context.add_output_metadata(
         {
             "expired": len(report.expired),
@@ -116,6 +120,7 @@ def apply_retention(
             "archive_only_unpartitioned": len(archived),
             "gc_deleted_objects": len(gc_report.deleted),
             "gc_deleted_bytes": MetadataValue.int(gc_report.bytes),
+            "gc_seconds": MetadataValue.float(rounded(meter.seconds, 3)),
             "gc_skipped": gc_report.skipped or "",
             "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in expired) or "none"),
         }
@@ -160,17 +165,23 @@ def scrub_checkpoints(
     their one copy rots unseen otherwise), and record each verdict in the hot store; then
     repair each tier's damaged chunk objects from the other tier's sound copies
     (``ckptflow.lifecycle.repair``) and validate again what failed. Figures are metadata
-    per tier. Fails the run if a checkpoint stays corrupt, so an operator hears of it.
+    per tier (the bytes re-read, the time and the rate among them: each tier's progress is
+    logged as it goes). Fails the run if a checkpoint stays corrupt, so an operator hears of it.
     What could not be read keeps its earlier verdict; in the hot tier it is retried
     later (an outage proves nothing), in the archive it waits for the next scrub (a cold
     storage class reads only once thawed: a retry would not read it). What a newer
     ckptflow wrote fails the run without retries (upgrade the code location)."""
     hot, arc = store.open(), archive.open()
     older_than_s = config.older_than_days * DAY
-    reports = {
-        "hot": lifecycle.scrub(hot, older_than_s=older_than_s),
-        "archive": lifecycle.scrub_archive_only(hot, arc, older_than_s=older_than_s),
-    }
+    with logged_progress(context, f"scrubbing {hot.url}") as hot_meter:
+        scrubbed_hot = lifecycle.scrub(hot, older_than_s=older_than_s, progress=hot_meter)
+    with logged_progress(context, f"scrubbing the archive-only checkpoints of {arc.url}") as arc_meter:
+        scrubbed_arc = lifecycle.scrub_archive_only(hot, arc, older_than_s=older_than_s, progress=arc_meter)
+    reports = {"hot": scrubbed_hot, "archive": scrubbed_arc}
+    figures: dict = {}  # per tier: the bytes re-read, the time and the rate
+    for tier, meter in (("hot", hot_meter), ("archive", arc_meter)):
+        figures.update(size(f"{tier}_scrubbed", reports[tier].bytes_checked))
+        figures.update(throughput(f"{tier}_scrub", reports[tier].bytes_checked, meter.seconds))
     repairs = _repairs(context, hot, arc)
     tiers = {"hot": hot, "archive": arc}
     still = {
@@ -190,6 +201,7 @@ def scrub_checkpoints(
             "checked": sum(r.checked for r in reports.values()),
             "corrupt": len(corrupt),
             **{f"{tier}_checked": r.checked for tier, r in reports.items()},
+            **figures,
             **{f"{tier}_corrupt": len(still[tier]) for tier in reports},
             **{f"{tier}_repaired_by_copy": len(r.corrupt) - len(still[tier]) for tier, r in reports.items()},
             **{f"{tier}_unreadable": len(r.unreadable) for tier, r in reports.items()},
