@@ -325,15 +325,17 @@ class ChunkStore(ChunkReader):
         """Verify then rewrite a chunk with another codec; (bytes before, bytes after).
 
         With ``only_if_smaller`` a chunk already in ``codec``, or one the codec would not
-        shrink, is left alone (after == before): what compaction of a store wants. Only
+        shrink, is left alone (after == before): what compaction of a store wants; it is
+        verified all the same (a compaction that passed vouches for every chunk). Only
         plain codecs are written here, so compaction never turns a chunk (a base above
         all) into a delta; a delta it rewrites plainly stops needing its base, whose
         reference in the manifests then merely keeps it a little longer.
         """
         blob = self._fetch(digest, size)
+        content = self._decoded(digest, blob, size)
         if only_if_smaller and codecs.header_codec(blob) == codec:
             return len(blob), len(blob)
-        parts = codecs.encode(self._decoded(digest, blob, size), codec, itemsize, level=level, floating=floating)
+        parts = codecs.encode(content, codec, itemsize, level=level, floating=floating)
         after = sum(len(memoryview(p).cast("B")) for p in parts)
         if only_if_smaller and after >= len(blob):
             return len(blob), len(blob)

@@ -9,7 +9,7 @@ import torch
 from ckptflow import Checkpointer, ExpireError, PromotionError, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.gc import gc
-from ckptflow.errors import StoreUnavailableError
+from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
@@ -42,6 +42,20 @@ def test_compress_is_verified_idempotent_and_keeps_restores_exact(tmp_path):
         assert ck.restore({"model": fresh}).step == 2
         assert ck.verify(1).ok  # step 1 shares re-encoded chunks
     assert torch.equal(fresh[1].weight, model[1].weight)
+
+
+def test_compress_verifies_the_chunks_it_leaves_in_their_codec(tmp_path):
+    """A second compaction rewrites nothing (every chunk is zstd already), yet it still
+    verifies every chunk: one that rotted since is reported, and nothing is rewritten."""
+    store, _ = make(tmp_path)
+    assert lifecycle.compress(store, "r", 2).reencoded > 0
+    digest = max(catalog.read_manifest(store, "r", 2).chunks)
+    path = chunk_path(store.root, digest)
+    flip_byte(path)
+    damaged = path.read_bytes()
+    with pytest.raises(CkptflowError, match=digest[:16]):
+        lifecycle.compress(store, "r", 2)
+    assert path.read_bytes() == damaged
 
 
 def test_archive_copies_commit_last_and_verifies_there(tmp_path):
