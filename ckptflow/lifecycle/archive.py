@@ -364,9 +364,10 @@ def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
     expected = record.get("archive_digest") or hot_manifest.digest  # a lossy copy has its own digest
     if arc_manifest.digest != expected:
         return f"the archive's manifest differs ({arc_manifest.digest[:12]}… vs {expected[:12]}…)"
-    if arc_manifest.lossy is not None and arc_manifest.lossy.get("source_digest") != hot_manifest.digest:
-        return "the archive holds a lossy copy of another commit of this step"
-    if arc_manifest.digest != hot_manifest.digest:  # a verdict of its own: the archive scrub's
+    if arc_manifest.digest != hot_manifest.digest:  # a lossy copy, with a verdict of its own: the archive scrub's
+        # (an exact copy of a checkpoint that is itself lossy, an import of a lossy export, names its own source)
+        if (arc_manifest.lossy or {}).get("source_digest") != hot_manifest.digest:
+            return "the archive holds a lossy copy of another commit of this step"
         verdict = read_record(hot, Subject.of(arc_manifest), "validation")
         if verdict is not None and not verdict["ok"]:
             return "the archive's copy failed validation since it was archived (a scrub found it damaged)"

@@ -64,3 +64,15 @@ def test_a_lossy_checkpoint_is_archived_as_it_is_with_what_it_lost(tmp_path):
     copy = catalog.read_manifest(arc, "r", 1)
     assert copy.digest == held.digest == report.archive_digest and copy.lossy["weights"] == "bf16"
     assert report.lossy == held.lossy
+
+
+def test_an_exact_archive_copy_of_a_lossy_checkpoint_lets_its_hot_copy_expire(tmp_path):
+    """A lossy checkpoint (here a lossy archive copy, as an import of its export would be)
+    archived exactly: the archive holds that very commit, whose record names the commit
+    it was rounded from. Retention's check that the copy matches said "a lossy copy of
+    another commit" and kept the hot copy for ever."""
+    hot, lossy_hot, arc = _hot(tmp_path), open_store(str(tmp_path / "lossy")), open_store(str(tmp_path / "arc"))
+    assert lifecycle.archive(hot, lossy_hot, "r", 1, codec=BF16).ok
+    assert lifecycle.archive(lossy_hot, arc, "r", 1).ok
+    assert catalog.read_manifest(arc, "r", 1).digest == catalog.read_manifest(lossy_hot, "r", 1).digest
+    assert lifecycle.copy_matches(lossy_hot, arc, "r", 1) is None
