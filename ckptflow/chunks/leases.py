@@ -16,12 +16,17 @@ left by a process that died (SIGKILL, a lost node). A dead lease is cleared by t
 GC and reported; a dead GC lock is taken over by the next GC with a compare-and-swap, so
 two GCs can never both hold it, and a save stops waiting for it. The lock's renewal is a
 compare-and-swap too: a GC that finds its lock taken over stops before deleting more.
+Every body the lock's holder writes carries its one holder token, so a renewal or a
+release whose outcome is unknown (the write, or the read of the new version after it,
+failed) reads the lock back: its own token means it still holds the lock (it adopts the
+version it reads, renews, and deletes it on release); only another token, or no lock,
+means it was taken over; an outage alone never does (a release retries it a few times).
 Liveness compares the object's modification time with this machine's clock, so the
 machines sharing a store need clocks within a few seconds of each other (NTP).
 
-A lease also says which process holds it: the machine (the kernel's boot id and the PID
-namespace, so a pid means the same process only where both match), the pid and the
-process's start time (``/proc/<pid>/stat`` field 22, so a pid reused by another process
+A lease also says which process holds it (``ckptflow.chunks.owners``): the machine (the
+kernel's boot id and the PID namespace, so a pid means the same process only where both
+match), the pid and the process's start time (``/proc/<pid>/stat`` field 22, so a pid reused by another process
 is not mistaken for it). GC on that machine clears the lease of a holder that is gone
 (SIGKILL, the OOM killer) at once; elsewhere only ``DEAD_AFTER`` bounds it. The GC lock says
 the same, so a save on the machine of a GC that was killed stops waiting for it at once,
@@ -30,19 +35,22 @@ and the next GC there takes the lock over at once.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ckptflow.errors import CkptflowError, ObjectNotFoundError, PromotionError, RetentionError
+from ckptflow.chunks import owners
+from ckptflow.errors import (
+    CkptflowError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    PromotionError,
+    RetentionError,
+)
 from ckptflow.store.base import ObjectInfo, Store
 
 
@@ -71,58 +79,19 @@ DEAD_AFTER = 30.0  # not renewed for this long: its holder died
 SAVE_WAIT = 600.0  # how long a save waits for a live GC before it gives up
 PROMOTION_WAIT = 600.0  # how long a promotion and a retention wait for each other
 POLL = 0.05
+RELEASE_TRIES = 4  # a release that meets an outage tries again after 0.05, 0.1 and 0.2 s
 log = logging.getLogger("ckptflow")
 
 
-def _owner(what: str) -> bytes:
-    return json.dumps({"what": what, "host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex,
-                       "time": time.time(), **_this_process()}).encode()  # fmt: skip
-
-
-def _this_process() -> dict:
-    """This process as a GC on the same machine can check it: ``machine`` (boot id and PID
-    namespace) and ``started`` (clock ticks after boot). Empty off Linux, or where /proc
-    is not this process's own (its pid there differs from ``os.getpid()``)."""
+def _version_if_ours(store: Store, key: str, token: str) -> str | None:
+    """The version of the lock ``key`` if its body carries ``token`` (its holder's); None if
+    another holder's body is there. ``ObjectNotFoundError`` if none is; an outage raises
+    too: it proves neither."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-        pid, _state, started = _stat("self")
-    except (OSError, ValueError, IndexError):
-        return {}
-    return {"machine": f"{boot} {namespace}", "started": started} if pid == os.getpid() else {}
-
-
-def _stat(pid: str) -> tuple[int, str, int]:
-    """Pid, state and start time from ``/proc/<pid>/stat`` (fields 1, 3 and 22; the command
-    name, field 2, may hold spaces and parentheses, so fields are counted after its last ')')."""
-    line = Path(f"/proc/{pid}/stat").read_text()
-    fields = line[line.rindex(")") + 2 :].split()
-    return int(line.split(" ", 1)[0]), fields[0], int(fields[19])
-
-
-def _holder_gone(body: bytes) -> bool:
-    """Whether the process that wrote the lease ``body`` ran on this machine and is gone: no
-    such pid, a zombie (killed, not yet reaped), or another process under its pid. Only
-    what this machine can see counts; anything else (another machine, an old lease
-    without the fields, a process whose stat cannot be read) is left to ``DEAD_AFTER``."""
-    try:
-        holder = json.loads(body)
-        machine, pid, started = holder["machine"], holder["pid"], holder["started"]
-    except (ValueError, TypeError, KeyError, RecursionError):  # a body nested deep is no holder either
-        return False
-    if type(pid) is not int or not 0 < pid < 1 << 31 or machine != _this_process().get("machine"):  # a pid_t
-        return False
-    try:
-        os.kill(pid, 0)  # signal 0 only asks whether the pid exists
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process: it exists
-        pass
-    try:
-        _pid, state, now = _stat(str(pid))
-    except (OSError, ValueError, IndexError):
-        return False
-    return state in ("Z", "X") or now != started
+        body, version = store.get_versioned(key, 1 << 16)
+    except ObjectTooLargeError:  # nothing this holder wrote
+        return None
+    return version if owners.token(body) == token else None
 
 
 def _age(info: ObjectInfo) -> float:
@@ -132,12 +101,25 @@ def _age(info: ObjectInfo) -> float:
 class Heartbeat:
     """Renews ``key`` every ``HEARTBEAT`` seconds until stopped. ``lost`` says whether the
     holder can no longer trust it holds ``key``: taken over, deleted, or not renewed for
-    half of ``DEAD_AFTER`` (the store did not answer)."""
+    half of ``DEAD_AFTER`` (the store did not answer).
 
-    def __init__(self, store: Store, key: str, version: str | None = None, *, what: str = "gc"):
-        self.store, self.key, self.version, self.what = store, key, version, what
+    A lease is touched. An exclusive lock (``token``: its holder's, in every body it
+    writes) is rewritten by compare-and-swap against ``version``, the one its holder last
+    wrote. Where that is unknown (None: a write or its re-read failed, so whether the write
+    landed is not known), the lock is read: the holder's token there means it still holds
+    the lock, and it adopts that version; another token, or no lock, means taken over. An
+    outage alone never does: it is retried at the next beat, and ``lost`` if it lasts."""
+
+    def __init__(self, store: Store, key: str, *, what: str = "gc", token: str | None = None):
+        self.store, self.key, self.what, self.token = store, key, what, token
+        self.version: str | None = None
         self.renewed = time.monotonic()
         self.taken = False
+        if token is not None:
+            try:
+                self._adopt()
+            except Exception as e:  # the holder took the lock; its version is read at the next beat
+                log.warning("could not read %s/%s after taking it: %s", store.url, key, e)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ckptflow-heartbeat-{key}", daemon=True)
         self._thread.start()
@@ -147,7 +129,7 @@ class Heartbeat:
         return self.taken or time.monotonic() - self.renewed > DEAD_AFTER / 2
 
     def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT):
+        while not self.taken and not self._stop.wait(HEARTBEAT):
             try:
                 self._renew()
             except ObjectNotFoundError:
@@ -156,15 +138,25 @@ class Heartbeat:
                 log.warning("could not renew %s/%s: %s", self.store.url, self.key, e)
 
     def _renew(self) -> None:
-        if self.version is None:  # a lease: only its age matters
+        if self.token is None:  # a lease (or a lock on a store without compare-and-swap): only its age matters
             self.store.touch(self.key)
-        else:  # an exclusive lock: a new version each beat, written only if it is still ours
-            body = _owner(self.what)
-            if not self.store.replace_if(self.key, body, self.version):
-                self.taken = True
-                return
-            self.version = self.store.get_versioned(self.key)[1]
-        self.renewed = time.monotonic()
+            self.renewed = time.monotonic()
+            return
+        if self.version is None and not self._adopt():
+            return
+        expected, self.version = self.version, None  # unknown until the write and its re-read have answered
+        if self.store.replace_if(self.key, owners.body(self.what, self.token), expected):
+            self.renewed = time.monotonic()
+        self._adopt()  # the new version; if refused, the lock is another holder's or a late write of ours
+
+    def _adopt(self) -> bool:
+        """Read the lock: still this holder's (its token) → adopt its version; else taken."""
+        try:
+            self.version = _version_if_ours(self.store, self.key, self.token or "")
+        except ObjectNotFoundError:
+            self.version = None
+        self.taken = self.version is None
+        return not self.taken
 
     def stop(self) -> None:
         self._stop.set()
@@ -186,7 +178,7 @@ def shared_lease(store: Store, family: LockFamily, timeout: float) -> Iterator[H
     started = time.monotonic()
     while True:
         key = f"{family.leases}{uuid.uuid4().hex}.json"
-        store.put_if_absent(key, _owner(family.shared))
+        store.put_if_absent(key, owners.body(family.shared))
         try:
             locked = _live_lock(store, family)[0]
         except BaseException:
@@ -207,7 +199,7 @@ def shared_lease(store: Store, family: LockFamily, timeout: float) -> Iterator[H
 def _lock_holder_gone(store: Store, family: LockFamily) -> bool:
     """Whether ``family``'s lock was left by a process on this machine that is gone."""
     try:
-        return _holder_gone(store.get_bounded(family.lock, 1 << 16))
+        return owners.gone(store.get_bounded(family.lock, 1 << 16))
     except (CkptflowError, OSError):  # released meanwhile, or unreadable: it proves nothing
         return False
 
@@ -263,26 +255,17 @@ def exclusive_lock(store: Store, family: LockFamily) -> Iterator[Heartbeat]:
     by compare-and-swap, so of two that find it dead only one gets it. It does not wait
     for the leases: the holder does (``wait_for_leases``), once it holds the lock."""
     what, lock = family.exclusive, family.lock
-    body = _owner(what)
-    if not store.put_if_absent(lock, body):
-        try:
-            info = store.stat(lock)
-            version = store.get_versioned(lock)[1] if store.compare_and_swap else None
-        except ObjectNotFoundError:  # released in between: try once more
-            if not store.put_if_absent(lock, body):
-                raise family.exclusive_error(
-                    f"another {what} just took {store.url}/{lock}; run it again later"
-                ) from None
-        else:
-            if _age(info) < DEAD_AFTER and not _lock_holder_gone(store, family):
-                raise family.exclusive_error(
-                    f"another {what} holds {store.url}/{lock} (renewed {_age(info):.0f} s ago); "
-                    "run it again when that one has finished"
-                )
-            if not _take_over(store, lock, body, version):
-                raise family.exclusive_error(f"another {what} just took over {store.url}/{lock}; run it again later")
-            log.warning("took over %s/%s from a %s that died", store.url, lock, what)
-    beat = Heartbeat(store, lock, store.get_versioned(lock)[1] if store.compare_and_swap else None, what=what)
+    token = uuid.uuid4().hex
+    try:
+        refused = _acquire(store, family, owners.body(what, token))
+    except BaseException:  # a write whose outcome is unknown may have taken the lock: if so, it goes
+        if store.compare_and_swap:
+            with suppress(Exception):
+                _delete_if_ours(store, lock, token, None, tries=1)
+        raise
+    if refused is not None:
+        raise family.exclusive_error(refused)
+    beat = Heartbeat(store, lock, what=what, token=token if store.compare_and_swap else None)
     try:
         yield beat
     finally:
@@ -290,18 +273,69 @@ def exclusive_lock(store: Store, family: LockFamily) -> Iterator[Heartbeat]:
         _release(store, lock, beat)
 
 
+def _acquire(store: Store, family: LockFamily, body: bytes) -> str | None:
+    """Create ``family``'s lock with ``body``, or take it over from a dead holder; why not if
+    another holds it (a store's error raises)."""
+    what, lock = family.exclusive, family.lock
+    if store.put_if_absent(lock, body):
+        return None
+    try:
+        info = store.stat(lock)
+        version = store.get_versioned(lock)[1] if store.compare_and_swap else None
+    except ObjectNotFoundError:  # released in between: try once more
+        taken = not store.put_if_absent(lock, body)
+        return f"another {what} just took {store.url}/{lock}; run it again later" if taken else None
+    if _age(info) < DEAD_AFTER and not _lock_holder_gone(store, family):
+        return (
+            f"another {what} holds {store.url}/{lock} (renewed {_age(info):.0f} s ago); "
+            "run it again when that one has finished"
+        )
+    if not _take_over(store, lock, body, version):
+        return f"another {what} just took over {store.url}/{lock}; run it again later"
+    log.warning("took over %s/%s from a %s that died", store.url, lock, what)
+    return None
+
+
 def _release(store: Store, lock: str, beat: Heartbeat) -> None:
-    """Delete the lock only if it is still the version this holder last wrote. A holder
-    whose renewals could not reach the store for ``DEAD_AFTER`` may have been taken over
-    without its heartbeat seeing it yet; a plain delete would then remove the new
-    holder's lock, and saves (or promotions) would stop waiting for a sweep (or an
-    expiry) still at work."""
+    """Delete the lock only while it is still this holder's. A holder whose renewals could
+    not reach the store for ``DEAD_AFTER`` may have been taken over without its heartbeat
+    seeing it yet; a plain delete would then remove the new holder's lock, and saves (or
+    promotions) would stop waiting for a sweep (or an expiry) still at work."""
     if beat.taken:
         return
-    if beat.version is None:  # no compare-and-swap: the holder's own lock is all it can delete
+    if beat.token is None:  # no compare-and-swap: the holder's own lock is all it can delete
         store.delete(lock)
-    elif not store.delete_if(lock, beat.version):
-        log.warning("%s/%s was taken over by another holder; left to it", store.url, lock)
+        return
+    try:
+        if not _delete_if_ours(store, lock, beat.token, beat.version):
+            log.warning("%s/%s was taken over by another holder; left to it", store.url, lock)
+    except (CkptflowError, OSError) as e:
+        log.warning("could not release %s/%s (%s); it is free %.0f s after its last renewal",
+                    store.url, lock, e, DEAD_AFTER)  # fmt: skip
+
+
+def _delete_if_ours(store: Store, lock: str, token: str, version: str | None, *, tries: int = RELEASE_TRIES) -> bool:
+    """Delete ``lock`` if its body carries ``token``: by ``version`` while that is the
+    lock's, else by the version read now (``version`` unknown or stale: a renewal whose
+    re-read failed). False if another holder's lock is there: it stays. An outage is
+    tried ``tries`` times, then raised."""
+    for attempt in range(tries):
+        try:
+            if version is None:
+                version = _version_if_ours(store, lock, token)
+                if version is None:
+                    return False
+            if store.delete_if(lock, version):
+                return True
+            version = None  # refused: changed since, so read it again
+        except ObjectNotFoundError:  # gone: deleted by an attempt that raised after it landed
+            return True
+        except (CkptflowError, OSError):
+            version = None  # whether a delete that raised deleted is unknown
+            if attempt + 1 >= tries:
+                raise
+            time.sleep(POLL * 2**attempt)
+    return False
 
 
 def _take_over(store: Store, lock: str, body: bytes, version: str | None) -> bool:
@@ -332,7 +366,7 @@ def leases(store: Store, holders: dict[str, bytes] | None = None, *, family: Loc
                 continue  # released since the listing
             except (CkptflowError, OSError):  # unreadable: it proves nothing, so it holds
                 body = b""
-            if not _holder_gone(body):
+            if not owners.gone(body):
                 found.live.append(info)
                 continue
         found.dead.append(info)

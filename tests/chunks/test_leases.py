@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptflow import Checkpointer, CkptflowError, gc, open_store
-from ckptflow.chunks import leases
+from ckptflow.chunks import leases, owners
 from ckptflow.format import layout as fmt
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, RUN, tagged_state
@@ -234,19 +234,19 @@ def test_a_gc_killed_on_this_machine_holds_no_save_and_its_lock_is_taken_over_at
 
 def test_a_lease_whose_holder_exited_or_whose_pid_names_another_process_is_dead_on_this_machine(tmp_path):
     store = open_store(str(tmp_path / "store"))
-    mine = json.loads(leases._owner("save"))
+    mine = json.loads(owners.body("save"))
     assert mine["pid"] == os.getpid() and mine["started"] > 0
     reaped = subprocess.Popen(["true"])
     reaped.wait()
     zombie = subprocess.Popen(["true"])  # exits at once, and is not reaped until the end
-    while leases._stat(str(zombie.pid))[1] != "Z":
+    while owners.proc_stat(str(zombie.pid))[1] != "Z":
         time.sleep(0.01)
     holders = {
         "elsewhere": dict(mine, machine="another machine", pid=reaped.pid),  # not this machine's to judge
         "exited": dict(mine, pid=reaped.pid),
         "mine": mine,
         "reused": dict(mine, started=mine["started"] - 1),  # this pid, but a process that started earlier
-        "zombie": dict(mine, pid=zombie.pid, started=leases._stat(str(zombie.pid))[2]),
+        "zombie": dict(mine, pid=zombie.pid, started=owners.proc_stat(str(zombie.pid))[2]),
     }
     for name, holder in holders.items():
         store.put_if_absent(f"{leases.LEASES}{name}.json", json.dumps(holder).encode())
@@ -271,7 +271,7 @@ def test_a_lease_naming_a_pid_no_process_can_have_is_held_not_an_overflow_error(
     proves nothing about its holder: os.kill raised OverflowError out of gc."""
     store = open_store(str(tmp_path / "store"))
     key = f"{leases.SAVES.leases}other.json"
-    body = {**leases._this_process(), "pid": pid}
+    body = {**owners.this_process(), "pid": pid}
     assert body.get("machine"), "needs Linux /proc"
     store.put_if_absent(key, json.dumps(body).encode())
     assert [i.key for i in leases.leases(store).live] == [key]

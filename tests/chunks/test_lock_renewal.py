@@ -1,0 +1,162 @@
+"""Renewing and releasing an exclusive lock (GC, retention) when a store operation's outcome
+is not known: a renewal whose write landed but whose re-read failed, a write that raised
+after it completed. The holder finds out from its token in the lock's body whether the lock
+is still its own; only another holder's token (or no lock) means it lost it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from ckptflow import open_store
+from ckptflow.chunks import leases
+from support.faulty_store import FaultyStore
+
+LOCK = leases.GC_LOCK
+OTHER = json.dumps({"what": "garbage collection", "id": "another holder's token"}).encode()
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """Heartbeats every 50 ms, dead after 2 s (``lost`` after 1 s without a renewal)."""
+    monkeypatch.setattr(leases, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(leases, "DEAD_AFTER", 2.0)
+
+
+class Outage:
+    """A ``FaultyStore.fail_if`` that makes the lock's re-reads (``get_versioned``) fail,
+    starting with the one right after the lock's first renewal, ``reads`` of them in all.
+    ``then_slow`` makes the heartbeat slow once the first has failed, so no renewal runs
+    after it: the holder leaves the block with the version it last knew, stale."""
+
+    def __init__(self, monkeypatch, reads: int = 1, *, then_slow: bool = False):
+        self.monkeypatch, self.left, self.then_slow = monkeypatch, reads, then_slow
+        self.ops: list[str] = []
+        self.failed = threading.Event()
+
+    def __call__(self, op: str, key: str) -> bool:
+        if key != LOCK:
+            return False
+        self.ops.append(op)
+        if op != "get" or "replace" not in self.ops or self.left == 0:
+            return False
+        self.left -= 1
+        if self.then_slow:
+            self.monkeypatch.setattr(leases, "HEARTBEAT", 3600.0)  # the next beat waits until the lock is released
+        self.failed.set()
+        return True
+
+    def renewals_after_failure(self) -> int:
+        first = self.ops.index("get", self.ops.index("replace"))
+        return self.ops[first:].count("replace")
+
+
+def _until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("reads", [1, 3])
+def test_a_renewal_whose_reread_failed_keeps_the_lock_and_releases_it(tmp_path, fast, monkeypatch, reads):
+    """The renewal's write landed, its re-read of the new version failed (a transient
+    outage): the holder kept the old version, every later renewal's compare-and-swap
+    failed, it thought itself taken over, and its release was refused, so the lock stayed
+    until DEAD_AFTER and blocked every save and GC meanwhile."""
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    view.fail_if = outage = Outage(monkeypatch, reads)
+    with leases.gc_lock(view) as beat:
+        assert outage.failed.wait(10)
+        assert _until(lambda: outage.renewals_after_failure() >= 5 or beat.lost)
+        lost = beat.lost
+    assert (lost, inner.exists(LOCK)) == (False, False)  # held throughout, and released at once
+
+
+def test_a_renewal_that_raised_after_its_write_landed_keeps_the_lock(tmp_path, fast):
+    """The outcome of a renewal is not known when its write raises after it completed."""
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    with leases.gc_lock(view) as beat:
+        view.arm(view.ops + 1, when="after", sticky=False)  # a renewal soon: its write lands, then it raises
+        assert _until(lambda: bool(view.faults))
+        assert _until(lambda: len(view.mutating_log()) >= 6 or beat.lost)
+        lost = beat.lost
+    assert (lost, inner.exists(LOCK)) == (False, False)
+
+
+def test_a_lock_whose_first_read_failed_is_held_and_released(tmp_path, fast):
+    """Right after taking the lock, the read of its version failed: the holder still holds
+    it (raising left the lock behind for DEAD_AFTER)."""
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    reads: list[str] = []
+    view.fail_if = lambda op, key: key == LOCK and op == "get" and not reads.append(op) and len(reads) == 1
+    with leases.gc_lock(view) as beat:
+        assert _until(lambda: len(view.mutating_log()) >= 4 or beat.lost)
+        lost = beat.lost
+    assert (lost, inner.exists(LOCK)) == (False, False)
+
+
+def test_a_takeover_after_a_failed_reread_is_still_lost(tmp_path, fast, monkeypatch):
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    view.fail_if = outage = Outage(monkeypatch)
+    with leases.gc_lock(view) as beat:
+        assert outage.failed.wait(10)
+        inner.replace(LOCK, OTHER)  # another holder took it over
+        assert _until(lambda: beat.lost)
+    assert inner.get(LOCK) == OTHER  # its lock stays
+
+
+@pytest.mark.parametrize("taken", [False, True])
+def test_a_release_with_a_stale_version_deletes_its_own_lock_never_anothers(tmp_path, fast, monkeypatch, taken):
+    """The holder leaves with a stale version (its last renewal's re-read failed): it
+    deletes the lock if the body is still its own, and leaves another holder's."""
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    view.fail_if = outage = Outage(monkeypatch, then_slow=True)
+    with leases.gc_lock(view):
+        assert outage.failed.wait(10)
+        if taken:
+            inner.replace(LOCK, OTHER)
+    assert (inner.get(LOCK) == OTHER) if taken else not inner.exists(LOCK)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_release_that_meets_an_outage_retries(tmp_path, monkeypatch, caplog, when):
+    """The release's delete fails before it deletes (tried again), or after (read: gone)."""
+    monkeypatch.setattr(leases, "HEARTBEAT", 3600.0)  # no renewal: the ops are the create, then the delete
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    view.arm(1, when=when, sticky=False)
+    with caplog.at_level("WARNING", logger="ckptflow"), leases.gc_lock(view):
+        pass
+    assert [op for _, op, _ in view.faults] == ["delete"]
+    assert not inner.exists(LOCK) and "taken over" not in caplog.text and "could not" not in caplog.text
+
+
+def test_a_lock_whose_create_raised_after_it_landed_is_not_left_behind(tmp_path):
+    """Taking the lock raised, but the create had landed: the lock (this holder's) goes."""
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    view.arm(0, when="after", sticky=False)
+    with pytest.raises(OSError, match="injected fault after put_if_absent"), leases.gc_lock(view):
+        pass
+    assert not inner.exists(LOCK)
+
+
+def test_a_lock_held_by_another_is_refused_and_left_alone(tmp_path, caplog):
+    inner = open_store(str(tmp_path / "store"))
+    inner.put_if_absent(LOCK, OTHER)
+    with caplog.at_level("WARNING", logger="ckptflow"):
+        with pytest.raises(leases.SAVES.exclusive_error, match="another garbage collection holds"):
+            with leases.gc_lock(inner):
+                pass
+    assert inner.get(LOCK) == OTHER and not caplog.text
