@@ -5,7 +5,9 @@ fsync), so a crash at any instant leaves either the old state or the complete ne
 object, never a torn file; within a ``batch`` (a save's chunk writes) the directory
 fsyncs are deferred to the batch's end. Both are ``DurableWriter``'s
 (``ckptflow.store.local_writes``). A full disk says which object and how many bytes it
-needed.
+needed. The conditional writes (``locked``, ``get_versioned``, ``replace_if``,
+``delete_if``: a lock file per key, the sha256 of the bytes as the version) are
+``LocalCompareAndSwap``'s, the base class (``ckptflow.store.local_cas``).
 
 Symbolic links below the root are never followed, for any operation: listing skips
 nothing and reading follows nothing, so GC (which lists) and restore (which reads)
@@ -18,27 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import hashlib
 import os
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISDIR, S_ISLNK, S_ISREG
-from typing import BinaryIO
 
 from ckptflow.errors import (
     InvalidNameError,
     ObjectNotFoundError,
     ObjectTooLargeError,
-    StoreError,
     StoreFullError,
     StoreNotFoundError,
     SymlinkError,
 )
 from ckptflow.store import page_cache
-from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
+from ckptflow.store.base import Buffers, ObjectInfo, as_buffers, validate_key
 from ckptflow.store.disk import Disk
-from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter, retrying_pruned
+from ckptflow.store.local_cas import LocalCompareAndSwap
+from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter
 
 READ_PIECE = 256 << 10  # ``get_into`` with a consumer: a piece is checked while it is in L2
 
@@ -49,9 +47,8 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo:
     return ObjectInfo(key, st.st_size, st.st_mtime, f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}")
 
 
-class LocalStore(Store):
+class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_swap): ``local_cas``
     cheap_reread = True  # the page cache
-    compare_and_swap = True
 
     def __init__(self, root: str, *, fsync: bool = True, create: bool = True, disk: Disk | None = None):
         self.root = os.path.realpath(os.path.expanduser(root))
@@ -310,70 +307,6 @@ class LocalStore(Store):
             except FileNotFoundError:
                 pass
 
-    # ---- locks and compare-and-swap: a lock file per key; the content's sha256 is its version ----
-    @contextlib.contextmanager
-    def _flock(self, path: str) -> Iterator[None]:
-        """An exclusive ``flock`` on ``.<name>.lock`` beside ``path`` (hidden: never listed),
-        held per open file, so threads and processes both queue on it; the kernel drops it
-        when its holder dies, so a killed holder never blocks anyone."""
-        directory = os.path.dirname(path)
-
-        def open_lock() -> BinaryIO:
-            self.disk.makedirs(directory)
-            return open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab")
-
-        with retrying_pruned(open_lock) as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-            yield
-
-    @contextlib.contextmanager
-    def locked(self, name: str) -> Iterator[None]:
-        with self._flock(self._path(name)):
-            yield
-
-    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
-        data = self.get_bounded(key, limit)
-        return data, hashlib.sha256(data).hexdigest()
-
-    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
-        """Check and replace under the key's lock (``_flock``); the replace itself is the
-        usual temp file + rename. A version is the sha256 of the bytes, so an object
-        rewritten with identical bytes still matches (same state)."""
-        path = self._path(key)
-        with self._flock(path):
-            try:
-                current: str | None = _sha256_file(path)
-            except FileNotFoundError:
-                current = None
-            if current != expected:
-                return False
-            self.replace(key, data)
-            return True
-
-    def delete_if(self, key: str, expected: str) -> bool:
-        """Compare, then take the file aside with one rename (which takes exactly one file
-        whatever other writers do) and compare what was taken: the expected version is
-        deleted; another (deleted and created again since the check) is linked back,
-        create-only. So no new object is ever deleted in the old one's place, and one that
-        differs at the check stays in place (taken aside, readers would miss it a moment)."""
-        path = self._path(key)
-        aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        try:
-            if _sha256_file(path) != expected:
-                return False
-            self.disk.rename(path, aside)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        matches = _sha256_file(aside) == expected
-        if not matches and not self._writer.link_new(aside, path):
-            raise StoreError(
-                f"{self.url}/{key} was replaced while it was being deleted and then created a third time at once; "
-                f"the version taken is kept in {aside}: compare the two and keep the right one"
-            )
-        if os.path.exists(aside):
-            self.disk.unlink(aside)
-        return matches
-
 
 def _read_pieces(fd: int, views: list[memoryview], consume: Callable[[memoryview], None], piece: int) -> int:
     """Fill ``views`` from ``fd`` (from offset 0) ``piece`` bytes at a time, handing each
@@ -391,11 +324,3 @@ def _read_pieces(fd: int, views: list[memoryview], consume: Callable[[memoryview
             consume(part)
             done += got
     return done
-
-
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO reads empty, never blocks
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()

@@ -1,0 +1,108 @@
+"""Conditional writes of ``LocalStore``: ``locked``, ``get_versioned``, ``replace_if`` and
+``delete_if``, split from ``ckptflow.store.local``.
+
+A lock file per key (``.<name>.lock`` beside it, hidden: never listed) serializes the
+writers of that key, threads and processes alike; an object's version is the sha256 of
+its bytes. ``LocalCompareAndSwap`` is ``LocalStore``'s base: it uses the store's path
+resolution (``_path``, which refuses links), its disk and its durable writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import uuid
+from abc import abstractmethod
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from ckptflow.errors import StoreError
+from ckptflow.store.base import Buffers, Store
+from ckptflow.store.disk import Disk
+from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter, retrying_pruned
+
+
+class LocalCompareAndSwap(Store):
+    """Compare-and-swap over a local filesystem: a lock file per key; the content's sha256
+    is its version."""
+
+    compare_and_swap = True
+    disk: Disk
+    _writer: DurableWriter
+
+    @abstractmethod
+    def _path(self, key: str) -> str:
+        """The file of ``key`` (``LocalStore._path``)."""
+
+    @contextlib.contextmanager
+    def _flock(self, path: str) -> Iterator[None]:
+        """An exclusive ``flock`` on ``.<name>.lock`` beside ``path`` (hidden: never listed),
+        held per open file, so threads and processes both queue on it; the kernel drops it
+        when its holder dies, so a killed holder never blocks anyone."""
+        directory = os.path.dirname(path)
+
+        def open_lock() -> BinaryIO:
+            self.disk.makedirs(directory)
+            return open(os.path.join(directory, f".{os.path.basename(path)}.lock"), "ab")
+
+        with retrying_pruned(open_lock) as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+            yield
+
+    @contextlib.contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        with self._flock(self._path(name)):
+            yield
+
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        data = self.get_bounded(key, limit)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
+        """Check and replace under the key's lock (``_flock``); the replace itself is the
+        usual temp file + rename. A version is the sha256 of the bytes, so an object
+        rewritten with identical bytes still matches (same state)."""
+        path = self._path(key)
+        with self._flock(path):
+            try:
+                current: str | None = _sha256_file(path)
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                return False
+            self.replace(key, data)
+            return True
+
+    def delete_if(self, key: str, expected: str) -> bool:
+        """Compare, then take the file aside with one rename (which takes exactly one file
+        whatever other writers do) and compare what was taken: the expected version is
+        deleted; another (deleted and created again since the check) is linked back,
+        create-only. So no new object is ever deleted in the old one's place, and one that
+        differs at the check stays in place (taken aside, readers would miss it a moment)."""
+        path = self._path(key)
+        aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            if _sha256_file(path) != expected:
+                return False
+            self.disk.rename(path, aside)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        matches = _sha256_file(aside) == expected
+        if not matches and not self._writer.link_new(aside, path):
+            raise StoreError(
+                f"{self.url}/{key} was replaced while it was being deleted and then created a third time at once; "
+                f"the version taken is kept in {aside}: compare the two and keep the right one"
+            )
+        if os.path.exists(aside):
+            self.disk.unlink(aside)
+        return matches
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO reads empty, never blocks
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
