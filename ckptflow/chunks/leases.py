@@ -101,7 +101,9 @@ def _age(info: ObjectInfo) -> float:
 class Heartbeat:
     """Renews ``key`` every ``HEARTBEAT`` seconds until stopped. ``lost`` says whether the
     holder can no longer trust it holds ``key``: taken over, deleted, or not renewed for
-    half of ``DEAD_AFTER`` (the store did not answer).
+    half of ``DEAD_AFTER`` (the store did not answer). That last is for good, even once
+    renewals succeed again: meanwhile another process may have judged it dead and gone
+    on (a save past a GC lock, a GC sweeping a save's chunks).
 
     A lease is touched. An exclusive lock (``token``: its holder's, in every body it
     writes) is rewritten by compare-and-swap against ``version``, the one its holder last
@@ -115,6 +117,7 @@ class Heartbeat:
         self.version: str | None = None
         self.renewed = time.monotonic()
         self.taken = False
+        self.lapsed = False  # once not renewed for DEAD_AFTER / 2: lost for good
         if token is not None:
             try:
                 self._adopt()
@@ -126,7 +129,12 @@ class Heartbeat:
 
     @property
     def lost(self) -> bool:
-        return self.taken or time.monotonic() - self.renewed > DEAD_AFTER / 2
+        return self.taken or self.lapsed or time.monotonic() - self.renewed > DEAD_AFTER / 2
+
+    def _renewed(self) -> None:
+        now = time.monotonic()
+        self.lapsed = self.lapsed or now - self.renewed > DEAD_AFTER / 2
+        self.renewed = now
 
     def _run(self) -> None:
         while not self.taken and not self._stop.wait(HEARTBEAT):
@@ -140,13 +148,13 @@ class Heartbeat:
     def _renew(self) -> None:
         if self.token is None:  # a lease (or a lock on a store without compare-and-swap): only its age matters
             self.store.touch(self.key)
-            self.renewed = time.monotonic()
+            self._renewed()
             return
         if self.version is None and not self._adopt():
             return
         expected, self.version = self.version, None  # unknown until the write and its re-read have answered
         if self.store.replace_if(self.key, owners.body(self.what, self.token), expected):
-            self.renewed = time.monotonic()
+            self._renewed()
         self._adopt()  # the new version; if refused, the lock is another holder's or a late write of ours
 
     def _adopt(self) -> bool:

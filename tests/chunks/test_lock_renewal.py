@@ -160,3 +160,23 @@ def test_a_lock_held_by_another_is_refused_and_left_alone(tmp_path, caplog):
             with leases.gc_lock(inner):
                 pass
     assert inner.get(LOCK) == OTHER and not caplog.text
+
+
+@pytest.mark.parametrize("held", ["lease", "lock"])
+def test_a_holder_unrenewed_for_half_of_dead_after_stays_lost_once_renewals_succeed(tmp_path, fast, held):
+    """Renewals failed for longer than half of DEAD_AFTER, then succeeded again: meanwhile
+    another process may have judged the holder dead (a GC sweeping a save's chunks, a save
+    going past a GC lock), so ``lost`` stays. Before, it went back to False, and a save
+    committed with chunks a GC may have swept."""
+    inner = open_store(str(tmp_path / "store"))
+    view = FaultyStore(inner)
+    down = threading.Event()
+    view.fail_if = lambda op, key: down.is_set() and op in ("touch", "replace")  # the renewals: nothing else writes
+    with leases.save_lease(view) if held == "lease" else leases.gc_lock(view) as beat:
+        down.set()
+        assert _until(lambda: beat.lost)
+        time.sleep(0.2)
+        down.clear()
+        renewed = beat.renewed
+        assert _until(lambda: beat.renewed > renewed)  # renewals succeed again
+        assert beat.lost
