@@ -70,10 +70,17 @@ def expire(
         except (CkptflowError, OSError) as e:
             failed.append(f"{key} ({e})")
     if failed:
+        grace = "once they are older than its grace period"
+        # a retry finds no commit record, so it knows which records are this commit's only from keep_digests
+        again = " (or this expiry again with the same keep_digests)" if keep_digests is not None else ""
+        then = (
+            f"GC deletes its rank records {grace}"
+            if keep_records
+            else f"the next retention{again} finishes its lifecycle records, and GC its rank records {grace}"
+        )
         raise ExpireError(
             f"checkpoint {run} step {step} no longer exists in {store.url}, but {len(failed)} of its "
-            f"objects could not be deleted: {'; '.join(failed[:5])}; the next retention (or this expiry again) "
-            "finishes its lifecycle records, and GC its rank records once they are older than its grace period"
+            f"objects could not be deleted: {'; '.join(failed[:5])}; {then}"
         )
     if begun is not None:
         ledger.expiry_done(store, begun)
