@@ -1,4 +1,4 @@
-"""Review of 2627ea6 (expire deletes only what is the expired commit's)."""
+"""What an expiry that failed part way says is left, and who finishes it: only promises that hold."""
 
 import pytest
 import torch
