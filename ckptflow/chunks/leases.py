@@ -101,9 +101,12 @@ def _age(info: ObjectInfo) -> float:
 class Heartbeat:
     """Renews ``key`` every ``HEARTBEAT`` seconds until stopped. ``lost`` says whether the
     holder can no longer trust it holds ``key``: taken over, deleted, or not renewed for
-    half of ``DEAD_AFTER`` (the store did not answer). That last is for good, even once
-    renewals succeed again: meanwhile another process may have judged it dead and gone
-    on (a save past a GC lock, a GC sweeping a save's chunks).
+    half of ``DEAD_AFTER`` (the store did not answer). It is lost for good, even once
+    renewals succeed again, if another process may have judged it dead meanwhile (and gone
+    on: a save past a GC lock, a GC sweeping a save's chunks): if the object may have grown
+    older than ``DEAD_AFTER`` less a sixth of it (5 s, for clocks apart) between two
+    renewals, from the start of the one before to the end of the one after. A single slow
+    renewal no process could have judged dead loses nothing.
 
     A lease is touched. An exclusive lock (``token``: its holder's, in every body it
     writes) is rewritten by compare-and-swap against ``version``, the one its holder last
@@ -115,9 +118,10 @@ class Heartbeat:
     def __init__(self, store: Store, key: str, *, what: str = "gc", token: str | None = None):
         self.store, self.key, self.what, self.token = store, key, what, token
         self.version: str | None = None
-        self.renewed = time.monotonic()
+        self.renewed = time.monotonic()  # when the last renewal ended
+        self._good_start = self.renewed  # when it began: the object is no older than since then
         self.taken = False
-        self.lapsed = False  # once not renewed for DEAD_AFTER / 2: lost for good
+        self.lapsed = False  # it may have looked dead to another process: lost for good
         if token is not None:
             try:
                 self._adopt()
@@ -131,10 +135,10 @@ class Heartbeat:
     def lost(self) -> bool:
         return self.taken or self.lapsed or time.monotonic() - self.renewed > DEAD_AFTER / 2
 
-    def _renewed(self) -> None:
+    def _renewed(self, started: float) -> None:
         now = time.monotonic()
-        self.lapsed = self.lapsed or now - self.renewed > DEAD_AFTER / 2
-        self.renewed = now
+        self.lapsed = self.lapsed or now - self._good_start > DEAD_AFTER * 5 / 6
+        self._good_start, self.renewed = started, now
 
     def _run(self) -> None:
         while not self.taken and not self._stop.wait(HEARTBEAT):
@@ -146,15 +150,16 @@ class Heartbeat:
                 log.warning("could not renew %s/%s: %s", self.store.url, self.key, e)
 
     def _renew(self) -> None:
+        started = time.monotonic()
         if self.token is None:  # a lease (or a lock on a store without compare-and-swap): only its age matters
             self.store.touch(self.key)
-            self._renewed()
+            self._renewed(started)
             return
         if self.version is None and not self._adopt():
             return
         expected, self.version = self.version, None  # unknown until the write and its re-read have answered
         if self.store.replace_if(self.key, owners.body(self.what, self.token), expected):
-            self._renewed()
+            self._renewed(started)
         self._adopt()  # the new version; if refused, the lock is another holder's or a late write of ours
 
     def _adopt(self) -> bool:
