@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 from ckptflow.errors import CkptflowError
 
@@ -15,15 +16,18 @@ T = TypeVar("T")
 
 def job_timeout() -> timedelta | None:
     """The timeout the job gave ``init_process_group``, so the groups ckptflow makes wait
-    as long as the job's own collectives, not torch's default (30 minutes). Read from the
-    default group's backend options, which torch does not expose publicly: None where they
-    do not say (a torch that changed them), and torch's default applies."""
+    as long as the job's own collectives, not torch's gloo default (30 minutes). None where
+    the job gave none (its timeout is its backend's default: NCCL's 10 minutes were chosen
+    for GPU collectives, while ckptflow's wait for storage, a rank verifying a checkpoint
+    or writing its shard), and gloo's default applies. Read from the default group's
+    backend options, which torch does not expose publicly: None where they do not say."""
+    defaults = {t for t in (default_pg_timeout, default_pg_nccl_timeout) if isinstance(t, timedelta)}
     try:
         default = dist.distributed_c10d._get_default_group()
         for device in default._device_types:
             timeout = default._get_backend(device).options._timeout
             if isinstance(timeout, timedelta):
-                return timeout
+                return None if timeout in defaults else timeout
     except (AttributeError, RuntimeError, TypeError, ValueError):
         pass
     return None

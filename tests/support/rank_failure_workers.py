@@ -174,10 +174,14 @@ def save_waits_as_long_as_the_job(rank: int, world: int, workdir: Path) -> dict:
     import torch.distributed as dist
 
     from ckptflow import Checkpointer
+    from ckptflow.dcp.collectives import job_timeout
 
+    given = job_timeout()  # the workers' init_process_group(timeout=40 s)
+    dist.distributed_c10d._set_pg_timeout(dist.default_pg_timeout)  # as if the job gave none
+    unset = job_timeout()
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=3))  # what init_process_group(timeout=) sets
     done = workdir / "rank-0-done"
-    result: dict = {"rank": rank}
+    result: dict = {"rank": rank, "given_s": given and given.total_seconds(), "unset": unset}
     with Checkpointer(str(workdir / "store"), run=RUN, threads=2) as ck:
         if rank == 0:
             started = time.monotonic()

@@ -87,8 +87,9 @@ def test_ckptflows_groups_time_out_with_the_jobs_own(tmp_path):
     session = dist_workers.launch(
         ["save_waits_as_long_as_the_job"], tmp_path, timeout=120, registry=rank_failure_workers.__name__
     )
-    waiting, _ = session.results("save_waits_as_long_as_the_job")
+    waiting, other = session.results("save_waits_as_long_as_the_job")
     assert waiting["error"] is not None and waiting["took_s"] < 15
+    assert waiting["given_s"] == other["given_s"] == 40.0 and waiting["unset"] is other["unset"] is None
 
 
 def test_prepare_waits_for_the_async_save_before_its_own_collective(session):
