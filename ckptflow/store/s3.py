@@ -21,12 +21,13 @@ import builtins
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ckptflow.errors import ColdObjectError, ObjectNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
+from ckptflow.store import s3_read
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.s3_body import BuffersReader, checksum_header, crc32_b64, sha256_b64
 from ckptflow.store.s3_listing import fast_times_session, list_objects
@@ -178,6 +179,30 @@ class S3Store(Store):
             return self._fetch(key, None, ("InvalidRange",), Range=f"bytes=0-{max(0, size - 1)}")[0][:size]
         except ClientError:  # only InvalidRange gets here
             return b""
+
+    def get_into(
+        self,
+        key: str,
+        buffers: Sequence[bytearray | memoryview],
+        *,
+        consume: Callable[[memoryview], None] | None = None,
+        piece: int = 256 << 10,
+    ) -> tuple[int, str]:
+        """``Store.get_into`` streamed (``s3_read``): the GET body goes into the buffers piece
+        by piece, never whole into memory of its own; the version is the ETag. Restore never
+        calls it here (``cheap_reread`` is False: it fetches and decodes each chunk once)."""
+        return s3_read.get_into(self._object(key), buffers, consume, piece)
+
+    def scan(
+        self, key: str, buffer: memoryview, consume: Callable[[memoryview], None], *, limit: int | None = None
+    ) -> tuple[int, str]:
+        """``Store.scan`` streamed through ``buffer`` (``s3_read``): what a model download
+        hashes and writes as it arrives, holding one buffer of it."""
+        return s3_read.scan(self._object(key), buffer, consume, limit)
+
+    def _object(self, key: str) -> s3_read.Object:
+        get = lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        return s3_read.Object(self._where(key), get, lambda attempt: self._attempts("GetObject", key, attempt))
 
     def stat(self, key: str) -> ObjectInfo:
         head = self._call("HeadObject", key, self.client.head_object, Key=self._key(key))

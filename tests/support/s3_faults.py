@@ -93,3 +93,34 @@ class CutBodies:
         self.left -= 1
         headers = {"Content-Length": str(self.length), "ETag": '"cut"'}
         return AWSResponse(request.url, 200, headers, _ShortRaw(b"0123456789"))
+
+
+class CutAfter:
+    """A GET body that delivers ``after`` bytes of the real one, then times out."""
+
+    def __init__(self, body, after: int, before_cut=lambda: None):
+        self.body, self.left, self.before_cut = body, after, before_cut
+
+    def read(self, amt=None):
+        if self.left <= 0:
+            self.before_cut()
+            raise ReadTimeoutError(endpoint_url="injected mid-body")
+        data = self.body.read(min(amt if amt is not None else self.left, self.left))
+        self.left -= len(data)
+        return data
+
+    def close(self):
+        self.body.close()
+
+
+def cut_first_get(store, after: int, before_cut=lambda: None) -> None:
+    """Cut the next GetObject body of ``store``'s client after ``after`` bytes (``before_cut``
+    runs just before): the read that follows sees a connection time out mid-body."""
+    left = [1]
+
+    def cut(parsed, **_kwargs) -> None:
+        if left[0]:
+            left[0] -= 1
+            parsed["Body"] = CutAfter(parsed["Body"], after, before_cut)
+
+    store.client.meta.events.register("after-call.s3.GetObject", cut)

@@ -1,0 +1,127 @@
+"""Streamed S3 reads: a GET body read piece by piece into the caller's buffers
+(``S3Store.get_into``) or through one reused buffer (``S3Store.scan``), never whole in
+memory. A model file is many GB: read as one ``bytes`` it would need that much memory,
+bounded by nothing but the object's own size.
+
+The store's retries apply (``Object.attempts``): a body cut off while streaming is
+retried like the request, and the retried GET restarts at the object's first byte. What
+``consume`` was already handed is read into place again but not handed over twice, so it
+sees every byte once, in order. That holds only if both GETs return the same object: a
+retry that finds another ETag once bytes were read fails (``StoreError``) rather than mix
+two objects. What ``consume`` raises passes through as it is, neither retried nor renamed
+(a consumer's ``OSError`` is no network failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import IncompleteReadError
+
+from ckptflow.errors import ObjectTooLargeError, StoreError
+
+#: What to read, given the object's size: the views to fill, in order, each handed to
+#: ``consume`` once whole; None to read nothing.
+Plan = Callable[[int], Iterable[memoryview] | None]
+
+
+@dataclass(frozen=True)
+class Object:
+    """One object as ``S3Store`` reads it: ``where`` (``s3://bucket/key``), ``get`` (one
+    GetObject: the response, its body unread) and ``attempts`` (a call run under the store's
+    retries, what still fails turned into its errors)."""
+
+    where: str
+    get: Callable[[], dict]
+    attempts: Callable[[Callable[[], Any]], Any]
+
+
+class _ConsumerFailed(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def get_into(
+    obj: Object,
+    buffers: Sequence[bytearray | memoryview],
+    consume: Callable[[memoryview], None] | None,
+    piece: int,
+) -> tuple[int, str]:
+    """``Store.get_into``: the buffers filled ``piece`` bytes at a time (a piece never spans
+    two), only if the object's size is their total; (its size, its ETag)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total, step = sum(len(v) for v in views), max(1, piece)
+
+    def plan(size: int) -> Iterable[memoryview] | None:
+        if size != total:
+            return None
+        return (view[start : start + step] for view in views for start in range(0, len(view), step))
+
+    return _stream(obj, plan, consume)
+
+
+def scan(obj: Object, buffer: memoryview, consume: Callable[[memoryview], None], limit: int | None) -> tuple[int, str]:
+    """``Store.scan``: the object through ``buffer`` into ``consume``; one over ``limit``
+    bytes is refused from its length header, before its body is read."""
+    view = memoryview(buffer).cast("B")
+
+    def plan(size: int) -> Iterable[memoryview]:
+        if limit is not None and size > limit:
+            raise ObjectTooLargeError(f"{obj.where} holds {size} bytes, more than the {limit} expected")
+        return (view[: min(len(view), size - start)] for start in range(0, size, len(view)))
+
+    return _stream(obj, plan, consume)
+
+
+def _stream(obj: Object, plan: Plan, consume: Callable[[memoryview], None] | None) -> tuple[int, str]:
+    """One GetObject, retried as the store retries reads, its body read into what ``plan``
+    gives for its size: (the object's size, its ETag)."""
+    seen: dict[str, Any] = {"etag": None, "consumed": 0}  # across attempts
+
+    def attempt() -> tuple[int, str]:
+        response = obj.get()
+        body = response["Body"]
+        try:
+            size, etag = int(response.get("ContentLength", 0)), str(response.get("ETag", ""))
+            if seen["etag"] not in (None, etag):
+                raise StoreError(
+                    f"{obj.where} was replaced while it was read (ETag {seen['etag']}, then {etag}); "
+                    "nothing read from it can be trusted: read it again"
+                )
+            pieces = plan(size)
+            if pieces is None:
+                return size, etag
+            seen["etag"] = etag  # bytes of this object go out from here on
+            offset = 0
+            for part in pieces:
+                _fill(body, part, offset, size)
+                offset += len(part)
+                if consume is not None and offset > seen["consumed"]:
+                    try:
+                        consume(part)
+                    except Exception as e:
+                        raise _ConsumerFailed(e) from e
+                    seen["consumed"] = offset
+            return size, etag
+        finally:
+            body.close()
+
+    try:
+        return obj.attempts(attempt)
+    except _ConsumerFailed as e:
+        error = e.error
+    raise error  # outside the handler: the consumer's own error, with no retry machinery chained to it
+
+
+def _fill(body: Any, part: memoryview, offset: int, size: int) -> None:
+    """``part`` filled from ``body``; a body that ends first was cut off (retried)."""
+    got = 0
+    while got < len(part):
+        data = body.read(len(part) - got)
+        if not data:
+            raise IncompleteReadError(actual_bytes=offset + got, expected_bytes=size)
+        part[got : got + len(data)] = data
+        got += len(data)
