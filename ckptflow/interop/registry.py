@@ -44,8 +44,8 @@ from ckptflow.catalog import aliases as alias_records
 from ckptflow.catalog.aliases import ALIASES, PREFIX
 from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, RegistryError
 from ckptflow.format import layout as fmt
+from ckptflow.interop import model_download
 from ckptflow.store.base import Store
-from ckptflow.store.disk import Disk
 
 __all__ = ["ALIASES", "PREFIX", "ModelVersion", "Registry"]
 _VERSION = re.compile(r"^(\d{6})\.json\Z")
@@ -138,27 +138,14 @@ class Registry:
         return [n for n, f in sorted(version.files.items()) if not self.store.exists(self.file_key(model, f["sha256"]))]
 
     def download(self, version: ModelVersion, directory: str | os.PathLike) -> None:
-        """The version's files into ``directory`` (a model directory), each checked
-        against its recorded sha256. Each is written under a temporary name first; only
-        once every one is checked are they renamed into place, so a file that does not
-        match (or a failed read) changes nothing in ``directory``: a served model is never
-        left half replaced by the version meant to replace it."""
-        os.makedirs(directory, exist_ok=True)
-        fetched: list[tuple[str, str]] = []  # (temporary path, final path)
-        try:
-            for name, f in sorted(version.files.items()):
-                data = self.store.get(self.file_key(version.model, f["sha256"]))
-                if hashlib.sha256(data).hexdigest() != f["sha256"]:
-                    raise RegistryError(f"{version.model} v{version.version} file {name} does not match its sha256")
-                final = os.path.join(directory, name)
-                fetched.append((f"{final}.tmp-{uuid.uuid4().hex}", final))
-                Disk().write_new(fetched[-1][0], [data])
-            for tmp, final in fetched:
-                os.replace(tmp, final)
-        finally:
-            for tmp, _ in fetched:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        """The version's files into ``directory`` (a model directory), streamed, each checked
+        against its recorded size (every one, before a byte is read) and sha256. Each is
+        written under a temporary name first; only once every one is checked are they renamed
+        into place, so a file that does not match (or a failed read) changes nothing in
+        ``directory``: a served model is never left half replaced by the version meant to
+        replace it (``ckptflow.interop.model_download``)."""
+        key_of = lambda sha256: self.file_key(version.model, sha256)
+        model_download.download(self.store, version.files, key_of, f"{version.model} v{version.version}", directory)
 
     # ---- writes ----------------------------------------------------------------------
     def upload(self, model: str, directory: str | os.PathLike, names: list[str]) -> dict[str, dict[str, Any]]:
