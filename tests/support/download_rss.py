@@ -12,29 +12,22 @@ import json
 import sys
 import time
 
+from peak_rss import reset_peak, status_mib  # this directory: run as a script
+
 from ckptflow.interop.registry import Registry
 from ckptflow.store import open_store
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def main(url: str, model: str, version: str, directory: str) -> None:
     registry = Registry(open_store(url))
     record = registry.get(model, int(version))
     assert registry.missing_files(record) == []  # the client and its connections warmed up
-    before = _status_mib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
-        f.write("5")
+    before = status_mib("VmRSS")
+    reset_peak()
     started = time.perf_counter()
     registry.download(record, directory)
     seconds = time.perf_counter() - started
-    print(json.dumps({"before_mib": before, "peak_mib": _status_mib("VmHWM"), "seconds": seconds}))
+    print(json.dumps({"before_mib": before, "peak_mib": status_mib("VmHWM"), "seconds": seconds}))
 
 
 if __name__ == "__main__":

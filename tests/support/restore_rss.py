@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+from peak_rss import reset_peak, status_mib  # this directory: run as a script
 
 from ckptflow import Checkpointer
 
@@ -39,20 +40,6 @@ def _at_step(i: int, shape: tuple[int, int], step: int) -> torch.Tensor:
     return values
 
 
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    """Peak RSS from now on (Linux: writing 5 to clear_refs resets VmHWM to VmRSS)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def main(argv: list[str]) -> None:
     mode, url, mib = argv[0], argv[1], int(argv[2])
     shapes = _shapes(mib)
@@ -68,12 +55,12 @@ def main(argv: list[str]) -> None:
     state = {f"w{i}": torch.zeros(s) for i, s in enumerate(shapes)}
     with Checkpointer(url, "rss", threads=4, **budget) as ck:
         ck.list()  # imports and clients warmed up before the peak is measured
-        before = _status_mib("VmRSS")
-        _reset_peak()
+        before = status_mib("VmRSS")
+        reset_peak()
         started = time.perf_counter()
         step = ck.restore(state).step
         seconds = time.perf_counter() - started
-        peak = _status_mib("VmHWM")
+        peak = status_mib("VmHWM")
     exact = all(torch.equal(state[f"w{i}"], _at_step(i, s, step)) for i, s in enumerate(shapes))
     print(json.dumps({"before_mib": before, "peak_mib": peak, "seconds": seconds, "exact": exact, "step": step}))
 
