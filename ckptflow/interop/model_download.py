@@ -9,11 +9,12 @@ the store holds, checked for all files before a byte of any is read.
 
 As before, every file lands under a temporary name and all are renamed into place only
 once each hashes to its record; whatever fails removes the temporary files, so the
-directory holds what it held.
+directory holds what it held (and one the download made is removed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
@@ -36,6 +37,7 @@ def download(
     file and checked, then all renamed into place."""
     unchanged = f"nothing in {os.fspath(directory)} was changed"
     keys = {name: _sized_key(store, files[name], key_of, f"{version} file {name}", unchanged) for name in sorted(files)}
+    made = _missing_directories(directory)
     os.makedirs(directory, exist_ok=True)
     fetched: list[tuple[str, str]] = []  # (temporary path, final path)
     piece = memoryview(bytearray(DOWNLOAD_PIECE))
@@ -46,10 +48,23 @@ def download(
             _stream_file(store, key, files[name], fetched[-1][0], piece, f"{version} file {name}", unchanged)
         for tmp, final in fetched:
             os.replace(tmp, final)
+        made = []
     finally:
         for tmp, _ in fetched:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        for path in made:  # a failed download leaves no directory it made (each still empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+def _missing_directories(directory: str | os.PathLike) -> list[str]:
+    """The directories ``os.makedirs(directory)`` would make, innermost first."""
+    missing, path = [], os.path.abspath(directory)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def _sized_key(store: Store, f: Mapping[str, Any], key_of: Callable[[str], str], where: str, unchanged: str) -> str:

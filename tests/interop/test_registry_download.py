@@ -149,6 +149,9 @@ def test_a_file_replaced_by_other_bytes_of_its_size_is_refused_and_changes_nothi
         reg.download(version, served)
     assert "nothing in" in str(err.value) and "rebuild" in str(err.value)
     assert _served(served) == {"a.bin": b"served before"}
+    with pytest.raises(RegistryError, match="does not match its sha256"):
+        reg.download(version, tmp_path / "new" / "served")
+    assert not (tmp_path / "new").exists()  # a failed download leaves no directory it made
 
 
 # ---- memory --------------------------------------------------------------------------------------
