@@ -182,10 +182,11 @@ def gc(
         if dry_run:
             return report
         for info in doomed:
-            if lock is not None and lock.lost:  # another GC took over: it decides from here
+            if lock is not None and lock.lost:  # taken over, or a save may have judged it dead: it decides no more
                 raise CkptflowError(
-                    f"garbage collection of {store.url} lost its lock ({GC_LOCK}) mid-sweep and stopped; "
-                    "the GC that holds it now finishes the job"
+                    f"garbage collection of {store.url} lost its lock ({GC_LOCK}) mid-sweep and stopped: another GC "
+                    "took it over, or it went unrenewed so long that a save may have judged it dead; run GC again "
+                    "(a GC that took it over finishes the job)"
                 )
             store.delete(info.key)
             if progress:
