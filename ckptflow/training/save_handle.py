@@ -98,7 +98,14 @@ def _forget_if_committed(handle: SaveHandle, future: Future) -> None:
 
 
 def _finish_in_flight() -> None:
+    """Wait for every async save in flight; a save lost unwaited ends the process with status 1.
+
+    Exiting 0 would tell the scheduler the job succeeded with its last checkpoint lost: a
+    launcher that restarts failed jobs (torchrun's ``--max-restarts``) resumes from the newest
+    committed checkpoint and saves again. A script that means to go on after a failed save
+    waits for it and handles the error; that save is not reported again here."""
     step = None  # the save being waited for
+    lost = False
     try:
         for handle in sorted(_IN_FLIGHT, key=lambda h: h.step):
             if handle.error_reported:
@@ -113,6 +120,7 @@ def _finish_in_flight() -> None:
                 raise
             except BaseException as e:  # DCP's CheckpointException is not an Exception
                 _report_lost(handle, e)
+                lost = True
     except KeyboardInterrupt:  # wherever it lands, the message above included
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the last message short
         for handle in list(_IN_FLIGHT):  # the atexit handlers run before the end: no save commits meanwhile
@@ -120,6 +128,8 @@ def _finish_in_flight() -> None:
         saves = "the async saves in flight are" if step is None else f"the async save of step {step} is"
         log.warning("interrupted: %s abandoned, not committed", saves)
         _exit_now(128 + signal.SIGINT)
+    if lost:
+        _exit_now(1)
 
 
 def _report_lost(handle: SaveHandle, error: BaseException) -> None:
@@ -128,7 +138,8 @@ def _report_lost(handle: SaveHandle, error: BaseException) -> None:
     causes = describe_causes(unwrap_failures(error))
     log.error(
         "the async save of run %r step %d in %s failed and was not committed: %s; a restore resumes from "
-        "the newest checkpoint committed before it: fix the cause, then save step %d again",
+        "the newest checkpoint committed before it: fix the cause, then save step %d again (the process "
+        "exits with status 1; wait for an async save to handle its failure yourself)",
         spec.run,
         spec.step,
         handle._writer.chunks.store.url,

@@ -39,12 +39,14 @@ ENDS = {
 def test_an_async_save_that_failed_unwaited_is_reported_at_exit(tmp_path, end):
     """Before: the first case exited without a word; in the second, the hook's ``except
     Exception`` missed DCP's ``CheckpointException`` and Python printed a raw traceback
-    instead of the message saying the save was not committed."""
+    instead of the message saying the save was not committed. And the process exited 0: a
+    scheduler saw a job that succeeded with its last checkpoint lost, and restarted nothing."""
     root = str(tmp_path / "store")
-    script = FAILING_STORE.format(root=root, **ENDS[end])
+    script = FAILING_STORE.format(root=root, **ENDS[end]) + "print('the script ended', file=sys.stderr)\n"
     env = child_env(TESTS.parent)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "the script ended" in done.stderr  # the status is the exit's, not a failure of the script
     assert (
         f"the async save of run 'run' step 7 in file://{root} failed and was not committed: "
         "injected: the store went away"
@@ -62,3 +64,16 @@ def test_a_failure_already_raised_by_wait_is_not_reported_again_at_exit(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert "raised by wait" in done.stderr
     assert "was not committed" not in done.stderr, done.stderr[-3000:]
+
+
+def test_the_scripts_own_atexit_handlers_run_before_a_lost_save_ends_the_process(tmp_path):
+    """Status 1 comes from ``os._exit``: the handlers registered with ``atexit`` (a logger's
+    flush, a metrics upload) must still run, as at any exit."""
+    root = str(tmp_path / "store")
+    then = "import atexit\natexit.register(lambda: print('handler ran', file=sys.stderr))"
+    script = FAILING_STORE.format(root=root, delay=0, then=then)
+    env = child_env(TESTS.parent)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "was not committed" in done.stderr
+    assert done.stderr.rstrip().endswith("handler ran"), done.stderr[-3000:]
