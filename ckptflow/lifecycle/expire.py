@@ -36,10 +36,11 @@ def expire(
     any delete fails: the next retention finishes the lifecycle records of a commit whose
     record went (``ledger.expiry_begun``), and GC its rank records. Returns the keys deleted.
     """
-    manifest_key = fmt.manifest_key(run, step)
+    manifest_key, what = fmt.manifest_key(run, step), f"checkpoint {run} step {step}"
     blob: bytes | None = None
     version: str | None = None  # the commit read, deleted only while it is still that one
     manifest: Manifest | None = None
+    found = True  # a commit record is there to delete
     try:
         if store.compare_and_swap:
             blob, version = store.get_versioned(manifest_key, MAX_RECORD_BYTES)
@@ -47,14 +48,15 @@ def expire(
             blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
         manifest = Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step)
         ledger.record_expiry(store, manifest)
-    except (ObjectNotFoundError, ObjectTooLargeError):
-        pass  # gone already (an expiry retried), or larger than any record (damage): the rest still goes
+    except ObjectNotFoundError:  # gone already (an expiry retried): a commit made since is not this one
+        found = False
+    except ObjectTooLargeError:  # larger than any record (damage): deleted only while it is that object
+        version = _version_unread(store, manifest_key, what)
+        found = version is not None or not store.compare_and_swap
     except CkptflowError as e:
         if not is_damage(e):
-            raise ExpireError(
-                f"could not read {store.url}/{manifest_key}, so nothing of {run} step {step} was deleted: {e}"
-            ) from e
-    keys = [manifest_key] + _objects_of_commit(store, run, step, manifest)
+            raise _unreadable(store, manifest_key, what, e) from e
+    keys = [manifest_key] + (_objects_of_commit(store, run, step, manifest) if found else [])
     if not keep_records and keep_digests is not None:
         keys += step_record_keys(store, run, step, keep=keep_digests)
     elif not keep_records and blob is not None:  # a damaged record's digest names no record: none go
@@ -62,7 +64,8 @@ def expire(
     begun = (
         ledger.expiry_begun(store, run, step, fmt.digest_of(blob)) if blob is not None and not keep_records else None
     )
-    _delete_commit(store, manifest_key, version, f"checkpoint {run} step {step}")
+    if found:
+        _delete_commit(store, manifest_key, version, what)
     failed: list[str] = []
     for key in keys[1:]:
         try:
@@ -102,6 +105,27 @@ def _objects_of_commit(store: Store, run: str, step: int, manifest: Manifest | N
     return sorted(i.key for i in infos if i is not commit and (i.mtime < commit.mtime or i.key in named))
 
 
+def _version_unread(store: Store, key: str, what: str) -> str | None:
+    """The version of a commit record too large to read (``Store.version_and_size``); None
+    if it is gone, or where the store has no versions. One within the bound is another
+    object: the step was committed again since the read."""
+    if not store.compare_and_swap:
+        return None
+    try:
+        version, size = store.version_and_size(key)
+    except ObjectNotFoundError:
+        return None
+    except (CkptflowError, OSError) as e:
+        raise _unreadable(store, key, what, e) from e
+    if size <= MAX_RECORD_BYTES:
+        raise _committed_again(store, key, what)
+    return version
+
+
+def _unreadable(store: Store, key: str, what: str, error: Exception) -> ExpireError:
+    return ExpireError(f"could not read {store.url}/{key}, so nothing of {what} was deleted: {error}")
+
+
 def _delete_commit(store: Store, key: str, version: str | None, what: str) -> None:
     """Delete the commit record ``key``, only while it is the ``version`` read (where the
     store can say): a damaged commit may be moved to quarantine and the step saved again
@@ -114,7 +138,11 @@ def _delete_commit(store: Store, key: str, version: str | None, what: str) -> No
             return
     except (CkptflowError, OSError) as e:
         raise ExpireError(f"could not delete the commit record {store.url}/{key}, so {what} still exists: {e}") from e
-    raise ExpireError(
+    raise _committed_again(store, key, what)
+
+
+def _committed_again(store: Store, key: str, what: str) -> ExpireError:
+    return ExpireError(
         f"{store.url}/{key} was committed again while {what} was being expired, so nothing of it was deleted; "
         "the next retention plan decides about the new commit"
     )

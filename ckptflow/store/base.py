@@ -242,6 +242,13 @@ class Store(ABC):
         reading it) if larger than ``limit``."""
         raise CkptflowError(f"{self.url} cannot replace objects conditionally (no compare-and-swap)")
 
+    def version_and_size(self, key: str) -> tuple[str, int]:
+        """The version ``get_versioned`` would give ``key``, and the size of that same
+        version, without holding its bytes: for an object too large to read whole (a
+        damaged record) that must still be deleted only while it is that object.
+        ``ObjectNotFoundError`` if absent."""
+        raise CkptflowError(f"{self.url} cannot replace objects conditionally (no compare-and-swap)")
+
     def delete_if(self, key: str, expected: str) -> bool:
         """Delete ``key`` only if it is still the version ``expected`` (from
         ``get_versioned``): True if this call deleted it; False if it is absent or another

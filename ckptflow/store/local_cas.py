@@ -18,7 +18,7 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from ckptflow.errors import StoreError
+from ckptflow.errors import ObjectNotFoundError, StoreError
 from ckptflow.store.base import Buffers, Store
 from ckptflow.store.disk import Disk
 from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter, retrying_pruned
@@ -59,6 +59,12 @@ class LocalCompareAndSwap(Store):
     def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
         data = self.get_bounded(key, limit)
         return data, hashlib.sha256(data).hexdigest()
+
+    def version_and_size(self, key: str) -> tuple[str, int]:
+        try:
+            return _sha256_and_size(self._path(key))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
         """Check and replace under the key's lock (``_flock``); the replace itself is the
@@ -101,8 +107,14 @@ class LocalCompareAndSwap(Store):
 
 
 def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
+    return _sha256_and_size(path)[0]
+
+
+def _sha256_and_size(path: str) -> tuple[str, int]:
+    """The sha256 and length of one read of the file: both of the same version."""
+    digest, size = hashlib.sha256(), 0
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO reads empty, never blocks
         while block := f.read(1 << 20):
             digest.update(block)
-    return digest.hexdigest()
+            size += len(block)
+    return digest.hexdigest(), size

@@ -342,6 +342,10 @@ class S3Store(Store):
         body, response = self._fetch(key, limit)
         return body, str(response["ETag"])
 
+    def version_and_size(self, key: str) -> tuple[str, int]:
+        info = self.stat(key)  # one HeadObject: its ETag (GetObject's, same quotes) and the length of that version
+        return info.version, info.size
+
     def delete_if(self, key: str, expected: str) -> bool:
         """``DeleteObject`` with ``If-Match: <ETag>``: S3 refuses it (412) if the object
         changed since it was read, and answers 404 if it is gone."""

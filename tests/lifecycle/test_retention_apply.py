@@ -205,7 +205,7 @@ def test_an_expiry_called_by_hand_deletes_only_the_expired_commits_records_and_n
         model = nn.Linear(16, 16)
         assert ck.restore({"model": model}).step == 2
         ck.save(3, {"model": model})
-    with pytest.raises(lifecycle.ExpireError, match="nothing of r step 3 was deleted"):
+    with pytest.raises(lifecycle.ExpireError, match="nothing of checkpoint r step 3 was deleted"):
         lifecycle.expire(ArchiveOutage(hot), "r", 3)
     assert read_manifest(hot, "r", 3).digest != first
     lifecycle.expire(hot, "r", 3)

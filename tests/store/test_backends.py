@@ -107,6 +107,12 @@ def test_conditional_delete_removes_only_the_version_read(store_url):
     store.put_if_absent("m/big", b"x" * 100)
     with pytest.raises(ObjectTooLargeError):
         store.get_versioned("m/big", 99)
+    version, size = store.version_and_size("m/big")  # what expiry deletes a record too large to read by
+    assert (version, size) == (store.get_versioned("m/big")[1], 100)
+    store.replace("m/big", b"y" * 100)
+    assert store.delete_if("m/big", version) is False and store.exists("m/big")
+    with pytest.raises(ObjectNotFoundError):
+        store.version_and_size("m/absent")
 
 
 # ---- round trip and dedup ------------------------------------------------------------------

@@ -170,6 +170,9 @@ class FaultyStore(Store):
     def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
         return self._call("get", key, self.inner.get_versioned, key, limit)
 
+    def version_and_size(self, key: str) -> tuple[str, int]:
+        return self._call("get", key, self.inner.version_and_size, key)
+
     def delete_if(self, key: str, expected: str) -> bool:
         return self._call("delete", key, self.inner.delete_if, key, expected)
 
