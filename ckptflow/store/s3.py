@@ -201,7 +201,10 @@ class S3Store(Store):
         return s3_read.scan(self._object(key), buffer, consume, limit)
 
     def _object(self, key: str) -> s3_read.Object:
-        get = lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        def get(start: int, etag: str | None) -> dict:
+            resume = {"Range": f"bytes={start}-", "IfMatch": etag} if start and etag else {}
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key), **resume)
+
         return s3_read.Object(self._where(key), get, lambda attempt: self._attempts("GetObject", key, attempt))
 
     def stat(self, key: str) -> ObjectInfo:

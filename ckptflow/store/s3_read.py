@@ -4,12 +4,13 @@ memory. A model file is many GB: read as one ``bytes`` it would need that much m
 bounded by nothing but the object's own size.
 
 The store's retries apply (``Object.attempts``): a body cut off while streaming is
-retried like the request, and the retried GET restarts at the object's first byte. What
-``consume`` was already handed is read into place again but not handed over twice, so it
-sees every byte once, in order. That holds only if both GETs return the same object: a
-retry that finds another ETag once bytes were read fails (``StoreError``) rather than mix
-two objects. What ``consume`` raises passes through as it is, neither retried nor renamed
-(a consumer's ``OSError`` is no network failure).
+retried like the request, and the retried GET resumes where the last whole piece ended
+(``Range``), so a many-GB download cut off near its end does not fetch it all again, and
+``consume`` sees every byte once, in order. That holds only if both GETs return the same
+object: the resumed GET asks for the ETag already read (``If-Match``), and an object
+replaced since fails the read (``StoreError``) rather than mix two objects. What
+``consume`` raises passes through as it is, neither retried nor renamed (a consumer's
+``OSError`` is no network failure).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from botocore.exceptions import IncompleteReadError
+from botocore.exceptions import ClientError, IncompleteReadError
 
 from ckptflow.errors import ObjectTooLargeError, StoreError
+from ckptflow.store.s3_retry import error_code, http_status
 
 #: What to read, given the object's size: the views to fill, in order, each handed to
 #: ``consume`` once whole; None to read nothing.
@@ -30,11 +32,12 @@ Plan = Callable[[int], Iterable[memoryview] | None]
 @dataclass(frozen=True)
 class Object:
     """One object as ``S3Store`` reads it: ``where`` (``s3://bucket/key``), ``get`` (one
-    GetObject: the response, its body unread) and ``attempts`` (a call run under the store's
-    retries, what still fails turned into its errors)."""
+    GetObject from a byte on, of that ETag if one is given: the response, its body unread)
+    and ``attempts`` (a call run under the store's retries, what still fails turned into
+    its errors)."""
 
     where: str
-    get: Callable[[], dict]
+    get: Callable[[int, str | None], dict]
     attempts: Callable[[Callable[[], Any]], Any]
 
 
@@ -77,34 +80,36 @@ def scan(obj: Object, buffer: memoryview, consume: Callable[[memoryview], None],
 
 
 def _stream(obj: Object, plan: Plan, consume: Callable[[memoryview], None] | None) -> tuple[int, str]:
-    """One GetObject, retried as the store retries reads, its body read into what ``plan``
-    gives for its size: (the object's size, its ETag)."""
-    seen: dict[str, Any] = {"etag": None, "consumed": 0}  # across attempts
+    """One GetObject, retried as the store retries reads (each retry resuming after the last
+    whole piece), its body read into what ``plan`` gives for its size: (the object's size,
+    its ETag)."""
+    seen: dict[str, Any] = {"etag": None, "done": 0}  # across attempts: bytes placed (and consumed)
 
     def attempt() -> tuple[int, str]:
-        response = obj.get()
+        resume = seen["done"]
+        response = _get(obj, resume, seen["etag"])
         body = response["Body"]
         try:
-            size, etag = int(response.get("ContentLength", 0)), str(response.get("ETag", ""))
+            size, etag = _size_and_etag(obj, response, resume)
             if seen["etag"] not in (None, etag):
-                raise StoreError(
-                    f"{obj.where} was replaced while it was read (ETag {seen['etag']}, then {etag}); "
-                    "nothing read from it can be trusted: read it again"
-                )
+                raise _replaced(obj, seen["etag"], etag)
             pieces = plan(size)
             if pieces is None:
                 return size, etag
             seen["etag"] = etag  # bytes of this object go out from here on
             offset = 0
             for part in pieces:
+                if offset < resume:  # placed (and consumed) by an earlier attempt
+                    offset += len(part)
+                    continue
                 _fill(body, part, offset, size)
                 offset += len(part)
-                if consume is not None and offset > seen["consumed"]:
+                if consume is not None:
                     try:
                         consume(part)
                     except Exception as e:
                         raise _ConsumerFailed(e) from e
-                    seen["consumed"] = offset
+                seen["done"] = offset
             return size, etag
         finally:
             body.close()
@@ -114,6 +119,36 @@ def _stream(obj: Object, plan: Plan, consume: Callable[[memoryview], None] | Non
     except _ConsumerFailed as e:
         error = e.error
     raise error  # outside the handler: the consumer's own error, with no retry machinery chained to it
+
+
+def _get(obj: Object, resume: int, etag: str | None) -> dict:
+    """The GET of an attempt: from ``resume`` on, of ``etag`` only, once bytes were placed."""
+    try:
+        return obj.get(resume, etag)
+    except ClientError as e:
+        if etag is not None and (error_code(e) == "PreconditionFailed" or http_status(e) == 412):
+            raise _replaced(obj, etag, "another") from None
+        raise
+
+
+def _size_and_etag(obj: Object, response: dict, resume: int) -> tuple[int, str]:
+    """The whole object's size and its ETag; a resumed GET's ``Content-Range`` must start
+    where it was asked to (``bytes <first>-<last>/<size>``)."""
+    etag = str(response.get("ETag", ""))
+    if not resume:
+        return int(response.get("ContentLength", 0)), etag
+    answered = str(response.get("ContentRange", ""))
+    first, _, size = answered.removeprefix("bytes ").partition("/")
+    if not first.startswith(f"{resume}-") or not size.isdigit():
+        raise StoreError(f"{obj.where}: asked for its bytes from {resume} on, S3 answered {answered!r}; read it again")
+    return int(size), etag
+
+
+def _replaced(obj: Object, before: str, now: str) -> StoreError:
+    return StoreError(
+        f"{obj.where} was replaced while it was read (ETag {before}, then {now}); "
+        "nothing read from it can be trusted: read it again"
+    )
 
 
 def _fill(body: Any, part: memoryview, offset: int, size: int) -> None:

@@ -2,7 +2,8 @@
 and keep ``Store``'s contract: buffers filled only when the object is their total size,
 pieces handed over in order and never across two buffers, (size, ETag) returned, an object
 over ``scan``'s limit refused from its length header. A body cut off is retried from the
-first byte without handing ``consume`` a byte twice; an object replaced between attempts,
+end of its last whole piece (a ranged GET of the same ETag), ``consume`` seeing each byte
+once; an object replaced between attempts,
 a cold object and a consumer's own error each end the read as what they are."""
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ def count_gets(store: S3Store) -> list[str]:
     gets: list[str] = []
     store.client.meta.events.register("before-send.s3.GetObject", lambda request, **_: gets.append(request.url))
     return gets
+
+
+def ranges_asked(store: S3Store) -> list[tuple[str | None, str | None]]:
+    """Each GetObject's (Range, If-Match) headers, in order."""
+    asked: list[tuple[str | None, str | None]] = []
+
+    def note(request, **_kwargs):
+        headers = (request.headers.get("Range"), request.headers.get("If-Match"))
+        asked.append(tuple(h.decode() if isinstance(h, bytes) else h for h in headers))
+
+    store.client.meta.events.register("before-send.s3.GetObject", note)
+    return asked
 
 
 def test_get_into_fills_the_buffers_piece_by_piece_and_names_the_etag(s3_endpoint, s3_bucket):
@@ -67,7 +80,7 @@ def test_scan_streams_through_its_buffer_and_refuses_an_object_over_its_limit(s3
 
 
 @pytest.mark.parametrize("fault", ["500", "cut mid-body"])
-def test_a_failed_get_is_retried_from_the_first_byte_and_consume_sees_each_byte_once(s3_endpoint, s3_bucket, fault):
+def test_a_failed_get_is_retried_and_consume_sees_each_byte_once(s3_endpoint, s3_bucket, fault):
     store = fresh(s3_endpoint, s3_bucket)
     store.put_if_absent("obj", DATA)
     if fault == "500":
@@ -86,10 +99,24 @@ def test_a_failed_get_is_retried_from_the_first_byte_and_consume_sees_each_byte_
     out, pieces = bytearray(len(DATA)), []
     assert store.get_into("obj", [out], consume=lambda p: pieces.append(bytes(p)), piece=1024)[0] == len(DATA)
     assert bytes(out) == DATA and b"".join(pieces) == DATA and len(gets) == 2
+    assert [len(p) for p in pieces] == [1024] * 10 + [len(DATA) - 10240]  # each piece handed over once
     pieces.clear()
     cut_first_get(store, after=3000)
     assert store.scan("obj", memoryview(bytearray(1024)), lambda p: pieces.append(bytes(p)))[0] == len(DATA)
     assert b"".join(pieces) == DATA
+
+
+def test_a_body_cut_off_resumes_after_its_last_whole_piece_of_the_same_object(s3_endpoint, s3_bucket):
+    """Before: the retry fetched the object from its first byte again (a model file cut off
+    near its end was downloaded twice). Now it asks for the rest only, of the ETag read."""
+    store = fresh(s3_endpoint, s3_bucket)
+    store.put_if_absent("obj", DATA)
+    etag = store.stat("obj").version
+    cut_first_get(store, after=5000)
+    asked, pieces = ranges_asked(store), []
+    assert store.scan("obj", memoryview(bytearray(1024)), lambda p: pieces.append(bytes(p))) == (len(DATA), etag)
+    assert b"".join(pieces) == DATA
+    assert asked == [(None, None), ("bytes=4096-", etag)]
 
 
 def test_an_object_replaced_between_attempts_is_not_mixed(s3_endpoint, s3_bucket, s3_client):
