@@ -310,7 +310,9 @@ def cmd_repair(args: argparse.Namespace) -> int:
     (``ckptflow.lifecycle.repair``): exit 1 if one has no sound copy anywhere, 3 if a tier,
     or a checkpoint of ROOT that may list one, could not be read (retry, or upgrade)."""
     store = open_existing(args.root)
-    report = repair(store, [open_existing(url) for url in args.sources])
+    sources = [open_existing(url) for url in args.sources]
+    with progress(f"repair {store.url}") as report_progress:
+        report = repair(store, sources, progress=report_progress)
     for digest, url in report.repaired:
         print(f"repaired chunk {digest[:16]}… from {url}")
     for digest, why in report.unrepaired:

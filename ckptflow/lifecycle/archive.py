@@ -21,6 +21,11 @@ from ckptflow.lifecycle.compress import itemsizes
 from ckptflow.lifecycle.evaluate import Evaluator, score
 from ckptflow.store.base import Store
 
+Progress = Callable[[int], None]
+# A phase that begins later: called as it begins with the bytes it will go over, it returns
+# the ``Progress`` for them (so a meter times the phase, not what came before it)
+Phase = Callable[[int], Progress | None]
+
 
 @dataclass
 class ArchiveReport:
@@ -47,8 +52,9 @@ def archive(
     dst: Store,
     run: str,
     step: int,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     *,
+    verifying: Phase | None = None,
     codec: ArchiveCodec | None = None,
     evaluator: Evaluator | None = None,
     evaluator_name: str = "",
@@ -81,14 +87,21 @@ def archive(
 
     A tier that could not be read (an outage, a cold or denied object) proves nothing:
     ``StoreUnavailableError`` is raised and no record is written, so archival can retry.
+
+    ``progress`` is told the stored size of each chunk copied (no total: only what ``dst``
+    lacks is copied). The re-read of the copy is a phase of its own: ``verifying`` is
+    called as it begins with the content bytes of every chunk of the copy, and the callback
+    it returns is told the content size of each chunk as it verifies (a chunk stored anew
+    after failing counts once, when it verifies); a cold tier, checked by size, re-reads
+    nothing and begins no such phase.
     """
     manifest = catalog.read_manifest(src, run, step)
     lost = None if manifest.lossy is None else dict(manifest.lossy)
     report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest, lossy=lost)
     if codec is None or codec.exact or manifest.lossy is not None or _holds_exact(dst, manifest):
-        _exact(src, dst, manifest, report, progress)
+        _exact(src, dst, manifest, report, progress, verifying)
     else:
-        _lossy(src, dst, manifest, codec, report, progress)
+        _lossy(src, dst, manifest, codec, report, progress, verifying)
         if report.ok and evaluator is not None:
             report.evaluation = _reevaluate(src, dst, manifest, evaluator, evaluator_name, key)
     write_record(
@@ -121,7 +134,12 @@ def _holds_exact(dst: Store, manifest: Manifest) -> bool:
 
 
 def _exact(
-    src: Store, dst: Store, manifest: Manifest, report: ArchiveReport, progress: Callable[[int], None] | None
+    src: Store,
+    dst: Store,
+    manifest: Manifest,
+    report: ArchiveReport,
+    progress: Progress | None,
+    verifying: Phase | None,
 ) -> None:
     source = ChunkStore(src).scoped(manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address)
     target = ChunkStore(dst).scoped(manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address)
@@ -141,7 +159,7 @@ def _exact(
 
     sizes = _place(source, target, manifest, report, progress, reencode)
     if report.ok:
-        _check_chunks(target, manifest, report, sizes, reencode)
+        _check_chunks(target, manifest, report, sizes, reencode, verifying)
     if not report.ok:
         return
     try:
@@ -161,7 +179,7 @@ def _place(
     target: ChunkStore,
     manifest: Manifest,
     report: ArchiveReport,
-    progress: Callable[[int], None] | None,
+    progress: Progress | None,
     reencode: Callable[[str, int | None], int],
 ) -> dict[str, int]:
     """Upload each chunk ``dst`` lacks, verified in the source first; in a cold tier,
@@ -197,7 +215,8 @@ def _lossy(
     manifest: Manifest,
     codec: ArchiveCodec,
     report: ArchiveReport,
-    progress: Callable[[int], None] | None,
+    progress: Progress | None,
+    verifying: Phase | None,
 ) -> None:
     try:
         copy = write_lossy_copy(src, dst, manifest, codec, progress)
@@ -210,7 +229,7 @@ def _lossy(
     target = ChunkStore(dst).scoped(
         copy.manifest.chunks, checksums=copy.manifest.fast_checksums, address=copy.manifest.address
     )
-    _check_chunks(target, copy.manifest, report, copy.sizes, None)
+    _check_chunks(target, copy.manifest, report, copy.sizes, None, verifying)
     if report.ok:
         _commit(dst, copy.manifest, copy.blob, copy.records, report)
 
@@ -238,12 +257,13 @@ def _check_chunks(
     report: ArchiveReport,
     sizes: dict[str, int],
     reencode: Callable[[str, int | None], int] | None,
+    verifying: Phase | None,
 ) -> None:
     """Check every chunk in the tier before the manifest commits. In a readable tier each
-    is read back as a restore of this manifest reads it; one that fails for a cause
-    other than an outage (a delta on a base the manifest does not list or that is a
-    delta itself, damaged bytes) is stored anew plainly with ``reencode`` (when the
-    source can supply it) and read back again. A cold tier is checked by size."""
+    is read back as a restore of this manifest reads it (the ``verifying`` phase); one that
+    fails for a cause other than an outage (a delta on a base the manifest does not list or
+    that is a delta itself, damaged bytes) is stored anew plainly with ``reencode`` (when
+    the source can supply it) and read back again. A cold tier is checked by size."""
     if target.store.writes_cold:
         report.verified_by = "size"
         for key, size in sizes.items():
@@ -257,27 +277,32 @@ def _check_chunks(
             else:
                 report.chunks_verified += 1
         return
-    failed = _unverified(target, manifest, manifest.chunks)
+    progress = verifying(sum(manifest.chunks.values())) if verifying else None
+    failed = _unverified(target, manifest, manifest.chunks, progress)
     if failed and reencode is not None:
         for digest in sorted(failed):
             try:
                 reencode(digest, None)
             except CkptflowError as e:
                 _problem(report, e)
-        failed = _unverified(target, manifest, {d: manifest.chunks[d] for d in failed})
+        failed = _unverified(target, manifest, {d: manifest.chunks[d] for d in failed}, progress)
     report.problems.extend(failed.values())
     report.chunks_verified = len(manifest.chunks) - len(failed)
 
 
-def _unverified(target: ChunkStore, manifest: Manifest, chunks: Mapping[str, int]) -> dict[str, str]:
+def _unverified(
+    target: ChunkStore, manifest: Manifest, chunks: Mapping[str, int], progress: Progress | None
+) -> dict[str, str]:
     """The chunks that fail verification in the tier, with why; ``StoreUnavailableError``
-    if one could not be read (that proves nothing)."""
+    if one could not be read (that proves nothing). ``progress``: each one that verifies."""
 
     def check(item: tuple[str, int]) -> Problem | None:
         try:
             target.get(*item)
         except (CkptflowError, OSError) as e:
             return problem_from(manifest.run, manifest.step, e)
+        if progress:
+            progress(item[1])
         return None
 
     with ThreadPoolExecutor(8, thread_name_prefix="ckptflow-archive") as pool:

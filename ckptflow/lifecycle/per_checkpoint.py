@@ -28,7 +28,7 @@ from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
-from ckptflow.lifecycle.archive import ArchiveReport, archive
+from ckptflow.lifecycle.archive import ArchiveReport, Phase, archive
 from ckptflow.lifecycle.compress import CompressionReport, compress
 from ckptflow.lifecycle.evaluate import (
     TRAINER,
@@ -148,15 +148,25 @@ def archive_checkpoint(
     load: Callable[[str], Evaluator],
     key: str,
     progress: Progress | None = None,
+    verifying: Phase | None = None,
 ) -> ArchiveReport | None:
     """Archive the hot copy of ``(run, step)`` into ``cold`` (``lifecycle.archive``; a
     lossy copy is scored by the run's ``evaluator``; ``progress`` is told the bytes of
-    each chunk copied); None when the hot copy expired and ``cold`` holds the checkpoint
-    (archived earlier)."""
+    each chunk copied, ``verifying`` begins the re-read of the copy); None when the hot
+    copy expired and ``cold`` holds the checkpoint (archived earlier)."""
     if not holds_commit(hot, run, step) and holds_commit(cold, run, step):
         return None
     admit_commit(hot, hot, run, step, on_commit=on_commit, work="its archival")
     function = None if evaluator is None else load(evaluator)
     return archive(
-        hot, cold, run, step, progress, codec=codec, evaluator=function, evaluator_name=evaluator or TRAINER, key=key
+        hot,
+        cold,
+        run,
+        step,
+        progress,
+        verifying=verifying,
+        codec=codec,
+        evaluator=function,
+        evaluator_name=evaluator or TRAINER,
+        key=key,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
@@ -88,6 +88,7 @@ def promote(
     *,
     mirror: MlflowMirror | None = None,
     wait: float = PROMOTION_WAIT,
+    progress: Callable[[int], None] | None = None,
 ) -> ModelVersion:
     """Export the chosen checkpoint, register it as the next version of ``request.model``
     and move ``latest`` (and, for stage "stable", ``stable`` and ``fallback``).
@@ -99,15 +100,24 @@ def promote(
     From choosing the checkpoint until its version is registered (and so pins it), the
     promotion holds a lease in ``hot`` that retention waits for (``PROMOTIONS``): a
     retention that runs meanwhile cannot expire the checkpoint being published. One
-    running already is waited for, up to ``wait`` seconds."""
+    running already is waited for, up to ``wait`` seconds.
+
+    ``progress`` is told the content size of each chunk the export reads (the export's
+    ``progress``: no total, as only the chunks of ``request.key``'s tensors are read)."""
     with shared_lease(hot, PROMOTIONS, wait) as lease:
-        version = _export_and_register(hot, registry, request, lease)
+        version = _export_and_register(hot, registry, request, lease, progress)
     if mirror is not None:
         mirror.sync(registry, request.model)
     return version
 
 
-def _export_and_register(hot: Store, registry: Registry, request: PromotionRequest, lease: Heartbeat) -> ModelVersion:
+def _export_and_register(
+    hot: Store,
+    registry: Registry,
+    request: PromotionRequest,
+    lease: Heartbeat,
+    progress: Callable[[int], None] | None,
+) -> ModelVersion:
     if request.checkpoint is None:
         run, step = choose_checkpoint(inventory.collect(hot), request.metric, request.mode).ref
     else:
@@ -129,7 +139,7 @@ def _export_and_register(hot: Store, registry: Registry, request: PromotionReque
     lineage = lineage_of(hot, manifest)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "model")
-        result = export_safetensors(hot, run, out, step=step, options=options, lineage=lineage)
+        result = export_safetensors(hot, run, out, step=step, options=options, lineage=lineage, progress=progress)
         if result.digest != manifest.digest:
             raise PromotionError(f"{run} step {step} was committed again while it was being exported; promote again")
         files = registry.upload(request.model, out, list(result.files))

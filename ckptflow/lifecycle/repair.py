@@ -32,7 +32,7 @@ What ``repair`` does not do:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
@@ -46,6 +46,7 @@ from ckptflow.store.base import Store
 @dataclass
 class RepairReport:
     repaired: list[tuple[str, str]] = field(default_factory=list)  # (digest, the tier's URL it came from)
+    bytes_repaired: int = 0  # the content of the chunks repaired: what ``progress`` counts
     unrepaired: list[tuple[str, str]] = field(default_factory=list)  # (digest, why: no tier holds a sound copy)
     unavailable: list[tuple[str, str]] = field(default_factory=list)  # (digest, why): a tier could not be read
     unreferenced: int = 0  # records of chunks no checkpoint of the store lists (GC's to delete)
@@ -59,9 +60,10 @@ class RepairReport:
         return not self.unrepaired and not self.unavailable and not self.unresolved
 
 
-def repair(store: Store, sources: Sequence[Store]) -> RepairReport:
+def repair(store: Store, sources: Sequence[Store], *, progress: Callable[[int], None] | None = None) -> RepairReport:
     """Replace each chunk object ``store`` records as damaged with a sound copy from the
-    first of ``sources`` holding one (see the module docstring)."""
+    first of ``sources`` holding one (see the module docstring). ``progress`` is called
+    with the content size of each chunk once it is repaired (``bytes_repaired`` in all)."""
     report = RepairReport()
     records = damaged.records(store)
     if not records:
@@ -84,11 +86,18 @@ def repair(store: Store, sources: Sequence[Store]) -> RepairReport:
         elif size is None:
             report.unreferenced += 1
         else:
-            _repair_one(target, readers, digest, size, report)
+            _repair_one(target, readers, digest, size, report, progress)
     return report
 
 
-def _repair_one(target: ChunkStore, readers: list[ChunkStore], digest: str, size: int, report: RepairReport) -> None:
+def _repair_one(
+    target: ChunkStore,
+    readers: list[ChunkStore],
+    digest: str,
+    size: int,
+    report: RepairReport,
+    progress: Callable[[int], None] | None,
+) -> None:
     reasons: list[str] = []
     unreadable = False
     for reader in readers:
@@ -106,6 +115,9 @@ def _repair_one(target: ChunkStore, readers: list[ChunkStore], digest: str, size
             report.unavailable.append((digest, f"{target.store.url} could not take the copy: {e}"))
             return
         report.repaired.append((digest, reader.store.url))
+        report.bytes_repaired += size
+        if progress:
+            progress(size)
         return
     why = "; ".join(reasons) or "no other tier was given"
     (report.unavailable if unreadable else report.unrepaired).append((digest, why))

@@ -73,11 +73,28 @@ def restore_from(hot_root: str, archive_url: str, step: int, **kwargs) -> dict:
     return target
 
 
+class Phases:
+    """A ``verifying`` phase that records the total it begins with and what it is told."""
+
+    def __init__(self) -> None:
+        self.totals: list[int] = []
+        self.counted: list[int] = []
+
+    def __call__(self, total: int):
+        self.totals.append(total)
+        return self.counted.append
+
+
 def test_a_full_archived_after_an_incremental_verifies_and_restores_from_the_archive_alone(tmp_path, store_url):
     hot, archive, stranded = incremental_archived_then_full(tmp_path, store_url)
-    report = lifecycle.archive(hot, archive, RUN, 3)
+    verifying = Phases()
+    report = lifecycle.archive(hot, archive, RUN, 3, verifying=verifying)
     assert report.ok, report.problems
     assert report.chunks_reencoded == len(stranded)
+    # the re-read begins once, with every chunk's content; a chunk stored anew after failing counts once
+    three = catalog.read_manifest(hot, RUN, 3)
+    assert verifying.totals == [sum(three.chunks.values())] == [sum(verifying.counted)]
+    assert len(verifying.counted) == len(three.chunks)
     assert catalog.verify_checkpoint(archive, RUN, 3).ok
     assert all(codec_of(archive, d) != "delta" for d in stranded)
     assert catalog.verify_checkpoint(archive, RUN, 2).ok  # re-encoding kept the incremental readable
@@ -183,9 +200,11 @@ def test_a_cold_archive_replaces_a_chunk_it_holds_in_another_encoding(tmp_path, 
     hot = open_store(hot_root)
     assert lifecycle.archive(hot, cold, RUN, 2).ok
     save(hot_root, 3, "full")
-    report = lifecycle.archive(hot, cold, RUN, 3)
+    verifying = Phases()
+    report = lifecycle.archive(hot, cold, RUN, 3, verifying=verifying)
     assert report.ok, report.problems
     assert report.verified_by == "size" and report.chunks_reencoded > 0
+    assert verifying.totals == []  # checked by size: nothing re-read, no such phase
     thaw(cold, RUN, 3)
     assert catalog.verify_checkpoint(cold, RUN, 3).ok
     thaw(cold, RUN, 2)

@@ -194,3 +194,16 @@ def test_a_checkpoint_proved_damaged_or_a_stray_symlink_leaves_what_it_lists_to_
     (strays / "000000000005").symlink_to(tmp_path / "elsewhere")
     report = repair(hot, [cold])
     assert report.unreferenced == 1 and not report.unresolved and report.ok and len(report.unlisted) == 2
+
+
+def test_progress_counts_the_content_of_each_chunk_repaired_and_nothing_else(tiers):
+    hot, cold = tiers
+    digest = damage(cold, 1)
+    unrepairable = damage(hot, 2)  # step 2 was never archived: no sound copy anywhere
+    counted: list[int] = []
+    report = repair(cold, [hot], progress=counted.append)
+    assert counted == [catalog.read_manifest(cold, RUN, 1).chunks[digest]] and report.bytes_repaired == sum(counted)
+    counted.clear()
+    report = repair(hot, [cold], progress=counted.append)
+    assert report.unrepaired and report.unrepaired[0][0] == unrepairable
+    assert counted == [] and report.bytes_repaired == 0
