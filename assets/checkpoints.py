@@ -49,7 +49,7 @@ from dagster import (
 
 from assets.metadata import bullet_list, metrics, ratio, size, throughput
 from assets.partitions import checkpoints_partitions, parse_checkpoint_key, pin_commit
-from assets.progress import logged_progress
+from assets.progress import ProgressLog, logged_phase, logged_progress
 from ckptflow import lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import EvaluatorError, FailedValidationError
@@ -301,11 +301,14 @@ def archived(
     With a lossy ``archive_codec`` the copy is rounded as configured, its manifest says
     what was lost, and the run's evaluator scores it next to the exact checkpoint.
     Progress (bytes copied, the rate) is logged as it goes; the archival's time, and the
-    bytes copied per second of it (verification and commit included), are metadata."""
+    bytes copied per second of it (verification and commit included), are metadata. The
+    re-read of the copy is logged as a phase of its own (bytes of the total, the rate),
+    with its bytes, time and rate as metadata (``reread_…``)."""
     run, step = parse_checkpoint_key(context.partition_key)
     hot, arc = store.open(), archive.open()
     with (
         logged_progress(context, f"archiving {context.partition_key} to {arc.url}") as meter,
+        logged_phase(context, f"verifying the copy of {context.partition_key} in {arc.url}") as verifying,
         store.retrying_outages(context),
         _refusing_failed_commits(),
     ):
@@ -320,6 +323,7 @@ def archived(
             load=load_function,
             key=evaluator.key,
             progress=meter,
+            verifying=verifying,
         )
     if report is None:
         return MaterializeResult(metadata={"archive": arc.url, "skipped": "hot copy expired; archived earlier"})
@@ -340,10 +344,16 @@ def archived(
             "verified": True,
             "chunks_verified": report.chunks_verified,
             "verified_by": report.verified_by,
+            **(_reread_metadata(verifying.meter) if verifying.meter else {}),
             "manifest_digest": report.digest,
             **_lossy_metadata(report),
         }
     )
+
+
+def _reread_metadata(meter: ProgressLog) -> dict:
+    """The re-read of an archive copy: its bytes, time and rate (a cold tier re-reads nothing)."""
+    return {**size("reread", meter.done), **throughput("reread", meter.done, meter.seconds)}
 
 
 def _lossy_metadata(report: lifecycle.ArchiveReport) -> dict:

@@ -15,7 +15,9 @@ import pandas as pd
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
 
 from assets.checkpoints import checkpoint, evaluation
+from assets.metadata import size, throughput
 from assets.partitions import parse_checkpoint_key, partition_keys
+from assets.progress import logged_progress
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.registry import ALIASES, Registry, describe
 from resources import CheckpointStoreResource, RegistryResource
@@ -63,10 +65,14 @@ def deployed_model(
     store: CheckpointStoreResource,
     registry: RegistryResource,
 ) -> MaterializeResult:
-    """What is deployed, after a promotion or a rollback; metadata carries the lineage."""
+    """What is deployed, after a promotion or a rollback; metadata carries the lineage. A
+    promotion logs the export's progress (checkpoint bytes read, the rate) as it goes; those
+    bytes, the promotion's time and their rate over it (upload and registration included),
+    and the bytes of the model's files are metadata."""
     from ckptflow.lifecycle.promote import PromotionRequest, promote, rollback  # torch: only in this asset's runs
 
     reg = registry.open()
+    figures: dict = {}
     try:
         if config.action == "promote":
             request = PromotionRequest(
@@ -79,8 +85,15 @@ def deployed_model(
                 key=config.key,
                 allow_fp16_overflow=config.allow_fp16_overflow,
             )
-            version = promote(store.open(), reg, request)
+            chosen = config.partition_key or f"the best checkpoint by {config.metric}"
+            with logged_progress(context, f"exporting {chosen} as {config.model}") as meter:
+                version = promote(store.open(), reg, request, progress=meter)
             context.log.info(f"registered {config.model} v{version.version} from {version.partition_key}")
+            figures = {
+                **size("exported", meter.done),
+                **throughput("promotion", meter.done, meter.seconds),
+                **size("model", sum(f["size"] for f in version.files.values())),
+            }
         elif config.action == "rollback":
             version = rollback(reg, config.model)
         else:
@@ -98,6 +111,7 @@ def deployed_model(
             "manifest_digest": version.manifest_digest,
             "files": MetadataValue.json(version.files),
             "export": MetadataValue.json(version.export),
+            **figures,
             "training_config": MetadataValue.json(version.lineage.get("training_config") or {}),
             "data": MetadataValue.json(data) if isinstance(data, (dict, list)) else str(data),
             "metrics": MetadataValue.json((version.lineage.get("evaluation") or {}).get("metrics") or {}),

@@ -6,7 +6,9 @@ a tqdm bar. A Dagster run has no terminal: an operator watching a multi-GB valid
 archival in the UI saw nothing until the step ended. ``logged_progress`` turns the same
 callback into a few ``context.log.info`` lines: how much is done (of the total, when
 known), the percentage and the rate, and one final line with the exact byte count and
-the time it took (``ProgressLog.seconds``, which the caller puts in the metadata).
+the time it took (``ProgressLog.seconds``, which the caller puts in the metadata). A phase
+that begins partway through an operation (archival's re-read of its copy) has lines of its
+own (``logged_phase``), so no percentage passes 100% or starts again unannounced.
 
 Throttled, so a store-wide scrub does not flood the event log: a line once ``every_s``
 seconds have passed since the last, or once another tenth of a known total is done, if
@@ -19,7 +21,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import TypeVar
 
 from dagster import AssetExecutionContext, OpExecutionContext
 
@@ -83,15 +86,47 @@ class ProgressLog:
             )
 
 
+class LaterPhase:
+    """A library ``Phase`` (``verifying=`` of ``lifecycle.archive``): a phase that begins
+    partway through an operation gets a ``ProgressLog`` of its own when it begins, with the
+    total it is given, so its percentage and its time are its own. ``meter``: that log, or
+    None while (or if) the phase has not begun."""
+
+    def __init__(self, log: Callable[[str], None], what: str) -> None:
+        self.log, self.what = log, what
+        self.meter: ProgressLog | None = None
+
+    def __call__(self, total: int) -> ProgressLog:
+        self.meter = ProgressLog(self.log, self.what, total=total, every_s=EVERY_S)
+        return self.meter
+
+    def finish(self, *, ok: bool = True) -> None:
+        if self.meter is not None:
+            self.meter.finish(ok=ok)
+
+
+Meter = TypeVar("Meter", ProgressLog, LaterPhase)
+
+
 @contextmanager
-def logged_progress(
-    context: AssetExecutionContext | OpExecutionContext, what: str, *, total: int | None = None
-) -> Iterator[ProgressLog]:
-    """A ``ProgressLog`` writing to the run's log; its final line when the block ends."""
-    meter = ProgressLog(context.log.info, what, total=total, every_s=EVERY_S)  # read now: tests set it to 0
+def _finished(meter: Meter) -> Iterator[Meter]:
+    """``meter``, and its final line when the block ends ("stopped" if it raised)."""
     try:
         yield meter
     except BaseException:
         meter.finish(ok=False)
         raise
     meter.finish()
+
+
+def logged_progress(
+    context: AssetExecutionContext | OpExecutionContext, what: str, *, total: int | None = None
+) -> AbstractContextManager[ProgressLog]:
+    """A ``ProgressLog`` writing to the run's log; its final line when the block ends."""
+    return _finished(ProgressLog(context.log.info, what, total=total, every_s=EVERY_S))  # read now: tests set it to 0
+
+
+def logged_phase(context: AssetExecutionContext | OpExecutionContext, what: str) -> AbstractContextManager[LaterPhase]:
+    """A ``LaterPhase`` writing to the run's log; the phase's final line when the block ends
+    (what follows the phase in the operation counts in its time)."""
+    return _finished(LaterPhase(context.log.info, what))

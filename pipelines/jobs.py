@@ -182,7 +182,7 @@ def scrub_checkpoints(
     for tier, meter in (("hot", hot_meter), ("archive", arc_meter)):
         figures.update(size(f"{tier}_scrubbed", reports[tier].bytes_checked))
         figures.update(throughput(f"{tier}_scrub", reports[tier].bytes_checked, meter.seconds))
-    repairs = _repairs(context, hot, arc)
+    repairs = _repairs(context, hot, arc, figures)
     tiers = {"hot": hot, "archive": arc}
     still = {
         tier: [
@@ -257,16 +257,20 @@ def scrub_checkpoints(
     return {tier: {"checked": r.checked} for tier, r in reports.items()}
 
 
-def _repairs(context: OpExecutionContext, hot: Store, arc: Store) -> dict[str, lifecycle.RepairReport]:
-    """Each tier's damaged chunks repaired from the other; a tier whose records could not be
-    read is skipped with a warning (the next scrub tries again: an outage proves nothing)."""
+def _repairs(context: OpExecutionContext, hot: Store, arc: Store, figures: dict) -> dict[str, lifecycle.RepairReport]:
+    """Each tier's damaged chunks repaired from the other, its progress logged and its bytes,
+    time and rate added to ``figures``; a tier whose records could not be read is skipped
+    with a warning (the next scrub tries again: an outage proves nothing)."""
     repairs = {}
     for tier, store, source in (("hot", hot, arc), ("archive", arc, hot)):
         try:
-            repairs[tier] = lifecycle.repair(store, [source])
+            with logged_progress(context, f"repairing {store.url} from {source.url}") as meter:
+                repairs[tier] = lifecycle.repair(store, [source], progress=meter)
         except StoreUnavailableError as e:
             context.log.warning(f"the {tier} tier's damaged chunks were not repaired: {e}")
             repairs[tier] = lifecycle.RepairReport()
+        figures.update(size(f"{tier}_repaired", repairs[tier].bytes_repaired))
+        figures.update(throughput(f"{tier}_repair", repairs[tier].bytes_repaired, meter.seconds))
     return repairs
 
 

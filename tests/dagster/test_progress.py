@@ -1,7 +1,7 @@
 """Progress of long operations in the Dagster run's log (``assets.progress``), and the
 figures they report as metadata: the throttling on a fake clock, then real runs of the
-per-checkpoint assets and of the scrub job, whose lines must add up to what each
-operation reported."""
+per-checkpoint assets, of the scrub job (and its repairs) and of a promotion, whose lines
+must add up to what each operation reported."""
 
 import re
 import threading
@@ -10,11 +10,15 @@ import pytest
 from dagster import DagsterEventType, materialize
 
 import assets.progress
-from assets import PARTITIONED, checkpoint_key
+from assets import PARTITIONED, archived, checkpoint, checkpoint_key
 from assets.progress import ProgressLog
 from ckptflow import lifecycle
+from ckptflow.catalog import checkpoints as catalog
+from ckptflow.interop.export import export_safetensors
+from ckptflow.interop.registry import Registry
 from ckptflow.reports.units import human_bytes
 from ckptflow.store import open_store
+from support.corrupt import corrupt_chunk
 from support.dagster import RUN
 
 MB = 1_000_000
@@ -148,3 +152,63 @@ def test_scrub_logs_each_tiers_progress_and_reports_its_bytes_time_and_rate(stor
     assert final_bytes(logs, f"scrubbing {store.url}") == every
     assert rate_matches(md, "hot_scrub", every)
     assert md["archive_scrubbed_bytes"].value == 0 and md["archive_checked"].value == 0  # nothing archived
+
+
+def percents(lines: list[str]) -> list[int]:
+    return [int(re.search(r"\((\d+)%\)", line).group(1)) for line in lines]
+
+
+def test_the_reread_of_an_archive_copy_is_a_phase_of_its_own_from_0_to_100_percent(
+    store_with_checkpoints, paths, resources, instance, every_call_logged
+):
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    result = materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[checkpoint, archived]
+    )
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    arc = open_store(paths["archive"])
+    [md] = [m.metadata for m in result.asset_materializations_for_node("archived")]
+    everything = sum(catalog.read_manifest(arc, RUN, 20).chunks.values())  # every chunk re-read, present or copied
+    verifying = f"verifying the copy of {KEY} in {arc.url}"
+    lines = steps_logged(logs, verifying)
+    assert len(lines) == md["chunks_verified"].value == len(catalog.read_manifest(arc, RUN, 20).chunks)
+    assert all(f" of {human_bytes(everything)} (" in line for line in lines)
+    assert percents(lines) == sorted(percents(lines)) and percents(lines)[-1] == 100  # never past 100, never restarts
+    assert final_bytes(logs, verifying) == md["reread_bytes"].value == everything
+    assert rate_matches(md, "reread", everything)
+    archiving = f"archiving {KEY} to {arc.url}"  # the copy's own lines count only what was copied
+    assert final_bytes(logs, archiving) == md["copied_bytes"].value
+
+
+def test_scrub_logs_each_tiers_repair_and_reports_the_bytes_repaired(store_with_checkpoints, defs, paths, instance):
+    hot, arc = open_store(store_with_checkpoints), open_store(paths["archive"])
+    assert lifecycle.archive(hot, arc, RUN, 20).ok
+    rotten = corrupt_chunk(store_with_checkpoints, RUN, 20)
+    job = defs.resolve_job_def("scrub_job")
+    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+    result = job.execute_in_process(instance=instance, run_config=config)
+    [output] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
+    md = output.event_specific_data.metadata
+    repaired = catalog.read_manifest(hot, RUN, 20).chunks[rotten]  # the chunk's content, as its checkpoint lists it
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert md["hot_chunks_repaired"].value == 1 and md["hot_repaired_bytes"].value == repaired
+    assert final_bytes(logs, f"repairing {hot.url} from {arc.url}") == repaired
+    assert rate_matches(md, "hot_repair", repaired)
+    assert md["archive_repaired_bytes"].value == 0 and final_bytes(logs, f"repairing {arc.url} from {hot.url}") == 0
+
+
+def test_a_promotion_logs_its_exports_progress_and_reports_the_bytes_read_time_rate_and_model_size(
+    store_with_checkpoints, defs, instance, tmp_path, every_call_logged
+):
+    run_config = {"ops": {"deployed_model": {"config": {"action": "promote", "partition_key": KEY}}}}
+    result = defs.resolve_job_def("promotion").execute_in_process(instance=instance, run_config=run_config)
+    [md] = [m.metadata for m in result.asset_materializations_for_node("deployed_model")]
+    counted: list[int] = []  # the same export, by the library, counted
+    export_safetensors(store_with_checkpoints, RUN, tmp_path / "direct", step=20, progress=counted.append)
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    exporting = f"exporting {KEY} as tinylm"
+    assert md["exported_bytes"].value == sum(counted) == final_bytes(logs, exporting) > 0
+    assert len(steps_logged(logs, exporting)) == len(counted)  # one line per chunk read, none throttled
+    assert rate_matches(md, "promotion", sum(counted))
+    files = Registry(open_store(store_with_checkpoints)).get("tinylm", md["version"].value).files
+    assert md["model_bytes"].value == sum(f["size"] for f in files.values()) > 0
