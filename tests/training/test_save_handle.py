@@ -35,16 +35,24 @@ ENDS = {
 }
 
 
+def run_script(tmp_path, **fields) -> tuple[str, subprocess.CompletedProcess]:
+    """The failing-store script, with ``fields``, in a child Python: (its store root, how it ended)."""
+    root = str(tmp_path / "store")
+    script = FAILING_STORE.format(root=root, **fields)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=child_env(TESTS.parent), capture_output=True, text=True, timeout=120
+    )
+    return root, done
+
+
 @pytest.mark.parametrize("end", sorted(ENDS))
 def test_an_async_save_that_failed_unwaited_is_reported_at_exit(tmp_path, end):
     """Before: the first case exited without a word; in the second, the hook's ``except
     Exception`` missed DCP's ``CheckpointException`` and Python printed a raw traceback
     instead of the message saying the save was not committed. And the process exited 0: a
     scheduler saw a job that succeeded with its last checkpoint lost, and restarted nothing."""
-    root = str(tmp_path / "store")
-    script = FAILING_STORE.format(root=root, **ENDS[end]) + "print('the script ended', file=sys.stderr)\n"
-    env = child_env(TESTS.parent)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    end_fields = {**ENDS[end], "then": ENDS[end]["then"] + "\nprint('the script ended', file=sys.stderr)"}
+    root, done = run_script(tmp_path, **end_fields)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "the script ended" in done.stderr  # the status is the exit's, not a failure of the script
     assert (
@@ -56,11 +64,8 @@ def test_an_async_save_that_failed_unwaited_is_reported_at_exit(tmp_path, end):
 
 
 def test_a_failure_already_raised_by_wait_is_not_reported_again_at_exit(tmp_path):
-    root = str(tmp_path / "store")
     then = "try:\n    handle.wait()\nexcept StoreUnavailableError:\n    print('raised by wait', file=sys.stderr)"
-    script = FAILING_STORE.format(root=root, delay=0, then=then)
-    env = child_env(TESTS.parent)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    _, done = run_script(tmp_path, delay=0, then=then)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "raised by wait" in done.stderr
     assert "was not committed" not in done.stderr, done.stderr[-3000:]
@@ -69,11 +74,8 @@ def test_a_failure_already_raised_by_wait_is_not_reported_again_at_exit(tmp_path
 def test_the_scripts_own_atexit_handlers_run_before_a_lost_save_ends_the_process(tmp_path):
     """Status 1 comes from ``os._exit``: the handlers registered with ``atexit`` (a logger's
     flush, a metrics upload) must still run, as at any exit."""
-    root = str(tmp_path / "store")
     then = "import atexit\natexit.register(lambda: print('handler ran', file=sys.stderr))"
-    script = FAILING_STORE.format(root=root, delay=0, then=then)
-    env = child_env(TESTS.parent)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    _, done = run_script(tmp_path, delay=0, then=then)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "was not committed" in done.stderr
     assert done.stderr.rstrip().endswith("handler ran"), done.stderr[-3000:]
