@@ -21,7 +21,7 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, read_record
 from ckptflow.chunks.leases import PROMOTION_WAIT, PROMOTIONS, Heartbeat, shared_lease
 from ckptflow.chunks.lossy import describe as describe_lossy
-from ckptflow.errors import CkptflowError, PromotionError, RegistryError
+from ckptflow.errors import CkptflowError, PromotionError, RegistryError, StoreUnavailableError, is_damage
 from ckptflow.format import layout as fmt
 from ckptflow.interop.export import ExportOptions, Lineage, export_safetensors, option_problems
 from ckptflow.interop.registry import ModelVersion, Registry, sha256_file
@@ -178,19 +178,7 @@ def rebuild(registry: Registry, model: str, version: int, tiers: Sequence[Store]
     Returns the names of those that were missing. Nothing is uploaded unless every file
     matches."""
     mv = registry.get(model, version)
-    source = None
-    for store in tiers:
-        try:
-            if catalog.read_manifest(store, mv.run, mv.step).digest == mv.manifest_digest:
-                source = store
-                break
-        except (CkptflowError, OSError):
-            continue
-    if source is None:
-        raise RegistryError(
-            f"{model} v{version} cannot be rebuilt: no tier ({', '.join(s.url for s in tiers)}) holds "
-            f"{mv.partition_key} with manifest digest {mv.manifest_digest}"
-        )
+    source = _source_tier(mv, tiers)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "model")
         options = ExportOptions(**mv.export)
@@ -206,3 +194,27 @@ def rebuild(registry: Registry, model: str, version: int, tiers: Sequence[Store]
         missing = registry.missing_files(mv)
         registry.upload(model, out, sorted(rebuilt))
     return missing
+
+
+def _source_tier(mv: ModelVersion, tiers: Sequence[Store]) -> Store:
+    """The first of ``tiers`` holding ``mv``'s commit. A tier that could not be read (an
+    outage, a cold or denied object, a newer format) proves nothing about what it holds:
+    when no tier that answered holds the commit and one did not answer, the rebuild is
+    ``StoreUnavailableError`` (retry), never "no tier holds it"."""
+    unread = []
+    for store in tiers:
+        try:
+            if catalog.read_manifest(store, mv.run, mv.step).digest == mv.manifest_digest:
+                return store
+        except (CkptflowError, OSError) as e:
+            if not is_damage(e):
+                unread.append(f"{store.url} ({e})")
+    if unread:
+        raise StoreUnavailableError(
+            f"{mv.model} v{mv.version} was not rebuilt: could not read {mv.partition_key} in {'; '.join(unread)}, "
+            "and no tier that answered holds its commit; nothing was uploaded: rebuild again once it can be read"
+        )
+    raise RegistryError(
+        f"{mv.model} v{mv.version} cannot be rebuilt: no tier ({', '.join(s.url for s in tiers)}) holds "
+        f"{mv.partition_key} with manifest digest {mv.manifest_digest}"
+    )

@@ -10,11 +10,12 @@ import pytest
 
 from ckptflow import lifecycle
 from ckptflow.catalog import aliases as alias_records
-from ckptflow.errors import RegistryError
+from ckptflow.errors import RegistryError, StoreUnavailableError
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote, rebuild, rollback
 from ckptflow.store import open_store
 from support.corrupt import flip_byte
+from support.faulty_store import FaultyStore
 from support.registry_models import checkpoints
 
 
@@ -165,3 +166,20 @@ def test_a_version_file_name_that_is_a_path_is_refused_on_register_and_read(tmp_
     with pytest.raises(RegistryError, match="is not a version record of this layout: file name"):
         reg.download(reg.get("m", good.version), tmp_path / "dl" / "sub")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]
+
+
+def test_a_rebuild_through_an_outage_says_the_store_is_unavailable_not_that_the_checkpoint_is_gone(tmp_path):
+    """A tier that could not be read proves nothing about what it holds: a rebuild that found
+    no source because of an outage says so (retry), not that no tier holds the commit."""
+    root, _ = checkpoints(tmp_path, steps=(1,))
+    hot = open_store(root)
+    reg = Registry(hot)
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1)))
+    down = FaultyStore(hot)
+    down.fail_if = lambda op, key: key.startswith("runs/")  # every read of a checkpoint fails (an OSError)
+    with pytest.raises(StoreUnavailableError, match=rf"could not read r@1 in {hot.url}.*rebuild again once"):
+        rebuild(reg, "m", v1.version, [down])
+    lifecycle.expire(hot, "r", 1)
+    with pytest.raises(RegistryError, match="no tier .* holds r@1") as gone:  # absent: proved, and said so
+        rebuild(reg, "m", v1.version, [hot])
+    assert not isinstance(gone.value, StoreUnavailableError)
