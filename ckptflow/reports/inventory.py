@@ -33,6 +33,7 @@ class Entry:
     base_step: int | None = None
     digest: str = ""
     source_digest: str = ""  # an archive-only lossy copy: the exact commit its records are keyed by
+    lossy: bool = False  # the commit described is a lossy copy (not the trained model: never promoted)
     manifest_error: str = ""
     manifest_unread: bool = False  # that error proves nothing: the record could not be read (``Problem.UNREAD``)
     commits: dict[str, str] = field(default_factory=dict)  # per tier, the commit read there (or NEWER_COMMIT)
@@ -114,7 +115,7 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
         # a hot commit record proved damaged keeps its error: the archive copy describes the
         # checkpoint, but the hot copy is not one a resume can load, so retention must not count it valid
         entry.kind, entry.created_at, entry.digest = item.kind, item.created_at, item.digest
-        entry.source_digest = (item.lossy or {}).get("source_digest", "")
+        entry.source_digest, entry.lossy = (item.lossy or {}).get("source_digest", ""), item.lossy is not None
         entry.base_step = item.base_step
         entry.logical_bytes, entry.stored_bytes, entry.chunks = item.logical_bytes, item.stored_bytes, item.chunks
         entry.world_size, entry.trainer_metadata = item.world_size, dict(item.metadata)

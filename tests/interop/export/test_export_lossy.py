@@ -166,3 +166,21 @@ def test_a_lossy_copy_is_never_promoted_and_the_refusal_says_what_to_promote(arc
     assert "lossy archive copy" in text and "promote the exact commit" in text
     assert catalog.read_manifest(hot, RUN, 1).digest in text and "--allow-lossy" in text
     assert registry.versions("bert") == []  # nothing registered
+
+
+def test_promotion_by_metric_passes_over_a_lossy_copy_for_the_exact_commit(archived, tmp_path):
+    """A lossy copy imported back for evaluation shares its source's metrics and verdict (and
+    is newer): promotion by metric chose it, then refused it, so no promotion by metric could
+    succeed while it was there. It is never a candidate; the exact commit is promoted."""
+    from ckptflow.interop.registry import Registry
+    from ckptflow.lifecycle.promote import PromotionRequest, promote
+    from ckptflow.lifecycle.validate import validate
+
+    hot, arc, _, lossy = archived
+    export_dcp(arc, RUN, tmp_path / "dcp", allow_lossy=True)
+    import_checkpoint(hot, "again", 5, tmp_path / "dcp")
+    for run, step in ((RUN, 1), ("again", 5)):
+        assert validate(hot, run, step)["ok"]
+        lifecycle.evaluate(hot, hot, run, step, lambda tensors, config: {"val_loss": 0.25})
+    version = promote(hot, Registry(hot), PromotionRequest("bert", stage="stable"))
+    assert (version.run, version.step, version.manifest_digest) == (RUN, 1, lossy["source_digest"])
