@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptflow.errors import ObjectTooLargeError, RegistryError
+from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, RegistryError
 from ckptflow.store.base import Store
 
 DOWNLOAD_PIECE = 1 << 20  # what a download holds of a model file at once
@@ -70,14 +70,19 @@ def _missing_directories(directory: str | os.PathLike) -> list[str]:
 def _sized_key(store: Store, f: Mapping[str, Any], key_of: Callable[[str], str], where: str, unchanged: str) -> str:
     """The key of file ``f``, once its recorded size is a byte count and the size of the
     object the store holds there: a record that says less than the store holds would
-    otherwise let the object decide how much is read."""
+    otherwise let the object decide how much is read. A deleted object is named as the
+    version's file, with how to bring it back, not as a bare key the store lacks."""
     size, key = f.get("size"), key_of(f["sha256"])
     if type(size) is not int or size < 0:
         raise RegistryError(
             f"{where} records size {size!r}, not a byte count: the version record is damaged; "
             f"{unchanged}: promote its checkpoint again (a new version) and download that"
         )
-    if (held := store.stat(key).size) != size:
+    try:
+        held = store.stat(key).size
+    except ObjectNotFoundError:
+        raise RegistryError(f"{where} is missing: {store.url}/{key} was deleted; {unchanged}: {_REBUILD}") from None
+    if held != size:
         raise RegistryError(
             f"{where} records {size} bytes but {store.url}/{key} holds {held}: the stored file was "
             f"damaged or replaced; {unchanged}: {_REBUILD}"

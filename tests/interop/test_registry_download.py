@@ -154,6 +154,22 @@ def test_a_file_replaced_by_other_bytes_of_its_size_is_refused_and_changes_nothi
     assert not (tmp_path / "new").exists()  # a failed download leaves no directory it made
 
 
+def test_a_file_deleted_from_the_registry_is_refused_naming_it_and_what_to_do(store_url, tmp_path):
+    """A version's file deleted from the store: the store's bare "does not exist" named
+    neither the version nor the file, nor that a rebuild brings it back."""
+    reg = Registry(open_store(store_url))
+    version = _publish(reg, tmp_path / "src", {"a.bin": 1000, "model.safetensors": 2000})
+    key = reg.file_key("m", version.files["model.safetensors"]["sha256"])
+    reg.store.delete(key)
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "a.bin").write_bytes(b"served before")
+    with pytest.raises(RegistryError, match="m v1 file model.safetensors is missing") as err:
+        reg.download(version, served)
+    assert key in str(err.value) and "nothing in" in str(err.value) and "rebuild" in str(err.value)
+    assert _served(served) == {"a.bin": b"served before"}
+
+
 # ---- memory --------------------------------------------------------------------------------------
 def _download_rss(url: str, size: int, tmp_path: Path) -> dict:
     """Publish one file of ``size`` bytes at ``url``, download it in a process of its own:
