@@ -238,15 +238,19 @@ class MlflowMirror:
 
     def _logged_run(self, registry: Registry, mv: ModelVersion, tags: Mapping[str, str]) -> str:
         """The MLflow run holding ``mv``'s files for this MLflow model: found by its tags,
-        or made; files logged unless an earlier sync finished logging them."""
+        or made; files logged unless an earlier sync finished logging them. A found run
+        must also name ``mv``'s commit and files: one that another registry's failed sync
+        left under the same model and version number holds other bytes."""
         experiment_id = self._experiment_id()
-        runs = self.client.search_runs(
+        found = self.client.search_runs(
             [experiment_id],
             filter_string=" and ".join(
                 f"tags.`{TAG}{key}` = '{tags[TAG + key]}'" for key in ("registered_model", "model", "version")
             ),
             order_by=["attributes.start_time ASC"],
         )
+        same = ("manifest_digest", "files")
+        runs = [r for r in found if all(r.data.tags.get(TAG + key) == tags[TAG + key] for key in same)]
         run = runs[0] if runs else self.client.create_run(experiment_id, tags=dict(tags), run_name=_run_name(mv))
         run_id = str(run.info.run_id)
         if run.data.tags.get(COMPLETE_TAG) != "complete":

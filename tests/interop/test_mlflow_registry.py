@@ -180,3 +180,26 @@ def test_another_registry_mirroring_into_the_same_mlflow_model_is_refused(mlflow
     promote(other_hot, other_reg, PromotionRequest("m", ("r", 2)))
     with pytest.raises(MirrorError, match="another ckptflow registry mirrors into this MLflow model"):
         mirror.sync(other_reg, "m")
+
+
+def test_a_run_left_by_another_registrys_failed_sync_is_not_reused_for_other_bytes(mlflow_uri, tmp_path):
+    """Registry a's sync logged its v1's files and failed before the model version was made;
+    registry b then syncs its own v1 into the same MLflow model. The run was found by model
+    and version number alone, so b's version was registered on a's files (tagged with b's
+    manifest digest): a model loaded by alias held other weights than its lineage said."""
+    hot, reg, _ = checkpoints(tmp_path / "a", steps=(1,))
+    mirror = mirror_for(mlflow_uri, attempts=1)
+    real = mirror.client.create_model_version
+    mirror.client.create_model_version = lambda *args, **kwargs: (_ for _ in ()).throw(ConnectionError("down"))
+    with pytest.raises(MirrorError):
+        promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"), mirror=mirror)
+    mirror.client.create_model_version = real
+    other_hot, other_reg, other_models = checkpoints(tmp_path / "b", steps=(2,))
+    v1 = promote(other_hot, other_reg, PromotionRequest("m", ("r", 2), stage="stable"), mirror=mirror)
+    name = mirror.name_of("m")
+    mirrored = MlflowClient().get_model_version(name, "1")
+    assert mirrored.tags["ckptflow.manifest_digest"] == v1.manifest_digest
+    tensors, _ = load_by_alias(name, "stable", str(tmp_path / "out"))
+    assert torch.equal(tensors["head.weight"], other_models[2].head.weight)  # b's bytes, as its tags say
+    with pytest.raises(MirrorError, match="another ckptflow registry mirrors into this MLflow model"):
+        mirror.sync(reg, "m")
