@@ -270,11 +270,19 @@ class Registry:
 
     def rollback(self, model: str) -> Aliases:
         """stable <- fallback. The rolled-back version becomes the fallback, so a second
-        rollback undoes the first."""
+        rollback undoes the first. A fallback whose files were deleted is refused: the
+        rollback would put a version in production that no deploy can download."""
 
         def swap(a: Aliases) -> Aliases:
             if "fallback" not in a:
                 raise RegistryError(f"model {model!r} has no fallback to roll back to (aliases: {a})")
+            self._check_aliases(model, {"fallback": a["fallback"]})  # one that does not read: how to repair it
+            if missing := self.missing_files(self.get(model, a["fallback"])):
+                raise RegistryError(
+                    f"model {model!r}: fallback v{a['fallback']} cannot be made stable, its files "
+                    f"{', '.join(missing)} are missing from {self.store.url}; rebuild them from its checkpoint "
+                    f"(ckptflow.lifecycle.promote.rebuild), then roll back; nothing moved"
+                )
             return {**a, "stable": a["fallback"], "fallback": a.get("stable", a["fallback"])}
 
         return self.move(model, "rollback", swap)

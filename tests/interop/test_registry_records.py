@@ -183,3 +183,20 @@ def test_a_rebuild_through_an_outage_says_the_store_is_unavailable_not_that_the_
     with pytest.raises(RegistryError, match="no tier .* holds r@1") as gone:  # absent: proved, and said so
         rebuild(reg, "m", v1.version, [hot])
     assert not isinstance(gone.value, StoreUnavailableError)
+
+
+def test_a_rollback_to_a_fallback_whose_files_were_deleted_is_refused_and_moves_nothing(tmp_path):
+    """The rollback moved stable to a version no deploy could download; it now says which
+    files are gone and to rebuild them first, and the aliases stay as they were."""
+    root, _ = checkpoints(tmp_path)
+    hot = open_store(root)
+    reg = Registry(hot)
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable"))
+    before = reg.aliases("m")
+    hot.delete(reg.file_key("m", v1.files["model.safetensors"]["sha256"]))
+    with pytest.raises(RegistryError, match=r"fallback v1 .*model\.safetensors.*rebuild.*nothing moved"):
+        rollback(reg, "m")
+    assert reg.aliases("m") == before
+    rebuild(reg, "m", 1, [hot])
+    assert rollback(reg, "m").version == 1 and reg.aliases("m") == {"latest": 2, "stable": 1, "fallback": 2}
