@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ckptflow.errors import MirrorError
+from ckptflow.errors import CkptflowError, MirrorError
 from ckptflow.interop.registry import ALIASES, ModelVersion, Registry
 
 T = TypeVar("T")
@@ -309,12 +309,19 @@ class MlflowMirror:
     # ---- retries -----------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, retried ``attempts`` times with an exponential wait; then a
-        ``MirrorError`` that says what failed, where, and that syncing again finishes it."""
+        ``MirrorError`` that says what failed, where, and that syncing again finishes it.
+        An error of ckptflow's own (a registry file that rotted, its store unavailable
+        after the store's retries) is no MLflow failure: no retry, a MirrorError naming it whole."""
         for attempt in range(self.attempts):
             try:
                 return fn(*args)
             except MirrorError:
                 raise
+            except CkptflowError as e:  # ckptflow's registry (a rotted file, an outage), which no MLflow retry fixes
+                raise MirrorError(
+                    f"could not {what}: ckptflow's registry failed, not MLflow: {e}; "
+                    "the mirror stays behind until that is fixed and a sync runs again"
+                ) from e
             except Exception as e:  # MLflow raises MlflowException, requests' and OS errors alike
                 last = e
                 if getattr(e, "error_code", None) in PERMANENT:

@@ -203,3 +203,22 @@ def test_a_run_left_by_another_registrys_failed_sync_is_not_reused_for_other_byt
     assert torch.equal(tensors["head.weight"], other_models[2].head.weight)  # b's bytes, as its tags say
     with pytest.raises(MirrorError, match="another ckptflow registry mirrors into this MLflow model"):
         mirror.sync(reg, "m")
+
+
+def test_a_rotted_registry_file_fails_the_sync_once_naming_ckptflows_registry_not_mlflow(mlflow_uri, tmp_path):
+    """A file of the version to mirror no longer hashes to its record: a ckptflow registry
+    problem that retrying MLflow calls cannot fix. It was retried as an MLflow failure and
+    reported as one ("could not ... in MLflow ... sync again")."""
+    hot, reg, _ = checkpoints(tmp_path, steps=(1,))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    path = tmp_path / "hot" / reg.file_key("m", v1.files["model.safetensors"]["sha256"])
+    path.write_bytes(bytes(path.stat().st_size))
+    mirror = mirror_for(mlflow_uri, attempts=3)
+    downloads = []
+    real = reg.download
+    reg.download = lambda *args: (downloads.append(1), real(*args))[1]
+    with pytest.raises(MirrorError) as err:
+        mirror.sync(reg, "m")
+    message = str(err.value)
+    assert "does not match its sha256" in message and "rebuild" in message and "in MLflow at" not in message
+    assert len(downloads) == 1
