@@ -18,10 +18,12 @@ key, since storing it would need pickle; nothing is written then.
 Choices, documented:
 
 - A second save at a step this plugin already saved or loaded (``ModelCheckpoint`` writes
-  the top-k file and ``last.ckpt`` at the same step) commits nothing new: its pointer names
-  the checkpoint of that step, whose dict may differ from this one only in
-  ``ModelCheckpoint``'s bookkeeping. A second save carrying entries the first lacked (a
-  full save after a weights-only one) is refused.
+  the top-k file and ``last.ckpt`` at the same step; a monitored one saves again after the
+  validation run at a step a step-based one saved) commits nothing new: its pointer names
+  the checkpoint of that step and carries the entries this save changed (loops, callbacks'
+  state: ``ckptflow.integrations.lightning_overlay``), so loading it gives this save's dict.
+  A second save carrying entries the first lacked (a full save after a weights-only one)
+  is refused.
 - ``ckpt_path="last"`` (a pointer named ``last*.ckpt``) resumes from the newest checkpoint
   of the run that verifies, falling back past damaged ones as ``Checkpointer.restore``
   does (``CkptflowIO(..., select="validated")``, ``Best(...)`` or ``Alias(...)``: the one
@@ -65,8 +67,10 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import selection
 from ckptflow.catalog.selection import Selector
 from ckptflow.errors import CheckpointExistsError, CkptflowError, UnsupportedStateError
+from ckptflow.integrations import lightning_overlay as overlays
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
+from ckptflow.training.state import capture_rng
 
 try:
     from lightning_fabric.plugins import CheckpointIO
@@ -108,6 +112,8 @@ class CkptflowIO(CheckpointIO):
         self.restore_rng, self.chunk_bytes, self.codec = restore_rng, chunk_bytes, codec
         self._checkpointer: Checkpointer | None = None
         self._steps: dict[int, tuple[frozenset[str], str]] = {}  # saved or loaded here: entries, digest
+        # the newest of those steps: its commit's entries and RNG state (None: not known)
+        self._encoded: tuple[int, overlays.Encoded, dict | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin into each process
         return {**self.__dict__, "_checkpointer": None}
@@ -131,9 +137,10 @@ class CkptflowIO(CheckpointIO):
         step = int(checkpoint["global_step"])
         entries = frozenset(checkpoint)
         known = self._steps.get(step)
+        rng, changes = capture_rng(), {}
         if known is None:
             digest = self._commit(step, checkpoint)
-            self._steps[step] = (entries, digest)
+            self._steps[step], self._encoded = (entries, digest), (step, overlays.encode(checkpoint), rng)
         elif not entries <= known[0]:
             raise CkptflowError(
                 f"step {step} of run {self.run!r} is already saved without {sorted(entries - known[0])}; a checkpoint "
@@ -142,9 +149,18 @@ class CkptflowIO(CheckpointIO):
             )
         else:
             digest = known[1]
+            if self._encoded is not None and self._encoded[0] == step:
+                changes = overlays.changed(self._encoded[1], overlays.encode(checkpoint), self._encoded[2], rng)
         ck = self.checkpointer
-        _write_pointer(path, {"kind": POINTER_KIND, "root": ck.store.url, "run": self.run, "step": step,
-                              "manifest_digest": digest})  # fmt: skip
+        pointer = {"kind": POINTER_KIND, "root": ck.store.url, "run": self.run, "step": step, "manifest_digest": digest}
+        blob = _pointer_bytes({**pointer, **changes})
+        if len(blob) > MAX_POINTER_BYTES:  # a pointer no reader would take: its save's own changes are lost
+            log.warning(
+                "ckptflow: %s changes %s from the first save at step %d, too large for its pointer (%d bytes); "
+                "it names that save's checkpoint as it is", path, sorted(changes.get("overlay", {})), step, len(blob),
+            )  # fmt: skip
+            blob = _pointer_bytes(pointer)
+        _write_whole(path, blob)
 
     def _commit(self, step: int, checkpoint: dict[str, Any]) -> str:
         metadata = {"epoch": checkpoint.get("epoch"), "global_step": step, **_monitored(checkpoint)}
@@ -195,6 +211,9 @@ class CkptflowIO(CheckpointIO):
             log.warning("ckptflow: %s names step %d; resuming from step %d", path, pointer["step"], result.step)
         if ck is self._checkpointer:
             self._steps[result.step] = (frozenset(checkpoint), result.digest)
+            self._encoded = (result.step, overlays.encode(checkpoint), None)
+        if (result.step, result.digest) == (pointer["step"], pointer["manifest_digest"]):
+            overlays.apply(pointer, checkpoint, restore=ck.restore_rng, where=str(path))  # what its save changed
         return _to_device(checkpoint, map_location) if map_location is not None else checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -275,8 +294,8 @@ def _monitored(checkpoint: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _write_pointer(path: Any, pointer: dict[str, Any]) -> None:
-    _write_whole(path, (json.dumps(pointer, indent=2) + "\n").encode())
+def _pointer_bytes(pointer: dict[str, Any]) -> bytes:
+    return (json.dumps(pointer, indent=2) + "\n").encode()
 
 
 def _write_weights(state_dict: dict[str, Any], path: Any) -> None:

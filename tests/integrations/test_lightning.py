@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -305,3 +305,56 @@ def test_a_preemption_signal_saves_that_step_and_stops_then_resume_starts_there(
         again, data(), ckpt_path=preempt.saved_path
     )
     assert len(again.losses) == EPOCHS * STEPS_PER_EPOCH - 6  # resumed exactly at the signalled step
+
+
+class Validated(Tiny):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+
+def stopping_early(root, run: str, dirpath) -> pl.Trainer:
+    """A checkpoint per epoch twice at one step (the step-based one at the epoch's last batch, before
+    validation; the monitored one after it) and early stopping at the second validation."""
+    return pl.Trainer(
+        max_epochs=EPOCHS, plugins=[CkptflowIO(str(root), run)], accelerator="cpu", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True, num_sanity_val_steps=0,
+        callbacks=[
+            ModelCheckpoint(dirpath=str(dirpath), filename="s{step}", every_n_train_steps=STEPS_PER_EPOCH),
+            ModelCheckpoint(dirpath=str(dirpath), monitor="val_loss", save_last=True),
+            EarlyStopping("val_loss", patience=1, min_delta=100.0),  # only the first validation improves
+        ],
+    )  # fmt: skip
+
+
+def test_a_later_save_at_a_committed_step_resumes_with_its_own_callback_state(tmp_path):
+    """Both saves at step 8 pointed at the first one's commit, taken before validation: resuming
+    from last.ckpt restored EarlyStopping as it was before the validation at step 8, so the
+    resumed run went on past step 16, where the uninterrupted run (and a torch.save resume) stops."""
+    pl.seed_everything(0)
+    full = Validated()
+    stopping_early(tmp_path / "store", "full", tmp_path / "full").fit(full, data(), data())
+    assert full.global_step == 2 * STEPS_PER_EPOCH  # stopped early
+    pl.seed_everything(0)
+    with pytest.raises(RuntimeError, match="killed"):
+        stopping_early(tmp_path / "store", "part", tmp_path / "part").fit(
+            Validated(crash_at=STEPS_PER_EPOCH + 2), data(), data()
+        )
+
+    pl.seed_everything(123)
+    model = Validated()
+    stopping_early(tmp_path / "store", "part", tmp_path / "part").fit(model, data(), data(), ckpt_path="last")
+    assert model.global_step == full.global_step
+    assert torch.equal(torch.stack(model.losses), torch.stack(full.losses)[STEPS_PER_EPOCH:])
+    with Checkpointer(str(tmp_path / "store"), "part") as ck:
+        assert [i.step for i in ck.list()] == [8, 16]  # still one commit per step
+
+
+def test_changes_too_large_for_a_pointer_leave_it_naming_the_commit(tmp_path, caplog):
+    io = CkptflowIO(str(tmp_path / "store"), "r")
+    first = {"global_step": 3, "state_dict": {"w": torch.ones(2)}, "callbacks": {"Big": {"t": torch.zeros(1 << 19)}}}
+    io.save_checkpoint(first, tmp_path / "a.ckpt")
+    with caplog.at_level(logging.WARNING, logger="ckptflow"):
+        io.save_checkpoint({**first, "callbacks": {"Big": {"t": torch.ones(1 << 19)}}}, tmp_path / "b.ckpt")
+    assert "too large for its pointer" in caplog.text and "['callbacks']" in caplog.text
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["callbacks"]["Big"]["t"], torch.zeros(1 << 19))
