@@ -113,7 +113,7 @@ class CkptflowIO(CheckpointIO):
         self._checkpointer: Checkpointer | None = None
         self._steps: dict[int, tuple[frozenset[str], str]] = {}  # saved or loaded here: entries, digest
         # the newest of those steps: its commit's entries and RNG state (None: not known)
-        self._encoded: tuple[int, overlays.Encoded, dict | None] | None = None
+        self._encoded: tuple[int, overlays.Fingerprints, dict | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin into each process
         return {**self.__dict__, "_checkpointer": None}
@@ -140,7 +140,7 @@ class CkptflowIO(CheckpointIO):
         rng, changes = capture_rng(), {}
         if known is None:
             digest = self._commit(step, checkpoint)
-            self._steps[step], self._encoded = (entries, digest), (step, overlays.encode(checkpoint), rng)
+            self._steps[step], self._encoded = (entries, digest), (step, overlays.fingerprints(checkpoint), rng)
         elif not entries <= known[0]:
             raise CkptflowError(
                 f"step {step} of run {self.run!r} is already saved without {sorted(entries - known[0])}; a checkpoint "
@@ -150,7 +150,7 @@ class CkptflowIO(CheckpointIO):
         else:
             digest = known[1]
             if self._encoded is not None and self._encoded[0] == step:
-                changes = overlays.changed(self._encoded[1], overlays.encode(checkpoint), self._encoded[2], rng)
+                changes = overlays.changed(self._encoded[1], checkpoint, self._encoded[2], rng)
         ck = self.checkpointer
         pointer = {"kind": POINTER_KIND, "root": ck.store.url, "run": self.run, "step": step, "manifest_digest": digest}
         blob = _pointer_bytes({**pointer, **changes})
@@ -211,7 +211,7 @@ class CkptflowIO(CheckpointIO):
             log.warning("ckptflow: %s names step %d; resuming from step %d", path, pointer["step"], result.step)
         if ck is self._checkpointer:
             self._steps[result.step] = (frozenset(checkpoint), result.digest)
-            self._encoded = (result.step, overlays.encode(checkpoint), None)
+            self._encoded = (result.step, overlays.fingerprints(checkpoint), None)
         if (result.step, result.digest) == (pointer["step"], pointer["manifest_digest"]):
             overlays.apply(pointer, checkpoint, restore=ck.restore_rng, where=str(path))  # what its save changed
         return _to_device(checkpoint, map_location) if map_location is not None else checkpoint

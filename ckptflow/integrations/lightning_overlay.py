@@ -6,21 +6,24 @@ batch, then a monitored ``ModelCheckpoint`` after the validation run at that ste
 holding ``EarlyStopping``'s and ``ModelCheckpoint``'s updated state and the validation
 loop's progress. A pointer naming only the first save's commit resumed with the callbacks as
 they were before that validation (early stopping then stopped later than the uninterrupted
-run, where a ``torch.save`` resume stops with it). So every save encodes its entries other
-than the weights and optimizer states (loops, callbacks, schedulers, hyperparameters: small),
-and a later save at a committed step writes the entries it changed into its pointer
-(``overlay``), and its RNG state (``rng``) where it differs from the commit's or that is not
-known (validation between the two saves drew from it: a shuffled loader); loading that pointer
-puts them back over the commit's.
+run, where a ``torch.save`` resume stops with it). So every save fingerprints its entries
+other than the weights and optimizer states (loops, callbacks, schedulers, hyperparameters: a
+sha256 of each, nothing kept but the digest, so a callback holding an EMA copy of the weights
+costs one hashing pass, not a second copy), and a later save at a committed step writes the
+entries whose fingerprint changed into its pointer (``overlay``), and its RNG state (``rng``)
+where it differs from the commit's or that is not known (validation between the two saves
+drew from it: a shuffled loader); loading that pointer puts them back over the commit's.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 from typing import Any
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
@@ -32,26 +35,40 @@ from ckptflow.training.state import restore_rng
 FIXED = frozenset({"state_dict", "optimizer_states"})
 
 DAMAGED = "the pointer is damaged: resume from another checkpoint file of the run"
-Encoded = dict[str, dict[str, str]]  # entry -> {"skeleton": its JSON skeleton, "tensors": base64 safetensors}
+Fingerprints = dict[str, str]  # entry -> the sha256 of its skeleton and its tensors' dtypes, shapes and bytes
 
 
-def encode(checkpoint: dict[str, Any]) -> Encoded:
-    """Each entry of ``checkpoint`` but the ``FIXED`` ones, as JSON: equal entries encode equally."""
-    out: Encoded = {}
+def fingerprints(checkpoint: dict[str, Any]) -> Fingerprints:
+    """Each entry of ``checkpoint`` but the ``FIXED`` ones: equal entries fingerprint equally."""
+    out: Fingerprints = {}
     for key, value in checkpoint.items():
         if key in FIXED:
             continue
         skeleton, tensors = flatten({key: value})  # an entry's refusal names its key
-        blob = save({n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()}) if tensors else b""
-        out[key] = {"skeleton": json.dumps(skeleton), "tensors": base64.b64encode(blob).decode()}
+        digest = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode())
+        for name in sorted(tensors):
+            t = tensors[name].detach().cpu().contiguous()
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+        out[key] = digest.hexdigest()
     return out
 
 
-def changed(committed: Encoded, later: Encoded, committed_rng: dict | None, rng: dict) -> dict[str, Any]:
+def changed(
+    committed: Fingerprints, checkpoint: dict[str, Any], committed_rng: dict | None, rng: dict
+) -> dict[str, Any]:
     """The pointer fields of a later save at a committed step: the entries (``overlay``) and
     the RNG state (``rng``, None: the commit's is not known) that differ from the commit's."""
-    overlay = {k: v for k, v in later.items() if committed.get(k) != v}
+    now = fingerprints(checkpoint)
+    overlay = {key: _encode(key, checkpoint[key]) for key in now if committed.get(key) != now[key]}
     return {**({"overlay": overlay} if overlay else {}), **({"rng": rng} if rng != committed_rng else {})}
+
+
+def _encode(key: str, value: Any) -> dict[str, str]:
+    """One entry as a pointer carries it: its JSON skeleton and its tensors as base64 safetensors."""
+    skeleton, tensors = flatten({key: value})
+    blob = save({n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()}) if tensors else b""
+    return {"skeleton": json.dumps(skeleton), "tensors": base64.b64encode(blob).decode()}
 
 
 def apply(pointer: dict[str, Any], checkpoint: dict[str, Any], *, restore: bool, where: str) -> None:
