@@ -101,11 +101,13 @@ class Registry:
         ]
 
     def versions(self, model: str) -> list[ModelVersion]:
-        out = []
-        for info in self.store.list(f"{self._model_prefix(model)}versions/", recursive=False):
-            if number := _VERSION.match(info.key.rsplit("/", 1)[-1]):
-                out.append(self.get(model, int(number.group(1))))
-        return sorted(out, key=lambda v: v.version)
+        return [self.get(model, number) for number in self.version_numbers(model)]
+
+    def version_numbers(self, model: str) -> list[int]:
+        """The numbers claimed, from the records' names alone: claiming the next one needs
+        no record read, so one damaged record does not block every later promotion."""
+        listed = self.store.list(f"{self._model_prefix(model)}versions/", recursive=False)
+        return sorted(int(m.group(1)) for info in listed if (m := _VERSION.match(info.key.rsplit("/", 1)[-1])))
 
     def get(self, model: str, version: int) -> ModelVersion:
         """The version's record, checked (``alias_records.read_version``); fields this
@@ -190,8 +192,7 @@ class Registry:
                 raise RegistryError(f"model {model!r}: {problem}; nothing registered")
         if stage is not None:  # an alias record a move could not read: refuse before claiming a number
             self._read_aliases(model)
-        existing = [v.version for v in self.versions(model)]
-        version = (max(existing) if existing else 0) + 1
+        version = max(self.version_numbers(model), default=0) + 1
         for _ in range(CAS_ATTEMPTS):
             mv = ModelVersion(
                 model=model,

@@ -200,3 +200,18 @@ def test_a_rollback_to_a_fallback_whose_files_were_deleted_is_refused_and_moves_
     assert reg.aliases("m") == before
     rebuild(reg, "m", 1, [hot])
     assert rollback(reg, "m").version == 1 and reg.aliases("m") == {"latest": 2, "stable": 1, "fallback": 2}
+
+
+def test_a_damaged_version_record_blocks_no_later_promotion(tmp_path):
+    """Claiming the next number read every version record, so one damaged record (v1
+    rotted) refused every promotion of the model for good; retention still refuses to plan
+    over it, as it must (the record may pin a checkpoint)."""
+    root, _ = checkpoints(tmp_path)
+    hot = open_store(root)
+    reg = Registry(hot)
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    hot.replace(reg.version_key("m", v1.version), b"{not json")
+    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest"))
+    assert v2.version == 2 and reg.version_numbers("m") == [1, 2] and reg.aliases("m")["latest"] == 2
+    with pytest.raises(RegistryError, match="000001.json"):
+        lifecycle.current_plan(hot, None, reg)
