@@ -133,6 +133,8 @@ def _export_and_register(
             "still be exported (export --allow-lossy) or restored (allow_lossy=True) for evaluation"
         )
     validation = read_record(hot, Subject.of(manifest), "validation") or validate(hot, run, step)
+    if validation.get("manifest_digest") not in ("", manifest.digest):  # validate() read a newer commit
+        raise PromotionError(f"{run} step {step} was committed again while it was being validated; promote again")
     if not validation.get("ok") or validation.get("manifest_digest") != manifest.digest:
         raise PromotionError(
             f"refusing to promote {run} step {step}: it failed validation ({validation.get('problems')})"

@@ -4,19 +4,24 @@ no repair, rollback reports what it did, version records are checked and read bo
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
+import torch
 
-from ckptflow import lifecycle
+from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import aliases as alias_records
-from ckptflow.errors import RegistryError, StoreUnavailableError
+from ckptflow.errors import PromotionError, RegistryError, StoreUnavailableError
+from ckptflow.interop.export import model_metadata
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote, rebuild, rollback
 from ckptflow.store import open_store
-from support.corrupt import flip_byte
+from support.corrupt import corrupt_chunk, flip_byte
 from support.faulty_store import FaultyStore
-from support.registry_models import checkpoints
+from support.registry_models import Tiny, checkpoints
+
+promote_module = importlib.import_module("ckptflow.lifecycle.promote")
 
 
 def test_a_model_file_that_rotted_is_written_again_by_the_next_promotion_or_rebuild(tmp_path):
@@ -215,3 +220,26 @@ def test_a_damaged_version_record_blocks_no_later_promotion(tmp_path):
     assert v2.version == 2 and reg.version_numbers("m") == [1, 2] and reg.aliases("m")["latest"] == 2
     with pytest.raises(RegistryError, match="000001.json"):
         lifecycle.current_plan(hot, None, reg)
+
+
+def test_a_step_committed_again_while_a_promotion_validates_it_is_refused_as_that(tmp_path, monkeypatch):
+    """The promotion validates a damaged step (no verdict yet); the job saves that step again
+    meanwhile (its restore skipped it). The verdict is the new commit's: the refusal said "it failed validation ([])"
+    of a checkpoint that passed, instead of what happened."""
+    root, _ = checkpoints(tmp_path)
+    hot = open_store(root)
+    corrupt_chunk(root, "r", 2)
+    real_validate = promote_module.validate
+
+    def saved_again_meanwhile(store, run, step, **kwargs):
+        model = Tiny()
+        with Checkpointer(root, "r", chunk_bytes=1 << 20) as ck:  # the job resumes past the damaged step
+            assert ck.restore({"model": model}).step == 1
+            torch.manual_seed(7)
+            ck.save(2, {"model": model}, metadata=model_metadata(model))
+        return real_validate(store, run, step, **kwargs)
+
+    monkeypatch.setattr(promote_module, "validate", saved_again_meanwhile)
+    with pytest.raises(PromotionError, match="committed again while it was being validated; promote again"):
+        promote(hot, Registry(hot), PromotionRequest("m", ("r", 2)))
+    assert Registry(hot).version_numbers("m") == []
