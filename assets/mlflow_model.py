@@ -22,7 +22,7 @@ from dagster import (
 
 from assets.models import deployed_model
 from assets.partitions import partition_keys
-from ckptflow.errors import MirrorError
+from ckptflow.errors import CkptflowError
 from resources import RegistryResource
 from resources.mlflow_registry import MlflowRegistryResource
 
@@ -45,16 +45,26 @@ def build_mlflow_model() -> AssetsDefinition:
 def mlflow_model(
     context: AssetExecutionContext, registry: RegistryResource, mlflow: MlflowRegistryResource
 ) -> MaterializeResult:
-    """The MLflow model versions and aliases mirroring ckptflow's registry."""
+    """The MLflow model versions and aliases mirroring ckptflow's registry. Each model is
+    synced on its own: one that fails (an MLflow error, a damaged record of its own in
+    ckptflow's registry) fails the step once the others are mirrored, naming each failure."""
     reg = registry.open()
     mirror = mlflow.open()
-    results = []
+    results, failed = [], []
     held = partition_keys(context.instance)  # links name the partition this instance holds for each checkpoint
-    try:
-        for model in reg.models():
+    models = reg.models()
+    for model in models:
+        try:
             results.append(mirror.sync(reg, model, partition_keys=held))
-    except MirrorError as e:
-        raise Failure(str(e)) from None
+        except CkptflowError as e:  # MirrorError, or the registry's own RegistryError
+            context.log.error(f"{model}: not mirrored: {e}")
+            failed.append(f"{model}: {e}")
+    if failed:
+        synced = sorted(r.model for r in results)
+        raise Failure(
+            f"{len(failed)} of {len(models)} models were not mirrored into MLflow ({synced or 'none'} were): "
+            + "; ".join(failed)
+        )
     metadata: dict = {"tracking_uri": MetadataValue.url(mlflow.tracking_uri)}
     for r in results:
         context.log.info(f"{r.model} -> MLflow {r.registered_model}: created {r.created or 'none'}, moved {r.moved}")

@@ -4,6 +4,7 @@ ckptflow's registry; an MLflow outage fails only that step (retried by its polic
 promotion stands. Against a real ``mlflow server`` (one per session): in the slow tier."""
 
 import json
+import uuid
 
 import mlflow
 import pytest
@@ -14,6 +15,7 @@ from mlflow import MlflowClient
 from ckptflow.format.layout import legacy_checkpoint_name
 from ckptflow.interop.export import load_exported
 from ckptflow.interop.registry import Registry
+from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.store import open_store
 from support.dagster import EVALUATORS, RUN
 from support.postgres import free_port
@@ -103,3 +105,33 @@ def test_an_mlflow_outage_fails_only_the_mirror_step(store_with_checkpoints, pat
     assert any("could not create registered model 'tinylm' in MLflow" in m for m in messages), messages
     assert result.asset_materializations_for_node("deployed_model")  # the promotion stands
     assert Registry(open_store(paths["store"])).aliases("tinylm") == {"latest": 1, "stable": 1}
+
+
+def test_one_models_broken_record_fails_the_mirror_step_after_the_others_are_mirrored(
+    store_with_checkpoints, paths, instance, monkeypatch, mlflow_tracking_uri
+):
+    """A damaged version record of one model raised a bare RegistryError out of the step
+    (a stack trace, not a Failure) and the models after it were never mirrored."""
+    from assets import checkpoint_key
+
+    monkeypatch.setenv("CKPTFLOW_MLFLOW_RETRY_DELAY_S", "0.1")  # the step's retries, without minutes of waiting
+    defs = definitions(paths, monkeypatch, mlflow_tracking_uri)
+    hot = open_store(paths["store"])
+    reg = Registry(hot)
+    models = ["a-" + uuid.uuid4().hex[:6], "b-" + uuid.uuid4().hex[:6]]  # the server is shared by the session
+    for model in models:
+        promote(hot, reg, PromotionRequest(model, (RUN, 10), stage="stable"))
+    hot.replace(reg.version_key(models[0], 1), b"{not json")
+    run_config = {"ops": {"deployed_model": {"config": {"stage": "stable", "partition_key": checkpoint_key(RUN, 20)}}}}
+    result = defs.resolve_job_def("promotion").execute_in_process(
+        instance=instance, run_config=run_config, raise_on_error=False
+    )
+    assert result.is_node_success("deployed_model") and not result.is_node_success("mlflow_model")
+    errors = [e.event_specific_data.error for e in result.all_events
+              if e.step_key == "mlflow_model" and getattr(e.event_specific_data, "error", None)]  # fmt: skip
+    messages = [str(x.cause.message) for x in errors if x.cause] + [str(x.message) for x in errors]
+    message = next((m for m in messages if "models were not mirrored" in m), messages)
+    assert "1 of 3 models were not mirrored into MLflow" in message and f"{models[0]}: " in message, message
+    assert "is not JSON" in message, message
+    client = MlflowClient(mlflow_tracking_uri, registry_uri=mlflow_tracking_uri)
+    assert client.get_registered_model(models[1]).aliases == {"newest": "1", "stable": "1"}
