@@ -42,6 +42,14 @@ UNATTRIBUTED_TAG = "ckptflow/failure_unattributed"  # why a failure was recorded
 PER_TICK = 200
 PARTITION_TAG = "dagster/partition"
 RANGE_TAGS = ("dagster/asset_partition_range_start", "dagster/asset_partition_range_end")
+# the lifecycle record each per-checkpoint step writes when it succeeds: a re-run that
+# writes it makes the step's failure good (no longer "needs attention" in ``recoverability``)
+STEP_RECORDS = {
+    "checkpoint": "validation",
+    "evaluation": "evaluation",
+    "compressed": "compression",
+    "archived": "archive",
+}
 
 
 def partition_of(run: DagsterRun) -> str | None:
@@ -77,16 +85,29 @@ def started_at(instance: DagsterInstance, run_id: str) -> float | None:
     return None if record is None else record.start_time or record.create_timestamp.timestamp()
 
 
-def record_failure(instance: DagsterInstance, run: DagsterRun, store: CheckpointStoreResource) -> str:
-    """Tag the run with its reason and write the checkpoint's failure record; what was done,
-    as a line. A store that cannot be read raises (the sensor retries the run next tick)."""
+def made_good_by(steps: list[tuple[str, str]]) -> tuple[str, ...]:
+    """The records a later run must write to make these failed steps good; () when a step
+    writes none (a failure before any step, another job's step): that stays a failure."""
+    kinds = [STEP_RECORDS.get(step) for step, _ in steps]
+    return tuple(dict.fromkeys(k for k in kinds if k)) if kinds and all(kinds) else ()
+
+
+def record_failure(
+    instance: DagsterInstance, run: DagsterRun, store: CheckpointStoreResource, *, failed_at: float | None = None
+) -> str:
+    """Tag the run with its reason and write the checkpoint's failure record (``failed_at``:
+    the run's failure event's time); what was done, as a line. A store that cannot be
+    read raises (the sensor retries the run next tick)."""
+    steps = failed_steps(instance, run.run_id)
     failed = attribution.FailedRun(
         run.run_id,
         run.job_name,
-        failed_steps(instance, run.run_id),
+        steps,
         checkpoint=partition_of(run),
         digest=run.tags.get(DIGEST_TAG),
         started_at=started_at(instance, run.run_id),
+        failed_at=failed_at,
+        made_good_by=made_good_by(steps),
     )
     instance.add_run_tags(run.run_id, {FAILURE_TAG: failed.reason[:300]})
     done = attribution.record_failure(failed, store.open)
@@ -108,7 +129,8 @@ def failure_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
         run = context.instance.get_run_by_id(record.event_log_entry.run_id)
         if run is not None:
             try:
-                context.log.info(record_failure(context.instance, run, store))
+                failed_at = record.event_log_entry.timestamp
+                context.log.info(record_failure(context.instance, run, store, failed_at=failed_at))
             except (CkptflowError, OSError) as e:
                 if problem_from(run.run_id, None, e).kind == "unavailable":
                     context.log.warning(f"the failure of run {run.run_id} is not recorded yet ({e}): retried next tick")

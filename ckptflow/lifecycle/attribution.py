@@ -36,6 +36,10 @@ class FailedRun:
     checkpoint: str | None = None  # the checkpoint name (partition key) it was about, if any
     digest: str | None = None  # the commit it pinned before reading the checkpoint, if it got that far
     started_at: float | None = None  # when it started, by the orchestrator's clock
+    failed_at: float | None = None  # when it failed, by the orchestrator's clock
+    # the record kinds the failed work writes when it succeeds (``verdicts.KINDS``): a later
+    # run that writes them all makes this failure good (``reports.recoverable``); () if unknown
+    made_good_by: tuple[str, ...] = ()
 
     @property
     def reason(self) -> str:
@@ -93,6 +97,13 @@ def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attrib
         hot,
         Subject(run, step, digest),
         "failure",
-        {"run_id": failed.run_id, "job": failed.job, "steps": [s for s, _ in failed.steps], "message": reason},
+        {
+            "run_id": failed.run_id,
+            "job": failed.job,
+            "steps": [s for s, _ in failed.steps],
+            "message": reason,
+            "failed_at": failed.failed_at,
+            "made_good_by": list(failed.made_good_by),
+        },
     )
     return Attribution(f"recorded the failure of run {failed.run_id} for {key}: {reason[:120]}")

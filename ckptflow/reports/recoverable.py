@@ -19,6 +19,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from ckptflow.catalog.records import is_number
 from ckptflow.reports import costs, inventory, recoveries
 from ckptflow.reports.units import human_bytes, human_duration, human_usd
 from ckptflow.store.base import Store
@@ -83,9 +84,23 @@ def attention_reason(entry: inventory.Entry) -> str | None:
         problems = entry.manifest_error or "; ".join((entry.records.get("validation") or {}).get("problems", []))
         return reason_of(problems or "failed validation").line()
     failure = entry.records.get("failure")
-    if failure:
+    if failure and not made_good(failure, entry.records):
         return f"{failure.get('job') or 'a lifecycle run'} failed: {short_problem(failure.get('message', ''))}"
     return None
+
+
+def made_good(failure: dict, records: dict[str, dict]) -> bool:
+    """Whether a later run made a recorded failure good: each record its work writes
+    (``made_good_by``) was recorded, not failed, after the run failed (``failed_at``; a
+    record without one: when it was recorded). The failure record stays, as history."""
+    kinds, failed_at = failure.get("made_good_by"), failure.get("failed_at")
+    failed_at = failure.get("recorded_at") if failed_at is None else failed_at
+    if not isinstance(kinds, list) or not kinds or not is_number(failed_at):
+        return False
+    done = [records.get(kind) or {} for kind in kinds]
+    return all(
+        r.get("ok") is not False and is_number(r.get("recorded_at")) and r["recorded_at"] > failed_at for r in done
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,14 +1,16 @@
 """The run-failure sensor records a failure against the commit the run processed, never
 against a step committed again since, and retries a store that does not answer."""
 
+import pytest
 import torch
 from dagster import asset, build_sensor_context, materialize
 
-from assets import PARTITIONED, checkpoint_key, evaluation
+from assets import PARTITIONED, checkpoint_key, compressed, evaluation
 from assets.partitions import DIGEST_TAG, checkpoints_partitions
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog.verdicts import Subject
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.reports import inventory, recoverable
 from ckptflow.store import open_store
 from pipelines import demo
 from resources import CheckpointStoreResource, EvaluatorResource
@@ -109,3 +111,47 @@ def test_a_store_that_does_not_answer_is_retried_next_tick(store_with_checkpoint
 
 def unavailable(key: str) -> bool:
     raise StoreUnavailableError(f"S3 GetObject of {key} failed after 10 attempts: SlowDown")
+
+
+def needs_attention(store: str) -> str | None:
+    """Why step 40 needs an operator (``recoverability``'s reason), or None."""
+    [entry] = [e for e in inventory.collect(open_store(store)) if e.step == 40]
+    return recoverable.attention_reason(entry)
+
+
+@pytest.mark.parametrize("sensor_late", [False, True], ids=["recorded-then-rerun", "rerun-then-recorded"])
+def test_a_failure_that_a_later_run_made_good_no_longer_needs_attention(
+    store_with_checkpoints, resources, instance, sensor_late
+):
+    """The operator re-runs a failed partition (the evaluator fixed): the checkpoint no
+    longer needs attention, whether the sensor recorded the failure before the re-run or
+    after it (it lags, or the daemon started later); the record stays, as history."""
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
+    failed = materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
+        raise_on_error=False,
+    )  # fmt: skip
+    assert not failed.success
+    if not sensor_late:
+        tick(instance, resources)
+        assert "failed: evaluation: evaluator" in needs_attention(store_with_checkpoints)
+    rerun = materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    assert rerun.success
+    if sensor_late:
+        tick(instance, resources)
+    assert failure(store_with_checkpoints, subject(store_with_checkpoints, 40).digest)["run_id"] == failed.run_id
+    assert needs_attention(store_with_checkpoints) is None
+
+
+def test_a_failure_that_no_later_run_made_good_still_needs_attention(store_with_checkpoints, resources, instance):
+    """A later run of other work (compression) does not make a failed evaluation good."""
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
+    materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
+        raise_on_error=False,
+    )  # fmt: skip
+    tick(instance, resources)
+    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[compressed])
+    assert "failed: evaluation: evaluator" in needs_attention(store_with_checkpoints)
