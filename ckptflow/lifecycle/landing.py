@@ -18,7 +18,8 @@ step landed (its ``frontier``), and a tick lists each run from there on (S3
 ten). A commit behind the frontier (a deeper fallback re-saving older steps, an import
 of old steps) is found by the full listing a tick does every ``FULL_SCAN_S``; a step
 committed again at the frontier (restore rejected the newest, training saved it anew)
-is found at once.
+is found at once. The full listing also drops the frontier of a run gone from the
+store, so the cursor holds the runs the store holds.
 
 A commit record whose time is behind the watermark by more than ``SLACK`` (a run copied
 in with its times kept, ``cp -a`` or ``rsync -a``; a writer whose clock is behind) is
@@ -164,7 +165,13 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
         seen.add(_seen_id(entry))
         done.append(entry)
     seen = {s for s in seen if _seen_time(s) >= t - SLACK}
-    after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done)}
+    # a full listing names every run the store holds: the frontier of a run gone from it is dropped
+    held = (
+        {p.run for p in steps if isinstance(p, catalog_listing.Problem)} | {e.run for e in listed if e.committed}
+        if full
+        else None
+    )
+    after = {"t": t, "seen": sorted(seen), "frontier": _frontier(frontier, listed, fresh, done, held=held)}
     newest = set(sorted(set(waiting), key=lambda w: (w[2], w[0], w[1]))[-MAX_WAITING:])
     after["waiting"] = [list(w) for w in dict.fromkeys(waiting) if w in newest]  # in the order to read them
     after["pending"] = [list(p) for p in sorted(pending, key=lambda p: (p[2], p[0], p[1]))[-MAX_WAITING:]]
@@ -281,10 +288,16 @@ def _frontier(
     listed: list[catalog_listing.StepListing],
     fresh: list,
     done: list[catalog_listing.StepListing],
+    *,
+    held: set[str] | None,
 ) -> dict[str, int]:
     """Per run, the step the next quick tick lists from: the newest committed step, or
-    the oldest fresh commit this tick left for the next one (paging, an outage)."""
-    out = dict(before)
+    the oldest fresh commit this tick left for the next one (paging, an outage). Only
+    runs in ``held`` (a full listing's runs, those it could not list included; None:
+    every run) keep theirs: the cursor stays bounded by the runs the store holds, and a
+    run made again under a deleted one's name is listed from its first step, not from
+    the old run's newest."""
+    out = {run: step for run, step in before.items() if held is None or run in held}
     for entry in listed:
         if entry.committed:
             out[entry.run] = max(out.get(entry.run, entry.step), entry.step)

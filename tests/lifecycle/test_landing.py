@@ -361,3 +361,20 @@ def test_a_waiting_commit_proved_damaged_behind_the_watermark_lands_once(root):
     landed, cursor = new_commits(store, cursor, limit=10, now=T0 + 2 * FULL_SCAN_S)
     assert [(c.key, c.marker) for c in landed] == [(name(5, "copied"), f"damaged-{T0 - 600:.0f}")]
     assert new_commits(store, cursor, limit=10, now=T0 + 3 * FULL_SCAN_S)[0] == []
+
+
+def test_a_full_listing_forgets_the_frontier_of_a_run_gone_from_the_store(root):
+    """The cursor stays bounded by the runs the store holds, not every run it ever held,
+    and a run of that name made again lands at once, whichever steps it commits."""
+    store = open_store(root)
+    with Checkpointer(root, "gone") as ck:
+        ck.save(50, tiny_state(seed=5))
+    _, cursor = new_commits(store, {}, limit=10, now=T0)
+    assert cursor["frontier"] == {RUN: 3, "gone": 50}
+    lifecycle.expire(store, "gone", 50)  # retention expired the run's last checkpoint
+    _, cursor = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S)
+    assert cursor["frontier"] == {RUN: 3}
+    with Checkpointer(root, "gone") as ck:  # a new training job under the old name
+        ck.save(10, tiny_state(seed=6))
+    landed, _ = new_commits(store, cursor, limit=10, now=T0 + FULL_SCAN_S + 1)  # a quick tick
+    assert keys(landed) == [name(10, "gone")]
