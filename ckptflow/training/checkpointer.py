@@ -46,6 +46,7 @@ from ckptflow.training import forks
 from ckptflow.training.agreed_policy import AgreedPolicy
 from ckptflow.training.collector import collector_paused
 from ckptflow.training.restore import Restore, RestoreResult, record_recovery
+from ckptflow.training.rewinds import warn_of_newer_steps
 from ckptflow.training.save_handle import SaveHandle, SaveResult
 from ckptflow.training.save_preflight import claim_step, flatten_on_every_rank
 from ckptflow.training.state import capture_rng
@@ -353,6 +354,8 @@ class Checkpointer:
         self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
         hot = result.tier == self.store.url
         self._last_commit, self._seen = (result.step, loaded) if hot else (None, {})
+        if result.select != "latest" and self.group.rank == 0:  # "latest" leaves no whole step newer
+            warn_of_newer_steps(self.store, self.run, result.step, self._superseded)
         self._tracked = {}  # the loaded regions were written since: the next save reads them
         record_recovery(self.store, self.run, self.group, started, result=result)
         if self.lineage is not None:
