@@ -8,7 +8,10 @@ retried like the request, and the retried GET resumes where the last whole piece
 (``Range``), so a many-GB download cut off near its end does not fetch it all again, and
 ``consume`` sees every byte once, in order. That holds only if both GETs return the same
 object: the resumed GET asks for the ETag already read (``If-Match``), and an object
-replaced since fails the read (``StoreError``) rather than mix two objects. What
+replaced since fails the read (``StoreError``) rather than mix two objects. Retries that
+ran out having moved the read on start a fresh round of them: a connection that drops
+every few hundred MB still finishes a many-GB file, and one that makes no progress fails
+as any read does (``StoreUnavailableError``). What
 ``consume`` raises passes through as it is, neither retried nor renamed (a consumer's
 ``OSError`` is no network failure).
 """
@@ -21,7 +24,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError, IncompleteReadError
 
-from ckptflow.errors import ObjectTooLargeError, StoreError
+from ckptflow.errors import ObjectTooLargeError, StoreError, StoreUnavailableError
 from ckptflow.store.s3_retry import error_code, http_status
 
 #: What to read, given the object's size: the views to fill, in order, each handed to
@@ -114,11 +117,17 @@ def _stream(obj: Object, plan: Plan, consume: Callable[[memoryview], None] | Non
         finally:
             body.close()
 
-    try:
-        return obj.attempts(attempt)
-    except _ConsumerFailed as e:
-        error = e.error
-    raise error  # outside the handler: the consumer's own error, with no retry machinery chained to it
+    while True:
+        before = seen["done"]
+        try:
+            return obj.attempts(attempt)
+        except _ConsumerFailed as e:
+            error: Exception = e.error
+        except StoreUnavailableError:
+            if seen["done"] > before:  # the retries ran out, but not without progress: a fresh round
+                continue
+            raise
+        raise error  # outside the handler: the consumer's own error, with no retry machinery chained to it
 
 
 def _get(obj: Object, resume: int, etag: str | None) -> dict:

@@ -12,10 +12,10 @@ import errno
 
 import pytest
 
-from ckptflow.errors import ColdObjectError, ObjectTooLargeError, StoreError
+from ckptflow.errors import ColdObjectError, ObjectTooLargeError, StoreError, StoreUnavailableError
 from ckptflow.store.s3 import S3Store
 from ckptflow.store.s3_retry import Retry
-from support.s3_faults import cut_first_get, server_error
+from support.s3_faults import CutAfter, cut_first_get, server_error
 
 DATA = bytes(range(256)) * 40 + b"tail"  # 10244 bytes
 
@@ -152,3 +152,28 @@ def test_a_consumer_error_passes_through_unretried_and_a_cold_object_says_how_to
     ):
         with pytest.raises(ColdObjectError, match="ckptflow thaw"):
             read()
+
+
+def cut_every_get(store: S3Store, after: int) -> None:
+    """Every GetObject body of ``store``'s client is cut after ``after`` bytes."""
+    store.client.meta.events.register(
+        "after-call.s3.GetObject", lambda parsed, **_: parsed.update(Body=CutAfter(parsed["Body"], after))
+    )
+
+
+def test_a_read_cut_off_again_and_again_finishes_while_each_round_of_retries_moves_it_on(s3_endpoint, s3_bucket):
+    """Every GET delivers two whole pieces, then the connection drops: the store's three
+    attempts ran out at 6 KiB of 10 KiB, and the read failed as an outage although each
+    attempt had moved it on. A read that moves nothing still fails after its attempts."""
+    store = fresh(s3_endpoint, s3_bucket)
+    store.put_if_absent("obj", DATA)
+    cut_every_get(store, after=3000)
+    gets, pieces = count_gets(store), []
+    assert store.scan("obj", memoryview(bytearray(1024)), lambda p: pieces.append(bytes(p)))[0] == len(DATA)
+    assert b"".join(pieces) == DATA and len(gets) == 5  # 2 whole pieces a GET: 3 attempts, then 2 more
+    stuck = fresh(s3_endpoint, s3_bucket)
+    cut_every_get(stuck, after=500)  # less than a piece: no GET moves it on
+    gets = count_gets(stuck)
+    with pytest.raises(StoreUnavailableError, match="failed after 3 attempts"):
+        stuck.scan("obj", memoryview(bytearray(1024)), lambda p: None)
+    assert len(gets) == 3
