@@ -128,8 +128,8 @@ def _finish_in_flight() -> None:
         saves = "the async saves in flight are" if step is None else f"the async save of step {step} is"
         log.warning("interrupted: %s abandoned, not committed", saves)
         _exit_now(128 + signal.SIGINT)
-    if lost:
-        _exit_now(1)
+    if lost:  # after the interpreter joins the script's own threads, as at any exit; the
+        atexit.register(_exit_lost)  # handler registered last runs first: it runs the others
 
 
 def _report_lost(handle: SaveHandle, error: BaseException) -> None:
@@ -146,6 +146,11 @@ def _report_lost(handle: SaveHandle, error: BaseException) -> None:
         causes,
         spec.step,
     )
+
+
+def _exit_lost() -> None:
+    atexit.unregister(_exit_lost)
+    _exit_now(1)
 
 
 def _exit_now(status: int) -> None:

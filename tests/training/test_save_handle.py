@@ -79,3 +79,19 @@ def test_the_scripts_own_atexit_handlers_run_before_a_lost_save_ends_the_process
     assert done.returncode == 1, done.stderr[-3000:]
     assert "was not committed" in done.stderr
     assert done.stderr.rstrip().endswith("handler ran"), done.stderr[-3000:]
+
+
+def test_a_lost_save_lets_the_scripts_own_threads_finish_before_the_process_ends(tmp_path):
+    """Before: ``os._exit`` ran from the threading exit hook, before the interpreter joins the
+    threads that are not daemons: a thread still writing the script's results was cut off."""
+    then = (
+        "import threading\n"
+        "def late():\n"
+        "    time.sleep(1.5)\n"
+        "    print('thread finished', file=sys.stderr)\n"
+        "threading.Thread(target=late).start()"
+    )
+    _, done = run_script(tmp_path, delay=0, then=then)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "was not committed" in done.stderr
+    assert "thread finished" in done.stderr, done.stderr[-3000:]
