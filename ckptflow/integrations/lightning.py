@@ -157,7 +157,7 @@ class CkptflowIO(CheckpointIO):
         if len(blob) > MAX_POINTER_BYTES:  # a pointer no reader would take: its save's own changes are lost
             log.warning(
                 "ckptflow: %s changes %s from the first save at step %d, too large for its pointer (%d bytes); "
-                "it names that save's checkpoint as it is", path, sorted(changes.get("overlay", {})), step, len(blob),
+                "it names that save's checkpoint as it is", path, overlays.names(changes), step, len(blob),
             )  # fmt: skip
             blob = _pointer_bytes(pointer)
         _write_whole(path, blob)

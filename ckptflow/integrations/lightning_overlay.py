@@ -10,7 +10,8 @@ run, where a ``torch.save`` resume stops with it). So every save fingerprints it
 other than the weights and optimizer states (loops, callbacks, schedulers, hyperparameters: a
 sha256 of each, nothing kept but the digest, so a callback holding an EMA copy of the weights
 costs one hashing pass, not a second copy), and a later save at a committed step writes the
-entries whose fingerprint changed into its pointer (``overlay``), and its RNG state (``rng``)
+entries whose fingerprint changed into its pointer (``overlay``; a callback's state is
+fingerprinted apart, and carried apart in ``callbacks``), and its RNG state (``rng``)
 where it differs from the commit's or that is not known (validation between the two saves
 drew from it: a shuffled loader); loading that pointer puts them back over the commit's.
 """
@@ -35,33 +36,56 @@ from ckptflow.training.state import restore_rng
 FIXED = frozenset({"state_dict", "optimizer_states"})
 
 DAMAGED = "the pointer is damaged: resume from another checkpoint file of the run"
-Fingerprints = dict[str, str]  # entry -> the sha256 of its skeleton and its tensors' dtypes, shapes and bytes
+# each callback's state is a part of its own: a monitored ModelCheckpoint's new state does not
+# carry an unchanged EMA copy of the weights beside it (that pointer would pass 1 MiB)
+CALLBACKS = "callbacks"
+Part = tuple[str, ...]  # (entry,) or (CALLBACKS, the callback's state key)
+Fingerprints = dict[Part, str]  # part -> the sha256 of its skeleton and its tensors' dtypes, shapes and bytes
+
+
+def _parts(checkpoint: dict[str, Any]) -> dict[Part, Any]:
+    """Each entry of ``checkpoint`` but the ``FIXED`` ones, each callback's state apart."""
+    out: dict[Part, Any] = {}
+    for key, value in checkpoint.items():
+        if key == CALLBACKS and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            out.update(((key, k), v) for k, v in value.items())
+        elif key not in FIXED:
+            out[(key,)] = value
+    return out
 
 
 def fingerprints(checkpoint: dict[str, Any]) -> Fingerprints:
-    """Each entry of ``checkpoint`` but the ``FIXED`` ones: equal entries fingerprint equally."""
-    out: Fingerprints = {}
-    for key, value in checkpoint.items():
-        if key in FIXED:
-            continue
-        skeleton, tensors = flatten({key: value})  # an entry's refusal names its key
-        digest = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode())
-        for name in sorted(tensors):
-            t = tensors[name].detach().cpu().contiguous()
-            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            digest.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
-        out[key] = digest.hexdigest()
-    return out
+    """Each part of ``checkpoint`` (``_parts``): equal parts fingerprint equally."""
+    return {part: _fingerprint(part[-1], value) for part, value in _parts(checkpoint).items()}
+
+
+def _fingerprint(key: str, value: Any) -> str:
+    skeleton, tensors = flatten({key: value})  # an entry's refusal names its key
+    digest = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def changed(
     committed: Fingerprints, checkpoint: dict[str, Any], committed_rng: dict | None, rng: dict
 ) -> dict[str, Any]:
     """The pointer fields of a later save at a committed step: the entries (``overlay``) and
-    the RNG state (``rng``, None: the commit's is not known) that differ from the commit's."""
-    now = fingerprints(checkpoint)
-    overlay = {key: _encode(key, checkpoint[key]) for key in now if committed.get(key) != now[key]}
-    return {**({"overlay": overlay} if overlay else {}), **({"rng": rng} if rng != committed_rng else {})}
+    callbacks' states (``callbacks``), and the RNG state (``rng``, None: the commit's is not
+    known) that differ from the commit's."""
+    parts = _parts(checkpoint)
+    now = {part: _fingerprint(part[-1], value) for part, value in parts.items()}
+    fields: dict[str, Any] = {}
+    for part in (p for p in now if committed.get(p) != now[p]):
+        fields.setdefault("overlay" if len(part) == 1 else CALLBACKS, {})[part[-1]] = _encode(part[-1], parts[part])
+    return {**fields, **({"rng": rng} if rng != committed_rng else {})}
+
+
+def names(changes: dict[str, Any]) -> list[str]:
+    """The entries and callbacks' states ``changes`` carries, for a message."""
+    return sorted(changes.get("overlay", {})) + [f"{CALLBACKS}[{k!r}]" for k in sorted(changes.get(CALLBACKS, {}))]
 
 
 def _encode(key: str, value: Any) -> dict[str, str]:
@@ -76,6 +100,8 @@ def apply(pointer: dict[str, Any], checkpoint: dict[str, Any], *, restore: bool,
     is restored if ``restore`` (the ``Checkpointer``'s ``restore_rng``: it restored the commit's)."""
     if "overlay" in pointer:
         checkpoint.update(_decode(pointer["overlay"], where))
+    if CALLBACKS in pointer:
+        checkpoint.setdefault(CALLBACKS, {}).update(_decode(pointer[CALLBACKS], where))
     if restore and "rng" in pointer:
         try:
             restore_rng(pointer["rng"])

@@ -356,5 +356,20 @@ def test_changes_too_large_for_a_pointer_leave_it_naming_the_commit(tmp_path, ca
     io.save_checkpoint(first, tmp_path / "a.ckpt")
     with caplog.at_level(logging.WARNING, logger="ckptflow"):
         io.save_checkpoint({**first, "callbacks": {"Big": {"t": torch.ones(1 << 19)}}}, tmp_path / "b.ckpt")
-    assert "too large for its pointer" in caplog.text and "['callbacks']" in caplog.text
+    assert "too large for its pointer" in caplog.text and "[\"callbacks['Big']\"]" in caplog.text
     assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["callbacks"]["Big"]["t"], torch.zeros(1 << 19))
+
+
+def test_a_changed_callback_does_not_carry_an_unchanged_large_one_into_the_pointer(tmp_path):
+    """The whole 'callbacks' entry was one fingerprint: a monitored ModelCheckpoint's new state
+    re-encoded an unchanged EMA (or SWA) copy of the weights beside it, the pointer grew past
+    1 MiB and named the first save's commit as it was, its loops and callbacks' progress lost."""
+    io = CkptflowIO(str(tmp_path / "store"), "r")
+    callbacks = {"EMA": {"t": torch.zeros(1 << 19)}, "ModelCheckpoint": {"best": 1.0}}
+    first = {"global_step": 3, "state_dict": {"w": torch.ones(2)}, "loops": {"done": 1}, "callbacks": callbacks}
+    io.save_checkpoint(first, tmp_path / "a.ckpt")
+    later = {**first, "loops": {"done": 2}, "callbacks": {**callbacks, "ModelCheckpoint": {"best": 0.5}}}
+    io.save_checkpoint(later, tmp_path / "b.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "b.ckpt")
+    assert loaded["loops"] == {"done": 2} and loaded["callbacks"]["ModelCheckpoint"] == {"best": 0.5}
+    assert torch.equal(loaded["callbacks"]["EMA"]["t"], torch.zeros(1 << 19))
