@@ -34,7 +34,8 @@ def expire(
     A commit record that cannot be read for a reason that proves nothing (an outage) is
     an ``ExpireError`` and nothing is deleted. ``ExpireError`` also names what is left if
     any delete fails: the next retention finishes the lifecycle records of a commit whose
-    record went (``ledger.expiry_begun``), and GC its rank records. Returns the keys deleted.
+    record went (``ledger.expiry_begun``), and GC its rank records. Returns the keys deleted
+    (the commit record's only where this call found it there).
     """
     manifest_key, what = fmt.manifest_key(run, step), f"checkpoint {run} step {step}"
     blob: bytes | None = None
@@ -56,7 +57,7 @@ def expire(
     except CkptflowError as e:
         if not is_damage(e):
             raise _unreadable(store, manifest_key, what, e) from e
-    keys = [manifest_key] + (_objects_of_commit(store, run, step, manifest) if found else [])
+    keys = _objects_of_commit(store, run, step, manifest) if found else []
     if not keep_records and keep_digests is not None:
         keys += step_record_keys(store, run, step, keep=keep_digests)
     elif not keep_records and blob is not None:  # a damaged record's digest names no record: none go
@@ -67,7 +68,7 @@ def expire(
     if found:
         _delete_commit(store, manifest_key, version, what)
     failed: list[str] = []
-    for key in keys[1:]:
+    for key in keys:
         try:
             store.delete(key)
         except (CkptflowError, OSError) as e:
@@ -87,7 +88,7 @@ def expire(
         )
     if begun is not None:
         ledger.expiry_done(store, begun)
-    return keys
+    return [manifest_key, *keys] if found else keys
 
 
 def _objects_of_commit(store: Store, run: str, step: int, manifest: Manifest | None) -> list[str]:
