@@ -81,13 +81,17 @@ def _sized_key(store: Store, f: Mapping[str, Any], key_of: Callable[[str], str],
     try:
         held = store.stat(key).size
     except ObjectNotFoundError:
-        raise RegistryError(f"{where} is missing: {store.url}/{key} was deleted; {unchanged}: {_REBUILD}") from None
+        raise _missing(store, key, where, unchanged) from None
     if held != size:
         raise RegistryError(
             f"{where} records {size} bytes but {store.url}/{key} holds {held}: the stored file was "
             f"damaged or replaced; {unchanged}: {_REBUILD}"
         )
     return key
+
+
+def _missing(store: Store, key: str, where: str, unchanged: str) -> RegistryError:
+    return RegistryError(f"{where} is missing: {store.url}/{key} was deleted; {unchanged}: {_REBUILD}")
 
 
 def _stream_file(
@@ -106,6 +110,8 @@ def _stream_file(
             got = store.scan(key, piece, consume, limit=f["size"])[0]
         except ObjectTooLargeError:  # grew since its size was read
             got = None
+        except ObjectNotFoundError:  # deleted since its size was read
+            raise _missing(store, key, where, unchanged) from None
         if got != f["size"]:
             raise RegistryError(
                 f"{where}: {store.url}/{key} changed while it was read (it no longer holds the {f['size']} bytes "

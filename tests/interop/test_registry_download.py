@@ -170,6 +170,25 @@ def test_a_file_deleted_from_the_registry_is_refused_naming_it_and_what_to_do(st
     assert _served(served) == {"a.bin": b"served before"}
 
 
+def test_a_file_deleted_after_its_size_was_checked_is_refused_the_same_way(store_url, tmp_path, monkeypatch):
+    """Deleted between the size check and the read: the store's bare "does not exist"."""
+    reg = Registry(open_store(store_url))
+    version = _publish(reg, tmp_path / "src", {"model.safetensors": 2000})
+    key = reg.file_key("m", version.files["model.safetensors"]["sha256"])
+    checked = reg.store.stat
+
+    def checked_then_deleted(k):
+        info = checked(k)
+        reg.store.delete(k)
+        return info
+
+    monkeypatch.setattr(reg.store, "stat", checked_then_deleted)
+    with pytest.raises(RegistryError, match="m v1 file model.safetensors is missing") as err:
+        reg.download(version, tmp_path / "served")
+    assert key in str(err.value) and "rebuild" in str(err.value)
+    assert not (tmp_path / "served").exists()
+
+
 # ---- memory --------------------------------------------------------------------------------------
 def _download_rss(url: str, size: int, tmp_path: Path) -> dict:
     """Publish one file of ``size`` bytes at ``url``, download it in a process of its own:
