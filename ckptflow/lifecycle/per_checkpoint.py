@@ -93,11 +93,22 @@ def validate_checkpoint(
     progress: Progress | None = None,
 ) -> Validated:
     """Verify ``(run, step)`` in the tier that holds it and record the verdict in ``hot``
-    (``progress``: ``lifecycle.validate``'s)."""
+    (``progress``: ``lifecycle.validate``'s). The commit the run pinned, the one verified and
+    the one described must be one: a step committed again in between raises (the verdict
+    recorded stays, under the digest it verified; the new commit gets a run of its own)."""
     source = source_tier(hot, run, step, archive)
-    tell_commit(source, run, step, on_commit)
+    pinned = tell_commit(source, run, step, on_commit)
     record = validate(source, run, step, records=hot, progress=progress)
-    return Validated(record, source, catalog.read_manifest(source, run, step) if record["ok"] else None)
+    manifest = catalog.read_manifest(source, run, step) if record["ok"] else None
+    digests = {record["manifest_digest"]} - {""}
+    digests |= {m.digest for m in (pinned, manifest) if m is not None}
+    if len(digests) > 1:
+        raise CkptflowError(
+            f"run {run!r} step {step} in {source.url} was committed again while it was being validated (commits "
+            f"{', '.join(sorted(d[:12] + '…' for d in digests))}); each commit's verdict is recorded under its own "
+            "digest: validate the new commit (the landing sensor requests its run)"
+        )
+    return Validated(record, source, manifest)
 
 
 def evaluate_checkpoint(

@@ -2,6 +2,7 @@
 told before the work, the skips of an expired hot copy, the refusal of a commit that
 failed validation, the evaluator policy."""
 
+import importlib
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec
-from ckptflow.errors import EvaluatorError, FailedValidationError
+from ckptflow.errors import CkptflowError, EvaluatorError, FailedValidationError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle import EvaluationRule
 from ckptflow.store import open_store
@@ -17,6 +18,7 @@ from support.corrupt import corrupt_chunk, flip_byte, manifest_path
 from support.states import tiny_state
 
 RUN = "r"
+per_checkpoint = importlib.import_module("ckptflow.lifecycle.per_checkpoint")
 
 
 @pytest.fixture
@@ -212,3 +214,26 @@ def test_progress_adds_up_to_what_each_operation_reports(tiers):
         load=lambda path: None, key="model", progress=progress,
     )  # fmt: skip
     assert archived.chunks_copied > 0 and sum(calls) == archived.bytes_copied and len(calls) == archived.chunks_copied
+
+
+def test_a_step_committed_again_while_it_is_validated_fails_the_run_pinned_to_the_first(tiers, tmp_path, monkeypatch):
+    """The run pinned commit A (its tag, its failure record); the job saved the step again (B)
+    while it verified. It returned B's verdict and manifest as the materialization of the
+    run about A: the partition's metadata described a commit the run was not about."""
+    hot, arc = tiers
+    corrupt_chunk(tmp_path / "hot", RUN, 3)
+    first = digest(hot, 3)
+    real = per_checkpoint.validate
+
+    def saved_again_meanwhile(store, run, step, **kwargs):
+        with Checkpointer(hot, RUN) as ck:  # the job resumes past the damaged step, then saves it anew
+            assert ck.restore(tiny_state(seed=0)).step == 2
+            ck.save(3, tiny_state(seed=30))
+        return real(store, run, step, **kwargs)
+
+    monkeypatch.setattr(per_checkpoint, "validate", saved_again_meanwhile)
+    pinned, on_commit = told()
+    with pytest.raises(CkptflowError, match="committed again while it was being validated"):
+        lifecycle.validate_checkpoint(hot, RUN, 3, archive=lambda: arc, on_commit=on_commit)
+    assert pinned == [first] and digest(hot, 3) != first
+    assert lifecycle.validate(hot, RUN, 3)["ok"]  # the new commit's own verdict
