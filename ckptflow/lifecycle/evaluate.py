@@ -116,6 +116,7 @@ def evaluate(
     key: str = "model",
     rule: EvaluationRule = EvaluationRule(),
     archive: Callable[[], Store] | None = None,
+    commit: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``(run, step)`` held in ``source`` and record it in ``records`` (the hot store).
 
@@ -126,8 +127,17 @@ def evaluate(
     ``source``, else ``archive`` (called to open it, only then)), whether
     that looks like overfitting, and the ``tier`` it was read from
     (the archive, once retention expired the hot copy).
+
+    ``commit``: the digest of the commit the caller admitted (its validation not failed);
+    another one there now (the step committed again since) raises before anything is scored.
     """
     manifest = catalog.read_manifest(source, run, step)
+    if commit is not None and manifest.digest != commit:
+        raise CkptflowError(
+            f"run {run!r} step {step} in {source.url} was committed again since it was admitted for evaluation "
+            f"(manifest {commit[:12]}… is now {manifest.digest[:12]}…); nothing was recorded: the new commit is "
+            "evaluated once its validation passes"
+        )
     trainer = numeric(manifest.metadata)
     if evaluator is None:
         metrics, by = trainer, TRAINER

@@ -55,13 +55,14 @@ def tell_commit(source: Store, run: str, step: int, on_commit: OnCommit) -> Mani
     return manifest
 
 
-def admit_commit(source: Store, hot: Store, run: str, step: int, *, on_commit: OnCommit, work: str) -> None:
+def admit_commit(source: Store, hot: Store, run: str, step: int, *, on_commit: OnCommit, work: str) -> Manifest | None:
     """``tell_commit``, then refuse (``FailedValidationError``) a commit whose validation
-    verdict, recorded in ``hot`` for its digest, failed."""
+    verdict, recorded in ``hot`` for its digest, failed; returns the commit admitted."""
     manifest = tell_commit(source, run, step, on_commit)
     if manifest is not None:
         how = f"leave it: {work} waits for a passing validation of this commit"
         check_not_failed(hot, manifest, allow_failed=False, how_to_allow=how)
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -127,12 +128,12 @@ def evaluate_checkpoint(
     (None: the trainer's metrics) and record it in ``hot``. The evaluator's own error,
     loading it included, raises ``EvaluatorError`` (``evaluate.evaluator_errors``)."""
     source = source_tier(hot, run, step, archive)
-    admit_commit(source, hot, run, step, on_commit=on_commit, work="its evaluation")
+    admitted = admit_commit(source, hot, run, step, on_commit=on_commit, work="its evaluation")
     with evaluator_errors(evaluator, fmt.checkpoint_name(run, step)):
         function = None if evaluator is None else load(evaluator)
         return evaluate(
             source, hot, run, step, function, evaluator_name=evaluator or TRAINER, key=key, rule=rule,
-            archive=archive,
+            archive=archive, commit=None if admitted is None else admitted.digest,
         )  # fmt: skip
 
 

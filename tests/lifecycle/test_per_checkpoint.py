@@ -9,6 +9,7 @@ import pytest
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.verdicts import Subject, read_record
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CkptflowError, EvaluatorError, FailedValidationError
 from ckptflow.format import layout as fmt
@@ -237,3 +238,29 @@ def test_a_step_committed_again_while_it_is_validated_fails_the_run_pinned_to_th
         lifecycle.validate_checkpoint(hot, RUN, 3, archive=lambda: arc, on_commit=on_commit)
     assert pinned == [first] and digest(hot, 3) != first
     assert lifecycle.validate(hot, RUN, 3)["ok"]  # the new commit's own verdict
+
+
+def test_a_step_committed_again_after_its_admission_is_not_evaluated(tiers, tmp_path, monkeypatch):
+    """Admitted as commit A (its validation not failed); saved again (B) before the evaluation
+    read it: B, whose validation nobody had looked at, was evaluated and recorded by the run
+    pinned to A."""
+    hot, arc = tiers
+    corrupt_chunk(tmp_path / "hot", RUN, 3)
+    real = per_checkpoint.admit_commit
+
+    def saved_again_after(*args, **kwargs):
+        admitted = real(*args, **kwargs)
+        with Checkpointer(hot, RUN) as ck:
+            assert ck.restore(tiny_state(seed=0)).step == 2
+            ck.save(3, tiny_state(seed=30), metadata={"val_loss": 0.1})
+        return admitted
+
+    monkeypatch.setattr(per_checkpoint, "admit_commit", saved_again_after)
+    pinned, on_commit = told()
+    rule = EvaluationRule()
+    with pytest.raises(CkptflowError, match="committed again since it was admitted for evaluation"):
+        lifecycle.evaluate_checkpoint(
+            hot, RUN, 3, archive=lambda: arc, on_commit=on_commit, evaluator=None, load=None, key="model", rule=rule
+        )
+    assert len(pinned) == 1 and pinned[0] != digest(hot, 3)
+    assert read_record(hot, Subject(RUN, 3, digest(hot, 3)), "evaluation") is None
