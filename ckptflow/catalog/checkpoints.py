@@ -96,6 +96,20 @@ def read_manifest(store: Store, run: str, step: int) -> Manifest:
     return Manifest.parse(blob, f"manifest {store.url}/{key}", run=run, step=step)
 
 
+def read_admitted(store: Store, run: str, step: int, commit: str | None, work: str) -> Manifest:
+    """``read_manifest``, for ``work`` on the commit ``commit`` a caller admitted (its
+    validation not failed; None: any): another commit there now (the step committed again
+    since) raises before the work reads or records anything about it."""
+    manifest = read_manifest(store, run, step)
+    if commit is not None and manifest.digest != commit:
+        raise CkptflowError(
+            f"run {run!r} step {step} in {store.url} was committed again since it was admitted for {work} (manifest "
+            f"{commit[:12]}… is now {manifest.digest[:12]}…); nothing was recorded: the new commit gets its {work} "
+            "once its validation passes"
+        )
+    return manifest
+
+
 def manifest_or_damage(store: Store, run: str, step: int) -> Manifest | CkptflowError:
     """The manifest at ``(run, step)``, or the error proving it damaged or absent. An
     error that proves nothing (an outage, a denied or cold object, a newer format) is

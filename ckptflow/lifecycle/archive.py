@@ -59,6 +59,7 @@ def archive(
     evaluator: Evaluator | None = None,
     evaluator_name: str = "",
     key: str = "model",
+    commit: str | None = None,
 ) -> ArchiveReport:
     """Copy ``(run, step)`` from ``src`` (the hot store) to ``dst`` with the same commit
     protocol (chunks, then rank records, then the manifest last), and record the outcome
@@ -86,7 +87,8 @@ def archive(
     to the exact metrics.
 
     A tier that could not be read (an outage, a cold or denied object) proves nothing:
-    ``StoreUnavailableError`` is raised and no record is written, so archival can retry.
+    ``StoreUnavailableError`` is raised and no record is written, so archival can retry
+    (``commit``: the one a caller admitted, ``catalog.read_admitted``).
 
     ``progress`` is told the stored size of each chunk copied (no total: only what ``dst``
     lacks is copied). The re-read of the copy is a phase of its own: ``verifying`` is
@@ -95,7 +97,7 @@ def archive(
     after failing counts once, when it verifies); a cold tier, checked by size, re-reads
     nothing and begins no such phase.
     """
-    manifest = catalog.read_manifest(src, run, step)
+    manifest = catalog.read_admitted(src, run, step, commit, "archival")
     lost = None if manifest.lossy is None else dict(manifest.lossy)
     report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest, lossy=lost)
     if codec is None or codec.exact or manifest.lossy is not None or _holds_exact(dst, manifest):

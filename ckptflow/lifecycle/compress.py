@@ -51,13 +51,14 @@ def compress(
     codec: str = "zstd",
     level: int = 3,
     progress: Callable[[int], None] | None = None,
+    commit: str | None = None,
 ) -> CompressionReport:
     """Re-encode every chunk of a checkpoint with ``codec`` (every chunk is verified
     first) and record the result for the checkpoint's digest. ``progress`` is called
     with each chunk's content size once it is done: decoding and encoding the content is
     the work, and the calls add up to ``bytes_raw``, the manifest's chunk sizes, a total
-    known before the first chunk is read."""
-    manifest = catalog.read_manifest(store, run, step)
+    known before the first chunk is read. ``commit``: the one admitted (``read_admitted``)."""
+    manifest = catalog.read_admitted(store, run, step, commit, "compression")
     chunks = ChunkStore(store)
     report = CompressionReport()
     sizes = itemsizes(manifest)

@@ -131,13 +131,7 @@ def evaluate(
     ``commit``: the digest of the commit the caller admitted (its validation not failed);
     another one there now (the step committed again since) raises before anything is scored.
     """
-    manifest = catalog.read_manifest(source, run, step)
-    if commit is not None and manifest.digest != commit:
-        raise CkptflowError(
-            f"run {run!r} step {step} in {source.url} was committed again since it was admitted for evaluation "
-            f"(manifest {commit[:12]}… is now {manifest.digest[:12]}…); nothing was recorded: the new commit is "
-            "evaluated once its validation passes"
-        )
+    manifest = catalog.read_admitted(source, run, step, commit, "evaluation")
     trainer = numeric(manifest.metadata)
     if evaluator is None:
         metrics, by = trainer, TRAINER

@@ -144,8 +144,8 @@ def compress_checkpoint(
     None when retention expired it (the archive keeps its bytes as they are)."""
     if not holds_commit(hot, run, step):
         return None
-    admit_commit(hot, hot, run, step, on_commit=on_commit, work="its compression")
-    return compress(hot, run, step, progress=progress)
+    admitted = admit_commit(hot, hot, run, step, on_commit=on_commit, work="its compression")
+    return compress(hot, run, step, progress=progress, commit=None if admitted is None else admitted.digest)
 
 
 def archive_checkpoint(
@@ -168,7 +168,7 @@ def archive_checkpoint(
     copy expired and ``cold`` holds the checkpoint (archived earlier)."""
     if not holds_commit(hot, run, step) and holds_commit(cold, run, step):
         return None
-    admit_commit(hot, hot, run, step, on_commit=on_commit, work="its archival")
+    admitted = admit_commit(hot, hot, run, step, on_commit=on_commit, work="its archival")
     function = None if evaluator is None else load(evaluator)
     return archive(
         hot,
@@ -181,4 +181,5 @@ def archive_checkpoint(
         evaluator=function,
         evaluator_name=evaluator or TRAINER,
         key=key,
+        commit=None if admitted is None else admitted.digest,
     )

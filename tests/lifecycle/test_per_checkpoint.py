@@ -240,10 +240,23 @@ def test_a_step_committed_again_while_it_is_validated_fails_the_run_pinned_to_th
     assert lifecycle.validate(hot, RUN, 3)["ok"]  # the new commit's own verdict
 
 
-def test_a_step_committed_again_after_its_admission_is_not_evaluated(tiers, tmp_path, monkeypatch):
-    """Admitted as commit A (its validation not failed); saved again (B) before the evaluation
-    read it: B, whose validation nobody had looked at, was evaluated and recorded by the run
-    pinned to A."""
+WORKS = {
+    "evaluation": lambda hot, arc, on_commit: lifecycle.evaluate_checkpoint(
+        hot, RUN, 3, archive=lambda: arc, on_commit=on_commit, evaluator=None, load=None, key="model",
+        rule=EvaluationRule(),
+    ),
+    "compression": lambda hot, arc, on_commit: lifecycle.compress_checkpoint(hot, RUN, 3, on_commit=on_commit),
+    "archival": lambda hot, arc, on_commit: lifecycle.archive_checkpoint(
+        hot, arc, RUN, 3, on_commit=on_commit, codec=ArchiveCodec(), evaluator=None, load=None, key="model"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("work", sorted(WORKS))
+def test_a_step_committed_again_after_its_admission_is_left_alone(tiers, tmp_path, monkeypatch, work):
+    """Admitted as commit A (its validation not failed); saved again (B) before the work read
+    it: B, whose validation nobody had looked at, was evaluated, compressed or archived,
+    and recorded, by the run pinned to A."""
     hot, arc = tiers
     corrupt_chunk(tmp_path / "hot", RUN, 3)
     real = per_checkpoint.admit_commit
@@ -257,10 +270,9 @@ def test_a_step_committed_again_after_its_admission_is_not_evaluated(tiers, tmp_
 
     monkeypatch.setattr(per_checkpoint, "admit_commit", saved_again_after)
     pinned, on_commit = told()
-    rule = EvaluationRule()
-    with pytest.raises(CkptflowError, match="committed again since it was admitted for evaluation"):
-        lifecycle.evaluate_checkpoint(
-            hot, RUN, 3, archive=lambda: arc, on_commit=on_commit, evaluator=None, load=None, key="model", rule=rule
-        )
+    with pytest.raises(CkptflowError, match=f"committed again since it was admitted for {work}"):
+        WORKS[work](hot, arc, on_commit)
     assert len(pinned) == 1 and pinned[0] != digest(hot, 3)
-    assert read_record(hot, Subject(RUN, 3, digest(hot, 3)), "evaluation") is None
+    record = {"evaluation": "evaluation", "compression": "compression", "archival": "archive"}[work]
+    assert read_record(hot, Subject(RUN, 3, digest(hot, 3)), record) is None
+    assert not arc.exists(fmt.manifest_key(RUN, 3))
