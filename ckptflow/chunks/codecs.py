@@ -101,7 +101,8 @@ def dequantize_q8(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarr
     """``float32(code) * scale`` of each code's block: the values a q8 chunk holds.
 
     The one definition the lossy archive codec (which computes the address) and the
-    decoder share, so the decoded bytes hash to the address bit for bit.
+    decoder share, so the decoded bytes hash to the address bit for bit, whatever the
+    thread's floating-point mode (``_subnormal_blocks``).
     """
     n = len(codes)
     out = np.empty(n, dtype="<f4")
@@ -114,7 +115,37 @@ def dequantize_q8(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarr
         )
     if full < n:
         np.multiply(codes[full:].astype(np.float32), scales[-1], out=out[full:])
+    _subnormal_blocks(codes, scales, block, out)
     return out
+
+
+def _subnormal_blocks(codes: np.ndarray, scales: np.ndarray, block: int, out: np.ndarray) -> None:
+    """Redo in integers the blocks whose scale is zero or subnormal.
+
+    A thread that flushes subnormals (``torch.set_flush_denormal(True)``: FTZ and DAZ)
+    reads such a scale as zero and flushes a subnormal product, and the moments of a
+    parameter that stopped receiving gradients decay into subnormals: that thread would
+    decode other bytes than the address was hashed from, and a sound lossy copy would be
+    refused (and recorded) as damaged. A product with a normal scale is normal (|code| >= 1)
+    or zero, which no mode changes. With a subnormal scale ``m * 2**-149`` the product is
+    ``k * 2**-149`` for the integer ``k = code * m``: an fp32 subnormal of mantissa ``k``
+    below 2**23, else a normal float64 product rounded once to fp32, as the multiply does.
+    """
+    bits = np.ascontiguousarray(scales, dtype="<f4").view("<u4")
+    small = (bits & np.uint32(0x7F800000)) == 0
+    if not np.any(small):
+        return
+    for start in range(0, len(codes), planes.BLOCK):  # piece by piece: the temporaries stay small
+        stop = min(start + planes.BLOCK, len(codes))
+        if not np.any(small[start // block : (stop - 1) // block + 1]):
+            continue
+        scale = bits[np.arange(start, stop) // block]
+        redo = (scale & np.uint32(0x7F800000)) == 0
+        scale, code = scale[redo], codes[start:stop][redo]
+        k = np.abs(code.astype(np.int64) * (scale & np.uint32(0x7FFFFF)))
+        sign = ((scale >> np.uint32(31)) ^ (code < 0)).astype(np.uint32) << np.uint32(31)
+        normal = (k * 2.0**-149).astype("<f4").view("<u4")  # k >= 2**23: a float64 normal, rounded once
+        out.view("<u4")[start:stop][redo] = np.where(k < 1 << 23, k.astype(np.uint32), normal) | sign
 
 
 def encode_q8(codes: np.ndarray, scales: np.ndarray, block: int, level: int = 1) -> tuple[np.ndarray, list]:

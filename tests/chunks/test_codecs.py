@@ -158,3 +158,25 @@ def test_q8_encoding_holds_exactly_code_times_scale(n):
     assert np.max(np.abs(held - values)) <= np.max(scales) / 2 * 1.0001
     with pytest.raises(ValueError, match="need"):
         codecs.encode_q8(codes, scales[:0], 256)
+
+
+def test_q8_chunk_of_subnormal_moments_decodes_alike_whatever_the_fp_mode_of_the_thread():
+    """An optimizer moment that stopped receiving gradients (an unused embedding row) decays
+    into fp32 subnormals, and so do its q8 scales and values. A thread that flushes
+    subnormals (``torch.set_flush_denormal(True)``: FTZ/DAZ) must decode such a chunk to the
+    bytes its address was hashed from where it was written, not zeros: else a sound lossy
+    copy is refused, and recorded, as damaged."""
+    tiny = np.float32(1e-39) * np.linspace(-1, 1, 700, dtype=np.float32)
+    values = np.concatenate([tiny, np.float32(3e-36) * np.linspace(-1, 1, 300, dtype=np.float32)])
+    codes, scales = quantize_q8(values, 256)
+    held, parts = codecs.encode_q8(codes, scales, 256)
+    assert np.count_nonzero(held) > 500  # written where subnormals are kept
+    blob = _blob(parts)
+    assert torch.set_flush_denormal(True)
+    try:
+        flushed = bytes(codecs.decode(blob, expected=held.nbytes))
+        again, _ = codecs.encode_q8(codes, scales, 256)
+    finally:
+        torch.set_flush_denormal(False)
+    assert flushed == held.tobytes()
+    assert again.tobytes() == held.tobytes()
