@@ -27,15 +27,22 @@ ERROR_BOUND = "per element at most half a quantization step: |w - q * scale| <= 
 
 
 def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes shaped like ``t``, float32 scales ``[rows, 1]``): ``t ~= q * scale``."""
-    rows = t.float().reshape(t.shape[0], -1)
-    scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    """(int8 codes shaped like ``t``, float32 scales ``[rows, 1]``): ``t ~= q * scale``. A
+    weight with no elements (a layer of width 0) has codes of its shape and the least scale."""
+    rows = _rows(t.float())
+    peak = rows.abs().amax(dim=1, keepdim=True) if rows.shape[1] else rows.new_zeros(rows.shape[0], 1)
+    scale = peak.clamp(min=1e-12) / 127.0
     q = torch.round(rows / scale).clamp(-127, 127).to(torch.int8)
     return q.reshape(t.shape), scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (q.float().reshape(q.shape[0], -1) * scale.reshape(-1, 1)).reshape(q.shape)
+    return (_rows(q.float()) * scale.reshape(-1, 1)).reshape(q.shape)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, the rest]`` (``reshape(rows, -1)`` refuses a tensor of no elements)."""
+    return t.reshape(t.shape[0], -1) if t.numel() else t.new_zeros(t.shape[0], 0)
 
 
 def scale_name(weight: str) -> str:
@@ -70,6 +77,13 @@ def dequantize_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     for name, scale in tensors.items():
         weight = name[: -len(SCALE)] + "weight"
         if (name == SCALE or name.endswith("." + SCALE)) and weight in tensors and tensors[weight].dtype == torch.int8:
+            rows = tensors[weight].shape[0] if tensors[weight].dim() else None
+            if rows is None or tuple(scale.shape) != (rows, 1) or not scale.is_floating_point():
+                raise CkptflowError(
+                    f"{name} is {scale.dtype} of shape {tuple(scale.shape)}, but {weight} "
+                    f"({tuple(tensors[weight].shape)}) needs a floating-point scale per row, shape [rows, 1]: the file "
+                    "is not an int8 export ckptflow wrote (or was changed since); export the checkpoint again"
+                )
             out[weight] = dequantize_int8(tensors[weight], scale)
             del out[name]
     return out

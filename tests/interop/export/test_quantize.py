@@ -42,3 +42,20 @@ def test_a_weight_holding_inf_or_nan_is_refused_not_written_as_nan_rows():
         weight[2, 5] = bad
         with pytest.raises(CkptflowError, match=r"int8 export of run r: 1 weight\(s\) hold inf or NaN \(fc.weight\)"):
             quantize_weights({"fc.weight": weight, "fc.bias": torch.zeros(4)}, ["fc.weight"], where="run r")
+
+
+@pytest.mark.parametrize("scale", [torch.ones(1), torch.ones(4), torch.ones(4, 2), torch.ones(4, 1, dtype=torch.int32)])
+def test_a_scale_table_of_another_shape_is_refused_not_broadcast(scale):
+    """One scale for every row was broadcast silently (the loaded weights wrong, no error);
+    the other shapes raised a bare RuntimeError from inside torch."""
+    codes, _ = quantize_int8(torch.randn(4, 6))
+    with pytest.raises(CkptflowError, match=r"fc.weight_scale is .* needs a floating-point scale per row"):
+        dequantize_weights({"fc.weight": codes, "fc." + SCALE: scale})
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 6), (0, 0)])
+def test_a_weight_of_no_elements_round_trips(shape):
+    """A layer of width 0 (or with no rows) raised a bare RuntimeError from amax/reshape."""
+    layers = quantize_weights({"fc.weight": torch.empty(shape)}, ["fc.weight"])
+    assert layers["fc." + SCALE].shape == (shape[0], 1)
+    assert dequantize_weights(layers)["fc.weight"].shape == shape
