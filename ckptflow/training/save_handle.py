@@ -149,6 +149,7 @@ def _report_lost(handle: SaveHandle, error: BaseException) -> None:
 
 
 def _exit_lost() -> None:
+    """Status 1 for a lost save, once the script's threads were joined (``_finish_in_flight``)."""
     atexit.unregister(_exit_lost)
     _exit_now(1)
 
