@@ -20,7 +20,7 @@ from pipelines import demo
 from sensors import failure_sensor
 from sensors.failures import FAILURE_TAG
 from support.corrupt import corrupt_chunk, only_in, reseal_manifest
-from support.dagster import RUN, record, subject
+from support.dagster import RUN, record, scrub_all, subject
 
 KEYS = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
 
@@ -154,11 +154,9 @@ def test_retention_job_expires_checkpoints_partitions_and_gcs(
 
 
 def test_scrub_records_verdicts_and_fails_on_corruption(store_with_checkpoints, defs, instance):
-    job = defs.resolve_job_def("scrub_job")
-    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
-    assert job.execute_in_process(instance=instance, run_config=config).success
+    assert scrub_all(defs, instance).success
     rotten = corrupt_chunk(store_with_checkpoints, RUN, 20)
-    result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
+    result = scrub_all(defs, instance, raise_on_error=False)
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
     assert failure.step_failure_data.user_failure_data.metadata["hot_damaged_chunks"].value == 1
@@ -172,9 +170,7 @@ def test_scrub_repairs_a_damaged_chunk_from_the_archive_copy_and_passes(store_wi
     store, archive_tier = open_store(store_with_checkpoints), open_store(paths["archive"])
     assert lifecycle.archive(store, archive_tier, RUN, 20).ok
     rotten = corrupt_chunk(store_with_checkpoints, RUN, 20)
-    job = defs.resolve_job_def("scrub_job")
-    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
-    result = job.execute_in_process(instance=instance, run_config=config)
+    result = scrub_all(defs, instance)
     assert result.success
     [materialized] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
     metadata = materialized.event_specific_data.metadata
@@ -194,13 +190,11 @@ def test_scrub_verifies_what_only_the_archive_holds_and_fails_on_its_rot(store_w
     only_20 = only_in(store_with_checkpoints, RUN, 20, 10, 30, 40)[0]
     lifecycle.expire(hot, RUN, 20, keep_records=True)
     gc(hot, grace=0)  # no sound copy of its own chunks is left in hot
-    job = defs.resolve_job_def("scrub_job")
-    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
-    sound = job.execute_in_process(instance=instance, run_config=config)
+    sound = scrub_all(defs, instance)
     verdict = lifecycle.Subject(RUN, 20, catalog.read_manifest(arc, RUN, 20).digest)
     assert lifecycle.read_record(hot, verdict, "validation")["tier"] == arc.url
     rotten = corrupt_chunk(paths["archive"], RUN, 20, only_20)
-    result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
+    result = scrub_all(defs, instance, raise_on_error=False)
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
     data = failure.step_failure_data.user_failure_data
@@ -220,9 +214,7 @@ def test_scrub_fails_without_retries_on_a_checkpoint_a_newer_ckptflow_wrote(stor
     rotten = only_in(store_with_checkpoints, RUN, 20, 10, 30, 40)[0]
     damaged.note(store, rotten, "found by a reader")
     reseal_manifest(store_with_checkpoints, RUN, 20, lambda r: r.update(format_version=max(fmt.READABLE_FORMATS) + 1))
-    job = defs.resolve_job_def("scrub_job")
-    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
-    result = job.execute_in_process(instance=instance, run_config=config, raise_on_error=False)
+    result = scrub_all(defs, instance, raise_on_error=False)
     assert not result.success
     assert not [e for e in result.all_events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]
     (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]

@@ -19,7 +19,7 @@ from ckptflow.interop.registry import Registry
 from ckptflow.reports.units import human_bytes
 from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk
-from support.dagster import RUN
+from support.dagster import RUN, scrub_all
 
 MB = 1_000_000
 KEY = checkpoint_key(RUN, 20)
@@ -140,9 +140,7 @@ def test_validation_compression_and_archival_log_progress_that_adds_up_to_what_t
 
 
 def test_scrub_logs_each_tiers_progress_and_reports_its_bytes_time_and_rate(store_with_checkpoints, defs, instance):
-    job = defs.resolve_job_def("scrub_job")
-    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
-    result = job.execute_in_process(instance=instance, run_config=config)
+    result = scrub_all(defs, instance)
     [output] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
     md = output.event_specific_data.metadata
     store = open_store(store_with_checkpoints)
@@ -184,9 +182,7 @@ def test_scrub_logs_each_tiers_repair_and_reports_the_bytes_repaired(store_with_
     hot, arc = open_store(store_with_checkpoints), open_store(paths["archive"])
     assert lifecycle.archive(hot, arc, RUN, 20).ok
     rotten = corrupt_chunk(store_with_checkpoints, RUN, 20)
-    job = defs.resolve_job_def("scrub_job")
-    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
-    result = job.execute_in_process(instance=instance, run_config=config)
+    result = scrub_all(defs, instance)
     [output] = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_OUTPUT]
     md = output.event_specific_data.metadata
     repaired = catalog.read_manifest(hot, RUN, 20).chunks[rotten]  # the chunk's content, as its checkpoint lists it

@@ -36,3 +36,11 @@ def write_checkpoints(store: str, steps=(10, 20, 30, 40), run: str = RUN, full_e
                     metadata={"train_loss": round(loss, 4)},
                     kind="full" if step % full_every == 0 else "incremental",
                 )
+
+
+def scrub_all(defs, instance, *, raise_on_error: bool = True):
+    """One run of ``scrub_job`` over every checkpoint, whatever its age."""
+    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+    return defs.resolve_job_def("scrub_job").execute_in_process(
+        instance=instance, run_config=config, raise_on_error=raise_on_error
+    )
