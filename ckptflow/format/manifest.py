@@ -19,6 +19,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.format.dcp_index import DcpIndex, StorageItem, parse_dcp_index
 from ckptflow.format.save_cost import SaveCost
 from ckptflow.format.sealed import Fields, seal, unseal
+from ckptflow.format.state_tree import json_value_problem
 
 MAX_WORLD_SIZE = 1 << 20
 KINDS = ("full", "incremental")
@@ -341,6 +342,12 @@ class RankRecord:
                 f"manifest names {manifest.save_id!r}): two writers saved the same step at once, so this "
                 "checkpoint cannot be trusted"
             )
+        state = doc.get("state")
+        if not isinstance(state, dict):  # ``flatten`` of a state, which is a mapping
+            raise check.bad("has a state that is not a JSON object")
+        problem = json_value_problem(state, manifest.dcp.tensors)
+        if problem:  # found now, not after the restore read tensors into place
+            raise check.bad(f"has a state that {problem}")
         rng = doc.get("rng")
         if rng is not None and not isinstance(rng, dict):
             raise check.bad("has rng state that is not an object")
@@ -350,7 +357,7 @@ class RankRecord:
             rank=rank,
             world_size=check.integer(doc, "world_size", minimum=1),
             save_id=manifest.save_id,
-            state=doc.get("state"),
+            state=state,
             rng=rng,
             items=check.integer(doc, "items", optional=True) or 0,
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import base64
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -192,14 +192,17 @@ def tensor_refs(skeleton: Any) -> Iterator[str]:
             stack.extend(node)
 
 
-def json_value_problem(skeleton: Any) -> str | None:
-    """Why a stored skeleton is not a plain value (one with no tensor in it, that decodes
-    cleanly), or None: checked when a manifest is parsed, so a value is never found bad
-    half-way through a restore."""
+def json_value_problem(skeleton: Any, tensors: Collection[str] = ()) -> str | None:
+    """Why a stored skeleton cannot be given back as it was saved, or None: a reference to a
+    tensor not among ``tensors`` (a manifest's DCP values hold none; a rank record's state
+    those its manifest indexes), or a value that does not decode. Checked when a record is
+    parsed, so a value is never found bad half-way through a restore, after tensors were
+    read into place."""
     try:
-        if any(True for _ in tensor_refs(skeleton)):
-            return "refers to a tensor"
+        for name in tensor_refs(skeleton):
+            if not isinstance(name, str) or name not in tensors:
+                return f"refers to tensor {str(name)[:80]!r}, which its manifest does not index"
         unflatten(skeleton, {})
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+    except (ValueError, TypeError, LookupError, ArithmeticError, RecursionError) as e:
         return f"does not decode ({type(e).__name__}: {e})"
     return None
