@@ -169,7 +169,7 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return base64.b64decode(skeleton[BYTES])
         if NUMPY in skeleton:
             dtype, value = skeleton[NUMPY]
-            return np.dtype(dtype).type(value)
+            return _numpy_scalar(dtype, value)
         return {k: unflatten(v, tensors) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
         return [unflatten(v, tensors) for v in skeleton]
@@ -190,6 +190,16 @@ def tensor_refs(skeleton: Any) -> Iterator[str]:
                 stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
+
+
+def _numpy_scalar(name: Any, value: Any) -> Any:
+    """A NumPy scalar of a dtype ``flatten`` writes (bool, int, uint, float). Any other is
+    refused: a record names the dtype, and ``np.void(n)`` allocates ``n`` bytes, so 30
+    bytes of a hostile record would cost gigabytes."""
+    dtype = np.dtype(name)
+    if dtype.kind not in "biuf":
+        raise ValueError(f"a NumPy value of dtype {str(name)[:40]!r}, which no save writes")
+    return dtype.type(value)
 
 
 def json_value_problem(skeleton: Any, tensors: Collection[str] = ()) -> str | None:

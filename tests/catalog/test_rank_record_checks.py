@@ -73,3 +73,9 @@ def rename_weight(record: dict) -> None:
 def test_a_rank_record_state_no_save_writes_is_damage_before_anything_is_written(root, mutate, why):
     reseal_rank_record(root, 2, mutate)
     assert_damage_everywhere(root, why)
+
+
+def test_a_numpy_value_of_a_dtype_no_save_writes_is_refused_unallocated(root):
+    """``np.void(n)`` allocates n zero bytes: 30 bytes of record would cost 2 GiB each."""
+    reseal_rank_record(root, 2, lambda r: r["state"].update(x={"__numpy__": ["|V8", 1 << 26]}))
+    assert_damage_everywhere(root, "which no save writes")
