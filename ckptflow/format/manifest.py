@@ -16,6 +16,7 @@ from typing import Any
 from ckptflow.errors import ManifestError, NewerFormatError, decoding
 from ckptflow.format import checksum
 from ckptflow.format import layout as fmt
+from ckptflow.format import rng as rng_format
 from ckptflow.format.dcp_index import DcpIndex, StorageItem, parse_dcp_index
 from ckptflow.format.save_cost import SaveCost
 from ckptflow.format.sealed import Fields, seal, unseal
@@ -349,8 +350,9 @@ class RankRecord:
         if problem:  # found now, not after the restore read tensors into place
             raise check.bad(f"has a state that {problem}")
         rng = doc.get("rng")
-        if rng is not None and not isinstance(rng, dict):
-            raise check.bad("has rng state that is not an object")
+        problem = rng_format.problem(rng)
+        if problem:  # found now, not after the restore read tensors into place
+            raise check.bad(f"has rng state that {problem}")
         return cls(
             run=check.string(doc, "run"),
             step=check.integer(doc, "step"),

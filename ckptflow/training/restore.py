@@ -58,7 +58,7 @@ from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.state_tree import flatten, tensor_refs, unflatten
 from ckptflow.store import Store
 from ckptflow.training.matching import LoadPlan, entries, plan_load
-from ckptflow.training.state import FreshOptimizers, load_state_dicts, restore_rng, to_state_dicts
+from ckptflow.training.state import FreshOptimizers, check_rng, load_state_dicts, restore_rng, to_state_dicts
 
 log = logging.getLogger("ckptflow")
 
@@ -308,6 +308,8 @@ class Restore:
             )
             rank = self.group.rank if self.group.rank < manifest.world_size else 0
             record = read_rank_record(tier.store, manifest, rank)
+            if record.rng:
+                check_rng(record.rng)
             plan = plan_for(manifest, record, tier)
         except StateMismatchError as e:
             local = Failure(str(e), damage=False, mismatch=True)

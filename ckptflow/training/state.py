@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ckptflow.errors import UnsupportedStateError
+from ckptflow.errors import ManifestError, UnsupportedStateError
+from ckptflow.format import rng as rng_format
 from ckptflow.format.state_tree import UNLOADED, PerRank
 
 
@@ -211,8 +212,8 @@ def _b64_tensor(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().numpy().tobytes()).decode()
 
 
-def _tensor_b64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+def _generator_state(text: str) -> torch.Tensor:
+    return torch.frombuffer(rng_format.generator_bytes(text), dtype=torch.uint8)
 
 
 def capture_rng() -> dict:
@@ -230,13 +231,21 @@ def capture_rng() -> dict:
     return rng
 
 
+def check_rng(rng: Mapping) -> None:
+    """``ManifestError`` if torch's CPU generator refuses ``rng``'s state (a rank record's, whose
+    other states ``format.rng`` checked when it was parsed): asked of a generator of its own,
+    before the restore writes anything, so ``restore_rng`` cannot fail after the tensors."""
+    try:
+        torch.Generator().set_state(_generator_state(rng["torch"]))
+    except (RuntimeError, ValueError) as e:
+        raise ManifestError(f"its rng state is not one torch can restore ({e})") from None
+
+
 def restore_rng(rng: Mapping) -> None:
-    version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = rng["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_tensor_b64(rng["torch"]))
+    random.setstate(rng_format.python_state(rng))
+    np.random.set_state(rng_format.numpy_state(rng))
+    torch.set_rng_state(_generator_state(rng["torch"]))
     if "cuda" in rng and torch.cuda.is_available():
-        states = [_tensor_b64(s) for s in rng["cuda"]]
+        states = [torch.frombuffer(s, dtype=torch.uint8) for s in rng_format.cuda_states(rng)]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)

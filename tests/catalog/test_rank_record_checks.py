@@ -5,13 +5,14 @@ allocated."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from ckptflow import Checkpointer
+from ckptflow import Checkpointer, NoValidCheckpointError
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.format.sealed import seal
 from ckptflow.store import open_store
@@ -79,3 +80,33 @@ def test_a_numpy_value_of_a_dtype_no_save_writes_is_refused_unallocated(root):
     """``np.void(n)`` allocates n zero bytes: 30 bytes of record would cost 2 GiB each."""
     reseal_rank_record(root, 2, lambda r: r["state"].update(x={"__numpy__": ["|V8", 1 << 26]}))
     assert_damage_everywhere(root, "which no save writes")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda rng: rng.update(python=[1, 2]), id="python-short"),
+        pytest.param(lambda rng: rng.update(numpy=["MT19937", [1], 0, 0, 0.0]), id="numpy-short-key"),
+        pytest.param(lambda rng: rng.pop("numpy"), id="numpy-missing"),
+        pytest.param(lambda rng: rng.update(torch="not base64!"), id="torch-not-base64"),
+        pytest.param(lambda rng: rng.update(cuda="AAAA"), id="cuda-not-a-list"),
+        pytest.param(lambda rng: rng.update(torch="AAAA"), id="torch-wrong-size"),
+        pytest.param(lambda rng: rng.update(torch=base64.b64encode(bytes(5056)).decode()), id="torch-invalid"),
+    ],
+)
+def test_an_rng_state_restore_could_not_apply_is_damage_and_leaves_the_state(root, request, mutate):
+    """Before, the tensors were read into place and then restoring the RNG raised a bare
+    ValueError or RuntimeError: the state overwritten, and no fallback. What torch's own
+    generator refuses only torch can tell: verify, which does not import it, passes that."""
+    reseal_rank_record(root, 2, lambda r: mutate(r["rng"]))
+    by_torch = request.node.callspec.id in ("torch-wrong-size", "torch-invalid")
+    with Checkpointer(root, RUN) as ck:
+        assert ck.verify(2).damaged is not by_torch
+        live = {"model": torch.nn.Linear(4, 4), "x": 0}
+        kept = live["model"].weight.detach().clone()
+        with pytest.raises(NoValidCheckpointError, match="rng"):
+            ck.restore(live, step=2)
+        assert torch.equal(live["model"].weight, kept) and live["x"] == 0
+        result = ck.restore(live)
+        assert result.step == 1 and [s for s, _ in result.skipped] == [2] and "rng" in result.skipped[0][1]
+        assert ck.load()[0].step == 1
