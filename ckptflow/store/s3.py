@@ -87,6 +87,7 @@ class S3Store(Store):
                 config=botocore_config(pool_connections),
             )
         self.client = client
+        self._bucket_seen = False  # HeadBucket found the bucket (``_bucket_exists``)
 
     def metadata_store(self) -> S3Store:
         """Manifests and rank records of a cold store go in the default class, so they
@@ -128,6 +129,11 @@ class S3Store(Store):
             code = error_code(e)
             if code in passthrough:
                 raise
+            if code == "NoSuchBucket" or (http_status(e) == 404 and code != "NoSuchKey" and not self._bucket_exists()):
+                raise StoreError(  # also a 404, yet never a missing object (a chunk, a lock, a manifest)
+                    f"S3 {op} of {self._where(key)} failed: the bucket {self.bucket} does not exist (or not at "
+                    "this endpoint): check the bucket name in the store URL and the endpoint, or create it"
+                ) from None
             if code in _NOT_FOUND or http_status(e) == 404:
                 raise ObjectNotFoundError(f"{self._where(key)} does not exist") from None
             if code == "InvalidObjectState":
@@ -135,6 +141,20 @@ class S3Store(Store):
             raise StoreError(f"S3 {op} of {self._where(key)} failed: {code or http_status(e)}: {e}") from e
         except (BotoCoreError, OSError) as e:
             raise StoreError(f"S3 {op} of {self._where(key)} failed: {type(e).__name__}: {e}") from e
+
+    def _bucket_exists(self) -> bool:
+        """Asked (HeadBucket, once per store) at the first 404 that does not say what is missing:
+        a HEAD's answer has no body. Anything but a 404 counts as yes: the call's 404 stands."""
+        if not self._bucket_seen:
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except (BotoCoreError, ClientError, OSError) as e:
+                if http_status(e) == 404:
+                    return False
+                if not isinstance(e, ClientError):
+                    return True  # no answer: asked again at the next such 404
+            self._bucket_seen = True
+        return True
 
     def _cold(self, key: str, e: ClientError) -> ColdObjectError:
         storage_class = str(e.response.get("Error", {}).get("StorageClass", "") or "a cold storage class")

@@ -50,6 +50,29 @@ def test_open_store_s3_urls(s3_endpoint, s3_bucket, monkeypatch):
             open_store(bad)
 
 
+def test_a_missing_bucket_is_a_clear_error_never_a_missing_object(s3_endpoint):
+    """S3 answers 404 NoSuchBucket for every call on a bucket that does not exist: taken
+    for a missing object, a save failed with "...lease.json does not exist" on a PUT,
+    ``exists`` said False and a read looked like a checkpoint with a chunk missing."""
+    store = open_store(f"s3://no-such-bucket-{os.getpid()}/ckpts?endpoint={s3_endpoint}")
+    calls = {
+        "get": lambda: store.get("runs/r/manifest.json"),
+        "exists": lambda: store.exists("chunks/ab/x"),  # a HEAD: its 404 has no body to say which
+        "stat": lambda: store.stat("runs/r/manifest.json"),
+        "put": lambda: store.put_if_absent("chunks/ab/x", b"v"),
+        "list": lambda: list(store.list("runs/")),
+        "delete_if": lambda: store.delete_if("locks/gc.json", '"etag"'),
+    }
+    for name, call in calls.items():
+        with pytest.raises(StoreError) as err:
+            call()
+        assert not isinstance(err.value, KeyError), name
+        assert "bucket no-such-bucket-" in str(err.value) and "does not exist" in str(err.value), name
+        assert "create it" in str(err.value), name
+    with Checkpointer(store, run=RUN) as ck, pytest.raises(StoreError, match="bucket no-such-bucket-"):
+        ck.save(1, tagged_state(1))
+
+
 # ---- the create-only commit ----------------------------------------------------------------
 def test_conditional_commit_refuses_a_second_writer(s3_store_url):
     store = open_store(s3_store_url)
