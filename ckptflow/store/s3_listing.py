@@ -42,7 +42,9 @@ def list_objects(
     """Every object under ``prefix`` (keys relative to the store's ``root`` folder of
     ``bucket``), sorted by key, from every page of one ListObjectsV2 walk; with a
     ``delimiter``, what lies below it under one name is one entry (S3's CommonPrefixes,
-    size 0); with ``start_after``, only the keys after it."""
+    size 0); with ``start_after``, only the keys after it. Keys ending in '/' (the folder
+    markers of the S3 console and of tools that mount a bucket) are left out: no ckptflow
+    key ends so, and a directory is no object on a local store either."""
     base = f"{root}/" if root else ""
     kwargs: dict[str, Any] = {"Prefix": base + prefix.rstrip("/") + "/" if prefix else base}
     if delimiter:
@@ -54,6 +56,7 @@ def list_objects(
         found += [
             ObjectInfo(o["Key"][len(base) :], int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag", ""))
             for o in page.get("Contents", ())
+            if not o["Key"].endswith("/")  # a folder marker (console, s3fs): a directory, as on disk, not an object
         ]
         found += [ObjectInfo(p["Prefix"][len(base) :], 0, 0.0) for p in page.get("CommonPrefixes", ())]
     return sorted(found, key=lambda info: info.key)

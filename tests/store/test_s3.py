@@ -241,6 +241,26 @@ def test_a_body_cut_off_mid_transfer_is_retried(s3_endpoint, s3_bucket):
         store.get("obj")
 
 
+# ---- listings --------------------------------------------------------------------------------
+def test_folder_markers_in_the_bucket_are_no_objects(s3_store_url, s3_bucket, s3_client, capsys):
+    """Zero-byte keys ending in '/' (the S3 console's "Create folder", s3fs, rclone mkdir) are
+    directory placeholders. Listed as objects, the one of ``chunks/`` stopped GC ("store key
+    'chunks/' has an unsafe segment") and a step's made ``ls`` and GC call a sound checkpoint
+    "a file where a step directory belongs"."""
+    with Checkpointer(s3_store_url, run=RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    store = open_store(s3_store_url)
+    before = [i.key for i in store.list("")]
+    step = fmt.step_prefix(RUN, 1)
+    for marker in ("", "chunks/", "runs/", fmt.checkpoints_prefix(RUN), step, f"{step}ranks/"):
+        s3_client.put_object(Bucket=s3_bucket, Key=f"ckpts/{marker}", Body=b"")
+    assert [i.key for i in store.list("")] == before
+    assert [i.key for i in store.list(fmt.checkpoints_prefix(RUN), recursive=False)] == [step]
+    assert [i.key for i in store.list_after("runs/", roll_up="/ranks/")] == [f"{step}manifest.json", f"{step}ranks/"]
+    assert main(["gc", s3_store_url, "--grace", "1h"]) == 0 and main(["ls", s3_store_url]) == 0
+    assert "step directory" not in capsys.readouterr().err
+
+
 # ---- cold storage classes and thaw ---------------------------------------------------------
 def test_cold_object_error_names_the_object_and_the_fix(s3_endpoint, s3_bucket, s3_client):
     store = fresh(s3_endpoint, s3_bucket)
