@@ -6,8 +6,9 @@ botocore's own "standard" retry mode spends a client-wide retry quota: under a b
 on their first error while the message still says "after retries". The S3 backend
 therefore turns botocore's retries off and retries here, per call, a fixed number of
 times. A transient failure (5xx, throttling, timeouts, resets, a body cut off while
-streaming) that outlasts every attempt is ``StoreUnavailableError``: it proves nothing
-about the object, so restore stops instead of falling back to an older checkpoint.
+streaming, bytes that failed their checksum on the way) that outlasts every attempt is
+``StoreUnavailableError``: it proves nothing about the object, so restore stops instead
+of falling back to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 T = TypeVar("T")
@@ -26,6 +27,7 @@ THROTTLING = {
     "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException", "SlowDown",
     "TooManyRequestsException", "RequestLimitExceeded", "RequestThrottled", "RequestTimeout",
     "RequestTimeoutException", "InternalError", "ServiceUnavailable", "BandwidthLimitExceeded",
+    "BadDigest", "XAmzContentSHA256Mismatch",  # an upload S3 refused for its checksum: damaged on the way
 }  # fmt: skip
 
 
@@ -43,7 +45,9 @@ def is_transient(e: BaseException) -> bool:
     """Whether trying again may succeed: the service or the network, not the request."""
     if isinstance(e, ClientError):
         return http_status(e) >= 500 or http_status(e) == 429 or error_code(e) in THROTTLING
-    return isinstance(e, (BotoConnectionError, HTTPClientError, IncompleteReadError, ConnectionError, TimeoutError))
+    # FlexibleChecksumError: a body that fails the checksum S3 sent with it was damaged on the way
+    transient = (BotoConnectionError, HTTPClientError, IncompleteReadError, FlexibleChecksumError)
+    return isinstance(e, (*transient, ConnectionError, TimeoutError))
 
 
 class AttemptsExhausted(Exception):

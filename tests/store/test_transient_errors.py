@@ -7,16 +7,19 @@ checkpoint it could not read. Only proof of damage moves a restore to an older s
 
 from __future__ import annotations
 
+import base64
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from botocore.awsrequest import AWSResponse
 
 from ckptflow import Checkpointer, NoValidCheckpointError, StoreUnavailableError, open_store
 from ckptflow.store.s3 import S3Store
 from ckptflow.store.s3_retry import Retry
 from support.corrupt import chunk_path, flip_byte, only_in
 from support.faulty_store import FaultyStore
-from support.s3_faults import Bursts, CutBodies
+from support.s3_faults import Bursts, CutBodies, _ShortRaw, server_error
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
 FAST = Retry(max_attempts=12, base=0.002, cap=0.05)  # the real backoff, on a test's time scale
@@ -121,3 +124,35 @@ def test_a_listing_that_fails_through_every_retry_is_no_empty_store(s3_endpoint,
     with Checkpointer(store, run=RUN, restore_rng=False) as ck, pytest.raises(StoreUnavailableError) as err:
         ck.restore(blank_state())
     assert "could not list the checkpoints" in str(err.value) and "after 3 attempts" in str(err.value)
+
+
+def test_bytes_damaged_on_the_way_are_sent_again_not_refused(s3_endpoint, s3_bucket):
+    """A GET body that fails the checksum S3 sent with it (botocore's FlexibleChecksumError),
+    or a PUT that S3 refuses for its checksum (400 BadDigest), was damaged on the wire, not
+    in the store: both were a StoreError at once, which stopped the restore or the save."""
+    store = s3(s3_endpoint, s3_bucket, retry=FAST)
+    two_checkpoints(store)
+    damaged = {"GET": 3, "PUT": 2}
+
+    def on_the_wire(request, **_kwargs):
+        if "/chunks/" not in request.url or not damaged.get(request.method):
+            return None
+        damaged[request.method] -= 1
+        if request.method == "PUT":
+            return server_error(request, 400, "BadDigest")
+        real = store.client._endpoint.http_session.send(request)
+        body = bytearray(real.content)
+        body[len(body) // 2] ^= 1
+        crc = base64.b64encode(zlib.crc32(real.content).to_bytes(4, "big")).decode()
+        return AWSResponse(request.url, 200, {**real.headers, "x-amz-checksum-crc32": crc}, _ShortRaw(bytes(body)))
+
+    store.client.meta.events.register("before-send.s3.*", on_the_wire)
+    with Checkpointer(store, run=RUN, restore_rng=False) as ck:
+        state = blank_state()
+        result = ck.restore(state)
+        assert result.step == 2 and state_tag(state) == 3 and not result.skipped
+        ck.save(3, tagged_state(4), kind="full")
+    assert damaged == {"GET": 0, "PUT": 0}
+    with Checkpointer(store, run=RUN, restore_rng=False) as ck:
+        state = blank_state()
+        assert ck.restore(state).step == 3 and state_tag(state) == 4
