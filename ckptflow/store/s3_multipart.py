@@ -14,6 +14,8 @@ from typing import Any
 
 from ckptflow.store.s3_body import BuffersReader, crc32_b64
 
+MAX_PARTS = 10_000  # S3 refuses a part numbered above this, once every part before it was sent
+
 
 def parts_of(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
     """``size``-byte parts of the concatenated buffers (the last may be shorter), each as
@@ -51,7 +53,9 @@ def upload_in_parts(
     billed, invisible parts stay behind (a process killed mid-upload can leave some: a
     bucket lifecycle rule "abort incomplete multipart uploads after N days" covers that).
     ``attempts(op, attempt, passthrough=())``: the store's runner of one request with
-    retries (``S3Store._attempts`` for this object)."""
+    retries (``S3Store._attempts`` for this object). An object over ``MAX_PARTS`` parts of
+    ``part_size`` is sent in fewer, larger parts."""
+    part_size = max(part_size, -(-sum(len(v) for v in views) // MAX_PARTS))
     upload = attempts(
         "CreateMultipartUpload",
         lambda: client.create_multipart_upload(Bucket=bucket, Key=full_key, ChecksumAlgorithm="CRC32", **extra),

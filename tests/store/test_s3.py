@@ -151,6 +151,22 @@ def test_failure_mid_multipart_leaves_nothing_behind(s3_endpoint, s3_bucket, s3_
     assert no_uploads(s3_client, s3_bucket)
 
 
+def test_an_object_never_needs_more_parts_than_s3_takes(s3_endpoint, s3_bucket, s3_client, monkeypatch):
+    """S3 takes at most 10,000 parts: a model file over 10,000 part sizes (156 GiB at 16 MiB)
+    was refused at part 10,001, after every part before it was sent. The part size now grows
+    to fit (the limit is lowered here to show it on 11 MiB)."""
+    from ckptflow.store import s3_multipart
+
+    monkeypatch.setattr(s3_multipart, "MAX_PARTS", 2)
+    store = fresh(s3_endpoint, s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB)
+    parts: list = []
+    store.client.meta.events.register("before-call.s3.UploadPart", lambda **kw: parts.append(kw["params"]))
+    data = os.urandom(11 * MiB)
+    store.replace("model.bin", data)
+    assert len(parts) == 2 and store.get("model.bin") == data
+    assert no_uploads(s3_client, s3_bucket)
+
+
 # ---- retries and the error when they run out ----------------------------------------------
 @pytest.mark.parametrize("inject", [server_error, timeout], ids=["500", "timeout"])
 def test_transient_failures_are_retried(s3_endpoint, s3_bucket, inject):
