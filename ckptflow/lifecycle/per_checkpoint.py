@@ -7,12 +7,12 @@ to do for a checkpoint the archive alone holds. The commit: before the work read
 checkpoint, ``on_commit`` is told the digest of the commit it is about, so a failure is
 recorded against that commit even if the step is committed again before anyone looks
 (``lifecycle.attribution``); a commit record that cannot be read tells nothing (the
-work's own read reports why). A commit whose validation verdict failed is never
-evaluated, compressed or archived (``FailedValidationError``, before anything is
-written): an orchestrator's blocking check holds back only what it requests itself,
-not a materialization by hand or a backfill. Lifecycle records go to the hot store
-whichever tier is read. Evaluators are named by import path and loaded by the caller's
-``load``.
+validation's own read reports why), and stops the other work before it begins. A commit
+whose validation verdict failed is never evaluated, compressed or archived
+(``FailedValidationError``, before anything is written): an orchestrator's blocking
+check holds back only what it requests itself, not a materialization by hand or a
+backfill. Lifecycle records go to the hot store whichever tier is read. Evaluators are
+named by import path and loaded by the caller's ``load``.
 """
 
 from __future__ import annotations
@@ -55,13 +55,15 @@ def tell_commit(source: Store, run: str, step: int, on_commit: OnCommit) -> Mani
     return manifest
 
 
-def admit_commit(source: Store, hot: Store, run: str, step: int, *, on_commit: OnCommit, work: str) -> Manifest | None:
-    """``tell_commit``, then refuse (``FailedValidationError``) a commit whose validation
-    verdict, recorded in ``hot`` for its digest, failed; returns the commit admitted."""
-    manifest = tell_commit(source, run, step, on_commit)
-    if manifest is not None:
-        how = f"leave it: {work} waits for a passing validation of this commit"
-        check_not_failed(hot, manifest, allow_failed=False, how_to_allow=how)
+def admit_commit(source: Store, hot: Store, run: str, step: int, *, on_commit: OnCommit, work: str) -> Manifest:
+    """Tell ``on_commit`` the commit in ``source``, then refuse (``FailedValidationError``) it
+    if its validation verdict, recorded in ``hot`` for its digest, failed; returns the commit
+    admitted. A commit record that cannot be read raises that read's error: an outage that
+    passed before the work's own read would let the work go on with no commit admitted."""
+    manifest = catalog.read_manifest(source, run, step)
+    on_commit(manifest.digest)
+    how = f"leave it: {work} waits for a passing validation of this commit"
+    check_not_failed(hot, manifest, allow_failed=False, how_to_allow=how)
     return manifest
 
 
@@ -133,7 +135,7 @@ def evaluate_checkpoint(
         function = None if evaluator is None else load(evaluator)
         return evaluate(
             source, hot, run, step, function, evaluator_name=evaluator or TRAINER, key=key, rule=rule,
-            archive=archive, commit=None if admitted is None else admitted.digest,
+            archive=archive, commit=admitted.digest,
         )  # fmt: skip
 
 
@@ -145,7 +147,7 @@ def compress_checkpoint(
     if not holds_commit(hot, run, step):
         return None
     admitted = admit_commit(hot, hot, run, step, on_commit=on_commit, work="its compression")
-    return compress(hot, run, step, progress=progress, commit=None if admitted is None else admitted.digest)
+    return compress(hot, run, step, progress=progress, commit=admitted.digest)
 
 
 def archive_checkpoint(
@@ -181,5 +183,5 @@ def archive_checkpoint(
         evaluator=function,
         evaluator_name=evaluator or TRAINER,
         key=key,
-        commit=None if admitted is None else admitted.digest,
+        commit=admitted.digest,
     )

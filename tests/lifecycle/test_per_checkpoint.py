@@ -11,7 +11,7 @@ from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, read_record
 from ckptflow.chunks.lossy import ArchiveCodec
-from ckptflow.errors import CkptflowError, EvaluatorError, FailedValidationError
+from ckptflow.errors import CkptflowError, EvaluatorError, FailedValidationError, StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle import EvaluationRule
 from ckptflow.store import open_store
@@ -276,3 +276,28 @@ def test_a_step_committed_again_after_its_admission_is_left_alone(tiers, tmp_pat
     record = {"evaluation": "evaluation", "compression": "compression", "archival": "archive"}[work]
     assert read_record(hot, Subject(RUN, 3, digest(hot, 3)), record) is None
     assert not arc.exists(fmt.manifest_key(RUN, 3))
+
+
+@pytest.mark.parametrize("work", sorted(WORKS))
+def test_a_commit_record_unread_at_admission_is_not_worked_on(tiers, monkeypatch, work):
+    """Admission's read of the commit record met an outage that passed before the work's
+    own read: the work went on with no commit admitted, so a commit whose validation
+    failed was evaluated, compressed or archived (and recorded), its run pinned to none."""
+    hot, arc = tiers
+    lifecycle.write_record(hot, Subject(RUN, 3, digest(hot, 3)), "validation", {"ok": False, "problems": ["bad"]})
+    real, calls = catalog.read_manifest, []
+
+    def outage_once(store, run, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise StoreUnavailableError("S3 GetObject failed after 10 attempts: SlowDown")
+        return real(store, run, step)
+
+    monkeypatch.setattr(catalog, "read_manifest", outage_once)
+    pinned, on_commit = told()
+    with pytest.raises(StoreUnavailableError):
+        WORKS[work](hot, arc, on_commit)
+    monkeypatch.undo()
+    record = {"evaluation": "evaluation", "compression": "compression", "archival": "archive"}[work]
+    assert read_record(hot, Subject(RUN, 3, digest(hot, 3)), record) is None
+    assert not arc.exists(fmt.manifest_key(RUN, 3)) and pinned == []
