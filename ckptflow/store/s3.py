@@ -20,14 +20,13 @@ from __future__ import annotations
 import builtins
 import hashlib
 import os
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ckptflow.errors import ColdObjectError, ObjectNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
-from ckptflow.store import s3_read
+from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
+from ckptflow.store import s3_read, s3_retry
 from ckptflow.store.base import Buffers, ObjectInfo, Store, as_buffers, validate_key
 from ckptflow.store.s3_body import BuffersReader, checksum_header, crc32_b64, sha256_b64
 from ckptflow.store.s3_listing import fast_times_session, list_objects
@@ -36,7 +35,6 @@ from ckptflow.store.s3_retry import AttemptsExhausted, Retry, botocore_config, e
 
 ENDPOINT_ENV = "CKPTFLOW_S3_ENDPOINT_URL"
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
-_STEP_KEY = re.compile(r"^runs/(?P<run>[^/]+)/checkpoints/(?P<step>\d+)/")  # names the step to thaw
 _EXISTS = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
 COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE")  # classes whose objects need a restore before a read
 
@@ -137,7 +135,7 @@ class S3Store(Store):
             if code in _NOT_FOUND or http_status(e) == 404:
                 raise ObjectNotFoundError(f"{self._where(key)} does not exist") from None
             if code == "InvalidObjectState":
-                raise self._cold(key, e) from None
+                raise s3_retry.cold_object_error(self.url, self._where(key), key, e) from None
             raise StoreError(f"S3 {op} of {self._where(key)} failed: {code or http_status(e)}: {e}") from e
         except (BotoCoreError, OSError) as e:
             raise StoreError(f"S3 {op} of {self._where(key)} failed: {type(e).__name__}: {e}") from e
@@ -155,16 +153,6 @@ class S3Store(Store):
                     return True  # no answer: asked again at the next such 404
             self._bucket_seen = True
         return True
-
-    def _cold(self, key: str, e: ClientError) -> ColdObjectError:
-        storage_class = str(e.response.get("Error", {}).get("StorageClass", "") or "a cold storage class")
-        step = _STEP_KEY.match(key)
-        where = f"--run {step['run']} --step {int(step['step'])}" if step else "--run RUN --step STEP"
-        return ColdObjectError(
-            f"{self._where(key)} is in {storage_class} and must be restored before it can be read: "
-            f"run `ckptflow thaw {self.url} {where}` (or request an S3 restore of this object), "
-            "wait for the restore to finish (minutes to hours), then retry"
-        )
 
     # ---- reads -------------------------------------------------------------------------
     def get(self, key: str) -> bytes:

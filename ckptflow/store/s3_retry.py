@@ -14,6 +14,7 @@ of falling back to an older checkpoint.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from ckptflow.errors import ColdObjectError
 
 T = TypeVar("T")
 THROTTLING = {
@@ -90,4 +93,20 @@ def botocore_config(pool: int) -> Any:
         connect_timeout=10,
         read_timeout=60,
         max_pool_connections=pool,
+    )
+
+
+_STEP_KEY = re.compile(r"^runs/(?P<run>[^/]+)/checkpoints/(?P<step>\d+)/")  # names the step to thaw
+
+
+def cold_object_error(url: str, where: str, key: str, e: ClientError) -> ColdObjectError:
+    """``InvalidObjectState``: the object ``key`` of the store ``url`` (``where``) is in a cold
+    class, which no retry reads: how to thaw it, naming its step where the key says."""
+    storage_class = str(e.response.get("Error", {}).get("StorageClass", "") or "a cold storage class")
+    step = _STEP_KEY.match(key)
+    which = f"--run {step['run']} --step {int(step['step'])}" if step else "--run RUN --step STEP"
+    return ColdObjectError(
+        f"{where} is in {storage_class} and must be restored before it can be read: "
+        f"run `ckptflow thaw {url} {which}` (or request an S3 restore of this object), "
+        "wait for the restore to finish (minutes to hours), then retry"
     )
