@@ -6,7 +6,7 @@ jobs call these and turn the results into metadata and partitions.
 """
 
 from ckptflow.catalog.verdicts import KINDS, Subject, read_record, records_by_subject, write_record
-from ckptflow.lifecycle.archive import ArchiveReport, archive, copy_matches
+from ckptflow.lifecycle.archive import ArchiveReport, archive
 from ckptflow.lifecycle.compress import CompressionReport, compress
 from ckptflow.lifecycle.evaluate import EvaluationRule, Evaluator, evaluate
 from ckptflow.lifecycle.expire import ExpireError, expire
@@ -19,7 +19,13 @@ from ckptflow.lifecycle.per_checkpoint import (
     validate_checkpoint,
 )
 from ckptflow.lifecycle.repair import RepairReport, repair
-from ckptflow.lifecycle.retention_apply import RetentionReport, apply_retention, archive_only_beyond, current_plan
+from ckptflow.lifecycle.retention_apply import (
+    RetentionReport,
+    apply_retention,
+    archive_only_beyond,
+    copy_matches,
+    current_plan,
+)
 from ckptflow.lifecycle.scrub import ScrubReport, scrub, scrub_archive_only
 from ckptflow.lifecycle.validate import validate
 

@@ -370,32 +370,3 @@ def _problem(report: ArchiveReport, error: CkptflowError) -> None:
     if isinstance(error, StoreUnavailableError):
         raise error
     report.problems.append(str(error))
-
-
-def copy_matches(hot: Store, archive: Store, run: str, step: int) -> str | None:
-    """None if ``archive`` holds this exact checkpoint (the same manifest digest as the
-    hot copy) and archival verified it there; else why not. Checked right before a
-    hot copy is expired. A manifest that could not be read (an outage, a denied or cold
-    object) proves no copy missing: that error is raised, so nothing is decided on it."""
-    hot_manifest = catalog.manifest_or_damage(hot, run, step)
-    if not isinstance(hot_manifest, Manifest):
-        return str(hot_manifest)
-    record = read_record(hot, Subject.of(hot_manifest), "archive") or {}
-    if not record.get("ok"):
-        return "archival has not verified a copy in the archive tier"
-    if record.get("url") not in (None, archive.url):
-        return f"it was archived to {record['url']}, not {archive.url}"
-    arc_manifest = catalog.manifest_or_damage(archive.metadata_store(), run, step)
-    if not isinstance(arc_manifest, Manifest):
-        return str(arc_manifest)
-    expected = record.get("archive_digest") or hot_manifest.digest  # a lossy copy has its own digest
-    if arc_manifest.digest != expected:
-        return f"the archive's manifest differs ({arc_manifest.digest[:12]}… vs {expected[:12]}…)"
-    if arc_manifest.digest != hot_manifest.digest:  # a lossy copy, with a verdict of its own: the archive scrub's
-        # (an exact copy of a checkpoint that is itself lossy, an import of a lossy export, names its own source)
-        if (arc_manifest.lossy or {}).get("source_digest") != hot_manifest.digest:
-            return "the archive holds a lossy copy of another commit of this step"
-        verdict = read_record(hot, Subject.of(arc_manifest), "validation")
-        if verdict is not None and not verdict["ok"]:
-            return "the archive's copy failed validation since it was archived (a scrub found it damaged)"
-    return None

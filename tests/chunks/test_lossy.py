@@ -15,7 +15,7 @@ from ckptflow import Checkpointer, NoValidCheckpointError, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec, describe
 from ckptflow.chunks.reads import ChunkReader
-from ckptflow.lifecycle.archive import copy_matches
+from ckptflow.lifecycle.retention_apply import copy_matches
 from ckptflow.policy.retention import DAY, Candidate, plan
 from ckptflow.reports import inventory
 from ckptflow.store import open_store

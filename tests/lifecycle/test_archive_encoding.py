@@ -22,7 +22,7 @@ from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CorruptChunkError, StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.format.sealed import MAX_RECORD_BYTES
-from ckptflow.lifecycle.archive import copy_matches
+from ckptflow.lifecycle.retention_apply import copy_matches
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, flip_byte
 from support.faulty_store import FaultyStore

@@ -13,7 +13,7 @@ from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.format import layout as fmt
-from ckptflow.lifecycle.archive import copy_matches
+from ckptflow.lifecycle.retention_apply import copy_matches
 from ckptflow.store import open_store
 from support.corrupt import chunk_path, flip_byte
 
