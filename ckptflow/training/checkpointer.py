@@ -354,8 +354,7 @@ class Checkpointer:
         self._superseded = set(result.hot_rejected) | selection.failed_steps(result.passed_over)
         hot = result.tier == self.store.url
         self._last_commit, self._seen = (result.step, loaded) if hot else (None, {})
-        if result.select != "latest" and self.group.rank == 0:  # "latest" leaves no whole step newer
-            warn_of_newer_steps(self.store, self.run, result.step, self._superseded)
+        warn_of_newer_steps(self.store, self.run, result, self._superseded, rank=self.group.rank)
         self._tracked = {}  # the loaded regions were written since: the next save reads them
         record_recovery(self.store, self.run, self.group, started, result=result)
         if self.lineage is not None:

@@ -15,13 +15,20 @@ from collections.abc import Collection
 
 from ckptflow.catalog import listing
 from ckptflow.store.base import Store
+from ckptflow.training.restore import RestoreResult
 
 log = logging.getLogger("ckptflow")
 
 
-def warn_of_newer_steps(store: Store, run: str, step: int, replaceable: Collection[int]) -> list[int]:
-    """The steps after ``step`` that ``run`` holds committed in ``store`` and a save may not
-    replace, warned of; one listing from ``step`` on, no record read."""
+def warn_of_newer_steps(
+    store: Store, run: str, result: RestoreResult, replaceable: Collection[int], *, rank: int
+) -> list[int]:
+    """The steps after the one ``result`` restored that ``run`` holds committed in ``store``
+    and a save may not replace, warned of on rank 0; one listing from that step on, no record
+    read. "latest" leaves no whole step newer (it tried each, newest first): no listing."""
+    if result.select == "latest" or rank != 0:
+        return []
+    step = result.step
     after = listing.listing(store, run, from_steps={run: step + 1}, manifests_only=True)
     newer = [s.step for s in after if isinstance(s, listing.StepListing) and s.committed and s.step > step]
     kept = [s for s in newer if s not in replaceable]
