@@ -40,7 +40,9 @@ from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "lifecycle/"
-KINDS = ("validation", "evaluation", "compression", "archive", "failure")
+# "trainer": what a trainer reported about its commit after committing it (the Lightning plugin's
+# later saves at a step: ``ckptflow.integrations.lightning_overlay``)
+KINDS = ("validation", "evaluation", "compression", "archive", "failure", "trainer")
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +100,8 @@ def _sound(record: Any, what: str, where: str) -> dict[str, Any] | None:
     """``record`` if it has the shape ckptflow writes a ``what`` record in, else None, with a
     warning. The fields checked are those decisions read: a validation or archive record's
     ``ok`` (``"false"``, a string, is truthy: a failed verdict read as passed), an
-    evaluation's ``metrics`` (ranked by ``Best``, retention and promotion; ckptflow records
-    finite numbers only), and when it was recorded."""
+    evaluation's or a trainer's ``metrics`` (ranked by ``Best``, retention and promotion;
+    ckptflow records finite numbers only), and when it was recorded."""
     problem = _shape_problem(record, what)
     if problem is None:
         return record
@@ -123,7 +125,7 @@ def _shape_problem(record: Any, what: str) -> str | None:
     if what in ("validation", "archive") and type(record.get("ok")) is not bool:
         return f"'ok' is {record.get('ok')!r}, not true or false"
     metrics = record.get("metrics")
-    if what == "evaluation" and not (
+    if what in ("evaluation", "trainer") and not (
         isinstance(metrics, dict) and all(isinstance(k, str) and is_number(v) for k, v in metrics.items())
     ):
         return "'metrics' is not an object of finite numbers"

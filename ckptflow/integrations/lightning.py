@@ -23,7 +23,13 @@ Choices, documented:
   the checkpoint of that step and carries the entries this save changed (loops, callbacks'
   state: ``ckptflow.integrations.lightning_overlay``), so loading it gives this save's dict.
   A second save carrying entries the first lacked (a full save after a weights-only one)
-  is refused.
+  is refused. The newest such save also writes its changes, and the score a monitored
+  ``ModelCheckpoint`` gave it, into the commit's ``trainer`` record: ``last`` falling back to
+  that step resumes with them, and retention's best-K ranks the step by that score.
+- A commit's metadata holds the score of each monitored ``ModelCheckpoint`` whose top-k
+  holds the path being saved; a save at a step before its validation (a step-based one,
+  ``last.ckpt``) carries the previous validation's ``current_score``, which is not this
+  step's, so it records none.
 - ``ckpt_path="last"`` (a pointer named ``last*.ckpt``) resumes from the newest checkpoint
   of the run that verifies, falling back past damaged ones as ``Checkpointer.restore``
   does (``CkptflowIO(..., select="validated")``, ``Best(...)`` or ``Alias(...)``: the one
@@ -112,8 +118,9 @@ class CkptflowIO(CheckpointIO):
         self.restore_rng, self.chunk_bytes, self.codec = restore_rng, chunk_bytes, codec
         self._checkpointer: Checkpointer | None = None
         self._steps: dict[int, tuple[frozenset[str], str]] = {}  # saved or loaded here: entries, digest
-        # the newest of those steps: its commit's entries and RNG state (None: not known)
-        self._encoded: tuple[int, overlays.Fingerprints, dict | None] | None = None
+        # the newest of those steps: its commit's entries, RNG state (None: not known) and the
+        # monitored scores its saves reported
+        self._encoded: tuple[int, overlays.Fingerprints, dict | None, dict[str, float]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin into each process
         return {**self.__dict__, "_checkpointer": None}
@@ -137,10 +144,11 @@ class CkptflowIO(CheckpointIO):
         step = int(checkpoint["global_step"])
         entries = frozenset(checkpoint)
         known = self._steps.get(step)
-        rng, changes = capture_rng(), {}
+        rng, changes, scores = capture_rng(), {}, overlays.scores(checkpoint, path)
+        later = known is not None and self._encoded is not None and self._encoded[0] == step
         if known is None:
-            digest = self._commit(step, checkpoint)
-            self._steps[step], self._encoded = (entries, digest), (step, overlays.fingerprints(checkpoint), rng)
+            digest = self._commit(step, checkpoint, scores)
+            self._steps[step], self._encoded = (entries, digest), (step, overlays.fingerprints(checkpoint), rng, scores)
         elif not entries <= known[0]:
             raise CkptflowError(
                 f"step {step} of run {self.run!r} is already saved without {sorted(entries - known[0])}; a checkpoint "
@@ -149,8 +157,10 @@ class CkptflowIO(CheckpointIO):
             )
         else:
             digest = known[1]
-            if self._encoded is not None and self._encoded[0] == step:
+            if later and self._encoded is not None:
                 changes = overlays.changed(self._encoded[1], checkpoint, self._encoded[2], rng)
+                scores = {**self._encoded[3], **scores}
+                self._encoded = (*self._encoded[:3], scores)
         ck = self.checkpointer
         pointer = {"kind": POINTER_KIND, "root": ck.store.url, "run": self.run, "step": step, "manifest_digest": digest}
         blob = _pointer_bytes({**pointer, **changes})
@@ -159,11 +169,13 @@ class CkptflowIO(CheckpointIO):
                 "ckptflow: %s changes %s from the first save at step %d, too large for its pointer (%d bytes); "
                 "it names that save's checkpoint as it is", path, overlays.names(changes), step, len(blob),
             )  # fmt: skip
-            blob = _pointer_bytes(pointer)
+            blob, changes = _pointer_bytes(pointer), {}
+        if later:
+            overlays.record(ck.store, self.run, step, digest, metrics=scores, changes=changes)
         _write_whole(path, blob)
 
-    def _commit(self, step: int, checkpoint: dict[str, Any]) -> str:
-        metadata = {"epoch": checkpoint.get("epoch"), "global_step": step, **_monitored(checkpoint)}
+    def _commit(self, step: int, checkpoint: dict[str, Any], scores: dict[str, float]) -> str:
+        metadata = {"epoch": checkpoint.get("epoch"), "global_step": step, **scores}
         try:
             result = self.checkpointer.save(step, checkpoint, metadata=metadata, kind="full")
         except UnsupportedStateError as e:
@@ -209,11 +221,22 @@ class CkptflowIO(CheckpointIO):
             log.warning("ckptflow: skipped step %d of run %s (does not verify): %s", step, ck.run, why)
         if last and result.step != pointer["step"]:
             log.warning("ckptflow: %s names step %d; resuming from step %d", path, pointer["step"], result.step)
+        trainer = overlays.recorded(ck.store, ck.run, result.step, result.digest) or {}
         if ck is self._checkpointer:
+            scores = {k: v for k, v in result.metadata.items() if isinstance(v, float)}
             self._steps[result.step] = (frozenset(checkpoint), result.digest)
-            self._encoded = (result.step, overlays.fingerprints(checkpoint), None)
+            self._encoded = (
+                result.step,
+                overlays.fingerprints(checkpoint),
+                None,
+                {**scores, **trainer.get("metrics", {})},
+            )
         if (result.step, result.digest) == (pointer["step"], pointer["manifest_digest"]):
             overlays.apply(pointer, checkpoint, restore=ck.restore_rng, where=str(path))  # what its save changed
+        elif isinstance(trainer.get("changes"), dict):  # fell back: the newest save at that step, as recorded
+            where = f"the trainer record of run {ck.run!r} step {result.step}"
+            remedy = "the record is damaged: delete it (the step then resumes as it was committed)"
+            overlays.apply(trainer["changes"], checkpoint, restore=ck.restore_rng, where=where, remedy=remedy)
         return _to_device(checkpoint, map_location) if map_location is not None else checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -280,18 +303,6 @@ def is_pointer(path: Any) -> bool:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return False
     return isinstance(pointer, dict) and pointer.get("kind") == POINTER_KIND
-
-
-def _monitored(checkpoint: dict[str, Any]) -> dict[str, float]:
-    """The metrics ModelCheckpoint callbacks monitor, as checkpoint metadata (what
-    retention's best-K and the lifecycle read)."""
-    out: dict[str, float] = {}
-    for state in (checkpoint.get("callbacks") or {}).values():
-        if isinstance(state, dict) and isinstance(state.get("monitor"), str):
-            score = state.get("current_score")
-            if isinstance(score, torch.Tensor) and score.numel() == 1:
-                out[state["monitor"]] = float(score)
-    return out
 
 
 def _pointer_bytes(pointer: dict[str, Any]) -> bytes:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog.verdicts import Subject, previous_record, write_record
+from ckptflow.catalog.verdicts import Subject, previous_record, read_record, write_record
 from ckptflow.errors import CkptflowError, EvaluatorError, ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
@@ -121,7 +121,8 @@ def evaluate(
     """Evaluate ``(run, step)`` held in ``source`` and record it in ``records`` (the hot store).
 
     With ``evaluator``, the ``key`` entry's tensors are loaded (every chunk verified) and
-    scored; without, the trainer's recorded metrics are the evaluation. The record holds
+    scored; without, the trainer's recorded metrics (the commit's metadata, then those its
+    ``trainer`` record adds: a Lightning validation after the commit) are the evaluation. The record holds
     the metrics, the improvement of ``rule.val_metric`` over the nearest older evaluated
     checkpoint (the commit an older step of ``run`` holds now: in ``records``, else
     ``source``, else ``archive`` (called to open it, only then)), whether
@@ -132,7 +133,8 @@ def evaluate(
     another one there now (the step committed again since) raises before anything is scored.
     """
     manifest = catalog.read_admitted(source, run, step, commit, "evaluation")
-    trainer = numeric(manifest.metadata)
+    reported = read_record(records, Subject.of(manifest), "trainer") or {}  # scores reported after the commit
+    trainer = {**numeric(manifest.metadata), **numeric(reported.get("metrics") or {})}
     if evaluator is None:
         metrics, by = trainer, TRAINER
     else:

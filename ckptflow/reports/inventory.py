@@ -65,7 +65,8 @@ class Entry:
         merged = {
             k: v for k, v in self.trainer_metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
-        merged.update((self.records.get("evaluation") or {}).get("metrics") or {})
+        for kind in ("trainer", "evaluation"):  # scores reported after the commit, then the evaluation's
+            merged.update((self.records.get(kind) or {}).get("metrics") or {})
         return merged
 
     @property

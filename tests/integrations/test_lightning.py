@@ -19,17 +19,15 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from ckptflow import Checkpointer, CkptflowError, UnsupportedStateError, lifecycle
 from ckptflow.catalog import recovery_log
 from ckptflow.integrations.lightning import CkptflowIO
 from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, only_in
-
-EPOCHS, STEPS_PER_EPOCH = 4, 8
+from support.lightning_models import EPOCHS, STEPS_PER_EPOCH, Tiny, data
 
 
 @pytest.fixture(autouse=True)
@@ -39,33 +37,6 @@ def quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self, lr: float = 0.05, crash_at: int | None = None):
-        super().__init__()
-        self.save_hyperparameters(ignore=["crash_at"])
-        self.crash_at = crash_at
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
-        self.losses: list[torch.Tensor] = []
-
-    def training_step(self, batch, batch_idx):
-        if self.global_step == self.crash_at:
-            raise RuntimeError("killed")
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
-        self.losses.append(loss.detach().clone())
-        return loss
-
-    def configure_optimizers(self):
-        optim = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return [optim], [torch.optim.lr_scheduler.StepLR(optim, 3, 0.5)]
-
-
-def data() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS_PER_EPOCH * 8, 4, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True)
 
 
 def trainer(
@@ -305,71 +276,3 @@ def test_a_preemption_signal_saves_that_step_and_stops_then_resume_starts_there(
         again, data(), ckpt_path=preempt.saved_path
     )
     assert len(again.losses) == EPOCHS * STEPS_PER_EPOCH - 6  # resumed exactly at the signalled step
-
-
-class Validated(Tiny):
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
-
-
-def stopping_early(root, run: str, dirpath) -> pl.Trainer:
-    """A checkpoint per epoch twice at one step (the step-based one at the epoch's last batch, before
-    validation; the monitored one after it) and early stopping at the second validation."""
-    return pl.Trainer(
-        max_epochs=EPOCHS, plugins=[CkptflowIO(str(root), run)], accelerator="cpu", logger=False,
-        enable_progress_bar=False, enable_model_summary=False, deterministic=True, num_sanity_val_steps=0,
-        callbacks=[
-            ModelCheckpoint(dirpath=str(dirpath), filename="s{step}", every_n_train_steps=STEPS_PER_EPOCH),
-            ModelCheckpoint(dirpath=str(dirpath), monitor="val_loss", save_last=True),
-            EarlyStopping("val_loss", patience=1, min_delta=100.0),  # only the first validation improves
-        ],
-    )  # fmt: skip
-
-
-def test_a_later_save_at_a_committed_step_resumes_with_its_own_callback_state(tmp_path):
-    """Both saves at step 8 pointed at the first one's commit, taken before validation: resuming
-    from last.ckpt restored EarlyStopping as it was before the validation at step 8, so the
-    resumed run went on past step 16, where the uninterrupted run (and a torch.save resume) stops."""
-    pl.seed_everything(0)
-    full = Validated()
-    stopping_early(tmp_path / "store", "full", tmp_path / "full").fit(full, data(), data())
-    assert full.global_step == 2 * STEPS_PER_EPOCH  # stopped early
-    pl.seed_everything(0)
-    with pytest.raises(RuntimeError, match="killed"):
-        stopping_early(tmp_path / "store", "part", tmp_path / "part").fit(
-            Validated(crash_at=STEPS_PER_EPOCH + 2), data(), data()
-        )
-
-    pl.seed_everything(123)
-    model = Validated()
-    stopping_early(tmp_path / "store", "part", tmp_path / "part").fit(model, data(), data(), ckpt_path="last")
-    assert model.global_step == full.global_step
-    assert torch.equal(torch.stack(model.losses), torch.stack(full.losses)[STEPS_PER_EPOCH:])
-    with Checkpointer(str(tmp_path / "store"), "part") as ck:
-        assert [i.step for i in ck.list()] == [8, 16]  # still one commit per step
-
-
-def test_changes_too_large_for_a_pointer_leave_it_naming_the_commit(tmp_path, caplog):
-    io = CkptflowIO(str(tmp_path / "store"), "r")
-    first = {"global_step": 3, "state_dict": {"w": torch.ones(2)}, "callbacks": {"Big": {"t": torch.zeros(1 << 19)}}}
-    io.save_checkpoint(first, tmp_path / "a.ckpt")
-    with caplog.at_level(logging.WARNING, logger="ckptflow"):
-        io.save_checkpoint({**first, "callbacks": {"Big": {"t": torch.ones(1 << 19)}}}, tmp_path / "b.ckpt")
-    assert "too large for its pointer" in caplog.text and "[\"callbacks['Big']\"]" in caplog.text
-    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["callbacks"]["Big"]["t"], torch.zeros(1 << 19))
-
-
-def test_a_changed_callback_does_not_carry_an_unchanged_large_one_into_the_pointer(tmp_path):
-    """The whole 'callbacks' entry was one fingerprint: a monitored ModelCheckpoint's new state
-    re-encoded an unchanged EMA (or SWA) copy of the weights beside it, the pointer grew past
-    1 MiB and named the first save's commit as it was, its loops and callbacks' progress lost."""
-    io = CkptflowIO(str(tmp_path / "store"), "r")
-    callbacks = {"EMA": {"t": torch.zeros(1 << 19)}, "ModelCheckpoint": {"best": 1.0}}
-    first = {"global_step": 3, "state_dict": {"w": torch.ones(2)}, "loops": {"done": 1}, "callbacks": callbacks}
-    io.save_checkpoint(first, tmp_path / "a.ckpt")
-    later = {**first, "loops": {"done": 2}, "callbacks": {**callbacks, "ModelCheckpoint": {"best": 0.5}}}
-    io.save_checkpoint(later, tmp_path / "b.ckpt")
-    loaded = io.load_checkpoint(tmp_path / "b.ckpt")
-    assert loaded["loops"] == {"done": 2} and loaded["callbacks"]["ModelCheckpoint"] == {"best": 0.5}
-    assert torch.equal(loaded["callbacks"]["EMA"]["t"], torch.zeros(1 << 19))
