@@ -8,7 +8,9 @@ retried like the request, and the retried GET resumes where the last whole piece
 (``Range``), so a many-GB download cut off near its end does not fetch it all again, and
 ``consume`` sees every byte once, in order. That holds only if both GETs return the same
 object: the resumed GET asks for the ETag already read (``If-Match``), and an object
-replaced since fails the read (``StoreError``) rather than mix two objects. Retries that
+replaced since fails the read (``StoreError``) rather than mix two objects. A store that
+ignores ``Range`` (some S3-compatible servers and proxies answer 200 with the whole object)
+is read on past the bytes already placed, which are not handed out again. Retries that
 ran out having moved the read on start a fresh round of them: a connection that drops
 every few hundred MB still finishes a many-GB file, and one that makes no progress fails
 as any read does (``StoreUnavailableError``). What
@@ -93,7 +95,7 @@ def _stream(obj: Object, plan: Plan, consume: Callable[[memoryview], None] | Non
         response = _get(obj, resume, seen["etag"])
         body = response["Body"]
         try:
-            size, etag = _size_and_etag(obj, response, resume)
+            size, etag, at = _size_etag_and_start(obj, response, resume)
             if seen["etag"] not in (None, etag):
                 raise _replaced(obj, seen["etag"], etag)
             pieces = plan(size)
@@ -103,6 +105,9 @@ def _stream(obj: Object, plan: Plan, consume: Callable[[memoryview], None] | Non
             offset = 0
             for part in pieces:
                 if offset < resume:  # placed (and consumed) by an earlier attempt
+                    if at < offset + len(part):  # a whole object's body: read past those bytes
+                        _skip(body, offset + len(part) - at, at, size)
+                        at = offset + len(part)
                     offset += len(part)
                     continue
                 _fill(body, part, offset, size)
@@ -140,17 +145,20 @@ def _get(obj: Object, resume: int, etag: str | None) -> dict:
         raise
 
 
-def _size_and_etag(obj: Object, response: dict, resume: int) -> tuple[int, str]:
-    """The whole object's size and its ETag; a resumed GET's ``Content-Range`` must start
-    where it was asked to (``bytes <first>-<last>/<size>``)."""
+def _size_etag_and_start(obj: Object, response: dict, resume: int) -> tuple[int, str, int]:
+    """The whole object's size, its ETag and the byte its body starts at: a resumed GET's
+    ``Content-Range`` must start where it was asked to (``bytes <first>-<last>/<size>``), or
+    the answer be the whole object (200, no ``Content-Range``: a store that ignores ``Range``)."""
     etag = str(response.get("ETag", ""))
-    if not resume:
-        return int(response.get("ContentLength", 0)), etag
     answered = str(response.get("ContentRange", ""))
+    whole = not answered and response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200
+    if not resume or whole:
+        return int(response.get("ContentLength", 0)), etag, 0
+
     first, _, size = answered.removeprefix("bytes ").partition("/")
     if not first.startswith(f"{resume}-") or not size.isdigit():
         raise StoreError(f"{obj.where}: asked for its bytes from {resume} on, S3 answered {answered!r}; read it again")
-    return int(size), etag
+    return int(size), etag, resume
 
 
 def _replaced(obj: Object, before: str, now: str) -> StoreError:
@@ -158,6 +166,15 @@ def _replaced(obj: Object, before: str, now: str) -> StoreError:
         f"{obj.where} was replaced while it was read (ETag {before}, then {now}); "
         "nothing read from it can be trusted: read it again"
     )
+
+
+def _skip(body: Any, count: int, offset: int, size: int) -> None:
+    """``count`` bytes of ``body`` read and dropped, 1 MiB at a time."""
+    scratch = memoryview(bytearray(min(count, 1 << 20)))
+    while count:
+        n = min(count, len(scratch))
+        _fill(body, scratch[:n], offset, size)
+        offset, count = offset + n, count - n
 
 
 def _fill(body: Any, part: memoryview, offset: int, size: int) -> None:
