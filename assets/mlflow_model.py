@@ -2,8 +2,10 @@
 
 A step of its own after ``deployed_model`` in the promotion and rollback jobs, so a failed
 MLflow call fails only this step, never the promotion: ckptflow's registry has already
-moved and stays the source of truth. The step is retried (``RetryPolicy``), and the
-mirror is idempotent, so a retry, or the next promotion, finishes what a failure left.
+moved and stays the source of truth. The step is retried (``RetryPolicy``) when a retry
+may help (MLflow or the store did not answer), and the mirror is idempotent, so a retry,
+or the next promotion, finishes what a failure left; a failure a retry repeats (MLflow
+refused, a damaged registry record, another registry mirroring into the model) fails at once.
 Every model in ckptflow's registry is synced, so nothing depends on which one was promoted.
 """
 
@@ -22,7 +24,7 @@ from dagster import (
 
 from assets.models import deployed_model
 from assets.partitions import partition_keys
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, MirrorError, StoreUnavailableError
 from resources import RegistryResource
 from resources.mlflow_registry import MlflowRegistryResource
 
@@ -50,7 +52,7 @@ def mlflow_model(
     ckptflow's registry) fails the step once the others are mirrored, naming each failure."""
     reg = registry.open()
     mirror = mlflow.open()
-    results, failed = [], []
+    results, failed, retry = [], [], False
     held = partition_keys(context.instance)  # links name the partition this instance holds for each checkpoint
     models = reg.models()
     for model in models:
@@ -59,11 +61,13 @@ def mlflow_model(
         except CkptflowError as e:  # MirrorError, or the registry's own RegistryError
             context.log.error(f"{model}: not mirrored: {e}")
             failed.append(f"{model}: {e}")
+            retry |= isinstance(e, StoreUnavailableError) or (isinstance(e, MirrorError) and e.retry)
     if failed:
         synced = sorted(r.model for r in results)
         raise Failure(
             f"{len(failed)} of {len(models)} models were not mirrored into MLflow ({synced or 'none'} were): "
-            + "; ".join(failed)
+            + "; ".join(failed),
+            allow_retries=retry,  # a retry repeats a refusal, a damaged record, a clash: fail now
         )
     metadata: dict = {"tracking_uri": MetadataValue.url(mlflow.tracking_uri)}
     for r in results:

@@ -129,7 +129,13 @@ class RegistryError(CkptflowError):
 class MirrorError(CkptflowError):
     """A model registry mirror (MLflow) that could not be brought up to date after its
     retries. ckptflow's own registry is unchanged by it and stays the source of truth:
-    syncing again (idempotent) finishes the mirror."""
+    syncing again (idempotent) finishes the mirror. ``retry``: whether syncing again soon
+    may (MLflow or the store did not answer); False when it repeats until someone acts (MLflow
+    refused, a damaged registry record, another registry mirroring into that model)."""
+
+    def __init__(self, message: str, *, retry: bool = False):
+        super().__init__(message)
+        self.retry = retry
 
 
 class PromotionError(CkptflowError):

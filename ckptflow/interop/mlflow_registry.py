@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ckptflow.errors import CkptflowError, MirrorError
+from ckptflow.errors import CkptflowError, MirrorError, StoreUnavailableError
 from ckptflow.interop.registry import ALIASES, ModelVersion, Registry
 
 T = TypeVar("T")
@@ -301,7 +301,9 @@ class MlflowMirror:
                     {MLFLOW_ALIASES[a]: str(result.versions[v]) for a, v in wanted.items() if a in MLFLOW_ALIASES}
                 )
                 return
-        raise MirrorError(f"ckptflow's aliases of {model!r} kept moving during {ALIAS_ROUNDS} rounds; sync again")
+        raise MirrorError(
+            f"ckptflow's aliases of {model!r} kept moving during {ALIAS_ROUNDS} rounds; sync again", retry=True
+        )
 
     def _mlflow_aliases(self, name: str) -> dict[str, str]:
         return {str(a): str(v) for a, v in (self.client.get_registered_model(name).aliases or {}).items()}
@@ -320,7 +322,8 @@ class MlflowMirror:
             except CkptflowError as e:  # ckptflow's registry (a rotted file, an outage), which no MLflow retry fixes
                 raise MirrorError(
                     f"could not {what}: ckptflow's registry failed, not MLflow: {e}; "
-                    "the mirror stays behind until that is fixed and a sync runs again"
+                    "the mirror stays behind until that is fixed and a sync runs again",
+                    retry=isinstance(e, StoreUnavailableError),
                 ) from e
             except Exception as e:  # MLflow raises MlflowException, requests' and OS errors alike
                 last = e
@@ -334,7 +337,8 @@ class MlflowMirror:
         raise MirrorError(
             f"could not {what} in MLflow at {self.tracking_uri} after {self.attempts} attempts "
             f"({type(last).__name__}: {_first_line(last)}); ckptflow's registry is unchanged and stays the source "
-            f"of truth: sync again to finish the mirror"
+            f"of truth: sync again to finish the mirror",
+            retry=True,
         ) from last
 
 

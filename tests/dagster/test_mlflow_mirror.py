@@ -135,5 +135,9 @@ def test_one_models_broken_record_fails_the_mirror_step_after_the_others_are_mir
     assert "of 3 models were not mirrored into MLflow" in message and f"{models[0]}: " in message, message
     assert repr(models[1]) in message.split(" were)")[0], message  # named among those mirrored
     assert "is not JSON" in message, message
+    retried = [
+        e for e in result.all_events if e.step_key == "mlflow_model" and e.event_type_value == "STEP_UP_FOR_RETRY"
+    ]
+    assert retried == []  # a damaged record is not fixed by waiting: no retry after retry
     client = MlflowClient(mlflow_tracking_uri, registry_uri=mlflow_tracking_uri)
     assert client.get_registered_model(models[1]).aliases == {"newest": "1", "stable": "1"}

@@ -167,8 +167,11 @@ def test_an_unreachable_mlflow_fails_the_mirror_only(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     hot, reg, _ = checkpoints(tmp_path, steps=(1,))
     mirror = MlflowMirror(f"http://127.0.0.1:{free_port()}", attempts=2, wait_s=0.01)
-    with pytest.raises(MirrorError, match=r"could not create registered model 'm' in MLflow at http://127\.0\.0\.1"):
+    with pytest.raises(
+        MirrorError, match=r"could not create registered model 'm' in MLflow at http://127\.0\.0\.1"
+    ) as err:
         promote(hot, reg, PromotionRequest("m", ("r", 1)), mirror=mirror)
+    assert err.value.retry  # MLflow did not answer: syncing again later may finish it
     assert [v.version for v in reg.versions("m")] == [1] and reg.aliases("m") == {"latest": 1}
 
 
@@ -178,8 +181,9 @@ def test_another_registry_mirroring_into_the_same_mlflow_model_is_refused(mlflow
     promote(hot, reg, PromotionRequest("m", ("r", 1)), mirror=mirror)
     other_hot, other_reg, _ = checkpoints(tmp_path / "b", steps=(2,))
     promote(other_hot, other_reg, PromotionRequest("m", ("r", 2)))
-    with pytest.raises(MirrorError, match="another ckptflow registry mirrors into this MLflow model"):
+    with pytest.raises(MirrorError, match="another ckptflow registry mirrors into this MLflow model") as err:
         mirror.sync(other_reg, "m")
+    assert not err.value.retry  # a clash that every sync repeats until the mirror is renamed
 
 
 def test_a_run_left_by_another_registrys_failed_sync_is_not_reused_for_other_bytes(mlflow_uri, tmp_path):
@@ -221,4 +225,5 @@ def test_a_rotted_registry_file_fails_the_sync_once_naming_ckptflows_registry_no
         mirror.sync(reg, "m")
     message = str(err.value)
     assert "does not match its sha256" in message and "rebuild" in message and "in MLflow at" not in message
+    assert not err.value.retry  # damage, which waiting does not mend
     assert len(downloads) == 1
