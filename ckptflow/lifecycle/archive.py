@@ -11,6 +11,7 @@ from ckptflow.catalog.listing import Problem, problem_from
 from ckptflow.catalog.verdicts import Subject, read_record, write_record
 from ckptflow.chunks import planes
 from ckptflow.chunks.io import ChunkStore, plain_encoding
+from ckptflow.chunks.leases import Heartbeat, save_lease
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.errors import CkptflowError, ObjectNotFoundError, ObjectTooLargeError, StoreUnavailableError
 from ckptflow.format import layout as fmt
@@ -86,6 +87,11 @@ def archive(
     ``evaluator`` a lossy copy is then re-evaluated and the metric change recorded next
     to the exact metrics.
 
+    From before it looks at ``dst``'s chunks until its commit, the copy holds a save's
+    lease there (``ckptflow.chunks.leases``): it reuses chunks ``dst`` already holds (an
+    earlier attempt's, which no manifest names yet), so a GC of that tier waits for it, and
+    it waits for a GC running there.
+
     A tier that could not be read (an outage, a cold or denied object) proves nothing:
     ``StoreUnavailableError`` is raised and no record is written, so archival can retry
     (``commit``: the one a caller admitted, ``catalog.read_admitted``).
@@ -100,12 +106,14 @@ def archive(
     manifest = catalog.read_admitted(src, run, step, commit, "archival")
     lost = None if manifest.lossy is None else dict(manifest.lossy)
     report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest, lossy=lost)
-    if codec is None or codec.exact or manifest.lossy is not None or _holds_exact(dst, manifest):
-        _exact(src, dst, manifest, report, progress, verifying)
-    else:
-        _lossy(src, dst, manifest, codec, report, progress, verifying)
-        if report.ok and evaluator is not None:
-            report.evaluation = _reevaluate(src, dst, manifest, evaluator, evaluator_name, key)
+    with save_lease(dst.metadata_store()) as lease:
+        exact = codec is None or codec.exact or manifest.lossy is not None or _holds_exact(dst, manifest)
+        if exact or codec is None:
+            _exact(src, dst, manifest, report, progress, verifying, lease)
+        else:
+            _lossy(src, dst, manifest, codec, report, progress, verifying, lease)
+    if not exact and report.ok and evaluator is not None:
+        report.evaluation = _reevaluate(src, dst, manifest, evaluator, evaluator_name, key)
     write_record(
         src,
         Subject.of(manifest),
@@ -142,6 +150,7 @@ def _exact(
     report: ArchiveReport,
     progress: Progress | None,
     verifying: Phase | None,
+    lease: Heartbeat,
 ) -> None:
     source = ChunkStore(src).scoped(manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address)
     target = ChunkStore(dst).scoped(manifest.chunks, checksums=manifest.fast_checksums, address=manifest.address)
@@ -173,7 +182,7 @@ def _exact(
     if fmt.digest_of(blob) != manifest.digest:
         report.problems.append(f"{src.url}/{fmt.manifest_key(manifest.run, manifest.step)} changed while it was copied")
         return
-    _commit(dst, manifest, blob, records, report)
+    _commit(dst, manifest, blob, records, report, lease)
 
 
 def _place(
@@ -219,6 +228,7 @@ def _lossy(
     report: ArchiveReport,
     progress: Progress | None,
     verifying: Phase | None,
+    lease: Heartbeat,
 ) -> None:
     try:
         copy = write_lossy_copy(src, dst, manifest, codec, progress)
@@ -233,7 +243,7 @@ def _lossy(
     )
     _check_chunks(target, copy.manifest, report, copy.sizes, None, verifying)
     if report.ok:
-        _commit(dst, copy.manifest, copy.blob, copy.records, report)
+        _commit(dst, copy.manifest, copy.blob, copy.records, report, lease)
 
 
 def _reevaluate(src: Store, dst: Store, manifest: Manifest, evaluator: Evaluator, name: str, key: str) -> dict:
@@ -324,6 +334,7 @@ def _commit(
     blob: bytes,
     records: list[tuple[str, bytes]],
     report: ArchiveReport,
+    lease: Heartbeat,
 ) -> None:
     """Rank records, checked as read back, then the manifest, create-only, then the
     manifest and the records read back. Another commit of this step already in ``dst`` is
@@ -333,6 +344,11 @@ def _commit(
     reads; a concurrent archival of the same step that replaced them after this one
     checked them is caught by the read-back after the commit."""
     meta, key = dst.metadata_store(), fmt.manifest_key(manifest.run, manifest.step)
+    if lease.lost:  # GC of the tier may have judged it dead and swept chunks this copy checked
+        raise StoreUnavailableError(
+            f"the lease of the archival of run {manifest.run!r} step {manifest.step} in {dst.url} could not be "
+            "renewed, so GC of that tier may have swept chunks of the copy; nothing was committed: archive again"
+        )
     try:
         try:
             held: bytes | None = meta.get_bounded(key, MAX_RECORD_BYTES)

@@ -1,7 +1,9 @@
 """Tiered restore and per-tier GC: a hot store plus an archive tier (a local directory,
 then a bucket on the moto S3 server through the ``store_url`` fixture)."""
 
+import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -13,6 +15,7 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import ColdObjectError, NoValidCheckpointError
 from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
+from support.faulty_store import FaultyStore
 from support.states import assert_state_equals, snapshot
 
 RUN = "r"
@@ -156,3 +159,41 @@ def test_cold_archive_keeps_metadata_readable_and_restore_says_to_thaw(
         with pytest.raises(ColdObjectError, match=r"ckptflow thaw s3://.* --run r --step 2"):
             ck.restore(state)
     assert_state_equals(state, before)
+
+
+def test_archive_gc_racing_an_archival_that_reuses_a_failed_attempts_chunks(
+    tmp_path, tiny_state_factory, tiny_train_step
+):
+    """An archival retried after one that failed finds that attempt's chunks in the archive
+    (old, no manifest names them) and reuses them. A GC of the archive running meanwhile
+    must not sweep them: the archived copy it commits would name chunks the archive lost."""
+    hot_root, arc_root = str(tmp_path / "hot"), str(tmp_path / "arc")
+    save_two(hot_root, tiny_state_factory, tiny_train_step)
+    hot, archive = open_store(hot_root), open_store(arc_root)
+    assert lifecycle.archive(hot, archive, RUN, 2).ok
+    archive.delete(fmt.manifest_key(RUN, 2))  # what an attempt that failed before its commit leaves
+    hour_ago = time.time() - 3600
+    for dirpath, _dirs, files in os.walk(arc_root):
+        for name in files:
+            os.utime(os.path.join(dirpath, name), (hour_ago, hour_ago))
+    chunks = {info.key for info in archive.list("chunks/")}
+    assert chunks
+
+    faulty = FaultyStore(archive)
+    pause = faulty.pause_before("put_if_absent", lambda key: key == fmt.manifest_key(RUN, 2))
+    reports: list = []
+    retry = threading.Thread(target=lambda: reports.append(lifecycle.archive(hot, faulty, RUN, 2)))
+    retry.start()
+    try:
+        assert pause.reached.wait(30), "the archival never reached its commit"
+        swept = gc(archive, grace="30m", wait=0.5)  # a GC of the archive, while the retry commits
+    finally:
+        pause.release()
+        retry.join(30)
+    (report,) = reports
+    assert report.ok, report.problems
+    assert not swept.deleted, f"GC swept chunks an archival in flight was committing: {swept.deleted}"
+    assert swept.skipped
+    assert chunks <= {info.key for info in archive.list("chunks/")}
+    verified = catalog.verify_checkpoint(archive, RUN, 2, deep=False)
+    assert not verified.damaged and not verified.problems, verified.problems
