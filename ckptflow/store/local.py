@@ -242,9 +242,10 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
                 if entry.is_symlink():
                     if recursive:
                         raise self._link(key)  # what lies behind it would be invisible to GC
-                    yield ObjectInfo(
-                        key + "/" if entry.is_dir() else key, 0, entry.stat(follow_symlinks=False).st_mtime
-                    )
+                    # one that points nowhere (its disk not mounted) may still hold a run's data: listed as a
+                    # directory, so that what lists below it meets the link and refuses, as for a live one
+                    folder = entry.is_dir() or not os.path.exists(entry.path)
+                    yield ObjectInfo(key + "/" if folder else key, 0, entry.stat(follow_symlinks=False).st_mtime)
                 elif entry.is_dir(follow_symlinks=False):
                     if recursive:
                         yield from self._scan(entry.path, key, recursive=True)

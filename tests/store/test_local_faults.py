@@ -59,6 +59,23 @@ def test_a_run_moved_elsewhere_and_linked_back_is_refused_everywhere_and_never_s
     assert code == 1 and "symbolic link" in err
 
 
+@pytest.mark.parametrize("moved", ["run", "step"])
+def test_a_link_whose_disk_is_not_mounted_is_still_refused_and_never_swept(tmp_path, moved):
+    """A run (or a step) moved to another disk and linked back, while that disk is not
+    mounted: the link points nowhere, but what it held is still the run's. GC must refuse
+    as it does while the disk is there, never take the run for absent and sweep its chunks."""
+    root = tmp_path / "store"
+    two_runs(root)
+    inside = root / "runs" / "b" if moved == "run" else root / fmt.step_prefix("b", 1).rstrip("/")
+    shutil.move(inside, tmp_path / "other-disk")
+    os.symlink(tmp_path / "other-disk", inside)
+    (tmp_path / "other-disk").rename(tmp_path / "other-disk-unmounted")
+    before = chunk_files(root)
+    report = gc(str(root), grace=0)
+    assert report.skipped and "symbolic link" in report.skipped, report
+    assert chunk_files(root) == before
+
+
 def test_a_save_never_writes_through_a_link_out_of_the_root(tmp_path):
     root = tmp_path / "store"
     two_runs(root)
