@@ -123,7 +123,7 @@ def unseal(blob: bytes, where: str) -> dict:
         # records written before key order was kept were sealed over sorted keys
         legacy = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
         if claimed != hashlib.sha256(legacy).hexdigest():
-            raise ManifestError(f"{where} fails its checksum (stored {str(claimed)[:12]}…, computed {actual[:12]}…)")
+            raise ManifestError(f"{where} fails its checksum (stored {str(claimed):.80}, computed {actual})")
     version = record.get("format_version")
     if type(version) is not int or version not in fmt.READABLE_FORMATS:  # true == 1 and 2.0 == 2 in Python
         reads = ", ".join(map(str, fmt.READABLE_FORMATS))

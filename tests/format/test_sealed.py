@@ -76,3 +76,14 @@ def test_a_checksum_field_that_is_no_checksum_is_refused(claimed):
     blob = json.dumps({"format_version": fmt.FORMAT_VERSION, "checksum": claimed}).encode()
     with pytest.raises(ManifestError, match="checksum"):
         unseal(blob, "record")
+
+
+def test_a_checksum_damaged_past_its_first_characters_shows_where_the_two_differ():
+    """Both digests were cut to 12 characters: "stored 4cc2936304b7…, computed 4cc2936304b7…"."""
+    sealed = seal(RECORD)
+    record = json.loads(sealed)
+    claimed = record["checksum"]
+    damaged = claimed[:40] + ("0" if claimed[40] != "0" else "1") + claimed[41:]
+    with pytest.raises(ManifestError) as err:
+        unseal(sealed.replace(claimed.encode(), damaged.encode()), "record")
+    assert f"stored {damaged}, computed {claimed}" in str(err.value)
