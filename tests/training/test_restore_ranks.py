@@ -1,0 +1,58 @@
+"""Two ranks restoring while they see different things: an outage on one and damage on the
+other, a specific step damaged where only one rank reads it, another sharding than the save's,
+a fully_shard model with its optimizer and scheduler resumed exactly. One spawned 2-rank group
+runs the scenarios of ``support.restore_rank_workers`` in turn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ckptflow import Checkpointer
+from support import dist_workers, restore_rank_workers
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
+SCENARIOS = ["outage_on_one_rank_damage_on_the_other", "specific_damaged_step", "resharded", "fsdp_to_one"]
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> dist_workers.Session:
+    workdir = tmp_path_factory.mktemp("restore_ranks")
+    return dist_workers.launch(SCENARIOS, workdir, timeout=150, registry=restore_rank_workers.__name__)
+
+
+def test_an_outage_on_one_rank_outweighs_damage_on_the_other(session):
+    for r in session.results("outage_on_one_rank_damage_on_the_other"):
+        assert r["error"] == "StoreUnavailableError", r  # never a fallback to step 1
+        assert "Input/output error" in r["message"] and r["untouched"]
+
+
+def test_a_damaged_step_asked_for_is_an_error_on_every_rank_not_another_step(session):
+    for r in session.results("specific_damaged_step"):
+        assert r["error"] == "NoValidCheckpointError" and r["step"] is None, r
+        assert "checkpoint step 2" in r["message"] and "does not match" in r["message"] and r["untouched"]
+
+
+def test_rows_saved_restore_into_columns_and_replicas(session):
+    for r in session.results("resharded"):
+        assert r["cols_step"] == 1 and r["cols_w"] and r["cols_v"] and r["rep_w"] and r["rep_v"], r
+
+
+def test_a_two_rank_fully_sharded_run_resumes_exactly_on_two_ranks_and_in_one_process(session):
+    first, second = session.results("fsdp_to_one")
+    assert first["same_after_resume"] and second["same_after_resume"]
+    model = restore_rank_workers._model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    root = session.workdir / "fsdp_to_one" / "store"
+    with Checkpointer(str(root), run=dist_workers.RUN, restore_rng=False) as ck:  # not rank 0's RNG here
+        assert ck.restore({"model": model, "optim": opt, "sched": sched}, step=3).step == 3
+    restore_rank_workers._train(model, opt, sched, 3, 3)
+    got = {k: v.tolist() for k, v in model.state_dict().items()}
+    assert got == json.loads(json.dumps(first["full"]))  # the uninterrupted 2-rank run, bit for bit
