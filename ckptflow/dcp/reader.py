@@ -154,8 +154,9 @@ class CheckpointReader(StorageReader):
     def _verify_all(
         self, indexes: list[MetadataIndex], per_core: ThreadPoolExecutor | None
     ) -> tuple[dict[str, CheckedChunk], Failure | None]:
-        """Every chunk checked; a damaged chunk anywhere outweighs a read that failed
-        elsewhere (the checkpoint is bad whatever else happened)."""
+        """Every chunk checked; a read that failed (an outage, a cold object, a newer format)
+        outweighs a damaged chunk elsewhere, as it does across ranks (``failures.agree``): the
+        restore stops rather than decide on what it could not read, whichever rank read what."""
         sizes = self.manifest.chunks  # a pack's, not its member's slice (``packs``)
         needed = {digest: sizes[digest] for index in indexes for digest, _ in self.storage[index].chunks}
         cached = self._in_memory(list(needed), per_core)
@@ -180,8 +181,8 @@ class CheckpointReader(StorageReader):
         if not errors:
             return checked, None
         checked.clear()  # chunks kept decoded: the errors' tracebacks hold this frame until collected
-        damage = [e for e in errors if is_damage(e)]
-        return {}, failure_of(damage[0] if damage else errors[0])
+        unread = [e for e in errors if not is_damage(e)]
+        return {}, failure_of(unread[0] if unread else errors[0])
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         # a store with a page cache: chunks it holds in memory are read one per core (``_pool_for``),

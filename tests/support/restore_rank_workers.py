@@ -11,7 +11,7 @@ import torch
 from support import dist_workers as W
 
 
-def _outage(store, keys: str = "chunks/") -> None:
+def fail_reads(store, keys: str = "chunks/") -> None:
     """Every read of a key under ``keys`` from ``store`` fails as an unreachable disk does."""
 
     def failing(method):
@@ -46,7 +46,7 @@ def outage_on_one_rank_damage_on_the_other(rank: int, world: int, workdir: Path)
     dist.barrier()
     reader = Checkpointer(str(root), run=W.RUN, chunk_bytes=W.CHUNK, threads=2)
     if rank == 0:
-        _outage(reader.store)
+        fail_reads(reader.store)
     state = W._blank_sharded_state(mesh)
     try:
         result = reader.restore(state)

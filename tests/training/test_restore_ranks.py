@@ -56,3 +56,25 @@ def test_a_two_rank_fully_sharded_run_resumes_exactly_on_two_ranks_and_in_one_pr
     restore_rank_workers._train(model, opt, sched, 3, 3)
     got = {k: v.tolist() for k, v in model.state_dict().items()}
     assert got == json.loads(json.dumps(first["full"]))  # the uninterrupted 2-rank run, bit for bit
+
+
+def test_in_one_process_too_an_outage_outweighs_damage_elsewhere(tmp_path):
+    """The same store state as across two ranks, read by one process: it fell back to step 1
+    (damage anywhere outweighed the failed read), where two ranks stop. Now one rule: stop."""
+    from ckptflow.errors import StoreUnavailableError
+    from ckptflow.format import layout as fmt
+    from support.corrupt import corrupt_chunk, only_in
+
+    root = tmp_path / "store"
+    with Checkpointer(str(root), "r", chunk_bytes=1 << 12) as ck:
+        for step in (1, 2):
+            ck.save(step, {"a": torch.full((4096,), float(step)), "b": torch.full((4096,), -float(step))})
+    damaged, unread, *_ = only_in(root, "r", 2, 1)
+    corrupt_chunk(root, "r", 2, damaged)
+    reader = Checkpointer(str(root), "r")
+    restore_rank_workers.fail_reads(reader.store, fmt.chunk_key(unread))
+    state = {"a": torch.zeros(4096), "b": torch.zeros(4096)}
+    with pytest.raises(StoreUnavailableError):
+        reader.restore(state)
+    reader.close()
+    assert not state["a"].any() and not state["b"].any()  # nothing loaded, step 1 neither
