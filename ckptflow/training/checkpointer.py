@@ -154,6 +154,7 @@ class Checkpointer:
             step,
             self.group,
             self.pool,
+            kind=kind,
             superseded=self._superseded,
             last_commit=self._last_commit,
         )

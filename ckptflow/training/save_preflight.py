@@ -69,6 +69,7 @@ def claim_step(
     group: Group,
     pool: ThreadPoolExecutor,
     *,
+    kind: str,
     superseded: set[int],
     last_commit: int | None,
 ) -> tuple[int | None, str, str | None]:
@@ -77,7 +78,19 @@ def claim_step(
     the digest of the manifest it replaces). Every rank gets the same answer or raises
     the same error (a lone raise would hang the others in DCP's collectives).
     ``superseded``: steps whose commit a restore rejected (a save may replace them);
-    ``last_commit``: the newest step this process committed or restored."""
+    ``last_commit``: the newest step this process committed or restored.
+
+    First every rank's ``step`` and ``kind`` are compared: rank 0 decides for its own step,
+    and the commit is its own, so a rank a step ahead wrote its record under another step
+    (the commit was damaged from the start: "rank record missing"), and one asked for an
+    incremental save reused chunks under a commit called full."""
+    asked = group.all_gather((step, kind))
+    if len(set(asked)) > 1:
+        each = ", ".join(f"rank {r}: step {s} ({k})" for r, (s, k) in enumerate(asked))
+        raise CkptflowError(
+            f"the ranks asked for different saves of run {run!r} ({each}), so nothing was written: every rank "
+            "must call save() with the same step and kind"
+        )
 
     def decide() -> tuple[int | None, str, str | None]:
         replaces = check_step(store, run, step, pool, rejected=step in superseded)

@@ -166,6 +166,43 @@ def unexpected_errors_on_rank_0(rank: int, world: int, workdir: Path) -> dict:
     return {"rank": rank, "errors": errors, "took_s": took, "steps": steps}
 
 
+def ranks_ask_for_different_saves(rank: int, world: int, workdir: Path) -> dict:
+    """Rank 1 is one step ahead of rank 0 (its own step counter), then asks for another kind
+    of save than rank 0; then both ask alike."""
+    from ckptflow import Checkpointer, per_rank
+
+    state = {"own": per_rank({"w": torch.full((64,), float(rank))})}
+    errors, took = {}, {}
+    with Checkpointer(str(workdir / "store"), run=RUN, threads=2) as ck:
+        for name, call in [
+            ("step", lambda: ck.save(5 + rank, state)),
+            ("kind", lambda: ck.save(8, state, kind="full" if rank == 0 else "incremental")),
+        ]:
+            started = time.monotonic()
+            try:
+                call()
+                errors[name] = None
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+            took[name] = time.monotonic() - started
+            if name == "step":
+                committed = [info.step for info in ck.list()]
+                ck.save(4, state)  # a base: the incremental save asked for next has one
+        if errors["kind"] is not None:  # else step 8 is committed already
+            ck.save(8, state, kind="incremental")
+        steps = [(info.step, info.kind) for info in ck.list()]
+        restored = {"own": per_rank({"w": torch.zeros(64)})}
+        ck.restore(restored)
+    return {
+        "rank": rank,
+        "errors": errors,
+        "took_s": took,
+        "committed": committed,
+        "steps": steps,
+        "restored": restored["own"].value["w"].tolist() == state["own"].value["w"].tolist(),
+    }
+
+
 def save_waits_as_long_as_the_job(rank: int, world: int, workdir: Path) -> dict:
     """The job's collectives time out after 3 s, and rank 1 never saves: rank 0's save must
     fail once those 3 s pass, not after torch's default of 30 minutes."""
@@ -202,6 +239,7 @@ def save_waits_as_long_as_the_job(rank: int, world: int, workdir: Path) -> dict:
 SCENARIOS = {
     "unexpected_errors_on_rank_0": unexpected_errors_on_rank_0,
     "save_waits_as_long_as_the_job": save_waits_as_long_as_the_job,
+    "ranks_ask_for_different_saves": ranks_ask_for_different_saves,
     "prepare_during_async_save": prepare_during_async_save,
     "delta_base_unlisted_on_rank_0": delta_base_unlisted_on_rank_0,
     "adaptive_slow_rank": adaptive_slow_rank,

@@ -25,6 +25,7 @@ SCENARIOS = [
     "delta_base_unlisted_on_rank_0",
     "unexpected_errors_on_rank_0",
     "prepare_during_async_save",
+    "ranks_ask_for_different_saves",
     "adaptive_after_a_group_of_rank_0_alone",  # last: before the fix, it hung the group
 ]
 
@@ -79,6 +80,23 @@ def test_a_bug_where_rank_0_alone_decides_fails_every_rank_at_once(session):
         )
         assert first["took_s"][name] < 10 and second["took_s"][name] < 10
     assert first["steps"] == second["steps"] == [1, 2]  # the collectives stayed in step: the next save commits
+
+
+def test_ranks_that_ask_for_different_saves_are_refused_on_every_rank_before_anything_is_written(session):
+    # before: rank 0 alone decided, so step 5 was committed with rank 1's record written under
+    # step 6 (restore found the committed checkpoint damaged: "rank record ... is missing"), and
+    # a "full" save was committed for which rank 1 had reused its chunks as an incremental one
+    first, second = session.results("ranks_ask_for_different_saves")
+    assert first["committed"] == second["committed"] == []
+    assert first["errors"]["step"] is not None and second["errors"]["step"] is not None
+    for result in (first, second):
+        for name, asked in [("step", "rank 0: step 5 (full), rank 1: step 6 (full)"),
+                            ("kind", "rank 0: step 8 (full), rank 1: step 8 (incremental)")]:  # fmt: skip
+            assert result["errors"][name].startswith("CkptflowError: the ranks asked for different saves of run")
+            assert asked in result["errors"][name] and "nothing was written" in result["errors"][name]
+            assert result["took_s"][name] < 10
+        assert result["steps"] == [[4, "full"], [8, "incremental"]]  # the group stayed in step
+        assert result["restored"]
 
 
 def test_ckptflows_groups_time_out_with_the_jobs_own(tmp_path):
