@@ -103,15 +103,26 @@ def failure_of(error: BaseException) -> Failure:
 
 @contextlib.contextmanager
 def own_errors() -> Iterator[None]:
-    """Re-raise our own error from inside DCP's ``CheckpointException`` when it has one cause
-    (a Ctrl-C that DCP caught in a writer thread too: the CLI reports it as interrupted)."""
+    """Re-raise our own error from inside DCP's ``CheckpointException`` (a ``BaseException``,
+    which ``except Exception`` misses): a Ctrl-C that DCP caught in a writer thread if there
+    is one (the CLI reports it as interrupted), else the lowest failing rank's error, with
+    the other ranks' causes added as a note. Several ranks fail at once as a rule (a store
+    that is down is down for all), and every rank gets the same causes, so every rank
+    raises an error of the same kind."""
     try:
         yield
     except CheckpointException as e:
         causes = unwrap_failures(e)
-        if len(causes) == 1 and isinstance(causes[0], (Exception, KeyboardInterrupt)):
-            raise causes[0] from None
-        raise
+        if not causes or not all(isinstance(c, (Exception, KeyboardInterrupt)) for c in causes):
+            raise
+        first = next((c for c in causes if isinstance(c, KeyboardInterrupt)), causes[0])
+        others = describe_causes([c for c in causes if c is not first and describe(c) != describe(first)])
+        note = f"other ranks failed too: {others}"
+        # Python 3.11+ (3.10 tells the first cause alone); a handle's second wait() raises it again
+        add_note = getattr(first, "add_note", None)
+        if others and add_note is not None and note not in getattr(first, "__notes__", ()):
+            add_note(note)
+        raise first from None
 
 
 def agree(group: Group, failure: Failure | None) -> Failure | None:

@@ -203,6 +203,46 @@ def ranks_ask_for_different_saves(rank: int, world: int, workdir: Path) -> dict:
     }
 
 
+def every_rank_fails_to_write(rank: int, world: int, workdir: Path) -> dict:
+    """The store is down for every rank while a save writes its chunks (blocking, then async);
+    then rank 0 finds the store down and rank 1 finds it full; then it is back."""
+    from ckptflow import Checkpointer, per_rank
+    from ckptflow.chunks.io import ChunkStore
+    from ckptflow.errors import StoreFullError, StoreUnavailableError
+
+    def failing(error: Exception):
+        def put(self: ChunkStore, *args: object, **kwargs: object) -> object:
+            raise error
+
+        return put
+
+    state = {"own": per_rank({"w": torch.full((4096,), float(rank))})}
+    outage = StoreUnavailableError(f"rank {rank}: the store is down (after 10 attempts)")
+    full = StoreFullError(f"rank {rank}: no space left on the device")
+    errors = {}
+    original = ChunkStore.put
+    with Checkpointer(str(workdir / "store"), run=RUN, threads=2, pack_bytes=0, chunk_bytes=1024) as ck:
+        for name, error, blocking in [
+            ("blocking", outage, True),
+            ("async", outage, False),
+            ("mixed", outage if rank == 0 else full, True),
+        ]:
+            ChunkStore.put = failing(error)  # type: ignore[method-assign]
+            try:
+                handle = ck.save(1, state, blocking=blocking)
+                if not blocking:
+                    assert handle is not None
+                    handle.wait()
+                errors[name] = None
+            except Exception as e:  # what a loop that goes on after a failed save catches
+                errors[name] = [type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", []))]
+            finally:
+                ChunkStore.put = original  # type: ignore[method-assign]
+        ck.save(1, state)
+        steps = [info.step for info in ck.list()]
+    return {"rank": rank, "errors": errors, "steps": steps}
+
+
 def save_waits_as_long_as_the_job(rank: int, world: int, workdir: Path) -> dict:
     """The job's collectives time out after 3 s, and rank 1 never saves: rank 0's save must
     fail once those 3 s pass, not after torch's default of 30 minutes."""
@@ -240,6 +280,7 @@ SCENARIOS = {
     "unexpected_errors_on_rank_0": unexpected_errors_on_rank_0,
     "save_waits_as_long_as_the_job": save_waits_as_long_as_the_job,
     "ranks_ask_for_different_saves": ranks_ask_for_different_saves,
+    "every_rank_fails_to_write": every_rank_fails_to_write,
     "prepare_during_async_save": prepare_during_async_save,
     "delta_base_unlisted_on_rank_0": delta_base_unlisted_on_rank_0,
     "adaptive_slow_rank": adaptive_slow_rank,

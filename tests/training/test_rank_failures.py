@@ -26,6 +26,7 @@ SCENARIOS = [
     "unexpected_errors_on_rank_0",
     "prepare_during_async_save",
     "ranks_ask_for_different_saves",
+    "every_rank_fails_to_write",
     "adaptive_after_a_group_of_rank_0_alone",  # last: before the fix, it hung the group
 ]
 
@@ -97,6 +98,22 @@ def test_ranks_that_ask_for_different_saves_are_refused_on_every_rank_before_any
             assert result["took_s"][name] < 10
         assert result["steps"] == [[4, "full"], [8, "incremental"]]  # the group stayed in step
         assert result["restored"]
+
+
+def test_a_save_that_fails_on_every_rank_raises_ckptflows_error_not_dcps(session):
+    # before: with more than one rank failing (a store down is down for all), save and
+    # handle.wait() raised DCP's CheckpointException, a BaseException: neither
+    # ``except StoreUnavailableError`` nor ``except Exception`` caught it, and the loop died
+    for result in session.results("every_rank_fails_to_write"):
+        for name in ("blocking", "async"):
+            kind, message, notes = result["errors"][name]
+            assert kind == "StoreUnavailableError"
+            assert message == "rank 0: the store is down (after 10 attempts)"
+            assert "rank 1: the store is down" in notes
+        kind, message, notes = result["errors"]["mixed"]
+        assert (kind, message) == ("StoreUnavailableError", "rank 0: the store is down (after 10 attempts)")
+        assert "rank 1: no space left on the device" in notes  # every rank's cause is told
+        assert result["steps"] == [1]  # nothing was committed, and the group stayed in step
 
 
 def test_ckptflows_groups_time_out_with_the_jobs_own(tmp_path):
