@@ -148,16 +148,8 @@ class Checkpointer:
             raise UnsupportedStateError(f"{problem}; nothing was saved")
         # refused here: nothing written, nothing moved
         skeleton, tensors = flatten_on_every_rank(state, metadata, self.group)
-        base, save_id, replaces = claim_step(
-            self.store,
-            self.run,
-            step,
-            self.group,
-            self.pool,
-            kind=kind,
-            superseded=self._superseded,
-            last_commit=self._last_commit,
-        )
+        base, save_id, replaces = claim_step(self.store, self.run, step, self.group, self.pool, kind=kind,
+                                             superseded=self._superseded, last_commit=self._last_commit)  # fmt: skip
         if base is None:
             kind = "full"
         spec = SaveSpec(
