@@ -74,9 +74,11 @@ def _cause(failure: Any) -> BaseException:
 
 
 def describe(error: BaseException) -> str:
-    if isinstance(error, CkptflowError):
-        return str(error) or type(error).__name__
-    return f"{type(error).__name__}: {error}"
+    """``error`` in a line, with its notes (``own_errors`` notes other ranks' causes on it)."""
+    text = (
+        (str(error) or type(error).__name__) if isinstance(error, CkptflowError) else f"{type(error).__name__}: {error}"
+    )
+    return "; ".join([text, *getattr(error, "__notes__", ())])
 
 
 def describe_causes(causes: list[BaseException]) -> str:

@@ -169,3 +169,17 @@ def test_a_ctrl_c_while_chunks_are_written_is_a_keyboard_interrupt_not_a_dcp_fai
     with pytest.raises(KeyboardInterrupt), Checkpointer(str(tmp_path), "r") as ck:
         ck.save(1, {"w": torch.ones(4)})
     assert not ck.list()
+
+
+def test_the_causes_of_other_ranks_noted_on_the_error_raised_are_told_with_it():
+    """``own_errors`` raises the first rank's error and notes the others' causes on it; the exit's
+    report of a lost async save (``describe_causes``) told the first cause alone."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptflow.dcp.failures import describe_causes, unwrap_failures
+    from ckptflow.errors import StoreFullError, StoreUnavailableError
+
+    with pytest.raises(StoreUnavailableError) as err, own_errors():
+        raise CheckpointException("save", {0: StoreUnavailableError("store down"), 1: StoreFullError("disk full")})
+    told = describe_causes(unwrap_failures(err.value))
+    assert "store down" in told and "other ranks failed too: disk full" in told
