@@ -183,8 +183,12 @@ class Checkpointer:
             live=blocking,  # an async save writes its staged copy
         )
         if blocking:
-            with own_errors():
-                save_tensors(tensors, writer, self.group)
+            try:
+                with own_errors():
+                    save_tensors(tensors, writer, self.group)
+            except BaseException:
+                self._resumed = (step, time.perf_counter())  # the loop goes on from a failed save too
+                raise
             manifest = writer.manifest
             self._committed(step, manifest, writer)
             self._observed(step, clock, time.perf_counter() - clock.started)

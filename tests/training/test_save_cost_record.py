@@ -72,3 +72,31 @@ def test_a_malformed_or_absent_record_reads_as_none_and_the_checkpoint_still_par
     assert SaveCost.from_json({"blocked_s": 1, "duration_s": 2, "step_time_s": None, "steps_since": None}) == SaveCost(
         blocked_s=1.0, duration_s=2.0
     )
+
+
+def test_step_time_after_a_failed_save_is_measured_from_that_failure(tmp_path, monkeypatch):
+    """A save that failed did not move the point the step time is measured from: the next
+    save counted the failed save's seconds as training (a 0.5 s failure over 2 steps: 0.25 s
+    a step where the loop took 0.05 s), and the interval advice read that."""
+    import pytest
+
+    from ckptflow.chunks.io import ChunkStore
+
+    root, state = str(tmp_path), tiny_state()
+    real = ChunkStore._store
+
+    def slow_failure(*_args, **_kwargs):
+        time.sleep(0.5)
+        raise OSError(28, "No space left on device (injected)")
+
+    with Checkpointer(root, RUN) as ckpt:
+        ckpt.save(0, state)
+        looped = _steps(state, 1)
+        monkeypatch.setattr(ChunkStore, "_store", slow_failure)
+        with pytest.raises(Exception, match="No space left"):
+            ckpt.save(1, state)
+        monkeypatch.setattr(ChunkStore, "_store", real)
+        looped = max(looped, _steps(state, 1))
+        ckpt.save(2, state)
+    cost = catalog.read_manifest(open_store(root), RUN, 2).save_cost
+    assert cost is not None and cost.steps_since == 1 and PAUSE_S <= cost.step_time_s < looped + 0.1
