@@ -219,17 +219,16 @@ def _on_this_commit(
     step, which only a later tier (the archive) holds."""
     kept: list[int] = []
     other: str | None = None
-    found = False
     for at, index in enumerate(tiers):
         digest = _digest_in(stores, run, step, index, known)
         if digest in digests and not every:
             return kept + tiers[at:], None
         if digest in digests or digest is None:
-            found = found or digest is not None
             kept.append(index)
         elif other is None:
             other = digest
-    return (kept, None) if found or other is None else ([], _stale(what, digests, other))
+    # a tier that did not read may hold the commit (an outage proves nothing): restore tries it
+    return (kept, None) if kept or other is None else ([], _stale(what, digests, other))
 
 
 def not_the_commit_accepted(accepted: frozenset[str], current: str) -> str:

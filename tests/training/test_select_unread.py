@@ -1,0 +1,71 @@
+"""A selector that could not read something proves nothing: a read that failed while it
+chose (a commit record, a lifecycle record) never passes a step over for an older one."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.store import open_store
+from ckptflow.store.local import LocalStore
+from support.corrupt import chunk_path, flip_byte, only_in
+
+
+def model_at(step: float) -> nn.Module:
+    """A model whose every value says which step it holds."""
+    model = nn.Linear(16, 16)
+    with torch.no_grad():
+        model.weight.fill_(step)
+        model.bias.fill_(step)
+    return model
+
+
+def make(tmp_path, steps):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r", chunk_bytes=256) as ck:
+        for step in steps:
+            ck.save(step, {"model": model_at(step)}, metadata={"val_loss": 1.0 / step})
+    return root, open_store(root)
+
+
+def damage(root, step):
+    flip_byte(chunk_path(root, only_in(root, "r", step)[0]))
+
+
+class ReadFailsOnce(LocalStore):
+    """The first read of a key ending in ``suffix`` fails (an outage), later ones read."""
+
+    def __init__(self, root, suffix):
+        super().__init__(root)
+        self.suffix, self.failed = suffix, False
+
+    def get_bounded(self, key, limit):
+        if key.endswith(self.suffix) and not self.failed:
+            self.failed = True
+            raise StoreUnavailableError(f"{key}: 503 SlowDown, failed after 10 attempts")
+        return super().get_bounded(key, limit)
+
+
+def test_validated_tries_the_hot_copy_it_could_not_read_when_the_archive_holds_another_commit(tmp_path):
+    """Step 2's first commit was archived, then rotted and was committed again in the hot store,
+    and the new commit passed validation. The selector's read of the hot commit record fails
+    once: restore still tries it (it reads now), never passes step 2 over for step 1 by the
+    archive's other commit."""
+    root, store = make(tmp_path, steps=(1, 2))
+    archive = open_store(str(tmp_path / "archive"))
+    assert lifecycle.archive(store, archive, "r", 2).ok
+    with Checkpointer(root, "r") as ck:
+        damage(root, 2)
+        ck.restore({"model": model_at(0)})
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})
+    for step in (1, 2):
+        assert lifecycle.validate(store, "r", step)["ok"]
+    live = {"model": model_at(0)}
+    hot = ReadFailsOnce(root, "000000000002/manifest.json")
+    with Checkpointer(hot, "r", tiers=[archive.root]) as ck:
+        result = ck.restore(live, select="validated")
+    assert hot.failed
+    assert (result.step, result.tier, result.passed_over) == (2, store.url, [])
+    assert live["model"].weight[0, 0].item() == 2
