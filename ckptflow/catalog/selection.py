@@ -173,7 +173,8 @@ def choose(
         held.setdefault(step, []).append(index)
     if isinstance(select, Alias):
         return _by_alias(stores, run, select, held, registry or stores[0], known)
-    records = records_by_subject(stores[0], run)
+    needed = ("validation",) if select == "validated" else ("validation", "evaluation")
+    records = records_by_subject(stores[0], run, needed=needed)
     by_step: dict[int, dict[str, dict]] = {}
     for (_, step, digest), kinds in records.items():
         by_step.setdefault(step, {})[digest] = kinds

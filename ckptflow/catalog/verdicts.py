@@ -33,6 +33,7 @@ from ckptflow.errors import (
     ManifestError,
     ObjectNotFoundError,
     RecordTooLargeError,
+    StoreUnavailableError,
     is_damage,
 )
 from ckptflow.format import layout as fmt
@@ -132,10 +133,15 @@ def _shape_problem(record: Any, what: str) -> str | None:
     return None
 
 
-def records_by_subject(store: Store, run: str | None = None) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
+def records_by_subject(
+    store: Store, run: str | None = None, *, needed: Collection[str] = ()
+) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
     """Every record under ``lifecycle/`` (or one run's) by ``(run, step, digest)``, then
-    kind: one listing plus small reads."""
-    return _read(store, PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/")
+    kind: one listing plus small reads. A record that could not be read (an outage) is
+    left out, as unknown; one of a kind in ``needed`` raises ``StoreUnavailableError``
+    instead: a decision made on it (what a restore recovers to) would read its absence
+    as "not validated" and pick an older checkpoint on no proof."""
+    return _read(store, PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/", needed)
 
 
 def _subject_of(key: str) -> tuple[str, int, str, str] | None:
@@ -148,7 +154,9 @@ def _subject_of(key: str) -> tuple[str, int, str, str] | None:
     return None if step is None else (parts[0], step, parts[2], parts[3][:-5])
 
 
-def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
+def _read(
+    store: Store, prefix: str, needed: Collection[str] = ()
+) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
     """One listing; the records' contents through each run's listing-validated index, so
     a store with thousands of records costs one read per run once they are known."""
     by_run: dict[str, list[tuple[ObjectInfo, tuple[str, int, str, str]]]] = defaultdict(list)
@@ -166,6 +174,12 @@ def _read(store: Store, prefix: str) -> dict[tuple[str, int, str], dict[str, dic
         for info, (_, step, digest, kind) in listed:
             value = values[info.key]
             if isinstance(value, Exception) and not is_damage(value):
+                if kind in needed:
+                    raise StoreUnavailableError(
+                        f"could not read the {kind} record {store.url}/{info.key} ({value}): a choice made "
+                        f"without it could pass step {step} over on no proof, so none was made. Fix access to "
+                        "the store and try again"
+                    ) from value
                 continue  # not read (an outage, access denied): that proves nothing about it
             record = _sound(value, kind, f"{store.url}/{info.key}")
             if record is not None:

@@ -3,11 +3,13 @@ chose (a commit record, a lifecycle record) never passes a step over for an olde
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.reports import inventory
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
 from support.corrupt import chunk_path, flip_byte, only_in
@@ -35,14 +37,15 @@ def damage(root, step):
 
 
 class ReadFailsOnce(LocalStore):
-    """The first read of a key ending in ``suffix`` fails (an outage), later ones read."""
+    """The first read of a key ending in ``suffix`` fails (an outage), later ones read
+    (``always``: every one fails)."""
 
-    def __init__(self, root, suffix):
+    def __init__(self, root, suffix, *, always=False):
         super().__init__(root)
-        self.suffix, self.failed = suffix, False
+        self.suffix, self.failed, self.always = suffix, False, always
 
     def get_bounded(self, key, limit):
-        if key.endswith(self.suffix) and not self.failed:
+        if key.endswith(self.suffix) and (self.always or not self.failed):
             self.failed = True
             raise StoreUnavailableError(f"{key}: 503 SlowDown, failed after 10 attempts")
         return super().get_bounded(key, limit)
@@ -69,3 +72,32 @@ def test_validated_tries_the_hot_copy_it_could_not_read_when_the_archive_holds_a
     assert hot.failed
     assert (result.step, result.tier, result.passed_over) == (2, store.url, [])
     assert live["model"].weight[0, 0].item() == 2
+
+
+@pytest.mark.parametrize("what", ["validation", "evaluation"])
+def test_a_lifecycle_record_that_could_not_be_read_stops_the_restore(tmp_path, what):
+    """Step 2 is validated and evaluated (the best), but its record does not read (an outage
+    that outlasted the retries): restore raises StoreUnavailableError rather than recover to
+    step 1 saying step 2 is "not validated yet" (or has no evaluation)."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+        lifecycle.evaluate(store, store, "r", step)
+    select = "validated" if what == "validation" else "best:val_loss:min"
+    live = {"model": model_at(0)}
+    hot = ReadFailsOnce(root, f"{what}.json")
+    with Checkpointer(hot, "r") as ck, pytest.raises(StoreUnavailableError, match=f"{what}.json"):
+        ck.restore(live, select=select)
+    assert hot.failed and live["model"].weight[0, 0].item() == 0
+    with Checkpointer(root, "r") as ck:  # the store reads again: step 2, as chosen before the outage
+        assert ck.restore(live, select=select).step == 2
+
+
+def test_the_inventory_says_a_selector_stops_where_a_lifecycle_record_does_not_read(tmp_path):
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+        lifecycle.evaluate(store, store, "r", step)
+    hot = ReadFailsOnce(root, "validation.json", always=True)  # the inventory reads what it can
+    [row] = inventory.recovery_choices(hot, inventory.collect(hot))
+    assert row["latest"] == 2 and row["validated"] == row["best"] == "stops (a lifecycle record is unreadable)"
