@@ -254,16 +254,9 @@ def _validated(
     passed: list[tuple[int, str]] = []
     commits: dict[tuple[int, int], frozenset[str]] = {}
     for step in sorted(held, reverse=True):
-        verdicts = {d: k["validation"] for d, k in by_step.get(step, {}).items() if "validation" in k}
-        ok = {d for d, v in verdicts.items() if v.get("ok") is True}
+        ok = {d for d, k in by_step.get(step, {}).items() if k.get("validation", {}).get("ok") is True}
         if not ok:
-            failed = {d: v for d, v in verdicts.items() if v.get("ok") is False}
-            if failed:  # a verdict is about its commit: the one there now may be another, not checked yet
-                now = _digest_in(stores, run, step, held[step][0], known)
-                failed = {d: v for d, v in failed.items() if d == now or now is None}
-            problems = "; ".join(str(p) for v in failed.values() for p in (v.get("problems") or [])[:2])
-            why = f"{FAILED}: {problems or 'no problem recorded'}" if failed else "not validated yet"
-            passed.append((step, why))
+            passed.append((step, _failed_now(stores, run, step, held[step], by_step, known) or "not validated yet"))
             continue
         tiers, stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known)
         if stale:
@@ -272,6 +265,19 @@ def _validated(
         pairs += [(step, i) for i in tiers]
         commits.update({(step, i): frozenset(ok) for i in tiers})
     return Choice(label, pairs, passed, commits=commits)
+
+
+def _failed_now(
+    stores: Sequence[Store], run: str, step: int, tiers: list[int], by_step: dict, known: Mapping
+) -> str | None:
+    """Why ``step`` is passed over as failed validation, or None: a verdict is about its
+    commit, and the one there now (in its first tier) may be another, not checked yet."""
+    verdicts = {d: k["validation"] for d, k in by_step.get(step, {}).items() if "validation" in k}
+    if failed := {d: v for d, v in verdicts.items() if v.get("ok") is False}:
+        now = _digest_in(stores, run, step, tiers[0], known)
+        failed = {d: v for d, v in failed.items() if d == now or now is None}
+    problems = "; ".join(str(p) for v in failed.values() for p in (v.get("problems") or [])[:2])
+    return f"{FAILED}: {problems or 'no problem recorded'}" if failed else None
 
 
 def _best(
@@ -287,16 +293,14 @@ def _best(
     commits: dict[tuple[int, int], frozenset[str]] = {}
     for step in sorted(held, reverse=True):
         values: dict[str, float] = {}
-        failed = False
         for digest, kinds in by_step.get(step, {}).items():
             value = (kinds.get("evaluation", {}).get("metrics") or {}).get(select.metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
-                if kinds.get("validation", {}).get("ok") is False:
-                    failed = True
-                else:
-                    values[digest] = float(value)
+            valid = kinds.get("validation", {}).get("ok") is not False
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and valid:
+                values[digest] = float(value)
         if not values:
-            passed.append((step, FAILED if failed else f"no evaluation of {select.metric!r}"))
+            why = _failed_now(stores, run, step, held[step], by_step, known)
+            passed.append((step, why or f"no evaluation of {select.metric!r}"))
             continue
         tiers, stale = _scored_tiers(stores, run, step, held[step], values, select.mode, known)
         if stale:

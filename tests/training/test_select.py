@@ -143,6 +143,25 @@ def test_a_failed_verdict_of_an_earlier_commit_does_not_label_the_commit_there_n
     assert result.step == 1 and result.passed_over == [(2, "not validated yet")]
 
 
+def test_best_does_not_label_the_commit_there_now_by_an_earlier_commit_s_failed_verdict(tmp_path, caplog):
+    """Step 2's first commit was evaluated, then failed validation; training saved step 2 again
+    and the new commit is not evaluated yet: "best" passes it over for that, not as "failed
+    validation" (which would also tell a save it may replace the whole new commit), and warns
+    that a save of step 2 will be refused."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.evaluate(store, store, "r", step)
+    damage(root, 2)
+    assert lifecycle.validate(store, "r", 2)["ok"] is False
+    with Checkpointer(root, "r") as ck:
+        ck.restore({"model": model_at(0)})
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})
+    with caplog.at_level("WARNING", logger="ckptflow"):
+        result = restored(root, select=Best("val_loss", "min"))
+    assert result.step == 1 and result.passed_over == [(2, "no evaluation of 'val_loss'")]
+    assert "holds newer checkpoints (step 2)" in caplog.text
+
+
 def test_a_verdict_or_evaluation_names_an_earlier_commit_than_one_a_newer_ckptflow_wrote(tmp_path):
     """Step 2 validated and evaluated, then committed again by a newer ckptflow (its record
     reads only there): "validated" and "best" pass over it to what they accept, saying why,
