@@ -58,11 +58,20 @@ class CheckpointExistsError(CkptflowError):
 
 
 class NoValidCheckpointError(CkptflowError):
-    """Restore found nothing it could load; ``skipped`` says why for each candidate."""
+    """Restore found nothing it could load; ``skipped`` says why for each candidate, and
+    ``passed_over`` why each checkpoint its selector did not accept was none (the recovery
+    record keeps both)."""
 
-    def __init__(self, message: str, skipped: list[tuple[int, str]] | None = None):
+    def __init__(
+        self,
+        message: str,
+        skipped: list[tuple[int, str]] | None = None,
+        *,
+        passed_over: list[tuple[int, str]] | None = None,
+    ):
         super().__init__(message)
         self.skipped = skipped or []
+        self.passed_over = passed_over or []
 
 
 class StateMismatchError(CkptflowError):

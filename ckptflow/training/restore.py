@@ -288,6 +288,7 @@ class Restore:
             f"{detail if skipped else 'none'}; not {choice.label!r}: {over}). Choose another selector "
             "(select='latest' restores the newest whole checkpoint) or validate/evaluate the checkpoints first",
             skipped,
+            passed_over=list(choice.passed_over),
         )
 
     def _try_load(
@@ -385,5 +386,5 @@ def record_recovery(
             duration_s=time.perf_counter() - started,
             error=None if result else str(error),
             select=result.select if result else select,
-            passed_over=result.passed_over if result else [],
+            passed_over=result.passed_over if result else getattr(error, "passed_over", []),
         )

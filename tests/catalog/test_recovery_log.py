@@ -10,6 +10,7 @@ import torch
 from ckptflow import Checkpointer, open_store
 from ckptflow.catalog import recovery_log
 from ckptflow.catalog.records import SMALL_RECORD_BYTES
+from ckptflow.errors import NoValidCheckpointError
 from ckptflow.reports import advice, recoveries
 
 RUN = "r"
@@ -59,3 +60,18 @@ def test_a_record_over_the_limit_is_not_read(store, monkeypatch):
     store.replace(f"{recovery_log.PREFIX}{RUN}/20000101T000000-big.json", big)
     monkeypatch.setattr(store, "get", lambda key: pytest.fail(f"{key} was read unbounded"))
     assert len(recovery_log.read_all(store, RUN)) == 1
+
+
+def test_a_failed_restore_records_the_checkpoints_its_selector_passed_over(tmp_path):
+    """No checkpoint is validated: restore(select="validated") fails, and its recovery record
+    says why each one was not a candidate, as a successful one's does (not an empty list)."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+        with pytest.raises(NoValidCheckpointError, match="'validated' and whole") as raised:
+            ck.restore({"w": torch.zeros(4)}, select="validated")
+    [record] = recovery_log.read_all(open_store(root), RUN)
+    assert record["ok"] is False and record["select"] == "validated"
+    assert record["passed_over"] == [[2, "not validated yet"], [1, "not validated yet"]]
+    assert raised.value.passed_over == [(2, "not validated yet"), (1, "not validated yet")]
