@@ -1,10 +1,9 @@
 """What a restore recovers to: which checkpoints a selector accepts, in the order to try them.
 
-"The most recent checkpoint might be corrupted; the most recent validated one is safer;
-the best-performing one suits trying other approaches." A selector names that choice:
+"The most recent checkpoint might be corrupted; the most recent validated one is safer; the
+best-performing one suits trying other approaches." A selector names that choice:
 
-- ``"latest"`` (the default): every checkpoint, newest first (restore's own fallback
-  past damage);
+- ``"latest"`` (the default): every checkpoint, newest first (restore's own fallback past damage);
 - ``"validated"``: only commits with a passing validation verdict on that exact manifest
   digest, newest first; a newer one that failed or has no verdict yet is passed over;
 - ``Best(metric, mode)``: commits with a ``metric`` in their evaluation record, best first
@@ -13,10 +12,10 @@ the best-performing one suits trying other approaches." A selector names that ch
   then the aliases below it (``latest`` -> ``stable`` -> ``fallback``);
 - an ``int``: exactly that step, never another.
 
-Each falls back only within its own meaning: a damaged validated checkpoint moves the
-restore to the next validated one, never to an unvalidated one. What a selector did not
-accept is returned with the reason (``Choice.passed_over``), so the restore result and
-the recovery record say why a newer checkpoint was not loaded.
+Each falls back only within its own meaning: a damaged validated checkpoint moves the restore
+to the next validated one, never to an unvalidated one. What a selector did not accept is
+returned with the reason (``Choice.passed_over``), so the restore result and the recovery
+record say why a newer checkpoint was not loaded.
 """
 
 from __future__ import annotations
