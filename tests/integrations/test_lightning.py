@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -27,16 +26,13 @@ from ckptflow.catalog import recovery_log
 from ckptflow.integrations.lightning import CkptflowIO
 from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, only_in
-from support.lightning_models import EPOCHS, STEPS_PER_EPOCH, Tiny, data
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+from support.lightning_models import (
+    EPOCHS,
+    STEPS_PER_EPOCH,
+    Tiny,
+    data,
+    quiet,  # noqa: F401  (an autouse fixture)
+)
 
 
 def trainer(

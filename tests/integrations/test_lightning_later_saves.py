@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 
 import pytest
 import pytorch_lightning as pl
@@ -18,16 +17,13 @@ from ckptflow.integrations.lightning import CkptflowIO
 from ckptflow.reports import inventory
 from ckptflow.store import open_store
 from support.corrupt import corrupt_chunk, only_in
-from support.lightning_models import EPOCHS, STEPS_PER_EPOCH, Validated, data
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+from support.lightning_models import (
+    EPOCHS,
+    STEPS_PER_EPOCH,
+    Validated,
+    data,
+    quiet,  # noqa: F401  (an autouse fixture)
+)
 
 
 class Scores(Callback):

@@ -4,9 +4,6 @@ trainer's ``validate`` / ``test`` with ``ckpt_path`` a pointer or ``"best"``."""
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -16,15 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptflow import CkptflowError
 from ckptflow.integrations.lightning import CkptflowCheckpoints, CkptflowIO, is_pointer, load_from_checkpoint
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+from support.lightning_models import quiet  # noqa: F401  (an autouse fixture)
 
 
 class Scored(pl.LightningModule):

@@ -3,12 +3,26 @@ loader, so a resume that loses the RNG state or a callback's state shows in the 
 
 from __future__ import annotations
 
+import logging
+import warnings
+
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 EPOCHS, STEPS_PER_EPOCH = 4, 8
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    """Lightning's info logs and warnings out of the test output (import it into a test module)."""
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 class Tiny(pl.LightningModule):

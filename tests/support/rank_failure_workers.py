@@ -130,6 +130,17 @@ def _a_bug(*args: object, **kwargs: object) -> None:
     raise TypeError("a bug on rank 0")
 
 
+def _timed(call) -> tuple[str | None, float]:
+    """(the error ``call`` raised, as "Type: message", or None; the seconds it took)."""
+    started = time.monotonic()
+    try:
+        call()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return error, time.monotonic() - started
+
+
 def unexpected_errors_on_rank_0(rank: int, world: int, workdir: Path) -> dict:
     """A bug's exception (not ckptflow's) on rank 0 where rank 0 alone decides: whether the
     step is free, the base of an incremental save's deltas, which checkpoint to restore."""
@@ -152,15 +163,10 @@ def unexpected_errors_on_rank_0(rank: int, world: int, workdir: Path) -> dict:
             original = getattr(module, attr)
             if rank == 0:
                 setattr(module, attr, _a_bug)
-            started = time.monotonic()
             try:
-                call()
-                errors[name] = None
-            except Exception as e:
-                errors[name] = f"{type(e).__name__}: {e}"
+                errors[name], took[name] = _timed(call)
             finally:
                 setattr(module, attr, original)
-            took[name] = time.monotonic() - started
         ck.save(2, state)
         steps = [info.step for info in ck.list()]
     return {"rank": rank, "errors": errors, "took_s": took, "steps": steps}
@@ -178,13 +184,7 @@ def ranks_ask_for_different_saves(rank: int, world: int, workdir: Path) -> dict:
             ("step", lambda: ck.save(5 + rank, state)),
             ("kind", lambda: ck.save(8, state, kind="full" if rank == 0 else "incremental")),
         ]:
-            started = time.monotonic()
-            try:
-                call()
-                errors[name] = None
-            except Exception as e:
-                errors[name] = f"{type(e).__name__}: {e}"
-            took[name] = time.monotonic() - started
+            errors[name], took[name] = _timed(call)
             if name == "step":
                 committed = [info.step for info in ck.list()]
                 ck.save(4, state)  # a base: the incremental save asked for next has one

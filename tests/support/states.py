@@ -177,3 +177,12 @@ def assert_tensors_equal(expected: dict, actual: dict) -> None:
             assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), f"{key} differs"
         else:
             assert actual[key] == value, key
+
+
+def model_at(step: float) -> nn.Module:
+    """A model whose every value says which step it holds."""
+    model = nn.Linear(16, 16)
+    with torch.no_grad():
+        model.weight.fill_(step)
+        model.bias.fill_(step)
+    return model

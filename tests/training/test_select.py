@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import recovery_log, selection
@@ -25,17 +23,9 @@ from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
 from support.cli import run_cli
 from support.corrupt import chunk_path, flip_byte, only_in, reseal_manifest
+from support.states import model_at
 
 VAL_LOSS = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7}
-
-
-def model_at(step: float) -> nn.Module:
-    """A model whose every value says which step it holds."""
-    model = nn.Linear(16, 16)
-    with torch.no_grad():
-        model.weight.fill_(step)
-        model.bias.fill_(step)
-    return model
 
 
 def make(tmp_path, steps=(1, 2, 3, 4)):

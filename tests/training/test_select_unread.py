@@ -4,8 +4,6 @@ chose (a commit record, a lifecycle record) never passes a step over for an olde
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.errors import StoreUnavailableError
@@ -13,15 +11,7 @@ from ckptflow.reports import inventory
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
 from support.corrupt import chunk_path, flip_byte, only_in
-
-
-def model_at(step: float) -> nn.Module:
-    """A model whose every value says which step it holds."""
-    model = nn.Linear(16, 16)
-    with torch.no_grad():
-        model.weight.fill_(step)
-        model.bias.fill_(step)
-    return model
+from support.states import model_at
 
 
 def make(tmp_path, steps):
