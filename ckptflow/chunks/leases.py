@@ -50,6 +50,7 @@ from ckptflow.errors import (
     ObjectTooLargeError,
     PromotionError,
     RetentionError,
+    StoreUnavailableError,
 )
 from ckptflow.store.base import ObjectInfo, Store
 
@@ -68,7 +69,8 @@ class LockFamily:
     exclusive_error: type[CkptflowError] = CkptflowError  # another holds the lock
 
 
-SAVES = LockFamily("locks/leases/", "locks/gc.json", "save", "garbage collection")
+# a GC still alive past the wait is a store busy for now, not a failed save: retried as an outage
+SAVES = LockFamily("locks/leases/", "locks/gc.json", "save", "garbage collection", StoreUnavailableError)
 PROMOTIONS = LockFamily(
     "locks/promotions/", "locks/retention.json", "promotion", "retention", PromotionError, RetentionError
 )
@@ -177,14 +179,15 @@ class Heartbeat:
 
 
 @contextmanager
-def save_lease(store: Store, timeout: float = SAVE_WAIT) -> Iterator[Heartbeat]:
-    """Hold a lease for the chunk phase of a save; wait out a live GC first."""
-    with shared_lease(store, SAVES, timeout) as beat:
+def save_lease(store: Store, timeout: float | None = None, *, work: str = SAVES.shared) -> Iterator[Heartbeat]:
+    """Hold a lease for the chunk phase of a save (or other ``work`` writing chunks, named
+    in the error of a wait that ran out); wait out a live GC first."""
+    with shared_lease(store, SAVES, SAVE_WAIT if timeout is None else timeout, work=work) as beat:
         yield beat
 
 
 @contextmanager
-def shared_lease(store: Store, family: LockFamily, timeout: float) -> Iterator[Heartbeat]:
+def shared_lease(store: Store, family: LockFamily, timeout: float, *, work: str = "") -> Iterator[Heartbeat]:
     """Hold a lease of ``family``, renewed while held. The lease is put first, then the lock
     looked at (so the exclusive holder, which does the opposite, always sees one of the
     two); a live lock is waited out without the lease, which it would be waiting for."""
@@ -200,7 +203,7 @@ def shared_lease(store: Store, family: LockFamily, timeout: float) -> Iterator[H
         if locked is None:
             break
         store.delete(key)
-        _wait_for_lock(store, family, timeout, started)
+        _wait_for_lock(store, family, timeout, started, work or family.shared)
     beat = Heartbeat(store, key)
     try:
         yield beat
@@ -234,8 +237,9 @@ def _live_lock(store: Store, family: LockFamily, checked: str | None = None) -> 
     return info, info.version
 
 
-def _wait_for_lock(store: Store, family: LockFamily, timeout: float, started: float) -> None:
-    """Until ``family``'s lock has no live holder; ``timeout`` s after ``started``, raise."""
+def _wait_for_lock(store: Store, family: LockFamily, timeout: float, started: float, work: str) -> None:
+    """Until ``family``'s lock has no live holder; ``timeout`` s after ``started``, raise
+    ``family.shared_error`` saying to try ``work`` again."""
     said = False
     checked: str | None = None
     while True:
@@ -250,7 +254,7 @@ def _wait_for_lock(store: Store, family: LockFamily, timeout: float, started: fl
             raise family.shared_error(
                 f"{family.exclusive} has held {store.url}/{family.lock} for over {timeout:.0f} s and is still alive "
                 f"(renewed within the last {DEAD_AFTER:.0f} s); wait for it to finish, or stop it, then try the "
-                f"{family.shared} again"
+                f"{work} again"
             )
         time.sleep(POLL)
 

@@ -106,7 +106,7 @@ def archive(
     manifest = catalog.read_admitted(src, run, step, commit, "archival")
     lost = None if manifest.lossy is None else dict(manifest.lossy)
     report = ArchiveReport(url=dst.url, digest=manifest.digest, archive_digest=manifest.digest, lossy=lost)
-    with save_lease(dst.metadata_store()) as lease:
+    with save_lease(dst.metadata_store(), work=f"archival of run {run!r} step {step} into {dst.url}") as lease:
         exact = codec is None or codec.exact or manifest.lossy is not None or _holds_exact(dst, manifest)
         if exact or codec is None:
             _exact(src, dst, manifest, report, progress, verifying, lease)
