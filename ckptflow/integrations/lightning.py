@@ -23,13 +23,15 @@ Choices, documented:
   the checkpoint of that step and carries the entries this save changed (loops, callbacks'
   state: ``ckptflow.integrations.lightning_overlay``), so loading it gives this save's dict.
   A second save carrying entries the first lacked (a full save after a weights-only one)
-  is refused. The newest such save also writes its changes, and the score a monitored
+  is refused. The newest whole such save also writes its changes, and the score a monitored
   ``ModelCheckpoint`` gave it, into the commit's ``trainer`` record: ``last`` falling back to
   that step resumes with them, and retention's best-K ranks the step by that score.
 - A commit's metadata holds the score of each monitored ``ModelCheckpoint`` whose top-k
-  holds the path being saved; a save at a step before its validation (a step-based one,
-  ``last.ckpt``) carries the previous validation's ``current_score``, which is not this
-  step's, so it records none.
+  holds the path being saved; a save at a step before its validation by one that does not
+  monitor (step-based, ``last.ckpt``) carries the previous validation's ``current_score``,
+  which is not this step's, so it records none. A monitored step-based one puts that
+  earlier value in its top-k itself (Lightning ranks the file by it), so it is recorded
+  as Lightning ranks it (docs/integrations.md).
 - ``ckpt_path="last"`` (a pointer named ``last*.ckpt``) resumes from the newest checkpoint
   of the run that verifies, falling back past damaged ones as ``Checkpointer.restore``
   does (``CkptflowIO(..., select="validated")``, ``Best(...)`` or ``Alias(...)``: the one
@@ -170,9 +172,9 @@ class CkptflowIO(CheckpointIO):
                 "it names that save's checkpoint as it is", path, overlays.names(changes), step, len(blob),
             )  # fmt: skip
             blob, changes = _pointer_bytes(pointer), {}
+        _write_whole(path, blob)  # first: a pointer that failed to be written leaves the record as it was
         if later:
             overlays.record(ck.store, self.run, step, digest, metrics=scores, changes=changes)
-        _write_whole(path, blob)
 
     def _commit(self, step: int, checkpoint: dict[str, Any], scores: dict[str, float]) -> str:
         metadata = {"epoch": checkpoint.get("epoch"), "global_step": step, **scores}

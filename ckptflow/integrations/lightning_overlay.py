@@ -129,7 +129,13 @@ def scores(checkpoint: dict[str, Any], path: Any) -> dict[str, float]:
 def record(store: Store, run: str, step: int, digest: str, *, metrics: dict[str, float], changes: dict) -> None:
     """The ``trainer`` record of commit ``digest``: the newest later save's ``changes`` (those
     ``changed`` returns; {} when they were too large for a pointer) and every monitored
-    metric a save at the step scored. Replaced by each later save."""
+    metric a save at the step scored. Replaced by each later save, except that a save
+    lacking parts of the commit (``dropped``: a weights-only save after full ones) is no
+    point to resume training from: the record keeps the newest whole save's changes (a
+    fallback applying its ``dropped`` would resume with no optimizer state)."""
+    if changes.get("dropped"):
+        kept = recorded(store, run, step, digest) or {}
+        changes = kept["changes"] if isinstance(kept.get("changes"), dict) else {}
     write_record(store, Subject(run, step, digest), TRAINER, {"metrics": metrics, "changes": changes})
 
 

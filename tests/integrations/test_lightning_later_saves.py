@@ -13,6 +13,7 @@ import torch
 from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
 from ckptflow import Checkpointer, CkptflowError, lifecycle
+from ckptflow.integrations import lightning
 from ckptflow.integrations.lightning import CkptflowIO
 from ckptflow.reports import inventory
 from ckptflow.store import open_store
@@ -195,3 +196,37 @@ def test_last_falling_back_applies_the_recorded_later_save_and_names_a_damaged_r
     (root / key).write_text(json.dumps({**record, "changes": {"overlay": 5}}))
     with pytest.raises(CkptflowError, match=r"trainer record of run 'r' step 3.*damaged: delete it"):
         CkptflowIO(str(root), "r").load_checkpoint(tmp_path / "last.ckpt")
+
+
+def test_last_falling_back_past_a_weights_only_later_save_resumes_with_the_whole_state(tmp_path):
+    """A weights-only save after the full ones at step 3 replaced the trainer record with its
+    'dropped': falling back to step 3 then resumed with no optimizer state, loops or callbacks."""
+    root = tmp_path / "store"
+    io = CkptflowIO(str(root), "r")
+    io.save_checkpoint(full_save(3), tmp_path / "s3.ckpt")
+    io.save_checkpoint({**full_save(3), "loops": {"done": 2}}, tmp_path / "later3.ckpt")
+    io.save_checkpoint({"global_step": 3, "epoch": 0, "state_dict": {"w": torch.ones(2)}}, tmp_path / "w3.ckpt")
+    io.save_checkpoint({**full_save(5), "state_dict": {"w": torch.full((2,), 5.0)}}, tmp_path / "last.ckpt")
+    corrupt_chunk(root, "r", 5, only_in(root, "r", 5, 3)[0])
+
+    loaded = CkptflowIO(str(root), "r").load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 3 and sorted(loaded) == sorted(full_save())
+    assert loaded["loops"] == {"done": 2}  # the newest whole save's changes
+    assert sorted(io.load_checkpoint(tmp_path / "w3.ckpt")) == ["epoch", "global_step", "state_dict"]
+
+
+def test_a_later_save_whose_pointer_failed_to_be_written_leaves_the_trainer_record(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    io = CkptflowIO(str(root), "r")
+    io.save_checkpoint(full_save(3), tmp_path / "s3.ckpt")
+    io.save_checkpoint({**full_save(3), "loops": {"done": 2}}, tmp_path / "later3.ckpt")
+    [key] = [i.key for i in open_store(str(root)).list("lifecycle/r/") if i.key.endswith("/trainer.json")]
+    before = (root / key).read_bytes()
+
+    def full_disk(path, blob):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lightning, "_write_whole", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({**full_save(3), "loops": {"done": 3}}, tmp_path / "failed3.ckpt")
+    assert (root / key).read_bytes() == before and not (tmp_path / "failed3.ckpt").exists()
