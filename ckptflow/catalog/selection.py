@@ -25,111 +25,17 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import aliases as alias_records
 from ckptflow.catalog.checkpoints import read_manifest
-from ckptflow.catalog.verdicts import records_by_subject
+from ckptflow.catalog.selectors import ALIAS_CHAIN, Alias, Best, Selector, describe
+from ckptflow.catalog.selectors import check as check
+from ckptflow.catalog.selectors import from_arguments as from_arguments
+from ckptflow.catalog.selectors import parse as parse
+from ckptflow.catalog.selectors import registry_store as registry_store
+from ckptflow.catalog.verdicts import Unread, records_by_subject
 from ckptflow.errors import CkptflowError, NewerFormatError, RegistryError
-from ckptflow.format import layout as fmt
-from ckptflow.store import open_store
 from ckptflow.store.base import Store
 
-NAMED = ("latest", "validated")
 FAILED = "failed validation"  # how a passed-over step whose verdict proved damage is described
 NEWER_COMMIT = "newer"  # the commit at a step a newer ckptflow wrote (not hex: no digest equals it)
-ALIAS_CHAIN = {"latest": ("latest", "stable", "fallback"), "stable": ("stable", "fallback"), "fallback": ("fallback",)}
-
-
-@dataclass(frozen=True)
-class Best:
-    """The best checkpoint by an evaluation ``metric`` (``mode`` "min": lower is better)."""
-
-    metric: str = "val_loss"
-    mode: str = "min"
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"Best(mode=...) must be 'min' or 'max', got {self.mode!r}")
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ValueError(f"Best(metric=...) must name an evaluation metric, got {self.metric!r}")
-
-
-@dataclass(frozen=True)
-class Alias:
-    """The commit a registry alias of ``model`` was published from. ``registry``: the
-    store holding the registry (a URL), the checkpoints' hot store when None."""
-
-    model: str
-    alias: str = "stable"
-    registry: str | None = None
-
-    def __post_init__(self) -> None:
-        fmt.validate_run(self.model)
-        if self.alias not in alias_records.ALIASES:
-            raise ValueError(f"Alias(alias=...) must be one of {alias_records.ALIASES}, got {self.alias!r}")
-
-
-Selector = str | int | Best | Alias
-
-
-def parse(text: str) -> Selector:
-    """A selector from text (the CLI's ``--select``): ``latest``, ``validated``,
-    ``best:<metric>[:min|max]``, ``<model>@<alias>`` or a step number."""
-    text = text.strip()
-    if text in NAMED:
-        return text
-    if text.isdigit():
-        return int(text)
-    if text.startswith("best:"):
-        metric, _, mode = text[5:].partition(":")
-        return Best(metric, mode or "min")
-    if "@" in text:
-        model, _, alias = text.partition("@")
-        if alias.isdigit():  # a checkpoint's name, as its Dagster partition is named
-            raise ValueError(
-                f"selector {text!r} names a checkpoint (<run>@<step>), not a model alias: restore run "
-                f"{model!r} at step {alias} (CLI: --run {model} --step {alias}; Python: step={alias})"
-            )
-        return Alias(model, alias)
-    raise ValueError(
-        f"selector {text!r} is not one of: latest, validated, best:<metric>[:min|max], <model>@<alias>, a step number"
-    )
-
-
-def check(select: Selector) -> Selector:
-    """``select`` if it is a selector; ``ValueError`` saying what is accepted if not."""
-    if isinstance(select, (Best, Alias)) or select in NAMED:
-        return select
-    if isinstance(select, int) and not isinstance(select, bool):
-        fmt.validate_step(select)
-        return select
-    if isinstance(select, str):
-        return parse(select)
-    raise ValueError(f"select={select!r} is not 'latest', 'validated', Best(...), Alias(...) or a step number")
-
-
-def from_arguments(step: int | None, select: Selector) -> Selector:
-    """One selector from a restore's ``step=`` / ``select=``, checked before anything is read."""
-    if step is not None:
-        if select != "latest":
-            raise ValueError(f"give step={step} or select={select!r}, not both (select={step} is the same as step=)")
-        return fmt.validate_step(step)
-    return check(select)
-
-
-def registry_store(select: Selector) -> Store | None:
-    """The store an ``Alias`` names for its registry (None: the hot store)."""
-    if isinstance(select, Alias) and select.registry is not None:
-        return open_store(select.registry)
-    return None
-
-
-def describe(select: Selector) -> str:
-    """How a selector is named in results, recovery records and metrics."""
-    if isinstance(select, Best):
-        return f"best:{select.metric}:{select.mode}"
-    if isinstance(select, Alias):
-        return f"{select.model}@{select.alias}"
-    if isinstance(select, int):
-        return f"step:{select}"
-    return select
 
 
 @dataclass(frozen=True)
@@ -144,6 +50,9 @@ class Choice:
     # there; a pair not in it: any. Restore loads only one of them: the step may be committed again
     # after the choice, and a step committed twice is ranked by each commit's own evaluation
     commits: Mapping[tuple[int, int], frozenset[str]] = field(default_factory=dict)
+    # why no candidate after ``pairs`` can be chosen: a record the choice rests on did not read
+    # (an outage); once ``pairs`` are spent, restore raises StoreUnavailableError saying it
+    stop: str | None = None
 
 
 def choose(
@@ -173,14 +82,34 @@ def choose(
     if isinstance(select, Alias):
         return _by_alias(stores, run, select, held, registry or stores[0], known)
     needed = ("validation",) if select == "validated" else ("validation", "evaluation")
-    records = records_by_subject(stores[0], run, needed=needed)
+    unread: list[Unread] = []
+    records = records_by_subject(stores[0], run, unread=unread)
     by_step: dict[int, dict[str, dict]] = {}
     for (_, step, digest), kinds in records.items():
         by_step.setdefault(step, {})[digest] = kinds
+    blocked: dict[int, list[Unread]] = {}
+    for u in unread:
+        if u.kind in needed and u.step in held:
+            blocked.setdefault(u.step, []).append(u)
     if select == "validated":
-        return _validated(stores, run, label, held, by_step, known)
+        return _validated(stores, run, label, held, by_step, known, blocked)
     assert isinstance(select, Best)
-    return _best(stores, run, select, held, by_step, known)
+    return _best(stores, run, select, held, by_step, known, blocked)
+
+
+def _stops_at(
+    stores: Sequence[Store], run: str, step: int, tiers: list[int], blocked: Mapping[int, list[Unread]], known: Mapping
+) -> str | None:
+    """Why a choice stops at ``step``: a record it needs there did not read and may be about
+    the commit a tier holds now (its absence would pass the step over on no proof); None
+    when there is none, or each is about a commit no tier holds any more."""
+    for record in blocked.get(step, []):
+        if not _on_this_commit(stores, run, step, tiers, {record.digest}, "", known)[1]:
+            return (
+                f"could not read the {record.kind} record {record.why}: a choice made without it could pass step "
+                f"{step} over on no proof, so none was made past it. Fix access to the store and try again"
+            )
+    return None
 
 
 def _digest_in(
@@ -248,16 +177,23 @@ def _validated(
     held: dict[int, list[int]],
     by_step: dict[int, dict[str, dict]],
     known: Mapping[tuple[int, int], str],
+    blocked: Mapping[int, list[Unread]],
 ) -> Choice:
+    """Newest first; the walk stops at a step with an unread validation record (``blocked``)
+    that no read verdict makes a candidate: that record may be the one that passed."""
     pairs: list[tuple[int, int]] = []
     passed: list[tuple[int, str]] = []
     commits: dict[tuple[int, int], frozenset[str]] = {}
     for step in sorted(held, reverse=True):
         ok = {d for d, k in by_step.get(step, {}).items() if k.get("validation", {}).get("ok") is True}
+        tiers, stale = (
+            _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known) if ok else ([], None)
+        )
+        if not tiers and (stop := _stops_at(stores, run, step, held[step], blocked, known)):
+            return Choice(label, pairs, passed, commits=commits, stop=stop)
         if not ok:
             passed.append((step, _failed_now(stores, run, step, held[step], by_step, known) or "not validated yet"))
             continue
-        tiers, stale = _on_this_commit(stores, run, step, held[step], ok, "validation passed on", known)
         if stale:
             passed.append((step, stale))
             continue
@@ -286,7 +222,13 @@ def _best(
     held: dict[int, list[int]],
     by_step: dict[int, dict[str, dict]],
     known: Mapping[tuple[int, int], str],
+    blocked: Mapping[int, list[Unread]],
 ) -> Choice:
+    """Best first. A step with an unread validation or evaluation record (``blocked``) may
+    be the best or a failed one, so no choice is made then (``Choice.stop``)."""
+    for step in sorted(blocked, reverse=True):
+        if stop := _stops_at(stores, run, step, held[step], blocked, known):
+            return Choice(describe(select), [], stop=stop)
     scored: list[tuple[float, int, int]] = []  # (the score of the commit a tier holds, step, tier index)
     passed: list[tuple[int, str]] = []
     commits: dict[tuple[int, int], frozenset[str]] = {}

@@ -33,7 +33,6 @@ from ckptflow.errors import (
     ManifestError,
     ObjectNotFoundError,
     RecordTooLargeError,
-    StoreUnavailableError,
     is_damage,
 )
 from ckptflow.format import layout as fmt
@@ -133,15 +132,25 @@ def _shape_problem(record: Any, what: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Unread:
+    """A record that could not be read (an outage, a denied read): it proves nothing, and
+    a decision resting on it must not read its absence as "none"."""
+
+    step: int
+    digest: str
+    kind: str
+    why: str  # the record's URL and the error
+
+
 def records_by_subject(
-    store: Store, run: str | None = None, *, needed: Collection[str] = ()
+    store: Store, run: str | None = None, *, unread: list[Unread] | None = None
 ) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
     """Every record under ``lifecycle/`` (or one run's) by ``(run, step, digest)``, then
     kind: one listing plus small reads. A record that could not be read (an outage) is
-    left out, as unknown; one of a kind in ``needed`` raises ``StoreUnavailableError``
-    instead: a decision made on it (what a restore recovers to) would read its absence
-    as "not validated" and pick an older checkpoint on no proof."""
-    return _read(store, PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/", needed)
+    left out, as unknown, and added to ``unread``: a decision made on it (what a restore
+    recovers to) must stop there rather than take its absence for "not validated"."""
+    return _read(store, PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/", unread)
 
 
 def _subject_of(key: str) -> tuple[str, int, str, str] | None:
@@ -155,7 +164,7 @@ def _subject_of(key: str) -> tuple[str, int, str, str] | None:
 
 
 def _read(
-    store: Store, prefix: str, needed: Collection[str] = ()
+    store: Store, prefix: str, unread: list[Unread] | None = None
 ) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
     """One listing; the records' contents through each run's listing-validated index, so
     a store with thousands of records costs one read per run once they are known."""
@@ -174,12 +183,8 @@ def _read(
         for info, (_, step, digest, kind) in listed:
             value = values[info.key]
             if isinstance(value, Exception) and not is_damage(value):
-                if kind in needed:
-                    raise StoreUnavailableError(
-                        f"could not read the {kind} record {store.url}/{info.key} ({value}): a choice made "
-                        f"without it could pass step {step} over on no proof, so none was made. Fix access to "
-                        "the store and try again"
-                    ) from value
+                if unread is not None:
+                    unread.append(Unread(step, digest, kind, f"{store.url}/{info.key} ({value})"))
                 continue  # not read (an outage, access denied): that proves nothing about it
             record = _sound(value, kind, f"{store.url}/{info.key}")
             if record is not None:

@@ -96,6 +96,8 @@ def _selected(store: Store, run: str | None, infos: list[CheckpointInfo], text: 
     choice = selection.choose([store], run, select, [(s, 0) for s in sorted(by_step, reverse=True)])
     for step, why in choice.passed_over:
         warn(f"step {step}: {why}" if step >= 0 else why)
+    if choice.stop is not None:
+        warn(f"and no older one is listed: {choice.stop}")
     return [by_step[s] for s, _ in choice.pairs if s in by_step]
 
 

@@ -15,7 +15,6 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import selection
 from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.verdicts import records_by_subject
-from ckptflow.errors import StoreUnavailableError
 from ckptflow.policy.retention import Candidate, RetentionPlan, RetentionPolicy, plan
 from ckptflow.store.base import Store
 
@@ -241,12 +240,11 @@ def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_los
                     digests[(e.step, index)] = e.commits[tier]
         picks: dict[str, int | str | None] = {}
         for name, select in (("validated", "validated"), ("best", best)):
-            try:
-                choice = selection.choose([hot], run, select, pairs, digests=digests)
-            except StoreUnavailableError:  # a verdict it needs did not read: restore stops there too
-                picks[name] = "stops (a lifecycle record is unreadable)"
-                continue
-            picks[name] = choice.pairs[0][0] if choice.pairs else None
+            choice = selection.choose([hot], run, select, pairs, digests=digests)
+            if choice.pairs:
+                picks[name] = choice.pairs[0][0]
+            else:  # a verdict it needs did not read: restore stops there too
+                picks[name] = "stops (a lifecycle record is unreadable)" if choice.stop else None
         stop = unread.get(run, -1)
         latest: int | str = pairs[0][0] if stop < pairs[0][0] else f"stops at {stop} (unreadable)"
         out.append({"run": run, "latest": latest, **picks, "best_by": selection.describe(best)})

@@ -276,6 +276,8 @@ class Restore:
             # that memory before the next candidate, since a restore pauses the collector (``collector``)
             gc.collect()
         where = f"run {self.run!r} in {' or '.join(t.url for t in self.tiers)}"
+        if choice.stop is not None:  # what the selector accepts further on is not known
+            raise StoreUnavailableError(f"restore of {where} ({choice.label!r}) stopped: {choice.stop}")
         if choice.exact:
             reasons = "; ".join(r for _, r in skipped)
             raise NoValidCheckpointError(f"checkpoint step {select} of {where} cannot be restored: {reasons}", skipped)

@@ -3,15 +3,20 @@ chose (a commit record, a lifecycle record) never passes a step over for an olde
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.errors import StoreUnavailableError
+from ckptflow.format import layout as fmt
 from ckptflow.reports import inventory
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
 from support.corrupt import chunk_path, flip_byte, only_in
 from support.states import model_at
+
+STEP_2 = f"{2:0{fmt.STEP_DIGITS}d}"
 
 
 def make(tmp_path, steps):
@@ -27,15 +32,15 @@ def damage(root, step):
 
 
 class ReadFailsOnce(LocalStore):
-    """The first read of a key ending in ``suffix`` fails (an outage), later ones read
-    (``always``: every one fails)."""
+    """The first read of a key matching ``pattern`` (a regex) fails (an outage), later ones
+    read (``always``: every one fails)."""
 
-    def __init__(self, root, suffix, *, always=False):
+    def __init__(self, root, pattern, *, always=False):
         super().__init__(root)
-        self.suffix, self.failed, self.always = suffix, False, always
+        self.pattern, self.failed, self.always = re.compile(pattern), False, always
 
     def get_bounded(self, key, limit):
-        if key.endswith(self.suffix) and (self.always or not self.failed):
+        if self.pattern.search(key) and (self.always or not self.failed):
             self.failed = True
             raise StoreUnavailableError(f"{key}: 503 SlowDown, failed after 10 attempts")
         return super().get_bounded(key, limit)
@@ -56,7 +61,7 @@ def test_validated_tries_the_hot_copy_it_could_not_read_when_the_archive_holds_a
     for step in (1, 2):
         assert lifecycle.validate(store, "r", step)["ok"]
     live = {"model": model_at(0)}
-    hot = ReadFailsOnce(root, "000000000002/manifest.json")
+    hot = ReadFailsOnce(root, r"000000000002/manifest\.json$")
     with Checkpointer(hot, "r", tiers=[archive.root]) as ck:
         result = ck.restore(live, select="validated")
     assert hot.failed
@@ -75,7 +80,7 @@ def test_a_lifecycle_record_that_could_not_be_read_stops_the_restore(tmp_path, w
         lifecycle.evaluate(store, store, "r", step)
     select = "validated" if what == "validation" else "best:val_loss:min"
     live = {"model": model_at(0)}
-    hot = ReadFailsOnce(root, f"{what}.json")
+    hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/{what}\.json$")
     with Checkpointer(hot, "r") as ck, pytest.raises(StoreUnavailableError, match=f"{what}.json"):
         ck.restore(live, select=select)
     assert hot.failed and live["model"].weight[0, 0].item() == 0
@@ -88,6 +93,44 @@ def test_the_inventory_says_a_selector_stops_where_a_lifecycle_record_does_not_r
     for step in (1, 2):
         lifecycle.validate(store, "r", step)
         lifecycle.evaluate(store, store, "r", step)
-    hot = ReadFailsOnce(root, "validation.json", always=True)  # the inventory reads what it can
+    hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/validation\.json$", always=True)  # the inventory reads what it can
     [row] = inventory.recovery_choices(hot, inventory.collect(hot))
     assert row["latest"] == 2 and row["validated"] == row["best"] == "stops (a lifecycle record is unreadable)"
+
+
+def test_an_unread_record_of_an_older_step_stops_nothing_until_the_walk_reaches_it(tmp_path):
+    """Step 1's validation record does not read: 'validated' still recovers to step 2 (validated);
+    once step 2 proves damaged, the walk reaches step 1 and stops there (step 1 may be validated)
+    rather than say that nothing is."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+    step_1 = f"{1:0{fmt.STEP_DIGITS}d}"
+    live = {"model": model_at(0)}
+    with Checkpointer(ReadFailsOnce(root, rf"/{step_1}/.*/validation\.json$", always=True), "r") as ck:
+        assert ck.restore(live, select="validated").step == 2
+    damage(root, 2)
+    live = {"model": model_at(0)}
+    with (
+        Checkpointer(ReadFailsOnce(root, rf"/{step_1}/.*/validation\.json$", always=True), "r") as ck,
+        pytest.raises(StoreUnavailableError, match=f"could not read the validation record .*{step_1}"),
+    ):
+        ck.restore(live, select="validated")
+    assert live["model"].weight[0, 0].item() == 0
+
+
+def test_an_unread_record_of_a_commit_no_tier_holds_any_more_stops_nothing(tmp_path):
+    """Step 2 was committed again after its first commit's validation; that old record does not
+    read: it is about a commit no tier holds, so 'validated' passes step 2 over (its commit there
+    now is not validated) and recovers to step 1."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+    with Checkpointer(root, "r") as ck:
+        damage(root, 2)
+        ck.restore({"model": model_at(0)})
+        ck.save(2, {"model": model_at(2)})
+    hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/validation\.json$", always=True)
+    with Checkpointer(hot, "r") as ck:
+        result = ck.restore({"model": model_at(0)}, select="validated")
+    assert hot.failed and result.step == 1 and [s for s, _ in result.passed_over] == [2]
