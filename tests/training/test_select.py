@@ -21,23 +21,17 @@ from ckptflow.reports import inventory
 from ckptflow.reports.recoveries import run_metrics
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
+from support import selection_runs
 from support.cli import run_cli
-from support.corrupt import chunk_path, flip_byte, only_in, reseal_manifest
+from support.corrupt import reseal_manifest
+from support.selection_runs import damage
 from support.states import model_at
 
 VAL_LOSS = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7}
 
 
 def make(tmp_path, steps=(1, 2, 3, 4)):
-    root = str(tmp_path / "store")
-    with Checkpointer(root, "r", chunk_bytes=256) as ck:
-        for step in steps:
-            ck.save(step, {"model": model_at(step)}, metadata={"val_loss": VAL_LOSS[step]})
-    return root, open_store(root)
-
-
-def damage(root, step):
-    flip_byte(chunk_path(root, only_in(root, "r", step)[0]))
+    return selection_runs.make(tmp_path, steps, VAL_LOSS.__getitem__)
 
 
 def restored(root, **kwargs):
@@ -103,13 +97,7 @@ class ManifestReadFailsOnce(LocalStore):
 def test_validated_never_loads_another_commit_than_the_validated_one_after_a_read_fails(tmp_path, error):
     """The selector could not read which commit step 2 holds now, so it left the step to
     restore, whose read then succeeded: restore loads only a commit the selector accepted."""
-    root, store = make(tmp_path, steps=(1, 2))
-    for step in (1, 2):
-        lifecycle.validate(store, "r", step)
-    with Checkpointer(root, "r") as ck:
-        damage(root, 2)
-        ck.restore({"model": model_at(0)})
-        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})  # a new commit, never validated
+    root, store = selection_runs.step_2_validated_then_committed_again(tmp_path, val_loss=0.1)
     live = {"model": model_at(0)}
     with Checkpointer(ManifestReadFailsOnce(root, error), "r") as ck:
         result = ck.restore(live, select="validated")

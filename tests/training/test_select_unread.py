@@ -13,22 +13,10 @@ from ckptflow.format import layout as fmt
 from ckptflow.reports import inventory
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
-from support.corrupt import chunk_path, flip_byte, only_in
+from support.selection_runs import damage, make, step_2_validated_then_committed_again
 from support.states import model_at
 
 STEP_2 = f"{2:0{fmt.STEP_DIGITS}d}"
-
-
-def make(tmp_path, steps):
-    root = str(tmp_path / "store")
-    with Checkpointer(root, "r", chunk_bytes=256) as ck:
-        for step in steps:
-            ck.save(step, {"model": model_at(step)}, metadata={"val_loss": 1.0 / step})
-    return root, open_store(root)
-
-
-def damage(root, step):
-    flip_byte(chunk_path(root, only_in(root, "r", step)[0]))
 
 
 class ReadFailsOnce(LocalStore):
@@ -123,13 +111,7 @@ def test_an_unread_record_of_a_commit_no_tier_holds_any_more_stops_nothing(tmp_p
     """Step 2 was committed again after its first commit's validation; that old record does not
     read: it is about a commit no tier holds, so 'validated' passes step 2 over (its commit there
     now is not validated) and recovers to step 1."""
-    root, store = make(tmp_path, steps=(1, 2))
-    for step in (1, 2):
-        lifecycle.validate(store, "r", step)
-    with Checkpointer(root, "r") as ck:
-        damage(root, 2)
-        ck.restore({"model": model_at(0)})
-        ck.save(2, {"model": model_at(2)})
+    root, _ = step_2_validated_then_committed_again(tmp_path)
     hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/validation\.json$", always=True)
     with Checkpointer(hot, "r") as ck:
         result = ck.restore({"model": model_at(0)}, select="validated")
