@@ -147,7 +147,8 @@ def records_by_subject(
     store: Store, run: str | None = None, *, unread: list[Unread] | None = None
 ) -> dict[tuple[str, int, str], dict[str, dict[str, Any]]]:
     """Every record under ``lifecycle/`` (or one run's) by ``(run, step, digest)``, then
-    kind: one listing plus small reads. A record that could not be read (an outage) is
+    kind: one listing plus small reads (a ``trainer`` record without its ``changes``:
+    ``_indexed``). A record that could not be read (an outage) is
     left out, as unknown, and added to ``unread``: a decision made on it (what a restore
     recovers to) must stop there rather than take its absence for "not validated"."""
     return _read(store, PREFIX if run is None else f"{PREFIX}{fmt.validate_run(run)}/", unread)
@@ -176,7 +177,7 @@ def _read(
     out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
     for run, listed in by_run.items():
         try:
-            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", record_value, limit=SMALL_RECORD_BYTES)
+            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", _indexed, limit=SMALL_RECORD_BYTES)
             values = index.values([info for info, _ in listed])
         except CkptflowError:
             continue  # a stray directory under lifecycle/: not a run's records
@@ -190,6 +191,16 @@ def _read(
             if record is not None:
                 out[(run, step, digest)][kind] = record
     return dict(out)
+
+
+def _indexed(info: ObjectInfo, blob: bytes) -> Any:
+    """A record as the run's index keeps it: a ``trainer`` record without its ``changes``
+    (entries and callbacks' states, up to 1 MiB a step: the Lightning plugin reads them
+    with ``read_record``), so the index of a long run stays the size of its metrics."""
+    value = record_value(info, blob)
+    if info.key.endswith("/trainer.json") and isinstance(value, dict):
+        value.pop("changes", None)
+    return value
 
 
 def subjects_with(store: Store, what: str) -> set[tuple[str, int, str]]:

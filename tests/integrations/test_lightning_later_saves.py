@@ -230,3 +230,24 @@ def test_a_later_save_whose_pointer_failed_to_be_written_leaves_the_trainer_reco
     with pytest.raises(OSError, match="No space left"):
         io.save_checkpoint({**full_save(3), "loops": {"done": 3}}, tmp_path / "failed3.ckpt")
     assert (root / key).read_bytes() == before and not (tmp_path / "failed3.ckpt").exists()
+
+
+def test_the_run_index_of_lifecycle_records_keeps_trainer_scores_not_their_changes(tmp_path):
+    """Each later save's changes (here an EMA-like callback of 256 KiB changed at every step) went
+    into the run's lifecycle index that the inventory, retention and restore's selectors read:
+    the index grew by the changes of every step (2.8 MB for 8 steps; now a few KB)."""
+    root = tmp_path / "store"
+    io = CkptflowIO(str(root), "r")
+    for step in range(1, 9):
+        first = {"global_step": step, "state_dict": {"w": torch.ones(2)}, "callbacks": {"EMA": {"t": torch.zeros(1)}}}
+        io.save_checkpoint(first, tmp_path / f"a{step}.ckpt")
+        later = {**first, "callbacks": {"EMA": {"t": torch.full((1 << 16,), float(step))}}}
+        io.save_checkpoint(later, tmp_path / f"b{step}.ckpt")
+    store = open_store(str(root))
+    records = lifecycle.records_by_subject(store, "r")
+    assert len(records) == 8 and all(set(kinds) == {"trainer"} for kinds in records.values())
+    assert all("changes" not in kinds["trainer"] for kinds in records.values())
+    [index] = [i for i in store.list("index/lifecycle/")]
+    assert index.size < 64 << 10
+    loaded = io.load_checkpoint(tmp_path / "b8.ckpt")  # the changes themselves are where the plugin reads them
+    assert torch.equal(loaded["callbacks"]["EMA"]["t"], torch.full((1 << 16,), 8.0))
