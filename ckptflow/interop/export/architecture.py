@@ -13,6 +13,12 @@ config can also be given at export (``--config``), and must then fit the tensors
 Shared names are the state-dict names of one parameter object, the first one (in
 registration order, the owner transformers and ``safetensors.torch.load_model`` keep)
 first, as ``safetensors.torch.save_model`` groups them.
+
+A model also registers buffers it does not save (``persistent=False``: BERT's
+``embeddings.position_ids``, which older transformers wrote into ``model.safetensors``, so
+an imported file may still hold it). The structure names them (``unsaved``); an export
+leaves them out, as ``save_pretrained`` does: ``from_pretrained`` rebuilds them from the
+config, and a strict ``load_state_dict`` refuses them.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Architecture:
     linear_weights: frozenset[str]  # ``<module>.weight`` of every nn.Linear
     linear_modules: frozenset[str]
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # state-dict name -> shape (from a config)
+    unsaved: frozenset[str] = frozenset()  # buffers the model registers but does not save (persistent=False)
 
 
 def model_metadata(model: nn.Module) -> dict[str, Any]:
@@ -72,13 +79,27 @@ def tied_weights(model: nn.Module) -> list[list[str]]:
 
 def from_module(model: nn.Module, name: str) -> Architecture:
     linear = {m for m, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    saved = model.state_dict()
     return Architecture(
         name=name,
         shared=tuple(tuple(g) for g in tied_weights(model)),
         linear_weights=frozenset(f"{m}.weight" for m in linear),
         linear_modules=frozenset(linear),
-        shapes={n: tuple(t.shape) for n, t in model.state_dict().items()},
+        shapes={n: tuple(t.shape) for n, t in saved.items()},
+        unsaved=frozenset(n for n, _ in model.named_buffers(remove_duplicate=False) if n not in saved),
     )
+
+
+def drop_unsaved(arch: Architecture, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(``tensors`` without the buffers ``arch``'s model does not save, the names left out).
+
+    A checkpoint imported from a file an older transformers wrote holds such buffers
+    (BERT's ``embeddings.position_ids``); the model's own ``save_pretrained`` leaves them
+    out, ``from_pretrained`` rebuilds them from the config (it ignores them in a file, or
+    warns of unexpected keys), and ``load_state_dict(strict=True)`` refuses them. So the
+    export writes what the model saves, and the header names what it left out."""
+    dropped = sorted(n for n in tensors if n in arch.unsaved and n not in arch.shapes)
+    return {n: t for n, t in tensors.items() if n not in dropped}, dropped
 
 
 class _TooLarge(Exception):

@@ -30,7 +30,7 @@ import torch
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
-from ckptflow.interop.export.architecture import Architecture, check_fits, structure
+from ckptflow.interop.export.architecture import Architecture, check_fits, drop_unsaved, structure
 from ckptflow.interop.export.card import Lineage, render
 from ckptflow.interop.export.files import (
     DISK,
@@ -58,6 +58,7 @@ from ckptflow.interop.export.tensors import (
 from ckptflow.store import Store, open_store
 
 CONFIG, CARD = "config.json", "README.md"
+UNSAVED_KEY = "ckptflow.unsaved"  # header metadata: buffers in the checkpoint the model does not save, left out
 LOSSY_CONFIG_KEY = "ckptflow_lossy"  # config.json: the lossy copy's ``lossy`` record it was exported from
 _CONFIG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -156,11 +157,14 @@ def prepare(
         raise _int8_needs_config(where)
     tensors, manifest = load_tensors(store, run, step, prefix=options.key.rstrip(".") + ".", progress=progress)
     admitted.check_same(manifest)
+    tensors, unsaved = drop_unsaved(arch, tensors)
     source = f"the {arch.name} architecture" if arch.name else "the tie groups recorded at save time"
     tensors, tied = write_once(tensors, arch.shared, source)
     if config is not None:  # given, or recorded by the run (for the entry it saved it with)
         check_fits(arch, tensors, where, recorded_for=None if model_config is not None else options.key)
     extra: dict[str, str] = {TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {}
+    if unsaved:
+        extra[UNSAVED_KEY] = json.dumps(unsaved)
     if options.dtype == "int8":
         assert config is not None  # refused above, before any tensor was read
         names = _int8_names(arch, tensors, where)
