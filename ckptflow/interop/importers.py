@@ -239,9 +239,13 @@ def _check_state(src: str, state: Any) -> None:
     contiguous), or all of them together (a thousand overlapping slices of a storage,
     each within it). All views together may claim ``VIEW_BYTES_PER_STORED`` times the
     bytes stored plus ``VIEW_BYTES_SLACK``: a fused weight saved beside its slices and a
-    transposed view; tied weights are one view, counted once."""
+    transposed view. Every name counts, tied ones too: the save hashes each name's bytes
+    and a restore or export allocates each name its own tensor, so a file naming one
+    stored tensor thousands of times (a tied-weights header, shared storages in a
+    torch.save file) is that many tensors. A model's tied embeddings are two names of one
+    tensor: twice its bytes, well within the bound."""
     stack: list[tuple[Any, int, str]] = [(state, 0, "")]
-    views: dict[tuple, int] = {}  # each distinct view (its storage and place in it) -> its bytes
+    claimed, names = 0, 0  # every name's bytes, as the save and a restore will handle them
     stored: dict[tuple[int, int], int] = {}  # each storage (start, size) -> its bytes
     while stack:
         node, depth, where = stack.pop()
@@ -252,19 +256,18 @@ def _check_state(src: str, state: Any) -> None:
             storage = node.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())  # an empty storage may start where the next one does
             stored[key] = storage.nbytes()
-            views[(key, node.storage_offset(), tuple(node.shape), node.stride(), node.dtype)] = (
-                node.numel() * node.element_size()
-            )
+            claimed += node.numel() * node.element_size()
+            names += 1
         elif isinstance(node, Mapping):
             stack.extend((v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items())
         elif isinstance(node, (list, tuple)):
             stack.extend((v, depth + 1, f"{where}.{i}") for i, v in enumerate(node))
-    claimed, held = sum(views.values()), sum(stored.values())
+    held = sum(stored.values())
     if claimed > VIEW_BYTES_PER_STORED * held + VIEW_BYTES_SLACK:
         raise CkptflowError(
-            f"{src}: its {len(views)} tensors claim {claimed} bytes together, but the file stores {held} for "
-            "them (views that repeat the same bytes, like overlapping slices); refused rather than made in "
-            "memory: save each as its own tensor (t.clone()) if that is meant"
+            f"{src}: its {names} tensors claim {claimed} bytes together, but the file stores {held} for "
+            "them (names that repeat the same bytes: overlapping slices, or one tensor tied to many names); "
+            "refused rather than made in memory: save each as its own tensor (t.clone()) if that is meant"
         )
 
 
