@@ -10,6 +10,9 @@ tensors of one name). ``ckptflow.json`` beside the DCP files names the source
 checkpoint and carries its metadata, so ``ckptflow import`` of the directory keeps it;
 for a lossy archive copy (exported only with ``allow_lossy``) also its ``lossy`` record,
 which the import commits again, so the new checkpoint restores only with ``allow_lossy``.
+Every file is fsynced (DCP's writer syncs its own, ``sync_files``), then the directory,
+before it is renamed into place, and its parent after: once ``export_dcp`` returns, a
+crash cannot leave the directory without a file or a file empty.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.state_tree import tensor_refs, unflatten
+from ckptflow.interop.export.files import DISK, write_text
 from ckptflow.interop.export.model import ExportResult, _check_out
 from ckptflow.interop.export.tensors import Admitted, Progress, admit, load_tensors, newest_verified_step
 from ckptflow.store import Store, open_store
@@ -77,17 +81,18 @@ def export_dcp(
     state, manifest, tensors = load_state(store, admitted, progress)
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=True)
         sidecar = {"run": run, "step": step, "manifest_digest": manifest.digest, "metadata": manifest.metadata}
         if admitted.lossy is not None:
             sidecar["lossy"] = admitted.lossy
         if admitted.failed_validation is not None:
             sidecar["failed_validation"] = admitted.failed_validation
-        with open(os.path.join(tmp, SIDECAR), "w", encoding="utf-8") as f:
-            f.write(json.dumps(sidecar, indent=2) + "\n")
+        write_text(os.path.join(tmp, SIDECAR), json.dumps(sidecar, indent=2) + "\n")  # fsynced
+        DISK.fsync_dir(tmp)  # every name in it, .metadata's rename from its temporary name included
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked before): the rename replaces it
         os.rename(tmp, out)
+        DISK.fsync_dir(os.path.dirname(out))  # the directory's own name
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
