@@ -167,13 +167,17 @@ MAX_INDEX_BYTES = 64 << 20  # an index of a million tensor names is a few tens o
 
 
 def weight_files(directory: str) -> tuple[list[str], set[str]]:
-    """A model directory's safetensors files (its index's, else ``model.safetensors``) and
-    the tensor names its index lists: the one reader of an index, for the importer and
-    ``load_exported`` alike, so both refuse an index read unbounded, without a
-    ``weight_map`` of names to files, or naming a file outside the directory."""
-    index = os.path.join(directory, INDEX)
-    if not os.path.isfile(index):
-        return [os.path.join(directory, WEIGHTS)], set()
+    """A model directory's safetensors files and the tensor names its index lists (none
+    for ``model.safetensors``): the one reader of a model directory, for the importer and
+    ``load_exported`` alike, so both read the weights transformers' ``from_pretrained``
+    reads: ``model.safetensors`` where there is one, even beside an index (a directory
+    holding both, as one left by an earlier save of another size can, has two sets of
+    weights, and transformers takes the file), else its index's files. An index is
+    refused read unbounded, without a ``weight_map`` of names to files, or naming a file
+    outside the directory."""
+    weights, index = os.path.join(directory, WEIGHTS), os.path.join(directory, INDEX)
+    if os.path.isfile(weights) or not os.path.isfile(index):
+        return [weights], set()
     if os.path.getsize(index) > MAX_INDEX_BYTES:
         raise CkptflowError(f"{index} is larger than {MAX_INDEX_BYTES} bytes; refused unread")
     try:
