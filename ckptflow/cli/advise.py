@@ -13,6 +13,8 @@ from ckptflow.reports.advice import Advice, advise
 from ckptflow.reports.costs import CostModel
 from ckptflow.reports.units import human_duration
 
+YEAR = 365.25 * 86400
+
 
 def add_arguments(p: argparse.ArgumentParser, duration_arg) -> None:
     p.add_argument("--run", required=True)
@@ -61,9 +63,9 @@ def render(advice: Advice) -> str:
             "-" if c.interval_steps is None else str(c.interval_steps),
             human_duration(c.interval_s),
             "-" if full_every is None else str(full_every),
-            human_duration(c.loss_per_failure_s),
+            _loss(c.loss_per_failure_s),
             f"{100 * c.save_overhead:.2f}%",
-            f"{100 * c.waste:.2f}%",
+            f"{100 * c.waste:.2f}%" if c.finishes else "never finishes",
             human_duration(c.rpo_s),
             f"{c.compute_usd_month:,.2f}",
             f"{c.storage_usd_month:,.2f}",
@@ -76,10 +78,16 @@ def render(advice: Advice) -> str:
     headers = ["", "STEPS", "TIME", "FULL EVERY", "LOSS/FAILURE", "OVERHEAD", "WASTE", "RPO"]
     out = table([*headers, "LOST $/MO", "STORAGE $/MO", "TOTAL $/MO"], rows, right=set(range(1, 11)))
     i = advice.inputs
+    if advice.optimal.finishes:
+        headline = (
+            f"run {advice.run}: checkpoint every {advice.optimal.interval_steps or '?'} steps "
+            f"({human_duration(advice.optimal.interval_s)}); "
+            f"Young's first-order sqrt(2CM) = {human_duration(advice.young_s)}"
+        )
+    else:
+        headline = f"run {advice.run}: no checkpoint interval is expected to finish (see the first note)"
     lines = [
-        f"run {advice.run}: checkpoint every {advice.optimal.interval_steps or '?'} steps "
-        f"({human_duration(advice.optimal.interval_s)}); "
-        f"Young's first-order sqrt(2CM) = {human_duration(advice.young_s)}",
+        headline,
         "",
         out,
         "",
@@ -91,3 +99,10 @@ def render(advice: Advice) -> str:
     ]
     lines += [f"note: {n}" for n in advice.notes]
     return "\n".join(lines)
+
+
+def _loss(seconds: float) -> str:
+    """Expected loss per failure: past a year in years (a restore many MTBFs long), inf as never."""
+    if not math.isfinite(seconds):
+        return "never restored"
+    return f"{seconds / YEAR:.3g} years" if seconds > YEAR else human_duration(seconds)

@@ -42,6 +42,8 @@ SCENARIOS: dict[str, tuple[float, str]] = {
     "reliable": (7 * DAY, "dedicated hardware, a failure about once a week"),
 }
 MAX_FULL_EVERY = 1000
+MIN_USEFUL = 1e-6  # below this useful fraction of wall time a segment counts as never finishing
+_MAX_EXP = 700.0  # math.exp overflows a float past ~709.78
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,20 +102,40 @@ class IntervalCost:
     compute_usd_month: float  # the waste priced in GPU-hours, per month of running
     storage_usd_month: float  # what retention keeps at this interval
     retained_checkpoints: float
+    segment_s: float  # expected wall time of one interval plus its save, failures included (inf: never)
 
     @property
     def total_usd_month(self) -> float:
         return self.compute_usd_month + self.storage_usd_month
 
+    @property
+    def finishes(self) -> bool:
+        """Whether a segment is expected to complete at all: False when less than ``MIN_USEFUL``
+        of its expected wall time is training (a day of work would take thousands of years),
+        its expected time past a float's range included."""
+        return math.isfinite(self.segment_s) and self.interval_s >= MIN_USEFUL * self.segment_s
+
 
 def segment_time(interval_s: float, *, save_s: float, mtbf_s: float, restore_s: float) -> float:
-    """Daly's expected wall time to complete ``interval_s`` of work and its save."""
+    """Daly's expected wall time to complete ``interval_s`` of work and its save: ``inf``
+    where it is past what a float holds (a save or restore hundreds of MTBFs long), which
+    ``IntervalCost.finishes`` reports as a segment that in expectation never completes."""
     m = mtbf_s
-    return m * math.exp(restore_s / m) * math.expm1((interval_s + save_s) / m)
+    if max(restore_s, interval_s + save_s) / m > _MAX_EXP:
+        return math.inf
+    return m * math.exp(restore_s / m) * math.expm1((interval_s + save_s) / m)  # inf past the float range
+
+
+def log_segment_time(interval_s: float, *, save_s: float, mtbf_s: float, restore_s: float) -> float:
+    """``log(segment_time)``, finite for every finite input: it orders intervals whose
+    expected times are all past the float range."""
+    m, x = mtbf_s, (interval_s + save_s) / mtbf_s
+    log_expm1 = x + math.log1p(-math.exp(-x)) if x > 1.0 else math.log(math.expm1(x))
+    return math.log(m) + restore_s / m + log_expm1
 
 
 def waste(interval_s: float, *, save_s: float, mtbf_s: float, restore_s: float) -> float:
-    """Expected fraction of wall time not spent on useful work."""
+    """Expected fraction of wall time not spent on useful work (1.0: no progress expected)."""
     return 1.0 - interval_s / segment_time(interval_s, save_s=save_s, mtbf_s=mtbf_s, restore_s=restore_s)
 
 
@@ -146,9 +168,14 @@ def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:
     if not interval_s > 0:
         raise ValueError(f"an interval must be a positive number of seconds, got {interval_s!r}")
     c, m, r = inputs.save_s, inputs.mtbf_s, inputs.restore_s
-    lost = waste(interval_s, save_s=c, mtbf_s=m, restore_s=r)
+    segment = segment_time(interval_s, save_s=c, mtbf_s=m, restore_s=r)
+    lost = 1.0 - interval_s / segment
     tau = interval_s + c
-    rework = m - tau / math.expm1(tau / m) if tau / m > 1e-9 else tau / 2
+    if tau / m > _MAX_EXP:  # tau / expm1(tau / m) is below a float's resolution of m
+        rework = m
+    else:
+        rework = m - tau / math.expm1(tau / m) if tau / m > 1e-9 else tau / 2
+    restarts = m * math.expm1(r / m) if r / m <= _MAX_EXP else math.inf
     retained, nbytes = _retained(inputs, interval_s)
     steps = None if inputs.step_time_s is None else max(1, round(interval_s / inputs.step_time_s))
     return IntervalCost(
@@ -156,11 +183,12 @@ def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:
         interval_steps=steps,
         save_overhead=c / interval_s,
         waste=lost,
-        loss_per_failure_s=rework + m * math.expm1(r / m),
+        loss_per_failure_s=rework + restarts,
         rpo_s=interval_s + max(c, inputs.save_duration_s),
         compute_usd_month=lost * inputs.gpus * inputs.gpu_hour_usd * HOURS_PER_MONTH,
         storage_usd_month=nbytes / GB * inputs.storage_usd_per_gb_month,
         retained_checkpoints=retained,
+        segment_s=segment,
     )
 
 
@@ -170,11 +198,11 @@ def optimum(inputs: IntervalInputs) -> IntervalCost:
     shortest = inputs.step_time_s or 1e-3
     centre = max(daly(inputs.save_s, inputs.mtbf_s), shortest)
     grid = [centre * 10 ** (k / 50) for k in range(-200, 101)]
-    best = min((t for t in grid if t >= shortest), key=lambda t: evaluate(inputs, t).total_usd_month)
+    best = min((t for t in grid if t >= shortest), key=lambda t: _rank(inputs, t))
     low, high = best / 10 ** (1 / 50), best * 10 ** (1 / 50)
     for _ in range(60):  # golden section on the bracketing grid cell
         a, b = high - (high - low) / 1.618034, low + (high - low) / 1.618034
-        if evaluate(inputs, a).total_usd_month < evaluate(inputs, b).total_usd_month:
+        if _rank(inputs, a) < _rank(inputs, b):
             high = b
         else:
             low = a
@@ -182,8 +210,19 @@ def optimum(inputs: IntervalInputs) -> IntervalCost:
     if inputs.step_time_s is not None:  # the nearer of the two whole-step intervals around it
         steps = max(1, math.floor(interval / inputs.step_time_s))
         candidates = (steps * inputs.step_time_s, (steps + 1) * inputs.step_time_s)
-        interval = min(candidates, key=lambda t: evaluate(inputs, t).total_usd_month)
+        interval = min(candidates, key=lambda t: _rank(inputs, t))
     return evaluate(inputs, interval)
+
+
+def _rank(inputs: IntervalInputs, interval_s: float) -> tuple[int, float]:
+    """What ``optimum`` minimises: USD/month among intervals that finish; where none does
+    (every cost is the whole GPU bill), the expected slowdown, in log form, so the answer is
+    still the interval closest to finishing rather than an artefact of the float range."""
+    cost = evaluate(inputs, interval_s)
+    if cost.finishes:
+        return 0, cost.total_usd_month
+    c, m, r = inputs.save_s, inputs.mtbf_s, inputs.restore_s
+    return 1, log_segment_time(interval_s, save_s=c, mtbf_s=m, restore_s=r) - math.log(interval_s)
 
 
 def with_mix(inputs: IntervalInputs, *, full_s: float, incremental_s: float | None, every: int) -> IntervalInputs:

@@ -24,6 +24,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.format.manifest import Manifest
 from ckptflow.policy import interval as model
 from ckptflow.reports.costs import CostModel
+from ckptflow.reports.units import human_duration
 from ckptflow.store.base import Store
 
 MIN_FAILURES = 3  # fewer recoveries than this: the measured failure rate is noise, use a preset
@@ -44,7 +45,7 @@ class Advice:
 
     def as_dict(self) -> dict[str, Any]:
         def cost(c: model.IntervalCost | None) -> dict | None:
-            return None if c is None else {**asdict(c), "total_usd_month": c.total_usd_month}
+            return None if c is None else {**asdict(c), "total_usd_month": c.total_usd_month, "finishes": c.finishes}
 
         return {
             "run": self.run,
@@ -134,10 +135,12 @@ def advise(
     )
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     current, current_every = _current(manifests, base, full_s, inc_s, step_time, notes)
+    optimal = model.optimum(inputs)
+    notes[:0] = _never_finishes(inputs, optimal, current)  # first: it outweighs every fallback
     return Advice(
         run=run,
         inputs=inputs,
-        optimal=model.optimum(inputs),
+        optimal=optimal,
         current=current,
         young_s=model.young(inputs.save_s, mtbf),
         full_every=every,
@@ -173,6 +176,30 @@ def _mtbf(
     return preset[0], f"preset {DEFAULT_SCENARIO!r} (too little history): {preset[1]}"
 
 
+def _never_finishes(
+    inputs: model.IntervalInputs, optimal: model.IntervalCost, current: model.IntervalCost | None
+) -> list[str]:
+    """What a segment that in expectation never completes means, and what to change."""
+    if not optimal.finishes:
+        c, r, m = inputs.save_s, inputs.restore_s, inputs.mtbf_s
+        return [
+            f"no checkpoint interval finishes: with saves holding training {_seconds(c)} and restores "
+            f"taking {_seconds(r)} against an MTBF of {_seconds(m)} (a save lasts {c / m:.3g} MTBFs, a restore "
+            f"{r / m:.3g}), a failure is expected before a save or a restore completes, so the job is "
+            "expected never to get past its next checkpoint (waste 100%; the optimal row is only the interval "
+            "closest to finishing). Make saves and restores much shorter than the MTBF (incremental or "
+            "non-blocking saves, a faster store) or failures rarer; check the MTBF given or measured"
+        ]
+    if current is not None and not current.finishes:
+        return [
+            f"the current interval ({human_duration(current.interval_s)} of training between checkpoints) never "
+            f"finishes in expectation: a failure is expected long before that much work and its save complete "
+            f"(MTBF {_seconds(inputs.mtbf_s)}), so the job keeps redoing it (waste 100%); checkpoint every "
+            f"{optimal.interval_steps or '?'} steps ({human_duration(optimal.interval_s)}) instead"
+        ]
+    return []
+
+
 def _current(
     manifests: list[Manifest],
     base: model.IntervalInputs,
@@ -195,6 +222,11 @@ def _current(
         every = max(1, round(len(manifests) / len(full_steps))) if full_steps else model.MAX_FULL_EVERY
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     return model.evaluate(inputs, _median(gaps) * step_time), every
+
+
+def _seconds(seconds: float) -> str:
+    """A duration for a note: under a second with three significant digits (not "0.0 s")."""
+    return f"{seconds:.3g} s" if seconds < 1 else human_duration(seconds)
 
 
 def _written(manifest: Manifest) -> int:

@@ -84,3 +84,35 @@ def test_bad_inputs_are_refused_saying_which(bad):
     fields = {"save_s": 1.0, "save_duration_s": 1.0, "restore_s": 1.0, "mtbf_s": DAY, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
         model.IntervalInputs(**fields)
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"save_s": 3600.0, "restore_s": 60.0, "mtbf_s": 1.0},  # a save 3600 MTBFs long: exp(3600) overflowed
+        {"save_s": 1.0, "restore_s": 3600.0, "mtbf_s": 1.0},  # a restore 3600 MTBFs long
+        {"save_s": 200.0, "restore_s": 600.0, "mtbf_s": 1.0},  # finite, but 1e347 s per segment
+        {"save_s": 30.0, "restore_s": 30.0, "mtbf_s": 1.0},  # in range: e^60 s per 1 s of work
+    ],
+)
+def test_a_segment_that_never_finishes_is_reported_as_such_not_an_overflow(extreme):
+    """A save or restore many MTBFs long made ``math.exp`` raise OverflowError in the search,
+    or gave a loss per failure that was inf; the segment now never finishes, waste exactly 1."""
+    inputs = model.IntervalInputs(save_duration_s=extreme["save_s"], step_time_s=0.5, **extreme)
+    best = model.optimum(inputs)
+    assert not best.finishes and best.waste == 1.0 and best.segment_s > 1e6 * best.interval_s
+    assert best.interval_steps is not None and best.interval_steps >= 1
+    assert not any(math.isnan(v) for v in (best.waste, best.loss_per_failure_s, best.total_usd_month))
+    assert best.compute_usd_month == pytest.approx(inputs.gpus * inputs.gpu_hour_usd * model.HOURS_PER_MONTH)
+    # the search still returns the interval closest to finishing: about an MTBF, as Daly's for C >= 2M
+    assert best.interval_s == pytest.approx(extreme["mtbf_s"], rel=0.5)
+
+
+def test_an_interval_far_past_the_mtbf_never_finishes_while_the_optimum_does():
+    inputs = model.IntervalInputs(save_s=30.0, save_duration_s=30.0, restore_s=60.0, mtbf_s=H)
+    best, never = model.optimum(inputs), model.evaluate(inputs, 1000 * H)  # expm1(1000) overflowed
+    assert best.finishes and 0 < best.waste < 0.2 and math.isfinite(best.segment_s)
+    assert not never.finishes and never.segment_s == math.inf and never.waste == 1.0
+    assert never.loss_per_failure_s == pytest.approx(H + H * math.expm1(60 / H))  # a whole MTBF redone, one restore
+    # where the closed form is in range the safe form is the same number
+    assert best.segment_s == pytest.approx(H * math.exp(60 / H) * math.expm1((best.interval_s + 30) / H), rel=1e-12)

@@ -124,3 +124,25 @@ def test_retention_expiring_old_checkpoints_does_not_shrink_the_measured_mtbf(tm
     assert len(since) < MIN_FAILURES  # the recoveries before the oldest checkpoint held are outside the span
     assert advice.inputs.mtbf_s == SCENARIOS[DEFAULT_SCENARIO][0]
     assert any(f"{len(since)} recoveries since the oldest checkpoint held" in n for n in advice.notes)
+
+
+def test_an_mtbf_far_below_the_save_time_says_no_interval_finishes(tmp_path, capsys):
+    """MTBF 1 us against saves of milliseconds: ``ckptflow advise`` died on an OverflowError
+    from ``math.exp``; now the table says "never finishes" and a note says what to change."""
+    root = str(tmp_path / "store")
+    _train(root, range(0, 11))
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", "0.000001")
+    assert code == 0 and "Traceback" not in err, err
+    assert "no checkpoint interval is expected to finish" in out.splitlines()[0]
+    rows = [line for line in out.splitlines() if line.startswith(("current", "optimal"))]
+    assert len(rows) == 2 and all("never finishes" in r and "never restored" in r for r in rows), out
+    assert "nan" not in out.lower() and "inf" not in out.replace("info", "")
+    note = next(line for line in out.splitlines() if line.startswith("note: no checkpoint interval finishes"))
+    assert "MTBF of 1e-06 s" in note and "MTBFs" in note and "much shorter than the MTBF" in note
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", "0.000001", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["optimal"]["finishes"] is False and doc["optimal"]["waste"] == 1.0
+    assert doc["optimal"]["segment_s"] is None and doc["optimal"]["loss_per_failure_s"] is None  # inf -> null
+    assert doc["notes"][0].startswith("no checkpoint interval finishes")
+    advice = advise(open_store(root), RUN, mtbf_s=3600.0)  # an ordinary MTBF: no such note
+    assert advice.optimal.finishes and not any("finishes" in n for n in advice.notes)
