@@ -13,7 +13,7 @@ from assets.checkpoints import archived, checkpoint, compressed
 from assets.inventory import GROUP, REFRESH, markdown
 from assets.pricing import tier_cost_metadata
 from ckptflow.reports import costs
-from ckptflow.reports.units import human_saving, human_usd
+from ckptflow.reports.units import human_usd
 from resources import ArchiveTierResource, CheckpointStoreResource, PricingResource
 
 
@@ -46,7 +46,7 @@ def storage_cost(
             **{f"saved_usd/{k}": MetadataValue.float(v) for k, v in report.savings_usd.items()},
             "monthly_cost": human_usd(report.monthly_usd, per="/month"),
             "baseline_cost": human_usd(report.baseline_usd, per="/month"),
-            **{f"saving/{k}": human_saving(v) for k, v in report.savings_usd.items()},
+            **{f"saving/{k}": costs.describe(k, v) for k, v in report.savings_usd.items()},
             "prices_date": report.prices_date,
             "table": markdown(shown),
         },

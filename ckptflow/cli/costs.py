@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckptflow.cli.output import table
 from ckptflow.errors import CkptflowError
-from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, storage_costs
+from ckptflow.reports.costs import COST_ITEMS, SAVINGS, CostModel, CostReport, storage_costs
 from ckptflow.reports.units import human_bytes, human_usd
 from ckptflow.store.base import Store
 
@@ -47,7 +47,7 @@ def render(costs: CostReport) -> str:
     rows += [
         [
             _saving_label(name, costs.savings_usd[name]),
-            human_bytes(costs.savings_bytes[name]),
+            human_bytes(abs(costs.savings_bytes[name])),  # a size; the label says which way it counts
             _usd(abs(costs.savings_usd[name])),
         ]
         for name in SAVINGS
@@ -55,9 +55,9 @@ def render(costs: CostReport) -> str:
     ]
     rows.append(["what the stores cost now", "", _usd(costs.monthly_usd)])
     savings = table(["", "BYTES", "USD/MONTH"], rows, right={1, 2})
-    note = (
-        "\n(a saving that costs more: a checkpoint still held in both tiers, paid twice until the hot copy expires)"
-        if any(v < 0 for v in costs.savings_usd.values())
+    note = (  # the one comparison of choices: archiving a checkpoint against keeping it hot
+        "\n(tiering costs more: a checkpoint still held in both tiers, paid twice until the hot copy expires)"
+        if costs.savings_usd["tiering"] < 0
         else ""
     )
     return f"{tiers}\n\n{savings}{note}\n(list prices as of {costs.prices_date}; --prices FILE to use yours)"
@@ -68,5 +68,9 @@ def _usd(x: float) -> str:
 
 
 def _saving_label(name: str, usd: float) -> str:
-    """ "saved by delta", or "tiering costs more" for a negative saving (``human_saving``'s rule)."""
-    return f"  - saved by {name}" if usd >= 0 else f"  - {name} costs more"
+    """ "saved by delta" (subtracted from the baseline), or for a negative item, added to it:
+    "tiering costs more" (archived while still hot, the one comparison of tiering choices);
+    any other is a plain cost, e.g. "garbage (unreferenced chunk files, until gc)"."""
+    if usd >= 0:
+        return f"  - saved by {name}"
+    return f"  + {name} costs more" if name == "tiering" else f"  + {COST_ITEMS.get(name, name)}"

@@ -35,6 +35,7 @@ from typing import Any
 
 from ckptflow.catalog.ledger import expired
 from ckptflow.reports.stats import StoreStats, store_stats
+from ckptflow.reports.units import human_saving, human_usd
 from ckptflow.store.base import Store
 
 GB = float(1 << 30)
@@ -47,6 +48,10 @@ DEFAULT_PRICES = {  # USD per GB-month, AWS S3 us-east-1 list prices, first 50 T
 }
 DEFAULT_TIERS = {"hot": "STANDARD", "archive": "GLACIER_IR"}
 SAVINGS = ("retention", "tiering", "dedup", "compression", "delta", "lossy", "garbage")
+COST_ITEMS = {  # an item that came out negative, said as what it is: bytes held, not a choice that costs more
+    "garbage": "garbage (unreferenced chunk files, until gc)",
+    "delta": "delta bases (kept for deltas, more than the deltas saved)",
+}
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,16 @@ def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: C
         savings_usd=usd,
         savings_bytes=nbytes,
     )
+
+
+def describe(name: str, usd: float, *, per: str = "/month") -> str:
+    """One item of ``savings_usd`` in words. Only tiering compares two choices (archived
+    against kept hot), so only a negative tiering item "costs more" (a checkpoint in both
+    tiers until the hot copy expires); any other negative item is bytes the stores hold and
+    pay for: "adds $X/month" (garbage: unreferenced chunk files until gc)."""
+    if usd >= 0 or name == "tiering":
+        return human_saving(usd, per=per)
+    return f"adds {human_usd(-usd, per=per)}: {COST_ITEMS.get(name, name)}"
 
 
 def _saved(kinds: Mapping[str, Any], kind: str) -> int:

@@ -3,9 +3,17 @@ is said as a cost, and the CLI's cost table uses both."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
+
+from ckptflow import Checkpointer
 from ckptflow.cli.costs import render
-from ckptflow.reports.costs import SAVINGS, CostReport, TierCost
+from ckptflow.format import layout as fmt
+from ckptflow.reports.costs import SAVINGS, CostReport, TierCost, describe
 from ckptflow.reports.units import human_saving, human_usd
+from support.cli import run_cli
 
 
 def test_money_has_a_currency_and_significant_digits_never_e_notation():
@@ -36,3 +44,43 @@ def test_cli_cost_table_prints_money_and_explains_a_negative_saving():
     assert "$0.000167" in out and "e-0" not in out and "-$" not in out
     assert "saved by delta" in out and "tiering costs more" in out and "$0.0000349" in out
     assert "held in both tiers" in out
+
+
+def test_costs_more_is_said_only_of_tiering_other_negative_items_are_plain_sizes(tmp_path, capsys):
+    """A hot store alone with one unreferenced chunk file: ``ckptflow stats`` printed
+    "garbage costs more  -112 B" and the note "a checkpoint still held in both tiers, paid
+    twice", with no archive at all. Garbage is bytes held, said as such, its size a size."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "z", codec="zstd") as ckpt:
+        ckpt.save(1, {"model": {"w": torch.zeros(4096)}})
+        ckpt.save(2, {"model": {"w": torch.ones(4096)}})
+    (Path(root) / fmt.manifest_key("z", 1)).unlink()  # step 1's chunk is garbage now
+    code, out, err = run_cli(capsys, "stats", root, "--json")
+    doc = json.loads(out)
+    garbage = doc["store"]["unreferenced_bytes"]
+    assert code == 0 and garbage > 0 and doc["costs"]["savings_usd"]["garbage"] < 0
+    assert doc["costs"]["savings_usd"]["tiering"] == 0
+    code, out, err = run_cli(capsys, "stats", root)
+    assert code == 0, err
+    assert "costs more" not in out and "both tiers" not in out, out
+    (row,) = [line for line in out.splitlines() if "garbage" in line]
+    assert row.lstrip().startswith("+ garbage (unreferenced chunk files, until gc)")
+    assert f" {garbage} B " in row and "-" not in row.split(")", 1)[1], row  # a plain size, no minus sign
+    assert describe("garbage", -2.4e-09).startswith("adds $0.0000000024/month: garbage")
+    assert describe("tiering", -3.49e-05) == "costs $0.0000349/month more"
+
+
+def test_the_both_tiers_note_follows_tiering_alone():
+    report = CostReport(
+        tiers=[TierCost(tier="hot", storage_class="STANDARD", price=0.023, checkpoints=1, stored_bytes=1 << 20,
+                        monthly_usd=2.2e-05)],
+        baseline_bytes=2 << 20, baseline_usd=4.5e-05,
+        savings_bytes={k: 0 for k in SAVINGS} | {"delta": -(3 << 10), "garbage": -(5 << 10)},
+        savings_usd={k: 0.0 for k in SAVINGS} | {"delta": -6.7e-08, "garbage": -1.1e-07, "retention": 2.3e-05},
+        prices_date="2026-01-01",
+    )  # fmt: skip
+    out = render(report)
+    assert "costs more" not in out and "both tiers" not in out, out
+    assert "+ delta bases" in out and "3.0 KiB" in out and "5.0 KiB" in out and "-3.0" not in out
+    tiered = render(CostReport(**{**report.__dict__, "savings_usd": report.savings_usd | {"tiering": -1e-06}}))
+    assert "+ tiering costs more" in tiered and "held in both tiers" in tiered
