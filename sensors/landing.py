@@ -9,7 +9,9 @@ so a step committed again gets a run of its own. A commit that already has a
 validation record (scrub, a promotion or the demo's in-process driver validated it)
 gets no new run only if its ``checkpoint`` partition was materialized for that very
 digest: a verdict in the store is not a materialization, and without one the automation
-never requests its evaluation, compression or archival.
+never requests its evaluation, compression or archival. A store that does not answer
+(``StoreUnavailableError``) skips the tick, saying so, with the cursor kept: the next tick
+lists again from where this one would have.
 """
 
 from dagster import (
@@ -35,6 +37,7 @@ from assets.partitions import (
     parse_checkpoint_key,
     partition_keys,
 )
+from ckptflow.errors import StoreUnavailableError
 from ckptflow.lifecycle import landing
 from resources import CheckpointStoreResource
 from sensors.intervals import SENSOR_INTERVAL_S
@@ -54,8 +57,14 @@ validation_job = define_asset_job(
 
 @sensor(job=validation_job, minimum_interval_seconds=SENSOR_INTERVAL_S, default_status=DefaultSensorStatus.RUNNING)
 def landing_sensor(context: SensorEvaluationContext, store: CheckpointStoreResource):
-    """Adds a ``checkpoints`` partition per new commit record and requests its validation."""
-    landed, cursor = landing.land(store.open(), context.cursor)
+    """Adds a ``checkpoints`` partition per new commit record and requests its validation;
+    skips the tick, its cursor kept, while the store does not answer."""
+    try:
+        landed, cursor = landing.land(store.open(), context.cursor)
+    except StoreUnavailableError as e:  # an outage proves nothing: the next tick lists again from the same cursor
+        why = f"the checkpoint store {store.url} is unavailable ({e}): no commit records listed; retried next tick"
+        context.log.warning(why)
+        return SkipReason(f"{why}, from the same cursor")
     if not landed:
         return SensorResult(skip_reason=SkipReason("no new commit records"), cursor=cursor)
     held = partition_keys(context.instance)  # a checkpoint an older instance holds under its former name keeps it

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from dagster import SensorResult, build_sensor_context, materialize
+from dagster import SensorResult, SkipReason, build_sensor_context, materialize
 
 from assets.checkpoints import checkpoint
 from assets.partitions import (
@@ -17,10 +17,12 @@ from assets.partitions import (
 )
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.errors import StoreUnavailableError
 from ckptflow.format.layout import READABLE_FORMATS, legacy_checkpoint_name
 from ckptflow.lifecycle.landing import FULL_SCAN_S, new_commits
 from ckptflow.store import open_store
 from pipelines import demo
+from resources import CheckpointStoreResource
 from sensors.landing import DIGEST_TAG, landing_sensor
 from support.corrupt import corrupt_chunk, manifest_path, only_in, reseal_manifest
 from support.dagster import RUN, write_checkpoints
@@ -235,3 +237,35 @@ def test_a_paged_backlog_keeps_the_frontier_at_the_oldest_commit_left(store_with
     assert cursor["frontier"] == {RUN: 30}
     rest, cursor = new_commits(store, cursor, limit=2, now=1.0)  # a quick tick
     assert [c.key for c in rest] == [checkpoint_key(RUN, s) for s in (30, 40)]
+
+
+def test_a_store_that_does_not_answer_skips_the_tick_keeping_the_cursor(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    """The listing raised StoreUnavailableError through ``landing.land``: the tick failed
+    with a traceback. Now it skips saying the store is unavailable and will be retried, the
+    cursor unchanged, and the next tick after the outage lands what is new."""
+    first = tick(instance, resources)
+    instance.add_dynamic_partitions("checkpoints", [r.partition_key for r in first.run_requests])
+    write_checkpoints(store_with_checkpoints, steps=(10, 20, 30, 40, 50))
+    opened = CheckpointStoreResource.open
+
+    def unavailable(resource):
+        down = FaultyStore(opened(resource))
+        down.fail_if = lambda op, key: op.startswith("list") and _raise_unavailable(op, key)
+        return down
+
+    monkeypatch.setattr(CheckpointStoreResource, "open", unavailable)
+    context = build_sensor_context(instance=instance, cursor=first.cursor, resources={"store": resources["store"]})
+    skipped = landing_sensor(context)
+    assert isinstance(skipped, SkipReason), skipped
+    assert "unavailable" in skipped.skip_message and "retried" in skipped.skip_message
+    assert "SlowDown" in skipped.skip_message  # what the store said
+    assert context.cursor == first.cursor
+    monkeypatch.setattr(CheckpointStoreResource, "open", opened)
+    after = tick(instance, resources, context.cursor)
+    assert [r.partition_key for r in after.run_requests] == [checkpoint_key(RUN, 50)]
+
+
+def _raise_unavailable(op: str, key: str) -> bool:
+    raise StoreUnavailableError(f"S3 {op} of {key} failed after 10 attempts: SlowDown")
