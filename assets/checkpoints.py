@@ -260,7 +260,9 @@ def evaluation(
 
 
 @asset(deps=[checkpoint], automation_condition=DOWNSTREAM, **_COMMON)
-def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -> MaterializeResult:
+def compressed(
+    context: AssetExecutionContext, store: CheckpointStoreResource, archive: ArchiveTierResource
+) -> MaterializeResult:
     """Re-encode the checkpoint's chunks with byte-grouped zstd. Chunk addresses hash the
     raw bytes, so nothing that references them changes; every chunk is verified first.
     Progress is logged as it goes; the content's size, the time and the rate are metadata."""
@@ -272,7 +274,9 @@ def compressed(context: AssetExecutionContext, store: CheckpointStoreResource) -
         store.retrying_outages(context),
         _refusing_failed_commits(),
     ):
-        report = lifecycle.compress_checkpoint(hot, run, step, on_commit=pin_commit(context), progress=meter)
+        report = lifecycle.compress_checkpoint(
+            hot, run, step, archive=archive.open(), on_commit=pin_commit(context), progress=meter
+        )
     if report is None:
         return MaterializeResult(metadata={"skipped": "hot copy expired (archive only); the archive keeps its bytes"})
     return MaterializeResult(

@@ -140,11 +140,13 @@ def evaluate_checkpoint(
 
 
 def compress_checkpoint(
-    hot: Store, run: str, step: int, *, on_commit: OnCommit, progress: Progress | None = None
+    hot: Store, run: str, step: int, *, archive: Store, on_commit: OnCommit, progress: Progress | None = None
 ) -> CompressionReport | None:
     """Compress the hot copy of ``(run, step)`` (``progress``: ``lifecycle.compress``'s);
-    None when retention expired it (the archive keeps its bytes as they are)."""
-    if not holds_commit(hot, run, step):
+    None when retention expired it and ``archive`` holds the checkpoint (the archive keeps
+    its bytes as they are). A checkpoint neither tier holds goes on to its admission, whose
+    read says it was never committed or was deleted: no success about what nobody holds."""
+    if not holds_commit(hot, run, step) and holds_commit(archive, run, step):
         return None
     admitted = admit_commit(hot, hot, run, step, on_commit=on_commit, work="its compression")
     return compress(hot, run, step, progress=progress, commit=admitted.digest)

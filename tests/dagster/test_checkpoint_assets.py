@@ -128,6 +128,27 @@ def test_evaluation_names_the_tier_it_read(store_with_checkpoints, paths, resour
         assert latest(instance, evaluation, key)["tier"].value == tier
 
 
+def test_compression_skips_an_archived_checkpoint_and_fails_one_no_tier_holds(
+    store_with_checkpoints, paths, resources, instance
+):
+    """Step 20's hot copy expired without an archive copy: the compressed asset succeeded
+    with "skipped: ... the archive keeps its bytes" about a checkpoint nobody holds. Now
+    it fails saying so; step 10, archived then expired from hot, is still skipped."""
+    hot, arc = open_store(paths["store"]), open_store(paths["archive"])
+    assert lifecycle.archive(hot, arc, RUN, 10).ok
+    for step in (10, 20):
+        lifecycle.expire(hot, RUN, step, keep_records=True)
+    instance.add_dynamic_partitions("checkpoints", KEYS)
+    assert mat(instance, resources, KEYS[0], selection=[compressed]).success
+    assert "the archive keeps its bytes" in latest(instance, compressed, KEYS[0])["skipped"].value
+    result = mat(instance, resources, KEYS[1], selection=[compressed])
+    assert not result.success and latest(instance, compressed, KEYS[1]) is None
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    error = failure.step_failure_data.error.to_string()  # the library's error is the step error's cause
+    assert "ManifestError: no manifest at" in error and "000000000020" in error, error
+    assert "never committed (or was deleted)" in error
+
+
 def test_automation_requests_downstream_only_for_checkpoints_that_passed(store_with_checkpoints, defs, instance):
     cursor = evaluate_automation_conditions(defs=defs, instance=instance).cursor  # the daemon was already running
     instance.add_dynamic_partitions("checkpoints", KEYS[:3])

@@ -96,7 +96,7 @@ def test_a_commit_that_failed_validation_is_neither_evaluated_compressed_nor_arc
             hot, RUN, 3, archive=lambda: arc, on_commit=on_commit, evaluator=None, load=load,
             key="model", rule=EvaluationRule(),
         ),
-        "compression": lambda: lifecycle.compress_checkpoint(hot, RUN, 3, on_commit=on_commit),
+        "compression": lambda: lifecycle.compress_checkpoint(hot, RUN, 3, archive=arc, on_commit=on_commit),
         "archival": lambda: lifecycle.archive_checkpoint(
             hot, arc, RUN, 3, on_commit=on_commit, codec=ArchiveCodec.parse("exact"), evaluator=None, load=load,
             key="model",
@@ -110,12 +110,26 @@ def test_a_commit_that_failed_validation_is_neither_evaluated_compressed_nor_arc
 
 
 def test_an_expired_hot_copy_is_not_compressed(tiers):
-    hot, _ = tiers
+    hot, arc = tiers
     digests, on_commit = told()
-    assert lifecycle.compress_checkpoint(hot, RUN, 1, on_commit=on_commit) is None
+    assert lifecycle.compress_checkpoint(hot, RUN, 1, archive=arc, on_commit=on_commit) is None
     assert digests == []
-    report = lifecycle.compress_checkpoint(hot, RUN, 2, on_commit=on_commit)
+    report = lifecycle.compress_checkpoint(hot, RUN, 2, archive=arc, on_commit=on_commit)
     assert report is not None and report.chunks > 0 and digests == [digest(hot, 2)]
+
+
+def test_a_checkpoint_neither_tier_holds_is_an_error_not_a_skipped_compression(tiers):
+    """Hot copy expired and never archived (or a step never committed): compression
+    returned None, "retention expired it, the archive keeps its bytes", so the compressed
+    asset reported success about a checkpoint nobody holds. Now its admission says so."""
+    hot, arc = tiers
+    lifecycle.expire(hot, RUN, 2, keep_records=True)  # step 2 was never archived
+    assert not arc.exists(fmt.manifest_key(RUN, 2))
+    digests, on_commit = told()
+    for step in (2, 99):
+        with pytest.raises(CkptflowError, match=rf"no manifest at .*{step:012d}.*never committed \(or was deleted\)"):
+            lifecycle.compress_checkpoint(hot, RUN, step, archive=arc, on_commit=on_commit)
+    assert digests == []
 
 
 def test_archival_skips_what_the_archive_alone_holds_and_loads_the_runs_evaluator(tiers):
@@ -207,7 +221,7 @@ def test_progress_adds_up_to_what_each_operation_reports(tiers):
     assert sum(calls) == record["bytes_checked"] == lifecycle.content_bytes(hot, RUN, 1, archive=lambda: arc) > 0
     assert len(calls) == record["chunks_checked"]
     calls, progress = counted()
-    compressed = lifecycle.compress_checkpoint(hot, RUN, 2, on_commit=lambda d: None, progress=progress)
+    compressed = lifecycle.compress_checkpoint(hot, RUN, 2, archive=arc, on_commit=lambda d: None, progress=progress)
     assert sum(calls) == compressed.bytes_raw == lifecycle.content_bytes(hot, RUN, 2) > compressed.bytes_after
     calls, progress = counted()
     archived = lifecycle.archive_checkpoint(
@@ -245,7 +259,9 @@ WORKS = {
         hot, RUN, 3, archive=lambda: arc, on_commit=on_commit, evaluator=None, load=None, key="model",
         rule=EvaluationRule(),
     ),
-    "compression": lambda hot, arc, on_commit: lifecycle.compress_checkpoint(hot, RUN, 3, on_commit=on_commit),
+    "compression": lambda hot, arc, on_commit: lifecycle.compress_checkpoint(
+        hot, RUN, 3, archive=arc, on_commit=on_commit
+    ),
     "archival": lambda hot, arc, on_commit: lifecycle.archive_checkpoint(
         hot, arc, RUN, 3, on_commit=on_commit, codec=ArchiveCodec(), evaluator=None, load=None, key="model"
     ),
