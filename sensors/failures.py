@@ -15,7 +15,9 @@ A plain sensor with its own cursor over the instance's run-failure events rather
 ``run_failure_sensor``: that one starts at the newest event when it first ticks, so
 runs that failed before the daemon started (``make demo`` runs the lifecycle
 in-process, then ``make ui`` starts the daemon) would never be recorded. This one
-starts at the beginning of the instance's history; recording is idempotent.
+starts at the beginning of the instance's history; recording is idempotent. A cursor
+that is not an integer (an older version's, or one set in the UI) starts it there again,
+with a warning, rather than failing every tick.
 """
 
 from dagster import (
@@ -119,7 +121,7 @@ def record_failure(
 @sensor(default_status=DefaultSensorStatus.RUNNING, minimum_interval_seconds=SENSOR_INTERVAL_S)
 def failure_sensor(context: SensorEvaluationContext, store: CheckpointStoreResource):
     """Records every failed run about a checkpoint (from the start of the instance's history)."""
-    after = int(context.cursor) if context.cursor else -1
+    after = _cursor(context)
     records = context.instance.fetch_run_status_changes(
         RunStatusChangeRecordsFilter(event_type=DagsterEventType.RUN_FAILURE, after_storage_id=after),
         limit=PER_TICK,
@@ -141,3 +143,21 @@ def failure_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
     if not records:
         return SkipReason("no failed runs since the last tick")
     return None
+
+
+def _cursor(context: SensorEvaluationContext) -> int:
+    """The storage id of the last failure event handled; -1 (the beginning) before the first
+    tick, and for a cursor that is not an integer (an older version's, or one set by hand in
+    the UI), which would otherwise fail every tick: failures are recorded again from the
+    beginning, which is safe, as recording one is idempotent."""
+    if not context.cursor:
+        return -1
+    try:
+        return int(context.cursor)
+    except ValueError:
+        context.log.warning(
+            f"failure_sensor: its cursor {context.cursor[:80]!r} is not a run-failure event's storage id (an "
+            "integer): restarting from the beginning of the instance's history; failures recorded before are "
+            "recorded again, to the same records (set the cursor to an integer in the UI to start elsewhere)"
+        )
+        return -1

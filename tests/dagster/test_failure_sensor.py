@@ -155,3 +155,35 @@ def test_a_failure_that_no_later_run_made_good_still_needs_attention(store_with_
     tick(instance, resources)
     assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[compressed])
     assert "failed: evaluation: evaluator" in needs_attention(store_with_checkpoints)
+
+
+@pytest.mark.parametrize("cursor", ["not-a-number", '{"after": 12}', "12.5"])
+def test_a_cursor_that_is_not_an_integer_starts_over_with_a_warning(
+    store_with_checkpoints, resources, instance, capfd, cursor
+):
+    """An older version's cursor, or one typed in the UI: ``int(cursor)`` raised ValueError
+    on every tick, forever. Now the sensor warns and records from the beginning again;
+    recording a failure twice leaves the same record, and a failure made good stays good."""
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
+    failed = materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
+        raise_on_error=False,
+    )  # fmt: skip
+    handled = tick(instance, resources)
+    digest = subject(store_with_checkpoints, 40).digest
+    first = failure(store_with_checkpoints, digest)
+    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    assert needs_attention(store_with_checkpoints) is None  # the re-run made it good
+    capfd.readouterr()
+    again = tick(instance, resources, cursor)
+    logged = capfd.readouterr().err  # the sensor's log (dagster's own handler, on stderr)
+    assert again == handled  # past the same failure event: a valid cursor again
+    assert f"WARNING - failure_sensor: its cursor {cursor!r} is not a run-failure event's storage id" in logged
+    assert "restarting from the beginning" in logged
+    replayed = failure(store_with_checkpoints, digest)
+    assert replayed["run_id"] == failed.run_id and replayed["recorded_at"] >= first["recorded_at"]
+    assert {k: v for k, v in replayed.items() if k != "recorded_at"} == {
+        k: v for k, v in first.items() if k != "recorded_at"
+    }  # the same record: the time it was written aside
+    assert needs_attention(store_with_checkpoints) is None  # made good by the time of the failure, not of its record
