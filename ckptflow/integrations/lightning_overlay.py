@@ -129,14 +129,24 @@ def scores(checkpoint: dict[str, Any], path: Any) -> dict[str, float]:
 def record(store: Store, run: str, step: int, digest: str, *, metrics: dict[str, float], changes: dict) -> None:
     """The ``trainer`` record of commit ``digest``: the newest later save's ``changes`` (those
     ``changed`` returns; {} when they were too large for a pointer) and every monitored
-    metric a save at the step scored. Replaced by each later save, except that a save
-    lacking parts of the commit (``dropped``: a weights-only save after full ones) is no
-    point to resume training from: the record keeps the newest whole save's changes (a
-    fallback applying its ``dropped`` would resume with no optimizer state)."""
-    if changes.get("dropped"):
+    metric a save at the step scored. Replaced by each later save, except that a
+    weights-only save after full ones (its ``dropped`` names the optimizer states or the
+    callbacks entry) is no point to resume training from: the record keeps the newest
+    whole save's changes (a fallback applying its ``dropped`` would resume with no
+    optimizer state). A whole save that drops only a callback's state (Lightning leaves
+    out a callback whose state is empty) replaces it as any other does."""
+    if not _whole(changes):
         kept = recorded(store, run, step, digest) or {}
         changes = kept["changes"] if isinstance(kept.get("changes"), dict) else {}
     write_record(store, Subject(run, step, digest), TRAINER, {"metrics": metrics, "changes": changes})
+
+
+def _whole(changes: dict[str, Any]) -> bool:
+    """Whether the save of ``changes`` holds what resuming training needs: a weights-only
+    save drops the optimizer states and the ``callbacks`` entry, a whole one at most some
+    callbacks' states."""
+    dropped = changes.get("dropped") or []
+    return not any(isinstance(p, list) and len(p) == 1 and p[0] in (*FIXED, CALLBACKS) for p in dropped)
 
 
 def recorded(store: Store, run: str, step: int, digest: str) -> dict[str, Any] | None:

@@ -251,3 +251,22 @@ def test_the_run_index_of_lifecycle_records_keeps_trainer_scores_not_their_chang
     assert index.size < 64 << 10
     loaded = io.load_checkpoint(tmp_path / "b8.ckpt")  # the changes themselves are where the plugin reads them
     assert torch.equal(loaded["callbacks"]["EMA"]["t"], torch.full((1 << 16,), 8.0))
+
+
+def test_last_falling_back_past_a_whole_save_whose_callback_state_emptied_resumes_with_its_changes(tmp_path):
+    """Lightning leaves out a callback whose ``state_dict()`` is empty: a full later save at step 3
+    after such a callback's state emptied names it in 'dropped', yet holds the optimizer states,
+    loops and callbacks. It is a whole save: its changes (loops after validation) go into the
+    trainer record, or 'last' falling back to step 3 resumes from before that validation."""
+    root = tmp_path / "store"
+    io = CkptflowIO(str(root), "r")
+    first = {**full_save(3), "callbacks": {**full_save(3)["callbacks"], "Pending": {"queue": [1]}}}
+    io.save_checkpoint(first, tmp_path / "s3.ckpt")
+    later = {**full_save(3), "loops": {"done": 2}}  # "Pending" emptied: Lightning leaves it out
+    io.save_checkpoint(later, tmp_path / "later3.ckpt")
+    io.save_checkpoint({**full_save(5), "state_dict": {"w": torch.full((2,), 5.0)}}, tmp_path / "last.ckpt")
+    corrupt_chunk(root, "r", 5, only_in(root, "r", 5, 3)[0])
+
+    loaded = CkptflowIO(str(root), "r").load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 3 and loaded["loops"] == {"done": 2}
+    assert sorted(loaded["callbacks"]) == ["EMA", "ModelCheckpoint"]
