@@ -84,8 +84,11 @@ def duration_arg(text: str) -> float:
     return seconds
 
 
-def _selected(store: Store, run: str | None, infos: list[CheckpointInfo], text: str) -> list[CheckpointInfo]:
-    """The checkpoints a selector accepts, in its order; why the others are not, on stderr."""
+def _selected(
+    store: Store, run: str | None, infos: list[CheckpointInfo], text: str
+) -> tuple[list[CheckpointInfo], bool]:
+    """The checkpoints a selector accepts, in its order, and whether it stopped at a record
+    it could not read (nothing past it is known); why the others are not, on stderr."""
     if run is None:
         raise CkptflowError("--select chooses among one run's checkpoints: give --run too")
     try:
@@ -98,7 +101,7 @@ def _selected(store: Store, run: str | None, infos: list[CheckpointInfo], text: 
         warn(f"step {step}: {why}" if step >= 0 else why)
     if choice.stop is not None:
         warn(f"and no older one is listed: {choice.stop}")
-    return [by_step[s] for s, _ in choice.pairs if s in by_step]
+    return [by_step[s] for s, _ in choice.pairs if s in by_step], choice.stop is not None
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -110,15 +113,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
             infos.append(item)
         else:
             warn(str(item))
+    stopped = False  # the selector stopped at a record it could not read: exit 3, as verify does
     if args.select is not None:
-        infos = _selected(store, run, infos, args.select)
+        infos, stopped = _selected(store, run, infos, args.select)
     if args.json:
         docs = [{**asdict(i), "created": datetime.fromtimestamp(i.created_at, timezone.utc).isoformat()} for i in infos]
         print(json_text(docs))
-        return 0
+        return UNAVAILABLE if stopped else 0
     if not infos:
-        print(f"no checkpoints in {store.url}" + (f" for run {args.run}" if args.run else ""))
-        return 0
+        if not stopped:
+            print(f"no checkpoints in {store.url}" + (f" for run {args.run}" if args.run else ""))
+        return UNAVAILABLE if stopped else 0
     rows = []
     for i in infos:
         meta = json.dumps(rounded(i.metadata), sort_keys=True, separators=(",", ":")) if i.metadata else ""
@@ -137,7 +142,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     headers = ["RUN", "STEP", "KIND", "CREATED", "LOGICAL", "STORED", "WRITTEN", "WORLD", "METADATA"]
     print(table(headers, rows, right={1, 4, 5, 6, 7}))
-    return 0
+    return UNAVAILABLE if stopped else 0
 
 
 CORRUPT = 1  # verify's exit status when it found proof of damage (or debris: uncommitted steps, bad names)

@@ -3,6 +3,7 @@ chose (a commit record, a lifecycle record) never passes a step over for an olde
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -13,6 +14,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.reports import inventory
 from ckptflow.store import open_store
 from ckptflow.store.local import LocalStore
+from support.cli import run_cli
 from support.selection_runs import damage, make, step_2_validated_then_committed_again
 from support.states import model_at
 
@@ -116,3 +118,26 @@ def test_an_unread_record_of_a_commit_no_tier_holds_any_more_stops_nothing(tmp_p
     with Checkpointer(hot, "r") as ck:
         result = ck.restore({"model": model_at(0)}, select="validated")
     assert hot.failed and result.step == 1 and [s for s, _ in result.passed_over] == [2]
+
+
+def test_ls_select_that_stops_at_an_unread_record_says_so_and_exits_3(tmp_path, monkeypatch, capsys):
+    """``ls --select`` went on as if the choice were complete: 'best' with an unread evaluation
+    printed 'no checkpoints ... for run r' and exited 0 (before Choice.stop: exit 2, naming the
+    record). It lists what restore tries before the stop, says where it stops, and exits 3."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+        lifecycle.evaluate(store, store, "r", step)
+    failing = re.compile(rf"/{STEP_2}/.*/(evaluation|validation)\.json$")
+    read = LocalStore.get_bounded
+
+    def get_bounded(self, key, limit):
+        if failing.search(key):
+            raise StoreUnavailableError(f"{key}: 503 SlowDown, failed after 10 attempts")
+        return read(self, key, limit)
+
+    monkeypatch.setattr(LocalStore, "get_bounded", get_bounded)
+    code, out, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "best:val_loss:min")
+    assert code == 3 and "no checkpoints" not in out and "could not read the" in err
+    code, out, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "validated", "--json")
+    assert code == 3 and json.loads(out) == [] and "could not read the validation record" in err
