@@ -225,9 +225,13 @@ def _best(
     blocked: Mapping[int, list[Unread]],
 ) -> Choice:
     """Best first. A step with an unread validation or evaluation record (``blocked``) may
-    be the best or a failed one, so no choice is made then (``Choice.stop``)."""
-    for step in sorted(blocked, reverse=True):
-        if stop := _stops_at(stores, run, step, held[step], blocked, known):
+    be the best or a failed one, so no choice is made then (``Choice.stop``); unless the
+    record cannot make its commit a candidate (``_may_rank``)."""
+    ranking = {
+        step: [u for u in unread if _may_rank(u, by_step.get(step, {}), select)] for step, unread in blocked.items()
+    }
+    for step in sorted(ranking, reverse=True):
+        if stop := _stops_at(stores, run, step, held[step], ranking, known):
             return Choice(describe(select), [], stop=stop)
     scored: list[tuple[float, int, int]] = []  # (the score of the commit a tier holds, step, tier index)
     passed: list[tuple[int, str]] = []
@@ -254,6 +258,18 @@ def _best(
     scored.sort(key=lambda t: (sign * t[0], -t[1]))  # stable: a step's tiers of one score keep their order
     pairs = [(step, index) for _, step, index in scored]
     return Choice(describe(select), pairs, passed, commits=commits)
+
+
+def _may_rank(record: Unread, commits: Mapping[str, dict], select: Best) -> bool:
+    """Whether an unread record may make its commit a candidate of ``select`` (``commits``:
+    the records of its step that did read, by digest): an evaluation unless the commit's
+    verdict read as failed; a verdict only if the commit has a score (its evaluation read
+    with ``select.metric``; an unread one stops the choice itself)."""
+    kinds = commits.get(record.digest, {})
+    if record.kind == "evaluation":
+        return kinds.get("validation", {}).get("ok") is not False
+    value = (kinds.get("evaluation", {}).get("metrics") or {}).get(select.metric)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _scored_tiers(

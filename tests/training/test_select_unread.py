@@ -141,3 +141,26 @@ def test_ls_select_that_stops_at_an_unread_record_says_so_and_exits_3(tmp_path, 
     assert code == 3 and "no checkpoints" not in out and "could not read the" in err
     code, out, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "validated", "--json")
     assert code == 3 and json.loads(out) == [] and "could not read the validation record" in err
+
+
+def test_best_is_not_stopped_by_an_unread_record_that_cannot_rank_its_step(tmp_path):
+    """Best stopped at any held step with an unread validation or evaluation record. Step 2 is
+    validated but not evaluated yet (evaluation runs after validation): its verdict, read or
+    not, cannot make it a candidate, so its unread verdict stops nothing and Best recovers to
+    step 1. Nor does an unread evaluation of a commit whose verdict read as failed."""
+    root, store = make(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        lifecycle.validate(store, "r", step)
+    lifecycle.evaluate(store, store, "r", 1)
+    hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/validation\.json$", always=True)
+    with Checkpointer(hot, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 1
+    assert hot.failed
+
+    damage(root, 2)
+    lifecycle.validate(store, "r", 2)  # now failed on the commit there
+    lifecycle.evaluate(store, store, "r", 2)
+    hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/evaluation\.json$", always=True)
+    with Checkpointer(hot, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 1
+    assert hot.failed
