@@ -119,6 +119,16 @@ def needs_attention(store: str) -> str | None:
     return recoverable.attention_reason(entry)
 
 
+def evaluation_failed(instance, resources):
+    """A run of ``evaluation`` in partition KEY that fails (its evaluator cannot be loaded)."""
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
+    return materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
+        raise_on_error=False,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("sensor_late", [False, True], ids=["recorded-then-rerun", "rerun-then-recorded"])
 def test_a_failure_that_a_later_run_made_good_no_longer_needs_attention(
     store_with_checkpoints, resources, instance, sensor_late
@@ -126,12 +136,7 @@ def test_a_failure_that_a_later_run_made_good_no_longer_needs_attention(
     """The operator re-runs a failed partition (the evaluator fixed): the checkpoint no
     longer needs attention, whether the sensor recorded the failure before the re-run or
     after it (it lags, or the daemon started later); the record stays, as history."""
-    instance.add_dynamic_partitions("checkpoints", [KEY])
-    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
-    failed = materialize(
-        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
-        raise_on_error=False,
-    )  # fmt: skip
+    failed = evaluation_failed(instance, resources)
     assert not failed.success
     if not sensor_late:
         tick(instance, resources)
@@ -146,12 +151,7 @@ def test_a_failure_that_a_later_run_made_good_no_longer_needs_attention(
 
 def test_a_failure_that_no_later_run_made_good_still_needs_attention(store_with_checkpoints, resources, instance):
     """A later run of other work (compression) does not make a failed evaluation good."""
-    instance.add_dynamic_partitions("checkpoints", [KEY])
-    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
-    materialize(
-        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
-        raise_on_error=False,
-    )  # fmt: skip
+    evaluation_failed(instance, resources)
     tick(instance, resources)
     assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[compressed])
     assert "failed: evaluation: evaluator" in needs_attention(store_with_checkpoints)
@@ -164,12 +164,7 @@ def test_a_cursor_that_is_not_an_integer_starts_over_with_a_warning(
     """An older version's cursor, or one typed in the UI: ``int(cursor)`` raised ValueError
     on every tick, forever. Now the sensor warns and records from the beginning again;
     recording a failure twice leaves the same record, and a failure made good stays good."""
-    instance.add_dynamic_partitions("checkpoints", [KEY])
-    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
-    failed = materialize(
-        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
-        raise_on_error=False,
-    )  # fmt: skip
+    failed = evaluation_failed(instance, resources)
     handled = tick(instance, resources)
     digest = subject(store_with_checkpoints, 40).digest
     first = failure(store_with_checkpoints, digest)

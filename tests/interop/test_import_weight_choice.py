@@ -17,15 +17,7 @@ from transformers import AutoModel, BertConfig, BertModel
 from ckptflow import Checkpointer
 from ckptflow.interop.export import load_exported
 from ckptflow.interop.importers import import_checkpoint
-
-BERT = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-    "max_position_embeddings": 64,
-}
+from support.tiny_bert import BERT
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:

@@ -25,15 +25,8 @@ from ckptflow.errors import CkptflowError
 from ckptflow.interop.export import ExportOptions, export_safetensors, load_exported
 from support.child_env import child_env
 from support.cli import run_cli
+from support.tiny_bert import BERT
 
-BERT = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-    "max_position_embeddings": 64,
-}
 IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
 INT8 = ExportOptions(dtype="int8")
 

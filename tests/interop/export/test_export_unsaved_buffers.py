@@ -23,15 +23,7 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 from ckptflow.interop.export import export_safetensors, load_exported
 from ckptflow.interop.importers import import_checkpoint
 from support.minilm import SENTENCE, minilm_dir
-
-BERT = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-    "max_position_embeddings": 64,
-}
+from support.tiny_bert import BERT
 
 
 def old_style_bert_dir(path: str) -> BertModel:
