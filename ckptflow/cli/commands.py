@@ -116,14 +116,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     stopped = False  # the selector stopped at a record it could not read: exit 3, as verify does
     if args.select is not None:
         infos, stopped = _selected(store, run, infos, args.select)
+    status = UNAVAILABLE if stopped else 0
     if args.json:
         docs = [{**asdict(i), "created": datetime.fromtimestamp(i.created_at, timezone.utc).isoformat()} for i in infos]
         print(json_text(docs))
-        return UNAVAILABLE if stopped else 0
+        return status
     if not infos:
         if not stopped:
             print(f"no checkpoints in {store.url}" + (f" for run {args.run}" if args.run else ""))
-        return UNAVAILABLE if stopped else 0
+        return status
     rows = []
     for i in infos:
         meta = json.dumps(rounded(i.metadata), sort_keys=True, separators=(",", ":")) if i.metadata else ""
@@ -142,7 +143,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     headers = ["RUN", "STEP", "KIND", "CREATED", "LOGICAL", "STORED", "WRITTEN", "WORLD", "METADATA"]
     print(table(headers, rows, right={1, 4, 5, 6, 7}))
-    return UNAVAILABLE if stopped else 0
+    return status
 
 
 CORRUPT = 1  # verify's exit status when it found proof of damage (or debris: uncommitted steps, bad names)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckptflow.cli.output import table
 from ckptflow.errors import CkptflowError
-from ckptflow.reports.costs import COST_ITEMS, SAVINGS, CostModel, CostReport, storage_costs
+from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, added_cost, storage_costs
 from ckptflow.reports.units import human_bytes, human_usd
 from ckptflow.store.base import Store
 
@@ -69,8 +69,9 @@ def _usd(x: float) -> str:
 
 def _saving_label(name: str, usd: float) -> str:
     """ "saved by delta" (subtracted from the baseline), or for a negative item, added to it:
-    "tiering costs more" (archived while still hot, the one comparison of tiering choices);
-    any other is a plain cost, e.g. "garbage (unreferenced chunk files, until gc)"."""
+    "tiering costs more", or what it is (``added_cost``: "garbage (unreferenced chunk files,
+    until gc)")."""
     if usd >= 0:
         return f"  - saved by {name}"
-    return f"  + {name} costs more" if name == "tiering" else f"  + {COST_ITEMS.get(name, name)}"
+    plain = added_cost(name)
+    return f"  + {name} costs more" if plain is None else f"  + {plain}"

@@ -195,14 +195,21 @@ def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: C
     )
 
 
+def added_cost(name: str) -> str | None:
+    """What an item of ``savings_usd`` that came out negative is, said plainly; None for
+    tiering, the one item that compares two choices (archived against kept hot), which
+    then "costs more" (a checkpoint in both tiers until the hot copy expires). Any other is
+    bytes the stores hold and pay for (garbage: unreferenced chunk files until gc)."""
+    return None if name == "tiering" else COST_ITEMS.get(name, name)
+
+
 def describe(name: str, usd: float, *, per: str = "/month") -> str:
-    """One item of ``savings_usd`` in words. Only tiering compares two choices (archived
-    against kept hot), so only a negative tiering item "costs more" (a checkpoint in both
-    tiers until the hot copy expires); any other negative item is bytes the stores hold and
-    pay for: "adds $X/month" (garbage: unreferenced chunk files until gc)."""
-    if usd >= 0 or name == "tiering":
+    """One item of ``savings_usd`` in words: "saves $X/month", "costs $X/month more"
+    (tiering), or "adds $X/month: <what it is>" (``added_cost``)."""
+    plain = added_cost(name)
+    if usd >= 0 or plain is None:
         return human_saving(usd, per=per)
-    return f"adds {human_usd(-usd, per=per)}: {COST_ITEMS.get(name, name)}"
+    return f"adds {human_usd(-usd, per=per)}: {plain}"
 
 
 def _saved(kinds: Mapping[str, Any], kind: str) -> int:
