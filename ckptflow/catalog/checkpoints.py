@@ -50,7 +50,8 @@ class CheckpointInfo:
     run: str = ""
     world_size: int = 1
     chunks: int = 0
-    bytes_written: int = 0
+    bytes_written: int = 0  # raw bytes of the chunks the save wrote
+    added_bytes: int = 0  # the same chunks as stored (encoded): what the save added to the store
     bytes_unread: int = 0  # of the state, not even read by the save (``ckptflow.dcp.written_pages``)
     base_step: int | None = None
     digest: str = ""  # sha256 of the manifest file: names this exact checkpoint
@@ -69,6 +70,7 @@ class CheckpointInfo:
             world_size=m.world_size,
             chunks=m.stats.chunks,
             bytes_written=m.stats.bytes_written,
+            added_bytes=m.stats.added_bytes,
             bytes_unread=m.stats.bytes_unread,
             base_step=m.base_step,
             digest=m.digest,
@@ -188,8 +190,7 @@ def summaries(store: Store, run: str | None = None) -> Iterator[CheckpointInfo |
     listed = list(listing(store, run, manifests_only=True))
     for name in dict.fromkeys(e.run for e in listed if isinstance(e, StepListing)):
         steps = [e for e in listed if isinstance(e, StepListing) and e.run == name and e.manifest is not None]
-        index = ObjectIndex(store, f"runs/{name}", manifest_summary, limit=MAX_RECORD_BYTES)
-        values = index.values(e.manifest for e in steps)  # type: ignore[misc]
+        values = summary_index(store, name).values(e.manifest for e in steps)  # type: ignore[misc]
         for entry in steps:
             key = fmt.manifest_key(name, entry.step)
             value = values[key]
@@ -345,6 +346,14 @@ def verify_checkpoint(
     report.chunks_checked = len(items)
     report.bytes_checked = sum(size for _, size in items)
     return report
+
+
+SUMMARY_SCHEMA = 2  # 2: ``CheckpointInfo.added_bytes``
+
+
+def summary_index(store: Store, run: str) -> ObjectIndex:
+    """The index of ``run``'s manifest summaries (``manifest_summary``)."""
+    return ObjectIndex(store, f"runs/{run}", manifest_summary, limit=MAX_RECORD_BYTES, schema=SUMMARY_SCHEMA)
 
 
 def manifest_summary(info: ObjectInfo, blob: bytes) -> dict[str, Any]:

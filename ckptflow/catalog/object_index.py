@@ -37,10 +37,16 @@ Derive = Callable[[ObjectInfo, bytes], Any]
 
 class ObjectIndex:
     """``limit``: the most bytes an indexed object may hold; a larger one is refused unread
-    (``RecordTooLargeError`` as its value), so one multi-GB object never costs its size in memory."""
+    (``RecordTooLargeError`` as its value), so one multi-GB object never costs its size in memory.
+    ``schema`` names the shape of what ``derive`` returns: an index written under another
+    (an older ckptflow's values, lacking a field or holding one no longer kept) is rebuilt,
+    since its objects, unchanged, would otherwise keep their old values for good."""
 
-    def __init__(self, store: Store, name: str, derive: Derive, *, limit: int, threads: int | None = None):
+    def __init__(
+        self, store: Store, name: str, derive: Derive, *, limit: int, schema: int = 1, threads: int | None = None
+    ):
         self.store, self.key, self.derive, self.limit = store, f"{PREFIX}{name}.json", derive, limit
+        self.schema = schema
         self.threads = threads or (2 if store.cheap_reread else 32)
 
     def _load(self) -> dict[str, Any]:
@@ -52,7 +58,8 @@ class ObjectIndex:
             log.debug("rebuilding %s/%s: %s", self.store.url, self.key, e)
             return {}
         entries = doc.get("entries")
-        return entries if doc.get("index_version") == VERSION and isinstance(entries, dict) else {}
+        current = doc.get("index_version") == VERSION and doc.get("schema", 1) == self.schema
+        return entries if current and isinstance(entries, dict) else {}
 
     def values(self, listed: Iterable[ObjectInfo]) -> dict[str, Any]:
         """``derive`` of every listed object (or the exception reading it raised), from the
@@ -87,7 +94,8 @@ class ObjectIndex:
 
     def _save(self, entries: dict[str, Any]) -> None:
         try:
-            self.store.replace(self.key, seal({"format_version": 1, "index_version": VERSION, "entries": entries}))
+            doc = {"format_version": 1, "index_version": VERSION, "schema": self.schema, "entries": entries}
+            self.store.replace(self.key, seal(doc))
         except (CkptflowError, OSError) as e:  # read-only credentials: the next reader reads again
             log.debug("could not write %s/%s: %s", self.store.url, self.key, e)
 

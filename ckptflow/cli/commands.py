@@ -136,7 +136,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created_at)),
                 human_bytes(i.logical_bytes),
                 human_bytes(i.stored_bytes),
-                human_bytes(i.bytes_written),
+                human_bytes(i.added_bytes),
                 str(i.world_size),
                 meta if len(meta) <= 60 else meta[:59] + "…",
             ]

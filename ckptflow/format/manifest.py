@@ -39,6 +39,12 @@ class ManifestStats:
     delta_chunks: int = 0
     bytes_unread: int = 0  # of the state, left unread: no write reached them since the previous save read them
 
+    @property
+    def added_bytes(self) -> int:
+        """Bytes this save added to the store as they are stored (encoded): what it cost in
+        space. A manifest written before ckptflow recorded that (codec "auto") gives its raw count."""
+        return self.stored_written or self.bytes_written
+
 
 @dataclass(frozen=True)
 class Manifest:

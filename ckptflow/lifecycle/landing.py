@@ -56,13 +56,11 @@ from dataclasses import dataclass
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
-from ckptflow.catalog.object_index import ObjectIndex
 from ckptflow.catalog.records import is_number
 from ckptflow.catalog.verdicts import Subject, read_record, subjects_with
 from ckptflow.errors import ObjectNotFoundError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
-from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import Store
 
 MAX_PER_TICK = 500
@@ -201,8 +199,7 @@ def _behind_watermark(
     unvalidated = set()
     for run in dict.fromkeys(e.run for e in looked_at.values()):
         committed = [e.manifest for e in listed if e.run == run and e.manifest is not None]
-        index = ObjectIndex(store, f"runs/{run}", catalog.manifest_summary, limit=MAX_RECORD_BYTES)
-        summaries = index.values(committed)
+        summaries = catalog.summary_index(store, run).values(committed)
         for commit, entry in ((c, e) for c, e in looked_at.items() if e.run == run):
             summary = summaries[fmt.manifest_key(run, entry.step)]
             if isinstance(summary, ObjectNotFoundError):

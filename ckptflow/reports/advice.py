@@ -93,8 +93,8 @@ def advise(
     incs = [m for m in measured if m.kind == "incremental"]
     full_s = _median([m.save_cost.blocked_s for m in fulls if m.save_cost]) if fulls else None
     inc_s = _median([m.save_cost.blocked_s for m in incs if m.save_cost]) if incs else None
-    full_bytes = _median([_written(m) for m in manifests if m.kind == "full"])
-    inc_bytes = _median([_written(m) for m in manifests if m.kind == "incremental"]) if incs else None
+    full_bytes = _median([m.stats.added_bytes for m in manifests if m.kind == "full"])
+    inc_bytes = _median([m.stats.added_bytes for m in manifests if m.kind == "incremental"]) if incs else None
     if full_s is None:  # only incrementals measured: their cost stands in for a full's
         full_s = inc_s or 0.0
         notes.append("no full checkpoint records its save cost: an incremental's stands in for a full's")
@@ -227,11 +227,6 @@ def _current(
 def _seconds(seconds: float) -> str:
     """A duration for a note: under a second with three significant digits (not "0.0 s")."""
     return f"{seconds:.3g} s" if seconds < 1 else human_duration(seconds)
-
-
-def _written(manifest: Manifest) -> int:
-    """Bytes a save added to the store, encoded (raw before codec "auto" recorded it)."""
-    return manifest.stats.stored_written or manifest.stats.bytes_written
 
 
 def _median(values: list[float] | list[int]) -> float:
