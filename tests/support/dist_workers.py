@@ -220,8 +220,11 @@ def corrupt_rank_only_chunk(root: Path, fmt, step: int, owner_rank: int, world: 
 
 
 def per_rank_values(rank: int, world: int, workdir: Path) -> dict:
-    """Plain tensors with one name on every rank are deduplicated by DCP (one copy, rank
-    0's, is kept); ``per_rank`` keeps each rank's own."""
+    """Each rank saves step 1 holding its own values (rank + 1) twice, wrapped in ``per_rank``
+    and as a plain tensor of one name, restores both into zeros and returns what it got
+    back. DCP keeps one copy of a plain tensor every rank saves under one name (that of the
+    rank whose plan is smallest then, not necessarily rank 0's) and every rank gets that
+    copy; ``per_rank`` stores each rank's own, and each rank gets its own back."""
     from ckptflow import Checkpointer, per_rank
 
     root = workdir / "store"
