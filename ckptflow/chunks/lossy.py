@@ -25,6 +25,7 @@ state dict); its floating-point tensors with more than one element are its momen
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,19 +112,36 @@ class LossStats:
     max_abs: dict[str, float] = field(default_factory=dict)
 
     def add(self, what: str, exact: np.ndarray, stored: np.ndarray) -> None:
-        diff = stored.astype(np.float64) - exact
+        """Add one chunk's errors. A NaN or infinity stored as it was costs nothing; a value
+        the copy lost (a NaN or infinity stored where the value was another, as every value
+        of an int8 block holding a NaN is, or the reverse) is an infinite error. So no NaN
+        reaches ``max``, whose answer with one depends on the order of its arguments: a
+        lost value no longer vanished from ``max_abs_error`` while it made the RMS NaN."""
+        exact64, stored64 = exact.astype(np.float64), stored.astype(np.float64)
+        kept = (stored64 == exact64) | (np.isnan(stored64) & np.isnan(exact64))
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, NaN - x: replaced just below
+            diff = np.where(kept, 0.0, np.where(np.isfinite(stored64 - exact64), stored64 - exact64, np.inf))
+        finite = exact64[np.isfinite(exact64)]
         self.sq_err[what] = self.sq_err.get(what, 0.0) + float(np.dot(diff, diff))
-        self.sq_ref[what] = self.sq_ref.get(what, 0.0) + float(np.dot(exact, exact.astype(np.float64)))
+        self.sq_ref[what] = self.sq_ref.get(what, 0.0) + float(np.dot(finite, finite))
         self.max_abs[what] = max(self.max_abs.get(what, 0.0), float(np.max(np.abs(diff))) if len(diff) else 0.0)
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {
             what: {
-                "rms_relative_error": (self.sq_err[what] / self.sq_ref[what]) ** 0.5 if self.sq_ref[what] else 0.0,
+                "rms_relative_error": _relative(self.sq_err[what], self.sq_ref[what]),
                 "max_abs_error": self.max_abs[what],
             }
             for what in sorted(self.sq_err)
         }
+
+
+def _relative(sq_err: float, sq_ref: float) -> float:
+    """The RMS error relative to the values' RMS; a value lost where every finite one
+    was 0 (a NaN in an int8 block of zeros) is an infinite error there, not none."""
+    if sq_ref:
+        return (sq_err / sq_ref) ** 0.5
+    return 0.0 if sq_err == 0 else math.inf
 
 
 def encode_lossy(raw: memoryview, how: str, stats: LossStats, what: str) -> tuple[np.ndarray, list]:
