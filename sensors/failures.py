@@ -25,6 +25,7 @@ from dagster import (
     DagsterInstance,
     DagsterRun,
     DefaultSensorStatus,
+    RunsFilter,
     RunStatusChangeRecordsFilter,
     SensorEvaluationContext,
     SkipReason,
@@ -94,6 +95,30 @@ def made_good_by(steps: list[tuple[str, str]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in kinds if k)) if kinds and all(kinds) else ()
 
 
+def made_good_already(instance: DagsterInstance, run: DagsterRun, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``kinds`` a run of the same checkpoint partition begun after ``run`` (a
+    greater run storage id: the instance's order, no clock) wrote by now, a step of it
+    that writes one having succeeded: the records standing when the failure is recorded
+    late, after such a re-run, are that re-run's (``ckptflow.reports.recoverable.made_good``)."""
+    key = partition_of(run)
+    if not kinds or not key:
+        return ()
+    [failed] = instance.get_run_records(RunsFilter(run_ids=[run.run_id]))
+    later = {
+        record.dagster_run.run_id
+        for tags in ({PARTITION_TAG: key}, dict.fromkeys(RANGE_TAGS, key))
+        for record in instance.get_run_records(RunsFilter(tags=tags))
+        if record.storage_id > failed.storage_id
+    }
+    written = {
+        STEP_RECORDS.get(entry.dagster_event.step_key or "")
+        for run_id in later
+        for entry in instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS)
+        if entry.dagster_event is not None
+    }
+    return tuple(kind for kind in kinds if kind in written)
+
+
 def record_failure(
     instance: DagsterInstance, run: DagsterRun, store: CheckpointStoreResource, *, failed_at: float | None = None
 ) -> str:
@@ -101,6 +126,7 @@ def record_failure(
     the run's failure event's time); what was done, as a line. A store that cannot be
     read raises (the sensor retries the run next tick)."""
     steps = failed_steps(instance, run.run_id)
+    kinds = made_good_by(steps)
     failed = attribution.FailedRun(
         run.run_id,
         run.job_name,
@@ -109,7 +135,8 @@ def record_failure(
         digest=run.tags.get(DIGEST_TAG),
         started_at=started_at(instance, run.run_id),
         failed_at=failed_at,
-        made_good_by=made_good_by(steps),
+        made_good_by=kinds,
+        made_good_already=made_good_already(instance, run, kinds),
     )
     instance.add_run_tags(run.run_id, {FAILURE_TAG: failed.reason[:300]})
     done = attribution.record_failure(failed, store.open)

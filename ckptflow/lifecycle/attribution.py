@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog.verdicts import Subject, write_record
+from ckptflow.catalog.verdicts import Subject, read_record, write_record
 from ckptflow.errors import ManifestError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.landing import SLACK
@@ -40,6 +40,9 @@ class FailedRun:
     # the record kinds the failed work writes when it succeeds (``verdicts.KINDS``): a later
     # run that writes them all makes this failure good (``reports.recoverable``); () if unknown
     made_good_by: tuple[str, ...] = ()
+    # those of them a run begun after this one (by the orchestrator's order of runs, no clock)
+    # wrote before the failure is recorded: the records there then are that run's
+    made_good_already: tuple[str, ...] = ()
 
     @property
     def reason(self) -> str:
@@ -93,9 +96,13 @@ def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attrib
             f"run {failed.run_id} failed for {key} ({reason[:120]}); not recorded against a commit: {digest.why}",
             digest.why,
         )
+    subject = Subject(run, step, digest)
+    # which record of each kind stood when the failure was recorded, by its recorded_at used as
+    # a name, never compared with a time: one written since is another (``reports.recoverable``)
+    seen = {kind: (read_record(hot, subject, kind) or {}).get("recorded_at") for kind in failed.made_good_by}
     write_record(
         hot,
-        Subject(run, step, digest),
+        subject,
         "failure",
         {
             "run_id": failed.run_id,
@@ -104,6 +111,8 @@ def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attrib
             "message": reason,
             "failed_at": failed.failed_at,
             "made_good_by": list(failed.made_good_by),
+            "records_seen": seen,
+            "made_good_already": [kind for kind in failed.made_good_by if kind in failed.made_good_already],
         },
     )
     return Attribution(f"recorded the failure of run {failed.run_id} for {key}: {reason[:120]}")

@@ -90,17 +90,27 @@ def attention_reason(entry: inventory.Entry) -> str | None:
 
 
 def made_good(failure: dict, records: dict[str, dict]) -> bool:
-    """Whether a later run made a recorded failure good: each record its work writes
-    (``made_good_by``) was recorded, not failed, after the run failed (``failed_at``; a
-    record without one: when it was recorded). The failure record stays, as history."""
-    kinds, failed_at = failure.get("made_good_by"), failure.get("failed_at")
-    failed_at = failure.get("recorded_at") if failed_at is None else failed_at
-    if not isinstance(kinds, list) or not kinds or not is_number(failed_at):
+    """Whether later work made a recorded failure good: each record its work writes
+    (``made_good_by``) is there, not failed, and written after the failure: another than
+    the one that stood when the failure was recorded (``records_seen``), or, for one that
+    stood then, written by a run begun after the failed one (``made_good_already``: the
+    orchestrator's order). No two clocks are compared: a verdict and the failure are stamped
+    by different machines, and a worker's clock running ahead made a verdict written before
+    the failure look later (a failure shown as made good that no run redid), one running
+    behind made every re-run's look earlier (a failure no re-run could clear). A failure
+    recorded by an earlier ckptflow (no ``records_seen``) is judged by those clocks, as it
+    was then. The failure record stays, as history."""
+    kinds = failure.get("made_good_by")
+    if not isinstance(kinds, list) or not kinds:
         return False
-    done = [records.get(kind) or {} for kind in kinds]
-    return all(
-        r.get("ok") is not False and is_number(r.get("recorded_at")) and r["recorded_at"] > failed_at for r in done
-    )
+    done = {kind: records.get(kind) or {} for kind in kinds}
+    if any(r.get("ok") is False or not is_number(r.get("recorded_at")) for r in done.values()):
+        return False
+    seen, already = failure.get("records_seen"), failure.get("made_good_already") or []
+    if isinstance(seen, dict):
+        return all(kind in already or done[kind]["recorded_at"] != seen.get(kind) for kind in kinds)
+    failed_at = failure.get("recorded_at") if failure.get("failed_at") is None else failure.get("failed_at")
+    return is_number(failed_at) and all(r["recorded_at"] > failed_at for r in done.values())
 
 
 @dataclass(frozen=True, kw_only=True)

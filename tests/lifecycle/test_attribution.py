@@ -97,3 +97,56 @@ def test_a_store_that_does_not_answer_decides_nothing(root):
     with pytest.raises(StoreUnavailableError):
         record_failure(FailedRun("id", "job", STEPS, checkpoint=KEY, started_at=1e12), lambda: store)
     assert failure(root, current(root).digest) is None
+
+
+SKEW_S = 300.0  # a validation worker's clock 5 minutes off the orchestrator's
+
+
+def _made_good(root: str) -> bool:
+    from ckptflow.reports.recoverable import made_good
+
+    subject = lifecycle.Subject.of(current(root))
+    records = {kind: lifecycle.read_record(open_store(root), subject, kind) for kind in ("failure", "validation")}
+    return made_good(records["failure"], {k: v for k, v in records.items() if v is not None})
+
+
+def _validated_by_clock(root: str, clock: float) -> None:
+    lifecycle.write_record(
+        open_store(root), lifecycle.Subject.of(current(root)), "validation", {"ok": True, "recorded_at": clock}
+    )
+
+
+def test_a_verdict_written_before_the_failure_by_a_clock_running_ahead_does_not_make_it_good(root):
+    """A validation passed at t=1000 on a worker whose clock ran 5 minutes ahead (recorded
+    at 1300); a re-validation failed at t=1100 by the orchestrator's clock. Comparing the two
+    clocks, the old verdict looked later than the failure: the failure counted as made good
+    and the checkpoint no longer needed attention, though no run had redone the work."""
+    _validated_by_clock(root, 1000.0 + SKEW_S)
+    failed = FailedRun("id", "job", [("checkpoint", "chunk hash")], checkpoint=KEY, digest=current(root).digest,
+                       failed_at=1100.0, made_good_by=("validation",))  # fmt: skip
+    record_failure(failed, lambda: open_store(root))
+    assert not _made_good(root)
+    _validated_by_clock(root, 1250.0 + SKEW_S)  # a re-run after the failure was recorded, on that worker again
+    assert _made_good(root)
+
+
+def test_a_verdict_written_after_the_failure_by_a_clock_running_behind_makes_it_good(root):
+    """The re-run after the failure (t=1200) ran on a worker whose clock is 5 minutes behind
+    (recorded at 900): compared with the failure's time (1100) it looked older, so no re-run
+    on that worker could ever make the failure good."""
+    failed = FailedRun("id", "job", [("checkpoint", "chunk hash")], checkpoint=KEY, digest=current(root).digest,
+                       failed_at=1100.0, made_good_by=("validation",))  # fmt: skip
+    record_failure(failed, lambda: open_store(root))
+    assert not _made_good(root)
+    _validated_by_clock(root, 1200.0 - SKEW_S)
+    assert _made_good(root)
+
+
+def test_a_verdict_a_later_run_wrote_before_the_failure_was_recorded_makes_it_good(root):
+    """The sensor recorded the failure late, after a re-run (begun after the failed run, by
+    the orchestrator's order) had written the verdict: that verdict is the re-run's."""
+    _validated_by_clock(root, 1200.0 - SKEW_S)
+    failed = FailedRun("id", "job", [("checkpoint", "chunk hash")], checkpoint=KEY, digest=current(root).digest,
+                       failed_at=1100.0, made_good_by=("validation",), made_good_already=("validation",))  # fmt: skip
+    record_failure(failed, lambda: open_store(root))
+    assert _made_good(root)
