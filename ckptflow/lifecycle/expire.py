@@ -21,6 +21,7 @@ def expire(
     *,
     keep_records: bool = False,
     keep_digests: Collection[str] | None = None,
+    commit: str | None = None,
 ) -> list[str]:
     """Delete the commit record first (the checkpoint stops existing at once), then the
     step's other objects that are the commit's (``_objects_of_commit``: never those of a
@@ -30,6 +31,11 @@ def expire(
     holds, as retention does), every record of the step but theirs; without, only those
     of the commit expired (a record of another commit, one an archive may hold, stays).
     Before that, the commit goes into the ledger of expired checkpoints (``ledger``).
+
+    ``commit``: the digest of the commit decided on (a retention plan's). Another one read
+    at the step (committed again since the decision: a restore rejected the commit decided
+    on and training saved the step anew) is an ``ExpireError`` and nothing is deleted: the
+    commit read is the one expired, and nobody decided about that one.
 
     A commit record that cannot be read for a reason that proves nothing (an outage) is
     an ``ExpireError`` and nothing is deleted. ``ExpireError`` also names what is left if
@@ -47,13 +53,19 @@ def expire(
             blob, version = store.get_versioned(manifest_key, MAX_RECORD_BYTES)
         else:
             blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
+        if commit is not None and fmt.digest_of(blob) != commit:
+            raise _committed_again(store, manifest_key, what)
         manifest = Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step)
         ledger.record_expiry(store, manifest)
     except ObjectNotFoundError:  # gone already (an expiry retried): a commit made since is not this one
         found = False
     except ObjectTooLargeError:  # larger than any record (damage): deleted only while it is that object
+        if commit is not None:  # the commit decided on was read whole: this is another object
+            raise _committed_again(store, manifest_key, what) from None
         version = _version_unread(store, manifest_key, what)
         found = version is not None or not store.compare_and_swap
+    except ExpireError:
+        raise
     except CkptflowError as e:
         if not is_damage(e):
             raise _unreadable(store, manifest_key, what, e) from e

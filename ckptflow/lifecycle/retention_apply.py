@@ -80,7 +80,9 @@ def apply_retention(
     committed again since (the plan saw another commit), if a model version was
     published from it or an alias moved to it since (the registry is read again before
     the first expiry, and compared with what the plan knew), or if it is damaged now
-    where the plan saw it whole. One whose commit record cannot be read now (an outage)
+    where the plan saw it whole; the expiry then deletes the planned commit only
+    (``expire(commit=)``), so one landing after that read is kept too (``failed``, saying
+    it was committed again). One whose commit record cannot be read now (an outage)
     is ``failed``: nothing is decided on a read that failed. Expiring a checkpoint with
     no matching archive copy deletes its lifecycle records, but not those of the commit
     the archive holds at that step (an earlier commit: its verdicts still describe it).
@@ -155,14 +157,15 @@ def _expire_planned(
                 report.changed.append((ref, changed))
                 continue
             why_not = copy_matches(hot, archive, run, step) if archive is not None else "no archive tier"
+            decided = plan.digests.get(ref) or None  # the commit the plan is about ("": its record did not read)
             if why_not is None:
-                expire(hot, run, step, keep_records=True)
+                expire(hot, run, step, keep_records=True, commit=decided)
                 report.hot_copies_expired.append(ref)
             elif ref in plan.archive_only:
                 report.left_hot.append((ref, why_not))
             else:
                 archived = _archived_commits(archive, run, step)
-                expire(hot, run, step, keep_digests=archived)
+                expire(hot, run, step, keep_digests=archived, commit=decided)
                 held = archive is not None and holds_commit(archive.metadata_store(), run, step)
                 (report.hot_commits_expired if held else report.expired).append(ref)
         except CkptflowError as e:

@@ -16,6 +16,7 @@ from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.catalog.verdicts import records_by_subject
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.interop.registry import Registry
+from ckptflow.lifecycle import retention_apply
 from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.policy.retention import DAY, AnyOf
 from ckptflow.reports import inventory
@@ -235,3 +236,35 @@ def test_the_next_retention_finishes_an_expiry_that_failed_after_its_commit_reco
     assert report.expiries_finished == [(("r", 1), digest)] and report.failed == []
     assert [s for s in records_by_subject(hot) if s[:2] in (("r", 1), ("r", 2))] == []
     assert not list(hot.list("ledger/expiring/"))
+
+
+def test_a_step_committed_again_between_the_last_check_and_the_expiry_is_kept(tmp_path, monkeypatch):
+    """The plan expired step 3's first commit (it failed validation); the new commit of step 3
+    (training rejected the first and saved it again) lands after retention checked the step
+    was unchanged and before the expiry read it. The expiry read whatever the step held then
+    and deleted the new commit, and its verdict with it."""
+    root = str(tmp_path / "hot")
+    hot = saved(root)
+    corrupt_chunk(root, "r", 3)
+    assert lifecycle.validate(hot, "r", 3)["ok"] is False
+    plan = a_plan(hot)
+    assert ("r", 3) in plan.delete
+    decided = retention_apply._archived_commits  # called after the last check, right before the expiry
+
+    def committed_again_meanwhile(archive, run, step):
+        if step == 3:
+            with Checkpointer(root, "r") as ck:
+                model = nn.Linear(16, 16)
+                assert ck.restore({"model": model}).step == 2
+                ck.save(3, {"model": model})
+            assert lifecycle.validate(hot, "r", 3)["ok"]
+        return decided(archive, run, step)
+
+    monkeypatch.setattr(retention_apply, "_archived_commits", committed_again_meanwhile)
+    report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
+    assert ("r", 3) not in report.expired
+    [(ref, why)] = report.failed
+    assert ref == ("r", 3) and "committed again while checkpoint r step 3 was being expired" in why
+    again = read_manifest(hot, "r", 3)
+    assert lifecycle.read_record(hot, lifecycle.Subject.of(again), "validation")["ok"]
+    assert a_plan(hot).keep[("r", 3)] == ["newest valid checkpoint of its run"]
