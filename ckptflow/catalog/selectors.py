@@ -17,7 +17,8 @@ ALIAS_CHAIN = {"latest": ("latest", "stable", "fallback"), "stable": ("stable", 
 
 @dataclass(frozen=True)
 class Best:
-    """The best checkpoint by an evaluation ``metric`` (``mode`` "min": lower is better)."""
+    """The best checkpoint by its score of ``metric`` (``mode`` "min": lower is better): its
+    evaluation's, else what its trainer reported (``ckptflow.policy.scores``)."""
 
     metric: str = "val_loss"
     mode: str = "min"
@@ -26,7 +27,7 @@ class Best:
         if self.mode not in ("min", "max"):
             raise ValueError(f"Best(mode=...) must be 'min' or 'max', got {self.mode!r}")
         if not isinstance(self.metric, str) or not self.metric:
-            raise ValueError(f"Best(metric=...) must name an evaluation metric, got {self.metric!r}")
+            raise ValueError(f"Best(metric=...) must name a metric, got {self.metric!r}")
 
 
 @dataclass(frozen=True)

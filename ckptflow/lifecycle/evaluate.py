@@ -14,7 +14,6 @@ on the order its runs happened to take. Otherwise there is no improvement figure
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from ckptflow.errors import CkptflowError, EvaluatorError, ObjectNotFoundError, 
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.format.sealed import MAX_RECORD_BYTES
+from ckptflow.policy.scores import finite, scores
 from ckptflow.store.base import Store
 
 Evaluator = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, float]]
@@ -51,11 +51,8 @@ class EvaluationRule:
 
 
 def numeric(values: Mapping[str, Any]) -> dict[str, float]:
-    return {
-        str(k): float(v)
-        for k, v in values.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    }
+    """The scores among ``values`` (``ckptflow.policy.scores.is_score``), as floats."""
+    return {str(k): float(v) for k, v in finite(values).items()}
 
 
 @contextmanager
@@ -134,7 +131,7 @@ def evaluate(
     """
     manifest = catalog.read_admitted(source, run, step, commit, "evaluation")
     reported = read_record(records, Subject.of(manifest), "trainer") or {}  # scores reported after the commit
-    trainer = {**numeric(manifest.metadata), **numeric(reported.get("metrics") or {})}
+    trainer = numeric(scores(manifest.metadata, {"trainer": reported}))  # the rule Best ranks by
     if evaluator is None:
         metrics, by = trainer, TRAINER
     else:

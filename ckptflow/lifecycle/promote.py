@@ -73,13 +73,17 @@ class PromotionRequest:
 
 
 def choose_checkpoint(entries: list[inventory.Entry], metric: str, mode: str) -> inventory.Entry:
-    """The best checkpoint by ``metric`` among those that passed validation and are hot. A
-    lossy copy (imported back to evaluate it) is no candidate: promotion refuses it, and it
-    shares its source's metrics, so choosing it would refuse every promotion by metric."""
+    """The best checkpoint by ``metric`` (its score, as ``Best`` ranks: ``ckptflow.policy.scores``)
+    among those that passed validation and are hot. A lossy copy (imported back to evaluate
+    it) is no candidate: promotion refuses it, and it shares its source's metrics, so
+    choosing it would refuse every promotion by metric."""
     by_ref = {e.ref: e for e in entries if e.validation == "passed" and "hot" in e.tiers and not e.lossy}
     ranked = rank_by_metric([e.candidate() for e in by_ref.values()], metric, mode)
     if not ranked:
-        raise PromotionError(f"no validated checkpoint has an evaluation metric {metric!r}; evaluate some first")
+        raise PromotionError(
+            f"no validated hot checkpoint has a score of {metric!r} (evaluated, or reported by its trainer); "
+            "evaluate some first, or promote one by name"
+        )
     return by_ref[ranked[0].ref]
 
 

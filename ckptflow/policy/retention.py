@@ -27,11 +27,12 @@ checkpoint of a run always stays hot: it is what a resume loads).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from ckptflow.policy.scores import is_score, scores
 
 DAY = 86400.0
 Ref = tuple[str, int]  # (run, step)
@@ -67,9 +68,9 @@ class Candidate:
 
     @classmethod
     def from_info(cls, info: Any, *, valid: bool | None = True, metrics: Mapping[str, Any] | None = None) -> Candidate:
-        """From a ``CheckpointInfo``; ``metrics`` (e.g. evaluation results) override the trainer's."""
-        merged = {k: v for k, v in (info.metadata or {}).items() if _is_number(v)}
-        merged.update({k: v for k, v in (metrics or {}).items() if _is_number(v)})
+        """From a ``CheckpointInfo``; ``metrics`` (its evaluation's) override the trainer's, as
+        ``ckptflow.policy.scores`` rules."""
+        merged = scores(info.metadata or {}, {"evaluation": {"metrics": dict(metrics or {})}})
         return cls(
             run=info.run,
             step=info.step,
@@ -95,10 +96,6 @@ class RetentionPolicy(Protocol):
     """A rule: the checkpoints it preserves, each with a human-readable reason."""
 
     def preserve(self, checkpoints: Sequence[Candidate], ctx: Context) -> dict[Ref, str]: ...
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _by_run(checkpoints: Iterable[Candidate]) -> dict[str, list[Candidate]]:
@@ -142,7 +139,7 @@ def rank_by_metric(checkpoints: Iterable[Candidate], metric: str, mode: str = "m
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     sign = 1 if mode == "min" else -1
-    scored = [c for c in checkpoints if _is_number(c.metrics.get(metric))]
+    scored = [c for c in checkpoints if is_score(c.metrics.get(metric))]
     return sorted(scored, key=lambda c: (sign * c.metrics[metric], -c.step))
 
 

@@ -16,6 +16,7 @@ from ckptflow.catalog import selection
 from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.verdicts import records_by_subject
 from ckptflow.policy.retention import Candidate, RetentionPlan, RetentionPolicy, plan
+from ckptflow.policy.scores import scores
 from ckptflow.store.base import Store
 
 
@@ -39,6 +40,7 @@ class Entry:
     commits: dict[str, str] = field(default_factory=dict)  # per tier, the commit read there (or NEWER_COMMIT)
     records: dict[str, dict] = field(default_factory=dict)  # lifecycle records by kind
     trainer_metadata: dict = field(default_factory=dict)
+    commit_metadata: dict[str, dict] = field(default_factory=dict)  # the metadata of each tier's commit, by digest
 
     @property
     def ref(self) -> tuple[str, int]:
@@ -62,12 +64,8 @@ class Entry:
 
     @property
     def metrics(self) -> dict[str, float]:
-        merged = {
-            k: v for k, v in self.trainer_metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-        for kind in ("trainer", "evaluation"):  # scores reported after the commit, then the evaluation's
-            merged.update((self.records.get(kind) or {}).get("metrics") or {})
-        return merged
+        """Its scores, by the rule ``Best`` and retention's best-K share (``ckptflow.policy.scores``)."""
+        return scores(self.trainer_metadata, self.records)
 
     @property
     def archived(self) -> bool:
@@ -109,6 +107,7 @@ def _scan(store: Store, tier: str, entries: dict[tuple[str, int], Entry]) -> Non
         entry = entries.setdefault((item.run, item.step), Entry(item.run, item.step))
         entry.tiers.append(tier)
         entry.commits[tier] = item.digest
+        entry.commit_metadata[item.digest] = dict(item.metadata)
         if entry.digest or entry.manifest_unread:
             # the hot copy describes it (the archive copy is the same commit, or reported as differing), or its
             # hot commit record could not be read: that commit may differ from the archive's, so nothing is decided
@@ -232,15 +231,16 @@ def recovery_choices(hot: Store, entries: list[Entry], *, metric: str = "val_los
     out = []
     best = selection.Best(metric, mode)
     for run, found in sorted(by_run.items()):
-        pairs, digests = [], {}
+        pairs, digests, metadata = [], {}, {}
         for e in sorted(found, key=lambda e: -e.step):
+            metadata.update(e.commit_metadata)
             for index, tier in enumerate(("hot", "archive")):
                 if tier in e.commits:
                     pairs.append((e.step, index))
                     digests[(e.step, index)] = e.commits[tier]
         picks: dict[str, int | str | None] = {}
         for name, select in (("validated", "validated"), ("best", best)):
-            choice = selection.choose([hot], run, select, pairs, digests=digests)
+            choice = selection.choose([hot], run, select, pairs, digests=digests, metadata=metadata)
             if choice.pairs:
                 picks[name] = choice.pairs[0][0]
             else:  # a verdict it needs did not read: restore stops there too

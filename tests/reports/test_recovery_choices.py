@@ -27,7 +27,7 @@ def test_each_run_shows_its_latest_validated_and_best_checkpoint(tmp_path):
     rows = inventory.recovery_choices(store, inventory.collect(store))
     assert rows == [
         {"run": "a", "latest": 3, "validated": 2, "best": 2, "best_by": "best:val_loss:min"},
-        {"run": "b", "latest": 7, "validated": None, "best": None, "best_by": "best:val_loss:min"},
+        {"run": "b", "latest": 7, "validated": None, "best": 7, "best_by": "best:val_loss:min"},  # its trainer's
     ]
     rows = inventory.recovery_choices(store, inventory.collect(store), metric="val_loss", mode="max")
     assert rows[0]["best"] == 1

@@ -11,11 +11,14 @@ from support.corrupt import chunk_path, flip_byte, only_in
 from support.states import model_at
 
 
-def make(tmp_path, steps: Iterable[int], val_loss: Callable[[int], float] = lambda step: 1.0 / step):
+def make(tmp_path, steps: Iterable[int], val_loss: Callable[[int], float | None] = lambda step: 1.0 / step):
+    """Run "r" with a checkpoint at each of ``steps``, its trainer's ``val_loss`` in its
+    metadata (None: the step records none)."""
     root = str(tmp_path / "store")
     with Checkpointer(root, "r", chunk_bytes=256) as ck:
         for step in steps:
-            ck.save(step, {"model": model_at(step)}, metadata={"val_loss": val_loss(step)})
+            loss = val_loss(step)
+            ck.save(step, {"model": model_at(step)}, metadata={} if loss is None else {"val_loss": loss})
     return root, open_store(root)
 
 

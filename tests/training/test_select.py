@@ -28,10 +28,11 @@ from support.selection_runs import damage
 from support.states import model_at
 
 VAL_LOSS = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7}
+NO_SCORE = "no score of 'val_loss' (evaluated, or reported by its trainer)"
 
 
 def make(tmp_path, steps=(1, 2, 3, 4)):
-    return selection_runs.make(tmp_path, steps, VAL_LOSS.__getitem__)
+    return selection_runs.make(tmp_path, steps, VAL_LOSS.get)
 
 
 def restored(root, **kwargs):
@@ -123,9 +124,9 @@ def test_a_failed_verdict_of_an_earlier_commit_does_not_label_the_commit_there_n
 
 def test_best_does_not_label_the_commit_there_now_by_an_earlier_commit_s_failed_verdict(tmp_path, caplog):
     """Step 2's first commit was evaluated, then failed validation; training saved step 2 again
-    and the new commit is not evaluated yet: "best" passes it over for that, not as "failed
-    validation" (which would also tell a save it may replace the whole new commit), and warns
-    that a save of step 2 will be refused."""
+    and the new commit has no score yet (not evaluated, no metric from its trainer): "best"
+    passes it over for that, not as "failed validation" (which would also tell a save it may
+    replace the whole new commit), and warns that a save of step 2 will be refused."""
     root, store = make(tmp_path, steps=(1, 2))
     for step in (1, 2):
         lifecycle.evaluate(store, store, "r", step)
@@ -133,10 +134,10 @@ def test_best_does_not_label_the_commit_there_now_by_an_earlier_commit_s_failed_
     assert lifecycle.validate(store, "r", 2)["ok"] is False
     with Checkpointer(root, "r") as ck:
         ck.restore({"model": model_at(0)})
-        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.1})
+        ck.save(2, {"model": model_at(2)})
     with caplog.at_level("WARNING", logger="ckptflow"):
         result = restored(root, select=Best("val_loss", "min"))
-    assert result.step == 1 and result.passed_over == [(2, "no evaluation of 'val_loss'")]
+    assert result.step == 1 and result.passed_over == [(2, NO_SCORE)]
     assert "holds newer checkpoints (step 2)" in caplog.text
 
 
@@ -151,7 +152,7 @@ def test_a_verdict_or_evaluation_names_an_earlier_commit_than_one_a_newer_ckptfl
     reseal_manifest(root, "r", 2, lambda record: record.update(format_version=max(READABLE_FORMATS) + 1))
     with pytest.raises(NewerFormatError):
         restored(root)
-    for select, what in (("validated", "validation passed on"), (Best("val_loss", "min"), "evaluated")):
+    for select, what in (("validated", "validation passed on"), (Best("val_loss", "min"), "scored")):
         result = restored(root, select=select)
         [(step, why)] = result.passed_over
         assert result.step == 1 and step == 2
@@ -199,12 +200,12 @@ def test_validated_falls_back_to_the_lossy_archive_copy_of_the_validated_commit(
 
 
 def test_best_picks_by_metric_and_falls_back_to_the_next_best(tmp_path):
-    root, store = make(tmp_path)
-    for step in (1, 2, 3):  # step 4 never evaluated
+    root, store = make(tmp_path, steps=(1, 2, 3, 4, 5))  # step 5: no val_loss at all
+    for step in (1, 2, 3):  # step 4 never evaluated: ranked by its trainer's val_loss (0.7)
         lifecycle.evaluate(store, store, "r", step)
     result = restored(root, select=Best("val_loss", "min"))
     assert result.step == 2 and result.select == "best:val_loss:min"
-    assert result.passed_over == [(4, "no evaluation of 'val_loss'")]
+    assert result.passed_over == [(5, NO_SCORE)]
     assert restored(root, select=Best("val_loss", "max")).step == 1
     damage(root, 2)
     result = restored(root, select="best:val_loss")
@@ -259,7 +260,7 @@ def test_ls_filters_and_orders_as_restore_would(tmp_path, capsys):
     assert code == 0 and [d["step"] for d in json.loads(out)] == [3, 1]
     assert "step 4: not validated yet" in err and "step 2: not validated yet" in err
     code, out, _ = run_cli(capsys, "ls", root, "--run", "r", "--select", "best:val_loss:min", "--json")
-    assert [d["step"] for d in json.loads(out)] == [2, 3, 1]
+    assert [d["step"] for d in json.loads(out)] == [2, 3, 4, 1]  # step 4 by its trainer's val_loss
     code, _, err = run_cli(capsys, "ls", root, "--select", "validated")
     assert code == 2 and "give --run too" in err
     code, _, err = run_cli(capsys, "ls", root, "--run", "r", "--select", "newest")

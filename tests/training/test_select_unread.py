@@ -9,6 +9,7 @@ import re
 import pytest
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog.object_index import PREFIX
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.reports import inventory
@@ -145,22 +146,60 @@ def test_ls_select_that_stops_at_an_unread_record_says_so_and_exits_3(tmp_path, 
 
 def test_best_is_not_stopped_by_an_unread_record_that_cannot_rank_its_step(tmp_path):
     """Best stopped at any held step with an unread validation or evaluation record. Step 2 is
-    validated but not evaluated yet (evaluation runs after validation): its verdict, read or
-    not, cannot make it a candidate, so its unread verdict stops nothing and Best recovers to
-    step 1. Nor does an unread evaluation of a commit whose verdict read as failed."""
+    validated but has no score of ``acc`` (not evaluated yet: evaluation runs after validation;
+    its trainer recorded val_loss only): its verdict, read or not, cannot make it a candidate,
+    so its unread verdict stops nothing and Best recovers to step 1. Nor does an unread
+    evaluation of a commit whose verdict read as failed. By val_loss, which its trainer
+    recorded, step 2 is scored: its unread verdict may fail it, so that choice stops."""
     root, store = make(tmp_path, steps=(1, 2))
     for step in (1, 2):
         lifecycle.validate(store, "r", step)
-    lifecycle.evaluate(store, store, "r", 1)
+    lifecycle.evaluate(store, store, "r", 1, lambda tensors, info: {"acc": 0.5})
     hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/validation\.json$", always=True)
     with Checkpointer(hot, "r") as ck:
-        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 1
+        assert ck.restore({"model": model_at(0)}, select="best:acc:max").step == 1
+        with pytest.raises(StoreUnavailableError, match="could not read the validation record"):
+            ck.restore({"model": model_at(0)}, select="best:val_loss:min")
     assert hot.failed
 
+    lifecycle.evaluate(store, store, "r", 2, lambda tensors, info: {"acc": 0.9})
     damage(root, 2)
     lifecycle.validate(store, "r", 2)  # now failed on the commit there
-    lifecycle.evaluate(store, store, "r", 2)
     hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/evaluation\.json$", always=True)
     with Checkpointer(hot, "r") as ck:
-        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 1
+        assert ck.restore({"model": model_at(0)}, select="best:acc:max").step == 1
     assert hot.failed
+
+
+def test_best_stops_at_an_unread_trainer_record_of_a_commit_not_evaluated(tmp_path):
+    """What a trainer reported after the commit (its ``trainer`` record) scores a commit not
+    evaluated yet, as retention's best-K reads it: unread, it may hold the best score, so
+    Best stops there rather than recovering to step 1 on no proof. Once the commit is
+    evaluated (the evaluation wins over it) it stops nothing."""
+    root, store = make(tmp_path, steps=(1, 2), val_loss=lambda step: 0.5 if step == 1 else None)
+    digest = inventory.collect(store)[1].digest
+    lifecycle.write_record(store, lifecycle.Subject("r", 2, digest), "trainer", {"metrics": {"val_loss": 0.1}})
+    hot = ReadFailsOnce(root, rf"/{STEP_2}/.*/trainer\.json$", always=True)
+    with Checkpointer(hot, "r") as ck:
+        with pytest.raises(StoreUnavailableError, match="could not read the trainer record"):
+            ck.restore({"model": model_at(0)}, select="best:val_loss:min")
+    with Checkpointer(root, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 2
+    lifecycle.evaluate(store, store, "r", 2, lambda tensors, info: {"val_loss": 0.9})
+    store.delete(f"{PREFIX}lifecycle/r.json")  # not known: the trainer record is read again, and fails
+    with Checkpointer(hot, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 1
+
+
+def test_best_stops_at_a_commit_record_it_could_not_read(tmp_path):
+    """Step 2 is not evaluated, but its trainer recorded a val_loss at save (0.1), which scores
+    it: while its commit record does not read (an outage), that score is unknown, so Best
+    stops rather than recovering to the evaluated step 1 on no proof."""
+    root, store = make(tmp_path, steps=(1, 2), val_loss={1: 0.5, 2: 0.1}.get)
+    lifecycle.evaluate(store, store, "r", 1)
+    hot = ReadFailsOnce(root, rf"/{STEP_2}/manifest\.json$", always=True)
+    with Checkpointer(hot, "r") as ck:
+        with pytest.raises(StoreUnavailableError, match=rf"could not read the commit record .*{STEP_2}/manifest"):
+            ck.restore({"model": model_at(0)}, select="best:val_loss:min")
+    with Checkpointer(root, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 2

@@ -1,0 +1,55 @@
+"""``Best`` ranks by the score retention's best-K, promotion and the inventory rank by
+(``ckptflow.policy.scores``): the evaluation's, else what the trainer reported after the
+commit (its ``trainer`` record), else at save (its metadata)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog.selection import Best
+from ckptflow.lifecycle.promote import choose_checkpoint
+from ckptflow.policy.retention import DAY, KeepBestK
+from ckptflow.reports import inventory
+from support.cli import run_cli
+from support.selection_runs import make
+from support.states import model_at
+
+LATER = time.time() + 100 * DAY  # every checkpoint is old: only best-K (and the never-delete rules) keeps one
+
+
+def bests(root, store, capsys) -> dict[str, int | None]:
+    """The step each reader takes for the best by min val_loss."""
+    entries = inventory.collect(store)
+    plan = inventory.retention_plan(entries, LATER, policy=KeepBestK("val_loss", k=1))
+    with Checkpointer(root, "r") as ck:
+        restored = ck.restore({"model": model_at(0)}, select=Best("val_loss", "min")).step
+    [row] = inventory.recovery_choices(store, entries)
+    _, out, _ = run_cli(capsys, "ls", root, "--run", "r", "--select", "best:val_loss:min", "--json")
+    passed = {e.ref for e in entries if e.validation == "passed"}
+    return {
+        "restore": restored,
+        "ls": json.loads(out)[0]["step"],
+        "inventory": row["best"],
+        "retention": next(step for (_, step), why in plan.keep.items() if any("best 1 of" in w for w in why)),
+        "promotion": choose_checkpoint([e for e in entries if e.ref in passed], "val_loss", "min").step,
+    }
+
+
+def test_before_and_after_an_evaluation_every_reader_takes_the_same_best(tmp_path, capsys):
+    """Before any evaluation, retention kept step 4 as the best (its trainer reported 0.2
+    after the commit; steps 1 to 3 recorded 0.9, 0.4, 0.6 at save) while restore's "best"
+    found no checkpoint with a score (NoValidCheckpointError: "no evaluation of 'val_loss'"
+    for every step) and the inventory's recover_to said None. Once step 1 is evaluated at
+    0.1, the evaluation wins over its trainer's 0.9 everywhere."""
+    root, store = make(tmp_path, steps=(1, 2, 3, 4), val_loss={1: 0.9, 2: 0.4, 3: 0.6}.get)
+    entries = inventory.collect(store)
+    lifecycle.write_record(
+        store, lifecycle.Subject("r", 4, entries[3].digest), "trainer", {"metrics": {"val_loss": 0.2}, "changes": {}}
+    )
+    for step in (1, 2, 3, 4):
+        assert lifecycle.validate(store, "r", step)["ok"]
+    assert set(bests(root, store, capsys).values()) == {4}
+    lifecycle.evaluate(store, store, "r", 1, lambda tensors, info: {"val_loss": 0.1})
+    assert set(bests(root, store, capsys).values()) == {1}
