@@ -177,7 +177,8 @@ def _read(
     out: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
     for run, listed in by_run.items():
         try:
-            index = ObjectIndex(store, f"lifecycle/{fmt.validate_run(run)}", _indexed, limit=SMALL_RECORD_BYTES)
+            name = f"lifecycle/{fmt.validate_run(run)}"
+            index = ObjectIndex(store, name, _indexed, limit=SMALL_RECORD_BYTES, schema=INDEX_SCHEMA)
             values = index.values([info for info, _ in listed])
         except CkptflowError:
             continue  # a stray directory under lifecycle/: not a run's records
@@ -191,6 +192,9 @@ def _read(
             if record is not None:
                 out[(run, step, digest)][kind] = record
     return dict(out)
+
+
+INDEX_SCHEMA = 2  # 2: ``trainer`` records without their changes (an index of 1 kept them: rebuilt)
 
 
 def _indexed(info: ObjectInfo, blob: bytes) -> Any:

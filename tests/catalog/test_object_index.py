@@ -12,7 +12,8 @@ import torch
 from ckptflow import Checkpointer, lifecycle, open_store
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.listing import Problem
-from ckptflow.catalog.object_index import PREFIX
+from ckptflow.catalog.object_index import PREFIX, ObjectIndex, record_value
+from ckptflow.catalog.records import SMALL_RECORD_BYTES
 from ckptflow.format import layout as fmt
 from support.corrupt import flip_byte, manifest_path
 from support.faulty_store import FaultyStore
@@ -123,3 +124,24 @@ def test_an_object_over_the_limit_is_refused_unread(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "get", lambda key: pytest.fail(f"{key} was read whole"))
     (problem,) = catalog.summaries(store)
     assert isinstance(problem, Problem) and problem.kind == "too_big" and "more than the 64 expected" in problem.message
+
+
+def test_a_run_index_written_when_it_kept_trainer_changes_is_rebuilt_without_them(tmp_path):
+    """A run's lifecycle index written before it left a trainer record's changes out (up to
+    1 MiB a step) kept them, entry by entry, for as long as the records stood: every read of
+    the run (the inventory, retention, restore's selectors) loaded and handed them on, and
+    a record landing beside them rewrote the index with them still in it."""
+    store = open_store(str(tmp_path / "store"))
+    for step in range(1, 5):
+        subject = lifecycle.Subject(RUN, step, fmt.digest_of(b"commit %d" % step))
+        changes = {"callbacks": {"EMA": "x" * (256 << 10)}}
+        lifecycle.write_record(store, subject, "trainer", {"metrics": {"val_loss": 1.0 / step}, "changes": changes})
+    whole = ObjectIndex(store, f"lifecycle/{RUN}", record_value, limit=SMALL_RECORD_BYTES)  # as it was written then
+    whole.values(store.list("lifecycle/"))
+    [old] = store.list(f"{PREFIX}lifecycle/")
+    assert old.size > 1 << 20
+    records = lifecycle.records_by_subject(store, RUN)
+    assert [kinds["trainer"]["metrics"]["val_loss"] for _, kinds in sorted(records.items())] == [1, 0.5, 1 / 3, 0.25]
+    assert all("changes" not in kinds["trainer"] for kinds in records.values())
+    [new] = store.list(f"{PREFIX}lifecycle/")
+    assert new.size < 16 << 10
