@@ -30,7 +30,12 @@ from ckptflow.format.sealed import MAX_RECORD_BYTES, parse_json, seal, unseal
 from ckptflow.store.base import ObjectInfo, Store
 
 PREFIX = "index/"
-VERSION = 2  # entries [size, mtime, version, value]
+# entries [size, mtime, version, value]; 3: the values' shape is named by "schema". A reader
+# of version 2 (an older ckptflow) checks nothing else, so it would take values of a newer
+# shape (``CheckpointInfo(**value)`` failing on a field it does not have); it rebuilds a version 3
+# index instead, as this one rebuilds its index: while both versions read a store, each
+# rebuild costs a read of the objects, never a wrong value
+VERSION = 3
 log = logging.getLogger("ckptflow")
 Derive = Callable[[ObjectInfo, bytes], Any]
 
@@ -40,7 +45,9 @@ class ObjectIndex:
     (``RecordTooLargeError`` as its value), so one multi-GB object never costs its size in memory.
     ``schema`` names the shape of what ``derive`` returns: an index written under another
     (an older ckptflow's values, lacking a field or holding one no longer kept) is rebuilt,
-    since its objects, unchanged, would otherwise keep their old values for good."""
+    since its objects, unchanged, would otherwise keep their old values for good. An index
+    of ``index_version`` 2 (before schemas) is rebuilt too, and this one is not taken by a
+    reader of that version (``VERSION``)."""
 
     def __init__(
         self, store: Store, name: str, derive: Derive, *, limit: int, schema: int = 1, threads: int | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import fields
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.object_index import PREFIX, ObjectIndex, record_value
 from ckptflow.catalog.records import SMALL_RECORD_BYTES
 from ckptflow.format import layout as fmt
+from ckptflow.format.sealed import unseal
 from support.corrupt import flip_byte, manifest_path
 from support.faulty_store import FaultyStore
 
@@ -76,6 +78,23 @@ def test_lifecycle_records_are_read_once(tmp_path):
     again = reads(store, lambda: lifecycle.records_by_subject(store))
     assert again == [f"{PREFIX}lifecycle/{RUN}.json"]
     assert all(r["validation"]["ok"] for r in lifecycle.records_by_subject(store).values())
+
+
+def test_an_older_ckptflow_does_not_take_an_index_of_summaries_it_cannot_build(tmp_path):
+    """ckptflow before index schemas took any index of ``index_version`` 2 and built a
+    ``CheckpointInfo`` of each value. This version's summaries hold ``added_bytes``, a field
+    it does not have: on a store an upgraded orchestrator had indexed, the older trainer's
+    ``Checkpointer.list``, ``ls`` and inventory raised TypeError (unexpected keyword
+    argument 'added_bytes') for as long as the index stood."""
+    root = str(tmp_path / "store")
+    saved(root, [1, 2])
+    store = open_store(root)
+    list(catalog.summaries(store))
+    doc = unseal(store.get(f"{PREFIX}runs/{RUN}.json"), "index")
+    previous_fields = {f.name for f in fields(catalog.CheckpointInfo)} - {"added_bytes"}
+    taken_by_previous = doc["index_version"] == 2  # all that reader checked
+    assert not taken_by_previous or all(set(e[3]) <= previous_fields for e in doc["entries"].values())
+    assert [i.added_bytes > 0 for i in catalog.summaries(store)] == [True, True]  # this version reads it
 
 
 def test_a_manifest_rewritten_in_place_with_its_times_set_back_is_read_again(tmp_path):
