@@ -95,28 +95,31 @@ def made_good_by(steps: list[tuple[str, str]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in kinds if k)) if kinds and all(kinds) else ()
 
 
-def made_good_already(instance: DagsterInstance, run: DagsterRun, kinds: tuple[str, ...]) -> tuple[str, ...]:
-    """Those of ``kinds`` a run of the same checkpoint partition begun after ``run`` (a
-    greater run storage id: the instance's order, no clock) wrote by now, a step of it
-    that writes one having succeeded: the records standing when the failure is recorded
-    late, after such a re-run, are that re-run's (``ckptflow.reports.recoverable.made_good``)."""
+def made_good_already(instance: DagsterInstance, run: DagsterRun, kinds: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Those of ``kinds`` each run of the same checkpoint partition begun after ``run`` (a
+    greater run storage id: the instance's order, no clock) wrote by now, a step of it that
+    writes one having succeeded, by the commit that run was about (its digest tag; one
+    without the tag is left out: which commit's records it wrote is unknown). The records of
+    that commit standing when the failure is recorded late, after such a re-run, are that
+    re-run's (``ckptflow.reports.recoverable.made_good``)."""
     key = partition_of(run)
     if not kinds or not key:
-        return ()
+        return {}
     [failed] = instance.get_run_records(RunsFilter(run_ids=[run.run_id]))
     later = {
-        record.dagster_run.run_id
+        record.dagster_run.run_id: record.dagster_run.tags[DIGEST_TAG]
         for tags in ({PARTITION_TAG: key}, dict.fromkeys(RANGE_TAGS, key))
         for record in instance.get_run_records(RunsFilter(tags=tags))
-        if record.storage_id > failed.storage_id
+        if record.storage_id > failed.storage_id and record.dagster_run.tags.get(DIGEST_TAG)
     }
-    written = {
-        STEP_RECORDS.get(entry.dagster_event.step_key or "")
-        for run_id in later
-        for entry in instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS)
-        if entry.dagster_event is not None
-    }
-    return tuple(kind for kind in kinds if kind in written)
+    written: dict[str, set[str | None]] = {}
+    for run_id, digest in later.items():
+        written.setdefault(digest, set()).update(
+            STEP_RECORDS.get(entry.dagster_event.step_key or "")
+            for entry in instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS)
+            if entry.dagster_event is not None
+        )
+    return {digest: tuple(k for k in kinds if k in done) for digest, done in written.items()}
 
 
 def record_failure(

@@ -13,8 +13,8 @@ cannot be read raises: nothing is decided on an outage, and the caller retries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, read_record, write_record
@@ -41,8 +41,11 @@ class FailedRun:
     # run that writes them all makes this failure good (``reports.recoverable``); () if unknown
     made_good_by: tuple[str, ...] = ()
     # those of them a run begun after this one (by the orchestrator's order of runs, no clock)
-    # wrote before the failure is recorded: the records there then are that run's
-    made_good_already: tuple[str, ...] = ()
+    # wrote before the failure is recorded, by the commit that run was about (its digest): the
+    # records of that commit there then are that run's. By commit, not by step: a run about
+    # the step committed again wrote the new commit's records, and the failed commit's that
+    # stood from before the failure were no run's redoing
+    made_good_already: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def reason(self) -> str:
@@ -112,7 +115,7 @@ def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attrib
             "failed_at": failed.failed_at,
             "made_good_by": list(failed.made_good_by),
             "records_seen": seen,
-            "made_good_already": [kind for kind in failed.made_good_by if kind in failed.made_good_already],
+            "made_good_already": [k for k in failed.made_good_by if k in failed.made_good_already.get(digest, ())],
         },
     )
     return Attribution(f"recorded the failure of run {failed.run_id} for {key}: {reason[:120]}")

@@ -183,3 +183,27 @@ def test_a_cursor_that_is_not_an_integer_starts_over_with_a_warning(
         k: v for k, v in first.items() if k not in then
     }  # the same record: the time it was written, and what it found then, aside
     assert needs_attention(store_with_checkpoints) is None  # made good by the time of the failure, not of its record
+
+
+def test_a_later_run_about_another_commit_of_the_step_does_not_make_the_failure_good(
+    store_with_checkpoints, resources, instance
+):
+    """Step 40's commit was evaluated, then its re-evaluation failed; the step was committed
+    again and the new commit evaluated, all before the sensor recorded the failure. The
+    later run of the partition wrote the new commit's evaluation, not the failed one's, yet
+    it counted as having written the failed commit's (``made_good_already`` by partition):
+    the evaluation that stood from before the failure made it good though no run redid it."""
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    first = subject(store_with_checkpoints, 40)
+    evaluated = lifecycle.read_record(open_store(store_with_checkpoints), first, "evaluation")
+    failed = evaluation_failed(instance, resources)
+    assert not failed.success
+    recommit(store_with_checkpoints)
+    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    tick(instance, resources)
+    recorded = failure(store_with_checkpoints, first.digest)
+    assert recorded["run_id"] == failed.run_id and recorded["made_good_already"] == []
+    records = {"evaluation": lifecycle.read_record(open_store(store_with_checkpoints), first, "evaluation")}
+    assert records["evaluation"] == evaluated  # the one from before the failure: nothing redid it
+    assert not recoverable.made_good(recorded, records)

@@ -147,6 +147,7 @@ def test_a_verdict_a_later_run_wrote_before_the_failure_was_recorded_makes_it_go
     the orchestrator's order) had written the verdict: that verdict is the re-run's."""
     _validated_by_clock(root, 1200.0 - SKEW_S)
     failed = FailedRun("id", "job", [("checkpoint", "chunk hash")], checkpoint=KEY, digest=current(root).digest,
-                       failed_at=1100.0, made_good_by=("validation",), made_good_already=("validation",))  # fmt: skip
+                       failed_at=1100.0, made_good_by=("validation",),
+                       made_good_already={current(root).digest: ("validation",)})  # fmt: skip
     record_failure(failed, lambda: open_store(root))
     assert _made_good(root)
