@@ -35,7 +35,10 @@ def expire(
     ``commit``: the digest of the commit decided on (a retention plan's). Another one read
     at the step (committed again since the decision: a restore rejected the commit decided
     on and training saved the step anew) is an ``ExpireError`` and nothing is deleted: the
-    commit read is the one expired, and nobody decided about that one.
+    commit read is the one expired, and nobody decided about that one. ``""``: the commit
+    decided on is one whose record did not read as a checkpoint (damaged: no digest names
+    it), so one that reads as a checkpoint now was committed since (a restore rejected the
+    damaged one and training saved the step anew) and is not expired either.
 
     A commit record that cannot be read for a reason that proves nothing (an outage) is
     an ``ExpireError`` and nothing is deleted. ``ExpireError`` also names what is left if
@@ -53,14 +56,16 @@ def expire(
             blob, version = store.get_versioned(manifest_key, MAX_RECORD_BYTES)
         else:
             blob = store.get_bounded(manifest_key, MAX_RECORD_BYTES)
-        if commit is not None and fmt.digest_of(blob) != commit:
+        if commit and fmt.digest_of(blob) != commit:
             raise _committed_again(store, manifest_key, what)
         manifest = Manifest.parse(blob, f"manifest {store.url}/{manifest_key}", run=run, step=step)
+        if commit == "":  # the commit decided on did not read as a checkpoint: this one does
+            raise _committed_again(store, manifest_key, what)
         ledger.record_expiry(store, manifest)
     except ObjectNotFoundError:  # gone already (an expiry retried): a commit made since is not this one
         found = False
     except ObjectTooLargeError:  # larger than any record (damage): deleted only while it is that object
-        if commit is not None:  # the commit decided on was read whole: this is another object
+        if commit:  # the commit decided on was read whole: this is another object
             raise _committed_again(store, manifest_key, what) from None
         version = _version_unread(store, manifest_key, what)
         found = version is not None or not store.compare_and_swap

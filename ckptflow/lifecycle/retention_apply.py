@@ -157,7 +157,8 @@ def _expire_planned(
                 report.changed.append((ref, changed))
                 continue
             why_not = copy_matches(hot, archive, run, step) if archive is not None else "no archive tier"
-            decided = plan.digests.get(ref) or None  # the commit the plan is about ("": its record did not read)
+            # the commit the plan is about; "": its record was damaged (an unread one is never expired)
+            decided = plan.digests.get(ref)
             if why_not is None:
                 expire(hot, run, step, keep_records=True, commit=decided)
                 report.hot_copies_expired.append(ref)

@@ -268,3 +268,34 @@ def test_a_step_committed_again_between_the_last_check_and_the_expiry_is_kept(tm
     again = read_manifest(hot, "r", 3)
     assert lifecycle.read_record(hot, lifecycle.Subject.of(again), "validation")["ok"]
     assert a_plan(hot).keep[("r", 3)] == ["newest valid checkpoint of its run"]
+
+
+def test_a_damaged_step_committed_again_between_the_last_check_and_the_expiry_is_kept(tmp_path, monkeypatch):
+    """As above, for a plan that expired step 3 because its commit record was damaged (its
+    digest "" in the plan: no checkpoint to name). Restore rejected it and training saved
+    step 3 anew after retention's last check: the expiry, told no commit, read the new one,
+    valid, and deleted it with its verdict."""
+    root = str(tmp_path / "hot")
+    hot = saved(root)
+    path = tmp_path / "hot" / "runs" / "r" / "checkpoints" / "000000000003" / "manifest.json"
+    path.write_bytes(path.read_bytes()[:-20] + b"\x00" * 20)
+    plan = a_plan(hot)
+    assert ("r", 3) in plan.delete and plan.digests[("r", 3)] == ""
+    decided = retention_apply._archived_commits
+
+    def committed_again_meanwhile(archive, run, step):
+        if step == 3:
+            with Checkpointer(root, "r") as ck:
+                model = nn.Linear(16, 16)
+                assert ck.restore({"model": model}).step == 2
+                ck.save(3, {"model": model})
+            assert lifecycle.validate(hot, "r", 3)["ok"]
+        return decided(archive, run, step)
+
+    monkeypatch.setattr(retention_apply, "_archived_commits", committed_again_meanwhile)
+    report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
+    assert ("r", 3) not in report.expired
+    [(ref, why)] = report.failed
+    assert ref == ("r", 3) and "committed again while checkpoint r step 3 was being expired" in why
+    again = read_manifest(hot, "r", 3)
+    assert lifecycle.read_record(hot, lifecycle.Subject.of(again), "validation")["ok"]
