@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from ckptflow.policy.scores import is_score, scores
+from ckptflow.policy.scores import is_score
 
 DAY = 86400.0
 Ref = tuple[str, int]  # (run, step)
@@ -65,21 +65,6 @@ class Candidate:
         if self.digest:
             return [commit] if (commit := (self.run, self.step, self.digest)) in commits else []
         return [commit for commit in commits if commit[:2] == self.ref]
-
-    @classmethod
-    def from_info(cls, info: Any, *, valid: bool | None = True, metrics: Mapping[str, Any] | None = None) -> Candidate:
-        """From a ``CheckpointInfo``; ``metrics`` (its evaluation's) override the trainer's, as
-        ``ckptflow.policy.scores`` rules."""
-        merged = scores(info.metadata or {}, {"evaluation": {"metrics": dict(metrics or {})}})
-        return cls(
-            run=info.run,
-            step=info.step,
-            kind=info.kind,
-            created_at=info.created_at,
-            metrics=merged,
-            valid=valid,
-            digest=info.digest,
-        )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 import pytest
 
-from ckptflow.catalog.checkpoints import CheckpointInfo
 from ckptflow.policy.retention import (
     DAY,
     AnyOf,
@@ -124,21 +123,6 @@ def test_unvalidated_counts_as_valid_for_newest_but_invalid_recent_is_kept():
 def test_full_within_rule_does_not_keep_invalid_full():
     p = plan([c(10, 10, "full", valid=False), c(20, 10, "full")], NOW, policy=AnyOf((KeepFullWithin(30),)))
     assert set(p.delete) == {("r", 10)}
-
-
-def test_candidate_from_checkpoint_info_merges_metrics():
-    info = CheckpointInfo(
-        step=5,
-        kind="full",
-        created_at=1.0,
-        logical_bytes=1,
-        stored_bytes=1,
-        metadata={"train_loss": 0.5, "note": "x", "flag": True},
-        run="r",
-    )
-    cand = Candidate.from_info(info, valid=None, metrics={"val_loss": 0.7, "nan": float("nan")})
-    assert cand.metrics == {"train_loss": 0.5, "val_loss": 0.7}
-    assert cand.ref == ("r", 5) and cand.valid is None
 
 
 def test_hot_days_moves_archived_kept_checkpoints_to_the_archive_only():
