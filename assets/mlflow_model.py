@@ -5,7 +5,8 @@ MLflow call fails only this step, never the promotion: ckptflow's registry has a
 moved and stays the source of truth. The step is retried (``RetryPolicy``) when a retry
 may help (MLflow or the store did not answer), and the mirror is idempotent, so a retry,
 or the next promotion, finishes what a failure left; a failure a retry repeats (MLflow
-refused, a damaged registry record, another registry mirroring into the model) fails at once.
+refused, a damaged registry record, another registry mirroring into the model, a registry
+object in a cold storage class, which stays cold for the hours a thaw takes) fails at once.
 Every model in ckptflow's registry is synced, so nothing depends on which one was promoted.
 """
 
@@ -24,7 +25,7 @@ from dagster import (
 
 from assets.models import deployed_model
 from assets.partitions import partition_keys
-from ckptflow.errors import CkptflowError, MirrorError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, MirrorError, retrying_may_help
 from resources import RegistryResource
 from resources.mlflow_registry import MlflowRegistryResource
 
@@ -61,7 +62,7 @@ def mlflow_model(
         except CkptflowError as e:  # MirrorError, or the registry's own RegistryError
             context.log.error(f"{model}: not mirrored: {e}")
             failed.append(f"{model}: {e}")
-            retry |= isinstance(e, StoreUnavailableError) or (isinstance(e, MirrorError) and e.retry)
+            retry |= retrying_may_help(e) or (isinstance(e, MirrorError) and e.retry)
     if failed:
         synced = sorted(r.model for r in results)
         raise Failure(

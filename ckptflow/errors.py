@@ -108,7 +108,10 @@ class StoreUnavailableError(StoreError):
 
 class ColdObjectError(StoreUnavailableError):
     """An object in a cold storage class (S3 Glacier / Deep Archive) that must be restored
-    (thawed) before it can be read; the message says how."""
+    (thawed) before it can be read; the message says how. Unreadable like an outage, so it
+    proves nothing and restore never falls back past it; unlike an outage, waiting does not
+    end it: it stays cold until someone requests a thaw, which takes hours, so nothing
+    retries it (``retrying_may_help``)."""
 
 
 class SymlinkError(StoreError):
@@ -205,6 +208,13 @@ def is_damage(error: BaseException) -> bool:
     if isinstance(error, CkptflowError):
         return isinstance(error, DAMAGE)
     return isinstance(error, MALFORMED) and not isinstance(error, OSError)
+
+
+def retrying_may_help(error: BaseException) -> bool:
+    """Whether the same work, merely tried again minutes later, may succeed: a store that did
+    not answer may answer then; a cold object stays cold until someone thaws it (hours), so
+    a retry only repeats the failure and delays the thaw instruction reaching a person."""
+    return isinstance(error, StoreUnavailableError) and not isinstance(error, ColdObjectError)
 
 
 @contextlib.contextmanager

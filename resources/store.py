@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dagster import AssetExecutionContext, ConfigurableResource, Failure, RetryRequested
 from pydantic import Field
 
-from ckptflow.errors import StoreUnavailableError
+from ckptflow.errors import ColdObjectError, StoreUnavailableError
 from ckptflow.interop.registry import Registry
 from ckptflow.store import Store, open_store
 
@@ -48,11 +48,15 @@ class CheckpointStoreResource(ConfigurableResource):
 
     @contextmanager
     def retrying_outages(self, context: AssetExecutionContext) -> Iterator[None]:
-        """Around an asset's store work: a ``StoreUnavailableError`` (an outage, a cold or
-        denied object) retries the step later (``retry_unavailable``) instead of failing
-        its partition; proof of damage and every other error pass through unchanged."""
+        """Around an asset's store work: a ``StoreUnavailableError`` (an outage, a denied
+        object) retries the step later (``retry_unavailable``) instead of failing its
+        partition. A ``ColdObjectError`` fails the step at once, saying how to thaw: a thaw
+        takes hours, so retries minutes apart would read the same cold object and only delay
+        the instruction. Proof of damage and every other error pass through unchanged."""
         try:
             yield
+        except ColdObjectError as e:
+            raise Failure(description=str(e), allow_retries=False) from e
         except StoreUnavailableError as e:
             context.log.warning(f"{e} (attempt {context.retry_number + 1} of {self.unavailable_retries + 1})")
             raise self.retry_unavailable(context.retry_number) from Failure(description=str(e))

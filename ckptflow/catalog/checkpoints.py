@@ -252,6 +252,11 @@ class VerifyReport:
         """Something could not be read and nothing proved damage: no verdict either way."""
         return bool(self.findings) and not self.damaged
 
+    @property
+    def cold(self) -> bool:
+        """Unavailable, and some of it is in a cold storage class: no retry reads it before a thaw."""
+        return self.unavailable and any(p.kind == "cold" for p in self.findings)
+
 
 def _rank_problems(store: Store, manifest: Manifest) -> list[Problem]:
     """Rank records: one listing finds the missing ones (reported as one line however many,

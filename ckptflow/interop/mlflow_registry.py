@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ckptflow.errors import CkptflowError, MirrorError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, MirrorError, retrying_may_help
 from ckptflow.interop.registry import ALIASES, ModelVersion, Registry
 
 T = TypeVar("T")
@@ -323,7 +323,7 @@ class MlflowMirror:
                 raise MirrorError(
                     f"could not {what}: ckptflow's registry failed, not MLflow: {e}; "
                     "the mirror stays behind until that is fixed and a sync runs again",
-                    retry=isinstance(e, StoreUnavailableError),
+                    retry=retrying_may_help(e),  # an outage may pass; a cold object waits for a thaw
                 ) from e
             except Exception as e:  # MLflow raises MlflowException, requests' and OS errors alike
                 last = e

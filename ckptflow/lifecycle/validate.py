@@ -7,7 +7,7 @@ from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.verdicts import Subject, write_record
-from ckptflow.errors import NewerFormatError, StoreUnavailableError
+from ckptflow.errors import ColdObjectError, NewerFormatError, StoreUnavailableError
 from ckptflow.store.base import Store
 
 
@@ -29,18 +29,22 @@ def validate(
     A verdict needs proof: when something could not be read (an outage, a cold or denied
     object) and nothing proved damage, no record is written (an earlier verdict stands)
     and ``StoreUnavailableError`` says what could not be read, to retry later
-    (``NewerFormatError``: a newer ckptflow wrote it, upgrade to validate it)."""
+    (``ColdObjectError`` where some of it is cold: thaw it first; ``NewerFormatError``: a
+    newer ckptflow wrote it, upgrade to validate it)."""
     report = catalog.verify_checkpoint(store, run, step, progress=progress)
     if report.newer is not None:
         raise NewerFormatError(
             f"could not verify run {run} step {step} in {store.url}: {report.newer.message}; no verdict was recorded"
         )
     if report.unavailable:
-        unread = report.problems
+        # a cold object first: its thaw instruction is what must be done before anything reads it
+        unread = [p.message for p in sorted(report.findings, key=lambda p: p.kind != "cold")]
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
-        raise StoreUnavailableError(
+        error = ColdObjectError if report.cold else StoreUnavailableError
+        raise error(
             f"could not verify run {run} step {step} in {store.url}: {unread[0]}{more}; nothing proved it "
-            "damaged, so no verdict was recorded: retry when the store answers"
+            "damaged, so no verdict was recorded: "
+            + ("thaw it, then validate again" if report.cold else "retry when the store answers")
         )
     verdict = {
         "ok": report.ok,

@@ -107,6 +107,37 @@ def test_an_mlflow_outage_fails_only_the_mirror_step(store_with_checkpoints, pat
     assert Registry(open_store(paths["store"])).aliases("tinylm") == {"latest": 1, "stable": 1}
 
 
+def test_a_cold_registry_object_fails_the_mirror_step_at_once_with_the_thaw_instruction(
+    store_with_checkpoints, paths, instance, monkeypatch
+):
+    """A registry record in Glacier (``ColdObjectError``, a ``StoreUnavailableError``) was
+    retried by the step's policy, minutes apart, each retry reading the same cold object."""
+    from assets import checkpoint_key
+    from ckptflow.errors import ColdObjectError
+    from ckptflow.interop.mlflow_registry import MlflowMirror
+
+    monkeypatch.setenv("CKPTFLOW_MLFLOW_RETRY_DELAY_S", "0.1")  # were it retried: without minutes of waiting
+    thaw = f"ckptflow thaw {open_store(paths['store']).url} --run RUN --step STEP"
+    syncs = []
+
+    def cold(self, registry, model, **kwargs):  # the registry's records are read first, before any MLflow call
+        syncs.append(model)
+        raise ColdObjectError(f"registry/models/{model}/versions/1.json is in DEEP_ARCHIVE: run `{thaw}`")
+
+    monkeypatch.setattr(MlflowMirror, "sync", cold)
+    defs = definitions(paths, monkeypatch, f"http://127.0.0.1:{free_port()}")
+    run_config = {"ops": {"deployed_model": {"config": {"stage": "stable", "partition_key": checkpoint_key(RUN, 10)}}}}
+    result = defs.resolve_job_def("promotion").execute_in_process(
+        instance=instance, run_config=run_config, raise_on_error=False
+    )
+    assert result.is_node_success("deployed_model") and not result.is_node_success("mlflow_model")
+    steps = [e for e in result.all_events if e.step_key == "mlflow_model"]
+    assert [e for e in steps if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY] == []
+    [failure] = [e for e in steps if e.event_type == DagsterEventType.STEP_FAILURE]
+    assert thaw in failure.step_failure_data.user_failure_data.description
+    assert syncs == ["tinylm"]
+
+
 def test_one_models_broken_record_fails_the_mirror_step_after_the_others_are_mirrored(
     store_with_checkpoints, paths, instance, monkeypatch, mlflow_tracking_uri
 ):

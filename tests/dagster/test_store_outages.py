@@ -6,7 +6,7 @@ import pytest
 from dagster import DagsterEventType, materialize
 
 from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation
-from ckptflow.errors import StoreUnavailableError
+from ckptflow.errors import ColdObjectError, StoreUnavailableError
 from ckptflow.store import open_store
 from pipelines.jobs import scrub_job
 from resources import CheckpointStoreResource
@@ -132,3 +132,44 @@ def test_an_outage_while_evaluating_compressing_or_archiving_is_retried_and_pass
     run = attempt()
     assert run.success and brownout.raised == 1 and len(events(run, DagsterEventType.STEP_UP_FOR_RETRY)) == 1
     assert record(store_with_checkpoints, 20, kind) is not None
+
+
+THAW = "ckptflow thaw s3://bucket/hot --run run --step 20"
+
+
+@pytest.mark.parametrize(
+    "asset, kind",
+    [(checkpoint, "validation"), (evaluation, "evaluation"), (compressed, "compression"), (archived, "archive")],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_a_cold_object_fails_the_step_at_once_with_the_thaw_instruction(
+    store_with_checkpoints, resources, instance, monkeypatch, asset, kind
+):
+    """A thaw takes hours: a retry minutes later reads the same cold object, so the step
+    is not retried; it fails with how to thaw, and records nothing (a cold object proves nothing)."""
+    opened = CheckpointStoreResource.open
+    cold_reads = []
+
+    def cold_chunks(op: str, key: str) -> bool:
+        if key.startswith("chunks/") and op == "get":
+            cold_reads.append(key)
+            raise ColdObjectError(f"{key} is in DEEP_ARCHIVE and must be restored before it can be read: run `{THAW}`")
+        return False
+
+    def open_cold(resource):
+        cold = FaultyStore(opened(resource))
+        cold.fail_if = cold_chunks
+        return cold
+
+    monkeypatch.setattr(CheckpointStoreResource, "open", open_cold)
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    run = materialize(
+        PARTITIONED, partition_key=KEY, instance=instance, resources=quick(resources), selection=[asset],
+        raise_on_error=False,
+    )  # fmt: skip
+    assert not run.success and cold_reads
+    assert events(run, DagsterEventType.STEP_UP_FOR_RETRY) == []
+    [failure] = events(run, DagsterEventType.STEP_FAILURE)
+    assert THAW in failure.step_failure_data.user_failure_data.description
+    assert run.get_asset_check_evaluations() == []
+    assert record(store_with_checkpoints, 20, kind) is None

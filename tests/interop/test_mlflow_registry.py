@@ -18,7 +18,7 @@ from torch import nn
 
 from ckptflow import Checkpointer
 from ckptflow.catalog.checkpoints import read_manifest
-from ckptflow.errors import MirrorError
+from ckptflow.errors import ColdObjectError, MirrorError
 from ckptflow.interop.export import load_exported, model_metadata
 from ckptflow.interop.mlflow_registry import MlflowMirror
 from ckptflow.interop.registry import Registry
@@ -227,3 +227,25 @@ def test_a_rotted_registry_file_fails_the_sync_once_naming_ckptflows_registry_no
     assert "does not match its sha256" in message and "rebuild" in message and "in MLflow at" not in message
     assert not err.value.retry  # damage, which waiting does not mend
     assert len(downloads) == 1
+
+
+def test_a_cold_registry_file_fails_the_sync_once_saying_to_thaw_it_and_not_to_retry(mlflow_uri, tmp_path):
+    """A registry file in Glacier raised ``ColdObjectError``, a ``StoreUnavailableError``, so
+    the mirror said ``retry`` and the step's policy retried it minutes apart, each reading the
+    same cold object: a thaw takes hours and must be requested."""
+    hot, reg, _ = checkpoints(tmp_path, steps=(1,))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    thaw = f"ckptflow thaw {hot.url} --run r --step 1"
+    downloads = []
+
+    def cold(*args):
+        downloads.append(1)
+        key = reg.file_key("m", v1.files["model.safetensors"]["sha256"])
+        raise ColdObjectError(f"{key} is in GLACIER and must be restored first: run `{thaw}`")
+
+    reg.download = cold
+    with pytest.raises(MirrorError) as err:
+        mirror_for(mlflow_uri, attempts=3).sync(reg, "m")
+    assert thaw in str(err.value) and "ckptflow's registry failed, not MLflow" in str(err.value)
+    assert not err.value.retry  # waiting minutes does not thaw it
+    assert len(downloads) == 1 and reg.aliases("m") == {"latest": v1.version, "stable": v1.version}

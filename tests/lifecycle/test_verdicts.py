@@ -8,7 +8,7 @@ from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.records import SMALL_RECORD_BYTES
 from ckptflow.catalog.verdicts import record_key, records_by_subject
-from ckptflow.errors import StoreUnavailableError
+from ckptflow.errors import ColdObjectError, StoreUnavailableError
 from ckptflow.store import open_store
 from support.cli import RUN as CLI_RUN
 from support.cli import make_store, run_cli
@@ -53,6 +53,27 @@ def test_an_outage_is_no_verdict_and_leaves_the_earlier_one(tmp_path):
     with pytest.raises(StoreUnavailableError):
         lifecycle.validate(brownout(store), "r", 2)
     assert lifecycle.read_record(store, subject(store, 2), "validation") == good  # not overwritten
+
+
+def test_a_cold_chunk_among_unanswered_reads_is_no_verdict_and_says_to_thaw_first(tmp_path):
+    """An outage passes with time; a cold chunk waits for a thaw, so validation says that
+    (``ColdObjectError``, its thaw instruction first) rather than "retry when the store answers"."""
+    store, _ = make(tmp_path)
+    cold = sorted(catalog.read_manifest(store, "r", 2).chunks)[-1]
+
+    def cold_or_unavailable(op, key):
+        if key.startswith("chunks/") and cold in key:
+            raise ColdObjectError(f"{key} is in GLACIER: run `ckptflow thaw {store.url} --run r --step 2`")
+        return key.startswith("chunks/") and unavailable(key)
+
+    flaky = FaultyStore(store)
+    flaky.fail_if = cold_or_unavailable
+    with pytest.raises(ColdObjectError) as err:
+        lifecycle.validate(flaky, "r", 2)
+    message = str(err.value)
+    assert message.startswith(f"could not verify run r step 2 in {store.url}: chunks/") and "GLACIER" in message
+    assert "SlowDown" not in message.split(" more)")[0] and message.endswith("thaw it, then validate again")
+    assert lifecycle.read_record(store, subject(store, 2), "validation") is None
 
 
 def test_proof_of_damage_is_a_verdict_whatever_else_could_not_be_read(tmp_path):
