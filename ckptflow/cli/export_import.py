@@ -118,6 +118,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         f"imported {result.source} ({result.format}) as run {result.run} step {result.step}: "
         f"entries {', '.join(result.entries)}; {result.tensors} tensors, {human_bytes(result.bytes)}; "
         f"manifest {result.digest[:12]}"
+        + (
+            f"; left out {', '.join(result.unsaved)}: buffers the model of its config.json does not save (it "
+            "rebuilds them), as save_pretrained leaves them out"
+            if result.unsaved
+            else ""
+        )
         + (f"; LOSSY copy ({describe(result.lossy)}): restores only with allow_lossy" if result.lossy else "")
     )
     return 0

@@ -12,14 +12,19 @@ DCP directory             the state given to ``dcp.save``, nested as it was     
 safetensors file          ``{"model": {name: tensor}}``                         -
 Hugging Face model dir    ``{"model": the model's state dict}``: tied names     ``model_config``: config.json
                           (dropped by ``save_pretrained``) back, from the       (``ckptflow export`` writes
-                          architecture config.json names                        it back)
+                          architecture config.json names; buffers it does not   it back)
+                          save left out (``drop_unsaved``)
 ``torch.save`` file       ``torch.load(weights_only=True)``: a dict of tensors  -
 (.pt .pth .bin .ckpt)     becomes ``{"model": it}``, any other dict the state
 ========================  ====================================================  ============================
 
 A ``torch.save`` file must be in the zip format with its entries stored, as torch.save
 writes them (``ckptflow.interop.torch_files``): ``torch.load`` trusts the sizes in it.
-Every import records ``metadata["import"] = {"format", "source"}``. No RNG state is stored:
+Every import records ``metadata["import"] = {"format", "source"}``, and ``"unsaved"``: the
+buffers a model directory's files hold that its config's model does not save (BERT's
+``embeddings.position_ids``, written by older transformers), left out by the rule an export
+follows (``architecture.drop_unsaved``), so the checkpoint is the model's ``state_dict()``
+and restores strictly into a freshly built model. No RNG state is stored:
 the importing process's RNG is not the run's. An export of a lossy archive copy carries
 its ``lossy`` record (a DCP export's ``ckptflow.json``, a safetensors header): the import
 commits it again (``carried_lossy``), so the new checkpoint restores only with ``allow_lossy``.
@@ -31,7 +36,7 @@ import json
 import os
 import pickle
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +47,7 @@ from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.format.state_tree import unstorable
 from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
-from ckptflow.interop.export.architecture import from_transformers_config
+from ckptflow.interop.export.architecture import drop_unsaved, from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
 from ckptflow.interop.source_files import check_regular_file, read_json_file
@@ -66,6 +71,17 @@ class ImportResult:
     bytes: int  # tensor bytes
     digest: str  # the new manifest's digest
     lossy: dict | None = None  # the source was exported from a lossy archive copy: its ``lossy`` record
+    unsaved: list[str] = field(default_factory=list)  # buffers left out: the source's config's model does not save them
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """What ``read_source`` read of a checkpoint written by another tool."""
+
+    format: str
+    state: dict[str, Any]
+    metadata: dict[str, Any]  # what the source says of itself: a DCP export's metadata, a model's config
+    unsaved: list[str] = field(default_factory=list)  # buffers its config's model does not save: left out
 
 
 def detect_format(src: str) -> str:
@@ -99,7 +115,7 @@ def _read_json(path: str) -> Any:
     return read_json_file(path, limit=MAX_JSON_BYTES)
 
 
-def _from_dcp(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _from_dcp(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     state = read_state(src)
     sidecar = os.path.join(src, SIDECAR)
     metadata: dict[str, Any] = {}
@@ -107,7 +123,7 @@ def _from_dcp(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
         doc = _read_json(sidecar)
         if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
             metadata = dict(doc["metadata"])
-    return state, metadata
+    return state, metadata, []
 
 
 def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
@@ -136,31 +152,36 @@ def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _from_safetensors(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    return {"model": _read_safetensors([src])}, {}
+def _from_safetensors(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    return {"model": _read_safetensors([src])}, {}, []
 
 
-def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The model's state dict as its config's architecture has it: tied names back, and the
+    buffers it does not save left out (``drop_unsaved``, the names returned)."""
     files, listed = weight_files(src)
     tensors = _read_safetensors(files)
     if listed - set(tensors):
         raise CkptflowError(f"{src}: tensors listed in {INDEX} are missing: {sorted(listed - set(tensors))[:8]}")
     config_path = os.path.join(src, "config.json")
     if not os.path.isfile(config_path):
-        return {"model": tensors}, {}
+        return {"model": tensors}, {}, []
     config = _read_json(config_path)
     if not isinstance(config, dict):
         raise CkptflowError(f"{config_path} is not a JSON object")
+    unsaved: list[str] = []
     if config.get("architectures"):
-        for group in from_transformers_config(config, max_tensors=2 * len(tensors) + TENSOR_SLACK).shared:
+        arch = from_transformers_config(config, max_tensors=2 * len(tensors) + TENSOR_SLACK)
+        for group in arch.shared:
             present = [n for n in group if n in tensors]
             for name in group:
                 if present and name not in tensors:  # one tensor, as in the model's state_dict()
                     tensors[name] = tensors[present[0]]
-    return {"model": tensors}, {"model_config": config}
+        tensors, unsaved = drop_unsaved(arch, tensors)
+    return {"model": tensors}, {"model_config": config}, unsaved
 
 
-def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     check_plain_zip(src, src)  # before torch.load trusts a size in it (ckptflow.interop.torch_files)
     try:
         obj = torch.load(src, map_location="cpu", weights_only=True)
@@ -180,10 +201,10 @@ def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if not obj:
         raise CkptflowError(f"{src} holds an empty dict: nothing to import")
     if all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return {"model": dict(obj)}, {}
+        return {"model": dict(obj)}, {}, []
     if not all(isinstance(k, str) and k for k in obj):
         raise CkptflowError(f"{src}: the top-level keys of a state must be non-empty strings, got {list(obj)[:8]}")
-    return dict(obj), {}
+    return dict(obj), {}, []
 
 
 _READERS = {"dcp": _from_dcp, "safetensors": _from_safetensors, "hf": _from_hf, "torch": _from_torch}
@@ -220,15 +241,15 @@ def carried_lossy(src: str, format: str) -> dict | None:
     return found
 
 
-def read_source(src: str | os.PathLike, format: str = "auto") -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """(format, state, metadata) of ``src``, read without unpickling anything."""
+def read_source(src: str | os.PathLike, format: str = "auto") -> Source:
+    """``src``'s state and what it says of itself, read without unpickling anything."""
     src = os.path.abspath(os.fspath(src))
     chosen = detect_format(src) if format == "auto" else format
     if chosen not in _READERS:
         raise CkptflowError(f"import format {format!r} is not one of {('auto', *FORMATS)}")
-    state, metadata = _READERS[chosen](src)
+    state, metadata, unsaved = _READERS[chosen](src)
     _check_state(src, state)
-    return chosen, state, metadata
+    return Source(format=chosen, state=state, metadata=metadata, unsaved=unsaved)
 
 
 def _check_state(src: str, state: Any) -> None:
@@ -305,9 +326,11 @@ def import_checkpoint(
     fmt.validate_run(run)
     fmt.validate_step(step)
     source = os.path.abspath(os.fspath(src))
-    chosen, state, found = read_source(source, format)
+    read = read_source(source, format)
+    chosen, state = read.format, read.state
     lossy = carried_lossy(source, chosen)
-    meta = {**found, **(metadata or {}), "import": {"format": chosen, "source": source}}
+    record: dict[str, Any] = {"format": chosen, "source": source, **({"unsaved": read.unsaved} if read.unsaved else {})}
+    meta = {**read.metadata, **(metadata or {}), "import": record}
     with Checkpointer(root, run=run, chunk_bytes=chunk_bytes, codec=codec, local=True) as ck:
         try:
             saved = ck.save(step, state, metadata=meta, kind="full", rng=False, lossy=lossy)
@@ -325,6 +348,7 @@ def import_checkpoint(
         bytes=info.logical_bytes,
         digest=info.digest,
         lossy=lossy,
+        unsaved=read.unsaved,
     )
 
 

@@ -76,4 +76,4 @@ def test_tied_embeddings_of_the_real_minilm_import_and_restore(tmp_path):
 
 def test_the_real_minilm_directory_imports(tmp_path):
     result = import_checkpoint(str(tmp_path / "store"), "r", 1, minilm_dir())
-    assert result.tensors == 104 and result.bytes == 90856960
+    assert result.tensors == 103 and result.bytes == 90852864  # less embeddings.position_ids (512 int64)

@@ -77,5 +77,5 @@ def test_a_zip_appended_to_legacy_bytes_is_refused(tmp_path):
 
 def test_a_plain_torch_save_file_still_imports(tmp_path):
     torch.save({"w": torch.arange(4.0)}, tmp_path / "ok.pt")
-    _, state, _ = read_source(tmp_path / "ok.pt")
+    state = read_source(tmp_path / "ok.pt").state
     assert torch.equal(state["model"]["w"], torch.arange(4.0))
