@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.tiling import tiling_problem
-from ckptflow.interop.source_files import check_regular_file
+from ckptflow.interop.source_files import check_name_count, check_regular_file
 from ckptflow.interop.torch_files import check_plain_zip
 
 METADATA_FILE = ".metadata"
@@ -278,14 +278,17 @@ def read_state(directory: str) -> dict[str, Any]:
     """The state saved in a plain DCP directory: full tensors (every piece copied into
     place) and the non-tensor values, nested as they were saved.
 
-    Before anything is read or allocated, ``_check_items`` proves that every tensor's
-    pieces tile it exactly, each has one item whose bytes lie in its file and no other
-    item's, and the item can hold the piece; each piece read must then be a tensor of the
-    declared dtype and shape. So every element imported was written from bytes read, and
-    nothing larger than the directory's files is allocated.
+    Before anything is read or allocated, the names are counted (``check_name_count``), and
+    ``_check_items`` proves that every tensor's pieces tile it exactly, each has one item
+    whose bytes lie in its file and no other item's, and the item can hold the piece; each
+    piece read must then be a tensor of the declared dtype and shape. So every element
+    imported was written from bytes read, and nothing larger than the directory's files is
+    allocated.
     """
     directory = os.path.abspath(directory)
     md = read_metadata(directory)
+    where = f"DCP metadata {os.path.join(directory, METADATA_FILE)}"
+    check_name_count(len(md.state_dict_metadata), where, error=DcpFormatError)  # before anything per name
     pieces = _check_items(md, directory)
     flat: dict[str, Any] = dict.fromkeys(md.state_dict_metadata, _PENDING)  # in the order the state was saved
     for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):

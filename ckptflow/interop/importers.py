@@ -50,7 +50,7 @@ from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import drop_unsaved, from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
-from ckptflow.interop.source_files import check_regular_file, read_json_file
+from ckptflow.interop.source_files import check_name_count, check_regular_file, read_json_file
 from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
@@ -131,11 +131,15 @@ def _read_safetensors(paths: list[str]) -> dict[str, torch.Tensor]:
     export wrote once for several tied ones (its ``ckptflow.tied`` header)."""
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
+    named = 0
     for path in paths:
         check_regular_file(path)
         try:
             with safe_open(path, "pt") as f:
-                for name in f.keys():
+                names = f.keys()
+                named += len(names)
+                check_name_count(named, path if len(paths) == 1 else f"{path} (with the files before it)")
+                for name in names:
                     if name in tensors:
                         raise CkptflowError(f"tensor {name!r} is stored twice (again in {path})")
                     tensors[name] = f.get_tensor(name)
@@ -264,7 +268,9 @@ def _check_state(src: str, state: Any) -> None:
     and a restore or export allocates each name its own tensor, so a file naming one
     stored tensor thousands of times (a tied-weights header, shared storages in a
     torch.save file) is that many tensors. A model's tied embeddings are two names of one
-    tensor: twice its bytes, well within the bound."""
+    tensor: twice its bytes, well within the bound. And no more than ``MAX_NAMES`` names
+    (``check_name_count``): a torch.save file can be counted only once loaded, but before
+    the save allocates for each."""
     stack: list[tuple[Any, int, str]] = [(state, 0, "")]
     claimed, names = 0, 0  # every name's bytes, as the save and a restore will handle them
     stored: dict[tuple[int, int], int] = {}  # each storage (start, size) -> its bytes
@@ -273,6 +279,7 @@ def _check_state(src: str, state: Any) -> None:
         if depth > MAX_NESTING:
             raise CkptflowError(f"{src}: the state nests deeper than {MAX_NESTING} levels (at {where[:200]!r})")
         if isinstance(node, torch.Tensor):
+            check_name_count(names + 1, src)
             _check_tensor(src, where, node)
             storage = node.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())  # an empty storage may start where the next one does

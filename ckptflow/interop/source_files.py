@@ -1,5 +1,6 @@
-"""The one check every file an import or export reads passes before it is opened, and the
-one bounded read of a JSON file given with it (a model's config.json, a sidecar).
+"""The one check every file an import or export reads passes before it is opened, the
+one bounded read of a JSON file given with it (a model's config.json, a sidecar), and the
+one bound on how many tensors a source may name (``check_name_count``).
 
 Opening a FIFO blocks until some process writes to it, and a character device can be
 read forever: an import of a directory holding one (a shard named in an index, a DCP data
@@ -14,6 +15,11 @@ import stat
 from typing import Any
 
 from ckptflow.errors import CkptflowError
+
+# Tensors one import may name. The largest real checkpoints name a few hundred thousand (a
+# trillion-parameter MoE with its optimizer's moments); each name costs the import and its save
+# kilobytes of memory whatever its size, while a source names one in tens of bytes or fewer.
+MAX_NAMES = 1 << 20
 
 
 def check_regular_file(path: str | os.PathLike, *, error: type[CkptflowError] = CkptflowError) -> None:
@@ -47,3 +53,17 @@ def read_json_file(path: str | os.PathLike, *, limit: int, what: str = "") -> An
         raise CkptflowError(f"{name} nests deeper than any JSON ckptflow reads; it is corrupt or hostile") from None
     except OSError as e:
         raise CkptflowError(f"cannot read {name}: {e}") from None
+
+
+def check_name_count(count: int, where: str, *, error: type[CkptflowError] = CkptflowError) -> None:
+    """Refuse a source naming more than ``MAX_NAMES`` tensors, before anything is allocated
+    per name. The bytes on disk do not bound it: an empty tensor holds no data, and its name
+    costs about 50 bytes of a safetensors header, or 10 of DCP metadata that points every name
+    at one pickled description, but kilobytes once imported and saved (a tensor object, a
+    manifest entry): a 12 MB header of 200,000 empty tensors took 1.6 GB and 17 s to import."""
+    if count > MAX_NAMES:
+        raise error(
+            f"{where} names {count} tensors, more than the {MAX_NAMES} one import takes (each costs the import "
+            "and its checkpoint memory whatever its size, an empty one too); refused before reading them. Import "
+            "it in parts, each a checkpoint of its own, if that many are meant"
+        )
