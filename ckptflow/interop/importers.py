@@ -49,7 +49,7 @@ from ckptflow.format.state_tree import unstorable
 from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import drop_unsaved, from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
-from ckptflow.interop.export.files import INDEX, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
+from ckptflow.interop.export.files import INDEX, LOSSY_CONFIG_KEY, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
 from ckptflow.interop.source_files import check_name_count, check_regular_file, read_json_file
 from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
@@ -216,8 +216,10 @@ _READERS = {"dcp": _from_dcp, "safetensors": _from_safetensors, "hf": _from_hf, 
 
 def carried_lossy(src: str, format: str) -> dict | None:
     """The ``lossy`` record an export of a lossy archive copy carries: a DCP export's
-    ``ckptflow.json``, the header of a safetensors file (of any in a model directory)."""
+    ``ckptflow.json``, the header of a safetensors file (of any in a model directory), a
+    model directory's config.json (``_config_lossy``)."""
     found: Any = None
+    header = ""  # the file whose header carried it
     if format == "dcp" and os.path.isfile(os.path.join(src, SIDECAR)):
         doc = _read_json(os.path.join(src, SIDECAR))
         found = doc.get("lossy") if isinstance(doc, dict) else None
@@ -229,11 +231,14 @@ def carried_lossy(src: str, format: str) -> dict | None:
             except (OSError, ValueError, SafetensorError) as e:
                 raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
             if text is not None:
+                header = path
                 try:
                     found = json.loads(text)
                 except (ValueError, RecursionError):
                     found = text  # refused below as not an object
                 break
+    if format == "hf":
+        found = _config_lossy(src, found, header)
     if found is None:
         return None
     problem = lossy_codecs.record_problem(found)
@@ -243,6 +248,25 @@ def carried_lossy(src: str, format: str) -> dict | None:
             "refused, since the checkpoint would lose that mark"
         )
     return found
+
+
+def _config_lossy(src: str, found: Any, header: str) -> Any:
+    """The ``lossy`` record of a model directory: its config.json's (``ckptflow_lossy``) as
+    well as a header's (``found``, from ``header``). The config's outlives the header:
+    transformers' ``save_pretrained`` of a loaded export keeps the config's keys and writes a
+    header of its own. Two records that differ are refused: which copy the weights are is unknown."""
+    path = os.path.join(src, "config.json")
+    config = _read_json(path) if os.path.isfile(path) else None
+    in_config = config.get(LOSSY_CONFIG_KEY) if isinstance(config, dict) else None
+    if in_config is None:
+        return found
+    if found is not None and found != in_config:
+        raise CkptflowError(
+            f"{path} and {header} name different lossy copies ({LOSSY_CONFIG_KEY} "
+            f"{json.dumps(in_config, sort_keys=True)[:300]}, {LOSSY_KEY} {json.dumps(found, sort_keys=True)[:300]}): "
+            "one of them was edited, so which copy the weights are is unknown; refused. Export the copy again"
+        )
+    return in_config
 
 
 def read_source(src: str | os.PathLike, format: str = "auto") -> Source:

@@ -30,6 +30,7 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TIED_KEY = "ckptflow.tied"  # header metadata: {dropped name: kept name} for tensors written once
 LOSSY_KEY = "ckptflow.chunks.lossy"  # header metadata: the lossy copy's ``lossy`` record (JSON) it was exported from
+LOSSY_CONFIG_KEY = "ckptflow_lossy"  # config.json: the same record (transformers' save_pretrained keeps it)
 FAILED_KEY = "ckptflow.failed_validation"  # header metadata: the failed verdict it was exported despite (JSON)
 
 _DTYPE_NAMES = {

@@ -35,6 +35,7 @@ from ckptflow.interop.export.card import Lineage, render
 from ckptflow.interop.export.files import (
     DISK,
     FAILED_KEY,
+    LOSSY_CONFIG_KEY,
     LOSSY_KEY,
     TIED_KEY,
     lineage_metadata,
@@ -59,7 +60,6 @@ from ckptflow.store import Store, open_store
 
 CONFIG, CARD = "config.json", "README.md"
 UNSAVED_KEY = "ckptflow.unsaved"  # header metadata: buffers in the checkpoint the model does not save, left out
-LOSSY_CONFIG_KEY = "ckptflow_lossy"  # config.json: the lossy copy's ``lossy`` record it was exported from
 _CONFIG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 

@@ -5,7 +5,8 @@ The copy (bf16 weights, 8-bit optimizer moments) of a real transformers BERT che
 without ``allow_lossy`` / ``--allow-lossy``, the way restore refuses it; with the opt-in
 every artifact carries the copy's ``lossy`` record: the safetensors header, config.json,
 the model card, the CLI's output, the DCP sidecar. Importing that DCP export keeps the
-mark: the new checkpoint restores only with ``allow_lossy`` and reports ``result.lossy``.
+mark: the new checkpoint restores only with ``allow_lossy`` and reports ``result.lossy``; so
+does importing a model directory that ``save_pretrained`` wrote again (config.json keeps it).
 """
 
 from __future__ import annotations
@@ -184,3 +185,35 @@ def test_promotion_by_metric_passes_over_a_lossy_copy_for_the_exact_commit(archi
         lifecycle.evaluate(hot, hot, run, step, lambda tensors, config: {"val_loss": 0.25})
     version = promote(hot, Registry(hot), PromotionRequest("bert", stage="stable"))
     assert (version.run, version.step, version.manifest_digest) == (RUN, 1, lossy["source_digest"])
+
+
+def test_importing_a_lossy_model_directory_saved_again_by_transformers_keeps_the_mark(archived, tmp_path):
+    """``save_pretrained`` keeps config.json's ``ckptflow_lossy`` but writes a new safetensors
+    header without ``ckptflow.chunks.lossy``: the import read only the header, so the new
+    checkpoint restored without ``allow_lossy`` as if it were exact."""
+    _, arc, rounded, lossy = archived
+    export_safetensors(arc, RUN, tmp_path / "dir", allow_lossy=True)
+    AutoModel.from_pretrained(tmp_path / "dir").save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["ckptflow_lossy"] == lossy
+    with safe_open(str(tmp_path / "again" / "model.safetensors"), "pt") as f:
+        assert "ckptflow.chunks.lossy" not in (f.metadata() or {})
+    store = str(tmp_path / "imported")
+    assert import_checkpoint(store, "again", 5, tmp_path / "again").lossy == lossy
+    assert dict(catalog.read_manifest(open_store(store), "again", 5).lossy) == lossy
+    target = {"model": state(seed=3)["model"]}
+    with Checkpointer(store, "again") as ck:
+        with pytest.raises(NoValidCheckpointError, match="lossy archive copy.*allow_lossy=True"):
+            ck.restore(target)
+        assert ck.restore(target, allow_lossy=True).lossy == lossy
+    assert all(torch.equal(v, rounded[k]) for k, v in target["model"].state_dict().items())
+
+
+def test_a_model_directory_whose_config_and_header_name_different_lossy_copies_is_refused(archived, tmp_path):
+    _, arc, _, lossy = archived
+    export_safetensors(arc, RUN, tmp_path / "dir", allow_lossy=True)
+    config = json.loads((tmp_path / "dir" / "config.json").read_text())
+    config["ckptflow_lossy"] = {**lossy, "source_digest": "0" * 64}
+    (tmp_path / "dir" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CkptflowError, match="config.json and .*model.safetensors name different lossy copies"):
+        import_checkpoint(str(tmp_path / "imported"), "again", 5, tmp_path / "dir")
+    assert not (tmp_path / "imported" / "runs").exists()
