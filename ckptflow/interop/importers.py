@@ -45,12 +45,12 @@ from safetensors import SafetensorError, safe_open
 from ckptflow.chunks import lossy as lossy_codecs
 from ckptflow.errors import CkptflowError, UnsupportedStateError
 from ckptflow.format import layout as fmt
-from ckptflow.format.state_tree import unstorable
 from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import drop_unsaved, from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, LOSSY_CONFIG_KEY, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
 from ckptflow.interop.source_files import check_name_count, check_regular_file, read_json_file
+from ckptflow.interop.state_checks import check_state
 from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
@@ -106,9 +106,6 @@ def detect_format(src: str) -> str:
 
 
 TENSOR_SLACK = 256  # a model directory's config may build this many more tensors than twice the files hold
-MAX_NESTING = 64  # levels of dicts and lists an imported state may nest (a state dict has a handful)
-VIEW_BYTES_PER_STORED = 4  # what all views may claim together: this many times the bytes stored ...
-VIEW_BYTES_SLACK = 64 << 20  # ... plus this much (a fused weight beside its slices and a transposed view)
 
 
 def _read_json(path: str) -> Any:
@@ -276,69 +273,8 @@ def read_source(src: str | os.PathLike, format: str = "auto") -> Source:
     if chosen not in _READERS:
         raise CkptflowError(f"import format {format!r} is not one of {('auto', *FORMATS)}")
     state, metadata, unsaved = _READERS[chosen](src)
-    _check_state(src, state)
+    check_state(src, state)
     return Source(format=chosen, state=state, metadata=metadata, unsaved=unsaved)
-
-
-def _check_state(src: str, state: Any) -> None:
-    """Refuse, before anything is allocated or written, what a save would choke on or blow
-    up: nesting deeper than ``MAX_NESTING``, tensors without data here (meta, sparse,
-    quantized), and views that claim more bytes than the file stores for them: one view
-    (a stride-0 ``expand`` of one element is 1.6 KB on disk and gigabytes once made
-    contiguous), or all of them together (a thousand overlapping slices of a storage,
-    each within it). All views together may claim ``VIEW_BYTES_PER_STORED`` times the
-    bytes stored plus ``VIEW_BYTES_SLACK``: a fused weight saved beside its slices and a
-    transposed view. Every name counts, tied ones too: the save hashes each name's bytes
-    and a restore or export allocates each name its own tensor, so a file naming one
-    stored tensor thousands of times (a tied-weights header, shared storages in a
-    torch.save file) is that many tensors. A model's tied embeddings are two names of one
-    tensor: twice its bytes, well within the bound. And no more than ``MAX_NAMES`` names
-    (``check_name_count``): a torch.save file can be counted only once loaded, but before
-    the save allocates for each."""
-    stack: list[tuple[Any, int, str]] = [(state, 0, "")]
-    claimed, names = 0, 0  # every name's bytes, as the save and a restore will handle them
-    stored: dict[tuple[int, int], int] = {}  # each storage (start, size) -> its bytes
-    while stack:
-        node, depth, where = stack.pop()
-        if depth > MAX_NESTING:
-            raise CkptflowError(f"{src}: the state nests deeper than {MAX_NESTING} levels (at {where[:200]!r})")
-        if isinstance(node, torch.Tensor):
-            check_name_count(names + 1, src)
-            _check_tensor(src, where, node)
-            storage = node.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())  # an empty storage may start where the next one does
-            stored[key] = storage.nbytes()
-            claimed += node.numel() * node.element_size()
-            names += 1
-        elif isinstance(node, Mapping):
-            stack.extend((v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items())
-        elif isinstance(node, (list, tuple)):
-            stack.extend((v, depth + 1, f"{where}.{i}") for i, v in enumerate(node))
-    held = sum(stored.values())
-    if claimed > VIEW_BYTES_PER_STORED * held + VIEW_BYTES_SLACK:
-        raise CkptflowError(
-            f"{src}: its {names} tensors claim {claimed} bytes together, but the file stores {held} for "
-            "them (names that repeat the same bytes: overlapping slices, or one tensor tied to many names); "
-            "refused rather than made in memory: save each as its own tensor (t.clone()) if that is meant"
-        )
-
-
-def _check_tensor(src: str, name: str, tensor: torch.Tensor) -> None:
-    what = f"{src}: tensor {name!r} ({list(tensor.shape)}, {tensor.dtype})"
-    if tensor.device.type != "cpu":
-        raise CkptflowError(
-            f"{what} is on the {tensor.device.type} device, with no data in the file; ckptflow imports tensors with "
-            "their data: save them once they are materialized"
-        )
-    problem = unstorable(tensor)  # what a save refuses, refused as a save would (ckptflow.format.state_tree)
-    if problem:
-        raise CkptflowError(f"{what} {problem}")
-    needed, stored = tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()
-    if needed > stored:
-        raise CkptflowError(
-            f"{what} needs {needed} bytes, but the file stores {stored} for it (a view that repeats its "
-            "elements, like expand()); refused rather than made in memory: save t.contiguous() if it is meant"
-        )
 
 
 def import_checkpoint(
