@@ -159,17 +159,27 @@ def _from_safetensors(src: str) -> tuple[dict[str, Any], dict[str, Any], list[st
 
 def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """The model's state dict as its config's architecture has it: tied names back, and the
-    buffers it does not save left out (``drop_unsaved``, the names returned)."""
+    buffers it does not save left out (``drop_unsaved``, the names returned). A config that
+    declares a quantization is refused: the files hold codes, not the model's weights."""
+    config_path = os.path.join(src, "config.json")
+    config = _read_json(config_path) if os.path.isfile(config_path) else None
+    if config is not None and not isinstance(config, dict):
+        raise CkptflowError(f"{config_path} is not a JSON object")
+    if config is not None and config.get("quantization_config") is not None:
+        declared = config["quantization_config"]
+        method = declared.get("quant_method") if isinstance(declared, dict) else None
+        raise CkptflowError(
+            f"{config_path} declares quantization_config ({method or repr(declared)[:200]}): its weights are quantized "
+            "codes, not the values trained, and a checkpoint restores what it holds as the model's weights; "
+            "refused before reading them. Import the checkpoint it was exported from, or dequantize it first "
+            "(for a ckptflow int8 export: ckptflow.interop.export.load_exported(DIR), saved as a safetensors file)"
+        )
     files, listed = weight_files(src)
     tensors = _read_safetensors(files)
     if listed - set(tensors):
         raise CkptflowError(f"{src}: tensors listed in {INDEX} are missing: {sorted(listed - set(tensors))[:8]}")
-    config_path = os.path.join(src, "config.json")
-    if not os.path.isfile(config_path):
+    if config is None:
         return {"model": tensors}, {}, []
-    config = _read_json(config_path)
-    if not isinstance(config, dict):
-        raise CkptflowError(f"{config_path} is not a JSON object")
     unsaved: list[str] = []
     if config.get("architectures"):
         arch = from_transformers_config(config, max_tensors=2 * len(tensors) + TENSOR_SLACK)

@@ -150,3 +150,16 @@ def test_a_fifo_given_as_the_config_is_refused_instead_of_blocking_the_export(tm
         pytest.fail("the export blocked opening the FIFO given as --config")
     assert done.returncode == 2 and "config.json is not a regular file" in done.stderr, done.stderr
     assert nothing_written(tmp_path, "int8")
+
+
+def test_importing_an_int8_model_directory_is_refused_its_weights_are_codes(tmp_path, capsys):
+    """The importer read only ``architectures`` of config.json and ignored its
+    ``quantization_config``: the int8 codes and their ``weight_scale`` were committed as the
+    model's weights, an ordinary (not lossy) checkpoint that restored into no model."""
+    root, model = saved_without_config(tmp_path)
+    with open(config_file(tmp_path, model), encoding="utf-8") as f:
+        export_safetensors(root, "run", tmp_path / "int8", options=INT8, model_config=json.load(f))
+    code, _, err = run_cli(capsys, "import", tmp_path / "imported", tmp_path / "int8", "--run", "r", "--step", "1")
+    assert code == 2 and not (tmp_path / "imported" / "runs").exists()
+    assert f"{tmp_path / 'int8' / 'config.json'} declares quantization_config (compressed-tensors)" in err
+    assert "its weights are quantized codes, not the values trained" in err and "load_exported" in err
