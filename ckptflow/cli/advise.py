@@ -94,7 +94,7 @@ def render(advice: Advice) -> str:
         "inputs:",
         f"  save (blocked) {human_duration(i.save_s)}   whole save {human_duration(i.save_duration_s)}   "
         f"restore {human_duration(i.restore_s)}   MTBF {human_duration(i.mtbf_s)}   "
-        f"step {'-' if i.step_time_s is None else f'{i.step_time_s:.3g} s'}",
+        f"step {human_duration(i.step_time_s)}",
         *(f"  {name}: {source}" for name, source in advice.sources.items()),
     ]
     lines += [f"note: {n}" for n in advice.notes]

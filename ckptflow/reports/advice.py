@@ -183,9 +183,9 @@ def _never_finishes(
     if not optimal.finishes:
         c, r, m = inputs.save_s, inputs.restore_s, inputs.mtbf_s
         return [
-            f"no checkpoint interval finishes: with saves holding training {_seconds(c)} and restores "
-            f"taking {_seconds(r)} against an MTBF of {_seconds(m)} (a save lasts {c / m:.3g} MTBFs, a restore "
-            f"{r / m:.3g}), a failure is expected before a save or a restore completes, so the job is "
+            f"no checkpoint interval finishes: with saves holding training {human_duration(c)} and restores "
+            f"taking {human_duration(r)} against an MTBF of {human_duration(m)} (a save lasts {c / m:.3g} MTBFs, "
+            f"a restore {r / m:.3g}), a failure is expected before a save or a restore completes, so the job is "
             "expected never to get past its next checkpoint (waste 100%; the optimal row is only the interval "
             "closest to finishing). Make saves and restores much shorter than the MTBF (incremental or "
             "non-blocking saves, a faster store) or failures rarer; check the MTBF given or measured"
@@ -194,7 +194,7 @@ def _never_finishes(
         return [
             f"the current interval ({human_duration(current.interval_s)} of training between checkpoints) never "
             f"finishes in expectation: a failure is expected long before that much work and its save complete "
-            f"(MTBF {_seconds(inputs.mtbf_s)}), so the job keeps redoing it (waste 100%); checkpoint every "
+            f"(MTBF {human_duration(inputs.mtbf_s)}), so the job keeps redoing it (waste 100%); checkpoint every "
             f"{optimal.interval_steps or '?'} steps ({human_duration(optimal.interval_s)}) instead"
         ]
     return []
@@ -222,11 +222,6 @@ def _current(
         every = max(1, round(len(manifests) / len(full_steps))) if full_steps else model.MAX_FULL_EVERY
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     return model.evaluate(inputs, _median(gaps) * step_time), every
-
-
-def _seconds(seconds: float) -> str:
-    """A duration for a note: under a second with three significant digits (not "0.0 s")."""
-    return f"{seconds:.3g} s" if seconds < 1 else human_duration(seconds)
 
 
 def _median(values: list[float] | list[int]) -> float:

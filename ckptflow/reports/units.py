@@ -20,9 +20,16 @@ def human_bytes(n: int | float) -> str:
 
 
 def human_duration(seconds: float | None) -> str:
-    """Seconds up to two minutes, minutes up to two hours, then hours."""
+    """Microseconds or milliseconds under a second (three significant digits: a 12 ms save
+    is "12 ms", not "0.0 s"), seconds up to two minutes, minutes up to two hours, then hours."""
     if seconds is None:
         return "-"
+    if seconds < 0:
+        return "-" + human_duration(-seconds)
+    if 0 < seconds < 0.0009995:  # what rounds to 1000 µs or more is said in ms, 1000 ms or more in s
+        return f"{seconds * 1e6:.3g} µs"
+    if 0 < seconds < 0.9995:
+        return f"{seconds * 1e3:.3g} ms"
     if seconds < 120:
         return f"{seconds:.1f} s"
     if seconds < 7200:

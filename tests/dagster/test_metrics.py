@@ -6,6 +6,7 @@ from dagster import materialize
 from assets import PARTITIONED, checkpoint_key
 from ckptflow import Checkpointer
 from ckptflow.catalog import recovery_log
+from ckptflow.reports.units import human_duration
 from pipelines import demo
 from support.corrupt import corrupt_chunk
 from support.dagster import RUN
@@ -55,7 +56,8 @@ def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
     assert metadata[f"{RUN}/checkpoints_in_window"].value == 4 and "| run" in metadata["table"].value
     # the RPO reads as a duration with its target beside it (CKPTFLOW_RPO_TARGET, default 1h)
     assert metadata["rpo_target_s"].value == 3600.0
-    assert metadata["rpo"].value.endswith("(target 60.0 min: met)") and metadata["rpo"].value.split()[1] == "s"
+    rpo = metadata["rpo"].value
+    assert rpo == f"{human_duration(metadata['rpo_s'].value)} (target 60.0 min: met)"
     assert "(target 60.0 min: met)" in metadata["table"].value
 
 

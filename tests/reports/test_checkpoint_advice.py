@@ -76,6 +76,8 @@ def test_the_cli_prints_current_and_optimal_with_the_fallbacks_taken(tmp_path, c
     assert any(line.startswith("current") for line in lines) and any(line.startswith("optimal") for line in lines)
     assert "LOSS/FAILURE" in out and "RPO" in out and "TOTAL $/MO" in out
     assert "note: too little history" in out
+    inputs = next(line for line in lines if line.startswith("  save (blocked)"))
+    assert "0.0 s" not in inputs and inputs.count(" ms") >= 3, inputs  # millisecond saves and steps, said so
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--scenario", "preemptible", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["inputs"]["mtbf_s"] == SCENARIOS["preemptible"][0] and doc["inputs"]["gpus"] == 1
@@ -138,7 +140,7 @@ def test_an_mtbf_far_below_the_save_time_says_no_interval_finishes(tmp_path, cap
     assert len(rows) == 2 and all("never finishes" in r and "never restored" in r for r in rows), out
     assert "nan" not in out.lower() and "inf" not in out.replace("info", "")
     note = next(line for line in out.splitlines() if line.startswith("note: no checkpoint interval finishes"))
-    assert "MTBF of 1e-06 s" in note and "MTBFs" in note and "much shorter than the MTBF" in note
+    assert "MTBF of 1 µs" in note and "MTBFs" in note and "much shorter than the MTBF" in note
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", "0.000001", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["optimal"]["finishes"] is False and doc["optimal"]["waste"] == 1.0

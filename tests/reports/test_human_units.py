@@ -1,5 +1,6 @@
 """Money reads as money (a currency, significant digits, never e-notation), a negative saving
-is said as a cost, and the CLI's cost table uses both."""
+is said as a cost, and the CLI's cost table uses both; a duration under a second reads in
+milliseconds or microseconds, never "0.0 s"."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ckptflow import Checkpointer
 from ckptflow.cli.costs import render
 from ckptflow.format import layout as fmt
 from ckptflow.reports.costs import SAVINGS, CostReport, TierCost, describe
-from ckptflow.reports.units import human_saving, human_usd
+from ckptflow.reports.units import human_duration, human_saving, human_usd
 from support.cli import run_cli
 
 
@@ -24,6 +25,17 @@ def test_money_has_a_currency_and_significant_digits_never_e_notation():
     assert human_usd(1234.567) == "$1,234.57" and human_usd(None) == "-"
     for x in (1e-9, 3.3e-7, 0.00042, 0.07, 12.0):
         assert "e" not in human_usd(x), human_usd(x)
+
+
+def test_a_duration_under_a_second_is_said_in_milliseconds_or_microseconds():
+    """A 12 ms save printed "0.0 s" (in ``ckptflow advise``'s inputs, the progress logs)."""
+    assert human_duration(0.012) == "12 ms" and human_duration(0.0123) == "12.3 ms"
+    assert human_duration(0.48) == "480 ms" and human_duration(0.9994) == "999 ms"
+    assert human_duration(0.9996) == "1.0 s" and human_duration(1.25) == "1.2 s"  # never "1e+03 ms"
+    assert human_duration(0.000042) == "42 µs" and human_duration(0.0009996) == "1 ms"
+    assert human_duration(1e-06) == "1 µs" and human_duration(-0.012) == "-12 ms"
+    assert human_duration(0) == "0.0 s" and human_duration(None) == "-"
+    assert human_duration(90) == "90.0 s" and human_duration(600) == "10.0 min" and human_duration(9000) == "2.5 h"
 
 
 def test_a_negative_saving_is_said_as_a_cost():
