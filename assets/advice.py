@@ -5,7 +5,8 @@ the current and optimal intervals in steps and minutes, the expected loss per fa
 overhead, RPO and USD/month of each, and the fallbacks taken. The metadata carries, per run,
 a text plot of the expected USD/month against the interval with the current and optimal
 intervals marked. The check ``interval_near_optimum`` warns (non-blocking) when a run's
-interval is more than ``MAX_RATIO`` times off its optimum, either way.
+interval is more than ``MAX_RATIO`` times off its optimum, either way, unless the current
+interval costs no more than the optimum found (``Advice.keep_current``).
 """
 
 import math
@@ -39,6 +40,7 @@ class AdviceConfig(Config):
 def _row(a: Advice) -> dict:
     row = {"run": a.run, "optimal_steps": a.optimal.interval_steps, "optimal_min": a.optimal.interval_s / 60}
     row["optimal_usd_month"] = a.optimal.total_usd_month
+    row["keep_current"] = a.keep_current  # the current interval costs no more than the optimum found
     if a.current is not None:
         row |= {"current_steps": a.current.interval_steps, "current_min": a.current.interval_s / 60}
         row |= {"current_usd_month": a.current.total_usd_month, "ratio": a.current.interval_s / a.optimal.interval_s}
@@ -91,7 +93,7 @@ def interval_near_optimum(store: CheckpointStoreResource) -> AssetCheckResult:
             a = advise(hot, run)
         except CkptflowError:
             continue
-        if a.current is not None:
+        if a.current is not None and not a.keep_current:  # one that costs least is not off, whatever its ratio
             ratio = a.current.interval_s / a.optimal.interval_s
             if not 1 / MAX_RATIO <= ratio <= MAX_RATIO:
                 off[run] = f"every {a.current.interval_steps} steps; optimum {a.optimal.interval_steps} ({ratio:.2g}x)"

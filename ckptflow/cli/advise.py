@@ -78,7 +78,14 @@ def render(advice: Advice) -> str:
     headers = ["", "STEPS", "TIME", "FULL EVERY", "LOSS/FAILURE", "OVERHEAD", "WASTE", "RPO"]
     out = table([*headers, "LOST $/MO", "STORAGE $/MO", "TOTAL $/MO"], rows, right=set(range(1, 11)))
     i = advice.inputs
-    if advice.optimal.finishes:
+    if advice.keep_current and advice.current is not None:
+        headline = (
+            f"run {advice.run}: keep checkpointing every {advice.current.interval_steps or '?'} steps "
+            f"({human_duration(advice.current.interval_s)}): the current interval costs least "
+            f"(${advice.current.total_usd_month:,.2f}/month; the best other found, every "
+            f"{advice.optimal.interval_steps or '?'} steps, ${advice.optimal.total_usd_month:,.2f})"
+        )
+    elif advice.optimal.finishes:
         headline = (
             f"run {advice.run}: checkpoint every {advice.optimal.interval_steps or '?'} steps "
             f"({human_duration(advice.optimal.interval_s)}); "

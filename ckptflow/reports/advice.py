@@ -43,6 +43,22 @@ class Advice:
     sources: dict[str, str] = field(default_factory=dict)  # input -> where it came from
     notes: list[str] = field(default_factory=list)  # fallbacks taken, and why
 
+    @property
+    def keep_current(self) -> bool:
+        """Whether the current interval costs no more than the optimum found, which then is
+        no advice to change: the current interval is a median gap (2.5 steps, between the
+        optimum's whole steps) and runs its own full/incremental mix, so it can cost less."""
+        return (
+            self.current is not None
+            and self.current.finishes
+            and self.current.total_usd_month <= self.optimal.total_usd_month
+        )
+
+    @property
+    def recommended(self) -> model.IntervalCost:
+        """The interval to checkpoint at: the current one where it costs least, else the optimum."""
+        return self.current if self.keep_current and self.current is not None else self.optimal
+
     def as_dict(self) -> dict[str, Any]:
         def cost(c: model.IntervalCost | None) -> dict | None:
             return None if c is None else {**asdict(c), "total_usd_month": c.total_usd_month, "finishes": c.finishes}
@@ -57,6 +73,7 @@ class Advice:
             "current_full_every": self.current_full_every,
             "sources": dict(self.sources),
             "notes": list(self.notes),
+            "keep_current": self.keep_current,
         }
 
 

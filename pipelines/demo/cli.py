@@ -137,15 +137,19 @@ def main(argv: list[str] | None = None) -> int:
         f"checkpoint), median restore {ops.restore_s:.3f} s; a checkpoint every {ops.save_interval_s:.2f} s"
     )
     advice = advise(ck.store, args.run, scenario="preemptible")
+    best = advice.recommended
+    if advice.keep_current:
+        about_current = " (the demo's own interval: none found costs less)"
+    elif advice.current is not None:
+        about_current = (
+            f"; the demo's every {advice.current.interval_steps or '?'} steps loses {100 * advice.current.waste:.2f}%"
+        )
+    else:
+        about_current = ""
     print(
         f"== checkpoint interval (ckptflow advise {args.store} --run {args.run} --scenario preemptible): every "
-        f"{advice.optimal.interval_steps or '?'} steps ({human_duration(advice.optimal.interval_s)}), "
-        f"{100 * advice.optimal.waste:.2f}% of the time lost to saves, failures and restores"
-        + (
-            f"; the demo's every {advice.current.interval_steps or '?'} steps loses {100 * advice.current.waste:.2f}%"
-            if advice.current is not None
-            else ""
-        )
+        f"{best.interval_steps or '?'} steps ({human_duration(best.interval_s)}), "
+        f"{100 * best.waste:.2f}% of the time lost to saves, failures and restores{about_current}"
     )
     status = 0
     if not args.no_lifecycle:

@@ -148,3 +148,32 @@ def test_an_mtbf_far_below_the_save_time_says_no_interval_finishes(tmp_path, cap
     assert doc["notes"][0].startswith("no checkpoint interval finishes")
     advice = advise(open_store(root), RUN, mtbf_s=3600.0)  # an ordinary MTBF: no such note
     assert advice.optimal.finishes and not any("finishes" in n for n in advice.notes)
+
+
+def test_the_advice_never_recommends_an_interval_that_costs_more_than_the_current_one(tmp_path, capsys):
+    """Saves every 2 and 3 steps in turn: the current interval is the median gap, 2.5 steps,
+    and the optimum a whole number of steps. Where the best interval lies between 2 and 3,
+    both cost more than 2.5: with an MTBF of 6.3 ms ``ckptflow advise`` said "checkpoint
+    every 2 steps" at $1423.48/month against the current $1423.26. The advice now keeps the
+    current interval wherever no interval found costs less, and says so."""
+    root = str(tmp_path / "store")
+    state = tiny_state()
+    with Checkpointer(root, RUN) as ck:
+        for step in range(21):
+            tiny_train(state)
+            time.sleep(0.002)
+            if step % 5 in (0, 2):
+                ck.save(step, state, kind="full")
+    store = open_store(root)
+    sweep = [advise(store, RUN, mtbf_s=10 ** (k / 10)) for k in range(-30, 11)]
+    assert all(a.current is not None and a.current.interval_s == 2.5 * a.inputs.step_time_s for a in sweep)
+    finishing = [a for a in sweep if a.current is not None and a.current.finishes]
+    dearer = [a for a in finishing if a.optimal.total_usd_month > a.current.total_usd_month]
+    assert dearer  # the sweep crosses the optimum's place between 2 and 3 steps
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", str(dearer[0].inputs.mtbf_s))
+    assert code == 0, err
+    headline = out.splitlines()[0]
+    assert headline.startswith(f"run {RUN}: keep checkpointing every 2 steps") and "costs least" in headline, out
+    for a in finishing:
+        assert a.recommended.total_usd_month <= a.current.total_usd_month
+        assert a.keep_current == (a in dearer) == (a.recommended is a.current) == a.as_dict()["keep_current"]
