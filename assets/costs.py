@@ -22,19 +22,20 @@ def storage_cost(
     store: CheckpointStoreResource, archive: ArchiveTierResource, pricing: PricingResource
 ) -> Output[pd.DataFrame]:
     """Bytes and monthly cost per tier, and what retention, tiering, dedup, compression,
-    delta and lossy archive codecs saved against keeping every checkpoint raw and hot."""
+    delta and lossy archive codecs saved against keeping every checkpoint raw and hot; what
+    garbage adds and missing chunks subtract, each row saying which (``against_baseline``)."""
     report = costs.storage_costs(store.open(), archive.open(), model=pricing.model(archive))
-    rows = [
+    rows: list[dict] = [
         {"item": f"{t.tier} ({t.storage_class})", "bytes": t.stored_bytes, "usd_per_month": t.monthly_usd}
         for t in report.tiers
     ]
     rows.append(
         {"item": "every checkpoint raw and hot", "bytes": report.baseline_bytes, "usd_per_month": report.baseline_usd}
     )
-    rows += [
-        {"item": f"saved by {name}", "bytes": report.savings_bytes[name], "usd_per_month": report.savings_usd[name]}
-        for name in costs.SAVINGS
-    ]
+    for name in costs.SAVINGS:  # each said as what it is, its size a size (``costs.item``)
+        usd, nbytes = report.savings_usd[name], report.savings_bytes[name]
+        label, way = costs.item(name, usd, nbytes)
+        rows.append({"item": label, "bytes": abs(nbytes), "usd_per_month": abs(usd), "against_baseline": way})
     df = pd.DataFrame(rows)
     shown = df.assign(usd_per_month=[human_usd(v, per="/month") for v in df["usd_per_month"]])
     return Output(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckptflow.cli.output import table
 from ckptflow.errors import CkptflowError
-from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, added_cost, storage_costs
+from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, item, storage_costs
 from ckptflow.reports.units import human_bytes, human_usd
 from ckptflow.store.base import Store
 
@@ -46,7 +46,7 @@ def render(costs: CostReport) -> str:
     rows = [["every checkpoint raw and hot", human_bytes(costs.baseline_bytes), _usd(costs.baseline_usd)]]
     rows += [
         [
-            _saving_label(name, costs.savings_usd[name]),
+            _saving_label(name, costs),
             human_bytes(abs(costs.savings_bytes[name])),  # a size; the label says which way it counts
             _usd(abs(costs.savings_usd[name])),
         ]
@@ -67,11 +67,9 @@ def _usd(x: float) -> str:
     return human_usd(x)
 
 
-def _saving_label(name: str, usd: float) -> str:
-    """ "saved by delta" (subtracted from the baseline), or for a negative item, added to it:
-    "tiering costs more", or what it is (``added_cost``: "garbage (unreferenced chunk files,
-    until gc)")."""
-    if usd >= 0:
-        return f"  - saved by {name}"
-    plain = added_cost(name)
-    return f"  + {name} costs more" if plain is None else f"  + {plain}"
+def _saving_label(name: str, costs: CostReport) -> str:
+    """What the item is (``reports.costs.item``: "saved by delta", "tiering costs more",
+    "garbage (unreferenced chunk files, until gc)"), after "-" where it is subtracted from the
+    baseline and "+" where it is added to it."""
+    label, way = item(name, costs.savings_usd[name], costs.savings_bytes[name])
+    return f"  {'-' if way == 'subtracts' else '+'} {label}"

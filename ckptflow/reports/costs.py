@@ -19,10 +19,13 @@ The difference is split into what each mechanism saved, per month:
 * compression, delta, lossy: raw minus stored bytes of plain (zstd), delta and
   lossy-copy chunks, per tier (delta net of the bases kept only for deltas; lossy
   also counts tensors a copy dropped);
-* garbage: unreferenced chunk files waiting for GC (a cost, so negative), and
-  missing chunks (referenced, absent).
+* garbage: unreferenced chunk files waiting for GC (a cost, so negative);
+* missing: chunks referenced but absent, which the stores do not hold because they were
+  lost (damage, no saving; apart from garbage, which netted with it made neither true).
 
-The items add up exactly: baseline - savings = what the stores cost now.
+The items add up exactly: baseline - savings = what the stores cost now. ``item`` says each
+one as what it is, whichever way it came out ("saved by dedup", "garbage (unreferenced chunk
+files, until gc)", "tiering costs more").
 """
 
 from __future__ import annotations
@@ -47,10 +50,14 @@ DEFAULT_PRICES = {  # USD per GB-month, AWS S3 us-east-1 list prices, first 50 T
     "DEEP_ARCHIVE": 0.00099,
 }
 DEFAULT_TIERS = {"hot": "STANDARD", "archive": "GLACIER_IR"}
-SAVINGS = ("retention", "tiering", "dedup", "compression", "delta", "lossy", "garbage")
+SAVINGS = ("retention", "tiering", "dedup", "compression", "delta", "lossy", "garbage", "missing")
 COST_ITEMS = {  # an item that came out negative, said as what it is: bytes held, not a choice that costs more
     "garbage": "garbage (unreferenced chunk files, until gc)",
     "delta": "delta bases (kept for deltas, more than the deltas saved)",
+}
+ONLY_ADDS = frozenset({"garbage"})  # items that never save: "saved by garbage" is false even at zero
+NOT_SAVED = {  # an item subtracted from the baseline that saved nothing, said as what it is
+    "missing": "missing chunks (referenced, absent: lost, not saved)",
 }
 
 
@@ -169,7 +176,8 @@ def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: C
             "compression": _saved(kinds, "plain"),
             "delta": _saved(kinds, "delta") - (base.stored_bytes if base else 0),  # bases kept for deltas cost
             "lossy": exact - sum(h.logical_bytes for h in s.held.values()) + _saved(kinds, "lossy"),
-            "garbage": s.missing_raw_bytes - s.unreferenced_bytes,
+            "garbage": -s.unreferenced_bytes,
+            "missing": s.missing_raw_bytes,
         }
         for name, n in items.items():
             usd[name] += n * unit
@@ -205,11 +213,25 @@ def added_cost(name: str) -> str | None:
 
 def describe(name: str, usd: float, *, per: str = "/month") -> str:
     """One item of ``savings_usd`` in words: "saves $X/month", "costs $X/month more"
-    (tiering), or "adds $X/month: <what it is>" (``added_cost``)."""
+    (tiering), "adds $X/month: <what it is>" (``added_cost``), or "$X/month not paid for:
+    <what it is>" (``NOT_SAVED``: missing chunks)."""
     plain = added_cost(name)
+    if usd >= 0 and name in NOT_SAVED:
+        return f"{human_usd(usd, per=per)} not paid for: {NOT_SAVED[name]}"
     if usd >= 0 or plain is None:
         return human_saving(usd, per=per)
     return f"adds {human_usd(-usd, per=per)}: {plain}"
+
+
+def item(name: str, usd: float, nbytes: int) -> tuple[str, str]:
+    """(what an item of the report is, "subtracts" or "adds": which way it counts against the
+    baseline), so a table can show its size as a size: "saved by <name>" only for a saving;
+    a negative one as "tiering costs more" or what it holds (``added_cost``), missing chunks
+    as what they are (``NOT_SAVED``). The way is the USD's, or the bytes' at a price of zero."""
+    if usd < 0 or (usd == 0 and nbytes < 0) or name in ONLY_ADDS:
+        plain = added_cost(name)
+        return (f"{name} costs more" if plain is None else plain), "adds"
+    return NOT_SAVED.get(name, f"saved by {name}"), "subtracts"
 
 
 def _saved(kinds: Mapping[str, Any], kind: str) -> int:

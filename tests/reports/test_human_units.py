@@ -96,3 +96,22 @@ def test_the_both_tiers_note_follows_tiering_alone():
     assert "+ delta bases" in out and "3.0 KiB" in out and "5.0 KiB" in out and "-3.0" not in out
     tiered = render(CostReport(**{**report.__dict__, "savings_usd": report.savings_usd | {"tiering": -1e-06}}))
     assert "+ tiering costs more" in tiered and "held in both tiers" in tiered
+
+
+def test_a_missing_chunk_is_said_as_lost_never_as_saved_by_garbage(tmp_path, capsys):
+    """A chunk referenced but absent was netted into "garbage": a store missing one chunk
+    (and holding no garbage) printed "- saved by garbage  16.0 KiB"."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "z") as ckpt:
+        ckpt.save(1, {"model": {"w": torch.zeros(4096)}})
+    [chunk] = [p for p in (Path(root) / "chunks").rglob("*") if p.is_file()]
+    chunk.unlink()
+    code, out, err = run_cli(capsys, "stats", root)
+    assert "saved by garbage" not in out and "garbage" not in out, out
+    (row,) = [line for line in out.splitlines() if "missing chunks" in line]
+    assert row.lstrip().startswith("- missing chunks (referenced, absent: lost, not saved)") and "16.0 KiB" in row
+    code, out, err = run_cli(capsys, "stats", root, "--json")
+    doc = json.loads(out)
+    assert doc["costs"]["savings_bytes"]["missing"] == 4096 * 4 and doc["costs"]["savings_bytes"]["garbage"] == 0
+    said = describe("missing", 3.6e-07)
+    assert said == "$0.00000036/month not paid for: missing chunks (referenced, absent: lost, not saved)"
