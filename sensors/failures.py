@@ -6,7 +6,10 @@ Which commit the failure belongs to, and its record in the store, are the librar
 ``ckptflow/manifest_digest`` tag (the landing sensor sets it on validation runs, every
 per-checkpoint asset on its own run before it reads the checkpoint), else the current
 commit only if it provably predates the run; a run recorded against no commit is
-tagged ``ckptflow/failure_unattributed`` with why. A store that cannot be read stops
+tagged ``ckptflow/failure_unattributed`` with why (a digest tag naming no commit of its
+checkpoint is no attribution). A failure of a commit retention has expired since is
+written nowhere (``attribution.commit_known``): a lagging or replaying sensor left a
+``failure.json`` under a deleted step, which nothing deleted. A store that cannot be read stops
 the tick at that run, which the next tick retries. The tag (``ckptflow/failure``: the
 failed step and the first line of its error) puts the reason in the run list, next to
 the run's partition.

@@ -27,8 +27,12 @@ log = logging.getLogger("ckptflow")
 EXPIRING = "ledger/expiring/"  # expiries deleting records now (or that failed doing so)
 
 
+def _entry_key(run: str, step: int, digest: str) -> str:
+    return f"{PREFIX}{fmt.validate_run(run)}/{fmt.validate_step(step):0{fmt.STEP_DIGITS}d}-{digest}.json"
+
+
 def record_expiry(store: Store, manifest: Manifest) -> None:
-    key = f"{PREFIX}{manifest.run}/{manifest.step:0{fmt.STEP_DIGITS}d}-{manifest.digest}.json"
+    key = _entry_key(manifest.run, manifest.step, manifest.digest)
     body = {
         "run": manifest.run,
         "step": manifest.step,
@@ -40,6 +44,12 @@ def record_expiry(store: Store, manifest: Manifest) -> None:
         "expired_at": time.time(),
     }
     store.replace(key, json.dumps(body, sort_keys=True).encode())
+
+
+def was_expired(store: Store, run: str, step: int, digest: str) -> bool:
+    """Whether the ledger has an entry for commit ``digest`` of ``(run, step)`` (an expiry
+    begun: whether it finished is what the store still holds)."""
+    return store.exists(_entry_key(run, step, digest))
 
 
 def expiry_begun(store: Store, run: str, step: int, digest: str) -> str:

@@ -9,6 +9,14 @@ commit provably predates the run (committed ``CLOCK_SKEW_S`` before the run star
 never against a step committed again since: a restore that rejected the first commit
 and a save of the same step make a new commit that has failed nothing. A store that
 cannot be read raises: nothing is decided on an outage, and the caller retries.
+
+A record is written only next to a commit the hot store still knows: its commit record, the
+records retention keeps for an archive-only checkpoint, or its manifest in quarantine
+(``commit_known``). A failure
+read after retention expired the checkpoint (a sensor that lags, or replays its history)
+writes nothing: its ``failure.json`` would be the only object left of the commit, under a
+step no store holds, which nothing ever deletes. A digest tag that names no commit of the
+step (malformed, or another commit's, set by hand) is no attribution.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog.verdicts import Subject, read_record, write_record
+from ckptflow.catalog import ledger
+from ckptflow.catalog.verdicts import Subject, read_record, step_prefix, write_record
 from ckptflow.errors import ManifestError
 from ckptflow.format import layout as fmt
+from ckptflow.lifecycle.evaluate import commit_digest
 from ckptflow.lifecycle.landing import SLACK
 from ckptflow.store.base import Store
 
@@ -79,6 +89,17 @@ def commit_before(store: Store, run: str, step: int, started_at: float | None) -
     return manifest.digest
 
 
+def commit_known(store: Store, run: str, step: int, digest: str) -> bool:
+    """Whether ``store`` holds the commit ``digest`` of ``(run, step)``, records of it (an
+    archive-only checkpoint's, which retention keeps), or its manifest moved aside into
+    quarantine (proved damaged, the step saved again). A store error propagates."""
+    return (
+        any(True for _ in store.list(f"{step_prefix(run, step)}{digest}/"))
+        or commit_digest(store, run, step) == digest
+        or store.exists(fmt.quarantine_key(run, step, digest))
+    )
+
+
 def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attribution:
     """Write the failure record of the commit ``failed`` belongs to, in the hot store
     ``open_store`` opens (only for a run about a checkpoint); what was done, as a line."""
@@ -92,8 +113,21 @@ def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attrib
         run, step = fmt.parse_checkpoint_name(key)
     except ValueError:
         return Attribution(f"run {failed.run_id} failed for partition {key!r}, which is not a checkpoint name")
+    if failed.digest is not None and not fmt.is_digest(failed.digest):
+        why = f"its ckptflow/manifest_digest tag {failed.digest[:80]!r} is not a manifest's sha256"
+        return Attribution(f"run {failed.run_id} failed for {key} ({reason[:120]}); not recorded: {why}", why)
     hot = open_store()
     digest = failed.digest or commit_before(hot, run, step, failed.started_at)
+    if isinstance(digest, str) and not commit_known(hot, run, step, digest):
+        if ledger.was_expired(hot, run, step, digest):
+            return Attribution(  # the commit it was about is gone: said, nothing written, still its commit
+                f"run {failed.run_id} failed for {key} ({reason[:120]}); not recorded: commit {digest[:12]}… was "
+                "expired by retention since, its records with it"
+            )
+        digest = Unattributed(
+            f"no commit of {key} has that digest ({digest[:12]}…): neither a commit record nor any record of it, "
+            "nor an expiry in the ledger"
+        )
     if isinstance(digest, Unattributed):
         return Attribution(
             f"run {failed.run_id} failed for {key} ({reason[:120]}); not recorded against a commit: {digest.why}",

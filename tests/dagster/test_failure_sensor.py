@@ -8,7 +8,7 @@ from dagster import asset, build_sensor_context, materialize
 from assets import PARTITIONED, checkpoint_key, compressed, evaluation
 from assets.partitions import DIGEST_TAG, checkpoints_partitions
 from ckptflow import Checkpointer, lifecycle
-from ckptflow.catalog.verdicts import Subject
+from ckptflow.catalog.verdicts import Subject, step_prefix
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.reports import inventory, recoverable
 from ckptflow.store import open_store
@@ -207,3 +207,76 @@ def test_a_later_run_about_another_commit_of_the_step_does_not_make_the_failure_
     records = {"evaluation": lifecycle.read_record(open_store(store_with_checkpoints), first, "evaluation")}
     assert records["evaluation"] == evaluated  # the one from before the failure: nothing redid it
     assert not recoverable.made_good(recorded, records)
+
+
+def records_of_step(store: str, step: int) -> list[str]:
+    """Every lifecycle record object of ``step`` the store holds, whichever commit's."""
+    return [i.key for i in open_store(store).list(step_prefix(RUN, step))]
+
+
+def test_a_failure_of_a_checkpoint_retention_deleted_writes_no_record(store_with_checkpoints, resources, instance):
+    """The sensor lags (or the daemon starts later, or replays its history): by the time it
+    reads the failure, retention has expired the checkpoint and its records. The failure was
+    written anyway, a ``failure.json`` under a step no store holds, which nothing deletes."""
+    failed = evaluation_failed(instance, resources)
+    digest = subject(store_with_checkpoints, 40).digest
+    lifecycle.expire(open_store(store_with_checkpoints), RUN, 40)
+    assert records_of_step(store_with_checkpoints, 40) == []
+    cursor = tick(instance, resources)
+    assert records_of_step(store_with_checkpoints, 40) == [] and failure(store_with_checkpoints, digest) is None
+    assert cursor not in (None, "-1")  # handled: the next tick does not try it again
+    tags = instance.get_run_by_id(failed.run_id).tags
+    assert UNATTRIBUTED_TAG not in tags  # it was about that commit: the commit is gone, not unknown
+
+
+def test_replaying_history_does_not_bring_back_the_records_of_an_expired_checkpoint(
+    store_with_checkpoints, resources, instance
+):
+    """Recorded, then expired with its records, then the cursor reset (set in the UI): the
+    replay wrote the failure record again, under the deleted step."""
+    failed = evaluation_failed(instance, resources)
+    digest = subject(store_with_checkpoints, 40).digest
+    handled = tick(instance, resources)
+    assert failure(store_with_checkpoints, digest)["run_id"] == failed.run_id
+    lifecycle.expire(open_store(store_with_checkpoints), RUN, 40)
+    assert records_of_step(store_with_checkpoints, 40) == []
+    assert tick(instance, resources, "-1") == handled
+    assert records_of_step(store_with_checkpoints, 40) == []
+
+
+def test_an_archive_only_checkpoints_failure_is_still_recorded(store_with_checkpoints, resources, instance):
+    """Retention expired the hot copy and kept its records (the archive holds it): a
+    failure about it is recorded next to them, as before."""
+    failed = evaluation_failed(instance, resources)
+    digest = subject(store_with_checkpoints, 40).digest
+    hot = open_store(store_with_checkpoints)
+    assert lifecycle.validate(hot, RUN, 40)["ok"]
+    lifecycle.expire(hot, RUN, 40, keep_records=True)
+    assert records_of_step(store_with_checkpoints, 40)  # its validation record, kept
+    tick(instance, resources)
+    assert failure(store_with_checkpoints, digest)["run_id"] == failed.run_id
+
+
+@pytest.mark.parametrize(
+    "tags, why",
+    [
+        ({DIGEST_TAG: "not-a-digest"}, "its ckptflow/manifest_digest tag 'not-a-digest' is not a manifest's sha256"),
+        ({DIGEST_TAG: "0" * 64}, "no commit of tinylm@40 has that digest"),
+    ],
+    ids=["malformed", "another-commit"],
+)
+def test_a_run_whose_digest_tag_names_no_commit_of_its_checkpoint_is_unattributed(
+    store_with_checkpoints, resources, instance, tags, why
+):
+    """A digest tag set by hand (a relaunch with edited tags): a malformed one made the write
+    raise ("cannot be recorded", no tag saying why); a well-formed one of no commit of the step
+    wrote a failure record under a commit that does not exist."""
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    result = materialize([doomed], partition_key=KEY, instance=instance, raise_on_error=False, tags=tags)
+    assert not result.success
+    cursor = tick(instance, resources)
+    assert cursor not in (None, "-1")
+    assert why in instance.get_run_by_id(result.run_id).tags[UNATTRIBUTED_TAG]
+    digest = subject(store_with_checkpoints, 40).digest
+    assert failure(store_with_checkpoints, digest) is None
+    assert [k for k in records_of_step(store_with_checkpoints, 40) if k.endswith("/failure.json")] == []

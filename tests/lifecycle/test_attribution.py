@@ -5,8 +5,10 @@ import pytest
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import quarantine
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
+from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.lifecycle.attribution import CLOCK_SKEW_S, FailedRun, record_failure
 from ckptflow.store import open_store
 from support.corrupt import flip_byte, manifest_path
@@ -53,7 +55,12 @@ def test_a_run_about_no_checkpoint_is_recorded_nowhere(checkpoint):
 
 
 def test_a_pinned_commit_gets_the_failure_even_after_the_step_was_committed_again(root):
-    pinned = "ab" * 32  # an earlier commit of the step, since replaced
+    pinned = current(root).digest
+    store = open_store(root)  # proved damaged, its manifest moved aside, as a save of the step does then
+    quarantine.move_aside(store, RUN, 2, *store.get_versioned(fmt.manifest_key(RUN, 2), MAX_RECORD_BYTES))
+    with Checkpointer(root, RUN) as ck:
+        ck.save(2, tiny_state())
+    assert current(root).digest != pinned  # an earlier commit of the step, since replaced
     failed = FailedRun("id", "evaluation_job", STEPS, checkpoint=KEY, digest=pinned, started_at=0.0)
     done = record_failure(failed, lambda: open_store(root))
     assert done.unattributed is None and done.message.startswith(f"recorded the failure of run id for {KEY}")
@@ -151,3 +158,15 @@ def test_a_verdict_a_later_run_wrote_before_the_failure_was_recorded_makes_it_go
                        made_good_already={current(root).digest: ("validation",)})  # fmt: skip
     record_failure(failed, lambda: open_store(root))
     assert _made_good(root)
+
+
+def test_a_pinned_commit_retention_expired_since_gets_no_record(root):
+    """The failure read after retention expired the commit (a lagging or replaying sensor):
+    its ``failure.json`` was written under the deleted step, the only object left of it."""
+    pinned = current(root).digest
+    lifecycle.expire(open_store(root), RUN, 2)
+    failed = FailedRun("id", "evaluation_job", STEPS, checkpoint=KEY, digest=pinned, started_at=0.0)
+    done = record_failure(failed, lambda: open_store(root))
+    assert done.unattributed is None  # it was about that commit, which is gone
+    assert f"not recorded: commit {pinned[:12]}… was expired by retention since" in done.message
+    assert failure(root, pinned) is None and not list(open_store(root).list("lifecycle/"))
