@@ -162,10 +162,11 @@ def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     buffers it does not save left out (``drop_unsaved``, the names returned). A config that
     declares a quantization is refused: the files hold codes, not the model's weights."""
     config_path = os.path.join(src, "config.json")
-    config = _read_json(config_path) if os.path.isfile(config_path) else None
-    if config is not None and not isinstance(config, dict):
+    has_config = os.path.isfile(config_path)
+    config = _read_json(config_path) if has_config else {}
+    if not isinstance(config, dict):
         raise CkptflowError(f"{config_path} is not a JSON object")
-    if config is not None and config.get("quantization_config") is not None:
+    if config.get("quantization_config") is not None:
         declared = config["quantization_config"]
         method = declared.get("quant_method") if isinstance(declared, dict) else None
         raise CkptflowError(
@@ -178,7 +179,7 @@ def _from_hf(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     tensors = _read_safetensors(files)
     if listed - set(tensors):
         raise CkptflowError(f"{src}: tensors listed in {INDEX} are missing: {sorted(listed - set(tensors))[:8]}")
-    if config is None:
+    if not has_config:
         return {"model": tensors}, {}, []
     unsaved: list[str] = []
     if config.get("architectures"):

@@ -218,6 +218,10 @@ def test_a_model_directory_whose_config_is_of_the_wrong_types_is_refused(tmp_pat
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **bad}))
         code, _, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, tmp_path / "hf")
         assert code == 2 and expect in err and "Traceback" not in err, err
+    for not_an_object in ("null", "[1, 2]"):  # no config read as none: refused, not imported without one
+        (tmp_path / "hf" / "config.json").write_text(not_an_object)
+        code, _, err = run_cli(capsys, "import", tmp_path / "store", "--run", "r", "--step", 1, tmp_path / "hf")
+        assert code == 2 and "config.json is not a JSON object" in err, err
 
 
 def test_unknown_source_names_what_is_supported(tmp_path):
