@@ -103,7 +103,20 @@ class PartialRestoreError(CkptflowError):
 class StoreUnavailableError(StoreError):
     """A store that did not answer (5xx, throttling, timeouts, resets) through every retry,
     or that could not be read at all. It proves nothing about the checkpoint: restore
-    raises it instead of falling back to an older one."""
+    raises it instead of falling back to an older one. Raised by a restore that stopped so,
+    ``skipped`` and ``passed_over`` say what it went past first, as ``NoValidCheckpointError``'s
+    do (the recovery record keeps both): the steps before the stop were settled."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        skipped: list[tuple[int, str]] | None = None,
+        passed_over: list[tuple[int, str]] | None = None,
+    ):
+        super().__init__(message)
+        self.skipped = skipped or []
+        self.passed_over = passed_over or []
 
 
 class ColdObjectError(StoreUnavailableError):

@@ -265,7 +265,9 @@ class Restore:
                         f"Thaw it (`ckptflow thaw {tier.url} --run {self.run} --step {cand}`) and restore again"
                         if failure.cold
                         else "Fix access to the store and restore again"
-                    )
+                    ),
+                    skipped=skipped,
+                    passed_over=list(choice.passed_over),
                 )
             reason = f"{tier.url}: {failure.message}" if len(self.tiers) > 1 else failure.message
             if index == 0:
@@ -277,7 +279,11 @@ class Restore:
             gc.collect()
         where = f"run {self.run!r} in {' or '.join(t.url for t in self.tiers)}"
         if choice.stop is not None:  # what the selector accepts further on is not known
-            raise StoreUnavailableError(f"restore of {where} ({choice.label!r}) stopped: {choice.stop}")
+            raise StoreUnavailableError(
+                f"restore of {where} ({choice.label!r}) stopped: {choice.stop}",
+                skipped=skipped,
+                passed_over=list(choice.passed_over),
+            )
         if choice.exact:
             reasons = "; ".join(r for _, r in skipped)
             raise NoValidCheckpointError(f"checkpoint step {select} of {where} cannot be restored: {reasons}", skipped)

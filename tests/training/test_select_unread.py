@@ -9,6 +9,7 @@ import re
 import pytest
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog import recovery_log
 from ckptflow.catalog.object_index import PREFIX
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
@@ -203,3 +204,23 @@ def test_best_stops_at_a_commit_record_it_could_not_read(tmp_path):
             ck.restore({"model": model_at(0)}, select="best:val_loss:min")
     with Checkpointer(root, "r") as ck:
         assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 2
+
+
+@pytest.mark.parametrize("unread", [r"/.*/validation\.json$", r"/manifest\.json$"])
+def test_a_restore_stopped_by_an_unread_step_keeps_what_it_passed_over_and_skipped(tmp_path, unread):
+    """Step 4 is not validated, step 3 is validated but damaged, step 2's verdict (or its
+    commit record) does not read: 'validated' passes 4 over, skips 3, and stops at 2. The error
+    and the recovery record the operator reads say so (they said ``passed_over: []``,
+    ``skipped: []``)."""
+    root, store = make(tmp_path, steps=(1, 2, 3, 4))
+    for step in (1, 2, 3):
+        lifecycle.validate(store, "r", step)
+    damage(root, 3)
+    hot = ReadFailsOnce(root, rf"/{STEP_2}{unread}", always=True)
+    with Checkpointer(hot, "r") as ck, pytest.raises(StoreUnavailableError, match="stopped") as raised:
+        ck.restore({"model": model_at(0)}, select="validated")
+    assert raised.value.passed_over == [(4, "not validated yet")]
+    assert [s for s, _ in raised.value.skipped] == [3]
+    [record] = recovery_log.read_all(store, "r")
+    assert record["ok"] is False and record["passed_over"] == [[4, "not validated yet"]]
+    assert [s for s, _ in record["skipped"]] == [3]
