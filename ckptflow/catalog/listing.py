@@ -217,6 +217,19 @@ def listing(
             yield problem_from(name, None, e)
 
 
+def no_such_step(run: str, step: int, steps: list[int]) -> str:
+    """The one message for a step a run does not have, whoever was given it (restore, the
+    command line): it names the steps there, the ones to give instead."""
+    return f"run {run!r} has no step {step} (steps: {steps_text(steps)})"
+
+
+def steps_text(steps: list[int]) -> str:
+    """``steps`` (ascending) for a message: all of them up to 8, else the first, last and count."""
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} … {steps[-1]} ({len(steps)} in all)"
+
+
 def committed_steps(store: Store, run: str) -> list[int]:
     """Steps of ``run`` that have a commit record (valid or not), ascending; no reads."""
     return [s.step for s in listing(store, run) if isinstance(s, StepListing) and s.committed]

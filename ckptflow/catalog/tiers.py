@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.chunks.io import ChunkStore
-from ckptflow.errors import CkptflowError, ColdObjectError, StoreUnavailableError, SymlinkError
+from ckptflow.errors import (
+    CkptflowError,
+    ColdObjectError,
+    NoValidCheckpointError,
+    StoreUnavailableError,
+    SymlinkError,
+)
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.store import Store, open_store
@@ -67,9 +73,10 @@ def candidates(tiers: Sequence[Tier], run: str, step: int | None = None) -> list
     and within a step the hot tier first, then the others in the order given.
 
     With ``step`` only that step is considered, in the tiers that hold its commit
-    record; if none does, the hot tier is still named so the caller reports why. A
-    step directory in the hot tier without a commit record (a save that crashed) is
-    a candidate too, so restore reports it as skipped.
+    record; if none does, ``NoValidCheckpointError`` names the steps they hold (nothing
+    to skip as damaged: there is no such step). A step directory in the hot tier without
+    a commit record (a save that crashed) is a candidate too, so restore reports it as
+    skipped.
     """
     held: dict[int, list[int]] = {}
     for index, tier in enumerate(tiers):
@@ -79,8 +86,14 @@ def candidates(tiers: Sequence[Tier], run: str, step: int | None = None) -> list
             raise StoreUnavailableError(f"could not list the checkpoints of run {run!r} in {tier.url}: {e}") from e
         for held_step in steps:
             held.setdefault(held_step, []).append(index)
+    if step is not None and step not in held:
+        steps = sorted({s for s, _ in candidates(tiers, run)})
+        raise NoValidCheckpointError(
+            f"{catalog_listing.no_such_step(run, step, steps)} in {' or '.join(t.url for t in tiers)}: restore one "
+            "of those (step=N), or leave step out for the newest whole one"
+        )
     if step is not None:
-        return [(step, i) for i in held.get(step, [0])]
+        return [(step, i) for i in held[step]]
     return [(s, i) for s in sorted(held, reverse=True) for i in held[s]]
 
 

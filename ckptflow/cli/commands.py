@@ -96,6 +96,8 @@ def _selected(
     except ValueError as e:
         raise CkptflowError(f"--select: {e}") from None
     by_step = {i.step: i for i in infos}
+    if isinstance(select, int) and select not in by_step:  # a step, not a choice: "no checkpoints" hid the typo
+        raise no_such_step(run, select, sorted(by_step))
     choice = selection.choose([store], run, select, [(s, 0) for s in sorted(by_step, reverse=True)])
     for step, why in choice.passed_over:
         warn(f"step {step}: {why}" if step >= 0 else why)
@@ -233,14 +235,8 @@ def _could_not_read(store: Store, why: str) -> int:
 
 
 def no_such_step(run: str, step: int, steps: list[int]) -> CkptflowError:
-    """One message for a step a run does not have, whichever command was given it."""
-    return CkptflowError(f"run {run!r} has no step {step} (steps: {_short(steps)})")
-
-
-def _short(steps: list[int]) -> str:
-    if not steps:
-        return "none"
-    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} … {steps[-1]} ({len(steps)} in all)"
+    """A command given a step ``run`` does not have: the message restore gives too."""
+    return CkptflowError(catalog_listing.no_such_step(run, step, steps))
 
 
 def _verify_total(store: Store, run: str, steps: list[int]) -> int | None:
@@ -299,7 +295,9 @@ def cmd_thaw(args: argparse.Namespace) -> int:
     step: int | None = args.step if args.step is not None else (committed[-1] if committed else None)
     if step not in committed:
         what = "committed checkpoint" if step is None else f"committed step {step}"
-        raise CkptflowError(f"run {run!r} has no {what} to thaw (committed steps: {_short(committed)})")
+        raise CkptflowError(
+            f"run {run!r} has no {what} to thaw (committed steps: {catalog_listing.steps_text(committed)})"
+        )
     report = thaw(store, run, step, days=args.days, tier=args.tier)
     print(
         f"run {run} step {step}: restore requested for {report.requested} cold object(s) of {report.objects} "

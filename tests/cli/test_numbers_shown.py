@@ -80,11 +80,12 @@ def test_one_message_for_a_missing_step(tmp_path, capsys):
         ck.save(10, tiny_state())
     messages = []
     for argv in (["verify", root, "--run", RUN, "--step", "115"], ["export", root, "--run", RUN, "--out",
-                 str(tmp_path / "m.safetensors"), "--step", "115"]):  # fmt: skip
+                 str(tmp_path / "m.safetensors"), "--step", "115"],
+                 ["ls", root, "--run", RUN, "--select", "115"]):  # fmt: skip
         code, _, err = run_cli(capsys, *argv)
         assert code == 2
         messages.append(err.strip())
-    assert messages[0] == messages[1] == "ckptflow: error: run 'alpha' has no step 115 (steps: 10)"
+    assert messages == ["ckptflow: error: run 'alpha' has no step 115 (steps: 10)"] * 3
 
 
 def test_rounded_keeps_structure():

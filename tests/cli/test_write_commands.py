@@ -150,6 +150,7 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["export", "{root}", "--run", "nope", "--out", "{tmp}/m.st"], "no run 'nope'"),
         (["verify", "{root}/missing", "--run", RUN], "does not exist"),
         (["verify", "{root}", "--run", RUN, "--step", "7"], "run 'alpha' has no step 7 (steps: 10, 20)"),
+        (["ls", "{root}", "--run", RUN, "--select", "7"], "run 'alpha' has no step 7 (steps: 10, 20)"),  # was exit 0
         (["verify", "{root}", "--run", RUN, "--step", "10", "--all"], "not allowed with argument"),
         (["verify", "{root}"], "--run"),
         (["gc", "{root}", "--grace", "soon"], "not understood"),

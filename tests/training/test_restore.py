@@ -8,6 +8,7 @@ conftest.py (``make_ck``).
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
@@ -100,13 +101,37 @@ def test_restore_exact_step_never_falls_back(make_ck, ckpt_store_dir, tiny_state
     assert only_2[0] in err.value.skipped[0][1]
     assert_state_equals(state, live)  # the live state was not touched
 
-    with pytest.raises(NoValidCheckpointError) as err:
-        ck.restore(state, step=99)  # never saved
-    assert [s for s, _ in err.value.skipped] == [99]
+    with pytest.raises(NoValidCheckpointError, match="has no step 99") as err:
+        ck.restore(state, step=99)  # never saved: nothing to skip as damaged
+    assert err.value.skipped == []
     assert_state_equals(state, live)
 
     # without step=, restore falls back to step 1
     assert ck.restore(state).step == 1
+
+
+def test_a_step_that_does_not_exist_is_refused_naming_the_steps_there(
+    make_ck, tmp_path, tiny_state_factory, tiny_train_step, caplog
+):
+    """It said "cannot be restored: no manifest at …: the checkpoint was never committed" after
+    a warning "skipping checkpoint r step 7": damage, and nothing on what to restore instead.
+    The steps of every tier (the archive's 5 too) and what to do are named, nothing is read."""
+    state = tiny_state_factory()
+    tiny_train_step(state)
+    archive = str(tmp_path / "archive")
+    make_ck(root=archive).save(5, state)
+    ck = make_ck(tiers=[archive])
+    for step in (1, 2):
+        ck.save(step, state)
+    live = snapshot(state)
+    for restore in (lambda: ck.restore(state, step=7), lambda: ck.load(step=7)):
+        with caplog.at_level(logging.WARNING, "ckptflow"), pytest.raises(NoValidCheckpointError) as err:
+            restore()
+        assert str(err.value).startswith("run 'r' has no step 7 (steps: 1, 2, 5) in ")
+        assert str(err.value).endswith("restore one of those (step=N), or leave step out for the newest whole one")
+        assert err.value.skipped == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert_state_equals(state, live)
 
 
 def test_restore_with_no_checkpoint_raises(make_ck, tiny_state_factory):
