@@ -45,7 +45,8 @@ from ckptflow.store import Store, open_store
 from ckptflow.training import forks
 from ckptflow.training.agreed_policy import AgreedPolicy
 from ckptflow.training.collector import collector_paused
-from ckptflow.training.restore import Restore, RestoreResult, record_recovery
+from ckptflow.training.recovery_record import record_recovery
+from ckptflow.training.restore import Restore, RestoreResult
 from ckptflow.training.rewinds import warn_of_newer_steps
 from ckptflow.training.save_handle import SaveHandle, SaveResult
 from ckptflow.training.save_preflight import claim_step, flatten_on_every_rank

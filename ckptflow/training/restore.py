@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -32,7 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptflow.catalog import recovery_log, selection
+from ckptflow.catalog import selection
 from ckptflow.catalog.checkpoints import read_manifest, read_rank_record
 from ckptflow.catalog.tiers import Tier, candidates
 from ckptflow.chunks import lossy
@@ -44,7 +43,6 @@ from ckptflow.dcp.reader import CheckpointReader
 from ckptflow.dcp.regions import Seen
 from ckptflow.dcp.writer import Progress
 from ckptflow.errors import (
-    CkptflowError,
     ColdObjectError,
     HostMemoryError,
     LossyCopyError,
@@ -56,7 +54,6 @@ from ckptflow.errors import (
 )
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.state_tree import flatten, tensor_refs, unflatten
-from ckptflow.store import Store
 from ckptflow.training.matching import LoadPlan, entries, plan_load
 from ckptflow.training.state import FreshOptimizers, check_rng, load_state_dicts, restore_rng, to_state_dicts
 
@@ -368,31 +365,3 @@ class Found:
     skipped: list[tuple[int, str]]
     hot_rejected: set[int]
     choice: selection.Choice
-
-
-def record_recovery(
-    store: Store,
-    run: str,
-    group: Group,
-    started: float,
-    *,
-    result: RestoreResult | None = None,
-    error: CkptflowError | None = None,
-    select: str = "latest",
-) -> None:
-    """Rank 0 of ``group`` records in ``store`` a restore or load of ``run`` begun at
-    ``started``: what it loaded, or the error it raised (``ckptflow.reports.recoveries``)."""
-    if group.rank == 0:
-        recovery_log.record(
-            store,
-            run,
-            ok=result is not None,
-            step=result.step if result else None,
-            digest=result.digest if result else None,
-            skipped=result.skipped if result else getattr(error, "skipped", []),
-            tier=result.tier if result else None,
-            duration_s=time.perf_counter() - started,
-            error=None if result else str(error),
-            select=result.select if result else select,
-            passed_over=result.passed_over if result else getattr(error, "passed_over", []),
-        )
