@@ -184,7 +184,8 @@ class CkptflowTrainerMixin:
         if state is None:
             return super()._load_rng_state(checkpoint)  # type: ignore[misc]
         if "rng" in state:
-            restore_rng(state["rng"])
+            trainer: Any = self
+            restore_rng(state["rng"], f"run {self.checkpointer.run!r} step {trainer.state.global_step}")
 
 
 class _SaveOnPreemption(TrainerCallback):

@@ -177,7 +177,7 @@ def apply(
             holder.pop(part[-1], None)
     if restore and "rng" in pointer:
         try:
-            restore_rng(pointer["rng"])
+            restore_rng(pointer["rng"], where)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CkptflowError(
                 f"{where}: its RNG state cannot be restored ({type(e).__name__}: {e}); {remedy}"

@@ -65,7 +65,8 @@ class RestoreResult:
     step: int
     skipped: list[tuple[int, str]] = field(default_factory=list)  # newest first
     metadata: dict = field(default_factory=dict)
-    rng_restored: bool = False
+    rng_restored: bool = False  # every RNG state the checkpoint holds for this rank was applied
+    rng_skipped: list[str] = field(default_factory=list)  # the saved ones not applied (["cuda"]), the rest were
     tier: str = ""  # URL of the store it was loaded from (the hot store, or an archive tier)
     hot_rejected: frozenset[int] = frozenset()  # hot steps skipped as damaged (a save may replace them)
     missing_keys: list[str] = field(default_factory=list)  # strict=False: live, not in the checkpoint
@@ -171,9 +172,9 @@ class Restore:
 
     def _result(self, found: Found) -> RestoreResult:
         record, manifest = found.record, found.manifest
-        rng_ok = bool(self.restore_rng and record.rng and record.rank == self.group.rank)
-        if rng_ok:
-            restore_rng(record.rng)  # type: ignore[arg-type]
+        rng_skipped: list[str] | None = None  # None: no RNG state restored at all
+        if self.restore_rng and record.rng and record.rank == self.group.rank:
+            rng_skipped = restore_rng(record.rng, f"run {self.run!r} step {found.step} (rank {record.rank})")
         lost = dict(manifest.lossy) if manifest.lossy is not None else None
         if lost is not None:
             log.warning("restored a lossy copy of %s step %d: %s", self.run, found.step, lossy.describe(lost))
@@ -181,7 +182,8 @@ class Restore:
             step=found.step,
             skipped=found.skipped,
             metadata=dict(manifest.metadata),
-            rng_restored=rng_ok,
+            rng_restored=rng_skipped == [],
+            rng_skipped=rng_skipped or [],
             tier=found.tier.url,
             hot_rejected=frozenset(found.hot_rejected),
             missing_keys=found.plan.missing_keys,

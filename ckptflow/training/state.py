@@ -8,6 +8,7 @@ into the live objects in place, so whoever holds a reference sees the restored v
 from __future__ import annotations
 
 import base64
+import logging
 import random
 from collections.abc import Collection, Mapping, MutableMapping
 from typing import Any
@@ -27,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 from ckptflow.errors import ManifestError, UnsupportedStateError
 from ckptflow.format import rng as rng_format
 from ckptflow.format.state_tree import UNLOADED, PerRank
+
+log = logging.getLogger("ckptflow")
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -241,11 +244,28 @@ def check_rng(rng: Mapping) -> None:
         raise ManifestError(f"its rng state is not one torch can restore ({e})") from None
 
 
-def restore_rng(rng: Mapping) -> None:
+def restore_rng(rng: Mapping, where: str) -> list[str]:
+    """Give this process's generators the states of ``rng``; the ones it could not (``["cuda"]``
+    or none). CUDA states are one per device, so they apply only where this process sees as
+    many devices as the saving one did: elsewhere (no CUDA, another count) the GPU's random
+    streams do not continue as saved, which a warning naming ``where`` says, not a silence
+    that reads as an exact resume."""
     random.setstate(rng_format.python_state(rng))
     np.random.set_state(rng_format.numpy_state(rng))
     torch.set_rng_state(_generator_state(rng["torch"]))
-    if "cuda" in rng and torch.cuda.is_available():
-        states = [torch.frombuffer(s, dtype=torch.uint8) for s in rng_format.cuda_states(rng)]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+    states = [torch.frombuffer(s, dtype=torch.uint8) for s in rng_format.cuda_states(rng)]
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if states and len(states) == devices:
+        torch.cuda.set_rng_state_all(states)
+    elif states:
+        log.warning(
+            "%s: restored the python, numpy and torch RNG states, not CUDA's (%d CUDA devices saved, %d here), "
+            "so random numbers drawn on the GPU (dropout) do not continue as saved. Restore on %d CUDA devices "
+            "for an exact resume, or reseed deterministically (restore(..., warmup=Warmup(seed=...)))",
+            where,
+            len(states),
+            devices,
+            len(states),
+        )
+        return ["cuda"]
+    return []

@@ -12,8 +12,8 @@ weights hold (Adam's moments are missing or from an older step). Opt in with
   factor is applied after. It is ``Stateful`` (JSON), so a checkpoint saves it.
 - ``reset_momentum`` zeroes momentum buffers and Adam's moments (not the step count).
 - ``reseed``: when the RNG state could not be restored (a world-size change, a
-  model-only checkpoint), every RNG is seeded from ``(seed, step, rank)``, deterministic
-  per rank, and the report says so.
+  model-only checkpoint, CUDA states saved on another number of devices), every RNG is
+  seeded from ``(seed, step, rank)``, deterministic per rank, and the report says so.
 
 Only the state the user names is touched.
 """

@@ -60,6 +60,57 @@ def test_rng_streams_continue_exactly_after_restore(make_ck, tiny_state_factory,
     np.testing.assert_array_equal(np_got, np_exp)
 
 
+CUDA_DEVICES = 2  # the saving process's, as torch.cuda answers it below
+
+
+def _save_as_on_cuda(ck, state, monkeypatch):
+    """Save as a process with two CUDA devices does (the RNG record holds each one's generator
+    state); then the next torch draws, and what the CUDA generators held."""
+    saved = [torch.Generator().manual_seed(device).get_state() for device in range(CUDA_DEVICES)]
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)
+        cuda.setattr(torch.cuda, "is_initialized", lambda: True)
+        cuda.setattr(torch.cuda, "get_rng_state_all", lambda: saved)
+        ck.save(1, state)
+    return torch.rand(3), saved
+
+
+@pytest.mark.parametrize("devices", [0, 1])  # restored without CUDA; on another number of devices
+def test_cuda_rng_states_it_cannot_apply_are_reported_not_restored(
+    make_ck, tiny_state_factory, monkeypatch, caplog, devices
+):
+    """rng_restored was True while the CUDA states were dropped in silence: GPU random streams
+    (dropout) went on from wherever they were. The CPU ones are restored, the CUDA ones are
+    named as skipped, rng_restored is False (Warmup(seed=) then reseeds), and a warning says why."""
+    state = tiny_state_factory()
+    ck = make_ck()
+    next_draws, _ = _save_as_on_cuda(ck, state, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("CUDA states set on other devices"))
+    torch.manual_seed(5)
+    with caplog.at_level(logging.WARNING, "ckptflow"):
+        result = ck.restore(state)
+    assert torch.equal(torch.rand(3), next_draws)  # the CPU generator's stream continues
+    assert result.rng_restored is False and result.rng_skipped == ["cuda"]
+    [warning] = [r.getMessage() for r in caplog.records if "CUDA" in r.getMessage()]
+    assert warning.startswith("run 'r' step 1 (rank 0): restored the python, numpy and torch RNG states, not CUDA's")
+    assert f"{CUDA_DEVICES} CUDA devices saved, {devices} here" in warning and "Warmup(seed=" in warning
+
+
+def test_cuda_rng_states_are_restored_on_as_many_devices(make_ck, tiny_state_factory, monkeypatch):
+    state = tiny_state_factory()
+    ck = make_ck()
+    _, saved = _save_as_on_cuda(ck, state, monkeypatch)
+    applied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: CUDA_DEVICES)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", applied.extend)
+    result = ck.restore(state)
+    assert result.rng_restored is True and result.rng_skipped == []
+    assert [s.tolist() for s in applied] == [s.tolist() for s in saved]
+
+
 def test_restore_rng_false_leaves_rng_alone(make_ck, tiny_state_factory):
     state = tiny_state_factory()
     torch.manual_seed(1)
