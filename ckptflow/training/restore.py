@@ -10,7 +10,8 @@ resuming from an older step; a job that catches
 ``NoValidCheckpointError`` to start from scratch never sees those.
 
 Every rank verifies every chunk it needs before any tensor in ``state`` is written, and
-the ranks agree on each verdict, so all of them load the same step or none does. A
+the ranks agree on each verdict, so all of them load the same step or none does; and the
+same commit of it (``agreed_commit``: a step may be committed again while they read). A
 restore rejected there (damage anywhere, on any rank, an unreadable store, a state that
 does not fit) leaves ``state`` as it was, fresh optimizers included. Only a failure
 after that point, while verified chunks are read into place (an I/O error, a chunk
@@ -32,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptflow.catalog import selection
-from ckptflow.catalog.checkpoints import read_manifest, read_rank_record
+from ckptflow.catalog.checkpoints import read_rank_record
 from ckptflow.catalog.tiers import Tier, candidates
 from ckptflow.chunks import lossy
 from ckptflow.chunks.budget import DEFAULT_RESTORE_BUFFER, MemoryBudget
@@ -54,6 +55,7 @@ from ckptflow.errors import (
 )
 from ckptflow.format.manifest import Manifest, RankRecord
 from ckptflow.format.state_tree import flatten, tensor_refs, unflatten
+from ckptflow.training.agreed_commit import CommitsDifferError, read_agreed_commit
 from ckptflow.training.matching import LoadPlan, entries, plan_load
 from ckptflow.training.state import FreshOptimizers, check_rng, load_state_dicts, restore_rng, to_state_dicts
 
@@ -307,8 +309,11 @@ class Restore:
         copy made from one of them is one too); another one there now (committed again
         since, or not read when the selector looked) is ``Failure.committed_again``."""
         local: Failure | None = None
+        read = read_agreed_commit(self.group, tier, self.run, step)
         try:
-            manifest = read_manifest(tier.store, self.run, step)
+            if isinstance(read, Exception):  # judged as any other failure to read the commit
+                raise read
+            manifest = read
             if accepted is not None and not accepted & {manifest.digest, (manifest.lossy or {}).get("source_digest")}:
                 raise _CommittedAgain(selection.not_the_commit_accepted(accepted, manifest.digest))
             lossy.check_allowed(
@@ -321,6 +326,8 @@ class Restore:
             plan = plan_for(manifest, record, tier)
         except StateMismatchError as e:
             local = Failure(str(e), damage=False, mismatch=True)
+        except CommitsDifferError as e:  # nothing shows damage: stop, never fall back past it
+            local = Failure(str(e), damage=False)
         except _CommittedAgain as e:
             local = Failure(str(e), damage=False, committed_again=True)
         except LossyCopyError as e:  # not damage, but never what a plain restore wants: try the next one

@@ -120,10 +120,63 @@ def specific_damaged_step(rank: int, world: int, workdir: Path) -> dict:
     return {"rank": rank, **outcome, "untouched": untouched}
 
 
+def step_committed_again_between_the_ranks_reads(rank: int, world: int, workdir: Path) -> dict:
+    """Step 2 committed twice: A (the values of step 2), then B (of step 20), both whole. Rank 0's
+    first read of the commit record returns A, as if it read just before B replaced it; rank 1
+    reads B. Then ("always") every read of rank 0 returns A."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from ckptflow import Checkpointer
+    from ckptflow.catalog.checkpoints import read_manifest
+    from ckptflow.format import layout as fmt
+    from ckptflow.store.local import LocalStore
+
+    mesh = W._mesh(world)
+    earlier, root = workdir / "earlier", workdir / "store"
+    for where, values in ((earlier, 2), (root, 20)):
+        with Checkpointer(str(where), run=W.RUN, chunk_bytes=W.CHUNK, threads=2) as ck:
+            ck.save(2, W._sharded_state(mesh, values), kind="full")
+    dist.barrier()
+    step_dir = fmt.step_prefix(W.RUN, 2)
+    if rank == 0:  # A's rank records and chunks are in the store too, as they were before B replaced it
+        shutil.copytree(earlier / "chunks", root / "chunks", dirs_exist_ok=True)
+        shutil.copytree(earlier / step_dir / "ranks", root / step_dir / "ranks", dirs_exist_ok=True)
+    dist.barrier()
+
+    class EarlierCommitFirst(LocalStore):
+        def __init__(self, reads: int):
+            super().__init__(str(root))
+            self.reads = reads  # how many reads of the commit record return A's
+
+        def get_bounded(self, key, limit):
+            if key == fmt.manifest_key(W.RUN, 2) and self.reads > 0:
+                self.reads -= 1
+                return (earlier / key).read_bytes()
+            return super().get_bounded(key, limit)
+
+    out: dict = {"rank": rank, "b_digest": read_manifest(LocalStore(str(root)), W.RUN, 2).digest}
+    for case, reads in (("once", 1), ("always", 1000)):
+        store = EarlierCommitFirst(reads if rank == 0 else 0)
+        state = W._blank_sharded_state(mesh)
+        with Checkpointer(store, run=W.RUN, chunk_bytes=W.CHUNK, threads=2) as ck:
+            try:
+                result = ck.restore(state)
+                outcome = {"digest": result.digest, "epoch": state["epoch"], "error": None}
+                outcome["w_is_b"] = bool(torch.equal(state["w"].full_tensor(), W.full_weight(20)))
+            except Exception as e:
+                outcome = {"error": type(e).__name__, "message": str(e)}
+        outcome["untouched"] = bool((state["w"].to_local() == -1).all())
+        out[case] = {**outcome, "earlier_reads": reads - store.reads if rank == 0 else 0}
+    return out
+
+
 SCENARIOS = {
     "outage_on_one_rank_damage_on_the_other": outage_on_one_rank_damage_on_the_other,
     "resharded": resharded,
     "specific_damaged_step": specific_damaged_step,
+    "step_committed_again_between_the_ranks_reads": step_committed_again_between_the_ranks_reads,
 }
 
 

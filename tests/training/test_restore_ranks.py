@@ -18,7 +18,13 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
 ]
-SCENARIOS = ["outage_on_one_rank_damage_on_the_other", "specific_damaged_step", "resharded", "fsdp_to_one"]
+SCENARIOS = [
+    "outage_on_one_rank_damage_on_the_other",
+    "specific_damaged_step",
+    "resharded",
+    "fsdp_to_one",
+    "step_committed_again_between_the_ranks_reads",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,25 @@ def test_a_damaged_step_asked_for_is_an_error_on_every_rank_not_another_step(ses
     for r in session.results("specific_damaged_step"):
         assert r["error"] == "NoValidCheckpointError" and r["step"] is None, r
         assert "checkpoint step 2" in r["message"] and "does not match" in r["message"] and r["untouched"]
+
+
+def test_ranks_that_read_different_commits_of_a_step_read_again_and_load_one(session):
+    """Rank 0 read step 2's commit A, rank 1 the commit B that replaced it: each loaded its
+    shards of its own commit (rank 0 epoch 2, rank 1 epoch 20), whole and verified, and said
+    nothing. The ranks compare the digests, read again, and all load B."""
+    results = session.results("step_committed_again_between_the_ranks_reads")
+    for r in results:
+        once = r["once"]
+        assert once["error"] is None and once["digest"] == r["b_digest"], r
+        assert once["epoch"] == 20 and once["w_is_b"], r
+    assert [r["once"]["earlier_reads"] for r in results] == [1, 0]  # rank 0 did read A first
+
+
+def test_ranks_that_keep_reading_different_commits_refuse_alike_and_load_nothing(session):
+    for r in session.results("step_committed_again_between_the_ranks_reads"):
+        always = r["always"]
+        assert always["error"] == "StoreUnavailableError" and always["untouched"], r
+        assert "its ranks read different commits of it 3 times in a row" in always["message"], r
 
 
 def test_rows_saved_restore_into_columns_and_replicas(session):
