@@ -57,10 +57,10 @@ class CheckpointExistsError(CkptflowError):
     """A save to a step that already has a valid commit record."""
 
 
-class NoValidCheckpointError(CkptflowError):
-    """Restore found nothing it could load; ``skipped`` says why for each candidate, and
-    ``passed_over`` why each checkpoint its selector did not accept was none (the recovery
-    record keeps both)."""
+class WentPast(CkptflowError):
+    """What a restore that raised went past first: ``skipped`` says why for each candidate
+    it tried, ``passed_over`` why each checkpoint its selector did not accept was none (the
+    recovery record keeps both)."""
 
     def __init__(
         self,
@@ -72,6 +72,10 @@ class NoValidCheckpointError(CkptflowError):
         super().__init__(message)
         self.skipped = skipped or []
         self.passed_over = passed_over or []
+
+
+class NoValidCheckpointError(WentPast):
+    """Restore found nothing it could load (``WentPast`` says why for each checkpoint)."""
 
 
 class StateMismatchError(CkptflowError):
@@ -100,23 +104,11 @@ class PartialRestoreError(CkptflowError):
     afresh and falls back past damage) or rebuild the state; never train on it as it is."""
 
 
-class StoreUnavailableError(StoreError):
+class StoreUnavailableError(WentPast, StoreError):
     """A store that did not answer (5xx, throttling, timeouts, resets) through every retry,
     or that could not be read at all. It proves nothing about the checkpoint: restore
     raises it instead of falling back to an older one. Raised by a restore that stopped so,
-    ``skipped`` and ``passed_over`` say what it went past first, as ``NoValidCheckpointError``'s
-    do (the recovery record keeps both): the steps before the stop were settled."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        skipped: list[tuple[int, str]] | None = None,
-        passed_over: list[tuple[int, str]] | None = None,
-    ):
-        super().__init__(message)
-        self.skipped = skipped or []
-        self.passed_over = passed_over or []
+    ``WentPast`` says what it went past first: the steps before the stop were settled."""
 
 
 class ColdObjectError(StoreUnavailableError):

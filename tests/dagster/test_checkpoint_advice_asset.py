@@ -15,7 +15,7 @@ def _train(root: str, run: str, steps: int) -> None:
 
 
 def test_the_advice_per_run_and_a_warning_when_a_run_is_far_off_its_optimum(paths, resources, instance):
-    from assets import checkpoint_advice, interval_near_optimum
+    from assets import checkpoint_advice
 
     _train(paths["store"], "often", 4)
     _train(paths["store"], "once", 1)  # one commit: no current interval to judge
@@ -27,13 +27,7 @@ def test_the_advice_per_run_and_a_warning_when_a_run_is_far_off_its_optimum(path
     plot = metadata["often/plot"].value
     assert "<- current" in plot and "<- optimal" in plot and "once/plot" in metadata
 
-    check = materialize(
-        [checkpoint_advice, interval_near_optimum],
-        selection=AssetSelection.checks(AssetCheckKey(checkpoint_advice.key, "interval_near_optimum")),
-        instance=instance,
-        resources=resources,
-    )
-    [evaluation] = check.get_asset_check_evaluations()
+    evaluation = _interval_check(instance, resources)
     assert not evaluation.passed and evaluation.severity == AssetCheckSeverity.WARN
     runs_off = evaluation.metadata["runs_off"].value
     assert "often: every 1 steps" in runs_off and "once" not in runs_off
@@ -44,7 +38,7 @@ def test_a_run_whose_current_interval_costs_least_is_not_warned_about(paths, res
     optimum's whole steps, so it can cost less than the optimum found at a ratio past
     ``MAX_RATIO``: the check warned "far off its optimum" about the cheapest interval."""
     import assets.advice
-    from assets import checkpoint_advice, interval_near_optimum
+    from assets import checkpoint_advice
     from ckptflow.policy import interval as model
     from ckptflow.reports.advice import Advice
 
@@ -59,6 +53,14 @@ def test_a_run_whose_current_interval_costs_least_is_not_warned_about(paths, res
     monkeypatch.setattr(assets.advice, "advise", lambda *args, **kwargs: advice)
     result = materialize([checkpoint_advice], instance=instance, resources=resources)
     assert result.output_for_node("checkpoint_advice").set_index("run").loc["often", "keep_current"]
+    evaluation = _interval_check(instance, resources)
+    assert evaluation.passed and evaluation.metadata["runs_off"].value == "none"
+
+
+def _interval_check(instance, resources):
+    """The evaluation of the ``interval_near_optimum`` check, run on its own."""
+    from assets import checkpoint_advice, interval_near_optimum
+
     check = materialize(
         [checkpoint_advice, interval_near_optimum],
         selection=AssetSelection.checks(AssetCheckKey(checkpoint_advice.key, "interval_near_optimum")),
@@ -66,4 +68,4 @@ def test_a_run_whose_current_interval_costs_least_is_not_warned_about(paths, res
         resources=resources,
     )
     [evaluation] = check.get_asset_check_evaluations()
-    assert evaluation.passed and evaluation.metadata["runs_off"].value == "none"
+    return evaluation

@@ -6,6 +6,7 @@ records of another (an archive copy of an earlier commit)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,17 +239,28 @@ def test_the_next_retention_finishes_an_expiry_that_failed_after_its_commit_reco
     assert not list(hot.list("ledger/expiring/"))
 
 
-def test_a_step_committed_again_between_the_last_check_and_the_expiry_is_kept(tmp_path, monkeypatch):
-    """The plan expired step 3's first commit (it failed validation); the new commit of step 3
-    (training rejected the first and saved it again) lands after retention checked the step
-    was unchanged and before the expiry read it. The expiry read whatever the step held then
-    and deleted the new commit, and its verdict with it."""
-    root = str(tmp_path / "hot")
-    hot = saved(root)
+def _failed_validation(root: str, hot) -> None:
     corrupt_chunk(root, "r", 3)
     assert lifecycle.validate(hot, "r", 3)["ok"] is False
+
+
+def _damaged_commit_record(root: str, hot) -> None:
+    path = Path(root) / "runs" / "r" / "checkpoints" / "000000000003" / "manifest.json"
+    path.write_bytes(path.read_bytes()[:-20] + b"\x00" * 20)
+
+
+@pytest.mark.parametrize("doomed", [_failed_validation, _damaged_commit_record])
+def test_a_step_committed_again_between_the_last_check_and_the_expiry_is_kept(tmp_path, monkeypatch, doomed):
+    """The plan expired step 3's first commit (it failed validation, or its commit record is
+    damaged: its digest "" in the plan, no checkpoint to name); the new commit of step 3
+    (restore rejected the first and training saved it again) lands after retention checked
+    the step was unchanged and before the expiry read it. The expiry read whatever the step
+    held then and deleted the new commit, valid, and its verdict with it."""
+    root = str(tmp_path / "hot")
+    hot = saved(root)
+    doomed(root, hot)
     plan = a_plan(hot)
-    assert ("r", 3) in plan.delete
+    assert ("r", 3) in plan.delete and (plan.digests[("r", 3)] == "") == (doomed is _damaged_commit_record)
     decided = retention_apply._archived_commits  # called after the last check, right before the expiry
 
     def committed_again_meanwhile(archive, run, step):
@@ -268,34 +280,3 @@ def test_a_step_committed_again_between_the_last_check_and_the_expiry_is_kept(tm
     again = read_manifest(hot, "r", 3)
     assert lifecycle.read_record(hot, lifecycle.Subject.of(again), "validation")["ok"]
     assert a_plan(hot).keep[("r", 3)] == ["newest valid checkpoint of its run"]
-
-
-def test_a_damaged_step_committed_again_between_the_last_check_and_the_expiry_is_kept(tmp_path, monkeypatch):
-    """As above, for a plan that expired step 3 because its commit record was damaged (its
-    digest "" in the plan: no checkpoint to name). Restore rejected it and training saved
-    step 3 anew after retention's last check: the expiry, told no commit, read the new one,
-    valid, and deleted it with its verdict."""
-    root = str(tmp_path / "hot")
-    hot = saved(root)
-    path = tmp_path / "hot" / "runs" / "r" / "checkpoints" / "000000000003" / "manifest.json"
-    path.write_bytes(path.read_bytes()[:-20] + b"\x00" * 20)
-    plan = a_plan(hot)
-    assert ("r", 3) in plan.delete and plan.digests[("r", 3)] == ""
-    decided = retention_apply._archived_commits
-
-    def committed_again_meanwhile(archive, run, step):
-        if step == 3:
-            with Checkpointer(root, "r") as ck:
-                model = nn.Linear(16, 16)
-                assert ck.restore({"model": model}).step == 2
-                ck.save(3, {"model": model})
-            assert lifecycle.validate(hot, "r", 3)["ok"]
-        return decided(archive, run, step)
-
-    monkeypatch.setattr(retention_apply, "_archived_commits", committed_again_meanwhile)
-    report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
-    assert ("r", 3) not in report.expired
-    [(ref, why)] = report.failed
-    assert ref == ("r", 3) and "committed again while checkpoint r step 3 was being expired" in why
-    again = read_manifest(hot, "r", 3)
-    assert lifecycle.read_record(hot, lifecycle.Subject.of(again), "validation")["ok"]
