@@ -43,6 +43,7 @@ from ckptflow.errors import (
     StoreUnavailableError,
     SymlinkError,
     UnsupportedStateError,
+    WentPast,
 )
 
 # Loaded on first use: a training rank that imports ``ckptflow`` pays only for what it touches.
@@ -149,6 +150,7 @@ __all__ = [
     "StoreUnavailableError",
     "SymlinkError",
     "UnsupportedStateError",
+    "WentPast",
     "VerifyReport",
     "export_dcp",
     "export_safetensors",
