@@ -218,7 +218,8 @@ def test_recoverability_answers_is_training_recoverable_now(page, ui):
     ).wait_for()
     for cell in ("1 of 6 need attention", "1 of 3 need attention", "hot+archive"):
         page.get_by_text(cell, exact=True).first.wait_for()
-    page.get_by_text(re.compile(r"^\d+\.\d (s|min) \(target 60\.0 min: met\)$")).first.wait_for()  # RPO, target
+    rpo = re.compile(r"^(\d+\.\d (s|min|h)|\d[\d.]* (ms|µs)) \(target 60\.0 min: met\)$")  # RPO, target
+    page.get_by_text(rpo).first.wait_for()
     page.get_by_text(re.compile(r"^chunk hash: chunk [0-9a-f]{12}… does not match its address")).first.wait_for()
     shot(page, "recoverability")
 
