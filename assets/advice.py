@@ -67,7 +67,8 @@ def plot(a: Advice) -> str:
 def checkpoint_advice(config: AdviceConfig, store: CheckpointStoreResource) -> Output[pd.DataFrame]:
     """Per run: the checkpoint interval with the lowest expected USD/month next to the current one."""
     hot = store.open()
-    rows, metadata, skipped = [], {}, []
+    rows, skipped = [], []
+    metadata: dict[str, MetadataValue] = {}
     for run in list_runs(hot):
         try:
             a = advise(hot, run, mtbf_s=config.mtbf_s, scenario=config.scenario, gpus=config.gpus,

@@ -30,6 +30,7 @@ failure is recorded against that commit.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypedDict
 
 from dagster import (
     AssetCheckKey,
@@ -41,6 +42,7 @@ from dagster import (
     AssetObservation,
     AutomationCondition,
     BackfillPolicy,
+    DynamicPartitionsDefinition,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -65,7 +67,20 @@ BACKFILL = BackfillPolicy.multi_run(max_partitions_per_run=1)
 DOWNSTREAM = (AutomationCondition.eager() & AutomationCondition.all_deps_blocking_checks_passed()).with_label(
     "eager, once the checkpoint's integrity check passed"
 )
-_COMMON = dict(partitions_def=checkpoints_partitions, group_name=GROUP, backfill_policy=BACKFILL, kinds={"ckptflow"})
+
+
+class _PerCheckpoint(TypedDict):
+    """The arguments every per-checkpoint asset is declared with (typed, so ``@asset`` checks them)."""
+
+    partitions_def: DynamicPartitionsDefinition
+    group_name: str
+    backfill_policy: BackfillPolicy
+    kinds: set[str]
+
+
+_COMMON = _PerCheckpoint(
+    partitions_def=checkpoints_partitions, group_name=GROUP, backfill_policy=BACKFILL, kinds={"ckptflow"}
+)
 
 INTEGRITY = AssetCheckSpec(
     "integrity",

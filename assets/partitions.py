@@ -12,7 +12,9 @@ from dagster import AssetExecutionContext, DagsterInstance, DynamicPartitionsDef
 from ckptflow.format import layout as fmt
 from resources.dagster_private import delete_dynamic_partitions, sql_event_storage
 
-checkpoints_partitions = DynamicPartitionsDefinition(name="checkpoints")
+# the partitions' name, for the instance's calls (``DynamicPartitionsDefinition.name`` is optional)
+CHECKPOINTS_PARTITIONS = "checkpoints"
+checkpoints_partitions = DynamicPartitionsDefinition(name=CHECKPOINTS_PARTITIONS)
 DIGEST_TAG = "ckptflow/manifest_digest"  # the commit a run is about (see ``pin_commit``)
 # The checkpoint a run is about, ``<run>@<step>``: the partition key, and the same for
 # partitions an older instance holds under their former name, so the Runs list filters
@@ -32,7 +34,7 @@ def partition_keys(instance: DagsterInstance) -> dict[tuple[str, int], str]:
     """(run, step) -> the ``checkpoints`` partition the instance holds for it, whichever
     name it was added under (a key that names no checkpoint is left out)."""
     keys: dict[tuple[str, int], str] = {}
-    for key in instance.get_dynamic_partitions(checkpoints_partitions.name):
+    for key in instance.get_dynamic_partitions(CHECKPOINTS_PARTITIONS):
         try:
             ref = parse_checkpoint_key(key)
         except ValueError:
@@ -95,13 +97,13 @@ def drop_checkpoint_partitions(instance: DagsterInstance, keys: Sequence[str]) -
         except ValueError:
             continue  # not a checkpoint name: only that key itself
         wanted.update(dict.fromkeys((checkpoint_key(*ref), fmt.legacy_checkpoint_name(*ref))))
-    known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
+    known = set(instance.get_dynamic_partitions(CHECKPOINTS_PARTITIONS))
     doomed = [key for key in wanted if key in known]
     storage = sql_event_storage(instance)
     if storage is None:
         for key in doomed:
-            instance.delete_dynamic_partition(checkpoints_partitions.name, key)
+            instance.delete_dynamic_partition(CHECKPOINTS_PARTITIONS, key)
         return len(doomed)
     for start in range(0, len(doomed), DROP_BATCH):
-        delete_dynamic_partitions(storage, checkpoints_partitions.name, doomed[start : start + DROP_BATCH])
+        delete_dynamic_partitions(storage, CHECKPOINTS_PARTITIONS, doomed[start : start + DROP_BATCH])
     return len(doomed)

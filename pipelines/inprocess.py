@@ -29,9 +29,9 @@ from dagster import (
     evaluate_automation_conditions,
 )
 
-from assets.partitions import checkpoints_partitions, parse_checkpoint_key
+from assets.partitions import CHECKPOINTS_PARTITIONS, parse_checkpoint_key
 from sensors.failures import failure_sensor
-from sensors.landing import landing_sensor
+from sensors.landing import landing_sensor, validation_job
 
 # evaluate_automation_conditions selects with a beta parameter internally; we opt in by using it
 warnings.filterwarnings(
@@ -67,17 +67,19 @@ def tick_landing(
         return cursor
     for request in result.dynamic_partitions_requests or []:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-    job = defs.resolve_job_def(landing_sensor.job_name)
+    job = defs.resolve_job_def(validation_job.name)
     for run_request in result.run_requests or []:
+        key = run_request.partition_key
+        assert key is not None  # the landing sensor requests runs of checkpoint partitions
         outcome = job.execute_in_process(
             instance=instance,
-            partition_key=run_request.partition_key,
+            partition_key=key,
             raise_on_error=False,
             run_config=run_config,
             tags=run_request.tags,
         )
-        report.runs[f"{job.name}[{run_request.partition_key}]"] = outcome.success
-        report.landed.append(run_request.partition_key)
+        report.runs[f"{job.name}[{key}]"] = outcome.success
+        report.landed.append(key)
     return result.cursor
 
 
@@ -191,4 +193,4 @@ class Driver:
 
 
 def dynamic_keys(instance: DagsterInstance) -> list[str]:
-    return list(instance.get_dynamic_partitions(checkpoints_partitions.name))
+    return list(instance.get_dynamic_partitions(CHECKPOINTS_PARTITIONS))

@@ -215,12 +215,12 @@ def scrub_checkpoints(
     for r in reports.values():
         if r.records_error:
             context.log.warning(r.records_error)
-    for tier, r in repairs.items():
-        for digest, why in r.unrepaired + r.unavailable:
+    for tier, repair in repairs.items():
+        for digest, why in repair.unrepaired + repair.unavailable:
             context.log.warning(f"{tier} chunk {digest[:16]}… not repaired: {why[:300]}")
-        if r.unresolved:
+        if repair.unresolved:
             context.log.warning(
-                f"{len(r.unresolved)} damaged {tier} chunk(s) not repaired yet: a checkpoint that may list them "
+                f"{len(repair.unresolved)} damaged {tier} chunk(s) not repaired yet: a checkpoint that may list them "
                 "could not be read (an outage, or a newer ckptflow wrote it); the next scrub tries again"
             )
     listed = MetadataValue.md("\n".join(f"- {c}" for c in corrupt + unreadable))

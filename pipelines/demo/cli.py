@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ckptflow import Checkpointer, SavePolicy, gc
+from ckptflow import Checkpointer, SaveHandle, SavePolicy, gc
 from ckptflow.catalog.checkpoints import list_checkpoints
 from ckptflow.reports import recoveries
 from ckptflow.reports.advice import advise
@@ -39,6 +39,7 @@ def train(ck: Checkpointer, state: dict, start: int, stop: int, crash_at: int | 
         loss = train_step(state)
         handle = ck.save(step, state, metadata={"train_loss": round(loss, 4)}, blocking=False)
         if handle is not None:
+            assert isinstance(handle, SaveHandle)  # not blocking
             print(
                 f"  step {step:4d}  loss {loss:.3f}  {handle.kind:<11} save, training held {handle.blocked_s * 1000:.1f} ms"
             )
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {i.step:>5} {i.kind:<11} {i.metadata.get('train_loss', float('nan')):>10.3f} {i.bytes_written / 2**20:>11.2f}"
         )
-    report = gc(args.store, grace="1h", dry_run=True)
-    print(f"== gc dry run: {len(report.deleted)} objects ({report.bytes} bytes) unreferenced and past grace")
+    gc_report = gc(args.store, grace="1h", dry_run=True)
+    print(f"== gc dry run: {len(gc_report.deleted)} objects ({gc_report.bytes} bytes) unreferenced and past grace")
     ops = recoveries.run_metrics(ck.store, args.run)
     print(
         f"== recoveries: {ops.recoveries} ({ops.recoveries_ok} succeeded, {ops.fallbacks} fell back past a bad "

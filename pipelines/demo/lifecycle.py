@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterator
 
 import pandas as pd
-from dagster import AssetSelection, DagsterInstance, materialize
+from dagster import AssetSelection, DagsterInstance, FloatMetadataValue, materialize
 
-from assets import RPO_FRESHNESS_KEY
+from assets import ALL_ASSETS, ALL_CHECKS, RPO_FRESHNESS_KEY
 from ckptflow.interop.registry import Registry, describe
 from ckptflow.policy.retention import DAY
 from ckptflow.reports import inventory
@@ -94,10 +94,10 @@ def _drive(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: 
     with DagsterInstance.from_config(dagster_home) as instance:
         # what `make ui` shows at once: the views and the RPO check as of now, in the same instance
         inv = materialize(
-            [*defs.assets, *defs.asset_checks],
+            [*ALL_ASSETS, *ALL_CHECKS],  # those of ``defs`` but the MLflow mirror, which no view depends on
             selection=AssetSelection.assets(*VIEWS) | AssetSelection.checks(RPO_FRESHNESS_KEY),
             instance=instance,
-            resources=dict(defs.resources),
+            resources=dict(defs.resources or {}),
             raise_on_error=False,
             run_config=QUIET,
         )
@@ -124,7 +124,11 @@ def _drive(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: 
         f"archive {_mb(arc.stored_bytes)} for {arc.checkpoints} checkpoints"
     )
     ops = inv.asset_materializations_for_node("recovery_metrics")[0].metadata
-    figure = lambda name: human_duration(ops[name].value) if name in ops else "-"
+
+    def figure(name: str) -> str:  # a duration, or "-" while it has no data (left out of the metadata)
+        value = ops.get(name)
+        return human_duration(value.value if isinstance(value, FloatMetadataValue) else None)
+
     print(
         f"== recovery: RPO {figure('rpo_s')} (longest gap between recovery-ready checkpoints, last day), "
         f"commit -> recovery-ready {figure('ready_s')}, RTO {figure('rto_median_s')} median / "
