@@ -11,7 +11,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.policy.interval import SCENARIOS, IntervalCost
 from ckptflow.reports.advice import Advice, advise
 from ckptflow.reports.costs import CostModel
-from ckptflow.reports.units import human_duration
+from ckptflow.reports.units import human_duration, human_steps
 
 YEAR = 365.25 * 86400
 
@@ -60,7 +60,7 @@ def render(advice: Advice) -> str:
     def row(name: str, c: IntervalCost, full_every: int | None) -> list[str]:
         return [
             name,
-            "-" if c.interval_steps is None else str(c.interval_steps),
+            human_steps(c.interval_steps),
             human_duration(c.interval_s),
             "-" if full_every is None else str(full_every),
             _loss(c.loss_per_failure_s),
@@ -78,16 +78,17 @@ def render(advice: Advice) -> str:
     headers = ["", "STEPS", "TIME", "FULL EVERY", "LOSS/FAILURE", "OVERHEAD", "WASTE", "RPO"]
     out = table([*headers, "LOST $/MO", "STORAGE $/MO", "TOTAL $/MO"], rows, right=set(range(1, 11)))
     i = advice.inputs
-    if advice.keep_current and advice.current is not None:
+    current, optimal = advice.current, advice.optimal
+    if advice.keep_current and current is not None:
         headline = (
-            f"run {advice.run}: keep checkpointing every {advice.current.interval_steps or '?'} steps "
-            f"({human_duration(advice.current.interval_s)}): the current interval costs least "
-            f"(${advice.current.total_usd_month:,.2f}/month; the best other found, every "
-            f"{advice.optimal.interval_steps or '?'} steps, ${advice.optimal.total_usd_month:,.2f})"
+            f"run {advice.run}: keep checkpointing every {human_steps(current.interval_steps, unknown='?')} steps "
+            f"({human_duration(current.interval_s)}): the current interval costs least "
+            f"(${current.total_usd_month:,.2f}/month; the best other found, every "
+            f"{human_steps(optimal.interval_steps, unknown='?')} steps, ${optimal.total_usd_month:,.2f})"
         )
     elif advice.optimal.finishes:
         headline = (
-            f"run {advice.run}: checkpoint every {advice.optimal.interval_steps or '?'} steps "
+            f"run {advice.run}: checkpoint every {human_steps(optimal.interval_steps, unknown='?')} steps "
             f"({human_duration(advice.optimal.interval_s)}); "
             f"Young's first-order sqrt(2CM) = {human_duration(advice.young_s)}"
         )

@@ -94,7 +94,8 @@ class IntervalCost:
     """One interval, evaluated."""
 
     interval_s: float  # training time between checkpoints
-    interval_steps: int | None
+    interval_steps: float | None  # the interval in steps, as given: whole for the optimum, 2.5 for a run saving
+    # every 2 and 3 steps in turn (``human_steps`` says it); None where the step time is not known
     save_overhead: float  # save stalls as a fraction of training time: C / T
     waste: float  # expected fraction of wall time lost: stalls, lost work, restores
     loss_per_failure_s: float  # expected work redone after a failure, plus the restore
@@ -152,15 +153,25 @@ def daly(save_s: float, mtbf_s: float) -> float:
     return young(save_s, mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - save_s
 
 
-def full_every(incremental_to_full: float | None) -> int:
+def full_every(full_bytes: float, incremental_bytes: float | None) -> int:
     """One full per this many checkpoints: once the incrementals since the last full have
     written as many bytes as a full, another full costs no more than the chain it ends (and
-    resets how far deltas reach back)."""
-    if incremental_to_full is None or incremental_to_full >= 1:
+    resets how far deltas reach back). From the bytes themselves, not their ratio inverted:
+    ``1 / (2 / 7)`` is 3.4999999999999996, ``7 / 2`` the tie 3.5 it is."""
+    if incremental_bytes is None or full_bytes <= 0 or incremental_bytes >= full_bytes:
         return 1
-    if incremental_to_full <= 1 / MAX_FULL_EVERY:
+    if incremental_bytes * MAX_FULL_EVERY <= full_bytes:
         return MAX_FULL_EVERY
-    return max(1, round(1 / incremental_to_full))
+    return whole_full_every(full_bytes / incremental_bytes)
+
+
+def whole_full_every(checkpoints_per_full: float) -> int:
+    """The whole number of checkpoints per full the model is evaluated at (``with_mix``),
+    nearest ``checkpoints_per_full``, a tie to the larger (2.5 -> 3, 3.5 -> 4, never
+    Python's half-to-even 2.5 -> 2, 3.5 -> 4): of two equally near, the model prices the
+    longer mix lower (the mean save and the bytes kept fall as fulls get rarer, an
+    incremental being the smaller save), so a tie goes there, the same way every time."""
+    return min(MAX_FULL_EVERY, max(1, math.floor(checkpoints_per_full + 0.5)))
 
 
 def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:
@@ -177,7 +188,7 @@ def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:
         rework = m - tau / math.expm1(tau / m) if tau / m > 1e-9 else tau / 2
     restarts = m * math.expm1(r / m) if r / m <= _MAX_EXP else math.inf
     retained, nbytes = _retained(inputs, interval_s)
-    steps = None if inputs.step_time_s is None else max(1, round(interval_s / inputs.step_time_s))
+    steps = None if inputs.step_time_s is None else interval_s / inputs.step_time_s
     return IntervalCost(
         interval_s=interval_s,
         interval_steps=steps,
@@ -190,6 +201,14 @@ def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:
         retained_checkpoints=retained,
         segment_s=segment,
     )
+
+
+def evaluate_steps(inputs: IntervalInputs, steps: float) -> IntervalCost:
+    """``evaluate`` for an interval of ``steps`` steps, which it reports exactly as given:
+    2.5 steps in float seconds divided back by the step time can read 2.4999999999999996."""
+    if inputs.step_time_s is None:
+        raise ValueError("an interval in steps needs the step time (step_time_s)")
+    return replace(evaluate(inputs, steps * inputs.step_time_s), interval_steps=steps)
 
 
 def optimum(inputs: IntervalInputs) -> IntervalCost:
@@ -207,10 +226,10 @@ def optimum(inputs: IntervalInputs) -> IntervalCost:
         else:
             low = a
     interval = max((low + high) / 2, shortest)
-    if inputs.step_time_s is not None:  # the nearer of the two whole-step intervals around it
-        steps = max(1, math.floor(interval / inputs.step_time_s))
-        candidates = (steps * inputs.step_time_s, (steps + 1) * inputs.step_time_s)
-        interval = min(candidates, key=lambda t: _rank(inputs, t))
+    step = inputs.step_time_s
+    if step is not None:  # the nearer of the two whole-step intervals around it
+        steps = max(1, math.floor(interval / step))
+        return evaluate_steps(inputs, min((steps, steps + 1), key=lambda n: _rank(inputs, n * step)))
     return evaluate(inputs, interval)
 
 

@@ -24,7 +24,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.format.manifest import Manifest
 from ckptflow.policy import interval as model
 from ckptflow.reports.costs import CostModel
-from ckptflow.reports.units import human_duration
+from ckptflow.reports.units import human_duration, human_steps
 from ckptflow.store.base import Store
 
 MIN_FAILURES = 3  # fewer recoveries than this: the measured failure rate is noise, use a preset
@@ -115,7 +115,7 @@ def advise(
     if full_s is None:  # only incrementals measured: their cost stands in for a full's
         full_s = inc_s or 0.0
         notes.append("no full checkpoint records its save cost: an incremental's stands in for a full's")
-    every = model.full_every(inc_bytes / full_bytes if inc_bytes is not None and full_bytes else None)
+    every = model.full_every(full_bytes, inc_bytes)
     if inc_bytes is None:
         notes.append("no incremental checkpoints yet: the split between full and incremental is not measured")
     sources["save_s"] = f"median blocked time of {len(fulls)} full / {len(incs)} incremental saves (manifests)"
@@ -212,7 +212,7 @@ def _never_finishes(
             f"the current interval ({human_duration(current.interval_s)} of training between checkpoints) never "
             f"finishes in expectation: a failure is expected long before that much work and its save complete "
             f"(MTBF {human_duration(inputs.mtbf_s)}), so the job keeps redoing it (waste 100%); checkpoint every "
-            f"{optimal.interval_steps or '?'} steps ({human_duration(optimal.interval_s)}) instead"
+            f"{human_steps(optimal.interval_steps, unknown='?')} steps ({human_duration(optimal.interval_s)}) instead"
         ]
     return []
 
@@ -225,20 +225,22 @@ def _current(
     step_time: float | None,
     notes: list[str],
 ) -> tuple[model.IntervalCost | None, int | None]:
-    """The run's interval now: the median step gap between commits, and its full/incremental mix."""
+    """The run's interval now: the median step gap between commits (2.5 steps, said so), and
+    its full/incremental mix: the checkpoints per full over its whole full cycles (fulls every
+    9 steps, saves every 2: 5 a cycle, where the gaps' ratio 4.5 is neither)."""
     steps = sorted(m.step for m in manifests)
     gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
     if not gaps or step_time is None:
         notes.append("the current interval is not known yet (needs two commits and a measured step time)")
         return None, None
-    full_steps = sorted(m.step for m in manifests if m.kind == "full")
-    full_gaps = [b - a for a, b in zip(full_steps, full_steps[1:]) if b > a]
-    if full_gaps:  # the policy's ratio, not skewed by where the history starts and ends
-        every = max(1, round(_median(full_gaps) / _median(gaps)))
+    full_steps = sorted({m.step for m in manifests if m.kind == "full"})
+    if len(full_steps) >= 2:  # the policy's mix, not skewed by where the history starts and ends
+        cycles = len({s for s in steps if full_steps[0] <= s < full_steps[-1]}) / (len(full_steps) - 1)
+        every = model.whole_full_every(cycles)
     else:
-        every = max(1, round(len(manifests) / len(full_steps))) if full_steps else model.MAX_FULL_EVERY
+        every = model.whole_full_every(len(set(steps)) / len(full_steps)) if full_steps else model.MAX_FULL_EVERY
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
-    return model.evaluate(inputs, _median(gaps) * step_time), every
+    return model.evaluate_steps(inputs, _median(gaps)), every
 
 
 def _median(values: list[float] | list[int]) -> float:

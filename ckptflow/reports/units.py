@@ -37,6 +37,16 @@ def human_duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def human_steps(steps: float | None, *, unknown: str = "-") -> str:
+    """A number of steps as it is: "2.5" for a run saving every 2 and 3 steps in turn (a
+    median gap), "181" for a whole number, never rounded to a whole step it is not; to one
+    decimal, which a median of whole gaps always is, so float noise (180.99999999999997,
+    2.4999999999999996) does not show. ``unknown`` where there is no step time."""
+    if steps is None:
+        return unknown
+    return f"{round(steps, 1):.1f}".removesuffix(".0")
+
+
 def human_usd(amount: float | None, *, per: str = "") -> str:
     """Money as money: US dollars, cents from $1 up, three significant digits below (never
     e-notation: $0.000167, not 1.67e-04); ``per`` e.g. "/month"."""

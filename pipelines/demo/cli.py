@@ -23,7 +23,7 @@ from ckptflow import Checkpointer, SaveHandle, SavePolicy, gc
 from ckptflow.catalog.checkpoints import list_checkpoints
 from ckptflow.reports import recoveries
 from ckptflow.reports.advice import advise
-from ckptflow.reports.units import human_bytes, human_duration
+from ckptflow.reports.units import human_bytes, human_duration, human_steps
 from pipelines.demo.damage import corrupt_newest
 from pipelines.demo.model import build, train_step
 from pipelines.demo.recover import recover_demo
@@ -142,14 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     if advice.keep_current:
         about_current = " (the demo's own interval: none found costs less)"
     elif advice.current is not None:
-        about_current = (
-            f"; the demo's every {advice.current.interval_steps or '?'} steps loses {100 * advice.current.waste:.2f}%"
-        )
+        steps = human_steps(advice.current.interval_steps, unknown="?")
+        about_current = f"; the demo's every {steps} steps loses {100 * advice.current.waste:.2f}%"
     else:
         about_current = ""
     print(
         f"== checkpoint interval (ckptflow advise {args.store} --run {args.run} --scenario preemptible): every "
-        f"{best.interval_steps or '?'} steps ({human_duration(best.interval_s)}), "
+        f"{human_steps(best.interval_steps, unknown='?')} steps ({human_duration(best.interval_s)}), "
         f"{100 * best.waste:.2f}% of the time lost to saves, failures and restores{about_current}"
     )
     status = 0

@@ -54,10 +54,25 @@ def test_the_optimum_is_a_whole_number_of_steps_and_reports_rpo_and_loss():
 
 
 @pytest.mark.parametrize(
-    ("ratio", "every"), [(None, 1), (1.0, 1), (0.5, 2), (0.1, 10), (0.03, 33), (1e-6, model.MAX_FULL_EVERY)]
+    ("incremental", "full", "every"),
+    [(None, 100, 1), (100, 100, 1), (50, 100, 2), (10, 100, 10), (3, 100, 33), (1e-4, 100, model.MAX_FULL_EVERY)],
 )
-def test_a_full_every_k_checkpoints_from_the_incremental_to_full_size_ratio(ratio, every):
-    assert model.full_every(ratio) == every
+def test_a_full_every_k_checkpoints_from_the_incremental_to_full_size_ratio(incremental, full, every):
+    assert model.full_every(full, incremental) == every
+
+
+@pytest.mark.parametrize(("incremental", "full", "every"), [(2, 5, 3), (2, 7, 4), (2, 9, 5), (2, 93, 47), (6, 21, 4)])
+def test_a_full_every_half_way_between_two_counts_goes_to_the_larger_every_time(incremental, full, every):
+    """Python's round() is half-to-even: incrementals 0.4 of a full (2.5 checkpoints a full)
+    gave a full every 2, at 0.222 (4.5) every 4, at 2/7 (3.5) every 4: ties went either way,
+    and ``1 / (2 / 93)`` is 46.49999999999999, not the tie 46.5 it is. The model prices the
+    longer mix lower, so a tie goes there; the K shown is the K the optimum was priced at."""
+    assert model.full_every(full, incremental) == every
+    sizes = {"full_bytes": full * 1e6, "incremental_bytes": incremental * 1e6}
+    inputs = model.IntervalInputs(save_s=0.0, save_duration_s=0.0, restore_s=0.0, mtbf_s=DAY, **sizes)
+    longer = model.with_mix(inputs, full_s=10.0, incremental_s=1.0, every=every)
+    shorter = model.with_mix(inputs, full_s=10.0, incremental_s=1.0, every=every - 1)
+    assert model.evaluate(longer, 600.0).total_usd_month < model.evaluate(shorter, 600.0).total_usd_month
 
 
 def test_mixing_fulls_and_incrementals_averages_the_save_cost():

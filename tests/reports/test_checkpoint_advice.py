@@ -151,8 +151,9 @@ def test_an_mtbf_far_below_the_save_time_says_no_interval_finishes(tmp_path, cap
 
 
 def test_the_advice_never_recommends_an_interval_that_costs_more_than_the_current_one(tmp_path, capsys):
-    """Saves every 2 and 3 steps in turn: the current interval is the median gap, 2.5 steps,
-    and the optimum a whole number of steps. Where the best interval lies between 2 and 3,
+    """Saves every 2 and 3 steps in turn: the current interval is the median gap, 2.5 steps
+    (said so: it read "every 2 steps" or "every 3" as float seconds divided back by the step
+    time rounded), and the optimum a whole number of steps. Where the best interval lies between 2 and 3,
     both cost more than 2.5: with an MTBF of 6.3 ms ``ckptflow advise`` said "checkpoint
     every 2 steps" at $1423.48/month against the current $1423.26. The advice now keeps the
     current interval wherever no interval found costs less, and says so."""
@@ -165,17 +166,45 @@ def test_the_advice_never_recommends_an_interval_that_costs_more_than_the_curren
             if step % 5 in (0, 2):
                 ck.save(step, state, kind="full")
     store = open_store(root)
-    sweep = [advise(store, RUN, mtbf_s=10 ** (k / 10)) for k in range(-30, 11)]
+    sweep = [advise(store, RUN, mtbf_s=10 ** (k / 40)) for k in range(-120, 41)]  # fine: the window is narrow
     assert all(a.current is not None and a.current.interval_s == 2.5 * a.inputs.step_time_s for a in sweep)
+    assert all(a.current is not None and a.current.interval_steps == 2.5 for a in sweep)  # not 2 or 3
     finishing = [a for a in sweep if a.current is not None and a.current.finishes]
     dearer = [a for a in finishing if a.optimal.total_usd_month > a.current.total_usd_month]
     assert dearer  # the sweep crosses the optimum's place between 2 and 3 steps
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", str(dearer[0].inputs.mtbf_s))
     assert code == 0, err
     headline = out.splitlines()[0]
-    steps = dearer[0].current.interval_steps  # 2.5 steps measured in float seconds: said as 2 or 3
-    assert steps in (2, 3) and headline.startswith(f"run {RUN}: keep checkpointing every {steps} steps"), out
+    assert headline.startswith(f"run {RUN}: keep checkpointing every 2.5 steps"), out
     assert "costs least" in headline
+    (row,) = [line for line in out.splitlines() if line.startswith("current")]
+    assert row.split()[1] == "2.5", out
     for a in finishing:
         assert a.recommended.total_usd_month <= a.current.total_usd_month
         assert a.keep_current == (a in dearer) == (a.recommended is a.current) == a.as_dict()["keep_current"]
+
+
+@pytest.mark.parametrize(("full_every", "incremental_every", "saves_per_full"), [(9, 2, 5), (7, 3, 3), (3 * 2, 2, 3)])
+def test_the_current_mix_is_the_checkpoints_per_full_cycle_the_run_made(
+    tmp_path, capsys, full_every, incremental_every, saves_per_full
+):
+    """The current FULL EVERY was round(median full gap / median gap): fulls every 9 steps and
+    saves every 2 (0, 2, 4, 6, 8, 9F, 10, ...: 5 saves a cycle) was round(4.5) = 4 by Python's
+    half-to-even, and fulls every 7, saves every 3 (0, 3, 6, 7F, 9, 12, 14F: 3 a cycle)
+    round(2.33) = 2; the current interval was priced at that wrong mix. It is now counted over
+    the run's whole full cycles. ``SavePolicy(full_every=K * N, incremental_every=N)``, the
+    advice applied (docs/checkpoint-interval.md), reads back as K."""
+    root = str(tmp_path / "store")
+    state = tiny_state()
+    policy = SavePolicy(full_every=full_every, incremental_every=incremental_every)
+    with Checkpointer(root, RUN, policy=policy) as ckpt:
+        for step in range(3 * full_every + 1):
+            tiny_train(state)
+            ckpt.save(step, state)
+    advice = advise(open_store(root), RUN)
+    assert advice.current_full_every == saves_per_full and advice.current is not None
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
+    (current,) = [line.split() for line in out.splitlines() if line.startswith("current")]
+    (optimal,) = [line.split() for line in out.splitlines() if line.startswith("optimal")]
+    assert code == 0 and current[4] == str(saves_per_full), out  # FULL EVERY, after the 3 words of TIME
+    assert optimal[4] == str(advice.full_every) == str(advice.inputs.full_every), out  # shown as priced
