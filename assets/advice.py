@@ -6,10 +6,9 @@ overhead, RPO and USD/month of each, and the fallbacks taken. The metadata carri
 a text plot of the expected USD/month against the interval with the current and optimal
 intervals marked. The check ``interval_near_optimum`` warns (non-blocking) when a run's
 interval is more than ``MAX_RATIO`` times off its optimum, either way, unless the current
-interval costs no more than the optimum found (``Advice.keep_current``).
+interval costs no more than the optimum found (``Advice.keep_current``); it reads the
+asset's rows, so it judges by the config the asset was materialized with.
 """
-
-import math
 
 import pandas as pd
 from dagster import AssetCheckResult, AssetCheckSeverity, Config, MetadataValue, Output, asset, asset_check
@@ -20,7 +19,7 @@ from ckptflow.catalog.listing import list_runs
 from ckptflow.errors import CkptflowError
 from ckptflow.policy import interval as model
 from ckptflow.reports.advice import Advice, advise
-from ckptflow.reports.units import human_duration
+from ckptflow.reports.units import human_duration, human_steps
 from resources import CheckpointStoreResource
 
 MAX_RATIO = 2.0
@@ -50,17 +49,29 @@ def _row(a: Advice) -> dict:
 
 
 def plot(a: Advice) -> str:
-    """Expected USD/month against the interval (log scale), current and optimal marked."""
-    marks = {"optimal": a.optimal.interval_s, **({"current": a.current.interval_s} if a.current else {})}
-    low, high = min(marks.values()) / 4, max(marks.values()) * 4
-    points = sorted({*(low * (high / low) ** (k / (PLOT_POINTS - 1)) for k in range(PLOT_POINTS)), *marks.values()})
-    costs = [model.evaluate(a.inputs, t).total_usd_month for t in points]
-    top = max(costs) or 1.0
-    lines = []
-    for t, usd in zip(points, costs):
-        label = " ".join(f"<- {name}" for name, at in marks.items() if math.isclose(at, t))
-        lines.append(f"{human_duration(t):>9} {'#' * max(1, round(BAR * usd / top)):<{BAR}} {usd:,.2f} {label}")
+    """Expected USD/month against the interval (log scale), current and optimal marked. The
+    curve is the advised full/incremental mix; each marked point is its row of the table,
+    the current one at the run's own mix (as ``ckptflow advise`` prices it)."""
+    marks = [("optimal", a.optimal), *([("current", a.current)] if a.current is not None else [])]
+    low = min(c.interval_s for _, c in marks) / 4
+    high = max(c.interval_s for _, c in marks) * 4
+    curve = (low * (high / low) ** (k / (PLOT_POINTS - 1)) for k in range(PLOT_POINTS))
+    points = [(t, model.evaluate(a.inputs, t).total_usd_month, "") for t in curve]
+    points += [(c.interval_s, c.total_usd_month, f"<- {name}{_own_mix(a, name)}") for name, c in marks]
+    points.sort(key=lambda p: p[0])
+    top = max(usd for _, usd, _ in points) or 1.0
+    lines = [
+        f"{human_duration(t):>9} {'#' * max(1, round(BAR * usd / top)):<{BAR}} {usd:,.2f} {label}".rstrip()
+        for t, usd, label in points
+    ]
     return "```\ninterval  USD/month\n" + "\n".join(lines) + "\n```"
+
+
+def _own_mix(a: Advice, name: str) -> str:
+    """Where the current point is priced at a mix other than the curve's, it says which."""
+    if name == "current" and a.current_full_every != a.full_every:
+        return f" (its own mix: a full every {a.current_full_every})"
+    return ""
 
 
 @asset(group_name=GROUP, deps=[checkpoint], automation_condition=REFRESH, kinds={"pandas"})
@@ -85,19 +96,20 @@ def checkpoint_advice(config: AdviceConfig, store: CheckpointStoreResource) -> O
 
 
 @asset_check(asset=checkpoint_advice, name="interval_near_optimum", blocking=False)
-def interval_near_optimum(store: CheckpointStoreResource) -> AssetCheckResult:
-    """Warns when a run checkpoints more than MAX_RATIO times more or less often than its optimum."""
-    hot = store.open()
+def interval_near_optimum(checkpoint_advice: pd.DataFrame) -> AssetCheckResult:
+    """Warns when a run checkpoints more than MAX_RATIO times more or less often than its optimum.
+
+    It judges the asset's own rows, not advice computed again: those were priced with the
+    operator's ``AdviceConfig`` (MTBF, scenario, GPUs and their price), which a check run
+    with the defaults would not know, and warned about an interval the asset calls optimal."""
     off = {}
-    for run in list_runs(hot):
-        try:
-            a = advise(hot, run)
-        except CkptflowError:
+    for row in checkpoint_advice.to_dict("records"):
+        ratio = row.get("ratio")
+        if ratio is None or pd.isna(ratio) or row["keep_current"]:  # one that costs least is not off
             continue
-        if a.current is not None and not a.keep_current:  # one that costs least is not off, whatever its ratio
-            ratio = a.current.interval_s / a.optimal.interval_s
-            if not 1 / MAX_RATIO <= ratio <= MAX_RATIO:
-                off[run] = f"every {a.current.interval_steps} steps; optimum {a.optimal.interval_steps} ({ratio:.2g}x)"
+        if not 1 / MAX_RATIO <= ratio <= MAX_RATIO:
+            current, optimal = human_steps(row["current_steps"]), human_steps(row["optimal_steps"])
+            off[row["run"]] = f"every {current} steps; optimum {optimal} ({ratio:.2g}x)"
     return AssetCheckResult(
         passed=not off,
         severity=AssetCheckSeverity.WARN,

@@ -1,8 +1,10 @@
 """``checkpoint_advice`` (per run: current vs optimal interval, a cost plot) and its WARN check."""
 
+import re
+
 from dagster import AssetCheckKey, AssetCheckSeverity, AssetSelection, materialize
 
-from ckptflow import Checkpointer
+from ckptflow import Checkpointer, SavePolicy
 from support.states import tiny_state, tiny_train
 
 
@@ -55,6 +57,61 @@ def test_a_run_whose_current_interval_costs_least_is_not_warned_about(paths, res
     assert result.output_for_node("checkpoint_advice").set_index("run").loc["often", "keep_current"]
     evaluation = _interval_check(instance, resources)
     assert evaluation.passed and evaluation.metadata["runs_off"].value == "none"
+
+
+def test_a_current_interval_of_two_and_a_half_steps_is_said_as_such(paths, resources, instance):
+    """Saves every 2 and 3 steps in turn: the table and the check's message said "every 2
+    steps" (or 3: float seconds divided back by the step time, rounded)."""
+    from assets import checkpoint_advice
+
+    state = tiny_state()
+    with Checkpointer(paths["store"], "halves") as ckpt:
+        for step in range(21):
+            tiny_train(state)
+            if step % 5 in (0, 2):
+                ckpt.save(step, state)
+    result = materialize([checkpoint_advice], instance=instance, resources=resources)
+    row = result.output_for_node("checkpoint_advice").set_index("run").loc["halves"]
+    assert row["current_steps"] == 2.5 and row["ratio"] < 0.5  # a day's MTBF: far more often than optimal
+    runs_off = _interval_check(instance, resources).metadata["runs_off"].value
+    assert f"halves: every 2.5 steps; optimum {round(row['optimal_steps'])} (" in runs_off, runs_off
+
+
+def test_the_plot_marks_the_current_and_optimal_costs_of_the_table(paths, resources, instance):
+    """The plot priced every interval at the optimum's full/incremental mix, the current one
+    too, while the table prices the current interval at the run's own mix: with a full every
+    4 saves against the advised full every time, the marked "current" cost was not the
+    table's."""
+    from assets import checkpoint_advice
+
+    state = tiny_state()
+    with Checkpointer(paths["store"], "mixed", policy=SavePolicy(full_every=4, incremental_every=1)) as ckpt:
+        for step in range(13):
+            tiny_train(state)
+            ckpt.save(step, state)
+    result = materialize([checkpoint_advice], instance=instance, resources=resources)
+    row = result.output_for_node("checkpoint_advice").set_index("run").loc["mixed"]
+    plot = result.asset_materializations_for_node("checkpoint_advice")[0].metadata["mixed/plot"].value
+    marked = {m["name"]: m["usd"] for m in re.finditer(r" (?P<usd>[\d,]+\.\d\d) <- (?P<name>\w+)", plot)}
+    assert marked == {"current": f"{row['current_usd_month']:,.2f}", "optimal": f"{row['optimal_usd_month']:,.2f}"}
+    assert "<- current (its own mix: a full every 4)" in plot, plot
+
+
+def test_the_check_judges_by_the_config_the_asset_was_materialized_with(paths, resources, instance):
+    """The check advised again with the defaults (a day's MTBF): under an operator's MTBF for
+    which the asset finds the run's every-step saves about optimal, it still warned."""
+    from assets import checkpoint_advice
+
+    _train(paths["store"], "often", 4)
+    config = {"ops": {"checkpoint_advice": {"config": {"mtbf_s": 1e-4, "gpus": 8, "gpu_hour_usd": 3.0}}}}
+    result = materialize([checkpoint_advice], instance=instance, resources=resources, run_config=config)
+    row = result.output_for_node("checkpoint_advice").set_index("run").loc["often"]
+    assert row["mtbf_s"] == 1e-4 and 0.5 <= row["ratio"] <= 2  # about optimal under this config
+    evaluation = _interval_check(instance, resources)
+    assert evaluation.passed and evaluation.metadata["runs_off"].value == "none"
+    materialize([checkpoint_advice], instance=instance, resources=resources)  # the defaults: far off
+    evaluation = _interval_check(instance, resources)
+    assert not evaluation.passed and "often: every 1 steps" in evaluation.metadata["runs_off"].value
 
 
 def _interval_check(instance, resources):
