@@ -47,7 +47,7 @@ def storage_cost(
             **{f"saved_usd/{k}": MetadataValue.float(v) for k, v in report.savings_usd.items()},
             "monthly_cost": human_usd(report.monthly_usd, per="/month"),
             "baseline_cost": human_usd(report.baseline_usd, per="/month"),
-            **{f"saving/{k}": costs.describe(k, v) for k, v in report.savings_usd.items()},
+            **{f"saving/{k}": costs.describe(k, v, report.savings_bytes[k]) for k, v in report.savings_usd.items()},
             "prices_date": report.prices_date,
             "table": markdown(shown),
         },

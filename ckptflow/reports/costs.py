@@ -25,7 +25,8 @@ The difference is split into what each mechanism saved, per month:
 
 The items add up exactly: baseline - savings = what the stores cost now. ``item`` says each
 one as what it is, whichever way it came out ("saved by dedup", "garbage (unreferenced chunk
-files, until gc)", "tiering costs more").
+files, until gc)", "tiering costs more"), for the tables; ``describe`` says the same in a
+sentence with its price, for metadata, from ``item``: one rule for both.
 """
 
 from __future__ import annotations
@@ -211,16 +212,16 @@ def added_cost(name: str) -> str | None:
     return None if name == "tiering" else COST_ITEMS.get(name, name)
 
 
-def describe(name: str, usd: float, *, per: str = "/month") -> str:
-    """One item of ``savings_usd`` in words: "saves $X/month", "costs $X/month more"
-    (tiering), "adds $X/month: <what it is>" (``added_cost``), or "$X/month not paid for:
-    <what it is>" (``NOT_SAVED``: missing chunks)."""
-    plain = added_cost(name)
-    if usd >= 0 and name in NOT_SAVED:
-        return f"{human_usd(usd, per=per)} not paid for: {NOT_SAVED[name]}"
-    if usd >= 0 or plain is None:
-        return human_saving(usd, per=per)
-    return f"adds {human_usd(-usd, per=per)}: {plain}"
+def describe(name: str, usd: float, nbytes: int, *, per: str = "/month") -> str:
+    """One item of the report in words (the ``saving/<name>`` metadata), from ``item``, so
+    it says what the table's row says: "saves $X/month" for a saving, "$X/month not paid
+    for: <what it is>" (``NOT_SAVED``: missing chunks), "costs $X/month more" (tiering),
+    "adds $X/month: <what it is>" (``added_cost``: garbage, even at $0, never "saves")."""
+    label, way = item(name, usd, nbytes)
+    if way == "subtracts":  # never a negative amount
+        return f"{human_usd(usd, per=per)} not paid for: {label}" if name in NOT_SAVED else human_saving(usd, per=per)
+    amount = human_usd(abs(usd), per=per)
+    return f"costs {amount} more" if added_cost(name) is None else f"adds {amount}: {label}"
 
 
 def item(name: str, usd: float, nbytes: int) -> tuple[str, str]:

@@ -39,6 +39,10 @@ def test_storage_cost_prices_each_tier_and_the_savings(store_with_checkpoints, d
     saved = sum(v.value for k, v in metadata.items() if k.startswith("saved_usd/"))
     assert abs(metadata["baseline_usd"].value - saved - metadata["monthly_usd"].value) < 1e-12
     assert "saved by dedup" in set(df["item"]) and "hot (STANDARD)" in set(df["item"])
+    # the metadata's words for an item are its row's (no garbage here: the row adds $0, it saves nothing)
+    garbage = df.set_index("item").loc["garbage (unreferenced chunk files, until gc)"]
+    assert garbage["against_baseline"] == "adds" and garbage["usd_per_month"] == 0
+    assert metadata["saving/garbage"].value == "adds $0.00/month: garbage (unreferenced chunk files, until gc)"
 
 
 def test_storage_cost_rows_say_what_each_item_is_never_a_negative_saving(

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckptflow import Checkpointer
 from ckptflow.cli.costs import render
 from ckptflow.format import layout as fmt
-from ckptflow.reports.costs import SAVINGS, CostReport, TierCost, describe
+from ckptflow.reports.costs import SAVINGS, CostReport, TierCost, describe, item
 from ckptflow.reports.units import human_duration, human_saving, human_usd
 from support.cli import run_cli
 
@@ -78,8 +79,8 @@ def test_costs_more_is_said_only_of_tiering_other_negative_items_are_plain_sizes
     (row,) = [line for line in out.splitlines() if "garbage" in line]
     assert row.lstrip().startswith("+ garbage (unreferenced chunk files, until gc)")
     assert f" {garbage} B " in row and "-" not in row.split(")", 1)[1], row  # a plain size, no minus sign
-    assert describe("garbage", -2.4e-09).startswith("adds $0.0000000024/month: garbage")
-    assert describe("tiering", -3.49e-05) == "costs $0.0000349/month more"
+    assert describe("garbage", -2.4e-09, -112).startswith("adds $0.0000000024/month: garbage")
+    assert describe("tiering", -3.49e-05, 0) == "costs $0.0000349/month more"
 
 
 def test_the_both_tiers_note_follows_tiering_alone():
@@ -113,5 +114,21 @@ def test_a_missing_chunk_is_said_as_lost_never_as_saved_by_garbage(tmp_path, cap
     code, out, err = run_cli(capsys, "stats", root, "--json")
     doc = json.loads(out)
     assert doc["costs"]["savings_bytes"]["missing"] == 4096 * 4 and doc["costs"]["savings_bytes"]["garbage"] == 0
-    said = describe("missing", 3.6e-07)
+    said = describe("missing", 3.6e-07, 4096 * 4)
     assert said == "$0.00000036/month not paid for: missing chunks (referenced, absent: lost, not saved)"
+
+
+@pytest.mark.parametrize("name", SAVINGS)
+@pytest.mark.parametrize(("usd", "nbytes"), [(2.3e-05, 1 << 20), (0.0, 0), (0.0, -(5 << 10)), (-1.1e-07, -(5 << 10))])
+def test_the_metadata_words_for_an_item_say_what_its_table_row_says(name, usd, nbytes):
+    """``describe`` (the ``saving/<k>`` metadata) had a rule of its own beside ``item`` (the
+    tables'): no garbage at all read "saves $0.00/month" next to the table's "+ garbage
+    (unreferenced chunk files, until gc)", and delta bases at a price of zero "saves $0.00/month"
+    next to "+ delta bases". The words now come from ``item``: what adds never "saves"."""
+    label, way = item(name, usd, nbytes)
+    said = describe(name, usd, nbytes)
+    if way == "adds":
+        assert said.startswith(("adds ", "costs ")) and "saves" not in said, said
+        assert said.endswith(label) or label == f"{name} costs more", said
+    else:
+        assert said.startswith("saves ") or said.endswith(f"not paid for: {label}"), said
