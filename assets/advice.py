@@ -18,7 +18,7 @@ from assets.inventory import GROUP, REFRESH, markdown
 from ckptflow.catalog.listing import list_runs
 from ckptflow.errors import CkptflowError
 from ckptflow.policy import interval as model
-from ckptflow.reports.advice import Advice, advise
+from ckptflow.reports.advice import Advice, advise, check_failure_rate
 from ckptflow.reports.units import human_duration, human_steps
 from resources import CheckpointStoreResource
 
@@ -77,6 +77,7 @@ def _own_mix(a: Advice, name: str) -> str:
 @asset(group_name=GROUP, deps=[checkpoint], automation_condition=REFRESH, kinds={"pandas"})
 def checkpoint_advice(config: AdviceConfig, store: CheckpointStoreResource) -> Output[pd.DataFrame]:
     """Per run: the checkpoint interval with the lowest expected USD/month next to the current one."""
+    check_failure_rate(mtbf_s=config.mtbf_s, scenario=config.scenario)  # a bad setting fails, not each run
     hot = store.open()
     rows, skipped = [], []
     metadata: dict[str, MetadataValue] = {}

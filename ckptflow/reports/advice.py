@@ -14,6 +14,7 @@ planned restart counts too, which errs toward checkpointing more often.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -94,8 +95,7 @@ def advise(
     The failure rate: ``mtbf_s`` if given, else ``scenario``'s preset if given, else measured
     from the run's recoveries when it has at least ``MIN_FAILURES``, else the
     ``DEFAULT_SCENARIO`` preset (with a note saying so)."""
-    if scenario is not None and scenario not in model.SCENARIOS:
-        raise CkptflowError(f"unknown scenario {scenario!r}: choose one of {sorted(model.SCENARIOS)} or give an MTBF")
+    check_failure_rate(mtbf_s=mtbf_s, scenario=scenario)
     manifests = [m for m in catalog.committed(store, run) if isinstance(m, Manifest)]
     measured = [m for m in manifests if m.save_cost is not None]
     if not measured:
@@ -167,12 +167,19 @@ def advise(
     )
 
 
+def check_failure_rate(*, mtbf_s: float | None, scenario: str | None) -> None:
+    """Refuses a failure rate ``advise`` cannot use, whatever the run: callers that advise many
+    runs check once, so a bad setting is not taken for one run's too-short history."""
+    if scenario is not None and scenario not in model.SCENARIOS:
+        raise CkptflowError(f"unknown scenario {scenario!r}: choose one of {sorted(model.SCENARIOS)} or give an MTBF")
+    if mtbf_s is not None and not 0 < mtbf_s < math.inf:
+        raise CkptflowError(f"an MTBF must be a positive duration, got {mtbf_s!r} seconds")
+
+
 def _mtbf(
     manifests: list[Manifest], recoveries: list[dict], mtbf_s: float | None, scenario: str | None, notes: list[str]
 ) -> tuple[float, str]:
     if mtbf_s is not None:
-        if not mtbf_s > 0:
-            raise CkptflowError(f"an MTBF must be a positive duration, got {mtbf_s!r} seconds")
         return mtbf_s, "given"
     if scenario is not None:
         return model.SCENARIOS[scenario][0], f"preset {scenario!r}: {model.SCENARIOS[scenario][1]}"

@@ -126,3 +126,18 @@ def _interval_check(instance, resources):
     )
     [evaluation] = check.get_asset_check_evaluations()
     return evaluation
+
+
+def test_a_config_advise_cannot_use_fails_the_asset_not_each_run(paths, resources, instance):
+    """scenario "spot" was ``advise``'s error for every run, each skipped as if it had too
+    little history: the asset succeeded with an empty table, and its check passed."""
+    import pytest
+
+    from assets import checkpoint_advice
+    from ckptflow.errors import CkptflowError
+
+    _train(paths["store"], "often", 4)
+    for bad in ({"scenario": "spot"}, {"mtbf_s": 0.0}):
+        config = {"ops": {"checkpoint_advice": {"config": bad}}}
+        with pytest.raises(CkptflowError, match="unknown scenario 'spot'|MTBF must be a positive duration"):
+            materialize([checkpoint_advice], instance=instance, resources=resources, run_config=config)
