@@ -18,7 +18,8 @@ A plain sensor with its own cursor over the instance's run-failure events rather
 ``run_failure_sensor``: that one starts at the newest event when it first ticks, so
 runs that failed before the daemon started (``make demo`` runs the lifecycle
 in-process, then ``make ui`` starts the daemon) would never be recorded. This one
-starts at the beginning of the instance's history; recording is idempotent. A cursor
+starts at the beginning of the instance's history; a failure recorded already is not
+rewritten (``attribution.standing_failure``). A cursor
 that is not an integer (an older version's, or one set in the UI) starts it there again,
 with a warning, rather than failing every tick.
 """
@@ -28,6 +29,7 @@ from dagster import (
     DagsterInstance,
     DagsterRun,
     DefaultSensorStatus,
+    RunRecord,
     RunsFilter,
     RunStatusChangeRecordsFilter,
     SensorEvaluationContext,
@@ -86,8 +88,53 @@ def failed_steps(instance: DagsterInstance, run_id: str) -> list[tuple[str, str]
     return out
 
 
-def started_at(instance: DagsterInstance, run_id: str) -> float | None:
-    record = instance.get_run_record_by_id(run_id)
+class TickRuns:
+    """The instance's runs as one tick reads them, each read once: a partition's runs (by its
+    tag and by a one-partition range, in the instance's order), and the lifecycle records a
+    run's succeeded steps wrote. Without it, each failure of a tick read the events of every
+    run of its partition begun after it: O(failures x later runs) reads of the event log."""
+
+    def __init__(self, instance: DagsterInstance):
+        self.instance = instance
+        self._runs: dict[str, list[RunRecord]] = {}
+        self._written: dict[str, set[str | None]] = {}
+
+    def of_partition(self, key: str) -> list[RunRecord]:
+        """The runs of checkpoint partition ``key``, by storage id (the instance's order)."""
+        if key not in self._runs:
+            found = {
+                record.dagster_run.run_id: record
+                for tags in ({PARTITION_TAG: key}, dict.fromkeys(RANGE_TAGS, key))
+                for record in self.instance.get_run_records(RunsFilter(tags=tags))
+            }
+            self._runs[key] = sorted(found.values(), key=lambda record: record.storage_id)
+        return self._runs[key]
+
+    def record_of(self, run: DagsterRun) -> RunRecord | None:
+        key = partition_of(run)
+        found = [r for r in self.of_partition(key) if r.dagster_run.run_id == run.run_id] if key else []
+        return found[0] if found else self.instance.get_run_record_by_id(run.run_id)
+
+    def begun_after(self, run: DagsterRun) -> list[RunRecord]:
+        """The runs of ``run``'s partition begun after it (a greater storage id, no clock)."""
+        key, failed = partition_of(run), self.record_of(run)
+        if not key or failed is None:
+            return []
+        return [r for r in self.of_partition(key) if r.storage_id > failed.storage_id]
+
+    def written_by(self, run_id: str) -> set[str | None]:
+        """The lifecycle records the run's succeeded steps wrote (``STEP_RECORDS``)."""
+        if run_id not in self._written:
+            self._written[run_id] = {
+                STEP_RECORDS.get(entry.dagster_event.step_key or "")
+                for entry in self.instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS)
+                if entry.dagster_event is not None
+            }
+        return self._written[run_id]
+
+
+def started_at(runs: TickRuns, run: DagsterRun) -> float | None:
+    record = runs.record_of(run)
     return None if record is None else record.start_time or record.create_timestamp.timestamp()
 
 
@@ -98,39 +145,30 @@ def made_good_by(steps: list[tuple[str, str]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in kinds if k)) if kinds and all(kinds) else ()
 
 
-def made_good_already(instance: DagsterInstance, run: DagsterRun, kinds: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+def made_good_already(runs: TickRuns, run: DagsterRun, kinds: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """Those of ``kinds`` each run of the same checkpoint partition begun after ``run`` (a
     greater run storage id: the instance's order, no clock) wrote by now, a step of it that
     writes one having succeeded, by the commit that run was about (its digest tag; one
     without the tag is left out: which commit's records it wrote is unknown). The records of
     that commit standing when the failure is recorded late, after such a re-run, are that
     re-run's (``ckptflow.reports.recoverable.made_good``)."""
-    key = partition_of(run)
-    if not kinds or not key:
+    if not kinds:
         return {}
-    [failed] = instance.get_run_records(RunsFilter(run_ids=[run.run_id]))
-    later = {
-        record.dagster_run.run_id: record.dagster_run.tags[DIGEST_TAG]
-        for tags in ({PARTITION_TAG: key}, dict.fromkeys(RANGE_TAGS, key))
-        for record in instance.get_run_records(RunsFilter(tags=tags))
-        if record.storage_id > failed.storage_id and record.dagster_run.tags.get(DIGEST_TAG)
-    }
     written: dict[str, set[str | None]] = {}
-    for run_id, digest in later.items():
-        written.setdefault(digest, set()).update(
-            STEP_RECORDS.get(entry.dagster_event.step_key or "")
-            for entry in instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS)
-            if entry.dagster_event is not None
-        )
+    for record in runs.begun_after(run):
+        digest = record.dagster_run.tags.get(DIGEST_TAG)
+        if digest:
+            written.setdefault(digest, set()).update(runs.written_by(record.dagster_run.run_id))
     return {digest: tuple(k for k in kinds if k in done) for digest, done in written.items()}
 
 
 def record_failure(
-    instance: DagsterInstance, run: DagsterRun, store: CheckpointStoreResource, *, failed_at: float | None = None
+    runs: TickRuns, run: DagsterRun, store: CheckpointStoreResource, *, failed_at: float | None = None
 ) -> str:
     """Tag the run with its reason and write the checkpoint's failure record (``failed_at``:
     the run's failure event's time); what was done, as a line. A store that cannot be
     read raises (the sensor retries the run next tick)."""
+    instance = runs.instance
     steps = failed_steps(instance, run.run_id)
     kinds = made_good_by(steps)
     failed = attribution.FailedRun(
@@ -139,10 +177,11 @@ def record_failure(
         steps,
         checkpoint=partition_of(run),
         digest=run.tags.get(DIGEST_TAG),
-        started_at=started_at(instance, run.run_id),
+        started_at=started_at(runs, run),
         failed_at=failed_at,
         made_good_by=kinds,
-        made_good_already=made_good_already(instance, run, kinds),
+        made_good_already=made_good_already(runs, run, kinds),
+        later_runs=frozenset(record.dagster_run.run_id for record in runs.begun_after(run)),
     )
     instance.add_run_tags(run.run_id, {FAILURE_TAG: failed.reason[:300]})
     done = attribution.record_failure(failed, store.open)
@@ -160,12 +199,13 @@ def failure_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
         limit=PER_TICK,
         ascending=True,
     ).records
+    runs = TickRuns(context.instance)
     for record in records:
         run = context.instance.get_run_by_id(record.event_log_entry.run_id)
         if run is not None:
             try:
                 failed_at = record.event_log_entry.timestamp
-                context.log.info(record_failure(context.instance, run, store, failed_at=failed_at))
+                context.log.info(record_failure(runs, run, store, failed_at=failed_at))
             except (CkptflowError, OSError) as e:
                 if problem_from(run.run_id, None, e).kind == "unavailable":
                     context.log.warning(f"the failure of run {run.run_id} is not recorded yet ({e}): retried next tick")
@@ -181,8 +221,8 @@ def failure_sensor(context: SensorEvaluationContext, store: CheckpointStoreResou
 def _cursor(context: SensorEvaluationContext) -> int:
     """The storage id of the last failure event handled; -1 (the beginning) before the first
     tick, and for a cursor that is not an integer (an older version's, or one set by hand in
-    the UI), which would otherwise fail every tick: failures are recorded again from the
-    beginning, which is safe, as recording one is idempotent."""
+    the UI), which would otherwise fail every tick: failures are read again from the
+    beginning, which is safe: a record written already stands (``attribution.standing_failure``)."""
     if not context.cursor:
         return -1
     try:
@@ -190,7 +230,7 @@ def _cursor(context: SensorEvaluationContext) -> int:
     except ValueError:
         context.log.warning(
             f"failure_sensor: its cursor {context.cursor[:80]!r} is not a run-failure event's storage id (an "
-            "integer): restarting from the beginning of the instance's history; failures recorded before are "
-            "recorded again, to the same records (set the cursor to an integer in the UI to start elsewhere)"
+            "integer): restarting from the beginning of the instance's history; failures recorded before are read "
+            "again and their records stand (set the cursor to an integer in the UI to start elsewhere)"
         )
         return -1

@@ -17,6 +17,9 @@ read after retention expired the checkpoint (a sensor that lags, or replays its 
 writes nothing: its ``failure.json`` would be the only object left of the commit, under a
 step no store holds, which nothing ever deletes. A digest tag that names no commit of the
 step (malformed, or another commit's, set by hand) is no attribution.
+
+A failure read again (the sensor's cursor reset) writes nothing over the record it wrote
+first, nor over a later run's (``standing_failure``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class FailedRun:
     # the step committed again wrote the new commit's records, and the failed commit's that
     # stood from before the failure were no run's redoing
     made_good_already: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # the runs of its checkpoint begun after it (the orchestrator's order): a failure record
+    # of one of them stands against this failure's (``standing_failure``)
+    later_runs: frozenset[str] = frozenset()
 
     @property
     def reason(self) -> str:
@@ -100,6 +106,22 @@ def commit_known(store: Store, run: str, step: int, digest: str) -> bool:
     )
 
 
+def standing_failure(recorded: Mapping | None, failed: FailedRun) -> str | None:
+    """Why the failure record ``recorded`` stands against ``failed``'s (None: it does not).
+    One of this run's stands: it is a replay (the sensor's cursor reset), and the record
+    first written is the one whose ``records_seen`` were read nearest the failure; written
+    again, a record a re-run wrote since would read as standing at the failure, the failure
+    open again though the work was redone (once that run is gone from the orchestrator's
+    history, ``made_good_already`` no longer names it). One of a run begun after ``failed``
+    stands: an older failure replayed over it would hide it, and its own replay then rewrite it."""
+    other = (recorded or {}).get("run_id")
+    if other == failed.run_id:
+        return "its failure record is there already, as first written"
+    if other in failed.later_runs:
+        return f"the failure of run {other}, begun after it, is recorded and stands"
+    return None
+
+
 def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attribution:
     """Write the failure record of the commit ``failed`` belongs to, in the hot store
     ``open_store`` opens (only for a run about a checkpoint); what was done, as a line."""
@@ -134,6 +156,9 @@ def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attrib
             digest.why,
         )
     subject = Subject(run, step, digest)
+    standing = standing_failure(read_record(hot, subject, "failure"), failed)
+    if standing is not None:
+        return Attribution(f"run {failed.run_id} failed for {key} ({reason[:120]}); not recorded again: {standing}")
     # which record of each kind stood when the failure was recorded, by its recorded_at used as
     # a name, never compared with a time: one written since is another (``reports.recoverable``)
     seen = {kind: (read_record(hot, subject, kind) or {}).get("recorded_at") for kind in failed.made_good_by}

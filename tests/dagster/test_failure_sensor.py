@@ -3,7 +3,7 @@ against a step committed again since, and retries a store that does not answer."
 
 import pytest
 import torch
-from dagster import asset, build_sensor_context, materialize
+from dagster import DagsterEventType, asset, build_sensor_context, materialize
 
 from assets import PARTITIONED, checkpoint_key, compressed, evaluation
 from assets.partitions import DIGEST_TAG, checkpoints_partitions
@@ -280,3 +280,75 @@ def test_a_run_whose_digest_tag_names_no_commit_of_its_checkpoint_is_unattribute
     digest = subject(store_with_checkpoints, 40).digest
     assert failure(store_with_checkpoints, digest) is None
     assert [k for k in records_of_step(store_with_checkpoints, 40) if k.endswith("/failure.json")] == []
+
+
+def counting(monkeypatch, instance, method: str) -> list[tuple]:
+    """Every call of the real ``instance.<method>``, by its arguments (the reads a tick makes)."""
+    calls: list[tuple] = []
+    real = getattr(instance, method)
+
+    def counted(*args, **kwargs):
+        calls.append(args + tuple(kwargs.values()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(instance, method, counted)
+    return calls
+
+
+def test_a_tick_reads_each_later_runs_events_once(store_with_checkpoints, resources, instance, monkeypatch):
+    """A tick that saw N failures of a partition read the events of every run begun after
+    each of them: N failures then one re-run read 4+3+2+1 logs of successes (O(N x later
+    runs)) and queried the partition's runs twice per failure. Now each run's successes are
+    read once per tick, the partition's runs once, and the records are the same."""
+    failed = [evaluation_failed(instance, resources).run_id for _ in range(4)]
+    rerun = materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    assert rerun.success
+    logs = counting(monkeypatch, instance, "all_logs")
+    queries = counting(monkeypatch, instance, "get_run_records")
+    tick(instance, resources)
+    successes = [call[0] for call in logs if call[-1] == DagsterEventType.STEP_SUCCESS]
+    assert sorted(successes) == sorted([*failed[1:], rerun.run_id])  # each later run once
+    assert len(queries) <= 2  # the partition's runs: by its tag, and by a one-partition range
+    recorded = failure(store_with_checkpoints, subject(store_with_checkpoints, 40).digest)
+    assert recorded["run_id"] == failed[-1] and recorded["made_good_already"] == ["evaluation"]
+    assert needs_attention(store_with_checkpoints) is None
+
+
+def test_a_replay_does_not_reopen_a_failure_made_good_by_a_run_deleted_since(
+    store_with_checkpoints, resources, instance
+):
+    """Recorded, made good by a re-run, then the re-run deleted from the instance (run
+    retention, or by hand) and the sensor's cursor reset: the replay wrote the record anew,
+    seeing the re-run's evaluation as the one that stood at the failure and no later run
+    that wrote it, so the failure needed attention again though the work was redone."""
+    failed = evaluation_failed(instance, resources)
+    tick(instance, resources)
+    digest = subject(store_with_checkpoints, 40).digest
+    first = failure(store_with_checkpoints, digest)
+    rerun = materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    assert rerun.success and needs_attention(store_with_checkpoints) is None
+    instance.delete_run(rerun.run_id)
+    tick(instance, resources, "-1")
+    assert failure(store_with_checkpoints, digest) == first  # the record of that failure, as first written
+    assert needs_attention(store_with_checkpoints) is None
+    assert failure(store_with_checkpoints, digest)["run_id"] == failed.run_id
+
+
+def test_a_replay_does_not_write_an_older_failure_over_a_later_one(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    """Two failures of the commit's evaluation, the first made good by a re-run, the second
+    open; the cursor reset. The replay wrote the first failure over the second's record:
+    the checkpoint no longer needed attention until a later tick reached the second."""
+    monkeypatch.setattr("sensors.failures.PER_TICK", 1)
+    evaluation_failed(instance, resources)
+    cursor = tick(instance, resources)
+    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    second = evaluation_failed(instance, resources)
+    tick(instance, resources, cursor)
+    digest = subject(store_with_checkpoints, 40).digest
+    recorded = failure(store_with_checkpoints, digest)
+    assert recorded["run_id"] == second.run_id and "failed: evaluation" in needs_attention(store_with_checkpoints)
+    tick(instance, resources, "-1")  # replays the first failure only (one a tick)
+    assert failure(store_with_checkpoints, digest) == recorded
+    assert "failed: evaluation" in needs_attention(store_with_checkpoints)
