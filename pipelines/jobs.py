@@ -170,7 +170,9 @@ def scrub_checkpoints(
     What could not be read keeps its earlier verdict; in the hot tier it is retried
     later (an outage proves nothing), in the archive it waits for the next scrub (a cold
     storage class reads only once thawed: a retry would not read it). What a newer
-    ckptflow wrote fails the run without retries (upgrade the code location)."""
+    ckptflow wrote fails the run without retries (upgrade the code location), and so does
+    a hot checkpoint with an object in a cold storage class, saying how to thaw it (a
+    retry minutes later meets the same cold object: ``errors.retrying_may_help``)."""
     hot, arc = store.open(), archive.open()
     older_than_s = config.older_than_days * DAY
     with logged_progress(context, f"scrubbing {hot.url}") as hot_meter:
@@ -193,7 +195,7 @@ def scrub_checkpoints(
         for tier, r in reports.items()
     }
     corrupt = [f"{checkpoint_key(run, step)} ({tier}): {why[:300]}" for tier in still for run, step, why in still[tier]]
-    unreadable = [f"{c} ({tier})" for tier, r in reports.items() for c in r.unreadable]
+    unreadable = [f"{c} ({tier})" for tier, r in reports.items() for c in r.unreadable + r.cold]
     newer = [c for r in reports.values() for c in r.newer]
     damage = {f"{t}_damaged_chunks": r.damaged_chunks for t, r in reports.items() if r.damaged_chunks is not None}
     context.add_output_metadata(
@@ -206,6 +208,7 @@ def scrub_checkpoints(
             **{f"{tier}_repaired_by_copy": len(r.corrupt) - len(still[tier]) for tier, r in reports.items()},
             **{f"{tier}_unreadable": len(r.unreadable) for tier, r in reports.items()},
             **{f"{tier}_newer_format": len(r.newer) for tier, r in reports.items()},
+            **{f"{tier}_cold": len(r.cold) for tier, r in reports.items()},
             **damage,
             **{f"{tier}_chunks_repaired": len(r.repaired) for tier, r in repairs.items()},
             **{f"{tier}_chunks_unrepaired": len(r.unrepaired) for tier, r in repairs.items()},
@@ -240,10 +243,11 @@ def scrub_checkpoints(
             metadata={"newer_format": MetadataValue.md("\n".join(f"- {c}" for c in newer))},
             allow_retries=False,
         )
-    if reports["archive"].unreadable:
+    if reports["archive"].unreadable or reports["archive"].cold:
+        unread = reports["archive"].unreadable + reports["archive"].cold
         context.log.warning(
-            f"{len(reports['archive'].unreadable)} archive-only checkpoint(s) in {arc.url} could not be read (no "
-            f"verdict recorded; the next scrub tries again): {reports['archive'].unreadable[0][:300]}"
+            f"{len(unread)} archive-only checkpoint(s) in {arc.url} could not be read ({len(reports['archive'].cold)} "
+            f"of them cold: thaw to scrub them; no verdict recorded; the next scrub tries again): {unread[0][:300]}"
         )
     if reports["hot"].unreadable:
         context.log.warning(
@@ -253,6 +257,14 @@ def scrub_checkpoints(
         raise store.retry_unavailable(context.retry_number) from Failure(
             f"the store {hot.url} could not be read: {len(reports['hot'].unreadable)} checkpoint(s) not verified",
             metadata={"unreadable": listed},
+        )
+    if reports["hot"].cold:
+        raise Failure(
+            f"{len(reports['hot'].cold)} checkpoint(s) in {hot.url} have an object in a cold storage class, which "
+            "reads only once thawed (hours): no verdict recorded, nothing changed, not retried; thaw them, then "
+            f"scrub again: {reports['hot'].cold[0][:1000]}",
+            metadata={"cold": MetadataValue.md("\n".join(f"- {c}" for c in reports["hot"].cold))},
+            allow_retries=False,
         )
     return {tier: {"checked": r.checked} for tier, r in reports.items()}
 

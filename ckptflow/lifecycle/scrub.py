@@ -2,7 +2,9 @@
 
 A checkpoint the store would not let it read (an outage) keeps its earlier verdict: it
 is listed as unreadable, never recorded as failed; one a newer ckptflow wrote is listed
-apart (``newer``), since no retry reads it. A chunk object found damaged is
+apart (``newer``), since no retry reads it, and so is one with an object in a cold storage
+class (``cold``: Glacier, Deep Archive), which reads once someone thaws it, hours later: no
+retry reads it either (``errors.retrying_may_help``). A chunk object found damaged is
 recorded in the store (``ckptflow.chunks.damaged``): the next save of a job that holds
 its content writes it anew, which repairs every checkpoint sharing it.
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.listing import Problem, StepListing, listing
 from ckptflow.chunks import damaged
-from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
+from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError, retrying_may_help
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.evaluate import commit_digest
 from ckptflow.lifecycle.validate import validate
@@ -37,6 +39,7 @@ class ScrubReport:
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (run, step, problems)
     unreadable: list[str] = field(default_factory=list)  # checkpoints that could not be looked at: no verdict
     newer: list[str] = field(default_factory=list)  # written by a newer ckptflow: no verdict, retrying will not help
+    cold: list[str] = field(default_factory=list)  # an object to thaw first (the message says how): no verdict
     damaged_chunks: int | None = None  # damage records in the store (``damaged``); None: they could not be listed
     records_error: str = ""  # why they could not be listed (the verdicts stand: no retry for it)
 
@@ -107,17 +110,14 @@ def _scrub(
             if item.kind == "corrupt" and item.step is not None:
                 report.corrupt.append((item.run, item.step, item.message))
             else:
-                (report.newer if item.kind == "newer" else report.unreadable).append(str(item))
+                _unread(report, item.error, str(item))
             continue
         if item.created_at >= cutoff:
             continue
         try:
             record = validate(store, item.run, item.step, records=records, progress=progress)
-        except StoreUnavailableError as e:
-            report.unreadable.append(str(e))
-            continue
-        except NewerFormatError as e:  # committed meanwhile by a newer writer
-            report.newer.append(str(e))
+        except (StoreUnavailableError, NewerFormatError) as e:  # newer: committed meanwhile by a newer writer
+            _unread(report, e, str(e))
             continue
         report.checked += 1
         report.bytes_checked += record["bytes_checked"]
@@ -126,3 +126,14 @@ def _scrub(
     damage, report.records_error = damaged.listed(store)  # the verdicts stand without the count
     report.damaged_chunks = None if damage is None else len(damage)
     return report
+
+
+def _unread(report: ScrubReport, error: BaseException | None, what: str) -> None:
+    """List a checkpoint scrub could not read, by whether reading it again later may: an
+    outage may pass (``unreadable``, retried); a newer format or a cold object does not."""
+    if isinstance(error, NewerFormatError):
+        report.newer.append(what)
+    elif error is None or retrying_may_help(error):
+        report.unreadable.append(what)
+    else:
+        report.cold.append(what)

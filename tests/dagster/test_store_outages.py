@@ -82,16 +82,19 @@ def test_validation_in_an_outage_is_retried_records_no_failed_check_and_passes_a
     assert record(store_with_checkpoints, 20, "validation")["ok"] is True
 
 
-def test_scrub_in_an_outage_is_retried_and_keeps_every_verdict(store_with_checkpoints, resources, instance, brownout):
-    config = {"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}}
+def scrub_everything(instance, resources):
+    """A scrub job of every checkpoint, however young, with retries without the waits."""
+    return scrub_job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {"scrub_checkpoints": {"config": {"older_than_days": 0}}}},
+        resources={"store": quick(resources)["store"], "archive": resources["archive"]},
+        raise_on_error=False,
+    )
 
+
+def test_scrub_in_an_outage_is_retried_and_keeps_every_verdict(store_with_checkpoints, resources, instance, brownout):
     def scrub():
-        return scrub_job.execute_in_process(
-            instance=instance,
-            run_config=config,
-            resources={"store": quick(resources)["store"], "archive": resources["archive"]},
-            raise_on_error=False,
-        )
+        return scrub_everything(instance, resources)
 
     assert scrub().success
     before = {step: record(store_with_checkpoints, step, "validation") for step in (10, 20, 30, 40)}
@@ -173,3 +176,32 @@ def test_a_cold_object_fails_the_step_at_once_with_the_thaw_instruction(
     assert THAW in failure.step_failure_data.user_failure_data.description
     assert run.get_asset_check_evaluations() == []
     assert record(store_with_checkpoints, 20, kind) is None
+
+
+def test_scrub_that_meets_a_cold_object_fails_at_once_with_the_thaw_instruction(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    """A hot checkpoint's chunks moved to a cold storage class: the scrub job retried them
+    as an outage (each retry re-reading the whole tier to meet the same cold objects). It
+    fails without retries now, saying how to thaw, and keeps every verdict."""
+    assert scrub_everything(instance, resources).success
+    before = {step: record(store_with_checkpoints, step, "validation") for step in (10, 20, 30, 40)}
+    opened = CheckpointStoreResource.open
+
+    def cold_chunks(op: str, key: str) -> bool:
+        if key.startswith("chunks/") and op == "get":
+            raise ColdObjectError(f"{key} is in DEEP_ARCHIVE and must be restored before it can be read: run `{THAW}`")
+        return False
+
+    def open_cold(resource):
+        cold = FaultyStore(opened(resource))
+        cold.fail_if = cold_chunks
+        return cold
+
+    monkeypatch.setattr(CheckpointStoreResource, "open", open_cold)
+    result = scrub_everything(instance, resources)
+    assert not result.success and events(result, DagsterEventType.STEP_UP_FOR_RETRY) == []
+    [failure] = events(result, DagsterEventType.STEP_FAILURE)
+    description = failure.step_failure_data.user_failure_data.description
+    assert "4 checkpoint(s)" in description and "cold storage class" in description and THAW in description
+    assert {step: record(store_with_checkpoints, step, "validation") for step in before} == before

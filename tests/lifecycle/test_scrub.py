@@ -6,6 +6,7 @@ earlier commit the step was saved again after) is read by nothing else, so the a
 scrub verifies it: its rot was unseen while retention counted the copy sound.
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -89,3 +90,28 @@ def test_scrub_progress_adds_up_to_the_bytes_it_checked(tmp_path):
     assert report.checked == 1 and sum(calls) == report.bytes_checked == sum(
         catalog.read_manifest(arc, "r", 1).chunks.values()
     )
+
+
+@pytest.mark.parametrize("what", ["chunk", "manifest"])
+def test_a_cold_object_in_the_hot_tier_is_reported_cold_and_the_scrub_goes_on(s3_store_url, s3_client, s3_bucket, what):
+    """A bucket lifecycle rule moved a chunk (or the commit record) of step 1 to GLACIER
+    (moto keeps the class and refuses the read as S3 does). The scrub listed it as
+    unreadable, with outages, so the scrub job retried it minutes later; a cold object
+    stays cold until thawed (``errors.retrying_may_help``). It is listed as cold now, with
+    how to thaw it, no verdict recorded, and step 2 is verified."""
+    with Checkpointer(s3_store_url, run="r") as ck:
+        ck.save(1, {"model": _model(1)})
+        ck.save(2, {"model": _model(2)})
+    store = open_store(s3_store_url)
+    one, two = (catalog.read_manifest(store, "r", step) for step in (1, 2))
+    [frozen, *_] = sorted(set(one.chunks) - set(two.chunks))
+    key = "ckpts/" + (fmt.chunk_key(frozen) if what == "chunk" else fmt.manifest_key("r", 1))
+    s3_client.copy_object(
+        Bucket=s3_bucket, Key=key, CopySource={"Bucket": s3_bucket, "Key": key}, StorageClass="GLACIER"
+    )
+    report = lifecycle.scrub(store, older_than_s=0)
+    assert report.unreadable == [] and report.corrupt == [] and report.checked == 1
+    [cold] = report.cold
+    assert "GLACIER" in cold and "ckptflow thaw" in cold
+    assert lifecycle.read_record(store, lifecycle.Subject.of(one), "validation") is None
+    assert lifecycle.read_record(store, lifecycle.Subject.of(two), "validation")["ok"] is True
