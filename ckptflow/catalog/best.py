@@ -2,7 +2,9 @@
 
 A commit's score is the one the inventory, retention's best-K and promotion rank by
 (``ckptflow.policy.scores``): its evaluation's, else what its trainer reported after the
-commit (its ``trainer`` record), else at save (its manifest's metadata). ``Best`` read the
+commit (its ``trainer`` record), else at save (its manifest's metadata); the commits are
+ranked on one scale (``scores.one_scale``: an evaluator's where one scored any of them,
+the others passed over, saying so). ``Best`` read the
 evaluation only, so before any evaluation ran retention kept the steps the trainer scored
 best while ``restore(select="best")`` found no checkpoint with a score.
 
@@ -23,7 +25,7 @@ from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.selectors import Best, describe
 from ckptflow.catalog.verdicts import Unread
 from ckptflow.format import layout as fmt
-from ckptflow.policy.scores import is_score, scores
+from ckptflow.policy.scores import is_score, one_scale, scales, scores
 from ckptflow.store.base import Store
 
 Metadata = Mapping[str, Mapping[str, Any]]  # a commit's manifest metadata, by its digest
@@ -82,20 +84,24 @@ def choose_best(
     for step in sorted(ranking, reverse=True):
         if stop := stops_at(stores, run, step, held[step], ranking, known):
             return Choice(describe(select), [], stop=stop)
+    figures: dict[tuple[int, str], Mapping[str, float]] = {}  # (step, digest): its figures by scale
+    for step in held:
+        recorded = by_step.get(step, {})
+        there = {known[(step, i)] for i in held[step] if (step, i) in known} - {NEWER_COMMIT}
+        for digest in set(recorded) | there:
+            kinds = recorded.get(digest, {})
+            if kinds.get("validation", {}).get("ok") is not False:
+                figures[(step, digest)] = scales(metadata.get(digest, {}), kinds).get(select.metric) or {}
+    on_scale, left_out = one_scale(figures)
     scored: list[tuple[float, int, int]] = []  # (the score of the commit a tier holds, step, tier index)
     passed: list[tuple[int, str]] = []
     commits: dict[tuple[int, int], frozenset[str]] = {}
     for step in sorted(held, reverse=True):
-        recorded = by_step.get(step, {})
-        there = {known[(step, i)] for i in held[step] if (step, i) in known} - {NEWER_COMMIT}
-        values: dict[str, float] = {}
-        for digest in set(recorded) | there:
-            kinds = recorded.get(digest, {})
-            value = scores(metadata.get(digest, {}), kinds).get(select.metric)
-            if value is not None and kinds.get("validation", {}).get("ok") is not False:
-                values[digest] = float(value)
+        values = {digest: float(value) for (at, digest), value in on_scale.items() if at == step}
         if not values:
-            why = failed_now(stores, run, step, held[step], by_step, known)
+            why = failed_now(stores, run, step, held[step], by_step, known) or next(
+                (why for (at, _), why in left_out.items() if at == step), None
+            )
             passed.append((step, why or f"no score of {select.metric!r} (evaluated, or reported by its trainer)"))
             continue
         tiers, why_not = _scored_tiers(stores, run, step, held[step], values, select.mode, known)

@@ -84,7 +84,7 @@ def choose_checkpoint(entries: list[inventory.Entry], metric: str, mode: str) ->
             f"no validated hot checkpoint has a score of {metric!r} (evaluated, or reported by its trainer); "
             "evaluate some first, or promote one by name"
         )
-    return by_ref[ranked[0].ref]
+    return by_ref[ranked[0][0].ref]
 
 
 def promote(

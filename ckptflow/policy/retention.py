@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ckptflow.policy.scores import is_score
+from ckptflow.policy.scores import one_scale
 
 DAY = 86400.0
 Ref = tuple[str, int]  # (run, step)
@@ -47,7 +47,8 @@ class Candidate:
     step: int
     kind: str  # "full" | "incremental"
     created_at: float
-    metrics: Mapping[str, float] = field(default_factory=dict)
+    # per metric, its figure on each scale (``ckptflow.policy.scores.scales``): ranked on one
+    scales: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     valid: bool | None = True  # None: not validated yet (treated as valid for "newest valid")
     archived: bool = False  # a copy in the archive tier verified
     archive_lossy: bool = False  # that copy was written with a lossy archive codec
@@ -118,14 +119,17 @@ class KeepFullWithin:
         }
 
 
-def rank_by_metric(checkpoints: Iterable[Candidate], metric: str, mode: str = "min") -> list[Candidate]:
-    """Checkpoints that have ``metric``, best first (``mode`` "min" or "max"); a tie goes
-    to the newer step. The one ranking retention's best-K and promotion share."""
+def rank_by_metric(checkpoints: Iterable[Candidate], metric: str, mode: str = "min") -> list[tuple[Candidate, float]]:
+    """Checkpoints that have ``metric`` on the scale they share (``scores.one_scale``), best
+    first (``mode`` "min" or "max"), with that figure; a tie goes to the newer step. The one
+    ranking retention's best-K and promotion share."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     sign = 1 if mode == "min" else -1
-    scored = [c for c in checkpoints if is_score(c.metrics.get(metric))]
-    return sorted(scored, key=lambda c: (sign * c.metrics[metric], -c.step))
+    candidates = list(checkpoints)
+    figures, _ = one_scale({at: c.scales.get(metric) or {} for at, c in enumerate(candidates)})
+    ranked = [(candidates[at], figure) for at, figure in figures.items()]
+    return sorted(ranked, key=lambda item: (sign * item[1], -item[0].step))
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,8 @@ class KeepBestK:
         out = {}
         for cands in _by_run(checkpoints).values():
             scored = rank_by_metric([c for c in cands if c.valid is not False], self.metric, self.mode)
-            for rank, c in enumerate(scored[: self.k], 1):
-                out[c.ref] = f"best {rank} of {len(scored)} by {self.mode} {self.metric} ({c.metrics[self.metric]:.4g})"
+            for rank, (c, figure) in enumerate(scored[: self.k], 1):
+                out[c.ref] = f"best {rank} of {len(scored)} by {self.mode} {self.metric} ({figure:.4g})"
         return out
 
 

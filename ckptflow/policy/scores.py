@@ -14,16 +14,31 @@ recorded beside it (without an evaluator it is the trainer's own figures, taken 
 What the trainer reported stands in for a commit not evaluated yet, or for a metric its
 evaluation did not produce; a report after the commit is newer than the one at save.
 Only finite numbers count (not booleans, not NaN): a metric that is none of them is no score.
+
+Ranking compares figures on one scale only (``one_scale``). The trainer's figures (its
+metadata, its trainer record, an evaluation made without an evaluator from them) are one
+scale; each evaluator's are another: an evaluation loss and a training loss are not
+comparable, nor two evaluators' figures (``ckptflow.lifecycle.evaluate`` compares an
+improvement only with the same evaluator's). Until every candidate is evaluated, "the
+evaluation wins" made ``Best`` rank one commit's evaluation against another's training
+loss. Now, where an evaluator scored any candidate, they are ranked by that evaluator's
+figures, the others left out (and said); the trainer's figures rank only where no
+evaluator scored any. An unevaluated commit is not best until it is evaluated, rather
+than best by another scale.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections import Counter
+from collections.abc import Hashable, Mapping
+from typing import Any, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 # the lifecycle records whose ``metrics`` score a commit, the weaker first
 SOURCES = ("trainer", "evaluation")
+TRAINER = "the trainer's figures"  # the scale of what the trainer recorded or reported
 
 
 def is_score(value: Any) -> bool:
@@ -44,3 +59,36 @@ def scores(metadata: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]]
     for kind in SOURCES:
         out.update(finite((records.get(kind) or {}).get("metrics") or {}))
     return out
+
+
+def scales(metadata: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per metric, the commit's figure on each scale it has (``one_scale``): the trainer's
+    (by ``scores``'s order among its sources) and its evaluator's, if one evaluated it."""
+    evaluation = records.get("evaluation") or {}
+    by = (
+        TRAINER
+        if evaluation.get("source") == "trainer"
+        else f"{evaluation.get('evaluator') or 'its evaluator'}'s figures"
+    )
+    trainer = scores(metadata, {k: v for k, v in records.items() if k != "evaluation" or by == TRAINER})
+    out = {metric: {TRAINER: value} for metric, value in trainer.items()}
+    if by != TRAINER:
+        for metric, value in finite(evaluation.get("metrics") or {}).items():
+            out.setdefault(metric, {})[by] = value
+    return out
+
+
+def one_scale(figures: Mapping[K, Mapping[str, float]]) -> tuple[dict[K, float], dict[K, str]]:
+    """The candidates ranked (``figures``: each one's figures of one metric by scale, from
+    ``scales``) on the one scale they share, with their figure on it; and why each other is
+    left out. The scale is the evaluator's that scored the most of them (a tie: the first
+    by name, so every reader takes the same), else the trainer's."""
+    counts = Counter(scale for by in figures.values() for scale in by if scale != TRAINER)
+    chosen = min(counts, key=lambda scale: (-counts[scale], scale)) if counts else TRAINER
+    ranked = {key: by[chosen] for key, by in figures.items() if chosen in by}
+    left_out = {
+        key: f"scored on {' and '.join(sorted(by))} only, not on {chosen}, which the others are ranked on"
+        for key, by in figures.items()
+        if by and chosen not in by
+    }
+    return ranked, left_out

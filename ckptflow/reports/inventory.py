@@ -16,7 +16,7 @@ from ckptflow.catalog import selection
 from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.verdicts import records_by_subject
 from ckptflow.policy.retention import Candidate, RetentionPlan, RetentionPolicy, plan
-from ckptflow.policy.scores import scores
+from ckptflow.policy.scores import scales, scores
 from ckptflow.store.base import Store
 
 
@@ -83,7 +83,7 @@ class Entry:
             step=self.step,
             kind=self.kind,
             created_at=self.created_at,
-            metrics=self.metrics,
+            scales=scales(self.trainer_metadata, self.records),
             valid=self.valid,
             archived=self.archived,
             archive_lossy=self.archive_lossy is not None,

@@ -53,3 +53,22 @@ def test_before_and_after_an_evaluation_every_reader_takes_the_same_best(tmp_pat
     assert set(bests(root, store, capsys).values()) == {4}
     lifecycle.evaluate(store, store, "r", 1, lambda tensors, info: {"val_loss": 0.1})
     assert set(bests(root, store, capsys).values()) == {1}
+
+
+def test_until_every_step_is_evaluated_the_best_is_the_best_evaluated(tmp_path, capsys):
+    """Steps 1 and 2 evaluated (the evaluator's loss: 2.1, 2.5), steps 3 and 4 not yet
+    (their trainer's loss at save: 0.6, 0.5). "The evaluation wins, else the trainer's"
+    ranked 2.1 against 0.5, an evaluation loss against a training loss: step 4 was the best
+    everywhere for its figure's scale, not its quality. Now they rank on the evaluator's
+    scale only; steps 3 and 4 are passed over, saying why, until they are evaluated."""
+    root, store = make(tmp_path, steps=(1, 2, 3, 4), val_loss={1: 0.9, 2: 0.4, 3: 0.6, 4: 0.5}.get)
+    for step in (1, 2, 3, 4):
+        assert lifecycle.validate(store, "r", step)["ok"]
+    for step, loss in ((1, 2.1), (2, 2.5)):
+        lifecycle.evaluate(store, store, "r", step, lambda tensors, info, loss=loss: {"val_loss": loss})
+    assert set(bests(root, store, capsys).values()) == {1}
+    with Checkpointer(root, "r") as ck:
+        passed = dict(ck.restore({"model": model_at(0)}, select=Best("val_loss", "min")).passed_over)
+    assert "scored on the trainer's figures only, not on evaluator's figures" in passed[4] and 3 in passed
+    lifecycle.evaluate(store, store, "r", 4, lambda tensors, info: {"val_loss": 2.0})
+    assert set(bests(root, store, capsys).values()) == {4}

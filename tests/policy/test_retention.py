@@ -12,6 +12,7 @@ from ckptflow.policy.retention import (
     default_policy,
     plan,
 )
+from ckptflow.policy.scores import TRAINER
 
 NOW = 1_000 * DAY
 
@@ -22,7 +23,7 @@ def c(step, age_days, kind="incremental", run="r", valid=True, **metrics):
         step=step,
         kind=kind,
         created_at=NOW - age_days * DAY,
-        metrics=metrics,
+        scales={metric: {TRAINER: figure} for metric, figure in metrics.items()},
         valid=valid,
         digest=digest(run, step),
     )

@@ -176,7 +176,8 @@ def test_best_stops_at_an_unread_trainer_record_of_a_commit_not_evaluated(tmp_pa
     """What a trainer reported after the commit (its ``trainer`` record) scores a commit not
     evaluated yet, as retention's best-K reads it: unread, it may hold the best score, so
     Best stops there rather than recovering to step 1 on no proof. Once the commit is
-    evaluated (the evaluation wins over it) it stops nothing."""
+    evaluated (the evaluation wins over it) it stops nothing: step 2 is the best, the one
+    on its evaluator's scale (step 1's trainer figure is not compared with it)."""
     root, store = make(tmp_path, steps=(1, 2), val_loss=lambda step: 0.5 if step == 1 else None)
     digest = inventory.collect(store)[1].digest
     lifecycle.write_record(store, lifecycle.Subject("r", 2, digest), "trainer", {"metrics": {"val_loss": 0.1}})
@@ -189,7 +190,8 @@ def test_best_stops_at_an_unread_trainer_record_of_a_commit_not_evaluated(tmp_pa
     lifecycle.evaluate(store, store, "r", 2, lambda tensors, info: {"val_loss": 0.9})
     store.delete(f"{PREFIX}lifecycle/r.json")  # not known: the trainer record is read again, and fails
     with Checkpointer(hot, "r") as ck:
-        assert ck.restore({"model": model_at(0)}, select="best:val_loss:min").step == 1
+        result = ck.restore({"model": model_at(0)}, select="best:val_loss:min")
+    assert result.step == 2 and [step for step, _ in result.passed_over] == [1]
 
 
 def test_best_stops_at_a_commit_record_it_could_not_read(tmp_path):
