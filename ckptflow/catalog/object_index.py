@@ -7,8 +7,8 @@ value derived from it together with the object's size, modification time and ver
 (``ObjectInfo.version``: S3's ETag, a local file's inode and change time) as the listing
 showed them. A reader lists (which it does anyway), takes every entry whose object is
 listed unchanged, reads only the new or changed objects (in parallel), and writes the
-index back when it learnt something. An index that fails its checksum or cannot be read
-is simply rebuilt.
+index back when what it holds changes (never on a read that learnt nothing). An index
+that fails its checksum or cannot be read is simply rebuilt.
 
 What the index can see is what the listing shows: any write of an object, in place or
 by replace, with its times set back or not, changes its version and so is read anew. A
@@ -93,9 +93,10 @@ class ObjectIndex:
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptflow-index") as pool:
             fresh = dict(zip((i.key for i in stale), pool.map(read, stale)))
         out.update(fresh)
-        learnt = any(not isinstance(value, Exception) for value in fresh.values())
-        if learnt or len(known) != len(listed):
-            keep = {i.key: [*_stamp(i), out[i.key]] for i in listed if not isinstance(out[i.key], Exception)}
+        keep = {i.key: [*_stamp(i), out[i.key]] for i in listed if not isinstance(out[i.key], Exception)}
+        # written back only when what it holds changes: an object that does not read (a damaged
+        # one) has no entry, and the index was written again on every read for that difference
+        if keep != known:
             self._save(keep)
         return out
 

@@ -8,11 +8,15 @@ import json
 import time
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog.object_index import PREFIX
 from ckptflow.catalog.selection import Best
 from ckptflow.lifecycle.promote import choose_checkpoint
 from ckptflow.policy.retention import DAY, KeepBestK
 from ckptflow.reports import inventory
+from ckptflow.store import open_store
 from support.cli import run_cli
+from support.corrupt import flip_byte, manifest_path
+from support.faulty_store import FaultyStore
 from support.selection_runs import make
 from support.states import model_at
 
@@ -72,3 +76,24 @@ def test_until_every_step_is_evaluated_the_best_is_the_best_evaluated(tmp_path, 
     assert "scored on the trainer's figures only, not on evaluator's figures" in passed[4] and 3 in passed
     lifecycle.evaluate(store, store, "r", 4, lambda tensors, info: {"val_loss": 2.0})
     assert set(bests(root, store, capsys).values()) == {4}
+
+
+def test_a_best_restore_rewrites_no_index_it_did_not_change(tmp_path):
+    """Step 3's commit record is damaged (its summary cannot be derived, so the run's
+    summary index never holds it): every restore by "best" wrote that index back, the same
+    entries again, because the index held fewer entries than the listing showed. Now an
+    index is written only when what it holds changes."""
+    root, store = make(tmp_path, steps=(1, 2, 3), val_loss={1: 0.9, 2: 0.4, 3: 0.6}.get)
+    for step in (1, 2):
+        assert lifecycle.validate(store, "r", step)["ok"]
+    flip_byte(manifest_path(root, "r", 3))
+    counted = FaultyStore(open_store(root))
+
+    def best() -> int:
+        with Checkpointer(counted, "r") as ck:
+            return ck.restore({"model": model_at(0)}, select=Best("val_loss", "min")).step
+
+    assert best() == 2  # the first builds the indexes
+    before = len(counted.log)
+    assert best() == 2 and best() == 2
+    assert [key for _, op, key in counted.log[before:] if key.startswith(PREFIX)] == []
