@@ -262,18 +262,24 @@ def check_not_failed(records: Store, manifest: Manifest, *, allow_failed: bool, 
     if verdict is None or verdict.get("ok"):
         return None
     if not allow_failed:
-        recorded = verdict.get("recorded_at")
-        when = (
-            datetime.fromtimestamp(recorded, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-            if isinstance(recorded, (int, float))
-            else "at an unknown time"
-        )
-        problems = [str(p) for p in verdict.get("problems") or []] or ["no problem recorded"]
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        when, problems = describe_verdict(verdict)
         raise FailedValidationError(
             f"run {manifest.run!r} step {manifest.step} failed validation (recorded {when} for manifest "
-            f"{manifest.digest[:12]}…, in {verdict.get('tier') or records.url}): {'; '.join(problems[:3])}{more}. "
+            f"{manifest.digest[:12]}…, in {verdict.get('tier') or records.url}): {problems}. "
             "Refused: part of this commit was proved damaged, so none of it is trusted. Choose another step, "
             f"validate this one again if it was repaired, or {how_to_allow}"
         )
     return verdict
+
+
+def describe_verdict(verdict: dict) -> tuple[str, str]:
+    """When a validation verdict was recorded and its first problems, as a refusal says them."""
+    recorded, when = verdict.get("recorded_at"), "at an unknown time"
+    if isinstance(recorded, (int, float)) and is_number(recorded):
+        try:
+            when = datetime.fromtimestamp(recorded, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        except (OverflowError, ValueError, OSError):  # a time no calendar holds: a verdict an import carried
+            pass
+    problems = [str(p) for p in verdict.get("problems") or []] or ["no problem recorded"]
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return when, "; ".join(problems[:3]) + more

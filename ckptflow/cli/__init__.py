@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: from what SRC holds (a .metadata file: dcp; model.safetensors: hf; "
         "*.safetensors; *.pt, .pth, .bin, .ckpt: torch, read with weights_only=True)",
     )
+    p.add_argument(
+        "--allow-failed",
+        action="store_true",
+        help="import an export made despite a failed validation (refused otherwise); the new checkpoint keeps "
+        "the verdict, failed, until it is validated again",
+    )
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser(

@@ -113,7 +113,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         store = open_store(args.root)
     except ValueError as e:
         raise CkptflowError(str(e)) from None
-    result = import_checkpoint(store, args.run, args.step, args.src, format=args.format)
+    result = import_checkpoint(store, args.run, args.step, args.src, format=args.format, allow_failed=args.allow_failed)
+    if result.failed_validation is not None:
+        warn(
+            f"{result.source} was exported despite a failed validation; run {result.run} step {result.step} keeps "
+            "that verdict (export and promotion refuse it) until it is validated again"
+        )
     print(
         f"imported {result.source} ({result.format}) as run {result.run} step {result.step}: "
         f"entries {', '.join(result.entries)}; {result.tensors} tensors, {human_bytes(result.bytes)}; "

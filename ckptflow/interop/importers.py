@@ -42,14 +42,15 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ckptflow.chunks import lossy as lossy_codecs
-from ckptflow.errors import CkptflowError, UnsupportedStateError
+from ckptflow.catalog.verdicts import Subject, describe_verdict, write_record
+from ckptflow.errors import CkptflowError, FailedValidationError, UnsupportedStateError
 from ckptflow.format import layout as fmt
+from ckptflow.interop.carried import carried_failed_validation, carried_lossy
 from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
 from ckptflow.interop.export.architecture import drop_unsaved, from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
-from ckptflow.interop.export.files import INDEX, LOSSY_CONFIG_KEY, LOSSY_KEY, TIED_KEY, WEIGHTS, weight_files
-from ckptflow.interop.source_files import check_name_count, check_regular_file, read_json_file
+from ckptflow.interop.export.files import INDEX, TIED_KEY, WEIGHTS, weight_files
+from ckptflow.interop.source_files import MAX_JSON_BYTES, check_name_count, check_regular_file, read_json_file
 from ckptflow.interop.state_checks import check_state
 from ckptflow.interop.torch_files import check_plain_zip
 from ckptflow.store import Store
@@ -57,7 +58,6 @@ from ckptflow.training.checkpointer import Checkpointer, SaveResult
 
 FORMATS = fmt.IMPORT_FORMATS
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-MAX_JSON_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +72,7 @@ class ImportResult:
     digest: str  # the new manifest's digest
     lossy: dict | None = None  # the source was exported from a lossy archive copy: its ``lossy`` record
     unsaved: list[str] = field(default_factory=list)  # buffers left out: the source's config's model does not save them
+    failed_validation: dict | None = None  # the failed verdict the source was exported despite (allow_failed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,61 +223,6 @@ def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
 _READERS = {"dcp": _from_dcp, "safetensors": _from_safetensors, "hf": _from_hf, "torch": _from_torch}
 
 
-def carried_lossy(src: str, format: str) -> dict | None:
-    """The ``lossy`` record an export of a lossy archive copy carries: a DCP export's
-    ``ckptflow.json``, the header of a safetensors file (of any in a model directory), a
-    model directory's config.json (``_config_lossy``)."""
-    found: Any = None
-    header = ""  # the file whose header carried it
-    if format == "dcp" and os.path.isfile(os.path.join(src, SIDECAR)):
-        doc = _read_json(os.path.join(src, SIDECAR))
-        found = doc.get("lossy") if isinstance(doc, dict) else None
-    elif format in ("safetensors", "hf"):
-        for path in [src] if format == "safetensors" else weight_files(src)[0]:
-            try:
-                with safe_open(path, "pt") as f:
-                    text = (f.metadata() or {}).get(LOSSY_KEY)
-            except (OSError, ValueError, SafetensorError) as e:
-                raise CkptflowError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
-            if text is not None:
-                header = path
-                try:
-                    found = json.loads(text)
-                except (ValueError, RecursionError):
-                    found = text  # refused below as not an object
-                break
-    if format == "hf":
-        found = _config_lossy(src, found, header)
-    if found is None:
-        return None
-    problem = lossy_codecs.record_problem(found)
-    if problem:
-        raise CkptflowError(
-            f"{src} says it was exported from a lossy archive copy, but its record is malformed ({problem}); "
-            "refused, since the checkpoint would lose that mark"
-        )
-    return found
-
-
-def _config_lossy(src: str, found: Any, header: str) -> Any:
-    """The ``lossy`` record of a model directory: its config.json's (``ckptflow_lossy``) as
-    well as a header's (``found``, from ``header``). The config's outlives the header:
-    transformers' ``save_pretrained`` of a loaded export keeps the config's keys and writes a
-    header of its own. Two records that differ are refused: which copy the weights are is unknown."""
-    path = os.path.join(src, "config.json")
-    config = _read_json(path) if os.path.isfile(path) else None
-    in_config = config.get(LOSSY_CONFIG_KEY) if isinstance(config, dict) else None
-    if in_config is None:
-        return found
-    if found is not None and found != in_config:
-        raise CkptflowError(
-            f"{path} and {header} name different lossy copies ({LOSSY_CONFIG_KEY} "
-            f"{json.dumps(in_config, sort_keys=True)[:300]}, {LOSSY_KEY} {json.dumps(found, sort_keys=True)[:300]}): "
-            "one of them was edited, so which copy the weights are is unknown; refused. Export the copy again"
-        )
-    return in_config
-
-
 def read_source(src: str | os.PathLike, format: str = "auto") -> Source:
     """``src``'s state and what it says of itself, read without unpickling anything."""
     src = os.path.abspath(os.fspath(src))
@@ -298,24 +244,44 @@ def import_checkpoint(
     metadata: dict[str, Any] | None = None,
     chunk_bytes: int = 8 << 20,
     codec: str = "raw",
+    allow_failed: bool = False,
 ) -> ImportResult:
     """Commit ``src`` as checkpoint ``step`` of ``run`` in ``root`` (a full save: every
-    chunk written). The step must be free. ``metadata`` adds to what the source gives."""
+    chunk written). The step must be free. ``metadata`` adds to what the source gives.
+
+    An export made despite a failed validation (it carries the verdict) is refused unless
+    ``allow_failed``; then the verdict goes into the new commit's metadata
+    (``import.failed_validation``) and becomes its validation verdict, failed, so export and
+    promotion refuse it and selection passes it over until it is validated again."""
     fmt.validate_run(run)
     fmt.validate_step(step)
     source = os.path.abspath(os.fspath(src))
-    read = read_source(source, format)
-    chosen, state = read.format, read.state
+    chosen = detect_format(source) if format == "auto" else format
+    failed = carried_failed_validation(source, chosen)  # before a tensor is read
+    if failed is not None and not allow_failed:
+        when, problems = describe_verdict(failed)
+        raise FailedValidationError(
+            f"{source} was exported despite a failed validation verdict (recorded {when}: {problems}); importing it "
+            "as a clean checkpoint would let it pass for a validated model. Refused: import another export, or "
+            "pass --allow-failed (allow_failed=True) to import it with the verdict, which keeps it refused by "
+            "export and promotion until it is validated again"
+        )
     lossy = carried_lossy(source, chosen)
+    read = read_source(source, chosen)
+    state = read.state
     record: dict[str, Any] = {"format": chosen, "source": source, **({"unsaved": read.unsaved} if read.unsaved else {})}
+    if failed is not None:
+        record["failed_validation"] = failed
     meta = {**read.metadata, **(metadata or {}), "import": record}
     with Checkpointer(root, run=run, chunk_bytes=chunk_bytes, codec=codec, local=True) as ck:
         try:
             saved = ck.save(step, state, metadata=meta, kind="full", rng=False, lossy=lossy)
         except UnsupportedStateError as e:
             raise UnsupportedStateError(f"importing {source} ({chosen}): {e}") from None
-    assert isinstance(saved, SaveResult) and saved.info is not None  # blocking, and its own coordinator
-    info = saved.info
+        assert isinstance(saved, SaveResult) and saved.info is not None  # blocking, and its own coordinator
+        info = saved.info
+        if failed is not None:
+            _record_carried_verdict(ck.store, Subject(run, step, info.digest), source, failed)
     return ImportResult(
         run=run,
         step=step,
@@ -327,7 +293,16 @@ def import_checkpoint(
         digest=info.digest,
         lossy=lossy,
         unsaved=read.unsaved,
+        failed_validation=failed,
     )
+
+
+def _record_carried_verdict(store: Store, subject: Subject, source: str, failed: dict) -> None:
+    """The new commit's validation verdict: failed, as the one its source was exported despite.
+    Written right after the commit, before anything (the landing sensor) validates it."""
+    when, problems = describe_verdict(failed)
+    problem = f"imported from {source}, exported despite a failed validation (recorded {when}): {problems}"
+    write_record(store, subject, "validation", {"ok": False, "problems": [problem], "imported": failed})
 
 
 def _count_tensors(tree: Any) -> int:

@@ -20,6 +20,7 @@ from ckptflow.errors import CkptflowError
 # trillion-parameter MoE with its optimizer's moments); each name costs the import and its save
 # kilobytes of memory whatever its size, while a source names one in tens of bytes or fewer.
 MAX_NAMES = 1 << 20
+MAX_JSON_BYTES = 64 << 20  # a config.json or sidecar an import or export reads
 
 
 def check_regular_file(path: str | os.PathLike, *, error: type[CkptflowError] = CkptflowError) -> None:

@@ -32,6 +32,7 @@ TIED_KEY = "ckptflow.tied"  # header metadata: {dropped name: kept name} for ten
 LOSSY_KEY = "ckptflow.chunks.lossy"  # header metadata: the lossy copy's ``lossy`` record (JSON) it was exported from
 LOSSY_CONFIG_KEY = "ckptflow_lossy"  # config.json: the same record (transformers' save_pretrained keeps it)
 FAILED_KEY = "ckptflow.failed_validation"  # header metadata: the failed verdict it was exported despite (JSON)
+FAILED_CONFIG_KEY = "ckptflow_failed_validation"  # config.json: the same verdict (save_pretrained keeps it)
 
 _DTYPE_NAMES = {
     torch.float64: "F64",

@@ -34,6 +34,7 @@ from ckptflow.interop.export.architecture import Architecture, check_fits, drop_
 from ckptflow.interop.export.card import Lineage, render
 from ckptflow.interop.export.files import (
     DISK,
+    FAILED_CONFIG_KEY,
     FAILED_KEY,
     LOSSY_CONFIG_KEY,
     LOSSY_KEY,
@@ -183,6 +184,8 @@ def prepare(
             config[LOSSY_CONFIG_KEY] = admitted.lossy
     if admitted.failed_validation is not None:
         extra[FAILED_KEY] = json.dumps(admitted.failed_validation, sort_keys=True)
+        if config is not None:
+            config[FAILED_CONFIG_KEY] = admitted.failed_validation
     metadata = lineage_metadata(run, step, manifest.digest, options.key, **extra)
     return Prepared(
         tensors=tensors,
