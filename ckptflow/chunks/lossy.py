@@ -110,6 +110,7 @@ class LossStats:
     sq_err: dict[str, float] = field(default_factory=dict)
     sq_ref: dict[str, float] = field(default_factory=dict)
     max_abs: dict[str, float] = field(default_factory=dict)
+    kept_exact: list[str] = field(default_factory=list)  # tensors with a chunk int8 could not hold: NaN or inf
 
     def add(self, what: str, exact: np.ndarray, stored: np.ndarray) -> None:
         """Add one chunk's errors. A NaN or infinity stored as it was costs nothing; a value
@@ -144,10 +145,19 @@ def _relative(sq_err: float, sq_ref: float) -> float:
     return 0.0 if sq_err == 0 else math.inf
 
 
-def encode_lossy(raw: memoryview, how: str, stats: LossStats, what: str) -> tuple[np.ndarray, list]:
-    """(the values the copy stores, their encoded chunk) for one fp32 chunk, rounded
-    ``how`` ("bf16" or "int8"); the error against ``raw`` goes into ``stats``."""
+def encode_lossy(raw: memoryview, how: str, stats: LossStats, what: str, *, name: str) -> tuple[np.ndarray, list]:
+    """(the values the copy stores, their encoded chunk) for one fp32 chunk of tensor
+    ``name``, rounded ``how`` ("bf16" or "int8"); the error against ``raw`` goes into ``stats``.
+
+    A chunk holding a NaN or an infinity is kept exact under int8 (named in
+    ``stats.kept_exact``): its block's absmax scale would be NaN or inf, which turns every
+    value of the block into NaN or garbage, a loss no scale can bound. bf16 keeps them as they are."""
     exact = np.frombuffer(raw, dtype="<f4")
+    if how == "int8" and not np.isfinite(exact).all():
+        if name not in stats.kept_exact:
+            stats.kept_exact.append(name)
+        stats.add(what, exact, exact)
+        return exact, codecs.encode(raw, "zstd", exact.itemsize, floating=True)
     if how == "bf16":
         import torch  # only where weights are rounded: the Dagster code location loads this module
 
@@ -183,6 +193,8 @@ def describe(lossy: Mapping[str, Any]) -> str:
         parts.append(f"optimizer moments in 8-bit blocks of {lossy.get('block', Q8_BLOCK)}")
     if lossy.get("dropped"):
         parts.append(f"{', '.join(lossy['dropped'])} dropped")
+    if lossy.get("kept_exact"):
+        parts.append(f"{len(lossy['kept_exact'])} tensors holding NaN or inf kept exact")
     return "; ".join(parts) or "nothing (exact)"
 
 

@@ -92,7 +92,7 @@ def write_lossy_copy(
                 parts: Callable[[], list] = partial(codecs.encode, raw, "zstd", itemsize, floating=floating)
                 written, again = _store(target, digest, raw, parts)
             else:
-                values, encoded = encode_lossy(raw, how, stats, what)
+                values, encoded = encode_lossy(raw, how, stats, what, name=item.fqn)
                 if (
                     dst.writes_cold
                     and bytes(decode(b"".join(bytes(p) for p in encoded), expected=values.nbytes)) != values.tobytes()
@@ -115,6 +115,7 @@ def write_lossy_copy(
         "dropped": dropped,
         "tensors": counts,
         "error": stats.as_dict(),
+        **({"kept_exact": stats.kept_exact} if stats.kept_exact else {}),
         "source_digest": manifest.digest,
         "source_logical_bytes": manifest.stats.logical_bytes,
     }
