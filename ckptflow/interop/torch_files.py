@@ -13,18 +13,27 @@ file. Two formats reach it:
   before reading the data, and fills only the storages its trailing key list names: a
   crafted file yields tensors of uninitialised memory, which an import would commit as
   weights. It is refused: re-save such a file with a current PyTorch.
+
+Nor does the zip's size bound the tensors its pickle makes: an empty view of a shared
+storage costs ~76 bytes of pickle and ~1.5 KB once built (300,000 took torch.load 10 s and
+470 MB, ``mmap=True`` the same). The pickle's calls are counted first (``MAX_CALLS``).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickletools
 import zipfile
 
 from ckptflow.errors import CkptflowError
-from ckptflow.interop.source_files import check_regular_file
+from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
+_CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
+# torch.save makes two calls per tensor (its rebuild, its hooks' OrderedDict), so a file of MAX_NAMES
+# tensors passes; one that shares the OrderedDict builds at most twice as many tensors
+MAX_CALLS = 2 * MAX_NAMES
 
 
 def check_plain_zip(
@@ -43,6 +52,7 @@ def check_plain_zip(
             size, archive = os.path.getsize(source), zipfile.ZipFile(source)
         with archive:
             entries = archive.infolist()
+            calls = [_calls(archive, e) for e in entries if e.filename.rpartition("/")[2] == "data.pkl"]
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
         raise error(_not_zip(what, str(e))) from None
     if head != ZIP_MAGIC:  # zipfile finds a zip appended to other bytes; torch.load would read those
@@ -56,6 +66,25 @@ def check_plain_zip(
     declared = sum(entry.file_size for entry in entries)
     if declared > size:
         raise error(f"{what} declares {declared} bytes of entries in its {size} bytes; it is damaged or crafted")
+    if sum(calls) > MAX_CALLS:
+        raise error(
+            f"{what} builds more objects by calls (a tensor is one) than the {MAX_CALLS} a file of "
+            f"{MAX_CALLS // 2} tensors makes, the most one import takes; refused before torch.load builds them "
+            "(each costs memory whatever its size, an empty view too). Import it in parts, each a checkpoint of its own"
+        )
+
+
+def _calls(archive: zipfile.ZipFile, entry: zipfile.ZipInfo) -> int:
+    """How many objects the pickle ``entry`` builds by a call (counted up to one past
+    ``MAX_CALLS``), read opcode by opcode (``pickletools.genops`` runs nothing): each tensor
+    ``torch.load`` makes is one, so the count bounds them before a single one is built."""
+    count = 0
+    with archive.open(entry) as f:
+        for op, _, _ in pickletools.genops(f):
+            count += op.name in _CALL_OPCODES
+            if count > MAX_CALLS:
+                break
+    return count
 
 
 def _not_zip(what: str, why: str) -> str:

@@ -100,3 +100,26 @@ def test_a_torch_file_of_too_many_tensors_is_refused_before_it_is_saved(tmp_path
     monkeypatch.setattr(importers.Checkpointer, "save", lambda *a, **k: pytest.fail("saved"))
     with pytest.raises(CkptflowError, match="many.pt names 101 tensors, more than the 100 one import takes"):
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "many.pt")
+
+
+def test_a_torch_file_is_counted_from_its_pickle_before_torch_load_builds_anything(tmp_path, monkeypatch):
+    """The count after ``torch.load`` came too late: 300,000 empty views of one storage (23 MB
+    of .pt) took torch.load 10 s and 470 MB (mmap=True the same: the cost is the tensor
+    objects, not their bytes), and 2^20 of them 80 MB of file, 1.6 GB and 35 s, before the
+    import refused them. The pickle's calls are counted opcode by opcode first (torch.save
+    makes two per tensor). The bound lowered to 100 tensors: writing a million takes minutes."""
+    from ckptflow.interop import torch_files
+
+    monkeypatch.setattr(torch_files, "MAX_CALLS", 200, raising=False)
+    base = torch.zeros(1)
+    torch.save({hex(i): base[0:0] for i in range(101)}, tmp_path / "views.pt")
+    torch.save({hex(i): base[0:0] for i in range(100)}, tmp_path / "fits.pt")
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load reached"))
+    with pytest.raises(
+        CkptflowError, match="views.pt builds more objects by calls .* than the 200 a file of 100 tensors makes"
+    ):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "views.pt")
+    assert not (tmp_path / "store" / "runs").exists()
+    monkeypatch.setattr(torch, "load", real_load)
+    assert importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "fits.pt").tensors == 100
