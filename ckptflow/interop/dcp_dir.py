@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
+from ckptflow.format.sealed import MAX_DEPTH
 from ckptflow.format.tiling import tiling_problem
 from ckptflow.interop.source_files import check_name_count, check_regular_file
 from ckptflow.interop.torch_files import check_plain_zip
@@ -161,10 +162,20 @@ def _check_metadata(md: Any, where: str) -> None:
         raise bad("planner_data is not a map of flattened names to key paths")
     # DCP flattens every element of a list to at least one item, so a list index is below
     # the number of items; a larger one would only allocate (or, negative, fail) rebuilding
+    # the index, so the lists' lengths, and how deep a path goes bound what rebuilding makes: a
+    # path of 100,000 indexes 999 among 1,000 items, 300 KB of metadata, made 10^8 list slots
     items = len(md.state_dict_metadata)
+    slots: dict[tuple, int] = {}  # each list rebuilding makes (its path) -> its length
     for fqn, path in (paths or {}).items():
+        if len(path) > MAX_DEPTH:
+            raise bad(f"the saved path of {fqn!r} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests")
         if any(isinstance(k, int) and not 0 <= k < items for k in path):
             raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
+        for depth, key in enumerate(path):
+            if isinstance(key, int):
+                slots[path[:depth]] = max(slots.get(path[:depth], 0), key + 1)
+    if sum(slots.values()) > items * MAX_DEPTH:  # DCP stores at least one item per element of every list
+        raise bad(f"its saved paths make lists of {sum(slots.values())} elements in all, for {items} items")
 
 
 def _piece_offsets(index: dcp_metadata.MetadataIndex, item: dcp_metadata.TensorStorageMetadata) -> tuple[int, ...]:

@@ -260,3 +260,17 @@ def test_import_refuses_a_committed_step_and_changes_nothing(tmp_path):
     with Checkpointer(store, run="r") as ck:
         result, state = ck.load()
     assert torch.equal(state["w"], torch.ones(3)) and ck.list()[0].digest == first.digest
+
+
+def test_a_saved_path_deeper_than_any_state_is_refused_before_anything_is_built(tmp_path):
+    """Each list index was bounded by the number of items, but not how many lists a path
+    makes: 1,000 names with one path 100,000 indexes deep (index 999 each) would rebuild
+    10^8 list slots (800 MB) from 300 KB of metadata."""
+    directory = tmp_path / "dcp"
+    dcp.save({"a": [torch.ones(1) for _ in range(1000)]}, storage_writer=FileSystemWriter(str(directory)), no_dist=True)
+    md = pickle.loads((directory / ".metadata").read_bytes())
+    md.planner_data["a.0"] = ("a", *([999] * 100_000))
+    (directory / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(DcpFormatError, match=r"'a\.0' is 100001 keys deep, more than the 128"):
+        import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+    assert not (tmp_path / "store" / "runs").exists()
