@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -242,12 +243,20 @@ def _current(
         return None, None
     full_steps = sorted({m.step for m in manifests if m.kind == "full"})
     if len(full_steps) >= 2:  # the policy's mix, not skewed by where the history starts and ends
-        cycles = len({s for s in steps if full_steps[0] <= s < full_steps[-1]}) / (len(full_steps) - 1)
-        every = model.whole_full_every(cycles)
+        every = model.whole_full_every(_checkpoints_per_cycle(sorted(set(steps)), full_steps))
     else:
         every = model.whole_full_every(len(set(steps)) / len(full_steps)) if full_steps else model.MAX_FULL_EVERY
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     return model.evaluate_steps(inputs, _median(gaps)), every
+
+
+def _checkpoints_per_cycle(steps: list[int], full_steps: list[int]) -> float:
+    """Checkpoints per full over the whole cycles between ``full_steps``, but those held to
+    their full alone where others hold incrementals: retention keeps fulls longer than
+    incrementals (30 days against 7 by default), so a thinned cycle says nothing of the mix."""
+    counts = [bisect_left(steps, end) - bisect_left(steps, start) for start, end in zip(full_steps, full_steps[1:])]
+    mixed = [n for n in counts if n > 1] or counts
+    return sum(mixed) / len(mixed)
 
 
 def _median(values: list[float] | list[int]) -> float:

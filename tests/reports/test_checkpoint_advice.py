@@ -10,6 +10,8 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.recovery_log import read_all
 from ckptflow.errors import CkptflowError
 from ckptflow.policy.interval import SCENARIOS
+from ckptflow.policy.retention import DAY, default_policy
+from ckptflow.reports import inventory
 from ckptflow.reports.advice import DEFAULT_SCENARIO, MIN_FAILURES, advise
 from support.cli import run_cli
 from support.states import RUN, tiny_state, tiny_train
@@ -208,3 +210,30 @@ def test_the_current_mix_is_the_checkpoints_per_full_cycle_the_run_made(
     (optimal,) = [line.split() for line in out.splitlines() if line.startswith("optimal")]
     assert code == 0 and current[4] == str(saves_per_full), out  # FULL EVERY, after the 3 words of TIME
     assert optimal[4] == str(advice.full_every) == str(advice.inputs.full_every), out  # shown as priced
+
+
+def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, capsys):
+    """Retention keeps fulls longer than incrementals (30 days against 7 by default), so the
+    older cycles of a run past a week hold their full alone. Counted over every cycle, a run
+    saving every 2 steps with a full every 10 (5 checkpoints a cycle) read as a full every 2
+    once its first 70 steps were thinned, and its current interval was priced at that mix.
+    A cycle thinned to its full says nothing of the mix: it is left out."""
+    root = str(tmp_path)
+    state = tiny_state()
+    with Checkpointer(root, RUN, policy=SavePolicy(full_every=10, incremental_every=2)) as ckpt:
+        for step in range(101):
+            tiny_train(state)
+            ckpt.save(step, state)
+    store = open_store(root)
+    assert advise(store, RUN).current_full_every == 5
+    entries = inventory.collect(store)
+    week_before = {e.step: e.created_at for e in entries}[70] + 7 * DAY  # steps past 70 are the last week's
+    plan = inventory.retention_plan(entries, week_before, policy=default_policy(best_k=0))
+    assert sorted(step for _, step in plan.delete) == [s for s in range(0, 70, 2) if s % 10], plan.delete
+    for run, step in plan.delete:
+        lifecycle.expire(store, run, step)
+    advice = advise(store, RUN)
+    assert advice.current_full_every == 5 and advice.current is not None and advice.current.interval_steps == 2
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
+    (current,) = [line.split() for line in out.splitlines() if line.startswith("current")]
+    assert code == 0 and current[4] == "5", out  # FULL EVERY, after the 3 words of TIME
