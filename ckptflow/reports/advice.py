@@ -233,11 +233,13 @@ def _current(
     step_time: float | None,
     notes: list[str],
 ) -> tuple[model.IntervalCost | None, int | None]:
-    """The run's interval now: the median step gap between commits (2.5 steps, said so), and
-    its full/incremental mix: the checkpoints per full over its whole full cycles (fulls every
-    9 steps, saves every 2: 5 a cycle, where the gaps' ratio 4.5 is neither)."""
+    """The run's interval now: the median step gap between commits (2.5 steps, said so) over
+    the history as the run made it (``_as_made``), and its full/incremental mix: the
+    checkpoints per full over its whole full cycles (fulls every 9 steps, saves every 2: 5 a
+    cycle, where the gaps' ratio 4.5 is neither)."""
     steps = sorted(m.step for m in manifests)
-    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    recent = _as_made(steps, manifests)
+    gaps = [b - a for a, b in zip(recent, recent[1:]) if b > a]
     if not gaps or step_time is None:
         notes.append("the current interval is not known yet (needs two commits and a measured step time)")
         return None, None
@@ -248,6 +250,19 @@ def _current(
         every = model.whole_full_every(len(set(steps)) / len(full_steps)) if full_steps else model.MAX_FULL_EVERY
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     return model.evaluate_steps(inputs, _median(gaps)), every
+
+
+def _as_made(steps: list[int], manifests: list[Manifest]) -> list[int]:
+    """``steps`` from the full before the oldest incremental held on: retention keeps fulls
+    longer than incrementals (30 days against 7 by default), so the older history holds its
+    fulls alone, and its gaps (a full cycle each) would outnumber the run's own gaps once the
+    thinned part is the longer (saves every step, a full every 2: read as every 2 steps)."""
+    incremental = [m.step for m in manifests if m.kind == "incremental"]
+    if not incremental:
+        return steps
+    oldest = min(incremental)
+    start = max((m.step for m in manifests if m.kind == "full" and m.step <= oldest), default=oldest)
+    return [s for s in steps if s >= start]
 
 
 def _checkpoints_per_cycle(steps: list[int], full_steps: list[int]) -> float:

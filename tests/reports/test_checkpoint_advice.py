@@ -237,3 +237,28 @@ def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, c
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
     (current,) = [line.split() for line in out.splitlines() if line.startswith("current")]
     assert code == 0 and current[4] == "5", out  # FULL EVERY, after the 3 words of TIME
+
+
+def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_interval(tmp_path):
+    """The current interval is the run's gap between commits now. A run saving every step
+    with a full every 2 has, once retention expired the incrementals older than a week,
+    gaps of 2 over its thinned past and of 1 over its last week: the median over the whole
+    history read 1.5 steps (or 2 as the thinned past grows). Only the history from the
+    full before its oldest held incremental on is as the run made it."""
+    root = str(tmp_path)
+    state = tiny_state()
+    with Checkpointer(root, RUN, policy=SavePolicy(full_every=2, incremental_every=1)) as ckpt:
+        for step in range(101):
+            tiny_train(state)
+            ckpt.save(step, state)
+    store = open_store(root)
+    assert advise(store, RUN).current.interval_steps == 1
+    entries = inventory.collect(store)
+    week_before = {e.step: e.created_at for e in entries}[80] + 7 * DAY  # steps past 80 are the last week's
+    plan = inventory.retention_plan(entries, week_before, policy=default_policy(best_k=0))
+    assert sorted(step for _, step in plan.delete) == list(range(1, 80, 2)), plan.delete
+    for run, step in plan.delete:
+        lifecycle.expire(store, run, step)
+    advice = advise(store, RUN)
+    assert advice.current is not None and advice.current.interval_steps == 1
+    assert advice.current_full_every == 2
