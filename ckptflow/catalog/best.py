@@ -25,7 +25,7 @@ from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.selectors import Best, describe
 from ckptflow.catalog.verdicts import Unread
 from ckptflow.format import layout as fmt
-from ckptflow.policy.scores import is_score, one_scale, scales, scores
+from ckptflow.policy.scores import is_score, one_scale, scale_of, scales, scores
 from ckptflow.store.base import Store
 
 Metadata = Mapping[str, Mapping[str, Any]]  # a commit's manifest metadata, by its digest
@@ -85,14 +85,22 @@ def choose_best(
         if stop := stops_at(stores, run, step, held[step], ranking, known):
             return Choice(describe(select), [], stop=stop)
     figures: dict[tuple[int, str], Mapping[str, float]] = {}  # (step, digest): its figures by scale
+    holders: set[tuple[int, str]] = set()  # the commits a tier may hold: they choose the scale
     for step in held:
         recorded = by_step.get(step, {})
-        there = {known[(step, i)] for i in held[step] if (step, i) in known} - {NEWER_COMMIT}
+        tiers = [known.get((step, i), NEWER_COMMIT) for i in held[step]]
+        there = set(tiers) - {NEWER_COMMIT}
+        unknown = NEWER_COMMIT in tiers  # a tier whose commit is not known may hold any recorded one
         for digest in set(recorded) | there:
             kinds = recorded.get(digest, {})
             if kinds.get("validation", {}).get("ok") is not False:
                 figures[(step, digest)] = scales(metadata.get(digest, {}), kinds).get(select.metric) or {}
-    on_scale, left_out = one_scale(figures)
+            if unknown or digest in there:
+                holders.add((step, digest))
+    # an evaluation of a commit replaced since scores nothing a tier holds: counted, it chose
+    # its evaluator's scale and every commit there was passed over as on another
+    scale = scale_of({key: by for key, by in figures.items() if key in holders})
+    on_scale, left_out = one_scale(figures, scale=scale)
     scored: list[tuple[float, int, int]] = []  # (the score of the commit a tier holds, step, tier index)
     passed: list[tuple[int, str]] = []
     commits: dict[tuple[int, int], frozenset[str]] = {}

@@ -78,13 +78,22 @@ def scales(metadata: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]]
     return out
 
 
-def one_scale(figures: Mapping[K, Mapping[str, float]]) -> tuple[dict[K, float], dict[K, str]]:
-    """The candidates ranked (``figures``: each one's figures of one metric by scale, from
-    ``scales``) on the one scale they share, with their figure on it; and why each other is
-    left out. The scale is the evaluator's that scored the most of them (a tie: the first
+def scale_of(figures: Mapping[K, Mapping[str, float]]) -> str:
+    """The scale candidates are ranked on (``figures``: each one's figures of one metric by
+    scale, from ``scales``): the evaluator's that scored the most of them (a tie: the first
     by name, so every reader takes the same), else the trainer's."""
     counts = Counter(scale for by in figures.values() for scale in by if scale != TRAINER)
-    chosen = min(counts, key=lambda scale: (-counts[scale], scale)) if counts else TRAINER
+    return min(counts, key=lambda scale: (-counts[scale], scale)) if counts else TRAINER
+
+
+def one_scale(
+    figures: Mapping[K, Mapping[str, float]], *, scale: str | None = None
+) -> tuple[dict[K, float], dict[K, str]]:
+    """The candidates ranked (``figures``, as ``scale_of`` takes them) on the one scale they
+    share, with their figure on it; and why each other is left out. ``scale``: the one
+    ``scale_of`` chose among some of them (``Best``: the commits the tiers hold, not a record
+    of a commit replaced since); None: among all."""
+    chosen = scale_of(figures) if scale is None else scale
     ranked = {key: by[chosen] for key, by in figures.items() if chosen in by}
     left_out = {
         key: f"scored on {' and '.join(sorted(by))} only, not on {chosen}, which the others are ranked on"

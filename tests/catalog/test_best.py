@@ -17,7 +17,7 @@ from ckptflow.store import open_store
 from support.cli import run_cli
 from support.corrupt import flip_byte, manifest_path
 from support.faulty_store import FaultyStore
-from support.selection_runs import make
+from support.selection_runs import damage, make
 from support.states import model_at
 
 LATER = time.time() + 100 * DAY  # every checkpoint is old: only best-K (and the never-delete rules) keeps one
@@ -97,3 +97,28 @@ def test_a_best_restore_rewrites_no_index_it_did_not_change(tmp_path):
     before = len(counted.log)
     assert best() == 2 and best() == 2
     assert [key for _, op, key in counted.log[before:] if key.startswith(PREFIX)] == []
+
+
+def test_an_evaluation_of_a_commit_no_tier_holds_chooses_no_scale(tmp_path):
+    """Step 2's first commit was evaluated (0.1), rotted and was committed again (its trainer:
+    0.3); nothing else is evaluated. Best counted the evaluation of the commit no tier holds,
+    chose its evaluator's scale, passed over step 1 ("scored on the trainer's figures only")
+    and the new step 2 (its scored commit is not there): restore found no best while
+    retention and promotion, ranking the commits held, took step 2 by its trainer's 0.3."""
+    root, store = make(tmp_path, steps=(1, 2), val_loss={1: 0.5, 2: 0.2}.get)
+    for step in (1, 2):
+        assert lifecycle.validate(store, "r", step)["ok"]
+    lifecycle.evaluate(store, store, "r", 2, lambda tensors, info: {"val_loss": 0.1})
+    damage(root, 2)
+    with Checkpointer(root, "r", chunk_bytes=256) as ck:
+        assert ck.restore({"model": model_at(0)}).step == 1
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.3})
+    assert lifecycle.validate(store, "r", 2)["ok"]
+    entries = inventory.collect(store)
+    plan = inventory.retention_plan(entries, LATER, policy=KeepBestK("val_loss", k=1))
+    assert any("best 1 of 2" in why for why in plan.keep[("r", 2)])
+    assert choose_checkpoint(entries, "val_loss", "min").step == 2
+    with Checkpointer(root, "r") as ck:
+        assert ck.restore({"model": model_at(0)}, select=Best("val_loss", "min")).step == 2
+    [row] = inventory.recovery_choices(store, entries)
+    assert row["best"] == 2
