@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ckptflow.errors import (
     CkptflowError,
@@ -37,9 +37,6 @@ class Problem:
     step: int | None
     kind: str
     message: str
-    # the error it was classified from (``problem_from``), for what decides by it, such as
-    # whether a retry may read it (``errors.retrying_may_help``); None where none was raised
-    error: BaseException | None = field(default=None, compare=False, repr=False)
 
     KINDS = (
         "corrupt", "too_big", "cold", "denied", "symlink", "loop", "unavailable", "bad_name", "not_a_directory",
@@ -106,7 +103,7 @@ def problem_from(run: str, step: int | None, error: BaseException) -> Problem:
     else:
         kind = "unreadable"
     message = str(error) if isinstance(error, CkptflowError) else f"{type(error).__name__}: {error}"
-    return Problem(run, step, kind, message, error)
+    return Problem(run, step, kind, message)
 
 
 def run_names(store: Store) -> list[str]:

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog.listing import Problem, StepListing, listing
+from ckptflow.catalog.listing import Problem, StepListing, listing, problem_from
 from ckptflow.chunks import damaged
-from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError, retrying_may_help
+from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.evaluate import commit_digest
 from ckptflow.lifecycle.validate import validate
@@ -110,14 +110,14 @@ def _scrub(
             if item.kind == "corrupt" and item.step is not None:
                 report.corrupt.append((item.run, item.step, item.message))
             else:
-                _unread(report, item.error, str(item))
+                _unread(report, item.kind, str(item))
             continue
         if item.created_at >= cutoff:
             continue
         try:
             record = validate(store, item.run, item.step, records=records, progress=progress)
         except (StoreUnavailableError, NewerFormatError) as e:  # newer: committed meanwhile by a newer writer
-            _unread(report, e, str(e))
+            _unread(report, problem_from(item.run, item.step, e).kind, str(e))
             continue
         report.checked += 1
         report.bytes_checked += record["bytes_checked"]
@@ -128,12 +128,8 @@ def _scrub(
     return report
 
 
-def _unread(report: ScrubReport, error: BaseException | None, what: str) -> None:
-    """List a checkpoint scrub could not read, by whether reading it again later may: an
-    outage may pass (``unreadable``, retried); a newer format or a cold object does not."""
-    if isinstance(error, NewerFormatError):
-        report.newer.append(what)
-    elif error is None or retrying_may_help(error):
-        report.unreadable.append(what)
-    else:
-        report.cold.append(what)
+def _unread(report: ScrubReport, kind: str, what: str) -> None:
+    """List a checkpoint scrub could not read by its problem's ``kind`` (``listing.problem_from``):
+    a newer format (``newer``) and a cold object (``cold``: it reads once thawed) apart, since no
+    retry reads them; anything else (an outage, a link, a refused record) as ``unreadable``."""
+    {"newer": report.newer, "cold": report.cold}.get(kind, report.unreadable).append(what)

@@ -115,3 +115,22 @@ def test_a_cold_object_in_the_hot_tier_is_reported_cold_and_the_scrub_goes_on(s3
     assert "GLACIER" in cold and "ckptflow thaw" in cold
     assert lifecycle.read_record(store, lifecycle.Subject.of(one), "validation") is None
     assert lifecycle.read_record(store, lifecycle.Subject.of(two), "validation")["ok"] is True
+
+
+def test_only_a_cold_object_is_listed_cold(tmp_path):
+    """Step 1's commit record is a symbolic link (a layout ckptflow never writes nor follows):
+    no retry and no thaw reads it. Scrub listed it as ``cold`` for no retry helping (every
+    error but an outage, by ``errors.retrying_may_help``), so the scrub job failed saying it
+    "has an object in a cold storage class ... thaw them". A checkpoint is cold only for a
+    cold object (the problem's kind ``cold``); this one is unreadable, as before."""
+    root = tmp_path / "hot"
+    with Checkpointer(str(root), "r") as ck:
+        ck.save(1, {"model": _model(1)})
+        ck.save(2, {"model": _model(2)})
+    manifest = root / fmt.manifest_key("r", 1)
+    manifest.rename(tmp_path / "elsewhere.json")
+    manifest.symlink_to(tmp_path / "elsewhere.json")
+    report = lifecycle.scrub(open_store(str(root)), older_than_s=0)
+    assert report.cold == [] and report.checked == 1
+    [unread] = report.unreadable
+    assert "symbolic link" in unread
