@@ -89,52 +89,52 @@ def failed_steps(instance: DagsterInstance, run_id: str) -> list[tuple[str, str]
 
 
 class TickRuns:
-    """The instance's runs as one tick reads them, each read once: a partition's runs (by its
-    tag and by a one-partition range, in the instance's order), and the lifecycle records a
-    run's succeeded steps wrote. Without it, each failure of a tick read the events of every
-    run of its partition begun after it: O(failures x later runs) reads of the event log."""
+    """What one tick reads of the instance's runs: each finished run's step successes once,
+    however many failures of its partition the tick records (each failure read the events of
+    every run of its partition begun after it: O(failures x later runs) reads of the event
+    log). A failure's partition's runs, and the successes of a run not finished, are read for
+    that failure: a run may begin, or a step of it succeed, while a tick goes on (200 failures,
+    each with reads of the store), and a record written by a run the failure's record does not
+    count as later would read as standing at the failure (read once at the tick's first
+    failure, a re-run's evaluation left the failures recorded after it open for good)."""
 
     def __init__(self, instance: DagsterInstance):
         self.instance = instance
-        self._runs: dict[str, list[RunRecord]] = {}
         self._written: dict[str, set[str | None]] = {}
 
-    def of_partition(self, key: str) -> list[RunRecord]:
-        """The runs of checkpoint partition ``key``, by storage id (the instance's order)."""
-        if key not in self._runs:
-            found = {
-                record.dagster_run.run_id: record
-                for tags in ({PARTITION_TAG: key}, dict.fromkeys(RANGE_TAGS, key))
-                for record in self.instance.get_run_records(RunsFilter(tags=tags))
-            }
-            self._runs[key] = sorted(found.values(), key=lambda record: record.storage_id)
-        return self._runs[key]
-
-    def record_of(self, run: DagsterRun) -> RunRecord | None:
+    def around(self, run: DagsterRun) -> tuple[RunRecord | None, list[RunRecord]]:
+        """``run``'s record and the runs of its checkpoint partition begun after it (a greater
+        storage id: the instance's order, no clock), read now: by its tag and by a
+        one-partition range."""
         key = partition_of(run)
-        found = [r for r in self.of_partition(key) if r.dagster_run.run_id == run.run_id] if key else []
-        return found[0] if found else self.instance.get_run_record_by_id(run.run_id)
+        found = {
+            record.dagster_run.run_id: record
+            for tags in (({PARTITION_TAG: key}, dict.fromkeys(RANGE_TAGS, key)) if key else ())
+            for record in self.instance.get_run_records(RunsFilter(tags=tags))
+        }
+        failed = found.get(run.run_id) or self.instance.get_run_record_by_id(run.run_id)
+        if failed is None:
+            return None, []
+        later = [r for r in found.values() if r.storage_id > failed.storage_id]
+        return failed, sorted(later, key=lambda record: record.storage_id)
 
-    def begun_after(self, run: DagsterRun) -> list[RunRecord]:
-        """The runs of ``run``'s partition begun after it (a greater storage id, no clock)."""
-        key, failed = partition_of(run), self.record_of(run)
-        if not key or failed is None:
-            return []
-        return [r for r in self.of_partition(key) if r.storage_id > failed.storage_id]
-
-    def written_by(self, run_id: str) -> set[str | None]:
-        """The lifecycle records the run's succeeded steps wrote (``STEP_RECORDS``)."""
-        if run_id not in self._written:
-            self._written[run_id] = {
-                STEP_RECORDS.get(entry.dagster_event.step_key or "")
-                for entry in self.instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS)
-                if entry.dagster_event is not None
-            }
-        return self._written[run_id]
+    def written_by(self, record: RunRecord) -> set[str | None]:
+        """The lifecycle records the run's succeeded steps wrote (``STEP_RECORDS``); kept for
+        the tick once the run had finished when ``record`` was read (it logs no more)."""
+        run_id = record.dagster_run.run_id
+        if run_id in self._written:
+            return self._written[run_id]
+        written = {
+            STEP_RECORDS.get(entry.dagster_event.step_key or "")
+            for entry in self.instance.all_logs(run_id, of_type=DagsterEventType.STEP_SUCCESS)
+            if entry.dagster_event is not None
+        }
+        if record.dagster_run.is_finished:
+            self._written[run_id] = written
+        return written
 
 
-def started_at(runs: TickRuns, run: DagsterRun) -> float | None:
-    record = runs.record_of(run)
+def started_at(record: RunRecord | None) -> float | None:
     return None if record is None else record.start_time or record.create_timestamp.timestamp()
 
 
@@ -145,9 +145,9 @@ def made_good_by(steps: list[tuple[str, str]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in kinds if k)) if kinds and all(kinds) else ()
 
 
-def made_good_already(runs: TickRuns, run: DagsterRun, kinds: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """Those of ``kinds`` each run of the same checkpoint partition begun after ``run`` (a
-    greater run storage id: the instance's order, no clock) wrote by now, a step of it that
+def made_good_already(runs: TickRuns, later: list[RunRecord], kinds: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Those of ``kinds`` each run of ``later`` (the runs of the failed run's checkpoint
+    partition begun after it: ``TickRuns.around``) wrote by now, a step of it that
     writes one having succeeded, by the commit that run was about (its digest tag; one
     without the tag is left out: which commit's records it wrote is unknown). The records of
     that commit standing when the failure is recorded late, after such a re-run, are that
@@ -155,10 +155,10 @@ def made_good_already(runs: TickRuns, run: DagsterRun, kinds: tuple[str, ...]) -
     if not kinds:
         return {}
     written: dict[str, set[str | None]] = {}
-    for record in runs.begun_after(run):
+    for record in later:
         digest = record.dagster_run.tags.get(DIGEST_TAG)
         if digest:
-            written.setdefault(digest, set()).update(runs.written_by(record.dagster_run.run_id))
+            written.setdefault(digest, set()).update(runs.written_by(record))
     return {digest: tuple(k for k in kinds if k in done) for digest, done in written.items()}
 
 
@@ -171,17 +171,18 @@ def record_failure(
     instance = runs.instance
     steps = failed_steps(instance, run.run_id)
     kinds = made_good_by(steps)
+    record, later = runs.around(run)
     failed = attribution.FailedRun(
         run.run_id,
         run.job_name,
         steps,
         checkpoint=partition_of(run),
         digest=run.tags.get(DIGEST_TAG),
-        started_at=started_at(runs, run),
+        started_at=started_at(record),
         failed_at=failed_at,
         made_good_by=kinds,
-        made_good_already=made_good_already(runs, run, kinds),
-        later_runs=frozenset(record.dagster_run.run_id for record in runs.begun_after(run)),
+        made_good_already=made_good_already(runs, later, kinds),
+        later_runs=frozenset(r.dagster_run.run_id for r in later),
     )
     instance.add_run_tags(run.run_id, {FAILURE_TAG: failed.reason[:300]})
     done = attribution.record_failure(failed, store.open)

@@ -15,7 +15,7 @@ from ckptflow.store import open_store
 from pipelines import demo
 from resources import CheckpointStoreResource, EvaluatorResource
 from sensors import failure_sensor
-from sensors.failures import UNATTRIBUTED_TAG
+from sensors.failures import UNATTRIBUTED_TAG, TickRuns, record_failure
 from support.corrupt import corrupt_chunk, only_in
 from support.dagster import RUN, subject
 from support.faulty_store import FaultyStore
@@ -298,8 +298,9 @@ def counting(monkeypatch, instance, method: str) -> list[tuple]:
 def test_a_tick_reads_each_later_runs_events_once(store_with_checkpoints, resources, instance, monkeypatch):
     """A tick that saw N failures of a partition read the events of every run begun after
     each of them: N failures then one re-run read 4+3+2+1 logs of successes (O(N x later
-    runs)) and queried the partition's runs twice per failure. Now each run's successes are
-    read once per tick, the partition's runs once, and the records are the same."""
+    runs)) and queried the runs three times per failure. Now each finished run's successes
+    are read once per tick, the partition's runs once per failure (a run may begin while the
+    tick goes on), and the records are the same."""
     failed = [evaluation_failed(instance, resources).run_id for _ in range(4)]
     rerun = materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
     assert rerun.success
@@ -308,7 +309,7 @@ def test_a_tick_reads_each_later_runs_events_once(store_with_checkpoints, resour
     tick(instance, resources)
     successes = [call[0] for call in logs if call[-1] == DagsterEventType.STEP_SUCCESS]
     assert sorted(successes) == sorted([*failed[1:], rerun.run_id])  # each later run once
-    assert len(queries) <= 2  # the partition's runs: by its tag, and by a one-partition range
+    assert len(queries) <= 2 * len(failed)  # per failure, its partition's runs: by its tag, and by a range
     recorded = failure(store_with_checkpoints, subject(store_with_checkpoints, 40).digest)
     assert recorded["run_id"] == failed[-1] and recorded["made_good_already"] == ["evaluation"]
     assert needs_attention(store_with_checkpoints) is None
@@ -352,3 +353,23 @@ def test_a_replay_does_not_write_an_older_failure_over_a_later_one(
     tick(instance, resources, "-1")  # replays the first failure only (one a tick)
     assert failure(store_with_checkpoints, digest) == recorded
     assert "failed: evaluation" in needs_attention(store_with_checkpoints)
+
+
+def test_a_re_run_that_succeeds_while_a_tick_goes_on_makes_the_failures_recorded_after_it_good(
+    store_with_checkpoints, resources, instance
+):
+    """Two failures of the commit's evaluation in one tick's backlog; a re-run of it succeeds
+    after the tick recorded the first and before the second (a tick of 200 failures reads the
+    store for minutes). The tick read the partition's runs and their successes once, at the
+    first failure: the second's record saw the re-run's evaluation as standing at the failure
+    and no later run that wrote it, so it needed attention for good though the work was redone.
+    What a failure's record counts is read for that failure, as each was before the cache."""
+    first, second = (evaluation_failed(instance, resources) for _ in range(2))
+    runs = TickRuns(instance)
+    record_failure(runs, instance.get_run_by_id(first.run_id), resources["store"])
+    rerun = materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    assert rerun.success
+    record_failure(runs, instance.get_run_by_id(second.run_id), resources["store"])
+    recorded = failure(store_with_checkpoints, subject(store_with_checkpoints, 40).digest)
+    assert recorded["run_id"] == second.run_id and recorded["made_good_already"] == ["evaluation"]
+    assert needs_attention(store_with_checkpoints) is None
