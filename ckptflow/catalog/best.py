@@ -88,9 +88,9 @@ def choose_best(
     holders: set[tuple[int, str]] = set()  # the commits a tier may hold: they choose the scale
     for step in held:
         recorded = by_step.get(step, {})
-        tiers = [known.get((step, i), NEWER_COMMIT) for i in held[step]]
-        there = set(tiers) - {NEWER_COMMIT}
-        unknown = NEWER_COMMIT in tiers  # a tier whose commit is not known may hold any recorded one
+        holding = [known.get((step, i), NEWER_COMMIT) for i in held[step]]
+        there = set(holding) - {NEWER_COMMIT}
+        unknown = NEWER_COMMIT in holding  # a tier whose commit is not known may hold any recorded one
         for digest in set(recorded) | there:
             kinds = recorded.get(digest, {})
             if kinds.get("validation", {}).get("ok") is not False:
