@@ -249,23 +249,26 @@ def scrub_checkpoints(
             f"{len(unread)} archive-only checkpoint(s) in {arc.url} could not be read ({len(reports['archive'].cold)} "
             f"of them cold: thaw to scrub them; no verdict recorded; the next scrub tries again): {unread[0][:300]}"
         )
-    if reports["hot"].unreadable:
+    cold = (
+        f"{len(reports['hot'].cold)} checkpoint(s) in {hot.url} have an object in a cold storage class, which "
+        "reads only once thawed (hours): no verdict recorded, nothing changed, not retried; thaw them, then "
+        f"scrub again: {reports['hot'].cold[0][:1000]}"
+        if reports["hot"].cold
+        else ""
+    )
+    cold_listed = {"cold": MetadataValue.md("\n".join(f"- {c}" for c in reports["hot"].cold))} if cold else {}
+    if reports["hot"].unreadable:  # retried; a cold object stays cold, so its instruction goes with the failure
         context.log.warning(
             f"{len(reports['hot'].unreadable)} checkpoint(s) in {hot.url} could not be read (no verdict recorded); "
             f"retrying: {reports['hot'].unreadable[0][:300]}"
         )
         raise store.retry_unavailable(context.retry_number) from Failure(
-            f"the store {hot.url} could not be read: {len(reports['hot'].unreadable)} checkpoint(s) not verified",
-            metadata={"unreadable": listed},
+            f"the store {hot.url} could not be read: {len(reports['hot'].unreadable)} checkpoint(s) not verified"
+            + (f"; and {cold}" if cold else ""),
+            metadata={"unreadable": listed, **cold_listed},
         )
-    if reports["hot"].cold:
-        raise Failure(
-            f"{len(reports['hot'].cold)} checkpoint(s) in {hot.url} have an object in a cold storage class, which "
-            "reads only once thawed (hours): no verdict recorded, nothing changed, not retried; thaw them, then "
-            f"scrub again: {reports['hot'].cold[0][:1000]}",
-            metadata={"cold": MetadataValue.md("\n".join(f"- {c}" for c in reports["hot"].cold))},
-            allow_retries=False,
-        )
+    if cold:
+        raise Failure(cold, metadata=cold_listed, allow_retries=False)
     return {tier: {"checked": r.checked} for tier, r in reports.items()}
 
 

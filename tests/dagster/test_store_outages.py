@@ -7,6 +7,7 @@ from dagster import DagsterEventType, materialize
 
 from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation
 from ckptflow.errors import ColdObjectError, StoreUnavailableError
+from ckptflow.format.layout import manifest_key
 from ckptflow.store import open_store
 from pipelines.jobs import scrub_job
 from resources import CheckpointStoreResource
@@ -205,3 +206,33 @@ def test_scrub_that_meets_a_cold_object_fails_at_once_with_the_thaw_instruction(
     description = failure.step_failure_data.user_failure_data.description
     assert "4 checkpoint(s)" in description and "cold storage class" in description and THAW in description
     assert {step: record(store_with_checkpoints, step, "validation") for step in before} == before
+
+
+def test_a_scrub_meeting_an_outage_and_a_cold_object_fails_saying_how_to_thaw(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    """An outage is retried; a cold object is not helped by it. With both in the hot tier
+    the job retried and then failed with "could not be read" alone: the cold checkpoints'
+    thaw instruction, the one thing an operator must do, was never said."""
+    assert scrub_everything(instance, resources).success
+    opened = CheckpointStoreResource.open
+    unavailable = manifest_key(RUN, 20)
+
+    def outage_and_cold(op: str, key: str) -> bool:
+        if key == unavailable and op == "get":
+            raise StoreUnavailableError(f"{key}: SlowDown (simulated)")
+        if key.startswith("chunks/") and op == "get":
+            raise ColdObjectError(f"{key} is in DEEP_ARCHIVE and must be restored before it can be read: run `{THAW}`")
+        return False
+
+    def open_both(resource):
+        store = FaultyStore(opened(resource))
+        store.fail_if = outage_and_cold
+        return store
+
+    monkeypatch.setattr(CheckpointStoreResource, "open", open_both)
+    result = scrub_everything(instance, resources)
+    assert not result.success
+    [failure] = events(result, DagsterEventType.STEP_FAILURE)
+    description = failure.step_failure_data.user_failure_data.description
+    assert "could not be read" in description and "cold storage class" in description and THAW in description
