@@ -233,15 +233,22 @@ def optimum(inputs: IntervalInputs) -> IntervalCost:
     return evaluate(inputs, interval)
 
 
-def _rank(inputs: IntervalInputs, interval_s: float) -> tuple[int, float]:
-    """What ``optimum`` minimises: USD/month among intervals that finish; where none does
+def cheaper(cost: IntervalCost) -> tuple[float, float]:
+    """How two intervals that finish compare: USD/month, then the time they waste, so that
+    equal costs (every price zero) still rank the time-optimal interval first instead of
+    whichever was looked at first."""
+    return cost.total_usd_month, cost.waste
+
+
+def _rank(inputs: IntervalInputs, interval_s: float) -> tuple[int, float, float]:
+    """What ``optimum`` minimises: ``cheaper`` among intervals that finish; where none does
     (every cost is the whole GPU bill), the expected slowdown, in log form, so the answer is
     still the interval closest to finishing rather than an artefact of the float range."""
     cost = evaluate(inputs, interval_s)
     if cost.finishes:
-        return 0, cost.total_usd_month
+        return 0, *cheaper(cost)
     c, m, r = inputs.save_s, inputs.mtbf_s, inputs.restore_s
-    return 1, log_segment_time(interval_s, save_s=c, mtbf_s=m, restore_s=r) - math.log(interval_s)
+    return 1, log_segment_time(interval_s, save_s=c, mtbf_s=m, restore_s=r) - math.log(interval_s), 0.0
 
 
 def with_mix(inputs: IntervalInputs, *, full_s: float, incremental_s: float | None, every: int) -> IntervalInputs:

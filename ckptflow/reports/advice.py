@@ -47,13 +47,14 @@ class Advice:
 
     @property
     def keep_current(self) -> bool:
-        """Whether the current interval costs no more than the optimum found, which then is
-        no advice to change: the current interval is a median gap (2.5 steps, between the
-        optimum's whole steps) and runs its own full/incremental mix, so it can cost less."""
+        """Whether the current interval costs no more than the optimum found (``cheaper``:
+        at equal cost, wastes no more time), which then is no advice to change: the current
+        interval is a median gap (2.5 steps, between the optimum's whole steps) and runs its
+        own full/incremental mix, so it can cost less."""
         return (
             self.current is not None
             and self.current.finishes
-            and self.current.total_usd_month <= self.optimal.total_usd_month
+            and model.cheaper(self.current) <= model.cheaper(self.optimal)
         )
 
     @property

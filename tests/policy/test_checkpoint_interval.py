@@ -131,3 +131,18 @@ def test_an_interval_far_past_the_mtbf_never_finishes_while_the_optimum_does():
     assert never.loss_per_failure_s == pytest.approx(H + H * math.expm1(60 / H))  # a whole MTBF redone, one restore
     # where the closed form is in range the safe form is the same number
     assert best.segment_s == pytest.approx(H * math.exp(60 / H) * math.expm1((best.interval_s + 30) / H), rel=1e-12)
+
+
+def test_with_every_price_zero_the_optimum_is_the_interval_that_wastes_least_time():
+    """With GPU-hours and storage free every interval costs $0/month: the minimum over the
+    grid was its first point, one step (a save every 0.7 s where Daly's optimum is 10 min).
+    Equal costs are ranked by the time they waste, so the advice is still the time-optimal one."""
+    free = model.IntervalInputs(
+        save_s=10.0, save_duration_s=10.0, restore_s=60.0, mtbf_s=4 * H, step_time_s=0.7,
+        gpu_hour_usd=0.0, storage_usd_per_gb_month=0.0, full_bytes=1e9,
+    )  # fmt: skip
+    best = model.optimum(free)
+    assert best.total_usd_month == 0.0
+    priced = model.optimum(model.IntervalInputs(**{**free.__dict__, "gpu_hour_usd": 2.0}))
+    assert best.interval_steps == priced.interval_steps  # without storage, the price only scales the cost
+    assert math.isclose(best.interval_s, model.daly(10.0, 4 * H), rel_tol=0.01)
