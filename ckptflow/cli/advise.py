@@ -13,8 +13,6 @@ from ckptflow.reports.advice import Advice, advise
 from ckptflow.reports.costs import CostModel
 from ckptflow.reports.units import human_duration, human_steps
 
-YEAR = 365.25 * 86400
-
 
 def add_arguments(p: argparse.ArgumentParser, duration_arg) -> None:
     p.add_argument("--run", required=True)
@@ -110,7 +108,5 @@ def render(advice: Advice) -> str:
 
 
 def _loss(seconds: float) -> str:
-    """Expected loss per failure: past a year in years (a restore many MTBFs long), inf as never."""
-    if not math.isfinite(seconds):
-        return "never restored"
-    return f"{seconds / YEAR:.3g} years" if seconds > YEAR else human_duration(seconds)
+    """Expected loss per failure (a restore many MTBFs long is years), inf as never."""
+    return human_duration(seconds) if math.isfinite(seconds) else "never restored"

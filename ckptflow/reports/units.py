@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+YEAR = 365.25 * 86400
+MANY_STEPS = 1e9
+
 
 def human_bytes(n: int | float) -> str:
     """Binary units, one decimal: what `ls -h` users expect."""
@@ -21,7 +24,8 @@ def human_bytes(n: int | float) -> str:
 
 def human_duration(seconds: float | None) -> str:
     """Microseconds or milliseconds under a second (three significant digits: a 12 ms save
-    is "12 ms", not "0.0 s"), seconds up to two minutes, minutes up to two hours, then hours."""
+    is "12 ms", not "0.0 s"), seconds up to two minutes, minutes up to two hours, hours up
+    to a year, then years in three significant digits (an MTBF of 1e300 s is a few digits)."""
     if seconds is None:
         return "-"
     if seconds < 0:
@@ -34,16 +38,21 @@ def human_duration(seconds: float | None) -> str:
         return f"{seconds:.1f} s"
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    if seconds < YEAR:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / YEAR:.3g} years"
 
 
 def human_steps(steps: float | None, *, unknown: str = "-") -> str:
     """A number of steps as it is: "2.5" for a run saving every 2 and 3 steps in turn (a
     median gap), "181" for a whole number, never rounded to a whole step it is not; to one
     decimal, which a median of whole gaps always is, so float noise (180.99999999999997,
-    2.4999999999999996) does not show. ``unknown`` where there is no step time."""
+    2.4999999999999996) does not show; past a billion, in three significant digits.
+    ``unknown`` where there is no step time."""
     if steps is None:
         return unknown
+    if steps >= MANY_STEPS:  # an optimum for a failure rate of never: its digits say nothing
+        return f"{steps:.3g}"
     return f"{round(steps, 1):.1f}".removesuffix(".0")
 
 

@@ -262,3 +262,11 @@ def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_interval(tmp_pa
     advice = advise(store, RUN)
     assert advice.current is not None and advice.current.interval_steps == 1
     assert advice.current_full_every == 2
+
+
+def test_an_mtbf_of_a_googol_years_gives_lines_a_terminal_can_show(tmp_path, capsys):
+    root = str(tmp_path)
+    _train(root, range(0, 21))
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", "1e300s")
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) < 200, out

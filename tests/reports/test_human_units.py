@@ -14,7 +14,7 @@ from ckptflow import Checkpointer
 from ckptflow.cli.costs import render
 from ckptflow.format import layout as fmt
 from ckptflow.reports.costs import SAVINGS, CostReport, TierCost, describe, item
-from ckptflow.reports.units import human_duration, human_saving, human_usd
+from ckptflow.reports.units import human_duration, human_saving, human_steps, human_usd
 from support.cli import run_cli
 
 
@@ -37,6 +37,17 @@ def test_a_duration_under_a_second_is_said_in_milliseconds_or_microseconds():
     assert human_duration(1e-06) == "1 µs" and human_duration(-0.012) == "-12 ms"
     assert human_duration(0) == "0.0 s" and human_duration(None) == "-"
     assert human_duration(90) == "90.0 s" and human_duration(600) == "10.0 min" and human_duration(9000) == "2.5 h"
+
+
+def test_a_duration_past_a_year_and_a_step_count_past_a_billion_are_said_in_a_few_digits():
+    """``ckptflow advise --mtbf 1e300s`` printed an MTBF, an interval and a step count of
+    150 to 300 digits each, one line wider than any terminal."""
+    year = 365.25 * 86400
+    assert human_duration(1e300) == "3.17e+292 years" and human_duration(2 * year) == "2 years"
+    assert human_duration(9000) == "2.5 h" and human_duration(300 * 86400) == "7200.0 h"  # up to a year as before
+    assert (
+        human_steps(9.93e148) == "9.93e+148" and human_steps(181) == "181" and human_steps(999_999_999) == "999999999"
+    )
 
 
 def test_a_negative_saving_is_said_as_a_cost():
