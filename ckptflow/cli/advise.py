@@ -79,15 +79,13 @@ def render(advice: Advice) -> str:
     current, optimal = advice.current, advice.optimal
     if advice.keep_current and current is not None:
         headline = (
-            f"run {advice.run}: keep checkpointing every {human_steps(current.interval_steps, unknown='?')} steps "
-            f"({human_duration(current.interval_s)}): the current interval costs least "
-            f"(${current.total_usd_month:,.2f}/month; the best other found, every "
-            f"{human_steps(optimal.interval_steps, unknown='?')} steps, ${optimal.total_usd_month:,.2f})"
+            f"run {advice.run}: keep checkpointing {_every(current)}: the current interval costs least "
+            f"(${current.total_usd_month:,.2f}/month; the best other found, {_every(optimal)}, "
+            f"${optimal.total_usd_month:,.2f})"
         )
     elif advice.optimal.finishes:
         headline = (
-            f"run {advice.run}: checkpoint every {human_steps(optimal.interval_steps, unknown='?')} steps "
-            f"({human_duration(advice.optimal.interval_s)}); "
+            f"run {advice.run}: checkpoint {_every(optimal)}; "
             f"Young's first-order sqrt(2CM) = {human_duration(advice.young_s)}"
         )
     else:
@@ -105,6 +103,13 @@ def render(advice: Advice) -> str:
     ]
     lines += [f"note: {n}" for n in advice.notes]
     return "\n".join(lines)
+
+
+def _every(c: IntervalCost) -> str:
+    """ "every 2.5 steps (1.2 s)", or "every 65.3 s" where no step time was measured."""
+    if c.interval_steps is None:
+        return f"every {human_duration(c.interval_s)}"
+    return f"every {human_steps(c.interval_steps)} steps ({human_duration(c.interval_s)})"
 
 
 def _loss(seconds: float) -> str:

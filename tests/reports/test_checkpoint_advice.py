@@ -270,3 +270,13 @@ def test_an_mtbf_of_a_googol_years_gives_lines_a_terminal_can_show(tmp_path, cap
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN, "--mtbf", "1e300s")
     assert code == 0, err
     assert max(len(line) for line in out.splitlines()) < 200, out
+
+
+def test_a_run_without_a_step_time_is_advised_in_time_alone(tmp_path, capsys):
+    """With one checkpoint there is no step time: the headline read "checkpoint every ?
+    steps (56.0 s)"."""
+    root = str(tmp_path)
+    _train(root, range(0, 1))
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
+    headline = out.splitlines()[0]
+    assert code == 0 and headline.startswith(f"run {RUN}: checkpoint every ") and "?" not in headline, out
