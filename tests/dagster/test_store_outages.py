@@ -141,6 +141,29 @@ def test_an_outage_while_evaluating_compressing_or_archiving_is_retried_and_pass
 THAW = "ckptflow thaw s3://bucket/hot --run run --step 20"
 
 
+def cold_hot_tier(monkeypatch, *, unavailable: str | None = None) -> list[str]:
+    """The hot tier's chunks in a cold storage class (each read says how to thaw), and the
+    object ``unavailable`` (if any) not answering; the cold chunks read, as they are read."""
+    opened = CheckpointStoreResource.open
+    cold_reads: list[str] = []
+
+    def fail_if(op: str, key: str) -> bool:
+        if key == unavailable and op == "get":
+            raise StoreUnavailableError(f"{key}: SlowDown (simulated)")
+        if key.startswith("chunks/") and op == "get":
+            cold_reads.append(key)
+            raise ColdObjectError(f"{key} is in DEEP_ARCHIVE and must be restored before it can be read: run `{THAW}`")
+        return False
+
+    def open_cold(resource):
+        cold = FaultyStore(opened(resource))
+        cold.fail_if = fail_if
+        return cold
+
+    monkeypatch.setattr(CheckpointStoreResource, "open", open_cold)
+    return cold_reads
+
+
 @pytest.mark.parametrize(
     "asset, kind",
     [(checkpoint, "validation"), (evaluation, "evaluation"), (compressed, "compression"), (archived, "archive")],
@@ -151,21 +174,7 @@ def test_a_cold_object_fails_the_step_at_once_with_the_thaw_instruction(
 ):
     """A thaw takes hours: a retry minutes later reads the same cold object, so the step
     is not retried; it fails with how to thaw, and records nothing (a cold object proves nothing)."""
-    opened = CheckpointStoreResource.open
-    cold_reads = []
-
-    def cold_chunks(op: str, key: str) -> bool:
-        if key.startswith("chunks/") and op == "get":
-            cold_reads.append(key)
-            raise ColdObjectError(f"{key} is in DEEP_ARCHIVE and must be restored before it can be read: run `{THAW}`")
-        return False
-
-    def open_cold(resource):
-        cold = FaultyStore(opened(resource))
-        cold.fail_if = cold_chunks
-        return cold
-
-    monkeypatch.setattr(CheckpointStoreResource, "open", open_cold)
+    cold_reads = cold_hot_tier(monkeypatch)
     instance.add_dynamic_partitions("checkpoints", [KEY])
     run = materialize(
         PARTITIONED, partition_key=KEY, instance=instance, resources=quick(resources), selection=[asset],
@@ -179,6 +188,12 @@ def test_a_cold_object_fails_the_step_at_once_with_the_thaw_instruction(
     assert record(store_with_checkpoints, 20, kind) is None
 
 
+def failure_said(result) -> str:
+    [failure] = events(result, DagsterEventType.STEP_FAILURE)
+    assert not result.success
+    return failure.step_failure_data.user_failure_data.description
+
+
 def test_scrub_that_meets_a_cold_object_fails_at_once_with_the_thaw_instruction(
     store_with_checkpoints, resources, instance, monkeypatch
 ):
@@ -187,23 +202,10 @@ def test_scrub_that_meets_a_cold_object_fails_at_once_with_the_thaw_instruction(
     fails without retries now, saying how to thaw, and keeps every verdict."""
     assert scrub_everything(instance, resources).success
     before = {step: record(store_with_checkpoints, step, "validation") for step in (10, 20, 30, 40)}
-    opened = CheckpointStoreResource.open
-
-    def cold_chunks(op: str, key: str) -> bool:
-        if key.startswith("chunks/") and op == "get":
-            raise ColdObjectError(f"{key} is in DEEP_ARCHIVE and must be restored before it can be read: run `{THAW}`")
-        return False
-
-    def open_cold(resource):
-        cold = FaultyStore(opened(resource))
-        cold.fail_if = cold_chunks
-        return cold
-
-    monkeypatch.setattr(CheckpointStoreResource, "open", open_cold)
+    cold_hot_tier(monkeypatch)
     result = scrub_everything(instance, resources)
-    assert not result.success and events(result, DagsterEventType.STEP_UP_FOR_RETRY) == []
-    [failure] = events(result, DagsterEventType.STEP_FAILURE)
-    description = failure.step_failure_data.user_failure_data.description
+    assert events(result, DagsterEventType.STEP_UP_FOR_RETRY) == []
+    description = failure_said(result)
     assert "4 checkpoint(s)" in description and "cold storage class" in description and THAW in description
     assert {step: record(store_with_checkpoints, step, "validation") for step in before} == before
 
@@ -215,24 +217,6 @@ def test_a_scrub_meeting_an_outage_and_a_cold_object_fails_saying_how_to_thaw(
     the job retried and then failed with "could not be read" alone: the cold checkpoints'
     thaw instruction, the one thing an operator must do, was never said."""
     assert scrub_everything(instance, resources).success
-    opened = CheckpointStoreResource.open
-    unavailable = manifest_key(RUN, 20)
-
-    def outage_and_cold(op: str, key: str) -> bool:
-        if key == unavailable and op == "get":
-            raise StoreUnavailableError(f"{key}: SlowDown (simulated)")
-        if key.startswith("chunks/") and op == "get":
-            raise ColdObjectError(f"{key} is in DEEP_ARCHIVE and must be restored before it can be read: run `{THAW}`")
-        return False
-
-    def open_both(resource):
-        store = FaultyStore(opened(resource))
-        store.fail_if = outage_and_cold
-        return store
-
-    monkeypatch.setattr(CheckpointStoreResource, "open", open_both)
-    result = scrub_everything(instance, resources)
-    assert not result.success
-    [failure] = events(result, DagsterEventType.STEP_FAILURE)
-    description = failure.step_failure_data.user_failure_data.description
+    cold_hot_tier(monkeypatch, unavailable=manifest_key(RUN, 20))
+    description = failure_said(scrub_everything(instance, resources))
     assert "could not be read" in description and "cold storage class" in description and THAW in description

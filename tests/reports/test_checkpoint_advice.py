@@ -212,6 +212,23 @@ def test_the_current_mix_is_the_checkpoints_per_full_cycle_the_run_made(
     assert optimal[4] == str(advice.full_every) == str(advice.inputs.full_every), out  # shown as priced
 
 
+def thinned_by_retention(root: str, policy: SavePolicy, *, last_week_from: int) -> list[int]:
+    """101 steps saved under ``policy``, then what the default retention expires a week
+    after step ``last_week_from`` expired: the steps deleted."""
+    state = tiny_state()
+    with Checkpointer(root, RUN, policy=policy) as ckpt:
+        for step in range(101):
+            tiny_train(state)
+            ckpt.save(step, state)
+    store = open_store(root)
+    entries = inventory.collect(store)
+    week_later = {e.step: e.created_at for e in entries}[last_week_from] + 7 * DAY
+    plan = inventory.retention_plan(entries, week_later, policy=default_policy(best_k=0))
+    for run, step in plan.delete:
+        lifecycle.expire(store, run, step)
+    return sorted(step for _, step in plan.delete)
+
+
 def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, capsys):
     """Retention keeps fulls longer than incrementals (30 days against 7 by default), so the
     older cycles of a run past a week hold their full alone. Counted over every cycle, a run
@@ -219,20 +236,9 @@ def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, c
     once its first 70 steps were thinned, and its current interval was priced at that mix.
     A cycle thinned to its full says nothing of the mix: it is left out."""
     root = str(tmp_path)
-    state = tiny_state()
-    with Checkpointer(root, RUN, policy=SavePolicy(full_every=10, incremental_every=2)) as ckpt:
-        for step in range(101):
-            tiny_train(state)
-            ckpt.save(step, state)
-    store = open_store(root)
-    assert advise(store, RUN).current_full_every == 5
-    entries = inventory.collect(store)
-    week_before = {e.step: e.created_at for e in entries}[70] + 7 * DAY  # steps past 70 are the last week's
-    plan = inventory.retention_plan(entries, week_before, policy=default_policy(best_k=0))
-    assert sorted(step for _, step in plan.delete) == [s for s in range(0, 70, 2) if s % 10], plan.delete
-    for run, step in plan.delete:
-        lifecycle.expire(store, run, step)
-    advice = advise(store, RUN)
+    expired = thinned_by_retention(root, SavePolicy(full_every=10, incremental_every=2), last_week_from=70)
+    assert expired == [s for s in range(0, 70, 2) if s % 10]
+    advice = advise(open_store(root), RUN)
     assert advice.current_full_every == 5 and advice.current is not None and advice.current.interval_steps == 2
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
     (current,) = [line.split() for line in out.splitlines() if line.startswith("current")]
@@ -243,23 +249,12 @@ def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_interval(tmp_pa
     """The current interval is the run's gap between commits now. A run saving every step
     with a full every 2 has, once retention expired the incrementals older than a week,
     gaps of 2 over its thinned past and of 1 over its last week: the median over the whole
-    history read 1.5 steps (or 2 as the thinned past grows). Only the history from the
+    history read 2 steps once the thinned past was the longer. Only the history from the
     full before its oldest held incremental on is as the run made it."""
     root = str(tmp_path)
-    state = tiny_state()
-    with Checkpointer(root, RUN, policy=SavePolicy(full_every=2, incremental_every=1)) as ckpt:
-        for step in range(101):
-            tiny_train(state)
-            ckpt.save(step, state)
-    store = open_store(root)
-    assert advise(store, RUN).current.interval_steps == 1
-    entries = inventory.collect(store)
-    week_before = {e.step: e.created_at for e in entries}[80] + 7 * DAY  # steps past 80 are the last week's
-    plan = inventory.retention_plan(entries, week_before, policy=default_policy(best_k=0))
-    assert sorted(step for _, step in plan.delete) == list(range(1, 80, 2)), plan.delete
-    for run, step in plan.delete:
-        lifecycle.expire(store, run, step)
-    advice = advise(store, RUN)
+    expired = thinned_by_retention(root, SavePolicy(full_every=2, incremental_every=1), last_week_from=80)
+    assert expired == list(range(1, 80, 2))
+    advice = advise(open_store(root), RUN)
     assert advice.current is not None and advice.current.interval_steps == 1
     assert advice.current_full_every == 2
 
