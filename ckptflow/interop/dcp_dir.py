@@ -44,7 +44,7 @@ from ckptflow.errors import DcpFormatError
 from ckptflow.format.sealed import MAX_DEPTH
 from ckptflow.format.tiling import tiling_problem
 from ckptflow.interop.source_files import check_name_count, check_regular_file
-from ckptflow.interop.torch_files import check_plain_zip
+from ckptflow.interop.torch_files import PickleBudget, check_plain_zip
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
@@ -269,8 +269,8 @@ def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:
     return data
 
 
-def _torch_load(data: bytes, what: str) -> Any:
-    check_plain_zip(data, what, error=DcpFormatError)
+def _torch_load(data: bytes, what: str, budget: PickleBudget) -> Any:
+    check_plain_zip(data, what, error=DcpFormatError, budget=budget)  # the items together: one file's bounds
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -302,9 +302,10 @@ def read_state(directory: str) -> dict[str, Any]:
     check_name_count(len(md.state_dict_metadata), where, error=DcpFormatError)  # before anything per name
     pieces = _check_items(md, directory)
     flat: dict[str, Any] = dict.fromkeys(md.state_dict_metadata, _PENDING)  # in the order the state was saved
+    budget = PickleBudget()
     for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
         what = f"{index.fqn!r} in {os.path.join(directory, info.relative_path)}"
-        value = _torch_load(_item_bytes(directory, info, index.fqn), what)
+        value = _torch_load(_item_bytes(directory, info, index.fqn), what, budget)
         item = md.state_dict_metadata[index.fqn]
         if not isinstance(item, dcp_metadata.TensorStorageMetadata):
             flat[index.fqn] = value

@@ -14,9 +14,14 @@ file. Two formats reach it:
   crafted file yields tensors of uninitialised memory, which an import would commit as
   weights. It is refused: re-save such a file with a current PyTorch.
 
-Nor does the zip's size bound the tensors its pickle makes: an empty view of a shared
-storage costs ~76 bytes of pickle and ~1.5 KB once built (300,000 took torch.load 10 s and
-470 MB, ``mmap=True`` the same). The pickle's calls are counted first (``MAX_CALLS``).
+Nor does the zip's size bound what its pickle builds: an empty view of a shared storage
+costs ~76 bytes of pickle and ~1.5 KB once built (300,000 took torch.load 10 s and 470 MB,
+``mmap=True`` the same), and an empty dict one byte and ~70 once built, with no call (40
+million, a 40 MB file, took torch.load 20 s and 3.3 GB, the import 165 s and 8.2 GB). So
+the pickle is read opcode by opcode first, once its entry is proved stored (inflating a
+compressed one is the walk without end: 98 KB took 54 s), and both its calls
+(``MAX_CALLS``) and every object it builds (``MAX_OBJECTS``) are bounded by what a file of
+``MAX_NAMES`` tensors makes; the files of one import share the bounds (``PickleBudget``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import io
 import os
 import pickletools
 import zipfile
+from dataclasses import dataclass
 
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
@@ -34,14 +40,40 @@ _CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 # torch.save makes two calls per tensor (its rebuild, its hooks' OrderedDict), so a file of MAX_NAMES
 # tensors passes; one that shares the OrderedDict builds at most twice as many tensors
 MAX_CALLS = 2 * MAX_NAMES
+# opcodes that build no object: marks, memo reads and writes, the singletons and cached small ints,
+# and those that fill a container or set a state (a slot each: what they add is built, and counted, before)
+_NO_OBJECT_OPCODES = {
+    *("MARK", "STOP", "POP", "POP_MARK", "DUP", "PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE"),
+    *("GET", "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BININT1"),
+    *("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"),
+}
+# torch.save builds 10 to 21 objects per tensor (its name, storage key, sizes, strides, their tuples, its
+# calls: 14 for BERT's state dict, 21 for a 6-d tensor of large sizes); each costs at most ~70 bytes
+OBJECTS_PER_TENSOR = 32
+MAX_OBJECTS = OBJECTS_PER_TENSOR * MAX_NAMES
+
+
+@dataclass
+class PickleBudget:
+    """What the pickles of one import built so far: a DCP directory's items together stay
+    within the bounds of one file."""
+
+    calls: int = 0
+    objects: int = 0
 
 
 def check_plain_zip(
-    source: bytes | str | os.PathLike, what: str, *, error: type[CkptflowError] = CkptflowError
+    source: bytes | str | os.PathLike,
+    what: str,
+    *,
+    error: type[CkptflowError] = CkptflowError,
+    budget: PickleBudget | None = None,
 ) -> None:
     """Raise ``error`` unless ``source`` (a file, or the bytes of one) is torch.save's zip
     with every entry stored uncompressed and all entries together within its size, so
-    ``torch.load`` allocates nothing the bytes do not hold."""
+    ``torch.load`` allocates nothing the bytes do not hold, and its pickle builds no more
+    calls and objects than ``budget`` (the import's so far, charged with these) has left."""
+    budget = PickleBudget() if budget is None else budget
     try:
         if isinstance(source, bytes):
             head, size, archive = source[:4], len(source), zipfile.ZipFile(io.BytesIO(source))
@@ -52,9 +84,29 @@ def check_plain_zip(
             size, archive = os.path.getsize(source), zipfile.ZipFile(source)
         with archive:
             entries = archive.infolist()
-            calls = [_calls(archive, e) for e in entries if e.filename.rpartition("/")[2] == "data.pkl"]
+            _check_stored(entries, size, head, what, error)  # before a pickle is read: inflating one has no end
+            for entry in entries:
+                if entry.filename.rpartition("/")[2] == "data.pkl":
+                    _count(archive, entry, budget)
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
         raise error(_not_zip(what, str(e))) from None
+    if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
+        built = (
+            f"objects by calls (a tensor is one) than the {MAX_CALLS} a file of {MAX_CALLS // 2} tensors makes"
+            if budget.calls > MAX_CALLS
+            else f"objects (dicts, lists, tuples, strings, numbers, tensors) than the {MAX_OBJECTS} a file of "
+            f"{MAX_OBJECTS // OBJECTS_PER_TENSOR} tensors makes"
+        )
+        raise error(
+            f"{what} builds more {built}, the most one import takes; refused before torch.load builds "
+            "them (each costs memory whatever its size, an empty view or an empty dict too). Import it in parts, "
+            "each a checkpoint of its own"
+        )
+
+
+def _check_stored(
+    entries: list[zipfile.ZipInfo], size: int, head: bytes, what: str, error: type[CkptflowError]
+) -> None:
     if head != ZIP_MAGIC:  # zipfile finds a zip appended to other bytes; torch.load would read those
         raise error(_not_zip(what, "it does not start with a zip entry"))
     for entry in entries:
@@ -66,25 +118,18 @@ def check_plain_zip(
     declared = sum(entry.file_size for entry in entries)
     if declared > size:
         raise error(f"{what} declares {declared} bytes of entries in its {size} bytes; it is damaged or crafted")
-    if sum(calls) > MAX_CALLS:
-        raise error(
-            f"{what} builds more objects by calls (a tensor is one) than the {MAX_CALLS} a file of "
-            f"{MAX_CALLS // 2} tensors makes, the most one import takes; refused before torch.load builds them "
-            "(each costs memory whatever its size, an empty view too). Import it in parts, each a checkpoint of its own"
-        )
 
 
-def _calls(archive: zipfile.ZipFile, entry: zipfile.ZipInfo) -> int:
-    """How many objects the pickle ``entry`` builds by a call (counted up to one past
-    ``MAX_CALLS``), read opcode by opcode (``pickletools.genops`` runs nothing): each tensor
-    ``torch.load`` makes is one, so the count bounds them before a single one is built."""
-    count = 0
+def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:
+    """Charge ``budget`` with what the pickle ``entry`` builds (until it is over), read
+    opcode by opcode (``pickletools.genops`` runs nothing): each tensor ``torch.load`` makes
+    is a call, and every other object an opcode, so the counts bound them before one is built."""
     with archive.open(entry) as f:
         for op, _, _ in pickletools.genops(f):
-            count += op.name in _CALL_OPCODES
-            if count > MAX_CALLS:
+            budget.calls += op.name in _CALL_OPCODES
+            budget.objects += op.name not in _NO_OBJECT_OPCODES
+            if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
                 break
-    return count
 
 
 def _not_zip(what: str, why: str) -> str:

@@ -1,0 +1,100 @@
+"""What a torch.save pickle builds without a call is bounded before ``torch.load`` runs.
+
+The pickle's calls were counted (``MAX_CALLS``), but an empty dict is one byte of pickle
+(EMPTY_DICT) and ~70 once built, with no call: a 40 MB .pt of 40 million of them passed the
+count, took torch.load 20 s and 3.3 GB, and the whole import 165 s and 8.2 GB, and was
+committed. Every object the pickle builds is now counted (``MAX_OBJECTS``), and a DCP
+directory's items together share one file's bounds. The count ran before the entries were
+proved stored: a 98 KB file whose data.pkl deflates to 100 MB of opcodes was walked for 54 s
+before the compression was refused (40 MB would run for hours); the stored check comes first.
+Bounds lowered: a file near the real ones takes minutes to write and read.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+import zipfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptflow.errors import CkptflowError, DcpFormatError
+from ckptflow.interop import importers, torch_files
+from ckptflow.interop.dcp_dir import read_state
+
+LIMIT = 1000
+
+
+def _with_pickle(path, pickle: bytes, *, compress: int = zipfile.ZIP_STORED) -> None:
+    """A torch.save zip of one tensor whose data.pkl is replaced by ``pickle``."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for name in source.namelist():
+            if name.endswith("/data.pkl"):
+                out.writestr(name, pickle, compress_type=compress)
+            else:
+                out.writestr(name, source.read(name))
+
+
+def _dicts_file(path, count: int) -> None:
+    """{"model": {"w": tensor}, "junk": [count empty dicts]}: torch.save's pickle with the list
+    written as an attacker would, one byte per dict (EMPTY_DICT) and no call."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    archive = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    body = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))[2:-1]  # no PROTO, STOP
+    junk = b"X\x04\x00\x00\x00junk](" + b"}" * count + b"e"  # EMPTY_LIST MARK {}... APPENDS
+    _with_pickle(path, b"\x80\x02}(X\x05\x00\x00\x00model" + body + junk + b"u.")
+
+
+def test_a_torch_file_of_objects_built_without_calls_is_refused_before_torch_load(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch_files, "MAX_OBJECTS", LIMIT)
+    _dicts_file(tmp_path / "dicts.pt", LIMIT)
+    _dicts_file(tmp_path / "fits.pt", 10)
+    assert len(torch.load(tmp_path / "dicts.pt", weights_only=True)["junk"]) == LIMIT  # what it would build
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load reached"))
+    with pytest.raises(CkptflowError, match=f"dicts.pt builds more objects .* than the {LIMIT} a file of"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dicts.pt")
+    assert not (tmp_path / "store" / "runs").exists()
+    monkeypatch.setattr(torch, "load", real_load)
+    result = importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "fits.pt")
+    assert result.tensors == 1
+
+
+def test_a_real_state_dict_stays_well_within_the_objects_per_tensor(tmp_path, monkeypatch):
+    """torch.save builds fewer than ``OBJECTS_PER_TENSOR`` objects per tensor: a file of
+    ``n`` tensors passes a bound of ``n`` tensors."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+    state = BertModel(config).state_dict()
+    state["wide"] = torch.empty(300, 300, 2, 2, 2, 2)  # sizes and strides above 255: more objects than most
+    torch.save(state, tmp_path / "bert.pt")
+    monkeypatch.setattr(torch_files, "MAX_OBJECTS", torch_files.OBJECTS_PER_TENSOR * len(state))
+    assert importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "bert.pt").tensors == len(state)
+
+
+def test_dcp_items_share_one_bound(tmp_path, monkeypatch):
+    """Each item was bounded on its own, so a directory of many items built as many times more."""
+    monkeypatch.setattr(torch_files, "MAX_OBJECTS", LIMIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        for name, items in (("one", 1), ("two", 2)):
+            state = {"w": torch.zeros(2), **{f"v{i}": tuple({} for _ in range(600)) for i in range(items)}}
+            dcp.save(state, checkpoint_id=str(tmp_path / name))
+    assert len(read_state(str(tmp_path / "one"))["v0"]) == 600
+    with pytest.raises(DcpFormatError, match=f"builds more objects .* than the {LIMIT} a file of"):
+        read_state(str(tmp_path / "two"))
+
+
+def test_a_compressed_pickle_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    _with_pickle(tmp_path / "bomb.pt", b"\x80\x02" + b"N0" * 100_000 + b"N.", compress=zipfile.ZIP_DEFLATED)
+    monkeypatch.setattr(torch_files.pickletools, "genops", lambda *a: pytest.fail("the inflated pickle was read"))
+    with pytest.raises(CkptflowError, match="holds 'archive/data.pkl' compressed"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "bomb.pt")
+    assert not (tmp_path / "store" / "runs").exists()
