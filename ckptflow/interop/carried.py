@@ -6,8 +6,10 @@ Each travels where the export writes it: a DCP export's ``ckptflow.json`` (``los
 ``failed_validation``), the header of every safetensors file (``LOSSY_KEY``, ``FAILED_KEY``)
 and a model directory's config.json (``LOSSY_CONFIG_KEY``, ``FAILED_CONFIG_KEY``), which
 outlives the header: transformers' ``save_pretrained`` of a loaded export keeps the
-config's keys and writes a header of its own. A directory whose header and config.json
-name different records is refused: which copy the weights are is unknown.
+config's keys and writes a header of its own. So a safetensors file imported on its own is
+read with the config.json beside it too: the file a re-save wrote carries nothing else. A
+directory whose header and config.json name different records is refused: which copy the
+weights are is unknown.
 
 An import commits a ``lossy`` record again (the new checkpoint restores only with
 ``allow_lossy``). A failed verdict refuses the import unless it is asked for
@@ -99,14 +101,15 @@ def _carried(src: str, format: str, *, sidecar_key: str, header_key: str, config
                 except (ValueError, RecursionError):
                     found = text  # refused by the caller as not an object
                 break
-    if format == "hf":
-        found = _in_config(src, found, header, header_key=header_key, config_key=config_key, what=what)
+    if format in ("hf", "safetensors"):  # a file's directory: the model directory it may be the weights of
+        directory = src if format == "hf" else os.path.dirname(src)
+        found = _in_config(directory, found, header, header_key=header_key, config_key=config_key, what=what)
     return found
 
 
 def _in_config(src: str, found: Any, header: str, *, header_key: str, config_key: str, what: str) -> Any:
-    """A model directory's record: its config.json's as well as a header's (``found``, from
-    ``header``); two that differ are refused."""
+    """The record of model directory ``src`` (a safetensors file's own directory): its
+    config.json's as well as a header's (``found``, from ``header``); two that differ are refused."""
     path = os.path.join(src, "config.json")
     config = read_json_file(path, limit=MAX_JSON_BYTES) if os.path.isfile(path) else None
     in_config = config.get(config_key) if isinstance(config, dict) else None

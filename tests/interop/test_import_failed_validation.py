@@ -100,6 +100,19 @@ def test_a_model_directory_saved_again_by_transformers_keeps_the_verdict(failed_
     assert not (tmp_path / "imported" / "runs").exists()
 
 
+def test_the_weights_file_of_a_directory_saved_again_imported_on_its_own_keeps_the_verdict(failed_exports, tmp_path):
+    """The file save_pretrained wrote carries no mark: importing it alone (a .safetensors
+    file, not the directory) came back as a clean commit; the config.json beside it is read."""
+    out, verdict = failed_exports
+    AutoModel.from_pretrained(out["dir"]).save_pretrained(tmp_path / "again")
+    weights = tmp_path / "again" / "model.safetensors"
+    with pytest.raises(FailedValidationError, match="--allow-failed"):
+        import_checkpoint(str(tmp_path / "imported"), "again", 5, weights)
+    assert not (tmp_path / "imported" / "runs").exists()
+    result = import_checkpoint(str(tmp_path / "imported"), "again", 5, weights, allow_failed=True)
+    assert result.format == "safetensors" and result.failed_validation["problems"] == verdict["problems"]
+
+
 def test_a_malformed_carried_verdict_is_refused(failed_exports, tmp_path):
     out, _ = failed_exports
     sidecar = out["dcp"] / "ckptflow.json"
