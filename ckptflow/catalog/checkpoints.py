@@ -14,7 +14,7 @@ at a time in parallel (a store with thousands of checkpoints on S3 is thousands 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -227,6 +227,7 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_checked: int = 0
     digest: str = ""  # sha256 of the manifest file that was verified ("" if there was none)
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # the verified manifest's
 
     @property
     def ok(self) -> bool:
@@ -320,7 +321,7 @@ def verify_checkpoint(
         problems = _rank_problems(store, manifest)
     except CHECK_ERRORS as e:
         return VerifyReport(step, [problem_from(run, step, e)], digest=fmt.digest_of(blob))
-    report = VerifyReport(step=step, findings=problems, digest=manifest.digest)
+    report = VerifyReport(step=step, findings=problems, digest=manifest.digest, metadata=manifest.metadata)
     # a delta's base must be one of the manifest's own chunks
     chunks = ChunkStore(
         store,

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -283,3 +283,18 @@ def describe_verdict(verdict: dict) -> tuple[str, str]:
     problems = [str(p) for p in verdict.get("problems") or []] or ["no problem recorded"]
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
     return when, "; ".join(problems[:3]) + more
+
+
+def carried_failure(metadata: Mapping[str, Any]) -> str | None:
+    """The problem a commit imported with ``allow_failed`` carries (its metadata's
+    ``import.failed_validation``: the verdict its source was exported despite), said as a
+    validation problem; None for any other commit. Validation keeps it beside what it finds
+    itself: the commit's bytes verify, and an ok verdict over the carried one would pass it
+    for a validated model as soon as the lifecycle validated it."""
+    imported = metadata.get("import")
+    if not isinstance(imported, Mapping) or not isinstance(imported.get("failed_validation"), dict):
+        return None
+    failed = imported["failed_validation"]
+    when, problems = describe_verdict(failed)
+    source = imported.get("source") or "its source"
+    return f"imported from {source}, exported despite a failed validation (recorded {when}): {problems}"

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-failed",
         action="store_true",
         help="import an export made despite a failed validation (refused otherwise); the new checkpoint keeps "
-        "the verdict, failed, until it is validated again",
+        "the verdict, failed (validating it again keeps it: validate the source again and export it anew)",
     )
     p.set_defaults(func=cmd_import)
 

@@ -117,7 +117,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if result.failed_validation is not None:
         warn(
             f"{result.source} was exported despite a failed validation; run {result.run} step {result.step} keeps "
-            "that verdict (export and promotion refuse it) until it is validated again"
+            "that verdict (export and promotion refuse it; validating it again keeps it: validate the source again and "
+            "export it anew)"
         )
     print(
         f"imported {result.source} ({result.format}) as run {result.run} step {result.step}: "

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ckptflow.catalog.verdicts import Subject, describe_verdict, write_record
+from ckptflow.catalog.verdicts import Subject, carried_failure, describe_verdict, write_record
 from ckptflow.errors import CkptflowError, FailedValidationError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.interop.carried import carried_failed_validation, carried_lossy
@@ -252,7 +252,8 @@ def import_checkpoint(
     An export made despite a failed validation (it carries the verdict) is refused unless
     ``allow_failed``; then the verdict goes into the new commit's metadata
     (``import.failed_validation``) and becomes its validation verdict, failed, so export and
-    promotion refuse it and selection passes it over until it is validated again."""
+    promotion refuse it and selection passes it over; validating it again keeps it
+    (``carried_failure``): it is cleared at the source, validated again and exported anew."""
     fmt.validate_run(run)
     fmt.validate_step(step)
     source = os.path.abspath(os.fspath(src))
@@ -264,7 +265,7 @@ def import_checkpoint(
             f"{source} was exported despite a failed validation verdict (recorded {when}: {problems}); importing it "
             "as a clean checkpoint would let it pass for a validated model. Refused: import another export, or "
             "pass --allow-failed (allow_failed=True) to import it with the verdict, which keeps it refused by "
-            "export and promotion until it is validated again"
+            "export and promotion (validating it again keeps it)"
         )
     lossy = carried_lossy(source, chosen)
     read = read_source(source, chosen)
@@ -281,7 +282,7 @@ def import_checkpoint(
         assert isinstance(saved, SaveResult) and saved.info is not None  # blocking, and its own coordinator
         info = saved.info
         if failed is not None:
-            _record_carried_verdict(ck.store, Subject(run, step, info.digest), source, failed)
+            _record_carried_verdict(ck.store, Subject(run, step, info.digest), meta, failed)
     return ImportResult(
         run=run,
         step=step,
@@ -297,12 +298,13 @@ def import_checkpoint(
     )
 
 
-def _record_carried_verdict(store: Store, subject: Subject, source: str, failed: dict) -> None:
-    """The new commit's validation verdict: failed, as the one its source was exported despite.
-    Written right after the commit, before anything (the landing sensor) validates it."""
-    when, problems = describe_verdict(failed)
-    problem = f"imported from {source}, exported despite a failed validation (recorded {when}): {problems}"
-    write_record(store, subject, "validation", {"ok": False, "problems": [problem], "imported": failed})
+def _record_carried_verdict(store: Store, subject: Subject, metadata: dict, failed: dict) -> None:
+    """The new commit's validation verdict: failed, as the one its source was exported despite
+    (``carried_failure``, which validating it again keeps), so nothing takes it before it is
+    validated."""
+    write_record(
+        store, subject, "validation", {"ok": False, "problems": [carried_failure(metadata)], "imported": failed}
+    )
 
 
 def _count_tensors(tree: Any) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog.verdicts import Subject, write_record
+from ckptflow.catalog.verdicts import Subject, carried_failure, write_record
 from ckptflow.errors import ColdObjectError, NewerFormatError, StoreUnavailableError
 from ckptflow.store.base import Store
 
@@ -46,9 +46,10 @@ def validate(
             "damaged, so no verdict was recorded: "
             + ("thaw it, then validate again" if report.cold else "retry when the store answers")
         )
+    carried = carried_failure(report.metadata)  # the verdict an import with allow_failed carries stands
     verdict = {
-        "ok": report.ok,
-        "problems": report.problems[:20],
+        "ok": report.ok and carried is None,
+        "problems": ([carried] if carried else []) + report.problems[:20],
         "chunks_checked": report.chunks_checked,
         "bytes_checked": report.bytes_checked,
         "tier": store.url,

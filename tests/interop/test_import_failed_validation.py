@@ -6,8 +6,8 @@ directory's config.json ``ckptflow_failed_validation``, a DCP export's ``ckptflo
 The import ignored it: the model that failed validation came back as a new commit with no
 verdict, which validation passed (its own bytes verify), so export and promotion took it.
 Now the import refuses it, naming the verdict and the opt-in; with ``allow_failed`` the
-new commit carries the verdict in its metadata and as its validation verdict, failed, so
-export and promotion refuse it until it is validated again.
+new commit carries the verdict in its metadata and as its validation verdict, failed, which
+validating it again keeps, so export and promotion refuse it.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_an_export_made_despite_a_failed_verdict_is_refused_naming_it(failed_exp
 
 
 @pytest.mark.parametrize("kind", ["dir", "dcp"])
-def test_imported_with_the_opt_in_it_keeps_the_verdict_until_validated_again(failed_exports, tmp_path, kind):
+def test_imported_with_the_opt_in_it_keeps_the_verdict(failed_exports, tmp_path, kind):
     out, verdict = failed_exports
     store = open_store(str(tmp_path / "imported"))
     result = import_checkpoint(store, "again", 5, out[kind], allow_failed=True)
@@ -82,8 +82,29 @@ def test_imported_with_the_opt_in_it_keeps_the_verdict_until_validated_again(fai
     with pytest.raises(PromotionError, match="failed validation"):
         promote(store, registry, PromotionRequest(model="bert", checkpoint=("again", 5)))
     assert registry.versions("bert") == []
-    assert lifecycle.validate(store, "again", 5)["ok"]  # validated again: its own bytes verify
-    assert export_safetensors(store, "again", tmp_path / "again.safetensors", step=5).failed_validation is None
+    again = lifecycle.validate(store, "again", 5)  # its own bytes verify; the verdict it carries stands
+    assert again["ok"] is False and again["chunks_checked"] > 0
+    assert (
+        "exported despite a failed validation" in again["problems"][0]
+        and verdict["problems"][0][:60] in again["problems"][0]
+    )
+    with pytest.raises(FailedValidationError):
+        export_safetensors(store, "again", tmp_path / "again.safetensors", step=5)
+
+
+def test_validating_an_import_made_with_the_opt_in_does_not_clear_the_verdict_it_carries(failed_exports, tmp_path):
+    """The landing sensor validates every new commit within seconds. Validation checked
+    only the commit's bytes, which verify, and wrote an ok verdict over the carried one:
+    the opt-in import passed for a validated model as soon as the lifecycle saw it, and
+    export and promotion took it. The carried verdict is the source's: clear it there
+    (validate the source checkpoint again, export it anew)."""
+    out, verdict = failed_exports
+    store = open_store(str(tmp_path / "imported"))
+    import_checkpoint(store, "again", 5, out["dir"], allow_failed=True)
+    assert lifecycle.validate(store, "again", 5)["ok"] is False
+    registry = Registry(store)
+    with pytest.raises(PromotionError, match="failed validation"):
+        promote(store, registry, PromotionRequest(model="bert", checkpoint=("again", 5)))
 
 
 def test_a_model_directory_saved_again_by_transformers_keeps_the_verdict(failed_exports, tmp_path):
