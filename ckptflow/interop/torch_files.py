@@ -37,9 +37,11 @@ from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
 _CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
-# torch.save makes two calls per tensor (its rebuild, its hooks' OrderedDict), so a file of MAX_NAMES
-# tensors passes; one that shares the OrderedDict builds at most twice as many tensors
-MAX_CALLS = 2 * MAX_NAMES
+# torch.save makes two calls per tensor (its rebuild, its hooks' OrderedDict) and a few per file (a
+# module's state_dict: its OrderedDict and _metadata), so a file of MAX_NAMES tensors passes; one that
+# shares the OrderedDict builds at most twice as many tensors
+CALLS_PER_FILE = 16
+MAX_CALLS = 2 * MAX_NAMES + CALLS_PER_FILE
 # opcodes that build no object: marks, memo reads and writes, the singletons and cached small ints,
 # and those that fill a container or set a state (a slot each: what they add is built, and counted, before)
 _NO_OBJECT_OPCODES = {
@@ -92,7 +94,8 @@ def check_plain_zip(
         raise error(_not_zip(what, str(e))) from None
     if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
         built = (
-            f"objects by calls (a tensor is one) than the {MAX_CALLS} a file of {MAX_CALLS // 2} tensors makes"
+            f"objects by calls (a tensor is one) than the {MAX_CALLS} a file of "
+            f"{(MAX_CALLS - CALLS_PER_FILE) // 2} tensors makes"
             if budget.calls > MAX_CALLS
             else f"objects (dicts, lists, tuples, strings, numbers, tensors) than the {MAX_OBJECTS} a file of "
             f"{MAX_OBJECTS // OBJECTS_PER_TENSOR} tensors makes"

@@ -98,3 +98,24 @@ def test_a_compressed_pickle_is_refused_before_it_is_read(tmp_path, monkeypatch)
     with pytest.raises(CkptflowError, match="holds 'archive/data.pkl' compressed"):
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "bomb.pt")
     assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_a_file_of_as_many_tensors_as_an_import_takes_is_within_the_calls_bound(tmp_path):
+    """torch.save makes two calls per tensor and two more per file, so ``MAX_CALLS = 2 x
+    MAX_NAMES`` refused a file of exactly ``MAX_NAMES`` tensors, which the name bound admits.
+    Counted on real files of 40 and 80 tensors: each tensor adds the same calls, so the
+    count at ``MAX_NAMES`` is exact."""
+    from ckptflow.interop.source_files import MAX_NAMES
+
+    def calls(n: int) -> int:  # a module's state_dict: an OrderedDict with its _metadata
+        torch.save(
+            torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(n // 2))).state_dict(), tmp_path / f"{n}.pt"
+        )
+        budget = torch_files.PickleBudget()
+        torch_files.check_plain_zip(tmp_path / f"{n}.pt", "test", budget=budget)
+        return budget.calls
+
+    per_tensor = (calls(80) - calls(40)) / 40
+    assert per_tensor == 2
+    at_the_name_bound = calls(40) + per_tensor * (MAX_NAMES - 40)
+    assert at_the_name_bound <= torch_files.MAX_CALLS
