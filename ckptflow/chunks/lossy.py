@@ -214,13 +214,14 @@ def check_allowed(manifest: Any, *, allow_lossy: bool, how_to_allow: str, where:
 
 def record_problem(record: Any) -> str | None:
     """Why ``record`` cannot be a manifest's ``lossy`` record (None if it can): a JSON
-    object whose ``dropped``, if present, lists state entry names."""
+    object whose ``dropped`` and ``kept_exact``, if present, list state entry and tensor names."""
     if not isinstance(record, dict):
         return f"a lossy record must be a JSON object, not {type(record).__name__}"
     problem = json_problem(record, "the lossy record")
     if problem:
         return problem
-    names = record.get("dropped", [])
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return "the lossy record's 'dropped' is not a list of state entry names"
+    for key, what in (("dropped", "state entry names"), ("kept_exact", "tensor names")):
+        names = record.get(key, [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return f"the lossy record's {key!r} is not a list of {what}"
     return None

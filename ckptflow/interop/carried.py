@@ -31,13 +31,15 @@ from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import FAILED_CONFIG_KEY, FAILED_KEY, LOSSY_CONFIG_KEY, LOSSY_KEY, weight_files
 from ckptflow.interop.source_files import MAX_JSON_BYTES, check_regular_file, read_json_file
 
+NOTHING = object()  # an export that carries no such mark (None would be a JSON null)
+
 
 def carried_lossy(src: str, format: str) -> dict | None:
     """The ``lossy`` record an export of a lossy archive copy carries, or None."""
     found = _carried(
         src, format, sidecar_key="lossy", header_key=LOSSY_KEY, config_key=LOSSY_CONFIG_KEY, what="lossy copies"
     )
-    if found is None:
+    if found is NOTHING:
         return None
     problem = lossy_codecs.record_problem(found)
     if problem:
@@ -58,7 +60,7 @@ def carried_failed_validation(src: str, format: str) -> dict | None:
         config_key=FAILED_CONFIG_KEY,
         what="failed validation verdicts",
     )
-    if found is None:
+    if found is NOTHING:
         return None
     problem = _verdict_problem(found)
     if problem:
@@ -71,7 +73,7 @@ def carried_failed_validation(src: str, format: str) -> dict | None:
 
 def _verdict_problem(verdict: Any) -> str | None:
     if not isinstance(verdict, dict):
-        return f"a JSON {type(verdict).__name__}, not an object"
+        return f"a JSON {'null' if verdict is None else type(verdict).__name__}, not an object"
     problems = verdict.get("problems", [])
     if not isinstance(problems, list) or not all(isinstance(p, str) for p in problems):
         return "its 'problems' is not a list of strings"
@@ -79,13 +81,14 @@ def _verdict_problem(verdict: Any) -> str | None:
 
 
 def _carried(src: str, format: str, *, sidecar_key: str, header_key: str, config_key: str, what: str) -> Any:
-    """The value the export at ``src`` carries under these keys (None: none); ``what`` names
-    such values in an error."""
-    found: Any = None
+    """The value the export at ``src`` carries under these keys (``NOTHING``: none; a key
+    there with a null value is a value, refused by the caller: a mark edited to null must not
+    read as no mark); ``what`` names such values in an error."""
+    found: Any = NOTHING
     header = ""  # the file whose header carried it
     if format == "dcp" and os.path.isfile(os.path.join(src, SIDECAR)):
         doc = read_json_file(os.path.join(src, SIDECAR), limit=MAX_JSON_BYTES)
-        found = doc.get(sidecar_key) if isinstance(doc, dict) else None
+        found = doc.get(sidecar_key, NOTHING) if isinstance(doc, dict) else NOTHING
     elif format in ("safetensors", "hf"):
         for path in [src] if format == "safetensors" else weight_files(src)[0]:
             check_regular_file(path)
@@ -112,10 +115,10 @@ def _in_config(src: str, found: Any, header: str, *, header_key: str, config_key
     config.json's as well as a header's (``found``, from ``header``); two that differ are refused."""
     path = os.path.join(src, "config.json")
     config = read_json_file(path, limit=MAX_JSON_BYTES) if os.path.isfile(path) else None
-    in_config = config.get(config_key) if isinstance(config, dict) else None
-    if in_config is None:
+    in_config = config.get(config_key, NOTHING) if isinstance(config, dict) else NOTHING
+    if in_config is NOTHING:
         return found
-    if found is not None and found != in_config:
+    if found is not NOTHING and found != in_config:
         raise CkptflowError(
             f"{path} and {header} name different {what} ({config_key} "
             f"{json.dumps(in_config, sort_keys=True)[:300]}, {header_key} {json.dumps(found, sort_keys=True)[:300]}): "

@@ -134,11 +134,13 @@ def test_the_weights_file_of_a_directory_saved_again_imported_on_its_own_keeps_t
     assert result.format == "safetensors" and result.failed_validation["problems"] == verdict["problems"]
 
 
-def test_a_malformed_carried_verdict_is_refused(failed_exports, tmp_path):
+@pytest.mark.parametrize("carried", [{"problems": "not a list"}, None], ids=["problems_not_a_list", "null"])
+def test_a_malformed_carried_verdict_is_refused(failed_exports, tmp_path, carried):
+    """A verdict edited to JSON null read as no verdict: the export imported as clean."""
     out, _ = failed_exports
     sidecar = out["dcp"] / "ckptflow.json"
     doc = json.loads(sidecar.read_text())
-    doc["failed_validation"] = {"problems": "not a list"}
+    doc["failed_validation"] = carried
     sidecar.write_text(json.dumps(doc))
     with pytest.raises(Exception, match="verdict it carries is malformed"):
         import_checkpoint(str(tmp_path / "imported"), "again", 5, out["dcp"], allow_failed=True)

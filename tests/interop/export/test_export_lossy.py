@@ -140,13 +140,22 @@ def test_importing_a_lossy_safetensors_or_model_directory_keeps_the_mark(archive
         assert dict(catalog.read_manifest(store, "again", step).lossy) == lossy
 
 
-def test_a_malformed_lossy_mark_is_refused_at_import(archived, tmp_path):
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda mark: {**mark, "dropped": "optim"}, "'dropped' is not a list"),
+        (lambda mark: {**mark, "kept_exact": 5}, "'kept_exact' is not a list"),  # imported, then describe() raised
+        (lambda mark: None, "must be a JSON object"),  # read as no mark: the copy imported as exact
+    ],
+    ids=["dropped", "kept_exact", "null"],
+)
+def test_a_malformed_lossy_mark_is_refused_at_import(archived, tmp_path, edit, why):
     _, arc, _, _ = archived
     export_dcp(arc, RUN, tmp_path / "dcp", allow_lossy=True)
     sidecar = tmp_path / "dcp" / "ckptflow.json"
     doc = json.loads(sidecar.read_text())
-    sidecar.write_text(json.dumps({**doc, "lossy": {**doc["lossy"], "dropped": "optim"}}))
-    with pytest.raises(CkptflowError, match="lossy archive copy.*'dropped' is not a list"):
+    sidecar.write_text(json.dumps({**doc, "lossy": edit(doc["lossy"])}))
+    with pytest.raises(CkptflowError, match=f"lossy archive copy.*{why}"):
         import_checkpoint(str(tmp_path / "imported"), "again", 1, tmp_path / "dcp")
     assert not (tmp_path / "imported" / "runs").exists()
 
