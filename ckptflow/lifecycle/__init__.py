@@ -27,7 +27,7 @@ from ckptflow.lifecycle.retention_apply import (
     current_plan,
 )
 from ckptflow.lifecycle.scrub import ScrubReport, scrub, scrub_archive_only
-from ckptflow.lifecycle.validate import validate
+from ckptflow.lifecycle.validate import found_damage, validate
 
 __all__ = [
     "KINDS",
@@ -58,6 +58,7 @@ __all__ = [
     "records_by_subject",
     "scrub",
     "scrub_archive_only",
+    "found_damage",
     "validate",
     "validate_checkpoint",
     "write_record",

@@ -28,7 +28,7 @@ from ckptflow.chunks import damaged
 from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.evaluate import commit_digest
-from ckptflow.lifecycle.validate import validate
+from ckptflow.lifecycle.validate import found_damage, validate
 from ckptflow.store.base import Store
 
 
@@ -121,8 +121,9 @@ def _scrub(
             continue
         report.checked += 1
         report.bytes_checked += record["bytes_checked"]
-        if not record["ok"]:
-            report.corrupt.append((item.run, item.step, "; ".join(record["problems"])))
+        found = found_damage(record)  # not the verdict an import carries: its bytes verify
+        if found:
+            report.corrupt.append((item.run, item.step, "; ".join(found)))
     damage, report.records_error = damaged.listed(store)  # the verdicts stand without the count
     report.damaged_chunks = None if damage is None else len(damage)
     return report

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
@@ -53,7 +53,17 @@ def validate(
         "chunks_checked": report.chunks_checked,
         "bytes_checked": report.bytes_checked,
         "tier": store.url,
+        **({"carried": carried} if carried else {}),
     }
     if not report.digest:
         return {**verdict, "manifest_digest": ""}
     return write_record(records or store, Subject(run, step, report.digest), "validation", verdict)
+
+
+def found_damage(verdict: Mapping[str, Any]) -> list[str]:
+    """The problems ``validate`` found in the checkpoint's own bytes: the verdict an import
+    with ``allow_failed`` carries (its ``carried`` problem) fails it without proving any
+    damage, which scrub lists as corrupt and repair must mend."""
+    if verdict["ok"]:
+        return []
+    return [p for p in verdict["problems"] if p != verdict.get("carried")]

@@ -155,3 +155,21 @@ def test_cli_import_of_an_export_made_despite_a_failed_verdict(failed_exports, t
     code, stdout, err = run_cli(capsys, "import", root, "--run", "again", "--step", "5", out["dir"], "--allow-failed")
     assert code == 0, err
     assert "imported" in stdout and "keeps that verdict" in err
+
+
+def test_a_scrub_finds_no_damage_in_an_import_made_with_the_opt_in_and_finds_its_rot(failed_exports, tmp_path):
+    """Scrub re-validates old commits and lists the failed ones as corrupt: an opt-in import,
+    whose bytes verify, failed only by the verdict it carries, was listed as corrupt on every
+    scrub (the scrub job failed: "no tier held a sound copy of their damaged chunks"). The
+    carried verdict stands, and damage in its own bytes is still found, and said."""
+    out, verdict = failed_exports
+    root = tmp_path / "imported"
+    store = open_store(str(root))
+    import_checkpoint(store, "again", 5, out["dir"], allow_failed=True)
+    report = lifecycle.scrub(store, older_than_s=0)
+    assert report.checked == 1 and report.corrupt == []
+    manifest = catalog.read_manifest(store, "again", 5)
+    assert lifecycle.read_record(store, lifecycle.Subject.of(manifest), "validation")["ok"] is False
+    flip_byte(chunk_path(str(root), next(iter(manifest.chunks))))
+    [(run, step, why)] = lifecycle.scrub(store, older_than_s=0).corrupt
+    assert (run, step) == ("again", 5) and "exported despite" not in why and why
