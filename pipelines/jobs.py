@@ -290,13 +290,14 @@ def _repairs(context: OpExecutionContext, hot: Store, arc: Store, figures: dict)
 
 
 def _whole_again(tier: Store, hot: Store, run: str, step: int, repaired: lifecycle.RepairReport) -> bool:
-    """Whether a checkpoint scrub found corrupt in ``tier`` validates now that chunks
-    were repaired (a new verdict for its digest, in ``hot``); False where nothing was
+    """Whether a checkpoint scrub found corrupt in ``tier`` is whole now that chunks were
+    repaired (a new verdict for its digest, in ``hot``, finding no damage: the failed verdict
+    an import with allow_failed carries stands, and is no damage); False where nothing was
     repaired."""
     if not repaired.repaired:
         return False
     try:
-        return bool(lifecycle.validate(tier, run, step, records=hot)["ok"])
+        return not lifecycle.found_damage(lifecycle.validate(tier, run, step, records=hot))
     except CkptflowError:
         return False
 
