@@ -138,6 +138,8 @@ def advise(
     mtbf, sources["mtbf_s"] = _mtbf(manifests, recoveries, mtbf_s, scenario, notes)
     price = (costs or CostModel()).monthly("hot", model.GB)
     sources["storage_usd_per_gb_month"] = "the cost model's hot tier price"
+    if price == 0 and gpu_hour_usd == 0:
+        notes.append("every price is zero (GPU-hour, storage): intervals are ranked by the time they waste")
     base = model.IntervalInputs(
         save_s=full_s,
         save_duration_s=_median([m.save_cost.duration_s for m in measured if m.save_cost]),

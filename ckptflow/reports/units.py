@@ -40,7 +40,8 @@ def human_duration(seconds: float | None) -> str:
         return f"{seconds / 60:.1f} min"
     if seconds < YEAR:
         return f"{seconds / 3600:.1f} h"
-    return f"{seconds / YEAR:.3g} years"
+    years = f"{seconds / YEAR:.3g}"
+    return f"{years} year" if years == "1" else f"{years} years"
 
 
 def human_steps(steps: float | None, *, unknown: str = "-") -> str:

@@ -13,6 +13,7 @@ from ckptflow.policy.interval import SCENARIOS
 from ckptflow.policy.retention import DAY, default_policy
 from ckptflow.reports import inventory
 from ckptflow.reports.advice import DEFAULT_SCENARIO, MIN_FAILURES, advise
+from ckptflow.reports.costs import CostModel
 from support.cli import run_cli
 from support.states import RUN, tiny_state, tiny_train
 
@@ -275,3 +276,15 @@ def test_a_run_without_a_step_time_is_advised_in_time_alone(tmp_path, capsys):
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
     headline = out.splitlines()[0]
     assert code == 0 and headline.startswith(f"run {RUN}: checkpoint every ") and "?" not in headline, out
+
+
+def test_advice_without_prices_says_it_ranks_by_the_time_wasted(tmp_path):
+    """With the GPU-hour and the storage free, every interval costs $0.00: the table alone
+    cannot say why one was chosen."""
+    root = str(tmp_path)
+    _train(root, range(0, 21))
+    free = CostModel.from_json(json.dumps({"prices": {"STANDARD": 0.0}}))
+    advice = advise(open_store(root), RUN, gpu_hour_usd=0.0, costs=free)
+    assert advice.optimal.total_usd_month == 0.0
+    assert any("every price is zero" in n and "time they waste" in n for n in advice.notes), advice.notes
+    assert not any("every price is zero" in n for n in advise(open_store(root), RUN).notes)

@@ -43,7 +43,11 @@ def test_a_duration_past_a_year_and_a_step_count_past_a_billion_are_said_in_a_fe
     """``ckptflow advise --mtbf 1e300s`` printed an MTBF, an interval and a step count of
     150 to 300 digits each, one line wider than any terminal."""
     year = 365.25 * 86400
-    assert human_duration(1e300) == "3.17e+292 years" and human_duration(2 * year) == "2 years"
+    assert (
+        human_duration(1e300) == "3.17e+292 years"
+        and human_duration(2 * year) == "2 years"
+        and human_duration(year) == "1 year"
+    )
     assert human_duration(9000) == "2.5 h" and human_duration(300 * 86400) == "7200.0 h"  # up to a year as before
     assert (
         human_steps(9.93e148) == "9.93e+148" and human_steps(181) == "181" and human_steps(999_999_999) == "999999999"
