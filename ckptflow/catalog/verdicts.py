@@ -285,6 +285,9 @@ def describe_verdict(verdict: dict) -> tuple[str, str]:
     return when, "; ".join(problems[:3]) + more
 
 
+CARRIED_START, CARRIED_MIDDLE = "imported from ", ", exported despite a failed validation (recorded "
+
+
 def carried_failure(metadata: Mapping[str, Any]) -> str | None:
     """The problem a commit imported with ``allow_failed`` carries (its metadata's
     ``import.failed_validation``: the verdict its source was exported despite), said as a
@@ -297,4 +300,11 @@ def carried_failure(metadata: Mapping[str, Any]) -> str | None:
     failed = imported["failed_validation"]
     when, problems = describe_verdict(failed)
     source = imported.get("source") or "its source"
-    return f"imported from {source}, exported despite a failed validation (recorded {when}): {problems}"
+    return f"{CARRIED_START}{source}{CARRIED_MIDDLE}{when}): {problems}"
+
+
+def is_carried(problem: str) -> bool:
+    """Whether a validation problem is the verdict an import carries (``carried_failure``'s
+    wording), not something found in the checkpoint's bytes: its text names the source's
+    chunks, which this checkpoint need not have."""
+    return problem.startswith(CARRIED_START) and CARRIED_MIDDLE in problem

@@ -49,7 +49,7 @@ def validate(
     carried = carried_failure(report.metadata)  # the verdict an import with allow_failed carries stands
     verdict = {
         "ok": report.ok and carried is None,
-        "problems": ([carried] if carried else []) + report.problems[:20],
+        "problems": report.problems[:20] + ([carried] if carried else []),  # damage found first
         "chunks_checked": report.chunks_checked,
         "bytes_checked": report.bytes_checked,
         "tier": store.url,

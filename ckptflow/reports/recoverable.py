@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from ckptflow.catalog.records import is_number
+from ckptflow.catalog.verdicts import is_carried
 from ckptflow.reports import costs, inventory, recoveries
 from ckptflow.reports.units import human_bytes, human_duration, human_usd
 from ckptflow.store.base import Store
@@ -49,8 +50,11 @@ class Reason:
 
 
 def reason_of(problem: str) -> Reason:
-    """Classify one validation problem (``ckptflow.catalog.checkpoints.verify_checkpoint``'s wording)."""
+    """Classify one validation problem (``ckptflow.catalog.checkpoints.verify_checkpoint``'s
+    wording, or the verdict an import carries: its source's, naming no chunk of this one)."""
     text = short_problem(problem)
+    if is_carried(problem):
+        return Reason(check="carried verdict", chunk="", text=text)
     found = _CHUNK_URL.search(problem) or _CHUNK_DIGEST.search(problem)
     chunk = found.group(1) if found else ""
     lowered = problem.lower()

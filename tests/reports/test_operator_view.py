@@ -2,6 +2,7 @@
 now?", decided from inventory entries, recovery metrics and recovery records (no store,
 no Dagster)."""
 
+from ckptflow.catalog.verdicts import carried_failure
 from ckptflow.reports import costs, recoverable
 from ckptflow.reports.inventory import Entry
 from ckptflow.reports.recoveries import RunMetrics
@@ -36,6 +37,23 @@ def test_a_corrupt_chunk_reads_as_which_chunk_and_which_check():
     assert (missing.check, missing.chunk) == ("chunk missing", "abcdef012345")
     rank = recoverable.reason_of("rank record file:///s/run/step/ranks/1.json is missing")
     assert (rank.check, rank.chunk) == ("rank record", "")
+
+
+def test_a_verdict_an_import_carries_reads_as_carried_not_as_a_damaged_chunk():
+    """An import made with allow_failed fails validation by its source's verdict, whose
+    problem names the source store's chunk: the integrity check's reason and the "needs
+    attention" line said "chunk hash: chunk abcdef012345…", pointing at a chunk this
+    checkpoint does not have. Damage found in its own bytes is still said as such first."""
+    source = {"recorded_at": NOW, "problems": [f"chunk {CHUNK} does not match its address"]}
+    carried = carried_failure({"import": {"source": "/exports/m", "failed_validation": source}})
+    assert carried is not None
+    reason = recoverable.reason_of(carried)
+    assert (reason.check, reason.chunk) == ("carried verdict", "")
+    assert reason.line().startswith("carried verdict: imported from /exports/m, exported despite a failed validation")
+    rotten = f"chunk {CHUNK.replace('abcdef', 'fedcba')} does not match its address"
+    e = entry("a", 30, ok=False, problems=[rotten, carried])
+    e.records["validation"]["carried"] = carried
+    assert recoverable.attention_reason(e).startswith("chunk hash: chunk fedcba012345…")
 
 
 def test_per_run_newest_ready_checkpoint_attention_and_last_recovery():
