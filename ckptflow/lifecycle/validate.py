@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptflow.catalog import checkpoints as catalog
-from ckptflow.catalog.verdicts import Subject, carried_failure, write_record
+from ckptflow.catalog.verdicts import Subject, carried_failure, is_carried, write_record
 from ckptflow.errors import ColdObjectError, NewerFormatError, StoreUnavailableError
 from ckptflow.store.base import Store
 
@@ -53,7 +53,6 @@ def validate(
         "chunks_checked": report.chunks_checked,
         "bytes_checked": report.bytes_checked,
         "tier": store.url,
-        **({"carried": carried} if carried else {}),
     }
     if not report.digest:
         return {**verdict, "manifest_digest": ""}
@@ -61,9 +60,9 @@ def validate(
 
 
 def found_damage(verdict: Mapping[str, Any]) -> list[str]:
-    """The problems ``validate`` found in the checkpoint's own bytes: the verdict an import
-    with ``allow_failed`` carries (its ``carried`` problem) fails it without proving any
-    damage, which scrub lists as corrupt and repair must mend."""
+    """The problems ``validate`` found in the checkpoint's own bytes, which scrub lists as
+    corrupt and repair must mend: not the verdict an import with ``allow_failed`` carries
+    (``is_carried``), which fails it without proving any damage."""
     if verdict["ok"]:
         return []
-    return [p for p in verdict["problems"] if p != verdict.get("carried")]
+    return [p for p in verdict["problems"] if not is_carried(p)]
