@@ -237,44 +237,46 @@ def _current(
     notes: list[str],
 ) -> tuple[model.IntervalCost | None, int | None]:
     """The run's interval now: the median step gap between commits (2.5 steps, said so) over
-    the history as the run made it (``_as_made``), and its full/incremental mix: the
-    checkpoints per full over its whole full cycles (fulls every 9 steps, saves every 2: 5 a
-    cycle, where the gaps' ratio 4.5 is neither)."""
+    the history as the run made it, and its full/incremental mix: the checkpoints per full
+    over its whole full cycles (fulls every 9 steps, saves every 2: 5 a cycle, where the
+    gaps' ratio 4.5 is neither); both from ``_as_made``."""
     steps = sorted(m.step for m in manifests)
-    recent = _as_made(steps, manifests)
+    start, per_full = _as_made(sorted(set(steps)), sorted({m.step for m in manifests if m.kind == "full"}))
+    recent = [s for s in steps if s >= start]
     gaps = [b - a for a, b in zip(recent, recent[1:]) if b > a]
     if not gaps or step_time is None:
         notes.append("the current interval is not known yet (needs two commits and a measured step time)")
         return None, None
-    full_steps = sorted({m.step for m in manifests if m.kind == "full"})
-    if len(full_steps) >= 2:  # the policy's mix, not skewed by where the history starts and ends
-        every = model.whole_full_every(_checkpoints_per_cycle(sorted(set(steps)), full_steps))
-    else:
-        every = model.whole_full_every(len(set(steps)) / len(full_steps)) if full_steps else model.MAX_FULL_EVERY
+    every = model.whole_full_every(per_full) if per_full else model.MAX_FULL_EVERY
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     return model.evaluate_steps(inputs, _median(gaps)), every
 
 
-def _as_made(steps: list[int], manifests: list[Manifest]) -> list[int]:
-    """``steps`` from the full before the oldest incremental held on: retention keeps fulls
-    longer than incrementals (30 days against 7 by default), so the older history holds its
-    fulls alone, and its gaps (a full cycle each) would outnumber the run's own gaps once the
-    thinned part is the longer (saves every step, a full every 2: read as every 2 steps)."""
-    incremental = [m.step for m in manifests if m.kind == "incremental"]
-    if not incremental:
-        return steps
-    oldest = min(incremental)
-    start = max((m.step for m in manifests if m.kind == "full" and m.step <= oldest), default=oldest)
-    return [s for s in steps if s >= start]
-
-
-def _checkpoints_per_cycle(steps: list[int], full_steps: list[int]) -> float:
-    """Checkpoints per full over the whole cycles between ``full_steps``, but those held to
-    their full alone where others hold incrementals: retention keeps fulls longer than
-    incrementals (30 days against 7 by default), so a thinned cycle says nothing of the mix."""
-    counts = [bisect_left(steps, end) - bisect_left(steps, start) for start, end in zip(full_steps, full_steps[1:])]
-    mixed = [n for n in counts if n > 1] or counts
-    return sum(mixed) / len(mixed)
+def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None]:
+    """Where the history as the run made it starts, and its checkpoints per full (None
+    without a full). Retention keeps fulls longer than incrementals (30 days against 7 by
+    default), so the older cycles hold their full alone: their gaps (a whole cycle each)
+    would outnumber the run's own once the thinned part is the longer (saves every step, a
+    full every 2: read as every 2 steps), and a cycle kept past that by one checkpoint
+    (best-K, a pin) is not the run's mix either. So: the newest unbroken stretch of whole
+    cycles between ``full_steps`` that hold more than their full; else the cycle under way
+    if it does (a cycle longer than the week retention keeps leaves no whole one), counted
+    as its checkpoints so far or the last two fulls' distance in its gaps, whichever is
+    more; else the whole history (fulls alone)."""
+    if not full_steps:
+        return (steps[0] if steps else 0), None
+    cycles = [bisect_left(steps, end) - bisect_left(steps, start) for start, end in zip(full_steps, full_steps[1:])]
+    first = len(cycles)
+    while first > 0 and cycles[first - 1] > 1:
+        first -= 1
+    if first < len(cycles):
+        made = cycles[first:]
+        return full_steps[first], sum(made) / len(made)
+    held = steps[bisect_left(steps, full_steps[-1]) :]
+    if len(held) > 1:  # the cycle under way alone: it says how often, the fulls how far apart
+        spacing = (full_steps[-1] - full_steps[-2]) / _median([b - a for a, b in zip(held, held[1:])]) if cycles else 0
+        return full_steps[-1], max(len(held), spacing)
+    return steps[0], (sum(cycles) / len(cycles) if cycles else len(steps) / len(full_steps))
 
 
 def _median(values: list[float] | list[int]) -> float:

@@ -213,18 +213,21 @@ def test_the_current_mix_is_the_checkpoints_per_full_cycle_the_run_made(
     assert optimal[4] == str(advice.full_every) == str(advice.inputs.full_every), out  # shown as priced
 
 
-def thinned_by_retention(root: str, policy: SavePolicy, *, last_week_from: int) -> list[int]:
-    """101 steps saved under ``policy``, then what the default retention expires a week
-    after step ``last_week_from`` expired: the steps deleted."""
+def thinned_by_retention(
+    root: str, policy: SavePolicy, *, last_week_from: int, best: int | None = None, steps: int = 101
+) -> list[int]:
+    """``steps`` steps saved under ``policy``, then what the default retention expires a week
+    after step ``last_week_from`` expired: the steps deleted. With ``best``, that step has
+    the lowest ``val_loss`` and retention keeps the best one (best-K, K=1)."""
     state = tiny_state()
     with Checkpointer(root, RUN, policy=policy) as ckpt:
-        for step in range(101):
+        for step in range(steps):
             tiny_train(state)
-            ckpt.save(step, state)
+            ckpt.save(step, state, metadata={"val_loss": 0.1 if step == best else 1.0})
     store = open_store(root)
     entries = inventory.collect(store)
     week_later = {e.step: e.created_at for e in entries}[last_week_from] + 7 * DAY
-    plan = inventory.retention_plan(entries, week_later, policy=default_policy(best_k=0))
+    plan = inventory.retention_plan(entries, week_later, policy=default_policy(best_k=0 if best is None else 1))
     for run, step in plan.delete:
         lifecycle.expire(store, run, step)
     return sorted(step for _, step in plan.delete)
@@ -246,18 +249,56 @@ def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, c
     assert code == 0 and current[4] == "5", out  # FULL EVERY, after the 3 words of TIME
 
 
+def test_a_cycle_longer_than_the_week_retention_keeps_is_read_from_the_cycle_under_way(tmp_path):
+    """Saves every step, a full every 20: a week after step 85 every whole cycle holds its
+    full alone, and only the cycle under way (the full at 80, then 86 to 99) holds the run's
+    incrementals. Counted over the whole cycles, the mix read a full every 1 (fulls alone).
+    The fulls are 20 steps apart and the cycle under way saves every step: a full every 20."""
+    root = str(tmp_path)
+    expired = thinned_by_retention(root, SavePolicy(full_every=20, incremental_every=1), last_week_from=85, steps=100)
+    assert expired == [s for s in range(86) if s % 20]
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 1
+    assert advice.current_full_every == 20
+
+
 def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_interval(tmp_path):
     """The current interval is the run's gap between commits now. A run saving every step
     with a full every 2 has, once retention expired the incrementals older than a week,
     gaps of 2 over its thinned past and of 1 over its last week: the median over the whole
-    history read 2 steps once the thinned past was the longer. Only the history from the
-    full before its oldest held incremental on is as the run made it."""
+    history read 2 steps once the thinned past was the longer. Only the newest cycles that
+    hold incrementals are as the run made it."""
     root = str(tmp_path)
     expired = thinned_by_retention(root, SavePolicy(full_every=2, incremental_every=1), last_week_from=80)
     assert expired == list(range(1, 80, 2))
     advice = advise(open_store(root), RUN)
     assert advice.current is not None and advice.current.interval_steps == 1
     assert advice.current_full_every == 2
+
+
+def test_an_old_checkpoint_retention_keeps_as_the_best_does_not_bring_the_thinned_history_back(tmp_path):
+    """Best-K keeps the best checkpoint however old: an incremental at step 11 of a run saving
+    every step with a full every 2 survives the week's thinning. The history from the full
+    before it on held 35 thinned cycles (gaps of 2) against the 20 saves of the last week
+    (gaps of 1): read as every 2 steps. Only the newest unbroken stretch of whole cycles
+    holding more than their full is as the run made it."""
+    root = str(tmp_path)
+    expired = thinned_by_retention(root, SavePolicy(full_every=2, incremental_every=1), last_week_from=80, best=11)
+    assert expired == [s for s in range(1, 80, 2) if s != 11]
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 1
+    assert advice.current_full_every == 2
+
+
+def test_an_old_cycle_retention_keeps_as_the_best_does_not_count_in_the_mix(tmp_path):
+    """Saves every 2 steps, a full every 10 (5 checkpoints a cycle); step 12 is kept as the
+    best past the week's thinning, so its cycle holds 2: counted among the 3 whole cycles of
+    the last week, the mix read (2 + 5 + 5 + 5) / 4 = 4.25, a full every 4."""
+    root = str(tmp_path)
+    expired = thinned_by_retention(root, SavePolicy(full_every=10, incremental_every=2), last_week_from=70, best=12)
+    assert expired == [s for s in range(0, 70, 2) if s % 10 and s != 12]
+    advice = advise(open_store(root), RUN)
+    assert advice.current_full_every == 5 and advice.current is not None and advice.current.interval_steps == 2
 
 
 def test_an_mtbf_of_a_googol_years_gives_lines_a_terminal_can_show(tmp_path, capsys):
