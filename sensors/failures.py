@@ -102,10 +102,10 @@ class TickRuns:
         self.instance = instance
         self._written: dict[str, set[str | None]] = {}
 
-    def around(self, run: DagsterRun) -> tuple[RunRecord | None, list[RunRecord]]:
-        """``run``'s record and the runs of its checkpoint partition begun after it (a greater
-        storage id: the instance's order, no clock), read now: by its tag and by a
-        one-partition range."""
+    def around(self, run: DagsterRun) -> tuple[RunRecord | None, list[RunRecord], frozenset[str]]:
+        """``run``'s record, the runs of its checkpoint partition begun after it (a greater
+        storage id: the instance's order, no clock) and the ids of all its runs, read now: by
+        its tag and by a one-partition range."""
         key = partition_of(run)
         found = {
             record.dagster_run.run_id: record
@@ -114,9 +114,9 @@ class TickRuns:
         }
         failed = found.get(run.run_id) or self.instance.get_run_record_by_id(run.run_id)
         if failed is None:
-            return None, []
+            return None, [], frozenset(found)
         later = [r for r in found.values() if r.storage_id > failed.storage_id]
-        return failed, sorted(later, key=lambda record: record.storage_id)
+        return failed, sorted(later, key=lambda record: record.storage_id), frozenset(found) | {run.run_id}
 
     def written_by(self, record: RunRecord) -> set[str | None]:
         """The lifecycle records the run's succeeded steps wrote (``STEP_RECORDS``); kept for
@@ -171,7 +171,7 @@ def record_failure(
     instance = runs.instance
     steps = failed_steps(instance, run.run_id)
     kinds = made_good_by(steps)
-    record, later = runs.around(run)
+    record, later, known = runs.around(run)
     failed = attribution.FailedRun(
         run.run_id,
         run.job_name,
@@ -183,6 +183,7 @@ def record_failure(
         made_good_by=kinds,
         made_good_already=made_good_already(runs, later, kinds),
         later_runs=frozenset(r.dagster_run.run_id for r in later),
+        known_runs=known,
     )
     instance.add_run_tags(run.run_id, {FAILURE_TAG: failed.reason[:300]})
     done = attribution.record_failure(failed, store.open)

@@ -24,11 +24,13 @@ first, nor over a later run's (``standing_failure``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import ledger
+from ckptflow.catalog.records import is_number
 from ckptflow.catalog.verdicts import Subject, read_record, step_prefix, write_record
 from ckptflow.errors import ManifestError
 from ckptflow.format import layout as fmt
@@ -62,6 +64,9 @@ class FailedRun:
     # the runs of its checkpoint begun after it (the orchestrator's order): a failure record
     # of one of them stands against this failure's (``standing_failure``)
     later_runs: frozenset[str] = frozenset()
+    # every run of its checkpoint the orchestrator lists, this one too: a failure record of a
+    # run it does not list (deleted since, or another deployment's) is judged by the clocks
+    known_runs: frozenset[str] = frozenset()
 
     @property
     def reason(self) -> str:
@@ -113,12 +118,23 @@ def standing_failure(recorded: Mapping | None, failed: FailedRun) -> str | None:
     again, a record a re-run wrote since would read as standing at the failure, the failure
     open again though the work was redone (once that run is gone from the orchestrator's
     history, ``made_good_already`` no longer names it). One of a run begun after ``failed``
-    stands: an older failure replayed over it would hide it, and its own replay then rewrite it."""
+    stands: an older failure replayed over it would hide it, and its own replay then rewrite it.
+    So does one of a run the orchestrator no longer lists (deleted by hand, or recorded by
+    another deployment sharing the store) that failed later by the clocks: the only order
+    left to tell them by."""
     other = (recorded or {}).get("run_id")
     if other == failed.run_id:
         return "its failure record is there already, as first written"
     if other in failed.later_runs:
         return f"the failure of run {other}, begun after it, is recorded and stands"
+    later_at = recorded.get("failed_at", math.nan) if recorded else math.nan
+    if (
+        other not in failed.known_runs
+        and is_number(later_at)
+        and failed.failed_at is not None
+        and later_at > failed.failed_at
+    ):
+        return f"the failure of run {other}, which the orchestrator no longer lists, failed later and stands"
     return None
 
 

@@ -355,6 +355,27 @@ def test_a_replay_does_not_write_an_older_failure_over_a_later_one(
     assert "failed: evaluation" in needs_attention(store_with_checkpoints)
 
 
+def test_a_replay_does_not_write_an_older_failure_over_a_later_one_deleted_from_the_instance(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    """As above, the second failed run then deleted from the instance by hand (or recorded by
+    another deployment sharing the store): the instance's order of runs no longer names it,
+    and the replay wrote the first failure, made good since, over the open second one."""
+    monkeypatch.setattr("sensors.failures.PER_TICK", 1)
+    evaluation_failed(instance, resources)
+    cursor = tick(instance, resources)
+    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
+    second = evaluation_failed(instance, resources)
+    tick(instance, resources, cursor)
+    digest = subject(store_with_checkpoints, 40).digest
+    recorded = failure(store_with_checkpoints, digest)
+    assert recorded["run_id"] == second.run_id
+    instance.delete_run(second.run_id)
+    tick(instance, resources, "-1")  # replays the first failure only (one a tick)
+    assert failure(store_with_checkpoints, digest) == recorded
+    assert "failed: evaluation" in needs_attention(store_with_checkpoints)
+
+
 def test_a_re_run_that_succeeds_while_a_tick_goes_on_makes_the_failures_recorded_after_it_good(
     store_with_checkpoints, resources, instance
 ):
