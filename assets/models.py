@@ -22,6 +22,8 @@ from ckptflow.errors import CkptflowError
 from ckptflow.interop.registry import ALIASES, Registry, describe
 from resources import CheckpointStoreResource, RegistryResource
 
+SHOWN = 50  # the passed-over checkpoints a promotion's log line names (its metadata names all)
+
 
 class DeployConfig(Config):
     """``action``: "promote" (export + register + move ``stage``) or "rollback" (stable <- fallback)."""
@@ -68,8 +70,14 @@ def deployed_model(
     """What is deployed, after a promotion or a rollback; metadata carries the lineage. A
     promotion logs the export's progress (checkpoint bytes read, the rate) as it goes; those
     bytes, the promotion's time and their rate over it (upload and registration included),
-    and the bytes of the model's files are metadata."""
-    from ckptflow.lifecycle.promote import PromotionRequest, promote, rollback  # torch: only in this asset's runs
+    and the bytes of the model's files are metadata; so is ``passed_over``: promoting by
+    metric, each hot checkpoint that was no candidate and why (as a ``Best`` restore's)."""
+    from ckptflow.lifecycle.promote import (  # torch: only in this asset's runs
+        PromotionRequest,
+        passed_over_lines,
+        promote,
+        rollback,
+    )
 
     reg = registry.open()
     figures: dict = {}
@@ -87,9 +95,18 @@ def deployed_model(
             )
             chosen = config.partition_key or f"the best checkpoint by {config.metric}"
             with logged_progress(context, f"exporting {chosen} as {config.model}") as meter:
-                version = promote(store.open(), reg, request, progress=meter)
+                promotion = promote(store.open(), reg, request, progress=meter)
+            version = promotion.registered
             context.log.info(f"registered {config.model} v{version.version} from {version.partition_key}")
+            if lines := passed_over_lines(promotion.passed_over):
+                shown = "\n".join(lines[:SHOWN]) + (f"\n… {len(lines) - SHOWN} more" if len(lines) > SHOWN else "")
+                context.log.warning(
+                    f"passed over {len(lines)} hot checkpoints (metadata 'passed_over': each):\n{shown}"
+                )
             figures = {
+                "passed_over": MetadataValue.json(
+                    [{"run": run, "step": step, "why": why} for run, step, why in promotion.passed_over]
+                ),
                 **size("exported", meter.done),
                 **throughput("promotion", meter.done, meter.seconds),
                 **size("model", sum(f["size"] for f in version.files.values())),

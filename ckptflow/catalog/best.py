@@ -25,7 +25,7 @@ from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.selectors import Best, describe
 from ckptflow.catalog.verdicts import Unread
 from ckptflow.format import layout as fmt
-from ckptflow.policy.scores import is_score, one_scale, scale_of, scales, scores
+from ckptflow.policy.scores import is_score, no_score, one_scale, scale_of, scales, scores
 from ckptflow.store.base import Store
 
 Metadata = Mapping[str, Mapping[str, Any]]  # a commit's manifest metadata, by its digest
@@ -110,7 +110,7 @@ def choose_best(
             why = failed_now(stores, run, step, held[step], by_step, known) or next(
                 (why for (at, _), why in left_out.items() if at == step), None
             )
-            passed.append((step, why or f"no score of {select.metric!r} (evaluated, or reported by its trainer)"))
+            passed.append((step, why or no_score(select.metric)))
             continue
         tiers, why_not = _scored_tiers(stores, run, step, held[step], values, select.mode, known)
         if why_not:

@@ -5,8 +5,9 @@ since, or by a newer ckptflow): the selectors check which before accepting a tie
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.catalog.verdicts import Unread
@@ -14,6 +15,7 @@ from ckptflow.errors import CkptflowError, NewerFormatError
 from ckptflow.store.base import Store
 
 FAILED = "failed validation"  # how a passed-over step whose verdict proved damage is described
+NOT_VALIDATED = "not validated yet"  # how a step passed over for having no verdict yet is described
 NEWER_COMMIT = "newer"  # the commit at a step a newer ckptflow wrote (not hex: no digest equals it)
 
 
@@ -111,5 +113,11 @@ def failed_now(
     if failed := {d: v for d, v in verdicts.items() if v.get("ok") is False}:
         now = digest_in(stores, run, step, tiers[0], known)
         failed = {d: v for d, v in failed.items() if d == now or now is None}
-    problems = "; ".join(str(p) for v in failed.values() for p in (v.get("problems") or [])[:2])
-    return f"{FAILED}: {problems or 'no problem recorded'}" if failed else None
+    return failed_why(failed.values()) if failed else None
+
+
+def failed_why(verdicts: Iterable[Mapping[str, Any]]) -> str:
+    """Why a commit whose ``verdicts`` (validation records) proved damage is passed over:
+    ``FAILED`` (``selection.failed_steps`` reads it) and the first problems each records."""
+    problems = "; ".join(str(p) for v in verdicts for p in (v.get("problems") or [])[:2])
+    return f"{FAILED}: {problems or 'no problem recorded'}"

@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptflow.catalog import aliases as alias_records
 from ckptflow.catalog.best import choose_best
-from ckptflow.catalog.choice import FAILED, Choice, failed_now, on_this_commit, stale, stops_at
+from ckptflow.catalog.choice import FAILED, NOT_VALIDATED, Choice, failed_now, on_this_commit, stale, stops_at
 from ckptflow.catalog.choice import NEWER_COMMIT as NEWER_COMMIT
 from ckptflow.catalog.selectors import ALIAS_CHAIN, Alias, Best, Selector, describe
 from ckptflow.catalog.selectors import check as check
@@ -110,7 +110,7 @@ def _validated(
         if not tiers and (stop := stops_at(stores, run, step, held[step], blocked, known)):
             return Choice(label, pairs, passed, commits=commits, stop=stop)
         if not ok:
-            passed.append((step, failed_now(stores, run, step, held[step], by_step, known) or "not validated yet"))
+            passed.append((step, failed_now(stores, run, step, held[step], by_step, known) or NOT_VALIDATED))
             continue
         if stale:
             passed.append((step, stale))

@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.choice import NOT_VALIDATED, failed_why
 from ckptflow.catalog.verdicts import Subject, read_record
 from ckptflow.chunks.leases import PROMOTION_WAIT, PROMOTIONS, Heartbeat, shared_lease
 from ckptflow.chunks.lossy import describe as describe_lossy
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.lifecycle.validate import validate
 from ckptflow.policy.retention import Ref, rank_by_metric
+from ckptflow.policy.scores import no_score, one_scale, scale_of
 from ckptflow.reports import inventory
 from ckptflow.store.base import Store
 
@@ -72,19 +74,63 @@ class PromotionRequest:
         return ExportOptions(key=self.key, dtype=self.dtype, allow_fp16_overflow=self.allow_fp16_overflow)
 
 
-def choose_checkpoint(entries: list[inventory.Entry], metric: str, mode: str) -> inventory.Entry:
+PassedOver = tuple[str, int, str]  # (run, step, why): a Best restore's ``passed_over`` with the run
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What ``promote`` did: the version it registered and, promoting by metric, each hot
+    checkpoint it did not take as a candidate, and why (``choose_checkpoint``)."""
+
+    registered: ModelVersion
+    passed_over: list[PassedOver] = field(default_factory=list)
+
+
+def passed_over_lines(passed_over: list[PassedOver]) -> list[str]:
+    """One line per checkpoint passed over, as a restore's error and ``ls --select`` say it."""
+    return [f"run {run!r} step {step}: {why}" for run, step, why in passed_over]
+
+
+def choose_checkpoint(
+    entries: list[inventory.Entry], metric: str, mode: str
+) -> tuple[inventory.Entry, list[PassedOver]]:
     """The best checkpoint by ``metric`` (its score, as ``Best`` ranks: ``ckptflow.policy.scores``)
-    among those that passed validation and are hot. A lossy copy (imported back to evaluate
-    it) is no candidate: promotion refuses it, and it shares its source's metrics, so
-    choosing it would refuse every promotion by metric."""
-    by_ref = {e.ref: e for e in entries if e.validation == "passed" and "hot" in e.tiers and not e.lossy}
-    ranked = rank_by_metric([e.candidate() for e in by_ref.values()], metric, mode)
+    among those that passed validation and are hot, and why each other hot one is not a
+    candidate. Every run is ranked on one scale, chosen as ``Best`` chooses it: among the
+    commits that may rank (validated or not yet), so a step an evaluator scored that is not
+    validated yet makes its evaluator's the scale, as for ``Best``, rather than a promotion
+    by training loss. A lossy copy (imported back to evaluate it) is no candidate: promotion
+    refuses it, and it shares its source's metrics, so choosing it would refuse every
+    promotion by metric."""
+    hot = [e for e in entries if "hot" in e.tiers]
+    figures = {e.ref: e.candidate().scales.get(metric) or {} for e in hot}
+    may_rank = {e.ref for e in hot if e.valid is not False and not e.lossy}
+    scale = scale_of({ref: by for ref, by in figures.items() if ref in may_rank})
+    on_scale, off_scale = one_scale(figures, scale=scale)
+
+    def why_not(e: inventory.Entry) -> str | None:
+        if e.valid is False:
+            return failed_why([{"problems": [e.manifest_error]}] if e.manifest_error else [e.records["validation"]])
+        if e.manifest_error:  # its commit record could not be read just now: nothing is known of it
+            return e.manifest_error
+        if e.lossy:
+            return "a lossy copy, not the model that was trained: never promoted"
+        if e.ref not in on_scale:
+            return off_scale.get(e.ref) or no_score(metric)
+        return None if e.validation == "passed" else NOT_VALIDATED
+
+    whys = {e.ref: why_not(e) for e in hot}
+    passed_over = [(e.run, e.step, why) for e in hot if (why := whys[e.ref]) is not None]
+    picks = [e for e in hot if whys[e.ref] is None]
+    ranked = rank_by_metric([e.candidate() for e in picks], metric, mode, scale=scale)
     if not ranked:
         raise PromotionError(
-            f"no validated hot checkpoint has a score of {metric!r} (evaluated, or reported by its trainer); "
+            f"no validated hot checkpoint has a score of {metric!r} on {scale}, the scale the checkpoints are "
+            f"ranked on (passed over: {'; '.join(passed_over_lines(passed_over)) or 'none'}); validate or "
             "evaluate some first, or promote one by name"
         )
-    return by_ref[ranked[0][0].ref]
+    by_ref = {e.ref: e for e in picks}
+    return by_ref[ranked[0][0].ref], passed_over
 
 
 def promote(
@@ -95,7 +141,7 @@ def promote(
     mirror: MlflowMirror | None = None,
     wait: float = PROMOTION_WAIT,
     progress: Callable[[int], None] | None = None,
-) -> ModelVersion:
+) -> Promotion:
     """Export the chosen checkpoint, register it as the next version of ``request.model``
     and move ``latest`` (and, for stage "stable", ``stable`` and ``fallback``).
 
@@ -109,12 +155,16 @@ def promote(
     running already is waited for, up to ``wait`` seconds.
 
     ``progress`` is told the content size of each chunk the export reads (the export's
-    ``progress``: no total, as only the chunks of ``request.key``'s tensors are read)."""
+    ``progress``: no total, as only the chunks of ``request.key``'s tensors are read).
+
+    Promoting by metric (no ``request.checkpoint``), the result's ``passed_over`` says which
+    hot checkpoints were no candidate and why, as a ``Best`` restore's does: not validated
+    yet, failed validation, or scored on another scale than the one the others rank on."""
     with shared_lease(hot, PROMOTIONS, wait) as lease:
-        version = _export_and_register(hot, registry, request, lease, progress)
+        promotion = _export_and_register(hot, registry, request, lease, progress)
     if mirror is not None:
         mirror.sync(registry, request.model)
-    return version
+    return promotion
 
 
 def _export_and_register(
@@ -123,9 +173,11 @@ def _export_and_register(
     request: PromotionRequest,
     lease: Heartbeat,
     progress: Callable[[int], None] | None,
-) -> ModelVersion:
+) -> Promotion:
+    passed_over: list[PassedOver] = []
     if request.checkpoint is None:
-        run, step = choose_checkpoint(inventory.collect(hot), request.metric, request.mode).ref
+        chosen, passed_over = choose_checkpoint(inventory.collect(hot), request.metric, request.mode)
+        run, step = chosen.ref
     else:
         run, step = request.checkpoint
     manifest = catalog.read_manifest(hot, run, step)
@@ -156,7 +208,7 @@ def _export_and_register(
             f"refusing to register {run} step {step}: this promotion's lease in {hot.url} could not be renewed, so "
             "retention may have expired the checkpoint meanwhile; nothing was registered, promote again"
         )
-    return registry.register(
+    version = registry.register(
         request.model,
         run=run,
         step=step,
@@ -166,6 +218,7 @@ def _export_and_register(
         lineage=lineage.to_json(),
         stage=request.stage,
     )
+    return Promotion(version, passed_over)
 
 
 def rollback(registry: Registry, model: str, *, mirror: MlflowMirror | None = None) -> ModelVersion:

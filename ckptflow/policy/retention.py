@@ -119,15 +119,18 @@ class KeepFullWithin:
         }
 
 
-def rank_by_metric(checkpoints: Iterable[Candidate], metric: str, mode: str = "min") -> list[tuple[Candidate, float]]:
+def rank_by_metric(
+    checkpoints: Iterable[Candidate], metric: str, mode: str = "min", *, scale: str | None = None
+) -> list[tuple[Candidate, float]]:
     """Checkpoints that have ``metric`` on the scale they share (``scores.one_scale``), best
     first (``mode`` "min" or "max"), with that figure; a tie goes to the newer step. The one
-    ranking retention's best-K and promotion share."""
+    ranking retention's best-K and promotion share. ``scale``: the one ``scores.scale_of``
+    chose among more commits than these (promotion: those not validated yet too)."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     sign = 1 if mode == "min" else -1
     candidates = list(checkpoints)
-    figures, _ = one_scale({at: c.scales.get(metric) or {} for at, c in enumerate(candidates)})
+    figures, _ = one_scale({at: c.scales.get(metric) or {} for at, c in enumerate(candidates)}, scale=scale)
     ranked = [(candidates[at], figure) for at, figure in figures.items()]
     return sorted(ranked, key=lambda item: (sign * item[1], -item[0].step))
 

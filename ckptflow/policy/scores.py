@@ -78,10 +78,18 @@ def scales(metadata: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]]
     return out
 
 
+def no_score(metric: str) -> str:
+    """Why a commit with no figure of ``metric`` on any scale is not ranked."""
+    return f"no score of {metric!r} (evaluated, or reported by its trainer)"
+
+
 def scale_of(figures: Mapping[K, Mapping[str, float]]) -> str:
     """The scale candidates are ranked on (``figures``: each one's figures of one metric by
     scale, from ``scales``): the evaluator's that scored the most of them (a tie: the first
-    by name, so every reader takes the same), else the trainer's."""
+    by name, so every reader takes the same), else the trainer's. Every commit that may rank
+    counts, whether or not the reader may pick it: a tier holds it and its validation did not
+    fail (``Best``; promotion, which picks a validated one only, counts those not validated
+    yet too), so ``Best`` and promotion rank one run on the same scale."""
     counts = Counter(scale for by in figures.values() for scale in by if scale != TRAINER)
     return min(counts, key=lambda scale: (-counts[scale], scale)) if counts else TRAINER
 

@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pandas as pd
 from dagster import AssetSelection, DagsterInstance, FloatMetadataValue, materialize
@@ -162,6 +163,10 @@ def _drive(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: 
                 print(
                     f"== model {model}:{alias} -> v{version} from {d['partition_key']} (manifest {d['manifest_digest'][:12]}…)"
                 )
+        [promotion] = [m.metadata for m in promoted.asset_materializations_for_node("deployed_model")]
+        passed_over: list[dict] = cast(list, promotion["passed_over"].value)  # by metric: the hot ones not candidates
+        for row in passed_over:
+            print(wrapped(f"promotion passed over {row['run']} step {row['step']}: {row['why']}", indent="   "))
     else:
         print("== promotion failed; see the run in the UI")
     print(

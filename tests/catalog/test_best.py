@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog.object_index import PREFIX
 from ckptflow.catalog.selection import Best
+from ckptflow.errors import PromotionError
 from ckptflow.lifecycle.promote import choose_checkpoint
 from ckptflow.policy.retention import DAY, KeepBestK
 from ckptflow.reports import inventory
@@ -31,13 +34,12 @@ def bests(root, store, capsys) -> dict[str, int | None]:
         restored = ck.restore({"model": model_at(0)}, select=Best("val_loss", "min")).step
     [row] = inventory.recovery_choices(store, entries)
     _, out, _ = run_cli(capsys, "ls", root, "--run", "r", "--select", "best:val_loss:min", "--json")
-    passed = {e.ref for e in entries if e.validation == "passed"}
     return {
         "restore": restored,
         "ls": json.loads(out)[0]["step"],
         "inventory": row["best"],
         "retention": next(step for (_, step), why in plan.keep.items() if any("best 1 of" in w for w in why)),
-        "promotion": choose_checkpoint([e for e in entries if e.ref in passed], "val_loss", "min").step,
+        "promotion": choose_checkpoint(entries, "val_loss", "min")[0].step,
     }
 
 
@@ -117,8 +119,32 @@ def test_an_evaluation_of_a_commit_no_tier_holds_chooses_no_scale(tmp_path):
     entries = inventory.collect(store)
     plan = inventory.retention_plan(entries, LATER, policy=KeepBestK("val_loss", k=1))
     assert any("best 1 of 2" in why for why in plan.keep[("r", 2)])
-    assert choose_checkpoint(entries, "val_loss", "min").step == 2
+    assert choose_checkpoint(entries, "val_loss", "min")[0].step == 2
     with Checkpointer(root, "r") as ck:
         assert ck.restore({"model": model_at(0)}, select=Best("val_loss", "min")).step == 2
     [row] = inventory.recovery_choices(store, entries)
     assert row["best"] == 2
+
+
+def test_best_and_promotion_rank_on_the_same_scale_while_the_evaluated_step_is_not_validated(tmp_path, capsys):
+    """Steps 1 and 2 validated, scored by their trainer only (0.4, 0.3); step 3 evaluated by
+    team.eval (2.0), not validated yet. Best chose its scale among the commits the tiers hold
+    (team.eval's) and took step 3; promotion chose it among the validated ones only (the
+    trainer's) and took step 2 by its training loss, ranking a run on another scale than
+    Best. Now both choose it among the commits that may rank: promotion picks no step until
+    step 3 is validated (saying why, in Best's words), then both take step 3."""
+    root, store = make(tmp_path, steps=(1, 2, 3), val_loss={1: 0.4, 2: 0.3, 3: 0.5}.get)
+    for step in (1, 2):
+        assert lifecycle.validate(store, "r", step)["ok"]
+    lifecycle.evaluate(store, store, "r", 3, lambda tensors, info: {"val_loss": 2.0}, evaluator_name="team.eval")
+    with Checkpointer(root, "r") as ck:
+        best = ck.restore({"model": model_at(0)}, select=Best("val_loss", "min"))
+    assert best.step == 3
+    with pytest.raises(PromotionError, match="on team.eval's figures") as refused:
+        choose_checkpoint(inventory.collect(store), "val_loss", "min")
+    for step, why in best.passed_over:
+        assert f"run 'r' step {step}: {why}" in str(refused.value)
+    assert "run 'r' step 3: not validated yet" in str(refused.value)
+    assert lifecycle.validate(store, "r", 3)["ok"]
+    assert set(bests(root, store, capsys).values()) == {3}
+

@@ -72,8 +72,8 @@ def test_promotion_and_rollback_mirror_into_mlflow_and_load_back_by_alias_bit_ex
     hot, reg, models = checkpoints(tmp_path)
     mirror = mirror_for(mlflow_uri, partition_link="http://dagster/assets/checkpoint?partition={partition_key}")
     name = mirror.name_of("m")
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"), mirror=mirror)
-    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable"), mirror=mirror)
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"), mirror=mirror).registered
+    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable"), mirror=mirror).registered
     client = MlflowClient()
     assert client.get_registered_model(name).aliases == {"newest": "2", "stable": "2", "fallback": "1"}
 
@@ -199,7 +199,7 @@ def test_a_run_left_by_another_registrys_failed_sync_is_not_reused_for_other_byt
         promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"), mirror=mirror)
     mirror.client.create_model_version = real
     other_hot, other_reg, other_models = checkpoints(tmp_path / "b", steps=(2,))
-    v1 = promote(other_hot, other_reg, PromotionRequest("m", ("r", 2), stage="stable"), mirror=mirror)
+    v1 = promote(other_hot, other_reg, PromotionRequest("m", ("r", 2), stage="stable"), mirror=mirror).registered
     name = mirror.name_of("m")
     mirrored = MlflowClient().get_model_version(name, "1")
     assert mirrored.tags["ckptflow.manifest_digest"] == v1.manifest_digest
@@ -214,7 +214,7 @@ def test_a_rotted_registry_file_fails_the_sync_once_naming_ckptflows_registry_no
     problem that retrying MLflow calls cannot fix. It was retried as an MLflow failure and
     reported as one ("could not ... in MLflow ... sync again")."""
     hot, reg, _ = checkpoints(tmp_path, steps=(1,))
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     path = tmp_path / "hot" / reg.file_key("m", v1.files["model.safetensors"]["sha256"])
     path.write_bytes(bytes(path.stat().st_size))
     mirror = mirror_for(mlflow_uri, attempts=3)
@@ -234,7 +234,7 @@ def test_a_cold_registry_file_fails_the_sync_once_saying_to_thaw_it_and_not_to_r
     the mirror said ``retry`` and the step's policy retried it minutes apart, each reading the
     same cold object: a thaw takes hours and must be requested."""
     hot, reg, _ = checkpoints(tmp_path, steps=(1,))
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     thaw = f"ckptflow thaw {hot.url} --run r --step 1"
     downloads = []
 

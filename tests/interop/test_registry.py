@@ -238,7 +238,7 @@ def test_promotion_uploads_streamed_not_read_whole(tmp_path):
     hot = open_store(root)
     tracemalloc.start()
     try:
-        version = promote(hot, Registry(hot), PromotionRequest("m", ("r", 1)))
+        version = promote(hot, Registry(hot), PromotionRequest("m", ("r", 1))).registered
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -250,7 +250,7 @@ def test_rebuild_a_deleted_export_from_hot_then_archive(tmp_path):
     root, _ = checkpoints(tmp_path)
     hot, archive = open_store(root), open_store(str(tmp_path / "archive"))
     reg = Registry(hot)
-    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     assert set(v.files) == {"model.safetensors", "README.md"}
     recorded = {n: f["sha256"] for n, f in v.files.items()}
     for f in v.files.values():
@@ -279,7 +279,7 @@ def test_rebuild_refuses_when_the_checkpoint_was_committed_again(tmp_path):
     root, _ = checkpoints(tmp_path, steps=(1,))
     hot = open_store(root)
     reg = Registry(hot)
-    v = promote(hot, reg, PromotionRequest("m", ("r", 1)))
+    v = promote(hot, reg, PromotionRequest("m", ("r", 1))).registered
     for f in v.files.values():
         hot.delete(reg.file_key("m", f["sha256"]))
     lifecycle.expire(hot, "r", 1)
@@ -294,7 +294,7 @@ def test_rebuild_refuses_when_the_checkpoint_was_committed_again(tmp_path):
 def test_version_records_are_json_with_export_options(tmp_path):
     root, _ = checkpoints(tmp_path, steps=(1,))
     hot = open_store(root)
-    v = promote(hot, Registry(hot), PromotionRequest("m", ("r", 1), dtype="bf16"))
+    v = promote(hot, Registry(hot), PromotionRequest("m", ("r", 1), dtype="bf16")).registered
     record = json.loads(hot.get(Registry(hot).version_key("m", 1)))
     assert record["export"]["dtype"] == "bf16" and v.dtype == "bf16"
     assert record["lineage"]["manifest_digest"] == v.manifest_digest

@@ -30,7 +30,7 @@ def test_a_model_file_that_rotted_is_written_again_by_the_next_promotion_or_rebu
     root, _ = checkpoints(tmp_path, steps=(1,))
     hot = open_store(root)
     reg = Registry(hot)
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     path = tmp_path / "hot" / reg.file_key("m", v1.files["model.safetensors"]["sha256"])
     for heal in (
         lambda: promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")),
@@ -49,8 +49,8 @@ def test_a_download_that_finds_one_file_rotted_changes_nothing_in_its_directory(
     root, _ = checkpoints(tmp_path, steps=(1, 2))
     hot = open_store(root)
     reg = Registry(hot)
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
-    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable"))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
+    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable")).registered
     served = tmp_path / "served"
     reg.download(v1, served)
     before = {p.name: p.read_bytes() for p in served.iterdir()}
@@ -82,9 +82,9 @@ def test_a_refused_promotion_registers_no_version_and_a_broken_alias_blocks_no_r
     hot.replace(key, json.dumps({**doc, "aliases": {**doc["aliases"], "fallback": 7}}).encode())
     with pytest.raises(RegistryError, match=r"m@stable names v9, which does not read .*set_alias"):
         reg.set_alias("m", "stable", 9)
-    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).version == 2
+    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).registered.version == 2
     assert reg.aliases("m") == {"latest": 2, "stable": 1, "fallback": 7}
-    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable")).version == 3
+    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable")).registered.version == 3
     assert reg.aliases("m") == {"latest": 3, "stable": 3, "fallback": 1}  # the old stable replaced the broken one
     hot.replace(key, json.dumps({**doc, "aliases": {"latest": 7, "stable": 7}}).encode())
     for alias in ("latest", "stable"):
@@ -115,7 +115,7 @@ def test_a_version_record_of_the_wrong_types_is_refused_and_one_with_new_fields_
     root, _ = checkpoints(tmp_path)
     hot = open_store(root)
     reg = Registry(hot)
-    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     key = reg.version_key("m", v.version)
     record = json.loads(hot.get(key))
     hot.replace(key, json.dumps({**record, "signed_by": "ci", "attestation": {"k": 1}}).encode())
@@ -130,7 +130,7 @@ def test_a_registry_record_larger_than_any_is_refused_unread(tmp_path, monkeypat
     root, _ = checkpoints(tmp_path, steps=(1,))
     hot = open_store(root)
     reg = Registry(hot)
-    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     monkeypatch.setattr(alias_records, "MAX_RECORD_BYTES", 16)  # every real record is larger: as if each were huge
     for read in (lambda: reg.get("m", v.version), lambda: reg.aliases("m"), lambda: reg.promote("m", v.version)):
         with pytest.raises(RegistryError, match="larger than any registry record"):
@@ -146,7 +146,7 @@ def test_a_latest_naming_a_missing_newer_version_is_replaced_by_the_next_registr
     promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
     doc = json.loads(hot.get(reg._aliases_key("m")))
     hot.replace(reg._aliases_key("m"), json.dumps({**doc, "aliases": {**doc["aliases"], "latest": 99}}).encode())
-    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).version == 2
+    assert promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).registered.version == 2
     assert reg.aliases("m")["latest"] == 2 and reg.resolve("m", "latest").step == 2
     lifecycle.current_plan(hot, None, reg)  # reads every alias
 
@@ -179,7 +179,7 @@ def test_a_rebuild_through_an_outage_says_the_store_is_unavailable_not_that_the_
     root, _ = checkpoints(tmp_path, steps=(1,))
     hot = open_store(root)
     reg = Registry(hot)
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1)))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1))).registered
     down = FaultyStore(hot)
     down.fail_if = lambda op, key: key.startswith("runs/")  # every read of a checkpoint fails (an OSError)
     with pytest.raises(StoreUnavailableError, match=rf"could not read r@1 in {hot.url}.*rebuild again once"):
@@ -196,7 +196,7 @@ def test_a_rollback_to_a_fallback_whose_files_were_deleted_is_refused_and_moves_
     root, _ = checkpoints(tmp_path)
     hot = open_store(root)
     reg = Registry(hot)
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     promote(hot, reg, PromotionRequest("m", ("r", 2), stage="stable"))
     before = reg.aliases("m")
     hot.delete(reg.file_key("m", v1.files["model.safetensors"]["sha256"]))
@@ -214,9 +214,9 @@ def test_a_damaged_version_record_blocks_no_later_promotion(tmp_path):
     root, _ = checkpoints(tmp_path)
     hot = open_store(root)
     reg = Registry(hot)
-    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable"))
+    v1 = promote(hot, reg, PromotionRequest("m", ("r", 1), stage="stable")).registered
     hot.replace(reg.version_key("m", v1.version), b"{not json")
-    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest"))
+    v2 = promote(hot, reg, PromotionRequest("m", ("r", 2), stage="latest")).registered
     assert v2.version == 2 and reg.version_numbers("m") == [1, 2] and reg.aliases("m")["latest"] == 2
     with pytest.raises(RegistryError, match="000001.json"):
         lifecycle.current_plan(hot, None, reg)

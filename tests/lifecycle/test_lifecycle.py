@@ -330,6 +330,6 @@ def test_a_bad_promotion_request_writes_nothing(tmp_path):
         flip_byte(chunk_path(store.root, only_in(store.root, "r", 2, 1)[0]))
         promote(store, registry, PromotionRequest("m", ("r", 2), stage="stable"))
     assert registry.models() == [] and not list(store.list("registry/"))
-    version = promote(store, registry, PromotionRequest("m", ("r", 1), stage="stable"))
+    version = promote(store, registry, PromotionRequest("m", ("r", 1), stage="stable")).registered
     assert registry.aliases("m") == {"latest": version.version, "stable": version.version}
     assert version.partition_key == "r@1" and version.manifest_digest == subject(store, 1).digest

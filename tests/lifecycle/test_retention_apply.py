@@ -44,7 +44,7 @@ def test_a_checkpoint_published_after_the_plan_is_kept(tmp_path):
     hot = saved(str(tmp_path / "hot"))
     plan = a_plan(hot)
     assert set(plan.delete) == {("r", 1), ("r", 2)}
-    version = promote(hot, Registry(hot), PromotionRequest("m", ("r", 1), stage="stable"))
+    version = promote(hot, Registry(hot), PromotionRequest("m", ("r", 1), stage="stable")).registered
     report = lifecycle.apply_retention(hot, None, plan, registry=Registry(hot))
     assert report.expired == [("r", 2)]
     [(ref, why)] = report.changed

@@ -70,7 +70,7 @@ def test_retention_waits_for_a_promotion_in_flight_then_keeps_what_it_published(
         time.sleep(0.3)
         assert not retaining.done()  # it waits for the promotion
         upload.release.set()
-        version = promoting.result(60)
+        version = promoting.result(60).registered
         report = retaining.result(60)
     assert report.expired == [("r", 2)]
     [(ref, why)] = report.changed

@@ -46,7 +46,7 @@ def test_every_checkpoint_records_the_declared_config_and_data(tmp_path):
 def test_promotion_copies_the_lineage_into_the_model_version_and_card(tmp_path):
     root, store = saved(tmp_path)
     registry = Registry(store)
-    version = promote(store, registry, PromotionRequest("m", ("r", 2), stage="stable"))
+    version = promote(store, registry, PromotionRequest("m", ("r", 2), stage="stable")).registered
     assert version.lineage["training_config"]["lr"] == 0.1 and version.lineage["training_config"]["arch"] == "tiny"
     assert version.lineage["data"][0] == {"uri": "s3://corpus/train", "version": "v3"}
     assert registry.get("m", version.version).lineage == version.lineage  # as stored, not only as returned

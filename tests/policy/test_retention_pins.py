@@ -50,7 +50,7 @@ def test_a_version_from_a_rejected_commit_keeps_its_archive_copy_not_the_replace
             torch.manual_seed(step)
             ck.save(step, {"model": nn.Linear(16, 16)}, metadata={"val_loss": 1.0 / step})
     registry = Registry(hot)
-    v1 = promote(hot, registry, PromotionRequest("m", ("r", 1), stage="stable"))
+    v1 = promote(hot, registry, PromotionRequest("m", ("r", 1), stage="stable")).registered
     assert lifecycle.archive(hot, archive, "r", 1).ok
     lifecycle.expire(hot, "r", 1)
     with Checkpointer(hot.root, "r") as ck:

@@ -192,7 +192,7 @@ def test_promotion_by_metric_passes_over_a_lossy_copy_for_the_exact_commit(archi
     for run, step in ((RUN, 1), ("again", 5)):
         assert validate(hot, run, step)["ok"]
         lifecycle.evaluate(hot, hot, run, step, lambda tensors, config: {"val_loss": 0.25})
-    version = promote(hot, Registry(hot), PromotionRequest("bert", stage="stable"))
+    version = promote(hot, Registry(hot), PromotionRequest("bert", stage="stable")).registered
     assert (version.run, version.step, version.manifest_digest) == (RUN, 1, lossy["source_digest"])
 
 

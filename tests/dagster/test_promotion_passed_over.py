@@ -1,0 +1,38 @@
+"""A promotion by metric says in its materialization which hot checkpoints it passed over."""
+
+import torch
+from torch import nn
+
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.store import open_store
+from support.dagster import RUN
+
+RANKED_ON = "not on team.eval's figures, which the others are ranked on"
+
+
+def test_a_promotion_by_metric_names_the_checkpoints_it_passed_over(store_with_checkpoints, defs, instance):
+    """Steps 10 and 20 of the TinyLM run evaluated by team.eval, run "other" scored by its
+    trainer only (a better figure, on another scale): the promotion ranked on team.eval's
+    figures and its materialization said nothing of run "other", nor of steps 30 and 40
+    (no score). Now ``passed_over`` names each, with why."""
+    store = open_store(store_with_checkpoints)
+    torch.manual_seed(0)
+    with Checkpointer(store, "other") as ck:
+        ck.save(1, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 0.01})
+    for run, step in ((RUN, 10), (RUN, 20), ("other", 1)):
+        assert lifecycle.validate(store, run, step)["ok"]
+    for step, loss in ((10, 3.0), (20, 2.0)):
+        lifecycle.evaluate(
+            store, store, RUN, step, lambda t, i, loss=loss: {"val_loss": loss}, evaluator_name="team.eval"
+        )
+    run_config = {"ops": {"deployed_model": {"config": {"action": "promote", "metric": "val_loss"}}}}
+    result = defs.resolve_job_def("promotion").execute_in_process(instance=instance, run_config=run_config)
+    [md] = [m.metadata for m in result.asset_materializations_for_node("deployed_model")]
+    assert md["source_partition"].value.endswith("@20")
+    assert md["passed_over"].value == [
+        {"run": "other", "step": 1, "why": f"scored on the trainer's figures only, {RANKED_ON}"},
+        {"run": RUN, "step": 30, "why": "no score of 'val_loss' (evaluated, or reported by its trainer)"},
+        {"run": RUN, "step": 40, "why": "no score of 'val_loss' (evaluated, or reported by its trainer)"},
+    ]
+    logged = [e.message for e in instance.all_logs(result.run_id) if "passed over" in (e.message or "")]
+    assert len(logged) == 1 and f"run 'other' step 1: scored on the trainer's figures only, {RANKED_ON}" in logged[0]

@@ -1,0 +1,65 @@
+"""A promotion by metric ranks every run's validated hot checkpoints on one scale; the
+ones it could not rank there are passed over, and it says which and why, as a ``Best``
+restore does in ``passed_over``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ckptflow import Checkpointer, lifecycle
+from ckptflow.interop.registry import Registry
+from ckptflow.lifecycle.promote import PromotionRequest, promote
+from ckptflow.store import open_store
+
+RANKED_ON = "which the others are ranked on"
+
+
+def three_runs(tmp_path):
+    """Run "a": steps 1 to 3 evaluated by team.eval (2.0, 2.5, 1.0), step 3 not validated yet;
+    run "b": step 1 scored by its trainer only (0.01); run "c": step 1 evaluated by
+    other.eval (0.1). Every other step validated."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    for run, steps in (("a", (1, 2, 3)), ("b", (1,)), ("c", (1,))):
+        with Checkpointer(root, run) as ck:
+            for step in steps:
+                ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 0.01 * step})
+    store = open_store(root)
+    for run, step in (("a", 1), ("a", 2), ("b", 1), ("c", 1)):
+        assert lifecycle.validate(store, run, step)["ok"]
+    for run, step, name, loss in (
+        ("a", 1, "team", 2.0),
+        ("a", 2, "team", 2.5),
+        ("a", 3, "team", 1.0),
+        ("c", 1, "other", 0.1),
+    ):
+        lifecycle.evaluate(
+            store, store, run, step, lambda t, i, loss=loss: {"val_loss": loss}, evaluator_name=f"{name}.eval"
+        )
+    return store
+
+
+def test_a_promotion_by_metric_says_which_runs_it_left_out_and_why(tmp_path):
+    """Ranked on team.eval's figures (it scored the most), run "b" (its trainer's 0.01) and
+    run "c" (other.eval's 0.1) were left out of the promotion without a word: the result was
+    the version alone, so an operator could not tell that two runs were never considered.
+    Now ``passed_over`` names each with why, in the wording of a ``Best`` restore's."""
+    store = three_runs(tmp_path)
+    promotion = promote(store, Registry(store), PromotionRequest("m"))
+    assert (promotion.registered.run, promotion.registered.step) == ("a", 1)
+    assert promotion.passed_over == [
+        ("a", 3, "not validated yet"),
+        ("b", 1, f"scored on the trainer's figures only, not on team.eval's figures, {RANKED_ON}"),
+        (
+            "c",
+            1,
+            f"scored on other.eval's figures and the trainer's figures only, not on team.eval's figures, {RANKED_ON}",
+        ),
+    ]
+
+
+def test_a_promotion_of_a_named_checkpoint_passes_nothing_over(tmp_path):
+    store = three_runs(tmp_path)
+    promotion = promote(store, Registry(store), PromotionRequest("m", ("b", 1)))
+    assert (promotion.registered.run, promotion.registered.step, promotion.passed_over) == ("b", 1, [])
