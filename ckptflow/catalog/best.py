@@ -10,8 +10,12 @@ best while ``restore(select="best")`` found no checkpoint with a score.
 
 The metadata of the commits the tiers hold is read through each tier's manifest index
 (``catalog.summaries``: one listing and one read per tier once the index knows them) unless
-the caller knows it (the inventory read it). That also says which commit each tier holds, so
-no manifest is read again to check that a score is about the commit there now.
+the caller knows it (the inventory read it); a tier holding none of the candidate steps is
+not read again. Every other tier's index is needed, even where the hot tier holds each step
+the archive holds: the archive may hold an earlier commit of the step (committed again in
+the hot tier since), ranked by its own metadata, which only that tier's index tells. That
+also says which commit each tier holds, so no manifest is read again to check that a score
+is about the commit there now.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ def held_metadata(
     metadata: dict[str, Mapping[str, Any]] = {}
     digests: dict[tuple[int, int], str] = {}
     unread: list[Unread] = []
+    holding = {index for tiers in held.values() for index in tiers}
     for index, store in enumerate(stores):
+        if index not in holding:  # a tier that holds none of the steps (nothing archived yet): its index says nothing
+            continue
         for item in catalog.summaries(store.metadata_store(), run):  # its index stays readable: not cold
             if item.step is None or index not in held.get(item.step, []):
                 continue

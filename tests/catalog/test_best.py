@@ -148,3 +148,31 @@ def test_best_and_promotion_rank_on_the_same_scale_while_the_evaluated_step_is_n
     assert lifecycle.validate(store, "r", 3)["ok"]
     assert set(bests(root, store, capsys).values()) == {3}
 
+
+def test_a_best_restore_lists_a_tier_holding_none_of_the_run_once(tmp_path):
+    """Nothing of run "r" archived yet: restore listed the archive for its candidates, found
+    none, and Best listed it again to read its index of their metadata (two listings per
+    restore by "best"). A tier holding none of the steps is read once now."""
+    root, store = make(tmp_path, steps=(1, 2), val_loss={1: 0.4, 2: 0.3}.get)
+    archive = FaultyStore(open_store(str(tmp_path / "archive")), count_reads=True)
+    with Checkpointer(root, "r", tiers=[archive]) as ck:
+        assert ck.restore({"model": model_at(0)}, select=Best("val_loss", "min")).step == 2
+    listing = [("list_after", "runs/r/checkpoints/"), ("exists", "runs/r/checkpoints")]  # no step: is the run there?
+    assert [(op, key) for _, op, key in archive.log] == listing
+
+
+def test_the_archive_index_ranks_an_earlier_commit_of_a_step_the_hot_tier_holds(tmp_path):
+    """Why Best reads the archive's index although the hot tier holds every step the archive
+    holds: step 2 was archived (its trainer: 0.1), rotted and was committed again (0.9). Only
+    the archive's index says it holds the earlier commit and what that commit scored."""
+    root, store = make(tmp_path, steps=(1, 2), val_loss={1: 0.5, 2: 0.1}.get)
+    archive = open_store(str(tmp_path / "archive"))
+    for step in (1, 2):
+        assert lifecycle.archive(store, archive, "r", step).ok
+    damage(root, 2)
+    with Checkpointer(root, "r", chunk_bytes=256) as ck:
+        assert ck.restore({"model": model_at(0)}).step == 1
+        ck.save(2, {"model": model_at(2)}, metadata={"val_loss": 0.9})
+    with Checkpointer(root, "r", tiers=[archive]) as ck:
+        result = ck.restore({"model": model_at(0)}, select=Best("val_loss", "min"))
+    assert (result.step, result.tier, result.metadata["val_loss"]) == (2, archive.url, 0.1)
