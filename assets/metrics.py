@@ -51,6 +51,7 @@ def _row(m: recoveries.RunMetrics) -> dict:
         "ready after (median / worst)": f"{human_duration(m.ready_s)} / {human_duration(m.ready_worst_s)}",
         "RPO (target)": rpo_against_target(m.rpo_s, rpo_target_s()),
         "recoveries (ok)": f"{m.recoveries} ({m.recoveries_ok})",
+        "rejected: state mismatch": m.rejected,
         "RTO (median / worst)": f"{human_duration(m.rto_median_s)} / {human_duration(m.rto_worst_s)}",
         "recovered to": ", ".join(f"{name} x{count}" for name, count in sorted(m.selectors.items())) or "-",
     }
@@ -63,7 +64,9 @@ def recovery_metrics(
     """Per run and store-wide: checkpoints in the window and the median save interval,
     commit to recovery-ready (median, worst), RPO (the longest gap between
     recovery-ready checkpoints in the window), recoveries, successes, fallbacks, RTO
-    (detection plus median and worst restore time), and bytes per tier."""
+    (detection plus median and worst restore time), and bytes per tier. Restores rejected
+    because the state passed did not fit the checkpoint (the caller's side) are counted
+    apart, ``recoveries_rejected``, and left out of the recoveries and their success rate."""
     hot = store.open()
     window, detection = parse_duration(config.window), parse_duration(config.detection)
     runs = recoveries.store_metrics(hot, now=time.time(), window_s=window, detection_s=detection)
@@ -91,6 +94,7 @@ def recovery_metrics(
         "recoveries_ok": ok,
         "recovery_success_rate": MetadataValue.float(round(ok / total, 4) if total else 1.0),
         "fallbacks": sum(m.fallbacks for m in runs),
+        "recoveries_rejected": sum(m.rejected for m in runs),
         "detection_s": MetadataValue.float(detection),
         **size("hot_stored", stats.store_stats(hot).stored_bytes),
         **size("archive_stored", stats.store_stats(archive.open()).stored_bytes),

@@ -3,6 +3,11 @@
 Written by ``Checkpointer.restore`` (rank 0) on the training path, so it lives below the
 reports that turn these records into numbers (``ckptflow.reports.recoveries``). GC never touches
 ``recoveries/``.
+
+A restore refused for the caller's side (a state whose structure differs from the
+checkpoint's) is recorded as *rejected*, with the reason (``REJECTED_STATE_MISMATCH``): it
+says nothing about the checkpoints or the store, so the recovery figures count it apart
+(``rejected``), never as a failed recovery.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
 PREFIX = "recoveries/"
+REJECTED_STATE_MISMATCH = "state mismatch"  # StateMismatchError: the state passed does not fit the checkpoint
 log = logging.getLogger("ckptflow")
 
 
@@ -34,8 +40,10 @@ def record(
     digest: str | None = None,
     select: str = "latest",
     passed_over: list | None = None,
+    rejected: str | None = None,
 ) -> None:
-    """Write one recovery record; best effort, so a read-only restore still restores."""
+    """Write one recovery record; best effort, so a read-only restore still restores.
+    ``rejected``: why the restore was refused for the caller's side (``rejected``)."""
     now = time.time()
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
     key = f"{PREFIX}{fmt.validate_run(run)}/{stamp}-{uuid.uuid4().hex[:8]}.json"
@@ -51,6 +59,7 @@ def record(
         "error": error,
         "select": select,  # the selector that chose what to recover to (catalog.selection.describe)
         "passed_over": [[s, r] for s, r in passed_over or []],  # newer checkpoints it did not accept, and why
+        "rejected": rejected,  # None, or why it was refused for the caller's side: not a failed recovery
     }
     try:
         store.put_if_absent(key, json.dumps(body, sort_keys=True).encode())
@@ -80,6 +89,13 @@ def read_all(store: Store, run: str | None = None) -> list[dict]:
     return sorted(out, key=lambda r: r["at"])
 
 
+def rejected(body: dict) -> str | None:
+    """Why the restore of this record was refused for the caller's side (a state that does not
+    fit the checkpoint), or None: a recovery that counts, loaded or failed. A rejected restore
+    is left out of the recoveries and their success rate, which measure checkpoints and stores."""
+    return body.get("rejected")
+
+
 def _problem(body: dict) -> str | None:
     """What in a recovery record is not of the type ``record`` writes (None if nothing)."""
     if not is_number(body.get("at"), minimum=0):
@@ -93,6 +109,8 @@ def _problem(body: dict) -> str | None:
         return f"has 'duration_s' = {duration!r}, not a duration"
     if not all(isinstance(body.get(k, []), list) for k in ("skipped", "passed_over")):
         return "has 'skipped' or 'passed_over' that is not a list"
+    if body.get("rejected") is not None and (not isinstance(body["rejected"], str) or not body["rejected"]):
+        return f"has 'rejected' = {body['rejected']!r}, not a reason"
     return None
 
 

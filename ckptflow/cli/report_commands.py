@@ -92,7 +92,7 @@ def _print_operations(operations: list[recoveries.RunMetrics], window: float, de
     """Checkpoint frequency, commit -> recovery-ready, RPO, recoveries and RTO per run."""
     pair = lambda a, b: f"{human_duration(a)} / {human_duration(b)}"
     headers = ["RUN", f"IN {human_duration(window)}", "SAVE EVERY", "READY AFTER (MED / WORST)", "RPO"]
-    headers += ["RECOVERIES", "SUCCEEDED", "FELL BACK", "RTO (MED / WORST)"]
+    headers += ["RECOVERIES", "SUCCEEDED", "FELL BACK", "REJECTED", "RTO (MED / WORST)"]
     rows = [
         [
             m.run,
@@ -103,6 +103,7 @@ def _print_operations(operations: list[recoveries.RunMetrics], window: float, de
             str(m.recoveries),
             str(m.recoveries_ok),
             str(m.fallbacks),
+            str(m.rejected),
             pair(m.rto_median_s, m.rto_worst_s),
         ]
         for m in operations
@@ -112,3 +113,9 @@ def _print_operations(operations: list[recoveries.RunMetrics], window: float, de
         f"RPO: the longest gap between recovery-ready (validated) checkpoints committed in the last "
         f"{human_duration(window)}; RTO: detection ({human_duration(detection)}, --detection) + restore time"
     )
+    if any(m.rejected for m in operations):
+        print(
+            "REJECTED: restores refused because the state passed does not have the checkpoint's structure "
+            "(StateMismatchError: the caller's side, not the checkpoint's); not counted as recoveries, "
+            "so not in the success rate"
+        )

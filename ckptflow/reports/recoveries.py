@@ -8,6 +8,10 @@ rate, how often checkpoints land, how long a checkpoint takes to become
 recovery-ready (committed and validated), the recovery point and time objectives (RPO,
 RTO) and whether the newest recovery-ready checkpoint is within the RPO target. GC
 never touches ``recoveries/``.
+
+A restore rejected for the caller's side (``recovery_log.rejected``: the state passed does not
+fit the checkpoint) is no recovery: it is counted apart (``rejected``), and left out of the
+recoveries, their success rate, fallbacks, selectors and the last recovery.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.catalog.ledger import expired
 from ckptflow.catalog.records import is_number
-from ckptflow.catalog.recovery_log import PREFIX, read_all
+from ckptflow.catalog.recovery_log import PREFIX, read_all, rejected
 from ckptflow.catalog.verdicts import records_by_subject
 from ckptflow.store.base import Store
 
@@ -57,7 +61,8 @@ class RunMetrics:
     restore_worst_s: float | None = None
     detection_s: float = 0.0
     selectors: dict[str, int] = field(default_factory=dict)  # recoveries by what they asked for (latest, validated...)
-    last_recovery: dict | None = None  # the newest recovery record, as written
+    last_recovery: dict | None = None  # the newest recovery record, as written (never a rejected one)
+    rejected: int = 0  # restores refused for the caller's side (a state that does not fit): not recoveries
 
     @property
     def recovery_success_rate(self) -> float | None:
@@ -108,6 +113,8 @@ def run_metrics(
             ready_at.append(info.created_at)
     first = _first_commit_at(store, run, created)
     recs = [r for r in read_all(store, run) if not _first_start(r, first)]
+    refused = [r for r in recs if rejected(r)]
+    recs = [r for r in recs if not rejected(r)]
     ok = [r for r in recs if r.get("ok")]
     durations = [r["duration_s"] for r in ok if isinstance(r.get("duration_s"), (int, float))]
     return RunMetrics(
@@ -128,6 +135,7 @@ def run_metrics(
         detection_s=detection_s,
         selectors=dict(Counter(str(r.get("select") or "latest") for r in recs)),
         last_recovery=recs[-1] if recs else None,
+        rejected=len(refused),
     )
 
 

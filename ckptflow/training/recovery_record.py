@@ -1,5 +1,7 @@
 """The recovery record of a restore or load (``ckptflow.catalog.recovery_log``), written by rank 0
-when it ends, loaded or not: what it loaded, or the error it raised with what it went past."""
+when it ends, loaded or not: what it loaded, or the error it raised with what it went past. A
+``StateMismatchError`` is the caller's side (the state passed, not the checkpoint), so its
+record says the restore was rejected, and the recovery figures leave it out."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import time
 
 from ckptflow.catalog import recovery_log
 from ckptflow.dcp.collectives import Group
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, StateMismatchError
 from ckptflow.store import Store
 from ckptflow.training.restore import RestoreResult
 
@@ -37,4 +39,5 @@ def record_recovery(
             error=None if result else str(error),
             select=result.select if result else select,
             passed_over=result.passed_over if result else getattr(error, "passed_over", []),
+            rejected=recovery_log.REJECTED_STATE_MISMATCH if isinstance(error, StateMismatchError) else None,
         )

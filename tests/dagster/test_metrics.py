@@ -1,10 +1,11 @@
 """The recovery_metrics asset: checkpoint frequency, time to recovery-ready, recoveries, RPO, RTO."""
 
 import pytest
+import torch
 from dagster import materialize
 
 from assets import PARTITIONED, checkpoint_key
-from ckptflow import Checkpointer
+from ckptflow import Checkpointer, StateMismatchError
 from ckptflow.catalog import recovery_log
 from ckptflow.reports.units import human_duration
 from pipelines import demo
@@ -29,6 +30,8 @@ def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
     corrupt_chunk(store_with_checkpoints, RUN, 40)
     with Checkpointer(store_with_checkpoints, RUN) as ck:
         assert ck.restore(demo.build()).step == 30  # one recovery, with a fallback past step 40
+        with pytest.raises(StateMismatchError):  # the caller's error: rejected, not a failed recovery
+            ck.restore({"w": torch.zeros(3)})
         infos = {i.step: i for i in ck.list()}
         restore_s = recovery_log.read_all(ck.store, RUN)[0]["duration_s"]
 
@@ -49,6 +52,8 @@ def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
     metadata = result.asset_materializations_for_node("recovery_metrics")[0].metadata
     assert metadata["recoveries"].value == 1 and metadata["recovery_success_rate"].value == 1.0
     assert metadata["fallbacks"].value == 1 and metadata["ready_s"].value >= 0
+    assert metadata["recoveries_rejected"].value == 1 and row.rejected == 1
+    assert "rejected: state mismatch" in metadata["table"].value
     # RPO: only 10 and 20 are recovery-ready, so the gap is theirs; 30 and 40 were never validated
     assert metadata["rpo_s"].value == pytest.approx(infos[20].created_at - infos[10].created_at, rel=1e-3, abs=1e-3)
     assert metadata["rto_median_s"].value == pytest.approx(30 + restore_s, rel=1e-3)

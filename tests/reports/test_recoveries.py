@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -154,10 +155,48 @@ def test_a_failed_recovery_still_counts_once_retention_expired_the_checkpoints_b
     root = str(tmp_path)
     with Checkpointer(root, "job") as ck:
         ck.save(1, {"w": torch.zeros(8)})
-        with pytest.raises(StateMismatchError):
-            ck.restore({"w": torch.zeros(9)})  # a failed recovery of a run with a checkpoint
+        with pytest.raises(NoValidCheckpointError):
+            ck.restore({"w": torch.zeros(8)}, step=7)  # a failed recovery of a run with a checkpoint
         ck.save(2, {"w": torch.zeros(8)})
     store = open_store(root)
     lifecycle.expire(store, "job", 1)
     m = recoveries.run_metrics(store, "job")
     assert (m.recoveries, m.recoveries_ok) == (1, 0)
+
+
+def test_a_restore_into_a_wrongly_built_state_is_rejected_not_a_failed_recovery(tmp_path, capsys):
+    """Two restores into a state built with another shape showed as 2 recoveries, 0 succeeded
+    (success rate 0%) in ``ckptflow stats``: the caller's error read as a checkpoint that
+    could not be recovered. They are counted apart, as rejected, with the reason."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, _state(1.0))
+        for _ in range(2):
+            wrong = {"model": {"w": torch.zeros(65)}}
+            with pytest.raises(StateMismatchError):
+                ck.restore(wrong)
+            assert torch.equal(wrong["model"]["w"], torch.zeros(65))  # rejected: nothing changed
+    store = open_store(root)
+    records = recovery_log.read_all(store, "r")
+    assert [(r["ok"], r["rejected"]) for r in records] == [(False, "state mismatch")] * 2
+    m = recoveries.run_metrics(store, "r")
+    assert (m.recoveries, m.recoveries_ok, m.rejected, m.recovery_success_rate) == (0, 0, 2, None)
+    assert (m.fallbacks, m.selectors, m.last_recovery) == (0, {}, None)
+
+    assert cli(["stats", root, "--json"]) == 0
+    (ops,) = json.loads(capsys.readouterr().out)["operations"]
+    assert (ops["recoveries"], ops["rejected"], ops["recovery_success_rate"]) == (0, 2, None)
+    assert cli(["stats", root]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "RECOVERIES" in line)  # the operations table
+    header, row = lines[at : at + 2]
+    cells = dict(zip(re.split(r"\s{2,}", header), re.split(r"\s{2,}", row)))
+    assert (cells["RECOVERIES"], cells["SUCCEEDED"], cells["REJECTED"]) == ("0", "0", "2")
+    assert "REJECTED: restores refused because the state passed does not have the checkpoint's structure" in out
+
+    with Checkpointer(root, "r") as ck:  # a real recovery still counts, the rejected ones still do not
+        assert ck.restore(_state(0.0)).step == 1
+    m = recoveries.run_metrics(store, "r")
+    assert (m.recoveries, m.recoveries_ok, m.rejected, m.recovery_success_rate) == (1, 1, 2, 1.0)
+    assert m.last_recovery is not None and m.last_recovery["ok"] is True
