@@ -41,8 +41,19 @@ warnings.filterwarnings(
 
 @dataclass
 class DriveReport:
+    """What one drive did. ``landed``: the checkpoint partitions commits landed in, each once,
+    in the order they first did; a step committed again lands a second commit in the same
+    partition, and its second validation run is in ``runs`` under its run key."""
+
     landed: list[str] = field(default_factory=list)
     runs: dict[str, bool] = field(default_factory=dict)  # run description -> success
+
+    def add_landed(self, keys: list[str]) -> None:
+        self.landed.extend(dict.fromkeys(k for k in keys if k not in self.landed))
+
+    def add_run(self, name: str, again: str, success: bool) -> None:
+        """Record a run under ``name``, or under ``again`` when a run already has that name."""
+        self.runs[again if name in self.runs else name] = success
 
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}  # run logs still go to the instance
@@ -67,6 +78,7 @@ def tick_landing(
         return cursor
     for request in result.dynamic_partitions_requests or []:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        report.add_landed(list(request.partition_keys))
     job = defs.resolve_job_def(validation_job.name)
     for run_request in result.run_requests or []:
         key = run_request.partition_key
@@ -78,8 +90,8 @@ def tick_landing(
             run_config=run_config,
             tags=run_request.tags,
         )
-        report.runs[f"{job.name}[{key}]"] = outcome.success
-        report.landed.append(key)
+        report.add_run(f"{job.name}[{key}]", f"{job.name}[{run_request.run_key}]", outcome.success)
+        report.add_landed([key])
     return result.cursor
 
 
@@ -169,10 +181,10 @@ class Driver:
     def drive(self, max_rounds: int = 10) -> DriveReport:
         """Land everything new, run each automation sensor until quiet, record failures."""
         report = DriveReport()
-        while True:
-            before = len(report.landed)
+        while True:  # until a tick lands nothing: no new partition, no validation run
+            before = (len(report.landed), len(report.runs))
             self.sensor_cursor = tick_landing(self.defs, self.instance, self.sensor_cursor, report, self.run_config)
-            if len(report.landed) == before:
+            if (len(report.landed), len(report.runs)) == before:
                 break
         for _ in range(max_rounds):
             before = len(report.runs)
