@@ -94,8 +94,9 @@ class IntervalCost:
     """One interval, evaluated."""
 
     interval_s: float  # training time between checkpoints
-    interval_steps: float | None  # the interval in steps, as given: whole for the optimum, 2.5 for a run saving
-    # every 2 and 3 steps in turn (``human_steps`` says it); None where the step time is not known
+    interval_steps: float | None  # the interval in steps, as given: an int where it is a whole number (the
+    # optimum; a run's median gap of 2.0), 2.5 for a run saving every 2 and 3 steps in turn (``human_steps``
+    # says it); None where the step time is not known
     save_overhead: float  # save stalls as a fraction of training time: C / T
     waste: float  # expected fraction of wall time lost: stalls, lost work, restores
     loss_per_failure_s: float  # expected work redone after a failure, plus the restore
@@ -205,10 +206,13 @@ def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:
 
 def evaluate_steps(inputs: IntervalInputs, steps: float) -> IntervalCost:
     """``evaluate`` for an interval of ``steps`` steps, which it reports exactly as given:
-    2.5 steps in float seconds divided back by the step time can read 2.4999999999999996."""
+    2.5 steps in float seconds divided back by the step time can read 2.4999999999999996. A
+    whole number of steps is an ``int`` whatever it came as: a median of the gaps 2 and 2 is
+    2.0, which ``advise --json`` wrote as ``2.0`` beside the optimum's ``2``."""
     if inputs.step_time_s is None:
         raise ValueError("an interval in steps needs the step time (step_time_s)")
-    return replace(evaluate(inputs, steps * inputs.step_time_s), interval_steps=steps)
+    exact = int(steps) if float(steps).is_integer() else steps
+    return replace(evaluate(inputs, steps * inputs.step_time_s), interval_steps=exact)
 
 
 def optimum(inputs: IntervalInputs) -> IntervalCost:

@@ -329,3 +329,29 @@ def test_advice_without_prices_says_it_ranks_by_the_time_wasted(tmp_path):
     assert advice.optimal.total_usd_month == 0.0
     assert any("every price is zero" in n and "time they waste" in n for n in advice.notes), advice.notes
     assert not any("every price is zero" in n for n in advise(open_store(root), RUN).notes)
+
+
+def test_json_gives_a_whole_interval_as_an_integer_in_both_fields_and_a_fractional_one_exactly(tmp_path, capsys):
+    """Saves at steps 0, 2, 4, 6, 8: four gaps of 2, whose median is 2.0, and ``advise --json``
+    wrote the current interval as ``2.0`` while the optimum's was an integer. A whole number of
+    steps is a JSON integer in both fields; a median gap of 2.5 steps stays 2.5."""
+    whole, fractional = str(tmp_path / "whole"), str(tmp_path / "fractional")
+    _train(whole, range(0, 9))
+    code, out, err = run_cli(capsys, "advise", whole, "--run", RUN, "--scenario", "preemptible", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["current"]["interval_steps"] == 2 and type(doc["current"]["interval_steps"]) is int
+    assert type(doc["optimal"]["interval_steps"]) is int
+    assert '"interval_steps": 2,' in out  # as written, not 2.0
+
+    state = tiny_state()
+    with Checkpointer(fractional, RUN) as ck:
+        for step in range(21):
+            tiny_train(state)
+            time.sleep(0.002)
+            if step % 5 in (0, 2):  # gaps of 2 and 3 in turn
+                ck.save(step, state, kind="full")
+    code, out, err = run_cli(capsys, "advise", fractional, "--run", RUN, "--scenario", "preemptible", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["current"]["interval_steps"] == 2.5 and type(doc["optimal"]["interval_steps"]) is int
