@@ -182,9 +182,9 @@ class Driver:
         """Land everything new, run each automation sensor until quiet, record failures."""
         report = DriveReport()
         while True:  # until a tick lands nothing: no new partition, no validation run
-            before = (len(report.landed), len(report.runs))
+            before = len(report.landed) + len(report.runs)  # both only grow
             self.sensor_cursor = tick_landing(self.defs, self.instance, self.sensor_cursor, report, self.run_config)
-            if (len(report.landed), len(report.runs)) == before:
+            if len(report.landed) + len(report.runs) == before:
                 break
         for _ in range(max_rounds):
             before = len(report.runs)
