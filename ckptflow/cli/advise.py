@@ -11,7 +11,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.policy.interval import SCENARIOS, IntervalCost
 from ckptflow.reports.advice import Advice, advise
 from ckptflow.reports.costs import CostModel
-from ckptflow.reports.units import human_duration, human_steps
+from ckptflow.reports.units import human_duration, human_period, human_steps
 
 
 def add_arguments(p: argparse.ArgumentParser, duration_arg) -> None:
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser, duration_arg) -> None:
     failures.add_argument(
         "--scenario",
         choices=sorted(SCENARIOS),
-        help="a preset MTBF: " + "; ".join(f"{k} {v[0] / 3600:g} h" for k, v in sorted(SCENARIOS.items())),
+        help="a preset MTBF: " + "; ".join(f"{k} {human_period(v[0])}" for k, v in sorted(SCENARIOS.items())),
     )
     p.add_argument("--gpus", type=int, default=1, help="GPUs the job holds (default 1)")
     p.add_argument("--gpu-hour-usd", type=float, default=2.0, help="price of one GPU-hour in USD (default 2.0)")

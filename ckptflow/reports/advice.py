@@ -26,7 +26,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.format.manifest import Manifest
 from ckptflow.policy import interval as model
 from ckptflow.reports.costs import CostModel
-from ckptflow.reports.units import human_duration, human_steps
+from ckptflow.reports.units import human_duration, human_period, human_steps
 from ckptflow.store.base import Store
 
 MIN_FAILURES = 3  # fewer recoveries than this: the measured failure rate is noise, use a preset
@@ -198,8 +198,8 @@ def _mtbf(
     preset = model.SCENARIOS[DEFAULT_SCENARIO]
     notes.append(
         f"too little history to measure the failure rate ({len(within)} recoveries since the oldest checkpoint "
-        f"held, {MIN_FAILURES} needed): "
-        f"using the {DEFAULT_SCENARIO!r} preset (MTBF {preset[0] / 3600:g} h); give an MTBF or a scenario to override"
+        f"held, {MIN_FAILURES} needed): using the {DEFAULT_SCENARIO!r} preset (MTBF {human_period(preset[0])}); "
+        "give an MTBF or a scenario to override"
     )
     return preset[0], f"preset {DEFAULT_SCENARIO!r} (too little history): {preset[1]}"
 

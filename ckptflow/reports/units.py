@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-YEAR = 365.25 * 86400
+HOUR = 3600.0
+DAY = 86400.0
+YEAR = 365.25 * DAY
 MANY_STEPS = 1e9
 
 
@@ -42,6 +44,17 @@ def human_duration(seconds: float | None) -> str:
         return f"{seconds / 3600:.1f} h"
     years = f"{seconds / YEAR:.3g}"
     return f"{years} year" if years == "1" else f"{years} years"
+
+
+def human_period(seconds: float) -> str:
+    """A round duration a person chose (a preset MTBF) as it was chosen: whole days from two
+    days on ("7 days", not "168 h"), whole hours below ("4 h", "24 h"); any other duration,
+    and one of a year or more, as ``human_duration`` says it."""
+    if 2 * DAY <= seconds < YEAR and (seconds / DAY).is_integer():
+        return f"{int(seconds // DAY)} days"
+    if HOUR <= seconds < YEAR and (seconds / HOUR).is_integer():
+        return f"{int(seconds // HOUR)} h"
+    return human_duration(seconds)
 
 
 def human_steps(steps: float | None, *, unknown: str = "-") -> str:

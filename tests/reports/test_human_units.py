@@ -14,7 +14,7 @@ from ckptflow import Checkpointer
 from ckptflow.cli.costs import render
 from ckptflow.format import layout as fmt
 from ckptflow.reports.costs import SAVINGS, CostReport, TierCost, describe, item
-from ckptflow.reports.units import human_duration, human_saving, human_steps, human_usd
+from ckptflow.reports.units import human_duration, human_period, human_saving, human_steps, human_usd
 from support.cli import run_cli
 
 
@@ -147,3 +147,23 @@ def test_the_metadata_words_for_an_item_say_what_its_table_row_says(name, usd, n
         assert said.endswith(label) or label == f"{name} costs more", said
     else:
         assert said.startswith("saves ") or said.endswith(f"not paid for: {label}"), said
+
+
+def test_preset_mtbfs_read_in_the_unit_they_were_chosen_in(tmp_path, capsys):
+    """The presets were formatted by hand twice (``v / 3600:g`` h): the week-long 'reliable'
+    preset read "168 h". One formatter says each as chosen, in the help and in the note."""
+    assert [human_period(s) for s in (4 * 3600, 24 * 3600, 7 * 86400, 2 * 86400)] == ["4 h", "24 h", "7 days", "2 days"]
+    assert human_period(5400) == human_duration(5400) == "90.0 min"  # not round: as any duration
+    assert human_period(1e300) == human_duration(1e300)  # past a year: years, never 10^295 days
+    code, out, _ = run_cli(capsys, "advise", "--help")
+    helptext = " ".join(out.split())
+    assert code == 0
+    assert "a preset MTBF: preemptible 4 h; reliable 7 days; unstable-network 24 h" in helptext
+
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((8,), float(step))})
+    code, out, err = run_cli(capsys, "advise", root, "--run", "r")
+    assert code == 0, err
+    assert "using the 'unstable-network' preset (MTBF 24 h); give an MTBF or a scenario to override" in out
