@@ -11,7 +11,17 @@ asset's rows, so it judges by the config the asset was materialized with.
 """
 
 import pandas as pd
-from dagster import AssetCheckResult, AssetCheckSeverity, Config, MetadataValue, Output, asset, asset_check
+from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    Config,
+    JsonMetadataValue,
+    MetadataValue,
+    Output,
+    asset,
+    asset_check,
+)
 
 from assets.checkpoints import checkpoint
 from assets.inventory import GROUP, REFRESH, markdown
@@ -25,6 +35,7 @@ from resources import CheckpointStoreResource
 MAX_RATIO = 2.0
 PLOT_POINTS = 13
 BAR = 40
+JUDGED = ("ratio", "keep_current", "current_steps", "optimal_steps")  # what interval_near_optimum reads of a row
 
 
 class AdviceConfig(Config):
@@ -93,24 +104,44 @@ def checkpoint_advice(config: AdviceConfig, store: CheckpointStoreResource) -> O
     df = pd.DataFrame(rows)
     metadata["table"] = markdown(df)
     metadata["runs_without_advice"] = MetadataValue.text("\n".join(skipped) or "none")
+    metadata["intervals"] = MetadataValue.json({r["run"]: {k: r.get(k) for k in JUDGED} for r in rows})
     return Output(df, metadata=metadata)
 
 
 @asset_check(asset=checkpoint_advice, name="interval_near_optimum", blocking=False)
-def interval_near_optimum(checkpoint_advice: pd.DataFrame) -> AssetCheckResult:
+def interval_near_optimum(context: AssetCheckExecutionContext) -> AssetCheckResult:
     """Warns when a run checkpoints more than MAX_RATIO times more or less often than its optimum.
 
     It judges the asset's own rows, not advice computed again: those were priced with the
     operator's ``AdviceConfig`` (MTBF, scenario, GPUs and their price), which a check run
-    with the defaults would not know, and warned about an interval the asset calls optimal."""
+    with the defaults would not know, and warned about an interval the asset calls optimal.
+    It reads them from the newest materialization's ``intervals``, not through the IO
+    manager: run before the asset was ever materialized, loading its DataFrame failed with
+    Dagster's own FileNotFoundError. With nothing to judge it fails (WARN, as for a run off
+    its optimum: a check that cannot judge must not pass) and says to materialize the asset."""
+    event = context.instance.get_latest_materialization_event(checkpoint_advice.key)
+    materialization = event.asset_materialization if event is not None else None
+    intervals = materialization.metadata.get("intervals") if materialization is not None else None
+    if not isinstance(intervals, JsonMetadataValue) or not isinstance(intervals.value, dict):
+        if materialization is None:
+            why = "has not been materialized on this instance"
+        else:
+            why = "was last materialized by an earlier ckptflow, without the intervals this check judges"
+        return AssetCheckResult(
+            passed=False,
+            severity=AssetCheckSeverity.WARN,
+            description=f"checkpoint_advice {why}, so there is no advice to judge the runs' intervals by: "
+            "materialize checkpoint_advice first, then run this check again",
+            metadata={"runs_off": MetadataValue.text("not judged")},
+        )
     off = {}
-    for row in checkpoint_advice.to_dict("records"):
+    for run, row in intervals.value.items():
         ratio = row.get("ratio")
-        if ratio is None or pd.isna(ratio) or row["keep_current"]:  # one that costs least is not off
+        if ratio is None or row["keep_current"]:  # one that costs least is not off
             continue
         if not 1 / MAX_RATIO <= ratio <= MAX_RATIO:
             current, optimal = human_steps(row["current_steps"]), human_steps(row["optimal_steps"])
-            off[row["run"]] = f"every {current} steps; optimum {optimal} ({ratio:.2g}x)"
+            off[run] = f"every {current} steps; optimum {optimal} ({ratio:.2g}x)"
     return AssetCheckResult(
         passed=not off,
         severity=AssetCheckSeverity.WARN,

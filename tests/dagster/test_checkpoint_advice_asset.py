@@ -2,7 +2,7 @@
 
 import re
 
-from dagster import AssetCheckKey, AssetCheckSeverity, AssetSelection, materialize
+from dagster import AssetCheckKey, AssetCheckSeverity, AssetMaterialization, AssetSelection, materialize
 
 from ckptflow import Checkpointer, SavePolicy
 from support.states import tiny_state, tiny_train
@@ -141,3 +141,27 @@ def test_a_config_advise_cannot_use_fails_the_asset_not_each_run(paths, resource
         config = {"ops": {"checkpoint_advice": {"config": bad}}}
         with pytest.raises(CkptflowError, match="unknown scenario 'spot'|MTBF must be a positive duration"):
             materialize([checkpoint_advice], instance=instance, resources=resources, run_config=config)
+
+
+def test_the_check_run_before_the_asset_was_ever_materialized_says_to_materialize_it(paths, resources, instance):
+    """Run alone on a fresh instance, the check failed with Dagster's own FileNotFoundError
+    (loading a DataFrame the IO manager never stored). With nothing to judge it fails (WARN, as
+    it does for a run off its optimum: a check that cannot judge does not pass) and says what
+    to do; once the advice is materialized it judges it."""
+    _train(paths["store"], "often", 4)
+    evaluation = _interval_check(instance, resources)
+    assert not evaluation.passed and evaluation.severity == AssetCheckSeverity.WARN
+    assert evaluation.description is not None
+    assert "checkpoint_advice has not been materialized on this instance" in evaluation.description
+    assert "materialize checkpoint_advice first" in evaluation.description
+    assert evaluation.metadata["runs_off"].value == "not judged"
+
+    from assets import checkpoint_advice
+
+    instance.report_runless_asset_event(AssetMaterialization(checkpoint_advice.key))  # an earlier ckptflow's
+    evaluation = _interval_check(instance, resources)
+    assert not evaluation.passed and evaluation.description is not None
+    assert "materialized by an earlier ckptflow" in evaluation.description
+    materialize([checkpoint_advice], instance=instance, resources=resources)
+    evaluation = _interval_check(instance, resources)
+    assert not evaluation.passed and "often: every 1 steps" in evaluation.metadata["runs_off"].value
