@@ -296,8 +296,8 @@ class Checkpointer:
 
         ``state`` may name a subset of the checkpoint's entries (the rest is not read).
         A state whose structure differs from the checkpoint's raises ``StateMismatchError``
-        listing the keys and restores nothing; ``strict=False`` loads what matches and
-        lists the rest in ``result.missing_keys`` / ``result.unexpected_keys``.
+        listing the keys and restores nothing (recorded as rejected, not a failed recovery); ``strict=False``
+        loads what matches and lists the rest in ``result.missing_keys`` / ``result.unexpected_keys``.
 
         A lossy archive copy (``ckptflow.chunks.lossy``) is skipped with the reason unless
         ``allow_lossy``; loaded, ``result.lossy`` says what it lost and
