@@ -8,10 +8,8 @@ pickled with ``torch.save``. DCP's own ``FileSystemReader`` unpickles ``.metadat
 ``torch.load`` with weights-only mode off: a crafted directory runs code on whoever loads it.
 torch 2.13 has no safe mode for either, so this module reads them itself:
 
-- ``.metadata`` through an unpickler that resolves only DCP's metadata classes and the
-  few torch values they hold (``torch.Size``, dtypes, layouts), as torch's
-  ``weights_only`` loader does for tensors; anything else is refused before it is
-  called, and the result is checked field by field;
+- ``.metadata`` through an unpickler that resolves only DCP's metadata classes
+  (``dcp_metadata_file``);
 - tensors and BYTE_IO items with ``torch.load(weights_only=True)`` only, which refuses
   any pickled object that is not plain data;
 - items only from plain file names inside the directory;
@@ -41,141 +39,12 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
-from ckptflow.format.sealed import MAX_DEPTH
 from ckptflow.format.tiling import tiling_problem
+from ckptflow.interop.dcp_metadata_file import METADATA_FILE, read_metadata
 from ckptflow.interop.source_files import check_name_count, check_regular_file
 from ckptflow.interop.torch_files import PickleBudget, check_plain_zip
 
-METADATA_FILE = ".metadata"
-MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
 _PENDING = object()  # a value not read yet
-
-_METADATA_CLASSES = {
-    "Metadata",
-    "TensorStorageMetadata",
-    "BytesStorageMetadata",
-    "ChunkStorageMetadata",
-    "TensorProperties",
-    "MetadataIndex",
-    "StorageMeta",
-    "_MEM_FORMAT_ENCODING",
-}
-_ALLOWED: dict[tuple[str, str], Any] = {
-    **{(dcp_metadata.__name__, name): getattr(dcp_metadata, name) for name in _METADATA_CLASSES},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a name -> torch.layout lookup
-    ("pathlib", "PosixPath"): None,  # StorageMeta.checkpoint_id: the path it was saved to
-    ("pathlib", "PurePosixPath"): None,
-    ("pathlib", "PureWindowsPath"): None,
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the globals DCP's ``Metadata`` is made of; everything else (a
-    function, a class with side effects) is refused before it can be called."""
-
-    def __init__(self, file: Any, where: str):
-        super().__init__(file)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)] or pickle.Unpickler.find_class(self, module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise DcpFormatError(
-            f"{self.where} refers to {module}.{name}, which is not part of DCP's checkpoint metadata; "
-            "ckptflow does not unpickle it (that could run code). Is this a DCP checkpoint from a trusted writer?"
-        )
-
-
-def read_metadata(directory: str) -> dcp_metadata.Metadata:
-    """The directory's DCP ``Metadata``, unpickled with only DCP's classes allowed, then checked."""
-    path = os.path.join(directory, METADATA_FILE)
-    where = f"DCP metadata {path}"
-    if not os.path.isfile(path):
-        raise DcpFormatError(f"{directory} is not a DCP checkpoint directory: it has no {METADATA_FILE} file")
-    size = os.path.getsize(path)
-    if size > MAX_METADATA_BYTES:
-        raise DcpFormatError(f"{where} is {size} bytes, more than DCP writes for any checkpoint; refused unread")
-    with open(path, "rb") as f:
-        try:
-            metadata = _MetadataUnpickler(f, where).load()
-        except DcpFormatError:
-            raise
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, RecursionError,
-                IndexError) as e:  # fmt: skip
-            raise DcpFormatError(f"{where} is not readable DCP metadata ({type(e).__name__}: {e})") from None
-    _check_metadata(metadata, where)
-    return metadata
-
-
-def _check_metadata(md: Any, where: str) -> None:
-    """Every field a reader relies on has the type DCP gives it, and every item lies in a
-    plain file of the directory."""
-
-    def bad(what: str) -> DcpFormatError:
-        return DcpFormatError(f"{where}: {what}; the metadata is damaged or was not written by DCP")
-
-    if not isinstance(md, dcp_metadata.Metadata):
-        raise bad(f"it holds a {type(md).__name__}, not DCP Metadata")
-    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
-        raise bad("state_dict_metadata or storage_data is not a dict (a checkpoint written by another storage writer?)")
-    for fqn, item in md.state_dict_metadata.items():
-        if not isinstance(fqn, str):
-            raise bad(f"the name {fqn!r} is not a string")
-        if isinstance(item, dcp_metadata.TensorStorageMetadata):
-            props = item.properties
-            if not isinstance(item.size, torch.Size) or not isinstance(props, dcp_metadata.TensorProperties):
-                raise bad(f"tensor {fqn!r} has no size or properties")
-            if not isinstance(props.dtype, torch.dtype):
-                raise bad(f"tensor {fqn!r} has no dtype")
-            for chunk in item.chunks:
-                if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata) or len(chunk.offsets) != len(item.size):
-                    raise bad(f"tensor {fqn!r} has a malformed chunk")
-        elif not isinstance(item, dcp_metadata.BytesStorageMetadata):
-            raise bad(f"{fqn!r} is described by a {type(item).__name__}")
-    for index, info in md.storage_data.items():
-        if not isinstance(index, dcp_metadata.MetadataIndex) or index.fqn not in md.state_dict_metadata:
-            raise bad(f"storage entry {index!r} names nothing in the checkpoint")
-        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
-            raise bad(f"the storage of {index.fqn!r} is not a file location")
-        name = info.relative_path
-        if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
-            raise bad(f"{index.fqn!r} is stored in {name!r}, which is not a file name inside the directory")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
-            raise bad(f"{index.fqn!r} has an invalid offset or length")
-        if info.transform_descriptors:
-            raise DcpFormatError(
-                f"{where}: {index.fqn!r} was written through DCP's experimental stream extensions "
-                f"({list(info.transform_descriptors)}), which ckptflow does not read; save without extensions"
-            )
-    paths = md.planner_data
-    if paths is not None and (
-        not isinstance(paths, dict)
-        or not all(
-            isinstance(p, tuple) and p and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in p)
-            for p in paths.values()
-        )
-    ):
-        raise bad("planner_data is not a map of flattened names to key paths")
-    # DCP flattens every element of a list to at least one item, so a list index is below
-    # the number of items; a larger one would only allocate (or, negative, fail) rebuilding
-    # the index, so the lists' lengths, and how deep a path goes bound what rebuilding makes: a
-    # path of 100,000 indexes 999 among 1,000 items, 300 KB of metadata, made 10^8 list slots
-    items = len(md.state_dict_metadata)
-    slots: dict[tuple, int] = {}  # each list rebuilding makes (its path) -> its length
-    for fqn, path in (paths or {}).items():
-        if len(path) > MAX_DEPTH:
-            raise bad(f"the saved path of {fqn!r} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests")
-        if any(isinstance(k, int) and not 0 <= k < items for k in path):
-            raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
-        for depth, key in enumerate(path):
-            if isinstance(key, int):
-                slots[path[:depth]] = max(slots.get(path[:depth], 0), key + 1)
-    if sum(slots.values()) > items * MAX_DEPTH:  # DCP stores at least one item per element of every list
-        raise bad(f"its saved paths make lists of {sum(slots.values())} elements in all, for {items} items")
 
 
 def _piece_offsets(index: dcp_metadata.MetadataIndex, item: dcp_metadata.TensorStorageMetadata) -> tuple[int, ...]:

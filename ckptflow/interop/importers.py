@@ -46,7 +46,8 @@ from ckptflow.catalog.verdicts import Subject, carried_failure, describe_verdict
 from ckptflow.errors import CkptflowError, FailedValidationError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.interop.carried import carried_failed_validation, carried_lossy
-from ckptflow.interop.dcp_dir import METADATA_FILE, read_state
+from ckptflow.interop.dcp_dir import read_state
+from ckptflow.interop.dcp_metadata_file import METADATA_FILE
 from ckptflow.interop.export.architecture import drop_unsaved, from_transformers_config
 from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, TIED_KEY, WEIGHTS, weight_files
