@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.tiling import tiling_problem
 from ckptflow.interop.dcp_metadata_file import METADATA_FILE, read_metadata
-from ckptflow.interop.source_files import check_name_count, check_regular_file
+from ckptflow.interop.source_files import check_regular_file
 from ckptflow.interop.torch_files import PickleBudget, check_plain_zip
 
 _PENDING = object()  # a value not read yet
@@ -158,8 +158,8 @@ def read_state(directory: str) -> dict[str, Any]:
     """The state saved in a plain DCP directory: full tensors (every piece copied into
     place) and the non-tensor values, nested as they were saved.
 
-    Before anything is read or allocated, the names are counted (``check_name_count``), and
-    ``_check_items`` proves that every tensor's pieces tile it exactly, each has one item
+    Before anything is read or allocated, the names and pieces are counted (``read_metadata``),
+    and ``_check_items`` proves that every tensor's pieces tile it exactly, each has one item
     whose bytes lie in its file and no other item's, and the item can hold the piece; each
     piece read must then be a tensor of the declared dtype and shape. So every element
     imported was written from bytes read, and nothing larger than the directory's files is
@@ -167,8 +167,6 @@ def read_state(directory: str) -> dict[str, Any]:
     """
     directory = os.path.abspath(directory)
     md = read_metadata(directory)
-    where = f"DCP metadata {os.path.join(directory, METADATA_FILE)}"
-    check_name_count(len(md.state_dict_metadata), where, error=DcpFormatError)  # before anything per name
     pieces = _check_items(md, directory)
     flat: dict[str, Any] = dict.fromkeys(md.state_dict_metadata, _PENDING)  # in the order the state was saved
     budget = PickleBudget()

@@ -7,10 +7,20 @@ through an unpickler that resolves only DCP's metadata classes and the few torch
 they hold (``torch.Size``, dtypes, layouts), as torch's ``weights_only`` loader does for
 tensors; anything else is refused before it is called, and the result is checked field
 by field (``dcp_dir`` then reads the items it describes).
+
+Nor do its bytes bound what it builds: an empty dict is 2 bytes of pickle and ~70 once
+built, a memo written at index 2^28 (9 bytes) made the unpickler's memo 4 GB, and memo
+reads repeat one chunk in a chunk list (2 bytes each: 8 MB listed 4 million pieces, which
+took 0.7 GB to check) or one tensor's description under many names (10,000 names sharing
+10,000 pieces, 126 KB, took 128 s). So the pickle is walked first by the rule a ``.pt``
+file's is (``torch_files.count_built``), bounded by what the metadata of ``MAX_NAMES``
+tensors builds, and the names, then the pieces of all names (those of a shared
+description counted for each name), are counted against ``MAX_NAMES`` before one is visited.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from typing import Any
@@ -21,9 +31,16 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.sealed import MAX_DEPTH
+from ckptflow.interop.source_files import MAX_NAMES, check_name_count
+from ckptflow.interop.torch_files import PickleBudget, count_built
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
+# DCP's metadata of a tensor in one piece builds and references 64 to 83 objects (counted as a .pt file's
+# pickle is: its name, description, sizes, piece, item, saved path), each further piece ~45, a non-tensor
+# value ~24: the metadata of MAX_NAMES tensors, or of as many pieces, passes
+METADATA_OBJECTS_PER_TENSOR = 128
+MAX_METADATA_OBJECTS = METADATA_OBJECTS_PER_TENSOR * MAX_NAMES
 
 _METADATA_CLASSES = {
     "Metadata",
@@ -75,15 +92,33 @@ def read_metadata(directory: str) -> dcp_metadata.Metadata:
     if size > MAX_METADATA_BYTES:
         raise DcpFormatError(f"{where} is {size} bytes, more than DCP writes for any checkpoint; refused unread")
     with open(path, "rb") as f:
-        try:
-            metadata = _MetadataUnpickler(f, where).load()
-        except DcpFormatError:
-            raise
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, RecursionError,
-                IndexError) as e:  # fmt: skip
-            raise DcpFormatError(f"{where} is not readable DCP metadata ({type(e).__name__}: {e})") from None
+        data = io.BytesIO(f.read())  # within the bound above; walked in memory, the walk takes a third of the time
+    try:
+        _check_built(data, where)
+        data.seek(0)
+        metadata = _MetadataUnpickler(data, where).load()
+    except DcpFormatError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, RecursionError,
+            IndexError) as e:  # fmt: skip
+        raise DcpFormatError(f"{where} is not readable DCP metadata ({type(e).__name__}: {e})") from None
     _check_metadata(metadata, where)
     return metadata
+
+
+def _check_built(f: Any, where: str) -> None:
+    """Refuse the pickle in ``f`` if it builds or references more objects than the metadata
+    of ``MAX_NAMES`` tensors does, before the unpickler builds one (its calls are DCP's
+    classes, each an object counted)."""
+    built = PickleBudget()
+    count_built(f, built, max_calls=MAX_METADATA_OBJECTS, max_objects=MAX_METADATA_OBJECTS)
+    if built.objects > MAX_METADATA_OBJECTS:
+        raise DcpFormatError(
+            f"{where} builds more objects (dicts, lists, tuples, strings, numbers, references) than the "
+            f"{MAX_METADATA_OBJECTS} the metadata of {MAX_METADATA_OBJECTS // METADATA_OBJECTS_PER_TENSOR} tensors "
+            "builds, the most one import takes; refused before it is unpickled (each costs memory). If it was "
+            "written by DCP, import the checkpoint in parts, each a checkpoint of its own"
+        )
 
 
 def _check_metadata(md: Any, where: str) -> None:
@@ -97,6 +132,14 @@ def _check_metadata(md: Any, where: str) -> None:
         raise bad(f"it holds a {type(md).__name__}, not DCP Metadata")
     if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
         raise bad("state_dict_metadata or storage_data is not a dict (a checkpoint written by another storage writer?)")
+    # a description may be shared by many names, and its pieces are visited for each: counted first
+    check_name_count(len(md.state_dict_metadata), where, error=DcpFormatError)
+    tensors = {n: t for n, t in md.state_dict_metadata.items() if isinstance(t, dcp_metadata.TensorStorageMetadata)}
+    for fqn, tensor in tensors.items():
+        if not isinstance(tensor.chunks, list):
+            raise bad(f"the pieces of tensor {fqn!r} are not a list")
+    pieces = sum(len(tensor.chunks) for tensor in tensors.values())
+    check_name_count(pieces, where, error=DcpFormatError, what="tensor pieces (a shared description's for each name)")
     for fqn, item in md.state_dict_metadata.items():
         if not isinstance(fqn, str):
             raise bad(f"the name {fqn!r} is not a string")
@@ -127,14 +170,17 @@ def _check_metadata(md: Any, where: str) -> None:
                 f"({list(info.transform_descriptors)}), which ckptflow does not read; save without extensions"
             )
     paths = md.planner_data
-    if paths is not None and (
-        not isinstance(paths, dict)
-        or not all(
-            isinstance(p, tuple) and p and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in p)
-            for p in paths.values()
-        )
-    ):
+    if paths is not None and not isinstance(paths, dict):
         raise bad("planner_data is not a map of flattened names to key paths")
+    for fqn, path in (paths or {}).items():  # a path's depth before its keys: one may be shared by every name
+        if fqn not in md.state_dict_metadata:
+            raise bad(f"planner_data gives a path for {fqn!r}, which names nothing in the checkpoint")
+        if not isinstance(path, tuple) or not path:
+            raise bad("planner_data is not a map of flattened names to key paths")
+        if len(path) > MAX_DEPTH:
+            raise bad(f"the saved path of {fqn!r} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests")
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in path):
+            raise bad("planner_data is not a map of flattened names to key paths")
     # DCP flattens every element of a list to at least one item, so a list index is below
     # the number of items; a larger one would only allocate (or, negative, fail) rebuilding
     # the index, so the lists' lengths, and how deep a path goes bound what rebuilding makes: a
@@ -142,8 +188,6 @@ def _check_metadata(md: Any, where: str) -> None:
     items = len(md.state_dict_metadata)
     slots: dict[tuple, int] = {}  # each list rebuilding makes (its path) -> its length
     for fqn, path in (paths or {}).items():
-        if len(path) > MAX_DEPTH:
-            raise bad(f"the saved path of {fqn!r} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests")
         if any(isinstance(k, int) and not 0 <= k < items for k in path):
             raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
         for depth, key in enumerate(path):

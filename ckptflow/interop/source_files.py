@@ -56,15 +56,18 @@ def read_json_file(path: str | os.PathLike, *, limit: int, what: str = "") -> An
         raise CkptflowError(f"cannot read {name}: {e}") from None
 
 
-def check_name_count(count: int, where: str, *, error: type[CkptflowError] = CkptflowError) -> None:
-    """Refuse a source naming more than ``MAX_NAMES`` tensors, before anything is allocated
-    per name. The bytes on disk do not bound it: an empty tensor holds no data, and its name
-    costs about 50 bytes of a safetensors header, or 10 of DCP metadata that points every name
-    at one pickled description, but kilobytes once imported and saved (a tensor object, a
-    manifest entry): a 12 MB header of 200,000 empty tensors took 1.6 GB and 17 s to import."""
+def check_name_count(
+    count: int, where: str, *, error: type[CkptflowError] = CkptflowError, what: str = "tensors"
+) -> None:
+    """Refuse a source naming more than ``MAX_NAMES`` tensors (or ``what``: the pieces of DCP's
+    tensors, each a tensor read), before anything is allocated per name. The bytes on disk do
+    not bound it: an empty tensor holds no data, and its name costs about 50 bytes of a
+    safetensors header, or 10 of DCP metadata that points every name at one pickled
+    description, but kilobytes once imported and saved (a tensor object, a manifest entry): a
+    12 MB header of 200,000 empty tensors took 1.6 GB and 17 s to import."""
     if count > MAX_NAMES:
         raise error(
-            f"{where} names {count} tensors, more than the {MAX_NAMES} one import takes (each costs the import "
+            f"{where} names {count} {what}, more than the {MAX_NAMES} one import takes (each costs the import "
             "and its checkpoint memory whatever its size, an empty one too); refused before reading them. Import "
             "it in parts, each a checkpoint of its own, if that many are meant"
         )

@@ -20,8 +20,9 @@ costs ~76 bytes of pickle and ~1.5 KB once built (300,000 took torch.load 10 s a
 million, a 40 MB file, took torch.load 20 s and 3.3 GB, the import 165 s and 8.2 GB). So
 the pickle is read opcode by opcode first, once its entry is proved stored (inflating a
 compressed one is the walk without end: 98 KB took 54 s), and both its calls
-(``MAX_CALLS``) and every object it builds (``MAX_OBJECTS``) are bounded by what a file of
-``MAX_NAMES`` tensors makes; the files of one import share the bounds (``PickleBudget``).
+(``MAX_CALLS``) and every object it builds or references (``MAX_OBJECTS``) are bounded by what
+a file of ``MAX_NAMES`` tensors makes; the files of one import share the bounds
+(``PickleBudget``). DCP's ``.metadata`` is walked by the same rule (``count_built``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import pickletools
 import zipfile
 from dataclasses import dataclass
+from typing import IO
 
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
@@ -42,15 +44,21 @@ _CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 # shares the OrderedDict builds at most twice as many tensors
 CALLS_PER_FILE = 16
 MAX_CALLS = 2 * MAX_NAMES + CALLS_PER_FILE
-# opcodes that build no object: marks, memo reads and writes, the singletons and cached small ints,
-# and those that fill a container or set a state (a slot each: what they add is built, and counted, before)
+# opcodes that build nothing: the singletons and cached small ints (a stack slot each), those that fill a
+# container or set a state (a slot of it: what they add is built, and counted, before), and memo writes
+# (charged by their index). A memo read or DUP is a reference that readers visit again (2 bytes repeat a
+# chunk in DCP metadata's chunk list), and a MARK makes a list in torch.load's unpickler (10 MB of them
+# took it 0.7 GB): they count as objects
 _NO_OBJECT_OPCODES = {
-    *("MARK", "STOP", "POP", "POP_MARK", "DUP", "PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE"),
-    *("GET", "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BININT1"),
-    *("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"),
+    *("STOP", "POP", "POP_MARK", "PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "BININT1"),
+    *("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"),
 }
-# torch.save builds 10 to 21 objects per tensor (its name, storage key, sizes, strides, their tuples, its
-# calls: 14 for BERT's state dict, 21 for a 6-d tensor of large sizes); each costs at most ~70 bytes
+# a memo written at index i: CPython's unpickler first grows its memo to 2i slots (9 bytes writing
+# index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
+_MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
+# torch.save builds and references 17 to 22 objects per tensor (its name, storage key, sizes, strides, their
+# tuples and marks, its calls, memo reads of its globals: 21 for BERT's state dict, 22 for a 6-d tensor of
+# large sizes); each costs at most ~70 bytes
 OBJECTS_PER_TENSOR = 32
 MAX_OBJECTS = OBJECTS_PER_TENSOR * MAX_NAMES
 
@@ -97,8 +105,8 @@ def check_plain_zip(
             f"objects by calls (a tensor is one) than the {MAX_CALLS} a file of "
             f"{(MAX_CALLS - CALLS_PER_FILE) // 2} tensors makes"
             if budget.calls > MAX_CALLS
-            else f"objects (dicts, lists, tuples, strings, numbers, tensors) than the {MAX_OBJECTS} a file of "
-            f"{MAX_OBJECTS // OBJECTS_PER_TENSOR} tensors makes"
+            else f"objects (dicts, lists, tuples, strings, numbers, tensors, references) than the {MAX_OBJECTS} a "
+            f"file of {MAX_OBJECTS // OBJECTS_PER_TENSOR} tensors makes"
         )
         raise error(
             f"{what} builds more {built}, the most one import takes; refused before torch.load builds "
@@ -124,15 +132,23 @@ def _check_stored(
 
 
 def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:
-    """Charge ``budget`` with what the pickle ``entry`` builds (until it is over), read
-    opcode by opcode (``pickletools.genops`` runs nothing): each tensor ``torch.load`` makes
-    is a call, and every other object an opcode, so the counts bound them before one is built."""
     with archive.open(entry) as f:
-        for op, _, _ in pickletools.genops(f):
-            budget.calls += op.name in _CALL_OPCODES
-            budget.objects += op.name not in _NO_OBJECT_OPCODES
-            if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
-                break
+        count_built(f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS)
+
+
+def count_built(f: IO[bytes], budget: PickleBudget, *, max_calls: int, max_objects: int) -> None:
+    """Charge ``budget`` with what the pickle in ``f`` builds (until it is over a bound), read
+    opcode by opcode (``pickletools.genops`` runs nothing): each tensor ``torch.load`` makes
+    is a call, every other object or reference an opcode, and a memo written at index i as
+    i objects, so the counts bound them before one is built."""
+    first = budget.objects
+    for op, arg, _ in pickletools.genops(f):
+        budget.calls += op.name in _CALL_OPCODES
+        budget.objects += op.name not in _NO_OBJECT_OPCODES
+        if op.name in _MEMO_WRITES and isinstance(arg, int):  # its index
+            budget.objects = max(budget.objects, first + arg)
+        if budget.calls > max_calls or budget.objects > max_objects:
+            break
 
 
 def _not_zip(what: str, why: str) -> str:

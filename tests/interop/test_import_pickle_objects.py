@@ -66,6 +66,21 @@ def test_a_torch_file_of_objects_built_without_calls_is_refused_before_torch_loa
     assert result.tensors == 1
 
 
+def test_marks_count_as_objects(tmp_path, monkeypatch):
+    """A MARK builds nothing the walk counted, but torch.load's unpickler makes a list of each:
+    10 MB of them before a one-tensor pickle took the import 18 s and 0.7 GB, and it was committed."""
+    monkeypatch.setattr(torch_files, "MAX_OBJECTS", LIMIT)
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    archive = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    pickle = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    _with_pickle(tmp_path / "marks.pt", pickle[:2] + b"(" * LIMIT + pickle[2:])  # after PROTO; STOP ignores them
+    assert torch.load(tmp_path / "marks.pt", weights_only=True)["w"].shape == (4,)
+    with pytest.raises(CkptflowError, match=f"marks.pt builds more objects .* than the {LIMIT} a file of"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "marks.pt")
+    assert not (tmp_path / "store" / "runs").exists()
+
+
 def test_a_real_state_dict_stays_well_within_the_objects_per_tensor(tmp_path, monkeypatch):
     """torch.save builds fewer than ``OBJECTS_PER_TENSOR`` objects per tensor: a file of
     ``n`` tensors passes a bound of ``n`` tensors."""

@@ -1,0 +1,175 @@
+"""What a DCP ``.metadata`` makes ckptflow build is bounded by the metadata of as many tensors
+as one import takes, before it is unpickled or walked.
+
+``.metadata`` was capped at 1 GB of input only, and its restricted unpickler builds whatever
+the opcodes say: an empty dict is 2 bytes of pickle and ~70 once built (20 MB of them took
+the import 0.8 GB), and a memo written at index 2^28 (9 bytes) makes CPython's unpickler
+grow its memo to 4 GB. Memo reads (2 bytes each) repeat one chunk in a chunk list, or one
+tensor description under many names, and the checks then visited every piece of every name:
+an 8 MB list of 4 million empty chunks took 0.7 GB; 10,000 names sharing one description of
+10,000 chunks (126 KB) took 128 s; both were imported. The pickle is now walked first
+(``torch_files.count_built``, the rule a ``.pt`` file's pickle is read by; memo reads and
+writes counted), and the pieces of all names counted against ``MAX_NAMES`` before a piece is
+visited. Bounds lowered where a file near the real ones takes minutes to write.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from ckptflow.errors import DcpFormatError
+from ckptflow.interop import dcp_dir, dcp_metadata_file, importers
+from ckptflow.interop.source_files import MAX_NAMES
+
+LIMIT = 1000
+EMPTY_CHUNK = dcp_metadata.ChunkStorageMetadata(torch.Size([0]), torch.Size([0]))
+
+
+def _empty_tensor(chunks: list) -> dcp_metadata.TensorStorageMetadata:
+    """A tensor of no elements: its pieces, empty, need no stored item and tile it whatever their number."""
+    return dcp_metadata.TensorStorageMetadata(
+        properties=dcp_metadata.TensorProperties(dtype=torch.float32), size=torch.Size([0]), chunks=chunks
+    )
+
+
+def _metadata_directory(directory, metadata: dcp_metadata.Metadata, *, protocol: int = pickle.HIGHEST_PROTOCOL):
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata, protocol=protocol))
+    return directory
+
+
+def _refused_unpickled(monkeypatch) -> None:
+    def unpickled(self):
+        raise AssertionError("the metadata was unpickled before what it builds was counted")
+
+    monkeypatch.setattr(dcp_metadata_file._MetadataUnpickler, "load", unpickled)
+
+
+def test_metadata_building_more_objects_than_its_bound_is_refused_before_it_is_unpickled(tmp_path, monkeypatch):
+    monkeypatch.setattr(dcp_metadata_file, "MAX_METADATA_OBJECTS", LIMIT, raising=False)
+    dicts = [{} for _ in range(LIMIT)]  # 2 bytes of pickle each (EMPTY_DICT, MEMOIZE), ~70 once built
+    crafted = _metadata_directory(
+        tmp_path / "dicts", dcp_metadata.Metadata({"w": _empty_tensor([])}, storage_data={}, version=dicts)
+    )
+    fits = _metadata_directory(
+        tmp_path / "fits", dcp_metadata.Metadata({"w": _empty_tensor([])}, storage_data={}, version=dicts[:10])
+    )
+    assert importers.import_checkpoint(str(tmp_path / "fitting"), "r", 1, fits).tensors == 1
+    _refused_unpickled(monkeypatch)
+    with pytest.raises(DcpFormatError) as err:
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, crafted)
+    message = str(err.value)
+    assert f"DCP metadata {crafted / '.metadata'} builds more objects" in message
+    assert f"than the {LIMIT} the metadata of {LIMIT // dcp_metadata_file.METADATA_OBJECTS_PER_TENSOR}" in message
+    assert "import the checkpoint in parts" in message
+    assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_memo_reads_count_as_objects(tmp_path, monkeypatch):
+    """A chunk list of 2-byte memo reads of one chunk built nothing the walk counted."""
+    monkeypatch.setattr(dcp_metadata_file, "MAX_METADATA_OBJECTS", LIMIT, raising=False)
+    crafted = _metadata_directory(
+        tmp_path / "refs", dcp_metadata.Metadata({"w": _empty_tensor([EMPTY_CHUNK] * LIMIT)}, storage_data={})
+    )
+    assert (crafted / ".metadata").stat().st_size < 3 * LIMIT
+    _refused_unpickled(monkeypatch)
+    with pytest.raises(DcpFormatError, match=f"builds more objects .* than the {LIMIT} the metadata of"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, crafted)
+
+
+def test_a_memo_written_at_a_far_index_is_refused_before_the_unpickler_makes_its_memo_that_long(tmp_path):
+    """Five bytes (LONG_BINPUT) made CPython's unpickler allocate twice the index in memo slots:
+    at this index, 2 GB; the largest a 4-byte index says, 64 GB. At the real bound."""
+    index = dcp_metadata_file.MAX_METADATA_OBJECTS + 1
+    directory = _metadata_directory(
+        tmp_path / "memo", dcp_metadata.Metadata({"w": _empty_tensor([])}, storage_data={}), protocol=2
+    )
+    data = (directory / ".metadata").read_bytes()
+    assert data.endswith(b".")  # STOP: memoize the Metadata once more, far off, before it
+    (directory / ".metadata").write_bytes(data[:-1] + b"r" + struct.pack("<I", index) + b".")
+    with pytest.raises(DcpFormatError, match="builds more objects"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+
+
+@pytest.mark.parametrize(
+    ("names", "pieces_each"),
+    [(1, MAX_NAMES + 1), (1025, 1024)],
+    ids=["one-tensor-of-memo-read-pieces", "names-sharing-one-description"],
+)
+def test_more_pieces_than_an_import_takes_are_refused_before_one_is_checked(tmp_path, monkeypatch, names, pieces_each):
+    """Every piece is a tensor read and placed; the items of a directory together were already
+    bounded to ``MAX_NAMES`` tensors, but only once read. A name's pieces count for every name
+    that shares its description: the checks visit them per name. At the real bound."""
+    shared = _empty_tensor([EMPTY_CHUNK] * pieces_each)
+    directory = _metadata_directory(
+        tmp_path / "pieces",
+        dcp_metadata.Metadata({hex(i): shared for i in range(names)}, storage_data={}),
+    )
+    assert (directory / ".metadata").stat().st_size < 4 << 20
+
+    def per_piece(*args):
+        raise AssertionError("the pieces were checked before they were counted")
+
+    monkeypatch.setattr(dcp_dir, "_check_items", per_piece)
+    with pytest.raises(DcpFormatError) as err:
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+    message = str(err.value)
+    total = names * pieces_each
+    assert f"DCP metadata {directory / '.metadata'} names {total} tensor pieces" in message
+    assert f"more than the {MAX_NAMES} one import takes" in message and "Import it in parts" in message
+    assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_a_saved_path_for_a_name_the_checkpoint_lacks_is_refused(tmp_path):
+    """DCP writes a path for each name it stores and none other; paths of names that are not
+    there were checked (each up to 128 keys) and then ignored, whatever their number."""
+    directory = _metadata_directory(
+        tmp_path / "paths",
+        dcp_metadata.Metadata(
+            {"w": _empty_tensor([])}, storage_data={}, planner_data={"w": ("w",), "ghost": ("model", "ghost")}
+        ),
+    )
+    with pytest.raises(DcpFormatError, match="planner_data gives a path for 'ghost', which names nothing"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+
+
+def test_a_saved_path_is_measured_before_its_keys_are_read(tmp_path):
+    """Every key of every path was read before any path's depth was checked: one path of a
+    million keys (memo reads, 2 bytes each) shared by a million names is 10^12 keys to read.
+    A path deeper than a state nests is refused on its depth, its keys unread."""
+    from ckptflow.format.sealed import MAX_DEPTH
+
+    deep = ("model",) * MAX_DEPTH + (1.5,)  # its last key, not a string or an index, is never reached
+    directory = _metadata_directory(
+        tmp_path / "deep",
+        dcp_metadata.Metadata({"w": _empty_tensor([])}, storage_data={}, planner_data={"w": deep}),
+    )
+    with pytest.raises(DcpFormatError, match=f"the saved path of 'w' is {MAX_DEPTH + 1} keys deep"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+
+
+def test_real_dcp_metadata_stays_well_within_its_objects_per_tensor(tmp_path, monkeypatch):
+    """DCP's metadata of a model and its optimizer builds fewer than ``METADATA_OBJECTS_PER_TENSOR``
+    objects per name: a directory of ``n`` names passes a bound of ``n`` tensors."""
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2))
+    model(torch.zeros(1, 4, dtype=torch.long)).last_hidden_state.sum().backward()
+    optim = torch.optim.AdamW(model.parameters())
+    optim.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    described = dcp_metadata_file.read_metadata(str(tmp_path / "dcp")).state_dict_metadata
+    tensors = sum(isinstance(item, dcp_metadata.TensorStorageMetadata) for item in described.values())
+    monkeypatch.setattr(
+        dcp_metadata_file, "MAX_METADATA_OBJECTS", dcp_metadata_file.METADATA_OBJECTS_PER_TENSOR * len(described)
+    )
+    assert importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dcp").tensors == tensors
