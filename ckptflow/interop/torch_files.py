@@ -23,6 +23,11 @@ compressed one is the walk without end: 98 KB took 54 s), and both its calls
 (``MAX_CALLS``) and every object it builds or references (``MAX_OBJECTS``) are bounded by what
 a file of ``MAX_NAMES`` tensors makes; the files of one import share the bounds
 (``PickleBudget``). DCP's ``.metadata`` is walked by the same rule (``count_built``).
+
+Before any of that, ``zipfile`` lists the zip's directory, a ZipInfo of ~500 bytes for each
+46-byte record (2 million records, 133 MB, took 1.2 GB), so the count the end record claims
+and the records the directory holds are bounded first (``MAX_ENTRIES``), as a file of
+``MAX_NAMES`` tensors lists.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import io
 import os
 import pickletools
+import struct
 import zipfile
 from dataclasses import dataclass
 from typing import IO
@@ -61,6 +67,11 @@ _MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 # large sizes); each costs at most ~70 bytes
 OBJECTS_PER_TENSOR = 32
 MAX_OBJECTS = OBJECTS_PER_TENSOR * MAX_NAMES
+# torch.save writes one zip entry per storage and six of its own (data.pkl, byteorder, version, ...)
+ENTRIES_PER_FILE = 16
+MAX_ENTRIES = MAX_NAMES + ENTRIES_PER_FILE
+_CENTRAL_RECORD = struct.Struct("<4s24x3H12x")  # a central directory record: its name, extra, comment lengths
+_ZIP64_END_RECORDS = 56 + 20  # zip64's end record and its locator, between the directory and the end record
 
 
 @dataclass
@@ -86,19 +97,20 @@ def check_plain_zip(
     budget = PickleBudget() if budget is None else budget
     try:
         if isinstance(source, bytes):
-            head, size, archive = source[:4], len(source), zipfile.ZipFile(io.BytesIO(source))
+            fp: IO[bytes] = io.BytesIO(source)
         else:
             check_regular_file(source, error=error)
-            with open(source, "rb") as f:
-                head = f.read(4)
-            size, archive = os.path.getsize(source), zipfile.ZipFile(source)
-        with archive:
-            entries = archive.infolist()
-            _check_stored(entries, size, head, what, error)  # before a pickle is read: inflating one has no end
-            for entry in entries:
-                if entry.filename.rpartition("/")[2] == "data.pkl":
-                    _count(archive, entry, budget)
-    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
+            fp = open(source, "rb")
+        with fp:
+            head, size = fp.read(4), fp.seek(0, os.SEEK_END)
+            _check_entry_count(fp, what, error)  # before ZipFile lists them
+            with zipfile.ZipFile(fp) as archive:
+                entries = archive.infolist()
+                _check_stored(entries, size, head, what, error)  # before a pickle is read: inflating one has no end
+                for entry in entries:
+                    if entry.filename.rpartition("/")[2] == "data.pkl":
+                        _count(archive, entry, budget)
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as e:  # a zip version it lacks
         raise error(_not_zip(what, str(e))) from None
     if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
         built = (
@@ -129,6 +141,44 @@ def _check_stored(
     declared = sum(entry.file_size for entry in entries)
     if declared > size:
         raise error(f"{what} declares {declared} bytes of entries in its {size} bytes; it is damaged or crafted")
+
+
+def _check_entry_count(fp: IO[bytes], what: str, error: type[CkptflowError]) -> None:
+    """Raise ``error`` if the zip in ``fp`` lists more than ``MAX_ENTRIES`` entries: first the
+    count its end record claims, then the records its directory holds (``ZipFile`` reads
+    them all, whatever the count says), each counted from its fixed 46 bytes."""
+    end = zipfile._EndRecData(fp)  # type: ignore[attr-defined]  # the end record ZipFile reads, zip64's included
+    if not end:
+        return  # no zip: ZipFile says so
+    claimed, size = end[4], end[5]  # entries, bytes of directory
+    if claimed > MAX_ENTRIES:
+        raise error(_too_many_entries(what, str(claimed)))
+    if size < (MAX_ENTRIES + 1) * _CENTRAL_RECORD.size:
+        return  # too few bytes to hold more records
+    start = end[9] - size - (_ZIP64_END_RECORDS if end[0] == b"PK\x06\x06" else 0)  # where ZipFile reads it
+    if start < 0:
+        return  # ZipFile refuses it
+    fp.seek(start)
+    held = read = 0
+    while read < size:
+        record = fp.read(_CENTRAL_RECORD.size)
+        if len(record) < _CENTRAL_RECORD.size or record[:4] != b"PK\x01\x02":
+            return  # a truncated or damaged directory: ZipFile refuses it there
+        held += 1
+        if held > MAX_ENTRIES:
+            raise error(_too_many_entries(what, f"more than {MAX_ENTRIES}"))
+        variable = sum(_CENTRAL_RECORD.unpack(record)[1:])
+        read += _CENTRAL_RECORD.size + variable
+        fp.seek(variable, os.SEEK_CUR)
+
+
+def _too_many_entries(what: str, count: str) -> str:
+    return (
+        f"{what} lists {count} entries in its zip directory, more than the {MAX_ENTRIES} a torch.save file of "
+        f"{MAX_ENTRIES - ENTRIES_PER_FILE} tensors holds (one per storage, and its own), the most one import "
+        "takes; refused before they are read (each costs memory to list). Import it in parts, each a checkpoint "
+        "of its own"
+    )
 
 
 def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:
