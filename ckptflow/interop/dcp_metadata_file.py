@@ -184,14 +184,19 @@ def _check_metadata(md: Any, where: str) -> None:
     # DCP flattens every element of a list to at least one item, so a list index is below
     # the number of items; a larger one would only allocate (or, negative, fail) rebuilding
     # the index, so the lists' lengths, and how deep a path goes bound what rebuilding makes: a
-    # path of 100,000 indexes 999 among 1,000 items, 300 KB of metadata, made 10^8 list slots
+    # path of 100,000 indexes 999 among 1,000 items, 300 KB of metadata, made 10^8 list slots.
+    # A list is known by the number of the prefix it extends, not a copy of it: copies cost
+    # the square of a path's depth (1,000 paths 128 deep, 280 KB, took 77 MB and 3 s to check)
     items = len(md.state_dict_metadata)
-    slots: dict[tuple, int] = {}  # each list rebuilding makes (its path) -> its length
+    prefixes: dict[tuple[int, str | int], int] = {}  # (a prefix's number, the key extending it) -> its number
+    slots: dict[int, int] = {}  # each list rebuilding makes (the number of its prefix) -> its length
     for fqn, path in (paths or {}).items():
         if any(isinstance(k, int) and not 0 <= k < items for k in path):
             raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
-        for depth, key in enumerate(path):
+        prefix = -1  # the state itself
+        for key in path:
             if isinstance(key, int):
-                slots[path[:depth]] = max(slots.get(path[:depth], 0), key + 1)
+                slots[prefix] = max(slots.get(prefix, 0), key + 1)
+            prefix = prefixes.setdefault((prefix, key), len(prefixes))
     if sum(slots.values()) > items * MAX_DEPTH:  # DCP stores at least one item per element of every list
         raise bad(f"its saved paths make lists of {sum(slots.values())} elements in all, for {items} items")
