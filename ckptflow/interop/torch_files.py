@@ -27,7 +27,9 @@ a file of ``MAX_NAMES`` tensors makes; the files of one import share the bounds
 Before any of that, ``zipfile`` lists the zip's directory, a ZipInfo of ~500 bytes for each
 46-byte record (2 million records, 133 MB, took 1.2 GB), so the count the end record claims
 and the records the directory holds are bounded first (``MAX_ENTRIES``), as a file of
-``MAX_NAMES`` tensors lists.
+``MAX_NAMES`` tensors lists. And ``torch.load``'s reader (miniz) finds the directory where the
+end record's offset and zip64's locator point, ``zipfile`` right before them: they must agree,
+or the checks would read one directory and ``torch.load`` another.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ ENTRIES_PER_FILE = 16
 MAX_ENTRIES = MAX_NAMES + ENTRIES_PER_FILE
 _CENTRAL_RECORD = struct.Struct("<4s24x3H12x")  # a central directory record: its name, extra, comment lengths
 _ZIP64_END_RECORDS = 56 + 20  # zip64's end record and its locator, between the directory and the end record
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # zip64's end locator: its signature, disk, where zip64's end record lies
 
 
 @dataclass
@@ -103,10 +106,12 @@ def check_plain_zip(
             fp = open(source, "rb")
         with fp:
             head, size = fp.read(4), fp.seek(0, os.SEEK_END)
-            _check_entry_count(fp, what, error)  # before ZipFile lists them
+            if head != ZIP_MAGIC:  # zipfile finds a zip appended to other bytes; torch.load would read those
+                raise error(_not_zip(what, "it does not start with a zip entry"))
+            _check_directory(fp, what, error)  # before ZipFile lists the entries
             with zipfile.ZipFile(fp) as archive:
                 entries = archive.infolist()
-                _check_stored(entries, size, head, what, error)  # before a pickle is read: inflating one has no end
+                _check_stored(entries, size, what, error)  # before a pickle is read: inflating one has no end
                 for entry in entries:
                     if entry.filename.rpartition("/")[2] == "data.pkl":
                         _count(archive, entry, budget)
@@ -127,11 +132,7 @@ def check_plain_zip(
         )
 
 
-def _check_stored(
-    entries: list[zipfile.ZipInfo], size: int, head: bytes, what: str, error: type[CkptflowError]
-) -> None:
-    if head != ZIP_MAGIC:  # zipfile finds a zip appended to other bytes; torch.load would read those
-        raise error(_not_zip(what, "it does not start with a zip entry"))
+def _check_stored(entries: list[zipfile.ZipInfo], size: int, what: str, error: type[CkptflowError]) -> None:
     for entry in entries:
         if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
             raise error(
@@ -143,21 +144,38 @@ def _check_stored(
         raise error(f"{what} declares {declared} bytes of entries in its {size} bytes; it is damaged or crafted")
 
 
-def _check_entry_count(fp: IO[bytes], what: str, error: type[CkptflowError]) -> None:
-    """Raise ``error`` if the zip in ``fp`` lists more than ``MAX_ENTRIES`` entries: first the
-    count its end record claims, then the records its directory holds (``ZipFile`` reads
-    them all, whatever the count says), each counted from its fixed 46 bytes."""
+def _check_directory(fp: IO[bytes], what: str, error: type[CkptflowError]) -> None:
+    """Raise ``error`` unless the zip in ``fp`` has one directory, where both readers look,
+    listing at most ``MAX_ENTRIES`` entries: first the count its end record claims, then the
+    records it holds (``ZipFile`` reads them all, whatever the count says), each counted
+    from its fixed 46 bytes.
+
+    ``ZipFile`` reads the directory right before the end records, and zip64's end record
+    right before its locator, whatever offsets they hold; torch.load's reader (miniz) reads
+    them where the end record's offset and the locator say. Those must agree, or torch.load
+    would read entries no check has seen (a deflated tensor, another pickle)."""
     end = zipfile._EndRecData(fp)  # type: ignore[attr-defined]  # the end record ZipFile reads, zip64's included
     if not end:
         return  # no zip: ZipFile says so
-    claimed, size = end[4], end[5]  # entries, bytes of directory
+    claimed, size, offset, location = end[4], end[5], end[6], end[9]  # entries, bytes and offset of directory
+    zip64 = end[0] == b"PK\x06\x06"
+    start = location - size - (_ZIP64_END_RECORDS if zip64 else 0)  # where ZipFile reads it
+    if start < 0:
+        return  # ZipFile refuses it
+    fp.seek(max(location - _ZIP64_LOCATOR.size, 0))
+    locator = fp.read(_ZIP64_LOCATOR.size)
+    if len(locator) == _ZIP64_LOCATOR.size and locator[:4] == b"PK\x06\x07":
+        zip64_at, read_at = _ZIP64_LOCATOR.unpack(locator)[2], location - _ZIP64_END_RECORDS
+        if not zip64 or zip64_at != read_at:
+            where = f"zip64's end record at byte {read_at}" if zip64 else "no zip64 end record"
+            raise error(_not_zip(what, f"its zip64 locator points at byte {zip64_at}, but it follows {where}"))
+    if offset != start:
+        raise error(_not_zip(what, f"its end record places the zip directory at byte {offset}, but it lies at byte "
+                                   f"{start}, right before the end record"))  # fmt: skip
     if claimed > MAX_ENTRIES:
         raise error(_too_many_entries(what, str(claimed)))
     if size < (MAX_ENTRIES + 1) * _CENTRAL_RECORD.size:
         return  # too few bytes to hold more records
-    start = end[9] - size - (_ZIP64_END_RECORDS if end[0] == b"PK\x06\x06" else 0)  # where ZipFile reads it
-    if start < 0:
-        return  # ZipFile refuses it
     fp.seek(start)
     held = read = 0
     while read < size:
