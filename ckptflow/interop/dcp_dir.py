@@ -41,8 +41,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.tiling import tiling_problem
 from ckptflow.interop.dcp_metadata_file import METADATA_FILE, read_metadata
+from ckptflow.interop.pickle_walk import PickleBudget
 from ckptflow.interop.source_files import check_regular_file
-from ckptflow.interop.torch_files import PickleBudget, check_plain_zip
+from ckptflow.interop.torch_files import check_plain_zip
 
 _PENDING = object()  # a value not read yet
 

@@ -13,9 +13,10 @@ built, a memo written at index 2^28 (9 bytes) made the unpickler's memo 4 GB, an
 reads repeat one chunk in a chunk list (2 bytes each: 8 MB listed 4 million pieces, which
 took 0.7 GB to check) or one tensor's description under many names (10,000 names sharing
 10,000 pieces, 126 KB, took 128 s). So the pickle is walked first by the rule a ``.pt``
-file's is (``torch_files.count_built``), bounded by what the metadata of ``MAX_NAMES``
-tensors builds, and the names, then the pieces of all names (those of a shared
-description counted for each name), are counted against ``MAX_NAMES`` before one is visited.
+file's is (``pickle_walk.count_built``: its values counted with all they hold too), bounded
+by what the metadata of ``MAX_NAMES`` tensors builds, and the names, then the pieces of all
+names (those of a shared description counted for each name), are counted against
+``MAX_NAMES`` before one is visited.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.sealed import MAX_DEPTH
+from ckptflow.interop.pickle_walk import PickleBudget, count_built, walk_problem
 from ckptflow.interop.source_files import MAX_NAMES, check_name_count
-from ckptflow.interop.torch_files import PickleBudget, count_built
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
@@ -41,6 +42,9 @@ MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
 # value ~24: the metadata of MAX_NAMES tensors, or of as many pieces, passes
 METADATA_OBJECTS_PER_TENSOR = 128
 MAX_METADATA_OBJECTS = METADATA_OBJECTS_PER_TENSOR * MAX_NAMES
+# counted with all they hold, as they are hashed, called or read: 138 per tensor in one piece (50,000 tensors)
+METADATA_VISITS_PER_TENSOR = 320
+MAX_METADATA_VISITS = METADATA_VISITS_PER_TENSOR * MAX_NAMES
 
 _METADATA_CLASSES = {
     "Metadata",
@@ -111,7 +115,11 @@ def _check_built(f: Any, where: str) -> None:
     of ``MAX_NAMES`` tensors does, before the unpickler builds one (its calls are DCP's
     classes, each an object counted)."""
     built = PickleBudget()
-    count_built(f, built, max_calls=MAX_METADATA_OBJECTS, max_objects=MAX_METADATA_OBJECTS)
+    most = MAX_METADATA_OBJECTS
+    count_built(f, built, max_calls=most, max_objects=most, max_visits=MAX_METADATA_VISITS)
+    problem = walk_problem(built, MAX_METADATA_VISITS)
+    if problem:
+        raise DcpFormatError(f"{where} {problem}: refused before it is unpickled; DCP writes nothing of the kind")
     if built.objects > MAX_METADATA_OBJECTS:
         raise DcpFormatError(
             f"{where} builds more objects (dicts, lists, tuples, strings, numbers, references) than the "

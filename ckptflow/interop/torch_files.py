@@ -22,7 +22,8 @@ the pickle is read opcode by opcode first, once its entry is proved stored (infl
 compressed one is the walk without end: 98 KB took 54 s), and both its calls
 (``MAX_CALLS``) and every object it builds or references (``MAX_OBJECTS``) are bounded by what
 a file of ``MAX_NAMES`` tensors makes; the files of one import share the bounds
-(``PickleBudget``). DCP's ``.metadata`` is walked by the same rule (``count_built``).
+(``PickleBudget``), as are the values it builds counted with all they hold, and the calls it makes
+(``pickle_walk``). DCP's ``.metadata`` is walked by the same rule (``count_built``).
 
 Before any of that, ``zipfile`` lists the zip's directory, a ZipInfo of ~500 bytes for each
 46-byte record (2 million records, 133 MB, took 1.2 GB), so the count the end record claims
@@ -36,54 +37,34 @@ from __future__ import annotations
 
 import io
 import os
-import pickletools
 import struct
 import zipfile
-from dataclasses import dataclass
 from typing import IO
 
 from ckptflow.errors import CkptflowError
+from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, PickleBudget, count_built, walk_problem
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
-_CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 # torch.save makes two calls per tensor (its rebuild, its hooks' OrderedDict) and a few per file (a
 # module's state_dict: its OrderedDict and _metadata), so a file of MAX_NAMES tensors passes; one that
 # shares the OrderedDict builds at most twice as many tensors
 CALLS_PER_FILE = 16
 MAX_CALLS = 2 * MAX_NAMES + CALLS_PER_FILE
-# opcodes that build nothing: the singletons and cached small ints (a stack slot each), those that fill a
-# container or set a state (a slot of it: what they add is built, and counted, before), and memo writes
-# (charged by their index). A memo read or DUP is a reference that readers visit again (2 bytes repeat a
-# chunk in DCP metadata's chunk list), and a MARK makes a list in torch.load's unpickler (10 MB of them
-# took it 0.7 GB): they count as objects
-_NO_OBJECT_OPCODES = {
-    *("STOP", "POP", "POP_MARK", "PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "BININT1"),
-    *("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"),
-}
-# a memo written at index i: CPython's unpickler first grows its memo to 2i slots (9 bytes writing
-# index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
-_MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 # torch.save builds and references 17 to 22 objects per tensor (its name, storage key, sizes, strides, their
 # tuples and marks, its calls, memo reads of its globals: 21 for BERT's state dict, 22 for a 6-d tensor of
 # large sizes); each costs at most ~70 bytes
 OBJECTS_PER_TENSOR = 32
 MAX_OBJECTS = OBJECTS_PER_TENSOR * MAX_NAMES
+# counted with all they hold, as they are hashed, called or read (``pickle_walk``): 39 to 59 per tensor
+VISITS_PER_TENSOR = 96
+MAX_VISITS = VISITS_PER_TENSOR * MAX_NAMES
 # torch.save writes one zip entry per storage and six of its own (data.pkl, byteorder, version, ...)
 ENTRIES_PER_FILE = 16
 MAX_ENTRIES = MAX_NAMES + ENTRIES_PER_FILE
 _CENTRAL_RECORD = struct.Struct("<4s24x3H12x")  # a central directory record: its name, extra, comment lengths
 _ZIP64_END_RECORDS = 56 + 20  # zip64's end record and its locator, between the directory and the end record
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")  # zip64's end locator: its signature, disk, where zip64's end record lies
-
-
-@dataclass
-class PickleBudget:
-    """What the pickles of one import built so far: a DCP directory's items together stay
-    within the bounds of one file."""
-
-    calls: int = 0
-    objects: int = 0
 
 
 def check_plain_zip(
@@ -117,6 +98,12 @@ def check_plain_zip(
                         _count(archive, entry, budget)
     except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as e:  # a zip version it lacks
         raise error(_not_zip(what, str(e))) from None
+    problem = walk_problem(budget, MAX_VISITS)
+    if problem:
+        raise error(
+            f"{what} {problem}: refused before torch.load runs its pickle. Save tensors and plain values "
+            "(numbers, strings, lists, dicts) with torch.save"
+        )
     if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
         built = (
             f"objects by calls (a tensor is one) than the {MAX_CALLS} a file of "
@@ -201,22 +188,9 @@ def _too_many_entries(what: str, count: str) -> str:
 
 def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:
     with archive.open(entry) as f:
-        count_built(f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS)
-
-
-def count_built(f: IO[bytes], budget: PickleBudget, *, max_calls: int, max_objects: int) -> None:
-    """Charge ``budget`` with what the pickle in ``f`` builds (until it is over a bound), read
-    opcode by opcode (``pickletools.genops`` runs nothing): each tensor ``torch.load`` makes
-    is a call, every other object or reference an opcode, and a memo written at index i as
-    i objects, so the counts bound them before one is built."""
-    first = budget.objects
-    for op, arg, _ in pickletools.genops(f):
-        budget.calls += op.name in _CALL_OPCODES
-        budget.objects += op.name not in _NO_OBJECT_OPCODES
-        if op.name in _MEMO_WRITES and isinstance(arg, int):  # its index
-            budget.objects = max(budget.objects, first + arg)
-        if budget.calls > max_calls or budget.objects > max_objects:
-            break
+        count_built(
+            f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS, max_visits=MAX_VISITS, calls=TORCH_SAVE_CALLS
+        )
 
 
 def _not_zip(what: str, why: str) -> str:

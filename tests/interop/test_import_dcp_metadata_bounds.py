@@ -8,7 +8,7 @@ grow its memo to 4 GB. Memo reads (2 bytes each) repeat one chunk in a chunk lis
 tensor description under many names, and the checks then visited every piece of every name:
 an 8 MB list of 4 million empty chunks took 0.7 GB; 10,000 names sharing one description of
 10,000 chunks (126 KB) took 128 s; both were imported. The pickle is now walked first
-(``torch_files.count_built``, the rule a ``.pt`` file's pickle is read by; memo reads and
+(``pickle_walk.count_built``, the rule a ``.pt`` file's pickle is read by; memo reads and
 writes counted), and the pieces of all names counted against ``MAX_NAMES`` before a piece is
 visited. Bounds lowered where a file near the real ones takes minutes to write.
 """
