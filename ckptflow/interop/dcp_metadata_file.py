@@ -16,13 +16,16 @@ took 0.7 GB to check) or one tensor's description under many names (10,000 names
 file's is (``pickle_walk.count_built``: its values counted with all they hold too), bounded
 by what the metadata of ``MAX_NAMES`` tensors builds, and the names, then the pieces of all
 names (those of a shared description counted for each name), are counted against
-``MAX_NAMES`` before one is visited.
+``MAX_NAMES`` before one is visited. The path it was saved to is built only once its parts
+are proved a path's length (``_saved_path``).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
+import pathlib
 import pickle
 from typing import Any
 
@@ -61,10 +64,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a name -> torch.layout lookup
-    ("pathlib", "PosixPath"): None,  # StorageMeta.checkpoint_id: the path it was saved to
-    ("pathlib", "PurePosixPath"): None,
-    ("pathlib", "PureWindowsPath"): None,
 }
+# StorageMeta.checkpoint_id: the path it was saved to, built from its parts (``_saved_path``)
+_PATHS = {("pathlib", name): getattr(pathlib, name) for name in ("PosixPath", "PurePosixPath", "PureWindowsPath")}
+MAX_PATH_CHARS = 4096  # PATH_MAX
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -76,6 +79,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PATHS:
+            return functools.partial(_saved_path, _PATHS[(module, name)], self.where)
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)] or pickle.Unpickler.find_class(self, module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -84,6 +89,20 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"{self.where} refers to {module}.{name}, which is not part of DCP's checkpoint metadata; "
             "ckptflow does not unpickle it (that could run code). Is this a DCP checkpoint from a trusted writer?"
         )
+
+
+def _saved_path(path_class: type[pathlib.PurePath], where: str, *parts: Any) -> pathlib.PurePath:
+    """The path DCP saved to, refused before it is built if its parts are not strings of a
+    path's length: building it splits every part into a list of its directories, so a part
+    repeated by memo reads (2 bytes each) cost a list entry per directory per repeat (600 KB
+    of ``.metadata`` took 3.6 GB, and would have taken 40)."""
+    chars = sum(len(part) for part in parts if isinstance(part, str))
+    if not all(isinstance(part, str) for part in parts) or chars + len(parts) > MAX_PATH_CHARS:  # and separators
+        raise DcpFormatError(
+            f"{where} gives the path it was saved to as {len(parts)} parts of {chars} characters, not a path of at "
+            f"most {MAX_PATH_CHARS}; the metadata is damaged or was not written by DCP"
+        )
+    return path_class(*parts)
 
 
 def read_metadata(directory: str) -> dcp_metadata.Metadata:

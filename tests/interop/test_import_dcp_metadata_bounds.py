@@ -15,6 +15,7 @@ visited. Bounds lowered where a file near the real ones takes minutes to write.
 
 from __future__ import annotations
 
+import pathlib
 import pickle
 import struct
 import tracemalloc
@@ -23,6 +24,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ckptflow.errors import DcpFormatError
@@ -199,3 +201,28 @@ def test_real_dcp_metadata_stays_well_within_its_objects_per_tensor(tmp_path, mo
         dcp_metadata_file, "MAX_METADATA_OBJECTS", dcp_metadata_file.METADATA_OBJECTS_PER_TENSOR * len(described)
     )
     assert importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dcp").tensors == tensors
+
+
+class _LongPath:
+    """Pickles as DCP pickles the path it saved to, ``PosixPath(*parts)``: one part 64 times,
+    each a memo read of the first (4,000 characters naming 2,000 directories)."""
+
+    def __reduce__(self):
+        return pathlib.PosixPath, ("a/" * 2000,) * 64
+
+
+def test_a_saved_path_longer_than_any_path_is_refused_before_it_is_built(tmp_path):
+    """``PosixPath(*parts)`` splits every part into a list of its directories: a 600 KB
+    ``.metadata`` repeating a 100 KB part 100,000 times took 3.6 GB before MemoryError (40 GB
+    without a limit), within every bound of the walk."""
+    directory = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(directory), no_dist=True)
+    metadata = dcp_metadata_file.read_metadata(str(directory))
+    assert metadata.storage_meta.checkpoint_id == directory  # DCP saves the path it was given
+    metadata.storage_meta.checkpoint_id = _LongPath()
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(DcpFormatError, match=r"gives the path it was saved to as 64 parts of 256000 characters"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+    assert not (tmp_path / "store" / "runs").exists()
