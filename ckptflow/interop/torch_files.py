@@ -60,6 +60,8 @@ MAX_OBJECTS = OBJECTS_PER_TENSOR * MAX_NAMES
 VISITS_PER_TENSOR = 96
 MAX_VISITS = VISITS_PER_TENSOR * MAX_NAMES
 # torch.save writes one zip entry per storage and six of its own (data.pkl, byteorder, version, ...)
+# the newest pickle protocol torch.load(weights_only=True) reads: 4 adds opcodes it lacks (FRAME, STACK_GLOBAL)
+MAX_PROTOCOL = 3
 ENTRIES_PER_FILE = 16
 MAX_ENTRIES = MAX_NAMES + ENTRIES_PER_FILE
 _CENTRAL_RECORD = struct.Struct("<4s24x3H12x")  # a central directory record: its name, extra, comment lengths
@@ -95,6 +97,7 @@ def check_plain_zip(
                 _check_stored(entries, size, what, error)  # before a pickle is read: inflating one has no end
                 for entry in entries:
                     if entry.filename.rpartition("/")[2] == "data.pkl":
+                        _check_protocol(archive, entry, what, error)
                         _count(archive, entry, budget)
     except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as e:  # a zip version it lacks
         raise error(_not_zip(what, str(e))) from None
@@ -184,6 +187,30 @@ def _too_many_entries(what: str, count: str) -> str:
         "takes; refused before they are read (each costs memory to list). Import it in parts, each a checkpoint "
         "of its own"
     )
+
+
+def _check_protocol(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, what: str, error: type[CkptflowError]) -> None:
+    """Refuse a pickle of a protocol ``torch.load(weights_only=True)`` cannot read (its
+    refusal quotes an opcode number, 'Unsupported operand 149', and not the protocol)."""
+    with archive.open(entry) as f:
+        head = f.read(2)
+    if head[:1] == b"\x80" and len(head) == 2 and head[1] > MAX_PROTOCOL:
+        raise error(
+            f"{what} was pickled with protocol {head[1]} (torch.save(..., pickle_protocol={head[1]})), which "
+            "torch.load(weights_only=True) cannot read; save it again with torch.save's default pickle_protocol (2)"
+        )
+
+
+# the lines torch.load(weights_only=True) puts around its reason for refusing any pickle
+_WEIGHTS_ONLY_BOILERPLATE = ("Weights only load failed.", "Please file an issue", "Check the documentation")
+
+
+def weights_only_refusal(e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a pickle: its reason, past the preamble it
+    puts before every one (how the default of weights_only changed in PyTorch 2.6)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    reasons = [line for line in lines if not line.startswith(_WEIGHTS_ONLY_BOILERPLATE)]
+    return (reasons or lines or [type(e).__name__])[0]
 
 
 def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:

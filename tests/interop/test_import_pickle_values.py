@@ -153,3 +153,27 @@ def test_torch_save_files_of_tensors_and_plain_values_import(tmp_path, monkeypat
     monkeypatch.setattr(torch_files, "MAX_VISITS", torch_files.VISITS_PER_TENSOR * (len(model) + len(values)))
     state = importers.read_source(tmp_path / "plain.pt").state
     assert state["values"] == values and torch.equal(state["model"]["row"], weight[0])
+
+
+def test_a_file_saved_with_a_pickle_protocol_torch_load_cannot_read_says_so(tmp_path):
+    """torch.save(pickle_protocol=4 or 5) writes opcodes torch.load(weights_only=True) does not
+    read; the refusal showed only torch's preamble ('Weights only load failed. In PyTorch 2.6,
+    we changed the default value of the weights_only argument'), not why nor what to do."""
+    for protocol in (4, 5):
+        torch.save({"w": torch.ones(2)}, tmp_path / f"p{protocol}.pt", pickle_protocol=protocol)
+        with pytest.raises(
+            CkptflowError, match=rf"p{protocol}.pt was pickled with protocol {protocol}.*pickle_protocol"
+        ):
+            importers.read_source(tmp_path / f"p{protocol}.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "p3.pt", pickle_protocol=3)
+    assert importers.read_source(tmp_path / "p3.pt").state["model"]["w"].tolist() == [1, 1]
+
+
+def test_what_torch_load_refuses_is_named(tmp_path):
+    """A global torch.load does not allow, referred to but not called: the walk passes it, and
+    torch.load's refusal is quoted past its preamble."""
+    import os
+
+    torch.save({"w": torch.ones(2), "f": os.getcwd}, tmp_path / "global.pt")
+    with pytest.raises(CkptflowError, match=r"global.pt holds pickled objects .* refuses \([^)]*GLOBAL posix.getcwd"):
+        importers.read_source(tmp_path / "global.pt")
