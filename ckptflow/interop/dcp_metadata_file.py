@@ -45,7 +45,7 @@ MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
 # value ~24: the metadata of MAX_NAMES tensors, or of as many pieces, passes
 METADATA_OBJECTS_PER_TENSOR = 128
 MAX_METADATA_OBJECTS = METADATA_OBJECTS_PER_TENSOR * MAX_NAMES
-# counted with all they hold, as they are hashed, called or read: 138 per tensor in one piece (50,000 tensors)
+# counted with all they hold, as they are hashed, called or read: 144 per tensor in one piece (50,000 tensors)
 METADATA_VISITS_PER_TENSOR = 320
 MAX_METADATA_VISITS = METADATA_VISITS_PER_TENSOR * MAX_NAMES
 

@@ -11,7 +11,9 @@ A pickle's bytes do not bound what unpickling it and reading the result cost:
 - a value counted with all it holds (``visits``): a memo read repeats a whole value in two
   bytes, so 40 tuples each holding the one before twice is 2^40 tuples to hash as a dict key
   (a 1.5 KB file hung torch.load) or for a reader to walk; a string weighs one more per
-  ``STRING_UNIT`` bytes, as a call copying it repeatedly costs. Each dict key and set element
+  ``STRING_UNIT`` bytes, as a call copying it, or a save writing it wherever it is
+  referenced, costs (per 64 bytes, a 132 KB file of dicts keyed by two 64 KB strings wrote
+  255 MB). Each dict key and set element
   (hashed), each call's arguments and the result (which readers walk) are charged;
 - numbers whose hashes can be made equal (ints beyond 32 bits, floats), as dict keys or set
   elements: each insertion compares with all before (20,000 took 2 s, a million would take
@@ -30,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-STRING_UNIT = 64  # bytes of a string or number that weigh as much as one object
+STRING_UNIT = 16  # bytes of a string or number that weigh as much as one object (~70 bytes built)
 MAX_COLLIDABLE_KEYS = 1024  # their insertions compare with each other: ~500,000 comparisons at most
 _SAFE_INT = 1 << 31  # ints below this, distinct, hash distinctly (and tuples of them, but for ~2^33 tries each)
 

@@ -56,7 +56,7 @@ MAX_CALLS = 2 * MAX_NAMES + CALLS_PER_FILE
 # large sizes); each costs at most ~70 bytes
 OBJECTS_PER_TENSOR = 32
 MAX_OBJECTS = OBJECTS_PER_TENSOR * MAX_NAMES
-# counted with all they hold, as they are hashed, called or read (``pickle_walk``): 39 to 59 per tensor
+# counted with all they hold, as they are hashed, called or read (``pickle_walk``): 41 to 63 per tensor
 VISITS_PER_TENSOR = 96
 MAX_VISITS = VISITS_PER_TENSOR * MAX_NAMES
 # torch.save writes one zip entry per storage and six of its own (data.pkl, byteorder, version, ...)

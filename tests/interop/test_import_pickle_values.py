@@ -177,3 +177,22 @@ def test_what_torch_load_refuses_is_named(tmp_path):
     torch.save({"w": torch.ones(2), "f": os.getcwd}, tmp_path / "global.pt")
     with pytest.raises(CkptflowError, match=r"global.pt holds pickled objects .* refuses \([^)]*GLOBAL posix.getcwd"):
         importers.read_source(tmp_path / "global.pt")
+
+
+def test_a_string_counts_by_its_length_each_time_it_is_referenced(tmp_path, monkeypatch):
+    """Dicts keyed by two 64 KB strings, each holding the one below twice: the save writes
+    every key of every path. A string weighed one object per 64 bytes, so the bound admitted
+    6.4 GB of them (a 132 KB file nesting 10 deep wrote 255 MB and took 1.06 GB; 14 deep
+    took read_source 16 s); per 16 bytes it admits what as many objects cost. Bound lowered:
+    6 deep holds 256 keys, 16 MB, each weighing 4,097."""
+    monkeypatch.setattr(torch_files, "MAX_VISITS", 1_000_000)
+    keys = [b"X" + struct.pack("<I", 1 << 16) + letter * (1 << 16) + b"r" + struct.pack("<I", 7000 + i)
+            for i, letter in enumerate((b"a", b"b"))]  # fmt: skip
+    tree = b"}" + b"r" + struct.pack("<I", 8000)
+    for level in range(1, 7):
+        below = b"j" + struct.pack("<I", 8000 + level - 1)
+        tree += b"}(" + b"j" + struct.pack("<I", 7000) + below + b"j" + struct.pack("<I", 7001) + below + b"u"
+        tree += b"r" + struct.pack("<I", 8000 + level)
+    _torch_file(tmp_path / "keys.pt", b"](" + keys[0] + keys[1] + tree + b"e")  # the keys and every level listed
+    assert tmp_path.joinpath("keys.pt").stat().st_size < 140_000
+    _refused(tmp_path / "keys.pt", "keys.pt builds values holding more than 1000000 objects counted with all")
