@@ -27,6 +27,7 @@ import io
 import os
 import pathlib
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 # StorageMeta.checkpoint_id: the path it was saved to, built from its parts (``_saved_path``)
 _PATHS = {("pathlib", name): getattr(pathlib, name) for name in ("PosixPath", "PurePosixPath", "PureWindowsPath")}
 MAX_PATH_CHARS = 4096  # PATH_MAX
+MAX_FILE_BYTES = 1 << 63  # a file offset or length (off_t)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -148,6 +150,17 @@ def _check_built(f: Any, where: str) -> None:
         )
 
 
+def _shown(value: Any) -> str:
+    """``value`` as an error message shows it: its repr, at most 200 characters; an integer
+    of more than 4,300 digits cannot be printed (ValueError), which is the message's problem,
+    not the caller's."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<an integer of more than {sys.get_int_max_str_digits()} digits>"
+    return text if len(text) <= 200 else f"{text[:200]}..."
+
+
 def _check_metadata(md: Any, where: str) -> None:
     """Every field a reader relies on has the type DCP gives it, and every item lies in a
     plain file of the directory."""
@@ -164,36 +177,39 @@ def _check_metadata(md: Any, where: str) -> None:
     tensors = {n: t for n, t in md.state_dict_metadata.items() if isinstance(t, dcp_metadata.TensorStorageMetadata)}
     for fqn, tensor in tensors.items():
         if not isinstance(tensor.chunks, list):
-            raise bad(f"the pieces of tensor {fqn!r} are not a list")
+            raise bad(f"the pieces of tensor {_shown(fqn)} are not a list")
     pieces = sum(len(tensor.chunks) for tensor in tensors.values())
     check_name_count(pieces, where, error=DcpFormatError, what="tensor pieces (a shared description's for each name)")
     for fqn, item in md.state_dict_metadata.items():
         if not isinstance(fqn, str):
-            raise bad(f"the name {fqn!r} is not a string")
+            raise bad(f"the name {_shown(fqn)} is not a string")
         if isinstance(item, dcp_metadata.TensorStorageMetadata):
             props = item.properties
             if not isinstance(item.size, torch.Size) or not isinstance(props, dcp_metadata.TensorProperties):
-                raise bad(f"tensor {fqn!r} has no size or properties")
+                raise bad(f"tensor {_shown(fqn)} has no size or properties")
             if not isinstance(props.dtype, torch.dtype):
-                raise bad(f"tensor {fqn!r} has no dtype")
+                raise bad(f"tensor {_shown(fqn)} has no dtype")
             for chunk in item.chunks:
                 if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata) or len(chunk.offsets) != len(item.size):
-                    raise bad(f"tensor {fqn!r} has a malformed chunk")
+                    raise bad(f"tensor {_shown(fqn)} has a malformed chunk")
         elif not isinstance(item, dcp_metadata.BytesStorageMetadata):
-            raise bad(f"{fqn!r} is described by a {type(item).__name__}")
+            raise bad(f"{_shown(fqn)} is described by a {type(item).__name__}")
     for index, info in md.storage_data.items():
         if not isinstance(index, dcp_metadata.MetadataIndex) or index.fqn not in md.state_dict_metadata:
-            raise bad(f"storage entry {index!r} names nothing in the checkpoint")
+            raise bad(f"storage entry {_shown(index)} names nothing in the checkpoint")
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
-            raise bad(f"the storage of {index.fqn!r} is not a file location")
+            raise bad(f"the storage of {_shown(index.fqn)} is not a file location")
         name = info.relative_path
         if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
-            raise bad(f"{index.fqn!r} is stored in {name!r}, which is not a file name inside the directory")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
-            raise bad(f"{index.fqn!r} has an invalid offset or length")
+            raise bad(f"{_shown(index.fqn)} is stored in {_shown(name)}, which is not a file name inside the directory")
+        if not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_FILE_BYTES
+            for n in (info.offset, info.length)
+        ):
+            raise bad(f"{_shown(index.fqn)} has an invalid offset or length")
         if info.transform_descriptors:
             raise DcpFormatError(
-                f"{where}: {index.fqn!r} was written through DCP's experimental stream extensions "
+                f"{where}: {_shown(index.fqn)} was written through DCP's experimental stream extensions "
                 f"({list(info.transform_descriptors)}), which ckptflow does not read; save without extensions"
             )
     paths = md.planner_data
@@ -201,11 +217,13 @@ def _check_metadata(md: Any, where: str) -> None:
         raise bad("planner_data is not a map of flattened names to key paths")
     for fqn, path in (paths or {}).items():  # a path's depth before its keys: one may be shared by every name
         if fqn not in md.state_dict_metadata:
-            raise bad(f"planner_data gives a path for {fqn!r}, which names nothing in the checkpoint")
+            raise bad(f"planner_data gives a path for {_shown(fqn)}, which names nothing in the checkpoint")
         if not isinstance(path, tuple) or not path:
             raise bad("planner_data is not a map of flattened names to key paths")
         if len(path) > MAX_DEPTH:
-            raise bad(f"the saved path of {fqn!r} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests")
+            raise bad(
+                f"the saved path of {_shown(fqn)} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests"
+            )
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in path):
             raise bad("planner_data is not a map of flattened names to key paths")
     # DCP flattens every element of a list to at least one item, so a list index is below
@@ -219,7 +237,7 @@ def _check_metadata(md: Any, where: str) -> None:
     slots: dict[int, int] = {}  # each list rebuilding makes (the number of its prefix) -> its length
     for fqn, path in (paths or {}).items():
         if any(isinstance(k, int) and not 0 <= k < items for k in path):
-            raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
+            raise bad(f"the saved path of {_shown(fqn)} ({_shown(path)}) has a list index outside 0..{items - 1}")
         prefix = -1  # the state itself
         for key in path:
             if isinstance(key, int):

@@ -226,3 +226,23 @@ def test_a_saved_path_longer_than_any_path_is_refused_before_it_is_built(tmp_pat
     with pytest.raises(DcpFormatError, match=r"gives the path it was saved to as 64 parts of 256000 characters"):
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
     assert not (tmp_path / "store" / "runs").exists()
+
+
+@pytest.mark.parametrize("field", ["index", "offset"])
+def test_a_number_too_long_to_print_is_a_damaged_file_not_a_traceback(tmp_path, field):
+    """An integer of more than 4,300 digits raises ValueError when printed: a storage entry's
+    index in the message naming the entry, its byte offset in the message bounding its file."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    metadata = dcp_metadata_file.read_metadata(str(tmp_path / "dcp"))
+    ((index, info),) = metadata.storage_data.items()
+    if field == "index":
+        index = dcp_metadata.MetadataIndex(fqn="nothing", offset=index.offset, index=10**5000)
+    else:
+        info.offset = 10**5000
+    metadata.storage_data = {index: info}
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+    shown = "storage entry .* names nothing" if field == "index" else "'w' has an invalid offset or length"
+    with pytest.raises(DcpFormatError, match=f"{shown}.*the metadata is damaged"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dcp")
