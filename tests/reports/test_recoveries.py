@@ -200,3 +200,28 @@ def test_a_restore_into_a_wrongly_built_state_is_rejected_not_a_failed_recovery(
     m = recoveries.run_metrics(store, "r")
     assert (m.recoveries, m.recoveries_ok, m.rejected, m.recovery_success_rate) == (1, 1, 2, 1.0)
     assert m.last_recovery is not None and m.last_recovery["ok"] is True
+
+
+def test_a_load_this_machine_cannot_hold_is_a_failed_recovery_not_a_rejected_state(tmp_path, monkeypatch):
+    """``load()`` is given no state, so its StateMismatchError says only that this machine
+    cannot allocate a tensor the checkpoint holds. It was recorded as "rejected: state
+    mismatch" and left out of the recoveries (0 recoveries, 1 rejected), while ``restore()``
+    running out of host memory (HostMemoryError) counts as a failed one: the job did not
+    recover on this machine, whatever state it built. It is a failed recovery."""
+    from ckptflow.dcp import allocation
+
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, _state(1.0))
+    monkeypatch.setattr(allocation, "_physical_memory", lambda: 128)  # a machine smaller than the 256-byte tensor
+    with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError, match="more memory"):
+        ck.load()
+    (record,) = recovery_log.read_all(open_store(root), "r")
+    assert (record["ok"], record["rejected"]) == (False, None)
+    assert "more memory" in record["error"]
+    m = recoveries.run_metrics(open_store(root), "r")
+    assert (m.recoveries, m.recoveries_ok, m.rejected, m.recovery_success_rate) == (1, 0, 0, 0.0)
+
+    with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError):  # restore into a wrong state: rejected
+        ck.restore({"model": {"w": torch.zeros(65)}})
+    assert recoveries.run_metrics(open_store(root), "r").rejected == 1
