@@ -1,7 +1,8 @@
 """The recovery record of a restore or load (``ckptflow.catalog.recovery_log``), written by rank 0
 when it ends, loaded or not: what it loaded, or the error it raised with what it went past. A
 ``StateMismatchError`` of ``restore`` is the caller's side (the state passed, not the checkpoint),
-so its record says the restore was rejected, and the recovery figures leave it out. ``load`` is
+so its record says the restore was rejected, and the recovery figures leave it out, unless it
+fell back past damaged checkpoints first (a failed recovery with its fallback). ``load`` is
 given no state: its ``StateMismatchError`` says this machine cannot allocate a tensor of the
 checkpoint, so the job did not recover here, a failed recovery (as ``HostMemoryError`` is)."""
 
@@ -31,7 +32,8 @@ def record_recovery(
     ``started``: what it loaded, or the error it raised (``ckptflow.reports.recoveries``).
     ``into_state``: a restore into the caller's state (``restore``), not a ``load``."""
     if group.rank == 0:
-        rejected = into_state and isinstance(error, StateMismatchError)
+        # a fallback past damage first: the state may fit the newest, the damage stopped the recovery
+        rejected = into_state and isinstance(error, StateMismatchError) and not error.skipped
         recovery_log.record(
             store,
             run,

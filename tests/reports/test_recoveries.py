@@ -225,3 +225,25 @@ def test_a_load_this_machine_cannot_hold_is_a_failed_recovery_not_a_rejected_sta
     with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError):  # restore into a wrong state: rejected
         ck.restore({"model": {"w": torch.zeros(65)}})
     assert recoveries.run_metrics(open_store(root), "r").rejected == 1
+
+
+def test_a_restore_that_fell_back_past_damage_to_a_checkpoint_of_another_structure_is_a_failed_recovery(tmp_path):
+    """The run added a bias at step 2; step 2 is damaged, so restore skipped it and met step 1,
+    which has no bias: StateMismatchError. Its record said rejected ("state mismatch": the
+    caller's side) with nothing skipped, so the figures read 0 recoveries, 0 fallbacks, 1
+    rejected: the damage that stopped the recovery was nowhere. The state fits the newest
+    checkpoint; it is a failed recovery with its fallback, and the error says what was skipped."""
+    from support.corrupt import corrupt_chunk, only_in
+
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, {"model": {"w": torch.ones(64)}})
+        ck.save(2, {"model": {"w": torch.full((64,), 2.0), "b": torch.ones(4)}})
+    corrupt_chunk(root, "r", 2, only_in(root, "r", 2, 1)[0])
+    with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError, match="step 1") as raised:
+        ck.restore({"model": {"w": torch.zeros(64), "b": torch.zeros(4)}})
+    assert "newer checkpoints were skipped as damaged first: step 2" in str(raised.value)
+    (record,) = recovery_log.read_all(open_store(root), "r")
+    assert record["rejected"] is None and [step for step, _ in record["skipped"]] == [2]
+    m = recoveries.run_metrics(open_store(root), "r")
+    assert (m.recoveries, m.recoveries_ok, m.fallbacks, m.rejected) == (1, 0, 1, 0)
