@@ -20,7 +20,7 @@ from assets.partitions import parse_checkpoint_key, partition_keys
 from assets.progress import logged_progress
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.registry import ALIASES, Registry, describe
-from resources import CheckpointStoreResource, RegistryResource
+from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 SHOWN = 50  # the passed-over checkpoints a promotion's log line names (its metadata names all)
 
@@ -65,13 +65,15 @@ def deployed_model(
     context: AssetExecutionContext,
     config: DeployConfig,
     store: CheckpointStoreResource,
+    archive: ArchiveTierResource,
     registry: RegistryResource,
 ) -> MaterializeResult:
     """What is deployed, after a promotion or a rollback; metadata carries the lineage. A
     promotion logs the export's progress (checkpoint bytes read, the rate) as it goes; those
     bytes, the promotion's time and their rate over it (upload and registration included),
     and the bytes of the model's files are metadata; so is ``passed_over``: promoting by
-    metric, each hot checkpoint that was no candidate and why (as a ``Best`` restore's)."""
+    metric, each hot checkpoint that was no candidate and why (as a ``Best`` restore's),
+    ranked on the scale a ``Best`` restore reading the archive too would rank on."""
     from ckptflow.lifecycle.promote import (  # torch: only in this asset's runs
         PromotionRequest,
         passed_over_lines,
@@ -95,7 +97,7 @@ def deployed_model(
             )
             chosen = config.partition_key or f"the best checkpoint by {config.metric}"
             with logged_progress(context, f"exporting {chosen} as {config.model}") as meter:
-                promotion = promote(store.open(), reg, request, progress=meter)
+                promotion = promote(store.open(), reg, request, archive=archive.open(), progress=meter)
             version = promotion.registered
             context.log.info(f"registered {config.model} v{version.version} from {version.partition_key}")
             if lines := passed_over_lines(promotion.passed_over):

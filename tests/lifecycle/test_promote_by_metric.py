@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog.selection import Best
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import PromotionRequest, promote
 from ckptflow.store import open_store
@@ -63,3 +64,35 @@ def test_a_promotion_of_a_named_checkpoint_passes_nothing_over(tmp_path):
     store = three_runs(tmp_path)
     promotion = promote(store, Registry(store), PromotionRequest("m", ("b", 1)))
     assert (promotion.registered.run, promotion.registered.step, promotion.passed_over) == ("b", 1, [])
+
+
+def test_a_promotion_counts_the_archive_only_commits_in_its_scale_as_best_does(tmp_path):
+    """Steps 1 and 2 evaluated by team.eval, archived, their hot copies expired; hot step 3
+    evaluated by other.eval (0.1), step 4 by team.eval (1.0). A ``Best`` restore reading the
+    archive ranks on team.eval's figures (3 commits) and takes step 4; promotion counted the
+    hot commits only (one each: the tie to the first by name, other.eval) and promoted step 3."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    with Checkpointer(root, "r") as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 0.5})
+    store, archive = open_store(root), open_store(str(tmp_path / "archive"))
+    for step, name, loss in ((1, "team", 2.0), (2, "team", 1.5), (3, "other", 0.1), (4, "team", 1.0)):
+        assert lifecycle.validate(store, "r", step)["ok"]
+        lifecycle.evaluate(
+            store, store, "r", step, lambda t, i, loss=loss: {"val_loss": loss}, evaluator_name=f"{name}.eval"
+        )
+    for step in (1, 2):
+        assert lifecycle.archive(store, archive, "r", step).ok
+        lifecycle.expire(store, "r", step, keep_records=True)
+    with Checkpointer(root, "r", tiers=[archive]) as ck:
+        best = ck.restore({"model": nn.Linear(4, 4)}, select=Best("val_loss", "min"))
+    promotion = promote(store, Registry(store), PromotionRequest("m"), archive=archive)
+    assert (promotion.registered.step, best.step) == (4, 4)
+    assert promotion.passed_over == [
+        (
+            "r",
+            3,
+            f"scored on other.eval's figures and the trainer's figures only, not on team.eval's figures, {RANKED_ON}",
+        )
+    ]
