@@ -86,9 +86,14 @@ class Promotion:
     passed_over: list[PassedOver] = field(default_factory=list)
 
 
+SHOWN = 50  # the passed-over checkpoints a refusal, a log line or metadata names; the others are counted
+
+
 def passed_over_lines(passed_over: list[PassedOver]) -> list[str]:
-    """One line per checkpoint passed over, as a restore's error and ``ls --select`` say it."""
-    return [f"run {run!r} step {step}: {why}" for run, step, why in passed_over]
+    """One line per checkpoint passed over, as a restore's error and ``ls --select`` say it:
+    the first ``SHOWN``, then how many more (a backlog not validated yet can be thousands)."""
+    more = [f"… {len(passed_over) - SHOWN} more"] if len(passed_over) > SHOWN else []
+    return [f"run {run!r} step {step}: {why}" for run, step, why in passed_over[:SHOWN]] + more
 
 
 def choose_checkpoint(

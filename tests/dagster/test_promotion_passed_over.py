@@ -4,10 +4,12 @@ import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.lifecycle.promote import SHOWN
 from ckptflow.store import open_store
 from support.dagster import RUN
 
 RANKED_ON = "not on team.eval's figures, which the others are ranked on"
+NO_SCORE = "no score of 'val_loss' (evaluated, or reported by its trainer)"
 
 
 def test_a_promotion_by_metric_names_the_checkpoints_it_passed_over(store_with_checkpoints, defs, instance):
@@ -61,3 +63,25 @@ def test_a_promotion_by_metric_ranks_on_the_scale_the_archive_only_commits_choos
     assert [(row["step"], row["why"]) for row in md["passed_over"].value] == [
         (30, f"scored on other.eval's figures only, {RANKED_ON}")
     ]
+
+
+def test_a_promotion_names_the_first_checkpoints_it_passed_over_and_counts_them_all(
+    store_with_checkpoints, defs, instance
+):
+    """Run "other" holds 120 checkpoints with no score: the materialization's metadata
+    listed every one (each checkpoint of a backlog, into the event log and the UI)."""
+    store = open_store(store_with_checkpoints)
+    torch.manual_seed(0)
+    with Checkpointer(store, "other") as ck:
+        for step in range(1, 121):
+            ck.save(step, {"model": nn.Linear(4, 4)})
+    assert lifecycle.validate(store, RUN, 20)["ok"]
+    lifecycle.evaluate(store, store, RUN, 20, lambda t, i: {"val_loss": 2.0}, evaluator_name="team.eval")
+    run_config = {"ops": {"deployed_model": {"config": {"action": "promote", "metric": "val_loss"}}}}
+    result = defs.resolve_job_def("promotion").execute_in_process(instance=instance, run_config=run_config)
+    [md] = [m.metadata for m in result.asset_materializations_for_node("deployed_model")]
+    assert md["source_partition"].value.endswith("@20") and md["passed_over_count"].value == 123
+    rows = md["passed_over"].value
+    assert len(rows) == SHOWN and rows[0] == {"run": "other", "step": 1, "why": NO_SCORE}
+    logged = [e.message for e in instance.all_logs(result.run_id) if "passed over" in (e.message or "")]
+    assert len(logged) == 1 and logged[0].count(NO_SCORE) == SHOWN and f"… {123 - SHOWN} more" in logged[0]

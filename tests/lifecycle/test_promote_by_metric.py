@@ -4,13 +4,15 @@ restore does in ``passed_over``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog.selection import Best
+from ckptflow.errors import PromotionError
 from ckptflow.interop.registry import Registry
-from ckptflow.lifecycle.promote import PromotionRequest, promote
+from ckptflow.lifecycle.promote import SHOWN, PromotionRequest, promote
 from ckptflow.store import open_store
 
 RANKED_ON = "which the others are ranked on"
@@ -96,3 +98,20 @@ def test_a_promotion_counts_the_archive_only_commits_in_its_scale_as_best_does(t
             f"scored on other.eval's figures and the trainer's figures only, not on team.eval's figures, {RANKED_ON}",
         )
     ]
+
+
+def test_a_refusal_names_the_first_checkpoints_it_passed_over_and_counts_the_rest(tmp_path):
+    """200 checkpoints scored by their trainer, none validated yet (a backlog): the refusal
+    named every one, 200 lines in one error (a Dagster failure's description)."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    with Checkpointer(root, "r") as ck:
+        for step in range(1, 201):
+            ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 1.0 / step})
+    store = open_store(root)
+    with pytest.raises(PromotionError) as refused:
+        promote(store, Registry(store), PromotionRequest("m"))
+    message = str(refused.value)
+    assert message.count(": not validated yet") == SHOWN and f"… {200 - SHOWN} more" in message
+    assert "run 'r' step 1: not validated yet" in message and "step 200:" not in message
+    assert not [o.key for o in store.list("") if o.key.startswith(("registry/", "locks/"))]  # nothing written
