@@ -121,6 +121,12 @@ def _check_built(f: Any, where: str) -> None:
         )
 
 
+def _indices(value: Any) -> bool:
+    """Whether ``value`` (a piece's offsets or sizes, an item's offset) is what DCP writes: a
+    tuple (``torch.Size``) of integers; another type crashed the checks and the reader."""
+    return isinstance(value, tuple) and all(type(n) is int for n in value)
+
+
 def _check_metadata(md: Any, where: str) -> None:
     """Every field a reader relies on has the type DCP gives it, and every item lies in a
     plain file of the directory."""
@@ -150,13 +156,20 @@ def _check_metadata(md: Any, where: str) -> None:
             if not isinstance(props.dtype, torch.dtype):
                 raise bad(f"tensor {fqn!r} has no dtype")
             for chunk in item.chunks:
-                if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata) or len(chunk.offsets) != len(item.size):
+                if (
+                    not isinstance(chunk, dcp_metadata.ChunkStorageMetadata)
+                    or not _indices(chunk.offsets)
+                    or not _indices(chunk.sizes)
+                    or len(chunk.offsets) != len(item.size)
+                ):
                     raise bad(f"tensor {fqn!r} has a malformed chunk")
         elif not isinstance(item, dcp_metadata.BytesStorageMetadata):
             raise bad(f"{fqn!r} is described by a {type(item).__name__}")
     for index, info in md.storage_data.items():
         if not isinstance(index, dcp_metadata.MetadataIndex) or index.fqn not in md.state_dict_metadata:
             raise bad(f"storage entry {index!r} names nothing in the checkpoint")
+        if index.offset is not None and not _indices(index.offset):
+            raise bad(f"{index.fqn!r} is stored at {index.offset!r}, not a position in the tensor")
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             raise bad(f"the storage of {index.fqn!r} is not a file location")
         name = info.relative_path
@@ -164,6 +177,8 @@ def _check_metadata(md: Any, where: str) -> None:
             raise bad(f"{index.fqn!r} is stored in {name!r}, which is not a file name inside the directory")
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
             raise bad(f"{index.fqn!r} has an invalid offset or length")
+        if not isinstance(info.transform_descriptors, (list, tuple, type(None))):
+            raise bad(f"{index.fqn!r} has transform descriptors {info.transform_descriptors!r}, not a list")
         if info.transform_descriptors:
             raise DcpFormatError(
                 f"{where}: {index.fqn!r} was written through DCP's experimental stream extensions "
