@@ -265,13 +265,16 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
             self.disk.unlink(path)
         except FileNotFoundError:
             pass
-        parent = os.path.dirname(path)
-        while parent != self.root:
+        self._prune(os.path.dirname(path))
+
+    def _prune(self, directory: str) -> None:
+        """Remove ``directory`` and the parents it leaves empty, up to the root."""
+        while directory != self.root:
             try:
-                self.disk.rmdir(parent)
+                self.disk.rmdir(directory)
             except OSError:  # not empty (or already gone): stop
                 break
-            parent = os.path.dirname(parent)
+            directory = os.path.dirname(directory)
 
     def stat(self, key: str) -> ObjectInfo:
         try:
@@ -301,12 +304,16 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
                         yield ObjectInfo(os.path.relpath(path, self.root), st.st_size, st.st_mtime)
 
     def delete_temp(self, name: str) -> None:
+        """Remove a dead writer's temp file, and the directories it leaves empty, as ``delete``
+        does: a step directory holding nothing but a killed commit's temp file would otherwise
+        stay behind empty, and every restore would skip it as an uncommitted checkpoint."""
         path = os.path.abspath(os.path.join(self.root, name))
         if os.path.commonpath([self.root, path]) == self.root:
             try:
                 self.disk.unlink(path)
             except FileNotFoundError:
                 pass
+            self._prune(os.path.dirname(path))
 
 
 def _read_pieces(fd: int, views: list[memoryview], consume: Callable[[memoryview], None], piece: int) -> int:
