@@ -139,9 +139,10 @@ def gc(
     wait: float = 60.0,
     progress: Callable[[int], None] | None = None,
 ) -> GCReport:
-    """Delete unreferenced chunks, stray rank records, temp files and the damage records of
-    chunks no longer stored (``ckptflow.chunks.damaged``) older than ``grace``, and the
-    leases of saves that died.
+    """Delete unreferenced chunks, stray rank records, temp files (and on a local store the
+    directories left empty: ``Store.stale_temp_files``) and the damage records of chunks no
+    longer stored (``ckptflow.chunks.damaged``) older than ``grace``, and the leases of
+    saves that died.
 
     Waits up to ``wait`` seconds for saves in flight (live leases) to finish writing
     chunks; if they do not, nothing is swept and ``report.skipped`` says why. ``progress`` is called

@@ -292,7 +292,17 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:
-        for dirpath, _dirs, files in os.walk(self.root):
+        """Temp files and claims, and empty directories (key ending in "/"): a writer killed
+        between making a step's directory and writing its first file there leaves one, which
+        every restore would skip as an uncommitted checkpoint."""
+        for dirpath, dirs, files in os.walk(self.root):
+            if not dirs and not files and dirpath != self.root:
+                try:
+                    mtime = os.stat(dirpath).st_mtime
+                except FileNotFoundError:
+                    continue
+                if mtime < older_than:
+                    yield ObjectInfo(os.path.relpath(dirpath, self.root) + "/", 0, mtime)
             for name in files:
                 if name.startswith(TEMP_PREFIX) or name.endswith(".claim"):
                     path = os.path.join(dirpath, name)
@@ -308,12 +318,16 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
         does: a step directory holding nothing but a killed commit's temp file would otherwise
         stay behind empty, and every restore would skip it as an uncommitted checkpoint."""
         path = os.path.abspath(os.path.join(self.root, name))
-        if os.path.commonpath([self.root, path]) == self.root:
-            try:
-                self.disk.unlink(path)
-            except FileNotFoundError:
-                pass
-            self._prune(os.path.dirname(path))
+        if os.path.commonpath([self.root, path]) != self.root:
+            return
+        if name.endswith("/"):  # an empty directory: removed unless a writer filled it meanwhile
+            self._prune(path)
+            return
+        try:
+            self.disk.unlink(path)
+        except FileNotFoundError:
+            pass
+        self._prune(os.path.dirname(path))
 
 
 def _read_pieces(fd: int, views: list[memoryview], consume: Callable[[memoryview], None], piece: int) -> int:

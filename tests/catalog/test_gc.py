@@ -262,11 +262,12 @@ def test_gc_keeps_every_chunk_a_damaged_manifest_names_anywhere(tmp_path):
     assert all(store.exists(key) for key in own)
 
 
-@pytest.mark.parametrize("where", ["rank record", "manifest"])
+@pytest.mark.parametrize("where", ["rank record", "manifest", "step directory"])
 def test_gc_after_a_save_killed_mid_write_leaves_no_empty_directory(tmp_path, where):
-    """A save SIGKILLed after writing a temp file, before linking it: GC deletes the temp
-    file and the directories it empties. It used to leave them, and every restore then
-    skipped the empty step directory as an uncommitted checkpoint, for ever."""
+    """A save SIGKILLed after writing a temp file, before linking it, or after making its
+    step's directory, before writing in it: GC deletes the temp file and the directories
+    left empty. It used to leave them, and every restore then skipped the empty step
+    directory as an uncommitted checkpoint, for ever."""
     root = tmp_path / "store"
     child = subprocess.run(
         [sys.executable, str(TESTS / "support" / "killed_writer.py"), str(root), RUN, where],
@@ -276,7 +277,7 @@ def test_gc_after_a_save_killed_mid_write_leaves_no_empty_directory(tmp_path, wh
         timeout=120,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-    assert list(root.rglob(".tmp-*")), "the killed save left no temp file"
+    assert (root / fmt.step_prefix(RUN, 2)).is_dir() and not (root / fmt.manifest_key(RUN, 2)).exists()
 
     report = gc(open_store(str(root)), grace=0)
     assert report.skipped is None

@@ -3,8 +3,9 @@
 usage: killed_writer.py STORE RUN WHERE
 
 Commits step 1 (tag 1), then saves step 2 (tag 2) through a disk that kills this process
-once it has written (and fsynced) the first temp file of WHERE ("rank record" or "manifest"),
-before that temp file is linked into place: what a job killed mid-save leaves.
+at WHERE: once it has written (and fsynced) the first temp file of the "rank record" or
+the "manifest", before linking it into place, or once it has made the "step directory",
+before writing anything in it. What a job killed mid-save leaves.
 """
 
 import os
@@ -20,17 +21,25 @@ from ckptflow.store.local import LocalStore
 from support.states import CHUNK, tagged_state
 
 
-class KilledAfter(Disk):
-    """Kills the process after the first temp file written in a directory ``matches``."""
+class KilledAt(Disk):
+    """Kills the process after the first ``op`` ("write_new": a temp file; "mkdir") in, or
+    of, the directory ``at``."""
 
-    def __init__(self, matches):
+    def __init__(self, op: str, at: str):
         super().__init__()
-        self.matches = matches
+        self.op, self.at = op, at
+
+    def _reached(self, op: str, directory: str) -> None:
+        if op == self.op and directory == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def write_new(self, path, parts):
         super().write_new(path, parts)
-        if self.matches(os.path.dirname(path)):
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._reached("write_new", os.path.dirname(path))
+
+    def mkdir(self, path):
+        super().mkdir(path)
+        self._reached("mkdir", path)
 
 
 def main() -> None:
@@ -38,13 +47,14 @@ def main() -> None:
     with Checkpointer(root, run, chunk_bytes=CHUNK) as ck:
         ck.save(1, tagged_state(1))
     step_dir = os.path.join(os.path.realpath(root), "runs", run, "checkpoints", f"{2:012d}")
-    matches = {
-        "rank record": lambda d: d == os.path.join(step_dir, "ranks"),
-        "manifest": lambda d: d == step_dir,
+    op, at = {
+        "rank record": ("write_new", os.path.join(step_dir, "ranks")),
+        "manifest": ("write_new", step_dir),
+        "step directory": ("mkdir", step_dir),
     }[where]
-    ck = Checkpointer(LocalStore(root, disk=KilledAfter(matches)), run, chunk_bytes=CHUNK)
+    ck = Checkpointer(LocalStore(root, disk=KilledAt(op, at)), run, chunk_bytes=CHUNK)
     ck.save(2, tagged_state(2), kind="full")
-    raise SystemExit(f"the save of step 2 never wrote a temp file of its {where}")
+    raise SystemExit(f"the save of step 2 was never killed at its {where}")
 
 
 if __name__ == "__main__":
