@@ -5,6 +5,7 @@ later run's."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from dagster import materialize
 
 from assets import PARTITIONED, evaluation
@@ -33,12 +34,15 @@ def test_a_replay_does_not_reopen_a_failure_made_good_by_a_run_deleted_since(
     assert failure(store_with_checkpoints, digest)["run_id"] == failed.run_id
 
 
+@pytest.mark.parametrize("deleted", [False, True], ids=["listed", "deleted from the instance"])
 def test_a_replay_does_not_write_an_older_failure_over_a_later_one(
-    store_with_checkpoints, resources, instance, monkeypatch
+    store_with_checkpoints, resources, instance, monkeypatch, deleted
 ):
     """Two failures of the commit's evaluation, the first made good by a re-run, the second
     open; the cursor reset. The replay wrote the first failure over the second's record:
-    the checkpoint no longer needed attention until a later tick reached the second."""
+    the checkpoint no longer needed attention until a later tick reached the second. So it
+    did once the second run was deleted from the instance by hand (or recorded by another
+    deployment sharing the store): the instance's order of runs no longer names it."""
     monkeypatch.setattr("sensors.failures.PER_TICK", 1)
     evaluation_failed(instance, resources)
     cursor = tick(instance, resources)
@@ -48,27 +52,8 @@ def test_a_replay_does_not_write_an_older_failure_over_a_later_one(
     digest = subject(store_with_checkpoints, 40).digest
     recorded = failure(store_with_checkpoints, digest)
     assert recorded["run_id"] == second.run_id and "failed: evaluation" in needs_attention(store_with_checkpoints)
-    tick(instance, resources, "-1")  # replays the first failure only (one a tick)
-    assert failure(store_with_checkpoints, digest) == recorded
-    assert "failed: evaluation" in needs_attention(store_with_checkpoints)
-
-
-def test_a_replay_does_not_write_an_older_failure_over_a_later_one_deleted_from_the_instance(
-    store_with_checkpoints, resources, instance, monkeypatch
-):
-    """As above, the second failed run then deleted from the instance by hand (or recorded by
-    another deployment sharing the store): the instance's order of runs no longer names it,
-    and the replay wrote the first failure, made good since, over the open second one."""
-    monkeypatch.setattr("sensors.failures.PER_TICK", 1)
-    evaluation_failed(instance, resources)
-    cursor = tick(instance, resources)
-    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
-    second = evaluation_failed(instance, resources)
-    tick(instance, resources, cursor)
-    digest = subject(store_with_checkpoints, 40).digest
-    recorded = failure(store_with_checkpoints, digest)
-    assert recorded["run_id"] == second.run_id
-    instance.delete_run(second.run_id)
+    if deleted:
+        instance.delete_run(second.run_id)
     tick(instance, resources, "-1")  # replays the first failure only (one a tick)
     assert failure(store_with_checkpoints, digest) == recorded
     assert "failed: evaluation" in needs_attention(store_with_checkpoints)
