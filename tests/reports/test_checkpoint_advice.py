@@ -228,19 +228,6 @@ def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, c
     assert code == 0 and current[4] == "5", out  # FULL EVERY, after the 3 words of TIME
 
 
-def test_a_cycle_longer_than_the_week_retention_keeps_is_read_from_the_cycle_under_way(tmp_path):
-    """Saves every step, a full every 20: a week after step 85 every whole cycle holds its
-    full alone, and only the cycle under way (the full at 80, then 86 to 99) holds the run's
-    incrementals. Counted over the whole cycles, the mix read a full every 1 (fulls alone).
-    The fulls are 20 steps apart and the cycle under way saves every step: a full every 20."""
-    root = str(tmp_path)
-    expired = thinned_by_retention(root, SavePolicy(full_every=20, incremental_every=1), last_week_from=85, steps=100)
-    assert expired == [s for s in range(86) if s % 20]
-    advice = advise(open_store(root), RUN)
-    assert advice.current is not None and advice.current.interval_steps == 1
-    assert advice.current_full_every == 20
-
-
 def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_interval(tmp_path):
     """The current interval is the run's gap between commits now. A run saving every step
     with a full every 2 has, once retention expired the incrementals older than a week,
@@ -295,13 +282,18 @@ def test_a_cycle_retention_cut_into_does_not_count_in_the_mix(tmp_path, last_wee
     assert advice.current_full_every == 5 and advice.current is not None and advice.current.interval_steps == 2
 
 
-def test_a_cycle_longer_than_the_week_retention_cut_into_is_read_by_its_fulls_distance(tmp_path):
-    """Saves every step, a full every 20: a week after step 95 the cycle of the full at 80
-    holds 80 and 96 to 99 (5), the cycle under way 100 to 109: read as a full every 5. Its
-    fulls are 20 apart and the run saves every step: a full every 20."""
+@pytest.mark.parametrize(("last_week_from", "steps"), [(85, 100), (95, 110)], ids=["whole cycles thinned", "cut into"])
+def test_a_cycle_longer_than_the_week_retention_keeps_is_read_by_its_fulls_distance(tmp_path, last_week_from, steps):
+    """Saves every step, a full every 20. A week after step 85 every whole cycle holds its
+    full alone, and only the cycle under way (the full at 80, then 86 to 99) holds the run's
+    incrementals: counted over the whole cycles, the mix read a full every 1 (fulls alone).
+    A week after step 95 the cycle of the full at 80 holds 80 and 96 to 99 (5), the cycle
+    under way 100 to 109: read as a full every 5. The fulls are 20 steps apart and the run
+    saves every step: a full every 20."""
     root = str(tmp_path)
-    expired = thinned_by_retention(root, SavePolicy(full_every=20, incremental_every=1), last_week_from=95, steps=110)
-    assert expired == [s for s in range(96) if s % 20]
+    policy = SavePolicy(full_every=20, incremental_every=1)
+    expired = thinned_by_retention(root, policy, last_week_from=last_week_from, steps=steps)
+    assert expired == [s for s in range(last_week_from + 1) if s % 20]
     advice = advise(open_store(root), RUN)
     assert advice.current is not None and advice.current.interval_steps == 1
     assert advice.current_full_every == 20
