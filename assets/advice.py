@@ -26,6 +26,7 @@ from dagster import (
 from assets.checkpoints import checkpoint
 from assets.inventory import GROUP, REFRESH, markdown
 from ckptflow.catalog.listing import list_runs
+from ckptflow.catalog.records import is_number
 from ckptflow.errors import CkptflowError
 from ckptflow.policy import interval as model
 from ckptflow.reports.advice import Advice, advise, check_failure_rate
@@ -134,16 +135,33 @@ def interval_near_optimum(context: AssetCheckExecutionContext) -> AssetCheckResu
             "materialize checkpoint_advice first, then run this check again",
             metadata={"runs_off": MetadataValue.text("not judged")},
         )
-    off = {}
+    off, unread = {}, []
     for run, row in intervals.value.items():
+        if not _judgeable(row):
+            unread.append(run)
+            off[run] = "not judged: its entry in the intervals metadata is not of the shape checkpoint_advice writes"
+            continue
         ratio = row.get("ratio")
         if ratio is None or row["keep_current"]:  # one that costs least is not off
             continue
         if not 1 / MAX_RATIO <= ratio <= MAX_RATIO:
-            current, optimal = human_steps(row["current_steps"]), human_steps(row["optimal_steps"])
+            current, optimal = human_steps(row.get("current_steps")), human_steps(row.get("optimal_steps"))
             off[run] = f"every {current} steps; optimum {optimal} ({ratio:.2g}x)"
     return AssetCheckResult(
         passed=not off,
         severity=AssetCheckSeverity.WARN,
+        description=f"{len(unread)} run(s) not judged ({', '.join(unread)}): their entries in checkpoint_advice's "
+        "newest intervals metadata cannot be read; materialize checkpoint_advice again, then run this check"
+        if unread
+        else None,
         metadata={"runs_off": MetadataValue.md("\n".join(f"- {r}: {why}" for r, why in off.items()) or "none")},
     )
+
+
+def _judgeable(row: object) -> bool:
+    """Whether an entry of the ``intervals`` metadata has the shape ``checkpoint_advice`` writes
+    (``JUDGED``): one reported by hand or written otherwise crashed the check (a missing key,
+    a ratio in quotes compared with a number), and a check that cannot judge a run must say so."""
+    if not isinstance(row, dict) or type(row.get("keep_current")) is not bool:
+        return False
+    return all(row.get(k) is None or is_number(row[k], minimum=0) for k in ("ratio", "current_steps", "optimal_steps"))

@@ -51,7 +51,7 @@ def _row(m: recoveries.RunMetrics) -> dict:
         "ready after (median / worst)": f"{human_duration(m.ready_s)} / {human_duration(m.ready_worst_s)}",
         "RPO (target)": rpo_against_target(m.rpo_s, rpo_target_s()),
         "recoveries (ok)": f"{m.recoveries} ({m.recoveries_ok})",
-        "rejected: state mismatch": m.rejected,
+        "rejected restores": m.rejected,
         "RTO (median / worst)": f"{human_duration(m.rto_median_s)} / {human_duration(m.rto_worst_s)}",
         "recovered to": ", ".join(f"{name} x{count}" for name, count in sorted(m.selectors.items())) or "-",
     }

@@ -20,9 +20,7 @@ from assets.partitions import parse_checkpoint_key, partition_keys
 from assets.progress import logged_progress
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.registry import ALIASES, Registry, describe
-from resources import CheckpointStoreResource, RegistryResource
-
-SHOWN = 50  # the passed-over checkpoints a promotion's log line names (its metadata names all)
+from resources import ArchiveTierResource, CheckpointStoreResource, RegistryResource
 
 
 class DeployConfig(Config):
@@ -65,14 +63,18 @@ def deployed_model(
     context: AssetExecutionContext,
     config: DeployConfig,
     store: CheckpointStoreResource,
+    archive: ArchiveTierResource,
     registry: RegistryResource,
 ) -> MaterializeResult:
     """What is deployed, after a promotion or a rollback; metadata carries the lineage. A
     promotion logs the export's progress (checkpoint bytes read, the rate) as it goes; those
     bytes, the promotion's time and their rate over it (upload and registration included),
     and the bytes of the model's files are metadata; so is ``passed_over``: promoting by
-    metric, each hot checkpoint that was no candidate and why (as a ``Best`` restore's)."""
+    metric (on the scale a ``Best`` restore reading the archive too ranks on), the hot
+    checkpoints that were no candidate and why, as a ``Best`` restore's: the first
+    ``SHOWN``, and ``passed_over_count`` of them all."""
     from ckptflow.lifecycle.promote import (  # torch: only in this asset's runs
+        SHOWN,
         PromotionRequest,
         passed_over_lines,
         promote,
@@ -95,18 +97,18 @@ def deployed_model(
             )
             chosen = config.partition_key or f"the best checkpoint by {config.metric}"
             with logged_progress(context, f"exporting {chosen} as {config.model}") as meter:
-                promotion = promote(store.open(), reg, request, progress=meter)
+                promotion = promote(store.open(), reg, request, archive=archive.open(), progress=meter)
             version = promotion.registered
             context.log.info(f"registered {config.model} v{version.version} from {version.partition_key}")
-            if lines := passed_over_lines(promotion.passed_over):
-                shown = "\n".join(lines[:SHOWN]) + (f"\n… {len(lines) - SHOWN} more" if len(lines) > SHOWN else "")
-                context.log.warning(
-                    f"passed over {len(lines)} hot checkpoints (metadata 'passed_over': each):\n{shown}"
-                )
+            passed_over = promotion.passed_over
+            if passed_over:
+                lines = "\n".join(passed_over_lines(passed_over))
+                context.log.warning(f"passed over {len(passed_over)} hot checkpoints:\n{lines}")
             figures = {
                 "passed_over": MetadataValue.json(
-                    [{"run": run, "step": step, "why": why} for run, step, why in promotion.passed_over]
+                    [{"run": run, "step": step, "why": why} for run, step, why in passed_over[:SHOWN]]
                 ),
+                "passed_over_count": MetadataValue.int(len(passed_over)),
                 **size("exported", meter.done),
                 **throughput("promotion", meter.done, meter.seconds),
                 **size("model", sum(f["size"] for f in version.files.values())),

@@ -78,11 +78,12 @@ class NoValidCheckpointError(WentPast):
     """Restore found nothing it could load (``WentPast`` says why for each checkpoint)."""
 
 
-class StateMismatchError(CkptflowError):
+class StateMismatchError(WentPast):
     """The state passed to ``restore`` does not have the checkpoint's structure, or a
     tensor ``load`` must allocate does not fit this machine's memory though its chunks
     can hold it: the caller's side, not a damaged checkpoint (restore falls back on
-    damage only)."""
+    damage only). ``skipped``: newer checkpoints it fell back past first, as damaged (the
+    state may fit those: then the damage, not the state, is why nothing was restored)."""
 
 
 class UnsupportedStateError(CkptflowError, TypeError):

@@ -43,7 +43,8 @@ warnings.filterwarnings(
 class DriveReport:
     """What one drive did. ``landed``: the checkpoint partitions commits landed in, each once,
     in the order they first did; a step committed again lands a second commit in the same
-    partition, and its second validation run is in ``runs`` under its run key."""
+    partition, and its second validation run is in ``runs`` under its run key. ``runs`` holds
+    every run (``add_run``): an asset and partition the automation runs again is there again."""
 
     landed: list[str] = field(default_factory=list)
     runs: dict[str, bool] = field(default_factory=dict)  # run description -> success
@@ -51,9 +52,16 @@ class DriveReport:
     def add_landed(self, keys: list[str]) -> None:
         self.landed.extend(dict.fromkeys(k for k in keys if k not in self.landed))
 
-    def add_run(self, name: str, again: str, success: bool) -> None:
-        """Record a run under ``name``, or under ``again`` when a run already has that name."""
-        self.runs[again if name in self.runs else name] = success
+    def add_run(self, name: str, success: bool, *, again: str | None = None) -> None:
+        """Record a run under ``name``; when a run already has that name, under ``again``, else
+        ``name #2``, ``#3``...: every run is an entry of its own, so a round of runs of what
+        ran before still counts as runs (``Driver.drive`` stops at a round that adds none)."""
+        key = next((k for k in (name, again) if k is not None and k not in self.runs), None)
+        nth = 2
+        while key is None:
+            key = None if f"{name} #{nth}" in self.runs else f"{name} #{nth}"
+            nth += 1
+        self.runs[key] = success
 
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}  # run logs still go to the instance
@@ -90,7 +98,7 @@ def tick_landing(
             run_config=run_config,
             tags=run_request.tags,
         )
-        report.add_run(f"{job.name}[{key}]", f"{job.name}[{run_request.run_key}]", outcome.success)
+        report.add_run(f"{job.name}[{key}]", outcome.success, again=f"{job.name}[{run_request.run_key}]")
         report.add_landed([key])
     return result.cursor
 
@@ -136,7 +144,7 @@ def run_automation(
             run_config=run_config,
         )
         names = ",".join(k.to_user_string() for k in sorted(keys, key=str))
-        report.runs[f"{names}[{partition}]"] = outcome.success
+        report.add_run(f"{names}[{partition}]", outcome.success)
     return result.cursor
 
 

@@ -139,7 +139,8 @@ def gc(
     wait: float = 60.0,
     progress: Callable[[int], None] | None = None,
 ) -> GCReport:
-    """Delete unreferenced chunks, stray rank records, temp files and the damage records of
+    """Delete unreferenced chunks, stray rank records, temp files (and on a local store the
+    empty directories of runs' steps: ``Store.stale_temp_files``) and the damage records of
     chunks no longer stored (``ckptflow.chunks.damaged``) older than ``grace``, and the
     leases of saves that died.
 
@@ -177,7 +178,10 @@ def gc(
         if records is None:
             log.warning("%s: GC leaves them for a GC that may list them", why)
         doomed += [info for digest, info in (records or {}).items() if digest not in kept and info.mtime < cutoff]
-        temps = list(store.stale_temp_files(cutoff))
+        # of the empty directories, those under runs/: every restore lists a step's directory as a candidate
+        temps = [
+            t for t in store.stale_temp_files(cutoff) if not t.key.endswith("/") or t.key.startswith(fmt.runs_prefix())
+        ]
         report.deleted = [(info.key, info.size) for info in doomed + temps]
         if dry_run:
             return report

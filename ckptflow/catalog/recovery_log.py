@@ -111,6 +111,9 @@ def _problem(body: dict) -> str | None:
         return "has 'skipped' or 'passed_over' that is not a list"
     if body.get("rejected") is not None and (not isinstance(body["rejected"], str) or not body["rejected"]):
         return f"has 'rejected' = {body['rejected']!r}, not a reason"
+    if body.get("rejected") is not None and body["ok"]:
+        # the figures leave a rejected restore out, the advice counts a loaded one: it must be one or the other
+        return f"has 'rejected' = {body['rejected']!r} and 'ok' true: a rejected restore loads nothing"
     return None
 
 

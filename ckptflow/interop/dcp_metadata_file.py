@@ -150,6 +150,12 @@ def _check_built(f: Any, where: str) -> None:
         )
 
 
+def _indices(value: Any) -> bool:
+    """Whether ``value`` (a piece's offsets or sizes, an item's offset) is what DCP writes: a
+    tuple (``torch.Size``) of integers; another type crashed the checks and the reader."""
+    return isinstance(value, tuple) and all(type(n) is int for n in value)
+
+
 def _shown(value: Any) -> str:
     """``value`` as an error message shows it: its repr, at most 200 characters; an integer
     of more than 4,300 digits cannot be printed (ValueError), which is the message's problem,
@@ -190,13 +196,20 @@ def _check_metadata(md: Any, where: str) -> None:
             if not isinstance(props.dtype, torch.dtype):
                 raise bad(f"tensor {_shown(fqn)} has no dtype")
             for chunk in item.chunks:
-                if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata) or len(chunk.offsets) != len(item.size):
+                if (
+                    not isinstance(chunk, dcp_metadata.ChunkStorageMetadata)
+                    or not _indices(chunk.offsets)
+                    or not _indices(chunk.sizes)
+                    or len(chunk.offsets) != len(item.size)
+                ):
                     raise bad(f"tensor {_shown(fqn)} has a malformed chunk")
         elif not isinstance(item, dcp_metadata.BytesStorageMetadata):
             raise bad(f"{_shown(fqn)} is described by a {type(item).__name__}")
     for index, info in md.storage_data.items():
         if not isinstance(index, dcp_metadata.MetadataIndex) or index.fqn not in md.state_dict_metadata:
             raise bad(f"storage entry {_shown(index)} names nothing in the checkpoint")
+        if index.offset is not None and not _indices(index.offset):
+            raise bad(f"{_shown(index.fqn)} is stored at {_shown(index.offset)}, not a position in the tensor")
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             raise bad(f"the storage of {_shown(index.fqn)} is not a file location")
         name = info.relative_path
@@ -207,6 +220,8 @@ def _check_metadata(md: Any, where: str) -> None:
             for n in (info.offset, info.length)
         ):
             raise bad(f"{_shown(index.fqn)} has an invalid offset or length")
+        if not isinstance(info.transform_descriptors, (list, tuple, type(None))):
+            raise bad(f"{_shown(index.fqn)} has transform descriptors {_shown(info.transform_descriptors)}, not a list")
         if info.transform_descriptors:
             raise DcpFormatError(
                 f"{where}: {_shown(index.fqn)} was written through DCP's experimental stream extensions "

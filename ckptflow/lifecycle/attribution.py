@@ -120,22 +120,28 @@ def standing_failure(recorded: Mapping | None, failed: FailedRun) -> str | None:
     history, ``made_good_already`` no longer names it). One of a run begun after ``failed``
     stands: an older failure replayed over it would hide it, and its own replay then rewrite it.
     So does one of a run the orchestrator no longer lists (deleted by hand, or recorded by
-    another deployment sharing the store) that failed later by the clocks: the only order
-    left to tell them by."""
+    another deployment sharing the store) that began later by the clocks, the only order left
+    (``began_later``)."""
     other = (recorded or {}).get("run_id")
     if other == failed.run_id:
         return "its failure record is there already, as first written"
     if other in failed.later_runs:
         return f"the failure of run {other}, begun after it, is recorded and stands"
-    later_at = recorded.get("failed_at", math.nan) if recorded else math.nan
-    if (
-        other not in failed.known_runs
-        and is_number(later_at)
-        and failed.failed_at is not None
-        and later_at > failed.failed_at
-    ):
-        return f"the failure of run {other}, which the orchestrator no longer lists, failed later and stands"
+    if recorded and other not in failed.known_runs and began_later(recorded, failed):
+        return f"the failure of run {other}, which the orchestrator no longer lists, began later and stands"
     return None
+
+
+def began_later(recorded: Mapping, failed: FailedRun) -> bool:
+    """Whether the run of the failure record ``recorded`` began after ``failed`` by the
+    clocks: when each began, the order the instance's runs are judged by (a run begun after
+    the failed one and failed before it stands too: the first pass kept its record, and a
+    replay by when each failed wrote over it); a record without it (an older version's) by
+    when each failed. A time that is no number, or none, is no order."""
+    began, failed_at = recorded.get("started_at", math.nan), recorded.get("failed_at", math.nan)
+    if is_number(began) and failed.started_at is not None:
+        return bool(began > failed.started_at)
+    return is_number(failed_at) and failed.failed_at is not None and failed_at > failed.failed_at
 
 
 def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attribution:
@@ -187,6 +193,7 @@ def record_failure(failed: FailedRun, open_store: Callable[[], Store]) -> Attrib
             "job": failed.job,
             "steps": [s for s, _ in failed.steps],
             "message": reason,
+            "started_at": failed.started_at,
             "failed_at": failed.failed_at,
             "made_good_by": list(failed.made_good_by),
             "records_seen": seen,

@@ -86,9 +86,14 @@ class Promotion:
     passed_over: list[PassedOver] = field(default_factory=list)
 
 
+SHOWN = 50  # the passed-over checkpoints a refusal, a log line or metadata names; the others are counted
+
+
 def passed_over_lines(passed_over: list[PassedOver]) -> list[str]:
-    """One line per checkpoint passed over, as a restore's error and ``ls --select`` say it."""
-    return [f"run {run!r} step {step}: {why}" for run, step, why in passed_over]
+    """One line per checkpoint passed over, as a restore's error and ``ls --select`` say it:
+    the first ``SHOWN``, then how many more (a backlog not validated yet can be thousands)."""
+    more = [f"… {len(passed_over) - SHOWN} more"] if len(passed_over) > SHOWN else []
+    return [f"run {run!r} step {step}: {why}" for run, step, why in passed_over[:SHOWN]] + more
 
 
 def choose_checkpoint(
@@ -97,14 +102,15 @@ def choose_checkpoint(
     """The best checkpoint by ``metric`` (its score, as ``Best`` ranks: ``ckptflow.policy.scores``)
     among those that passed validation and are hot, and why each other hot one is not a
     candidate. Every run is ranked on one scale, chosen as ``Best`` chooses it: among the
-    commits that may rank (validated or not yet), so a step an evaluator scored that is not
-    validated yet makes its evaluator's the scale, as for ``Best``, rather than a promotion
-    by training loss. A lossy copy (imported back to evaluate it) is no candidate: promotion
+    commits that may rank (validated or not yet, in the archive only too where ``entries``
+    hold the archive's), so a step an evaluator scored that is not validated yet, or whose
+    hot copy retention expired, makes its evaluator's the scale, as for ``Best``, rather
+    than a promotion by training loss. A lossy copy (imported back to evaluate it) is no candidate: promotion
     refuses it, and it shares its source's metrics, so choosing it would refuse every
     promotion by metric."""
     hot = [e for e in entries if "hot" in e.tiers]
-    figures = {e.ref: e.candidate().scales.get(metric) or {} for e in hot}
-    may_rank = {e.ref for e in hot if e.valid is not False and not e.lossy}
+    figures = {e.ref: e.candidate().scales.get(metric) or {} for e in entries}
+    may_rank = {e.ref for e in entries if e.valid is not False and not e.lossy}
     scale = scale_of({ref: by for ref, by in figures.items() if ref in may_rank})
     on_scale, off_scale = one_scale(figures, scale=scale)
 
@@ -138,12 +144,17 @@ def promote(
     registry: Registry,
     request: PromotionRequest,
     *,
+    archive: Store | None = None,
     mirror: MlflowMirror | None = None,
     wait: float = PROMOTION_WAIT,
     progress: Callable[[int], None] | None = None,
 ) -> Promotion:
     """Export the chosen checkpoint, register it as the next version of ``request.model``
     and move ``latest`` (and, for stage "stable", ``stable`` and ``fallback``).
+
+    ``archive``: the archive tier, whose commits count in choosing the scale a promotion by
+    metric ranks on, as they do for a ``Best`` restore reading it (``choose_checkpoint``);
+    only a hot checkpoint is promoted.
 
     ``mirror``: then also bring MLflow up to date (``MlflowMirror.sync``). ckptflow's
     registry is written first and stays the source of truth: a ``MirrorError`` means the
@@ -161,7 +172,7 @@ def promote(
     hot checkpoints were no candidate and why, as a ``Best`` restore's does: not validated
     yet, failed validation, or scored on another scale than the one the others rank on."""
     with shared_lease(hot, PROMOTIONS, wait) as lease:
-        promotion = _export_and_register(hot, registry, request, lease, progress)
+        promotion = _export_and_register(hot, archive, registry, request, lease, progress)
     if mirror is not None:
         mirror.sync(registry, request.model)
     return promotion
@@ -169,6 +180,7 @@ def promote(
 
 def _export_and_register(
     hot: Store,
+    archive: Store | None,
     registry: Registry,
     request: PromotionRequest,
     lease: Heartbeat,
@@ -176,7 +188,7 @@ def _export_and_register(
 ) -> Promotion:
     passed_over: list[PassedOver] = []
     if request.checkpoint is None:
-        chosen, passed_over = choose_checkpoint(inventory.collect(hot), request.metric, request.mode)
+        chosen, passed_over = choose_checkpoint(inventory.collect(hot, archive), request.metric, request.mode)
         run, step = chosen.ref
     else:
         run, step = request.checkpoint

@@ -259,24 +259,50 @@ def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None
     would outnumber the run's own once the thinned part is the longer (saves every step, a
     full every 2: read as every 2 steps), and a cycle kept past that by one checkpoint
     (best-K, a pin) is not the run's mix either. So: the newest unbroken stretch of whole
-    cycles between ``full_steps`` that hold more than their full; else the cycle under way
-    if it does (a cycle longer than the week retention keeps leaves no whole one), counted
-    as its checkpoints so far or the last two fulls' distance in its gaps, whichever is
-    more; else the whole history (fulls alone)."""
+    cycles between ``full_steps`` that hold more than their full. After a thinned cycle,
+    retention's cut-off by age may fall inside the oldest of them (its older incrementals
+    gone: a full every 4 read for every 5), with a checkpoint kept as the best before it: the
+    oldest is left out, and the next while it holds fewer than the one after it; the one
+    left alone is read as the cycle under way is (``_cycle``). Else the cycle under way, if
+    it holds more than its full (a cycle longer than the week retention keeps leaves no
+    whole one). Else the run saves fulls alone now (a policy changed to fulls only, a
+    history thinned whole): from the newest unbroken stretch of cycles holding their full
+    alone."""
     if not full_steps:
         return (steps[0] if steps else 0), None
     cycles = [bisect_left(steps, end) - bisect_left(steps, start) for start, end in zip(full_steps, full_steps[1:])]
     first = len(cycles)
     while first > 0 and cycles[first - 1] > 1:
         first -= 1
+    if 0 < first < len(cycles):  # after a thinned cycle
+        first = min(first + 1, len(cycles) - 1)
+        while first < len(cycles) - 1 and cycles[first] < cycles[first + 1]:
+            first += 1
+        if first == len(cycles) - 1:
+            return full_steps[first], _cycle(steps, full_steps, first)
     if first < len(cycles):
         made = cycles[first:]
         return full_steps[first], sum(made) / len(made)
-    held = steps[bisect_left(steps, full_steps[-1]) :]
-    if len(held) > 1:  # the cycle under way alone: it says how often, the fulls how far apart
-        spacing = (full_steps[-1] - full_steps[-2]) / _median([b - a for a, b in zip(held, held[1:])]) if cycles else 0
-        return full_steps[-1], max(len(held), spacing)
-    return steps[0], (sum(cycles) / len(cycles) if cycles else len(steps) / len(full_steps))
+    if len(steps) - bisect_left(steps, full_steps[-1]) > 1:
+        return full_steps[-1], _cycle(steps, full_steps, len(full_steps) - 1)
+    if not cycles:
+        return steps[0], len(steps) / len(full_steps)
+    while first > 0 and cycles[first - 1] == 1:
+        first -= 1
+    return full_steps[first], 1.0
+
+
+def _cycle(steps: list[int], full_steps: list[int], i: int) -> float:
+    """The checkpoints per full of the cycle from ``full_steps[i]`` on, which holds more than
+    its full but maybe only part of what the run made (cut by retention's age cut-off, or
+    under way): its checkpoints held, or the fulls' distance (its own, else the last two's)
+    in the median gap from its full on, whichever is more."""
+    held = steps[bisect_left(steps, full_steps[i]) :]
+    count = bisect_left(held, full_steps[i + 1]) if i + 1 < len(full_steps) else len(held)
+    if len(full_steps) < 2:
+        return count
+    start, end = full_steps[i : i + 2] if i + 1 < len(full_steps) else full_steps[-2:]
+    return max(count, (end - start) / _median([b - a for a, b in zip(held, held[1:])]))
 
 
 def _median(values: list[float] | list[int]) -> float:

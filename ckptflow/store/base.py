@@ -208,8 +208,9 @@ class Store(ABC):
         return len(data), None
 
     def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:
-        """Partial objects left by writers that died mid-write (for GC); a backend whose
-        writes are atomic without temp objects has none."""
+        """Partial objects left by writers that died mid-write (for GC), and on a backend with
+        directories the empty ones they left (key ending in "/"); a backend whose writes are
+        atomic without temp objects has none."""
         return iter(())
 
     def delete_temp(self, name: str) -> None:

@@ -265,13 +265,16 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
             self.disk.unlink(path)
         except FileNotFoundError:
             pass
-        parent = os.path.dirname(path)
-        while parent != self.root:
+        self._prune(os.path.dirname(path))
+
+    def _prune(self, directory: str) -> None:
+        """Remove ``directory`` and the parents it leaves empty, up to the root."""
+        while directory != self.root:
             try:
-                self.disk.rmdir(parent)
+                self.disk.rmdir(directory)
             except OSError:  # not empty (or already gone): stop
                 break
-            parent = os.path.dirname(parent)
+            directory = os.path.dirname(directory)
 
     def stat(self, key: str) -> ObjectInfo:
         try:
@@ -289,7 +292,17 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:
-        for dirpath, _dirs, files in os.walk(self.root):
+        """Temp files and claims, and empty directories (key ending in "/"): a writer killed
+        between making a step's directory and writing its first file there leaves one, which
+        every restore would skip as an uncommitted checkpoint."""
+        for dirpath, dirs, files in os.walk(self.root):
+            if not dirs and not files and dirpath != self.root:
+                try:
+                    mtime = os.stat(dirpath).st_mtime
+                except FileNotFoundError:
+                    continue
+                if mtime < older_than:
+                    yield ObjectInfo(os.path.relpath(dirpath, self.root) + "/", 0, mtime)
             for name in files:
                 if name.startswith(TEMP_PREFIX) or name.endswith(".claim"):
                     path = os.path.join(dirpath, name)
@@ -301,12 +314,20 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
                         yield ObjectInfo(os.path.relpath(path, self.root), st.st_size, st.st_mtime)
 
     def delete_temp(self, name: str) -> None:
+        """Remove a dead writer's temp file, and the directories it leaves empty, as ``delete``
+        does: a step directory holding nothing but a killed commit's temp file would otherwise
+        stay behind empty, and every restore would skip it as an uncommitted checkpoint."""
         path = os.path.abspath(os.path.join(self.root, name))
-        if os.path.commonpath([self.root, path]) == self.root:
-            try:
-                self.disk.unlink(path)
-            except FileNotFoundError:
-                pass
+        if os.path.commonpath([self.root, path]) != self.root:
+            return
+        if name.endswith("/"):  # an empty directory: removed unless a writer filled it meanwhile
+            self._prune(path)
+            return
+        try:
+            self.disk.unlink(path)
+        except FileNotFoundError:
+            pass
+        self._prune(os.path.dirname(path))
 
 
 def _read_pieces(fd: int, views: list[memoryview], consume: Callable[[memoryview], None], piece: int) -> int:

@@ -318,7 +318,9 @@ class Checkpointer:
         try:
             result = restore(state, chosen)
         except CkptflowError as e:
-            record_recovery(self.store, self.run, self.group, started, error=e, select=selection.describe(chosen))
+            record_recovery(
+                self.store, self.run, self.group, started, error=e, select=selection.describe(chosen), into_state=True
+            )
             raise
         self._restored(started, result, restore.loaded)
         if warmup is not None:

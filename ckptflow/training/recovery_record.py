@@ -1,7 +1,10 @@
 """The recovery record of a restore or load (``ckptflow.catalog.recovery_log``), written by rank 0
 when it ends, loaded or not: what it loaded, or the error it raised with what it went past. A
-``StateMismatchError`` is the caller's side (the state passed, not the checkpoint), so its
-record says the restore was rejected, and the recovery figures leave it out."""
+``StateMismatchError`` of ``restore`` is the caller's side (the state passed, not the checkpoint),
+so its record says the restore was rejected, and the recovery figures leave it out, unless it
+fell back past damaged checkpoints first (a failed recovery with its fallback). ``load`` is
+given no state: its ``StateMismatchError`` says this machine cannot allocate a tensor of the
+checkpoint, so the job did not recover here, a failed recovery (as ``HostMemoryError`` is)."""
 
 from __future__ import annotations
 
@@ -23,10 +26,14 @@ def record_recovery(
     result: RestoreResult | None = None,
     error: CkptflowError | None = None,
     select: str = "latest",
+    into_state: bool = False,
 ) -> None:
     """Rank 0 of ``group`` records in ``store`` a restore or load of ``run`` begun at
-    ``started``: what it loaded, or the error it raised (``ckptflow.reports.recoveries``)."""
+    ``started``: what it loaded, or the error it raised (``ckptflow.reports.recoveries``).
+    ``into_state``: a restore into the caller's state (``restore``), not a ``load``."""
     if group.rank == 0:
+        # a fallback past damage first: the state may fit the newest, the damage stopped the recovery
+        rejected = into_state and isinstance(error, StateMismatchError) and not error.skipped
         recovery_log.record(
             store,
             run,
@@ -39,5 +46,5 @@ def record_recovery(
             error=None if result else str(error),
             select=result.select if result else select,
             passed_over=result.passed_over if result else getattr(error, "passed_over", []),
-            rejected=recovery_log.REJECTED_STATE_MISMATCH if isinstance(error, StateMismatchError) else None,
+            rejected=recovery_log.REJECTED_STATE_MISMATCH if rejected else None,
         )

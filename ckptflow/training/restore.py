@@ -246,7 +246,11 @@ class Restore:
                     "back past damage) or rebuild the state before training on it"
                 )
             if failure.mismatch:
-                raise StateMismatchError(f"{where}: {failure.message}")
+                past = "; ".join(f"step {step}" for step, _ in skipped)
+                damaged = f" (newer checkpoints were skipped as damaged first: {past})" if skipped else ""
+                raise StateMismatchError(
+                    f"{where}: {failure.message}{damaged}", skipped, passed_over=list(choice.passed_over)
+                )
             if failure.newer:
                 raise NewerFormatError(
                     f"restore of {where} stopped rather than fall back to an older checkpoint (nothing shows that "

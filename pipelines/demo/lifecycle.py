@@ -167,6 +167,8 @@ def _drive(store: str, archive: str, dagster_home: str, *, fresh: bool, daemon: 
         passed_over: list[dict] = cast(list, promotion["passed_over"].value)  # by metric: the hot ones not candidates
         for row in passed_over:
             print(wrapped(f"promotion passed over {row['run']} step {row['step']}: {row['why']}", indent="   "))
+        if (more := cast(int, promotion["passed_over_count"].value) - len(passed_over)) > 0:
+            print(f"   … and {more} more (the metadata names the first {len(passed_over)})")
     else:
         print("== promotion failed; see the run in the UI")
     print(

@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.format import layout as fmt
+from support.child_env import child_env
 from support.corrupt import rank_files
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
+
+TESTS = Path(__file__).resolve().parents[1]
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -252,3 +260,31 @@ def test_gc_keeps_every_chunk_a_damaged_manifest_names_anywhere(tmp_path):
     report = gc(store, grace=0, now=time.time() + 5)
     assert len(report.unreadable_manifests) == 1 and report.skipped is None
     assert all(store.exists(key) for key in own)
+
+
+@pytest.mark.parametrize("where", ["rank record", "manifest", "step directory"])
+def test_gc_after_a_save_killed_mid_write_leaves_no_empty_directory(tmp_path, where):
+    """A save SIGKILLed after writing a temp file, before linking it, or after making its
+    step's directory, before writing in it: GC deletes the temp file and the directories
+    left empty. It used to leave them, and every restore then skipped the empty step
+    directory as an uncommitted checkpoint, for ever."""
+    root = tmp_path / "store"
+    child = subprocess.run(
+        [sys.executable, str(TESTS / "support" / "killed_writer.py"), str(root), RUN, where],
+        env=child_env(TESTS.parent),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert (root / fmt.step_prefix(RUN, 2)).is_dir() and not (root / fmt.manifest_key(RUN, 2)).exists()
+
+    report = gc(open_store(str(root)), grace=0)
+    assert report.skipped is None
+    assert not list(root.rglob(".tmp-*"))
+    with Checkpointer(str(root), run=RUN, restore_rng=False) as ck:
+        state = blank_state()
+        result = ck.restore(state)
+    assert (result.step, state_tag(state), result.skipped) == (1, 1, [])
+    runs = root / "runs"
+    assert [str(d.relative_to(root)) for d in runs.rglob("*") if d.is_dir() and not any(d.iterdir())] == []

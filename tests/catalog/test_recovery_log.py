@@ -24,6 +24,9 @@ DAMAGED = {  # each crashed stats/advise (AttributeError, TypeError) or skewed t
     "huge-duration": b'{"at": 1.0, "ok": true, "step": 1, "duration_s": 1' + b"0" * 400 + b"}",
     "nested": b"[" * 100_000 + b"]" * 100_000,
     "truncated": b'{"at": 1.0, "ok": tr',
+    # rejected and loaded at once: stats left it out as rejected, advise took it for a restore (MTBF, restore time)
+    "rejected-ok": b'{"at": 1.0, "ok": true, "step": 1, "duration_s": 900.0, "rejected": "state mismatch"}',
+    "rejected-list": b'{"at": 1.0, "ok": false, "rejected": ["state mismatch"]}',
 }
 
 
@@ -50,7 +53,7 @@ def test_damaged_records_are_skipped_by_name(store, caplog):
 
 def test_the_figures_count_only_the_real_restore(store):
     metrics = recoveries.run_metrics(store, RUN)
-    assert (metrics.recoveries, metrics.recoveries_ok) == (1, 1)
+    assert (metrics.recoveries, metrics.recoveries_ok, metrics.rejected) == (1, 1, 0)
     assert metrics.restore_s == metrics.restore_worst_s < 60
     assert "median of 1 restores" in advice.advise(store, RUN).sources["restore_s"]
 

@@ -165,3 +165,32 @@ def test_the_check_run_before_the_asset_was_ever_materialized_says_to_materializ
     materialize([checkpoint_advice], instance=instance, resources=resources)
     evaluation = _interval_check(instance, resources)
     assert not evaluation.passed and "often: every 1 steps" in evaluation.metadata["runs_off"].value
+
+
+def test_intervals_the_check_cannot_read_are_named_not_a_crash(paths, resources, instance):
+    """A materialization whose ``intervals`` hold entries of another shape (reported by hand, or
+    by a ckptflow that writes them otherwise) crashed the check: KeyError 'keep_current', a
+    string ratio compared with a number (TypeError), 'str' object has no attribute 'get'. Such
+    entries are not judged: the check fails (WARN), names them and says to materialize again;
+    the entries it can read are still judged."""
+    from dagster import MetadataValue
+
+    from assets import checkpoint_advice
+
+    judged = {"ratio": 0.1, "keep_current": False, "current_steps": 1, "optimal_steps": 10}
+    intervals = {
+        "off": judged,
+        "no-keep": {"ratio": 3.0, "current_steps": 3, "optimal_steps": 1},
+        "text-ratio": {**judged, "ratio": "0.1"},
+        "not-a-row": "every 2 steps",
+        "bool-ratio": {**judged, "ratio": True},
+    }
+    event = AssetMaterialization(checkpoint_advice.key, metadata={"intervals": MetadataValue.json(intervals)})
+    instance.report_runless_asset_event(event)
+    evaluation = _interval_check(instance, resources)
+    assert not evaluation.passed and evaluation.severity == AssetCheckSeverity.WARN
+    runs_off = evaluation.metadata["runs_off"].value
+    assert "off: every 1 steps; optimum 10 (0.1x)" in runs_off
+    for run in ("no-keep", "text-ratio", "not-a-row", "bool-ratio"):
+        assert f"{run}: not judged" in runs_off, runs_off
+    assert evaluation.description is not None and "materialize checkpoint_advice again" in evaluation.description

@@ -3,24 +3,22 @@ against a step committed again since, and retries a store that does not answer."
 
 import pytest
 import torch
-from dagster import DagsterEventType, asset, build_sensor_context, materialize
+from dagster import DagsterEventType, asset, materialize
 
-from assets import PARTITIONED, checkpoint_key, compressed, evaluation
+from assets import PARTITIONED, compressed, evaluation
 from assets.partitions import DIGEST_TAG, checkpoints_partitions
 from ckptflow import Checkpointer, lifecycle
-from ckptflow.catalog.verdicts import Subject, step_prefix
+from ckptflow.catalog.verdicts import step_prefix
 from ckptflow.errors import StoreUnavailableError
-from ckptflow.reports import inventory, recoverable
+from ckptflow.reports import recoverable
 from ckptflow.store import open_store
 from pipelines import demo
 from resources import CheckpointStoreResource, EvaluatorResource
-from sensors import failure_sensor
 from sensors.failures import UNATTRIBUTED_TAG, TickRuns, record_failure
 from support.corrupt import corrupt_chunk, only_in
 from support.dagster import RUN, subject
+from support.failure_sensor import KEY, evaluation_failed, failure, needs_attention, tick
 from support.faulty_store import FaultyStore
-
-KEY = checkpoint_key(RUN, 40)
 
 
 @asset(partitions_def=checkpoints_partitions)
@@ -37,16 +35,6 @@ def recommit(store: str) -> None:
     with Checkpointer(store, RUN) as ck:
         assert ck.restore(state).step == 30
         ck.save(40, state, metadata={"train_loss": 0.5})
-
-
-def tick(instance, resources, cursor=None):
-    with build_sensor_context(instance=instance, cursor=cursor, resources={"store": resources["store"]}) as context:
-        failure_sensor(context)
-        return context.cursor
-
-
-def failure(store: str, digest: str) -> dict | None:
-    return lifecycle.read_record(open_store(store), Subject(RUN, 40, digest), "failure")
 
 
 def fail_untagged(instance):
@@ -111,22 +99,6 @@ def test_a_store_that_does_not_answer_is_retried_next_tick(store_with_checkpoint
 
 def unavailable(key: str) -> bool:
     raise StoreUnavailableError(f"S3 GetObject of {key} failed after 10 attempts: SlowDown")
-
-
-def needs_attention(store: str) -> str | None:
-    """Why step 40 needs an operator (``recoverability``'s reason), or None."""
-    [entry] = [e for e in inventory.collect(open_store(store)) if e.step == 40]
-    return recoverable.attention_reason(entry)
-
-
-def evaluation_failed(instance, resources):
-    """A run of ``evaluation`` in partition KEY that fails (its evaluator cannot be loaded)."""
-    instance.add_dynamic_partitions("checkpoints", [KEY])
-    broken = {**resources, "evaluator": EvaluatorResource(evaluators={RUN: "no.such.module:evaluate"})}
-    return materialize(
-        PARTITIONED, partition_key=KEY, instance=instance, resources=broken, selection=[evaluation],
-        raise_on_error=False,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("sensor_late", [False, True], ids=["recorded-then-rerun", "rerun-then-recorded"])
@@ -313,67 +285,6 @@ def test_a_tick_reads_each_later_runs_events_once(store_with_checkpoints, resour
     recorded = failure(store_with_checkpoints, subject(store_with_checkpoints, 40).digest)
     assert recorded["run_id"] == failed[-1] and recorded["made_good_already"] == ["evaluation"]
     assert needs_attention(store_with_checkpoints) is None
-
-
-def test_a_replay_does_not_reopen_a_failure_made_good_by_a_run_deleted_since(
-    store_with_checkpoints, resources, instance
-):
-    """Recorded, made good by a re-run, then the re-run deleted from the instance (run
-    retention, or by hand) and the sensor's cursor reset: the replay wrote the record anew,
-    seeing the re-run's evaluation as the one that stood at the failure and no later run
-    that wrote it, so the failure needed attention again though the work was redone."""
-    failed = evaluation_failed(instance, resources)
-    tick(instance, resources)
-    digest = subject(store_with_checkpoints, 40).digest
-    first = failure(store_with_checkpoints, digest)
-    rerun = materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
-    assert rerun.success and needs_attention(store_with_checkpoints) is None
-    instance.delete_run(rerun.run_id)
-    tick(instance, resources, "-1")
-    assert failure(store_with_checkpoints, digest) == first  # the record of that failure, as first written
-    assert needs_attention(store_with_checkpoints) is None
-    assert failure(store_with_checkpoints, digest)["run_id"] == failed.run_id
-
-
-def test_a_replay_does_not_write_an_older_failure_over_a_later_one(
-    store_with_checkpoints, resources, instance, monkeypatch
-):
-    """Two failures of the commit's evaluation, the first made good by a re-run, the second
-    open; the cursor reset. The replay wrote the first failure over the second's record:
-    the checkpoint no longer needed attention until a later tick reached the second."""
-    monkeypatch.setattr("sensors.failures.PER_TICK", 1)
-    evaluation_failed(instance, resources)
-    cursor = tick(instance, resources)
-    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
-    second = evaluation_failed(instance, resources)
-    tick(instance, resources, cursor)
-    digest = subject(store_with_checkpoints, 40).digest
-    recorded = failure(store_with_checkpoints, digest)
-    assert recorded["run_id"] == second.run_id and "failed: evaluation" in needs_attention(store_with_checkpoints)
-    tick(instance, resources, "-1")  # replays the first failure only (one a tick)
-    assert failure(store_with_checkpoints, digest) == recorded
-    assert "failed: evaluation" in needs_attention(store_with_checkpoints)
-
-
-def test_a_replay_does_not_write_an_older_failure_over_a_later_one_deleted_from_the_instance(
-    store_with_checkpoints, resources, instance, monkeypatch
-):
-    """As above, the second failed run then deleted from the instance by hand (or recorded by
-    another deployment sharing the store): the instance's order of runs no longer names it,
-    and the replay wrote the first failure, made good since, over the open second one."""
-    monkeypatch.setattr("sensors.failures.PER_TICK", 1)
-    evaluation_failed(instance, resources)
-    cursor = tick(instance, resources)
-    assert materialize(PARTITIONED, partition_key=KEY, instance=instance, resources=resources, selection=[evaluation])
-    second = evaluation_failed(instance, resources)
-    tick(instance, resources, cursor)
-    digest = subject(store_with_checkpoints, 40).digest
-    recorded = failure(store_with_checkpoints, digest)
-    assert recorded["run_id"] == second.run_id
-    instance.delete_run(second.run_id)
-    tick(instance, resources, "-1")  # replays the first failure only (one a tick)
-    assert failure(store_with_checkpoints, digest) == recorded
-    assert "failed: evaluation" in needs_attention(store_with_checkpoints)
 
 
 def test_a_re_run_that_succeeds_while_a_tick_goes_on_makes_the_failures_recorded_after_it_good(

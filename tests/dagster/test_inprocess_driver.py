@@ -8,7 +8,7 @@ from ckptflow import Checkpointer
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
 from pipelines import demo
-from pipelines.inprocess import QUIET, DriveReport, tick_landing
+from pipelines.inprocess import QUIET, Driver, DriveReport, tick_landing
 from support.corrupt import corrupt_chunk, only_in
 from support.dagster import RUN
 
@@ -39,3 +39,89 @@ def test_a_step_committed_again_lands_in_its_partition_once_and_both_validations
         **{f"validate_checkpoint[{k}]": True for k in keys},
         f"validate_checkpoint[{keys[3]}@{again[:16]}]": True,  # the second commit's own validation
     }
+
+
+def _toy_defs(resources):
+    """The landing machinery, plus assets whose automation runs ``s`` again three rounds on:
+    ``s`` and ``d`` run in round 1 (``x`` changed), ``f`` and ``t`` in round 2, ``e`` after
+    them; round 3 runs ``s`` again (``e`` changed) and nothing else, and round 4 ``t`` again.
+    (An asset that ran in a round is not run in the next: Dagster counts it handled.)"""
+    from dagster import (
+        AssetSelection,
+        AutomationCondition,
+        AutomationConditionSensorDefinition,
+        Definitions,
+        StaticPartitionsDefinition,
+        asset,
+    )
+
+    from assets import ALL_CHECKS, checkpoint
+    from sensors.failures import failure_sensor
+    from sensors.landing import landing_sensor, validation_job
+
+    one = StaticPartitionsDefinition(["p"])
+    eager = AutomationCondition.eager()
+
+    @asset(partitions_def=one)
+    def x() -> None: ...
+
+    @asset(partitions_def=one, deps=[x], automation_condition=eager)
+    def d() -> None: ...
+
+    @asset(partitions_def=one, deps=[d], automation_condition=eager)
+    def f() -> None: ...
+
+    @asset(partitions_def=one, deps=[f], automation_condition=eager)
+    def e() -> None: ...
+
+    @asset(deps=[x, e], automation_condition=eager)
+    def s() -> None: ...
+
+    @asset(deps=[s], automation_condition=eager)
+    def t() -> None: ...
+
+    sensors = [  # evaluated in this order each round
+        AutomationConditionSensorDefinition("a_sensor", target=AssetSelection.assets(f, t)),
+        AutomationConditionSensorDefinition("b_sensor", target=AssetSelection.assets(s, d)),
+        AutomationConditionSensorDefinition("c_sensor", target=AssetSelection.assets(e)),
+    ]
+    definitions = Definitions(
+        assets=[checkpoint, x, d, f, e, s, t],
+        asset_checks=ALL_CHECKS,
+        jobs=[validation_job],
+        sensors=[landing_sensor, failure_sensor, *sensors],
+        resources=resources,
+    )
+    return definitions, {a.key.to_user_string(): a for a in (x, d, f, e, s, t)}
+
+
+def test_a_round_that_only_runs_again_what_ran_before_does_not_end_the_automation(resources, instance):
+    """``run_automation`` wrote a run of an asset and partition that had run earlier in the
+    drive over its entry in ``runs``, so a round of such runs added nothing, ``drive`` took it
+    for quiet and stopped: round 3 ran ``s`` again, and ``t``, which reads ``s``, was left
+    older than it (report: s and t once each, of two runs each). Every run is an entry of its
+    own, so the drive goes on until a round runs nothing."""
+    from dagster import materialize
+
+    defs, a = _toy_defs(resources)
+    materialize([a["x"], a["d"], a["f"], a["e"]], partition_key="p", instance=instance)
+    materialize([a["s"], a["t"]], instance=instance)
+    driver = Driver(defs, instance, quiet=True)
+    materialize([a["x"]], partition_key="p", instance=instance)  # the change the automation follows
+
+    report = driver.drive()
+
+    def newest(name: str) -> int:
+        return instance.fetch_materializations(a[name].key, limit=1).records[0].storage_id
+
+    assert newest("t") > newest("s") > newest("e")  # t ran after s's last run: nothing is left stale
+    assert report.runs == {
+        "s[None]": True,
+        "d[p]": True,
+        "f[p]": True,
+        "t[None]": True,
+        "e[p]": True,
+        "s[None] #2": True,
+        "t[None] #2": True,
+    }
+    assert driver.drive().runs == {}  # it was quiet

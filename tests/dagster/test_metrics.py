@@ -53,7 +53,7 @@ def test_recovery_metrics_counts_recoveries_fallbacks_readiness_rpo_and_rto(
     assert metadata["recoveries"].value == 1 and metadata["recovery_success_rate"].value == 1.0
     assert metadata["fallbacks"].value == 1 and metadata["ready_s"].value >= 0
     assert metadata["recoveries_rejected"].value == 1 and row.rejected == 1
-    assert "rejected: state mismatch" in metadata["table"].value
+    assert "rejected restores" in metadata["table"].value
     # RPO: only 10 and 20 are recovery-ready, so the gap is theirs; 30 and 40 were never validated
     assert metadata["rpo_s"].value == pytest.approx(infos[20].created_at - infos[10].created_at, rel=1e-3, abs=1e-3)
     assert metadata["rto_median_s"].value == pytest.approx(30 + restore_s, rel=1e-3)

@@ -188,6 +188,40 @@ def test_list_index_out_of_range_is_refused_before_anything_is_built(tmp_path, i
     assert not (tmp_path / "store" / "runs").exists()
 
 
+def _edit_chunk(md, **fields):
+    (item,) = md.state_dict_metadata.values()
+    item.chunks = [ChunkStorageMetadata(**{"offsets": item.chunks[0].offsets, "sizes": item.chunks[0].sizes, **fields})]
+
+
+def _edit_storage(md, field, value):
+    for index, info in md.storage_data.items():
+        object.__setattr__(index if field == "offset" else info, field, value)  # MetadataIndex is frozen
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda md: _edit_chunk(md, offsets=5), "tensor 'w' has a malformed chunk"),
+        (lambda md: _edit_chunk(md, sizes=("3",)), "tensor 'w' has a malformed chunk"),
+        (lambda md: _edit_storage(md, "offset", 7), "'w' is stored at 7, not a position in the tensor"),
+        (lambda md: _edit_storage(md, "transform_descriptors", 5), "'w' has transform descriptors 5, not a list"),
+    ],
+)
+def test_a_field_of_another_type_is_refused_by_name(tmp_path, damage, said):
+    """A chunk's offsets or sizes, an item's offset or its transforms of another type than
+    DCP writes (an int, a string) crashed the import with a bare TypeError (no file named)."""
+    directory = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, storage_writer=FileSystemWriter(str(directory)), no_dist=True)
+    md = pickle.loads((directory / ".metadata").read_bytes())
+    damage(md)
+    (directory / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(DcpFormatError) as err:
+        import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+    assert f"DCP metadata {directory / '.metadata'}: {said}" in str(err.value)
+    assert "the metadata is damaged or was not written by DCP" in str(err.value)
+    assert not (tmp_path / "store" / "runs").exists()
+
+
 def test_truncated_item_is_refused(tmp_path):
     directory = tmp_path / "dcp"
     dcp.save({"w": torch.ones(1000)}, storage_writer=FileSystemWriter(str(directory)), no_dist=True)

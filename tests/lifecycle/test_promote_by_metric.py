@@ -4,12 +4,15 @@ restore does in ``passed_over``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
+from ckptflow.catalog.selection import Best
+from ckptflow.errors import PromotionError
 from ckptflow.interop.registry import Registry
-from ckptflow.lifecycle.promote import PromotionRequest, promote
+from ckptflow.lifecycle.promote import SHOWN, PromotionRequest, promote
 from ckptflow.store import open_store
 
 RANKED_ON = "which the others are ranked on"
@@ -63,3 +66,52 @@ def test_a_promotion_of_a_named_checkpoint_passes_nothing_over(tmp_path):
     store = three_runs(tmp_path)
     promotion = promote(store, Registry(store), PromotionRequest("m", ("b", 1)))
     assert (promotion.registered.run, promotion.registered.step, promotion.passed_over) == ("b", 1, [])
+
+
+def test_a_promotion_counts_the_archive_only_commits_in_its_scale_as_best_does(tmp_path):
+    """Steps 1 and 2 evaluated by team.eval, archived, their hot copies expired; hot step 3
+    evaluated by other.eval (0.1), step 4 by team.eval (1.0). A ``Best`` restore reading the
+    archive ranks on team.eval's figures (3 commits) and takes step 4; promotion counted the
+    hot commits only (one each: the tie to the first by name, other.eval) and promoted step 3."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    with Checkpointer(root, "r") as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 0.5})
+    store, archive = open_store(root), open_store(str(tmp_path / "archive"))
+    for step, name, loss in ((1, "team", 2.0), (2, "team", 1.5), (3, "other", 0.1), (4, "team", 1.0)):
+        assert lifecycle.validate(store, "r", step)["ok"]
+        lifecycle.evaluate(
+            store, store, "r", step, lambda t, i, loss=loss: {"val_loss": loss}, evaluator_name=f"{name}.eval"
+        )
+    for step in (1, 2):
+        assert lifecycle.archive(store, archive, "r", step).ok
+        lifecycle.expire(store, "r", step, keep_records=True)
+    with Checkpointer(root, "r", tiers=[archive]) as ck:
+        best = ck.restore({"model": nn.Linear(4, 4)}, select=Best("val_loss", "min"))
+    promotion = promote(store, Registry(store), PromotionRequest("m"), archive=archive)
+    assert (promotion.registered.step, best.step) == (4, 4)
+    assert promotion.passed_over == [
+        (
+            "r",
+            3,
+            f"scored on other.eval's figures and the trainer's figures only, not on team.eval's figures, {RANKED_ON}",
+        )
+    ]
+
+
+def test_a_refusal_names_the_first_checkpoints_it_passed_over_and_counts_the_rest(tmp_path):
+    """200 checkpoints scored by their trainer, none validated yet (a backlog): the refusal
+    named every one, 200 lines in one error (a Dagster failure's description)."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    with Checkpointer(root, "r") as ck:
+        for step in range(1, 201):
+            ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 1.0 / step})
+    store = open_store(root)
+    with pytest.raises(PromotionError) as refused:
+        promote(store, Registry(store), PromotionRequest("m"))
+    message = str(refused.value)
+    assert message.count(": not validated yet") == SHOWN and f"… {200 - SHOWN} more" in message
+    assert "run 'r' step 1: not validated yet" in message and "step 200:" not in message
+    assert not [o.key for o in store.list("") if o.key.startswith(("registry/", "locks/"))]  # nothing written

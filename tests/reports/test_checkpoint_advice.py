@@ -10,11 +10,10 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.recovery_log import read_all
 from ckptflow.errors import CkptflowError
 from ckptflow.policy.interval import SCENARIOS
-from ckptflow.policy.retention import DAY, default_policy
-from ckptflow.reports import inventory
 from ckptflow.reports.advice import DEFAULT_SCENARIO, MIN_FAILURES, advise
 from ckptflow.reports.costs import CostModel
 from support.cli import run_cli
+from support.retention_history import thinned_by_retention
 from support.states import RUN, tiny_state, tiny_train
 
 
@@ -213,26 +212,6 @@ def test_the_current_mix_is_the_checkpoints_per_full_cycle_the_run_made(
     assert optimal[4] == str(advice.full_every) == str(advice.inputs.full_every), out  # shown as priced
 
 
-def thinned_by_retention(
-    root: str, policy: SavePolicy, *, last_week_from: int, best: int | None = None, steps: int = 101
-) -> list[int]:
-    """``steps`` steps saved under ``policy``, then what the default retention expires a week
-    after step ``last_week_from`` expired: the steps deleted. With ``best``, that step has
-    the lowest ``val_loss`` and retention keeps the best one (best-K, K=1)."""
-    state = tiny_state()
-    with Checkpointer(root, RUN, policy=policy) as ckpt:
-        for step in range(steps):
-            tiny_train(state)
-            ckpt.save(step, state, metadata={"val_loss": 0.1 if step == best else 1.0})
-    store = open_store(root)
-    entries = inventory.collect(store)
-    week_later = {e.step: e.created_at for e in entries}[last_week_from] + 7 * DAY
-    plan = inventory.retention_plan(entries, week_later, policy=default_policy(best_k=0 if best is None else 1))
-    for run, step in plan.delete:
-        lifecycle.expire(store, run, step)
-    return sorted(step for _, step in plan.delete)
-
-
 def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, capsys):
     """Retention keeps fulls longer than incrementals (30 days against 7 by default), so the
     older cycles of a run past a week hold their full alone. Counted over every cycle, a run
@@ -247,19 +226,6 @@ def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_mix(tmp_path, c
     code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
     (current,) = [line.split() for line in out.splitlines() if line.startswith("current")]
     assert code == 0 and current[4] == "5", out  # FULL EVERY, after the 3 words of TIME
-
-
-def test_a_cycle_longer_than_the_week_retention_keeps_is_read_from_the_cycle_under_way(tmp_path):
-    """Saves every step, a full every 20: a week after step 85 every whole cycle holds its
-    full alone, and only the cycle under way (the full at 80, then 86 to 99) holds the run's
-    incrementals. Counted over the whole cycles, the mix read a full every 1 (fulls alone).
-    The fulls are 20 steps apart and the cycle under way saves every step: a full every 20."""
-    root = str(tmp_path)
-    expired = thinned_by_retention(root, SavePolicy(full_every=20, incremental_every=1), last_week_from=85, steps=100)
-    assert expired == [s for s in range(86) if s % 20]
-    advice = advise(open_store(root), RUN)
-    assert advice.current is not None and advice.current.interval_steps == 1
-    assert advice.current_full_every == 20
 
 
 def test_a_history_retention_thinned_to_its_fulls_keeps_the_runs_interval(tmp_path):
@@ -299,6 +265,57 @@ def test_an_old_cycle_retention_keeps_as_the_best_does_not_count_in_the_mix(tmp_
     assert expired == [s for s in range(0, 70, 2) if s % 10 and s != 12]
     advice = advise(open_store(root), RUN)
     assert advice.current_full_every == 5 and advice.current is not None and advice.current.interval_steps == 2
+
+
+@pytest.mark.parametrize(("last_week_from", "best"), [(76, None), (76, 62)])
+def test_a_cycle_retention_cut_into_does_not_count_in_the_mix(tmp_path, last_week_from, best):
+    """Saves every 2 steps, a full every 10 (5 checkpoints a cycle): a week after step 76
+    retention has cut into the cycle of the full at 70 (70 and 78 held), the oldest of the
+    newest cycles holding incrementals; counted with them it read (2 + 5 + 5) / 3, a full
+    every 4. Step 62 kept as the best before it joins that stretch too (2 + 2 + 5 + 5)."""
+    root = str(tmp_path)
+    expired = thinned_by_retention(
+        root, SavePolicy(full_every=10, incremental_every=2), last_week_from=last_week_from, best=best
+    )
+    assert expired == [s for s in range(0, last_week_from + 1, 2) if s % 10 and s != best]
+    advice = advise(open_store(root), RUN)
+    assert advice.current_full_every == 5 and advice.current is not None and advice.current.interval_steps == 2
+
+
+@pytest.mark.parametrize(("last_week_from", "steps"), [(85, 100), (95, 110)], ids=["whole cycles thinned", "cut into"])
+def test_a_cycle_longer_than_the_week_retention_keeps_is_read_by_its_fulls_distance(tmp_path, last_week_from, steps):
+    """Saves every step, a full every 20. A week after step 85 every whole cycle holds its
+    full alone, and only the cycle under way (the full at 80, then 86 to 99) holds the run's
+    incrementals: counted over the whole cycles, the mix read a full every 1 (fulls alone).
+    A week after step 95 the cycle of the full at 80 holds 80 and 96 to 99 (5), the cycle
+    under way 100 to 109: read as a full every 5. The fulls are 20 steps apart and the run
+    saves every step: a full every 20."""
+    root = str(tmp_path)
+    policy = SavePolicy(full_every=20, incremental_every=1)
+    expired = thinned_by_retention(root, policy, last_week_from=last_week_from, steps=steps)
+    assert expired == [s for s in range(last_week_from + 1) if s % 20]
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 1
+    assert advice.current_full_every == 20
+
+
+def test_a_run_that_now_saves_fulls_alone_reads_so(tmp_path):
+    """Saves every 2 steps with a full every 10 up to step 60, then fulls alone every 10 to
+    step 120: the newest cycles hold their full alone, and the history as a whole read every
+    2 steps, a full every 3. The run checkpoints every 10 steps now, each a full."""
+    root = str(tmp_path)
+    state = tiny_state()
+    for policy, steps in [
+        (SavePolicy(full_every=10, incremental_every=2), range(60)),
+        (SavePolicy(full_every=10), range(60, 121)),
+    ]:
+        with Checkpointer(root, RUN, policy=policy) as ckpt:
+            for step in steps:
+                tiny_train(state)
+                ckpt.save(step, state)
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 10
+    assert advice.current_full_every == 1
 
 
 def test_an_mtbf_of_a_googol_years_gives_lines_a_terminal_can_show(tmp_path, capsys):

@@ -200,3 +200,50 @@ def test_a_restore_into_a_wrongly_built_state_is_rejected_not_a_failed_recovery(
     m = recoveries.run_metrics(store, "r")
     assert (m.recoveries, m.recoveries_ok, m.rejected, m.recovery_success_rate) == (1, 1, 2, 1.0)
     assert m.last_recovery is not None and m.last_recovery["ok"] is True
+
+
+def test_a_load_this_machine_cannot_hold_is_a_failed_recovery_not_a_rejected_state(tmp_path, monkeypatch):
+    """``load()`` is given no state, so its StateMismatchError says only that this machine
+    cannot allocate a tensor the checkpoint holds. It was recorded as "rejected: state
+    mismatch" and left out of the recoveries (0 recoveries, 1 rejected), while ``restore()``
+    running out of host memory (HostMemoryError) counts as a failed one: the job did not
+    recover on this machine, whatever state it built. It is a failed recovery."""
+    from ckptflow.dcp import allocation
+
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, _state(1.0))
+    monkeypatch.setattr(allocation, "_physical_memory", lambda: 128)  # a machine smaller than the 256-byte tensor
+    with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError, match="more memory"):
+        ck.load()
+    (record,) = recovery_log.read_all(open_store(root), "r")
+    assert (record["ok"], record["rejected"]) == (False, None)
+    assert "more memory" in record["error"]
+    m = recoveries.run_metrics(open_store(root), "r")
+    assert (m.recoveries, m.recoveries_ok, m.rejected, m.recovery_success_rate) == (1, 0, 0, 0.0)
+
+    with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError):  # restore into a wrong state: rejected
+        ck.restore({"model": {"w": torch.zeros(65)}})
+    assert recoveries.run_metrics(open_store(root), "r").rejected == 1
+
+
+def test_a_restore_that_fell_back_past_damage_to_a_checkpoint_of_another_structure_is_a_failed_recovery(tmp_path):
+    """The run added a bias at step 2; step 2 is damaged, so restore skipped it and met step 1,
+    which has no bias: StateMismatchError. Its record said rejected ("state mismatch": the
+    caller's side) with nothing skipped, so the figures read 0 recoveries, 0 fallbacks, 1
+    rejected: the damage that stopped the recovery was nowhere. The state fits the newest
+    checkpoint; it is a failed recovery with its fallback, and the error says what was skipped."""
+    from support.corrupt import corrupt_chunk, only_in
+
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, {"model": {"w": torch.ones(64)}})
+        ck.save(2, {"model": {"w": torch.full((64,), 2.0), "b": torch.ones(4)}})
+    corrupt_chunk(root, "r", 2, only_in(root, "r", 2, 1)[0])
+    with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError, match="step 1") as raised:
+        ck.restore({"model": {"w": torch.zeros(64), "b": torch.zeros(4)}})
+    assert "newer checkpoints were skipped as damaged first: step 2" in str(raised.value)
+    (record,) = recovery_log.read_all(open_store(root), "r")
+    assert record["rejected"] is None and [step for step, _ in record["skipped"]] == [2]
+    m = recoveries.run_metrics(open_store(root), "r")
+    assert (m.recoveries, m.recoveries_ok, m.fallbacks, m.rejected) == (1, 0, 1, 0)

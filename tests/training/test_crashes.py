@@ -221,7 +221,8 @@ def test_sigkill_mid_save_always_leaves_a_restorable_store(tmp_path):
         assert ck.verify(step).ok
     assert not [key for key, _ in report.deleted if key.endswith("manifest.json")]
     assert all(
-        key.startswith(("chunks/", "locks/leases/")) or "/ranks/" in key or "/.tmp-" in key for key, _ in report.deleted
+        key.startswith(("chunks/", "locks/leases/")) or "/ranks/" in key or "/.tmp-" in key or key.endswith("/")
+        for key, _ in report.deleted
     )
     ck.close()
     shutil.rmtree(root)  # a few hundred MB; pytest keeps old temp dirs around
