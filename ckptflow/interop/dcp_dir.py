@@ -41,8 +41,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.tiling import tiling_problem
 from ckptflow.interop.dcp_metadata_file import METADATA_FILE, read_metadata
+from ckptflow.interop.pickle_walk import PickleBudget
 from ckptflow.interop.source_files import check_regular_file
-from ckptflow.interop.torch_files import PickleBudget, check_plain_zip
+from ckptflow.interop.torch_files import check_plain_zip, weights_only_refusal
 
 _PENDING = object()  # a value not read yet
 
@@ -143,7 +144,7 @@ def _torch_load(data: bytes, what: str, budget: PickleBudget) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = weights_only_refusal(e)
         raise DcpFormatError(
             f"{what} is a pickled Python object that torch.load(weights_only=True) refuses ({first}); ckptflow "
             "never unpickles anything else, since that can run code. Store such values as JSON-able data "

@@ -13,16 +13,21 @@ built, a memo written at index 2^28 (9 bytes) made the unpickler's memo 4 GB, an
 reads repeat one chunk in a chunk list (2 bytes each: 8 MB listed 4 million pieces, which
 took 0.7 GB to check) or one tensor's description under many names (10,000 names sharing
 10,000 pieces, 126 KB, took 128 s). So the pickle is walked first by the rule a ``.pt``
-file's is (``torch_files.count_built``), bounded by what the metadata of ``MAX_NAMES``
-tensors builds, and the names, then the pieces of all names (those of a shared
-description counted for each name), are counted against ``MAX_NAMES`` before one is visited.
+file's is (``pickle_walk.count_built``: its values counted with all they hold too), bounded
+by what the metadata of ``MAX_NAMES`` tensors builds, and the names, then the pieces of all
+names (those of a shared description counted for each name), are counted against
+``MAX_NAMES`` before one is visited. The path it was saved to is built only once its parts
+are proved a path's length (``_saved_path``).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
+import pathlib
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -31,8 +36,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.sealed import MAX_DEPTH
+from ckptflow.interop.pickle_walk import PickleBudget, count_built, walk_problem
 from ckptflow.interop.source_files import MAX_NAMES, check_name_count
-from ckptflow.interop.torch_files import PickleBudget, count_built
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
@@ -41,6 +46,9 @@ MAX_METADATA_BYTES = 1 << 30  # as for ckptflow's own records
 # value ~24: the metadata of MAX_NAMES tensors, or of as many pieces, passes
 METADATA_OBJECTS_PER_TENSOR = 128
 MAX_METADATA_OBJECTS = METADATA_OBJECTS_PER_TENSOR * MAX_NAMES
+# counted with all they hold, as they are hashed, called or read: 144 per tensor in one piece (50,000 tensors)
+METADATA_VISITS_PER_TENSOR = 320
+MAX_METADATA_VISITS = METADATA_VISITS_PER_TENSOR * MAX_NAMES
 
 _METADATA_CLASSES = {
     "Metadata",
@@ -57,10 +65,11 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a name -> torch.layout lookup
-    ("pathlib", "PosixPath"): None,  # StorageMeta.checkpoint_id: the path it was saved to
-    ("pathlib", "PurePosixPath"): None,
-    ("pathlib", "PureWindowsPath"): None,
 }
+# StorageMeta.checkpoint_id: the path it was saved to, built from its parts (``_saved_path``)
+_PATHS = {("pathlib", name): getattr(pathlib, name) for name in ("PosixPath", "PurePosixPath", "PureWindowsPath")}
+MAX_PATH_CHARS = 4096  # PATH_MAX
+MAX_FILE_BYTES = 1 << 63  # a file offset or length (off_t)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -72,6 +81,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PATHS:
+            return functools.partial(_saved_path, _PATHS[(module, name)], self.where)
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)] or pickle.Unpickler.find_class(self, module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -80,6 +91,20 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"{self.where} refers to {module}.{name}, which is not part of DCP's checkpoint metadata; "
             "ckptflow does not unpickle it (that could run code). Is this a DCP checkpoint from a trusted writer?"
         )
+
+
+def _saved_path(path_class: type[pathlib.PurePath], where: str, *parts: Any) -> pathlib.PurePath:
+    """The path DCP saved to, refused before it is built if its parts are not strings of a
+    path's length: building it splits every part into a list of its directories, so a part
+    repeated by memo reads (2 bytes each) cost a list entry per directory per repeat (600 KB
+    of ``.metadata`` took 3.6 GB, and would have taken 40)."""
+    chars = sum(len(part) for part in parts if isinstance(part, str))
+    if not all(isinstance(part, str) for part in parts) or chars + len(parts) > MAX_PATH_CHARS:  # and separators
+        raise DcpFormatError(
+            f"{where} gives the path it was saved to as {len(parts)} parts of {chars} characters, not a path of at "
+            f"most {MAX_PATH_CHARS}; the metadata is damaged or was not written by DCP"
+        )
+    return path_class(*parts)
 
 
 def read_metadata(directory: str) -> dcp_metadata.Metadata:
@@ -111,7 +136,11 @@ def _check_built(f: Any, where: str) -> None:
     of ``MAX_NAMES`` tensors does, before the unpickler builds one (its calls are DCP's
     classes, each an object counted)."""
     built = PickleBudget()
-    count_built(f, built, max_calls=MAX_METADATA_OBJECTS, max_objects=MAX_METADATA_OBJECTS)
+    most = MAX_METADATA_OBJECTS
+    count_built(f, built, max_calls=most, max_objects=most, max_visits=MAX_METADATA_VISITS)
+    problem = walk_problem(built, MAX_METADATA_VISITS)
+    if problem:
+        raise DcpFormatError(f"{where} {problem}: refused before it is unpickled; DCP writes nothing of the kind")
     if built.objects > MAX_METADATA_OBJECTS:
         raise DcpFormatError(
             f"{where} builds more objects (dicts, lists, tuples, strings, numbers, references) than the "
@@ -125,6 +154,17 @@ def _indices(value: Any) -> bool:
     """Whether ``value`` (a piece's offsets or sizes, an item's offset) is what DCP writes: a
     tuple (``torch.Size``) of integers; another type crashed the checks and the reader."""
     return isinstance(value, tuple) and all(type(n) is int for n in value)
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message shows it: its repr, at most 200 characters; an integer
+    of more than 4,300 digits cannot be printed (ValueError), which is the message's problem,
+    not the caller's."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<an integer of more than {sys.get_int_max_str_digits()} digits>"
+    return text if len(text) <= 200 else f"{text[:200]}..."
 
 
 def _check_metadata(md: Any, where: str) -> None:
@@ -143,18 +183,18 @@ def _check_metadata(md: Any, where: str) -> None:
     tensors = {n: t for n, t in md.state_dict_metadata.items() if isinstance(t, dcp_metadata.TensorStorageMetadata)}
     for fqn, tensor in tensors.items():
         if not isinstance(tensor.chunks, list):
-            raise bad(f"the pieces of tensor {fqn!r} are not a list")
+            raise bad(f"the pieces of tensor {_shown(fqn)} are not a list")
     pieces = sum(len(tensor.chunks) for tensor in tensors.values())
     check_name_count(pieces, where, error=DcpFormatError, what="tensor pieces (a shared description's for each name)")
     for fqn, item in md.state_dict_metadata.items():
         if not isinstance(fqn, str):
-            raise bad(f"the name {fqn!r} is not a string")
+            raise bad(f"the name {_shown(fqn)} is not a string")
         if isinstance(item, dcp_metadata.TensorStorageMetadata):
             props = item.properties
             if not isinstance(item.size, torch.Size) or not isinstance(props, dcp_metadata.TensorProperties):
-                raise bad(f"tensor {fqn!r} has no size or properties")
+                raise bad(f"tensor {_shown(fqn)} has no size or properties")
             if not isinstance(props.dtype, torch.dtype):
-                raise bad(f"tensor {fqn!r} has no dtype")
+                raise bad(f"tensor {_shown(fqn)} has no dtype")
             for chunk in item.chunks:
                 if (
                     not isinstance(chunk, dcp_metadata.ChunkStorageMetadata)
@@ -162,26 +202,29 @@ def _check_metadata(md: Any, where: str) -> None:
                     or not _indices(chunk.sizes)
                     or len(chunk.offsets) != len(item.size)
                 ):
-                    raise bad(f"tensor {fqn!r} has a malformed chunk")
+                    raise bad(f"tensor {_shown(fqn)} has a malformed chunk")
         elif not isinstance(item, dcp_metadata.BytesStorageMetadata):
-            raise bad(f"{fqn!r} is described by a {type(item).__name__}")
+            raise bad(f"{_shown(fqn)} is described by a {type(item).__name__}")
     for index, info in md.storage_data.items():
         if not isinstance(index, dcp_metadata.MetadataIndex) or index.fqn not in md.state_dict_metadata:
-            raise bad(f"storage entry {index!r} names nothing in the checkpoint")
+            raise bad(f"storage entry {_shown(index)} names nothing in the checkpoint")
         if index.offset is not None and not _indices(index.offset):
-            raise bad(f"{index.fqn!r} is stored at {index.offset!r}, not a position in the tensor")
+            raise bad(f"{_shown(index.fqn)} is stored at {_shown(index.offset)}, not a position in the tensor")
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
-            raise bad(f"the storage of {index.fqn!r} is not a file location")
+            raise bad(f"the storage of {_shown(index.fqn)} is not a file location")
         name = info.relative_path
         if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
-            raise bad(f"{index.fqn!r} is stored in {name!r}, which is not a file name inside the directory")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
-            raise bad(f"{index.fqn!r} has an invalid offset or length")
+            raise bad(f"{_shown(index.fqn)} is stored in {_shown(name)}, which is not a file name inside the directory")
+        if not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_FILE_BYTES
+            for n in (info.offset, info.length)
+        ):
+            raise bad(f"{_shown(index.fqn)} has an invalid offset or length")
         if not isinstance(info.transform_descriptors, (list, tuple, type(None))):
-            raise bad(f"{index.fqn!r} has transform descriptors {info.transform_descriptors!r}, not a list")
+            raise bad(f"{_shown(index.fqn)} has transform descriptors {_shown(info.transform_descriptors)}, not a list")
         if info.transform_descriptors:
             raise DcpFormatError(
-                f"{where}: {index.fqn!r} was written through DCP's experimental stream extensions "
+                f"{where}: {_shown(index.fqn)} was written through DCP's experimental stream extensions "
                 f"({list(info.transform_descriptors)}), which ckptflow does not read; save without extensions"
             )
     paths = md.planner_data
@@ -189,11 +232,13 @@ def _check_metadata(md: Any, where: str) -> None:
         raise bad("planner_data is not a map of flattened names to key paths")
     for fqn, path in (paths or {}).items():  # a path's depth before its keys: one may be shared by every name
         if fqn not in md.state_dict_metadata:
-            raise bad(f"planner_data gives a path for {fqn!r}, which names nothing in the checkpoint")
+            raise bad(f"planner_data gives a path for {_shown(fqn)}, which names nothing in the checkpoint")
         if not isinstance(path, tuple) or not path:
             raise bad("planner_data is not a map of flattened names to key paths")
         if len(path) > MAX_DEPTH:
-            raise bad(f"the saved path of {fqn!r} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests")
+            raise bad(
+                f"the saved path of {_shown(fqn)} is {len(path)} keys deep, more than the {MAX_DEPTH} a state nests"
+            )
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in path):
             raise bad("planner_data is not a map of flattened names to key paths")
     # DCP flattens every element of a list to at least one item, so a list index is below
@@ -207,7 +252,7 @@ def _check_metadata(md: Any, where: str) -> None:
     slots: dict[int, int] = {}  # each list rebuilding makes (the number of its prefix) -> its length
     for fqn, path in (paths or {}).items():
         if any(isinstance(k, int) and not 0 <= k < items for k in path):
-            raise bad(f"the saved path of {fqn!r} ({path!r}) has a list index outside 0..{items - 1}")
+            raise bad(f"the saved path of {_shown(fqn)} ({_shown(path)}) has a list index outside 0..{items - 1}")
         prefix = -1  # the state itself
         for key in path:
             if isinstance(key, int):

@@ -53,7 +53,7 @@ from ckptflow.interop.export.dcp import SIDECAR
 from ckptflow.interop.export.files import INDEX, TIED_KEY, WEIGHTS, weight_files
 from ckptflow.interop.source_files import MAX_JSON_BYTES, check_name_count, check_regular_file, read_json_file
 from ckptflow.interop.state_checks import check_state
-from ckptflow.interop.torch_files import check_plain_zip
+from ckptflow.interop.torch_files import check_plain_zip, weights_only_refusal
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
 
@@ -200,7 +200,7 @@ def _from_torch(src: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     try:
         obj = torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = weights_only_refusal(e)
         raise CkptflowError(
             f"{src} holds pickled objects that torch.load(weights_only=True) refuses ({first}); ckptflow never "
             "unpickles anything else, since that can run code. Save tensors and plain values only "

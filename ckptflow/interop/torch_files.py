@@ -22,65 +22,51 @@ the pickle is read opcode by opcode first, once its entry is proved stored (infl
 compressed one is the walk without end: 98 KB took 54 s), and both its calls
 (``MAX_CALLS``) and every object it builds or references (``MAX_OBJECTS``) are bounded by what
 a file of ``MAX_NAMES`` tensors makes; the files of one import share the bounds
-(``PickleBudget``). DCP's ``.metadata`` is walked by the same rule (``count_built``).
+(``PickleBudget``), as are the values it builds counted with all they hold, and the calls it makes
+(``pickle_walk``). DCP's ``.metadata`` is walked by the same rule (``count_built``).
 
 Before any of that, ``zipfile`` lists the zip's directory, a ZipInfo of ~500 bytes for each
 46-byte record (2 million records, 133 MB, took 1.2 GB), so the count the end record claims
 and the records the directory holds are bounded first (``MAX_ENTRIES``), as a file of
-``MAX_NAMES`` tensors lists.
+``MAX_NAMES`` tensors lists. And ``torch.load``'s reader (miniz) finds the directory where the
+end record's offset and zip64's locator point, ``zipfile`` right before them: they must agree,
+or the checks would read one directory and ``torch.load`` another.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickletools
 import struct
 import zipfile
-from dataclasses import dataclass
 from typing import IO
 
 from ckptflow.errors import CkptflowError
+from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, PickleBudget, count_built, walk_problem
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
-_CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 # torch.save makes two calls per tensor (its rebuild, its hooks' OrderedDict) and a few per file (a
 # module's state_dict: its OrderedDict and _metadata), so a file of MAX_NAMES tensors passes; one that
 # shares the OrderedDict builds at most twice as many tensors
 CALLS_PER_FILE = 16
 MAX_CALLS = 2 * MAX_NAMES + CALLS_PER_FILE
-# opcodes that build nothing: the singletons and cached small ints (a stack slot each), those that fill a
-# container or set a state (a slot of it: what they add is built, and counted, before), and memo writes
-# (charged by their index). A memo read or DUP is a reference that readers visit again (2 bytes repeat a
-# chunk in DCP metadata's chunk list), and a MARK makes a list in torch.load's unpickler (10 MB of them
-# took it 0.7 GB): they count as objects
-_NO_OBJECT_OPCODES = {
-    *("STOP", "POP", "POP_MARK", "PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "BININT1"),
-    *("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"),
-}
-# a memo written at index i: CPython's unpickler first grows its memo to 2i slots (9 bytes writing
-# index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
-_MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 # torch.save builds and references 17 to 22 objects per tensor (its name, storage key, sizes, strides, their
 # tuples and marks, its calls, memo reads of its globals: 21 for BERT's state dict, 22 for a 6-d tensor of
 # large sizes); each costs at most ~70 bytes
 OBJECTS_PER_TENSOR = 32
 MAX_OBJECTS = OBJECTS_PER_TENSOR * MAX_NAMES
+# counted with all they hold, as they are hashed, called or read (``pickle_walk``): 41 to 63 per tensor
+VISITS_PER_TENSOR = 96
+MAX_VISITS = VISITS_PER_TENSOR * MAX_NAMES
 # torch.save writes one zip entry per storage and six of its own (data.pkl, byteorder, version, ...)
+# the newest pickle protocol torch.load(weights_only=True) reads: 4 adds opcodes it lacks (FRAME, STACK_GLOBAL)
+MAX_PROTOCOL = 3
 ENTRIES_PER_FILE = 16
 MAX_ENTRIES = MAX_NAMES + ENTRIES_PER_FILE
 _CENTRAL_RECORD = struct.Struct("<4s24x3H12x")  # a central directory record: its name, extra, comment lengths
 _ZIP64_END_RECORDS = 56 + 20  # zip64's end record and its locator, between the directory and the end record
-
-
-@dataclass
-class PickleBudget:
-    """What the pickles of one import built so far: a DCP directory's items together stay
-    within the bounds of one file."""
-
-    calls: int = 0
-    objects: int = 0
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # zip64's end locator: its signature, disk, where zip64's end record lies
 
 
 def check_plain_zip(
@@ -103,15 +89,24 @@ def check_plain_zip(
             fp = open(source, "rb")
         with fp:
             head, size = fp.read(4), fp.seek(0, os.SEEK_END)
-            _check_entry_count(fp, what, error)  # before ZipFile lists them
+            if head != ZIP_MAGIC:  # zipfile finds a zip appended to other bytes; torch.load would read those
+                raise error(_not_zip(what, "it does not start with a zip entry"))
+            _check_directory(fp, what, error)  # before ZipFile lists the entries
             with zipfile.ZipFile(fp) as archive:
                 entries = archive.infolist()
-                _check_stored(entries, size, head, what, error)  # before a pickle is read: inflating one has no end
+                _check_stored(entries, size, what, error)  # before a pickle is read: inflating one has no end
                 for entry in entries:
                     if entry.filename.rpartition("/")[2] == "data.pkl":
+                        _check_protocol(archive, entry, what, error)
                         _count(archive, entry, budget)
     except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as e:  # a zip version it lacks
         raise error(_not_zip(what, str(e))) from None
+    problem = walk_problem(budget, MAX_VISITS)
+    if problem:
+        raise error(
+            f"{what} {problem}: refused before torch.load runs its pickle. Save tensors and plain values "
+            "(numbers, strings, lists, dicts) with torch.save"
+        )
     if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
         built = (
             f"objects by calls (a tensor is one) than the {MAX_CALLS} a file of "
@@ -127,11 +122,7 @@ def check_plain_zip(
         )
 
 
-def _check_stored(
-    entries: list[zipfile.ZipInfo], size: int, head: bytes, what: str, error: type[CkptflowError]
-) -> None:
-    if head != ZIP_MAGIC:  # zipfile finds a zip appended to other bytes; torch.load would read those
-        raise error(_not_zip(what, "it does not start with a zip entry"))
+def _check_stored(entries: list[zipfile.ZipInfo], size: int, what: str, error: type[CkptflowError]) -> None:
     for entry in entries:
         if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
             raise error(
@@ -143,21 +134,38 @@ def _check_stored(
         raise error(f"{what} declares {declared} bytes of entries in its {size} bytes; it is damaged or crafted")
 
 
-def _check_entry_count(fp: IO[bytes], what: str, error: type[CkptflowError]) -> None:
-    """Raise ``error`` if the zip in ``fp`` lists more than ``MAX_ENTRIES`` entries: first the
-    count its end record claims, then the records its directory holds (``ZipFile`` reads
-    them all, whatever the count says), each counted from its fixed 46 bytes."""
+def _check_directory(fp: IO[bytes], what: str, error: type[CkptflowError]) -> None:
+    """Raise ``error`` unless the zip in ``fp`` has one directory, where both readers look,
+    listing at most ``MAX_ENTRIES`` entries: first the count its end record claims, then the
+    records it holds (``ZipFile`` reads them all, whatever the count says), each counted
+    from its fixed 46 bytes.
+
+    ``ZipFile`` reads the directory right before the end records, and zip64's end record
+    right before its locator, whatever offsets they hold; torch.load's reader (miniz) reads
+    them where the end record's offset and the locator say. Those must agree, or torch.load
+    would read entries no check has seen (a deflated tensor, another pickle)."""
     end = zipfile._EndRecData(fp)  # type: ignore[attr-defined]  # the end record ZipFile reads, zip64's included
     if not end:
         return  # no zip: ZipFile says so
-    claimed, size = end[4], end[5]  # entries, bytes of directory
+    claimed, size, offset, location = end[4], end[5], end[6], end[9]  # entries, bytes and offset of directory
+    zip64 = end[0] == b"PK\x06\x06"
+    start = location - size - (_ZIP64_END_RECORDS if zip64 else 0)  # where ZipFile reads it
+    if start < 0:
+        return  # ZipFile refuses it
+    fp.seek(max(location - _ZIP64_LOCATOR.size, 0))
+    locator = fp.read(_ZIP64_LOCATOR.size)
+    if len(locator) == _ZIP64_LOCATOR.size and locator[:4] == b"PK\x06\x07":
+        zip64_at, read_at = _ZIP64_LOCATOR.unpack(locator)[2], location - _ZIP64_END_RECORDS
+        if not zip64 or zip64_at != read_at:
+            where = f"zip64's end record at byte {read_at}" if zip64 else "no zip64 end record"
+            raise error(_not_zip(what, f"its zip64 locator points at byte {zip64_at}, but it follows {where}"))
+    if offset != start:
+        raise error(_not_zip(what, f"its end record places the zip directory at byte {offset}, but it lies at byte "
+                                   f"{start}, right before the end record"))  # fmt: skip
     if claimed > MAX_ENTRIES:
         raise error(_too_many_entries(what, str(claimed)))
     if size < (MAX_ENTRIES + 1) * _CENTRAL_RECORD.size:
         return  # too few bytes to hold more records
-    start = end[9] - size - (_ZIP64_END_RECORDS if end[0] == b"PK\x06\x06" else 0)  # where ZipFile reads it
-    if start < 0:
-        return  # ZipFile refuses it
     fp.seek(start)
     held = read = 0
     while read < size:
@@ -181,24 +189,35 @@ def _too_many_entries(what: str, count: str) -> str:
     )
 
 
+def _check_protocol(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, what: str, error: type[CkptflowError]) -> None:
+    """Refuse a pickle of a protocol ``torch.load(weights_only=True)`` cannot read (its
+    refusal quotes an opcode number, 'Unsupported operand 149', and not the protocol)."""
+    with archive.open(entry) as f:
+        head = f.read(2)
+    if head[:1] == b"\x80" and len(head) == 2 and head[1] > MAX_PROTOCOL:
+        raise error(
+            f"{what} was pickled with protocol {head[1]} (torch.save(..., pickle_protocol={head[1]})), which "
+            "torch.load(weights_only=True) cannot read; save it again with torch.save's default pickle_protocol (2)"
+        )
+
+
+# the lines torch.load(weights_only=True) puts around its reason for refusing any pickle
+_WEIGHTS_ONLY_BOILERPLATE = ("Weights only load failed.", "Please file an issue", "Check the documentation")
+
+
+def weights_only_refusal(e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a pickle: its reason, past the preamble it
+    puts before every one (how the default of weights_only changed in PyTorch 2.6)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    reasons = [line for line in lines if not line.startswith(_WEIGHTS_ONLY_BOILERPLATE)]
+    return (reasons or lines or [type(e).__name__])[0]
+
+
 def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:
     with archive.open(entry) as f:
-        count_built(f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS)
-
-
-def count_built(f: IO[bytes], budget: PickleBudget, *, max_calls: int, max_objects: int) -> None:
-    """Charge ``budget`` with what the pickle in ``f`` builds (until it is over a bound), read
-    opcode by opcode (``pickletools.genops`` runs nothing): each tensor ``torch.load`` makes
-    is a call, every other object or reference an opcode, and a memo written at index i as
-    i objects, so the counts bound them before one is built."""
-    first = budget.objects
-    for op, arg, _ in pickletools.genops(f):
-        budget.calls += op.name in _CALL_OPCODES
-        budget.objects += op.name not in _NO_OBJECT_OPCODES
-        if op.name in _MEMO_WRITES and isinstance(arg, int):  # its index
-            budget.objects = max(budget.objects, first + arg)
-        if budget.calls > max_calls or budget.objects > max_objects:
-            break
+        count_built(
+            f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS, max_visits=MAX_VISITS, calls=TORCH_SAVE_CALLS
+        )
 
 
 def _not_zip(what: str, why: str) -> str:

@@ -157,7 +157,7 @@ def test_hostile_byte_io_item_is_refused_without_running(tmp_path):
     dcp.save({"w": torch.ones(3), "obj": PlantsMarker(str(marker))}, storage_writer=FileSystemWriter(directory),
              no_dist=True)  # fmt: skip
     assert not marker.exists()
-    with pytest.raises(DcpFormatError, match=r"'obj'.*weights_only=True.*refuses.*JSON-able data"):
+    with pytest.raises(DcpFormatError, match=r"'obj' in .* calls builtins.exec in its pickle.*never unpickles"):
         import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
     assert not marker.exists()
     # DCP's own reader would have run it: the item really is hostile

@@ -8,13 +8,14 @@ grow its memo to 4 GB. Memo reads (2 bytes each) repeat one chunk in a chunk lis
 tensor description under many names, and the checks then visited every piece of every name:
 an 8 MB list of 4 million empty chunks took 0.7 GB; 10,000 names sharing one description of
 10,000 chunks (126 KB) took 128 s; both were imported. The pickle is now walked first
-(``torch_files.count_built``, the rule a ``.pt`` file's pickle is read by; memo reads and
+(``pickle_walk.count_built``, the rule a ``.pt`` file's pickle is read by; memo reads and
 writes counted), and the pieces of all names counted against ``MAX_NAMES`` before a piece is
 visited. Bounds lowered where a file near the real ones takes minutes to write.
 """
 
 from __future__ import annotations
 
+import pathlib
 import pickle
 import struct
 import tracemalloc
@@ -23,6 +24,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ckptflow.errors import DcpFormatError
@@ -199,3 +201,48 @@ def test_real_dcp_metadata_stays_well_within_its_objects_per_tensor(tmp_path, mo
         dcp_metadata_file, "MAX_METADATA_OBJECTS", dcp_metadata_file.METADATA_OBJECTS_PER_TENSOR * len(described)
     )
     assert importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dcp").tensors == tensors
+
+
+class _LongPath:
+    """Pickles as DCP pickles the path it saved to, ``PosixPath(*parts)``: one part 64 times,
+    each a memo read of the first (4,000 characters naming 2,000 directories)."""
+
+    def __reduce__(self):
+        return pathlib.PosixPath, ("a/" * 2000,) * 64
+
+
+def test_a_saved_path_longer_than_any_path_is_refused_before_it_is_built(tmp_path):
+    """``PosixPath(*parts)`` splits every part into a list of its directories: a 600 KB
+    ``.metadata`` repeating a 100 KB part 100,000 times took 3.6 GB before MemoryError (40 GB
+    without a limit), within every bound of the walk."""
+    directory = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(directory), no_dist=True)
+    metadata = dcp_metadata_file.read_metadata(str(directory))
+    assert metadata.storage_meta.checkpoint_id == directory  # DCP saves the path it was given
+    metadata.storage_meta.checkpoint_id = _LongPath()
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(DcpFormatError, match=r"gives the path it was saved to as 64 parts of 256000 characters"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+    assert not (tmp_path / "store" / "runs").exists()
+
+
+@pytest.mark.parametrize("field", ["index", "offset"])
+def test_a_number_too_long_to_print_is_a_damaged_file_not_a_traceback(tmp_path, field):
+    """An integer of more than 4,300 digits raises ValueError when printed: a storage entry's
+    index in the message naming the entry, its byte offset in the message bounding its file."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    metadata = dcp_metadata_file.read_metadata(str(tmp_path / "dcp"))
+    ((index, info),) = metadata.storage_data.items()
+    if field == "index":
+        index = dcp_metadata.MetadataIndex(fqn="nothing", offset=index.offset, index=10**5000)
+    else:
+        info.offset = 10**5000
+    metadata.storage_data = {index: info}
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+    shown = "storage entry .* names nothing" if field == "index" else "'w' has an invalid offset or length"
+    with pytest.raises(DcpFormatError, match=f"{shown}.*the metadata is damaged"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dcp")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptflow.errors import CkptflowError, DcpFormatError
-from ckptflow.interop import importers, torch_files
+from ckptflow.interop import importers, pickle_walk, torch_files
 from ckptflow.interop.dcp_dir import read_state
 
 LIMIT = 1000
@@ -109,7 +109,7 @@ def test_dcp_items_share_one_bound(tmp_path, monkeypatch):
 
 def test_a_compressed_pickle_is_refused_before_it_is_read(tmp_path, monkeypatch):
     _with_pickle(tmp_path / "bomb.pt", b"\x80\x02" + b"N0" * 100_000 + b"N.", compress=zipfile.ZIP_DEFLATED)
-    monkeypatch.setattr(torch_files.pickletools, "genops", lambda *a: pytest.fail("the inflated pickle was read"))
+    monkeypatch.setattr(pickle_walk.pickletools, "genops", lambda *a: pytest.fail("the inflated pickle was read"))
     with pytest.raises(CkptflowError, match="holds 'archive/data.pkl' compressed"):
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "bomb.pt")
     assert not (tmp_path / "store" / "runs").exists()

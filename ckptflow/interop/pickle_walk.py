@@ -1,0 +1,300 @@
+"""The one walk of a pickle before anything unpickles it (``count_built``): a ``.pt`` file's
+and each DCP item's before ``torch.load`` (``torch_files``), DCP's ``.metadata`` before its
+restricted unpickler (``dcp_metadata_file``). ``pickletools.genops`` reads the opcodes and
+runs nothing; the walk keeps the unpickler's stack and memo beside it, so it knows what each
+value holds and what each call is given.
+
+A pickle's bytes do not bound what unpickling it and reading the result cost:
+
+- every object: an empty dict is one byte of pickle and ~70 once built, a memo written at
+  index i makes CPython's unpickler's memo i long (``objects``);
+- a value counted with all it holds (``visits``): a memo read repeats a whole value in two
+  bytes, so 40 tuples each holding the one before twice is 2^40 tuples to hash as a dict key
+  (a 1.5 KB file hung torch.load) or for a reader to walk; a string weighs one more per
+  ``STRING_UNIT`` bytes, as a call copying it, or a save writing it wherever it is
+  referenced, costs (per 64 bytes, a 132 KB file of dicts keyed by two 64 KB strings wrote
+  255 MB). Each dict key and set element
+  (hashed), each call's arguments and the result (which readers walk) are charged;
+- numbers whose hashes can be made equal (ints beyond 32 bits, floats), as dict keys or set
+  elements: each insertion compares with all before (20,000 took 2 s, a million would take
+  hours), so at most ``MAX_COLLIDABLE_KEYS`` (``collidable``);
+- calls (``calls``), and, for torch.save's pickles, only those torch.save writes, given what
+  it gives them (``TORCH_SAVE_CALLS``): ``torch.load`` would also run a tensor class given a
+  size (``torch.FloatTensor(2**28)``: a 1 KB file imported 1 GB of uninitialised memory), a
+  bytearray given a count (3 GB), or a rebuild converting a stride-0 view to another dtype.
+"""
+
+from __future__ import annotations
+
+import pickletools
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+STRING_UNIT = 16  # bytes of a string or number that weigh as much as one object (~70 bytes built)
+MAX_COLLIDABLE_KEYS = 1024  # their insertions compare with each other: ~500,000 comparisons at most
+_SAFE_INT = 1 << 31  # ints below this, distinct, hash distinctly (and tuples of them, but for ~2^33 tries each)
+
+_CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
+# opcodes that build nothing: the singletons and cached small ints (a stack slot each), those that fill a
+# container or set a state (a slot of it: what they add is built, and counted, before), and memo writes
+# (charged by their index). A memo read or DUP is a reference that readers visit again (2 bytes repeat a
+# chunk in DCP metadata's chunk list), and a MARK makes a list in torch.load's unpickler (10 MB of them
+# took it 0.7 GB): they count as objects
+_NO_OBJECT_OPCODES = {
+    *("STOP", "POP", "POP_MARK", "PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "BININT1"),
+    *("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"),
+}
+# a memo written at index i: CPython's unpickler first grows its memo to 2i slots (9 bytes writing
+# index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
+_MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
+
+# A value on the walk's stack: (weight, what it is, whether its hash can be made to collide). What it
+# is: ("global", dotted name), ("str", the string), ("bytes",), ("int",), ("tuple", its first items'
+# kinds), or None (a list, dict, call result...)
+Kind = tuple[Any, ...] | None
+Value = tuple[int, Kind, bool]
+_INT: Kind = ("int",)
+_BYTES: Kind = ("bytes",)
+_PLAIN: Value = (1, None, False)
+_EMPTY_TUPLE: Value = (1, ("tuple", ()), False)
+_SMALL_INT: Value = (1, _INT, False)
+
+# how the walk takes each opcode (``_PLAN``)
+_MEMO_WRITE, _MEMOIZE, _GET, _MARK, _NOTHING, _STOP, _POP, _DUP = range(8)
+_LEAF, _EMPTY, _STRING, _BYTE_STRING, _NUMBER, _GLOBAL, _STACK_GLOBAL = range(8, 15)
+_TUPLE, _MARKED_TUPLE, _FILL, _MARKED_FILL, _CALL = range(15, 20)
+_STEPS = {
+    **dict.fromkeys(_MEMO_WRITES, _MEMO_WRITE), "MEMOIZE": _MEMOIZE, "MARK": _MARK, "STOP": _STOP, "POP": _POP,
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), _GET), "PROTO": _NOTHING, "FRAME": _NOTHING, "DUP": _DUP,
+    **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE"), _STRING),
+    "BINUNICODE8": _STRING, **dict.fromkeys(("BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8"), _BYTE_STRING),
+    **dict.fromkeys(("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"), _NUMBER),
+    "GLOBAL": _GLOBAL, "STACK_GLOBAL": _STACK_GLOBAL, "EMPTY_TUPLE": _EMPTY, "TUPLE": _MARKED_TUPLE,
+    **dict.fromkeys(("TUPLE1", "TUPLE2", "TUPLE3"), _TUPLE), **dict.fromkeys(("REDUCE", "NEWOBJ", "NEWOBJ_EX"), _CALL),
+    **dict.fromkeys(("APPEND", "SETITEM", "BUILD", "READONLY_BUFFER", "BINPERSID"), _FILL),
+    **dict.fromkeys(("APPENDS", "LIST", "DICT", "SETITEMS", "ADDITEMS", "FROZENSET", "POP_MARK"), _MARKED_FILL),
+    "INST": _MARKED_FILL, "OBJ": _MARKED_FILL,
+}  # fmt: skip
+# every other opcode pushes a value read from nothing (None, an empty list, an extension code...)
+_PLAN = {  # an opcode's step, whether it counts as an object, as a call, and how many values it takes
+    op.name: (_STEPS.get(op.name, _LEAF), op.name not in _NO_OBJECT_OPCODES, op.name in _CALL_OPCODES,
+              len(op.stack_before))
+    for op in pickletools.opcodes
+}  # fmt: skip
+assert all(not op.stack_before and len(op.stack_after) == 1 for op in pickletools.opcodes if op.name not in _STEPS)
+
+
+def _item(args: Kind, index: int) -> Kind:
+    """What the ``index``-th item of a call's arguments is, if they are a tuple the walk knows."""
+    items = args[1] if args and args[0] == "tuple" else ()
+    return items[index] if index < len(items) else None
+
+
+def _is(kind: Kind, *what: str) -> bool:
+    return bool(kind) and kind[0] in what  # type: ignore[index]
+
+
+_ANY: Callable[[Kind], bool] = lambda args: True
+_TENSOR_REBUILDS = {f"torch._utils._rebuild_{name}" for name in ("tensor", "tensor_v2", "tensor_v3", "parameter")}
+# tensors that allocate nothing their storages do not hold, which the import then refuses by name (on the meta
+# device, sparse, quantized: ``state_checks``)
+_REFUSED_LATER = {f"torch._utils._rebuild_{name}" for name in ("meta_tensor_no_storage", "sparse_tensor", "qtensor")}
+# the calls torch.save writes for CPU tensors and plain values (pickle protocol 2), with what it gives them:
+# a tensor rebuild views the file's storage; bytes come from latin-1 strings, bytearrays from them; sets and
+# Counters from a list or dict, not a string (a set of its characters); _rebuild_from_type_v2 calls its first
+# argument, a tensor rebuild. Not a tensor class (given a size it allocates), nor a rebuild converting a tensor
+# to another dtype or device (a stride-0 view of one element becomes gigabytes)
+TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
+    **dict.fromkeys(_TENSOR_REBUILDS | _REFUSED_LATER | {"torch._utils._rebuild_parameter_with_state"}, _ANY),
+    **dict.fromkeys(("collections.OrderedDict", "torch.Size", "torch.device", "torch.serialization._get_layout"), _ANY),
+    "builtins.complex": _ANY,
+    "torch._tensor._rebuild_from_type_v2": lambda args: _item(args, 0) in {("global", f) for f in _TENSOR_REBUILDS},
+    "builtins.set": lambda args: not _is(_item(args, 0), "str"),
+    "collections.Counter": lambda args: not _is(_item(args, 0), "str"),
+    "builtins.bytearray": lambda args: _is(_item(args, 0), "str", "bytes"),
+    "_codecs.encode": lambda args: (
+        _is(_item(args, 0), "str") and _item(args, 1) in (("str", "latin1"), ("str", "latin-1"))
+    ),
+}
+
+
+@dataclass
+class PickleBudget:
+    """What the pickles of one import built so far: a DCP directory's items together stay
+    within the bounds of one file."""
+
+    calls: int = 0
+    objects: int = 0
+    visits: int = 0  # values counted with all they hold, as they are hashed, called or read
+    collidable: int = 0  # dict keys and set elements whose hashes can be made equal
+    refused_call: str = ""  # a call torch.save does not write: what it calls
+
+
+def count_built(
+    f: IO[bytes],
+    budget: PickleBudget,
+    *,
+    max_calls: int,
+    max_objects: int,
+    max_visits: int,
+    calls: Mapping[str, Callable[[Kind], bool]] | None = None,
+) -> None:
+    """Charge ``budget`` with what the pickle in ``f`` builds (until it is over a bound):
+    each call, every other object or reference an opcode, a memo written at index i as i
+    objects, the visits and collidable keys the module docstring describes; and, with
+    ``calls``, record the first call to anything else, or given anything else, than it allows.
+    The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each."""
+    first = objects = budget.objects
+    called, visits, collidable, refused = budget.calls, budget.visits, budget.collidable, budget.refused_call
+    cap = max_visits + 1  # weights saturate: past the bound they need not be exact
+    stack: list[Value] = []
+    marks: list[int] = []
+    memo: dict[int, Value] = {}
+
+    def pop(n: int, *, to_mark: bool = False) -> list[Value]:
+        """The top ``n`` values (``to_mark``: those above the top mark, and the mark)."""
+        if to_mark and not marks:
+            raise ValueError("a pickle opcode that needs a MARK found none")
+        if to_mark:
+            n = len(stack) - marks.pop()
+        elif len(stack) - (marks[-1] if marks else 0) < n:
+            raise ValueError("a pickle opcode found its stack too short")
+        items = stack[len(stack) - n :]
+        del stack[len(stack) - n :]
+        return items
+
+    def made(items: list[Value], kind: Kind = None) -> Value:
+        weight, collides = 1, False
+        for value in items:
+            weight += value[0]
+            collides = collides or value[2]
+        return (weight if weight < cap else cap), kind, collides
+
+    for op, opcode_arg, _ in pickletools.genops(f):
+        arg: Any = opcode_arg
+        step, counts, call, taken = _PLAN[op.name]
+        objects += counts
+        if step == _GET:
+            if arg not in memo:
+                raise ValueError(f"a pickle memo read of {arg}, never written")
+            stack.append(memo[arg])
+        elif step == _MEMOIZE or step == _MEMO_WRITE:
+            if not stack:
+                raise ValueError("a pickle memo write found an empty stack")
+            if step == _MEMO_WRITE and isinstance(arg, int):  # its index
+                objects = max(objects, first + arg)
+            memo[arg if step == _MEMO_WRITE else len(memo)] = stack[-1]
+        elif step == _NUMBER and not isinstance(arg, float) and -_SAFE_INT <= arg < _SAFE_INT:
+            stack.append(_SMALL_INT)
+        elif step == _LEAF or step == _EMPTY:
+            stack.append(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
+        elif step == _MARK:
+            marks.append(len(stack))
+        elif step == _NUMBER and isinstance(arg, float):
+            stack.append((1, None, True))
+        elif step == _NUMBER:
+            big = not -_SAFE_INT <= arg < _SAFE_INT
+            stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap) if big else 1, _INT, big))
+        elif step == _STRING or step == _BYTE_STRING:
+            kind = ("str", arg) if step == _STRING else _BYTES
+            stack.append((min(1 + len(arg) // STRING_UNIT, cap), kind, False))
+        elif step == _TUPLE or step == _MARKED_TUPLE:
+            items = pop(taken, to_mark=step == _MARKED_TUPLE)
+            stack.append(made(items, ("tuple", tuple([v[1] for v in items[:4]]))))
+        elif step == _CALL:  # REDUCE, NEWOBJ, NEWOBJ_EX: the callable, then its arguments
+            called += 1
+            items = pop(taken)
+            value = made(items, _BYTES if items[0][1] == ("global", "_codecs.encode") else None)
+            visits += value[0] - 1 - items[0][0]  # its arguments
+            refused = refused or _refused_call(calls, items[0][1], items[1][1])
+            stack.append(value)
+        elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
+            called += call
+            items = pop(0, to_mark=True) if step == _MARKED_FILL else []
+            fixed = pop(_FILLED.get(op.name, 0) if step == _MARKED_FILL else taken)
+            hashed = _hashed(op.name, fixed, items)
+            visits += sum([v[0] for v in hashed])
+            collidable += sum([v[2] for v in hashed])
+            if op.name in ("INST", "OBJ"):
+                target = ("global", _dotted(arg)) if op.name == "INST" else (items[0][1] if items else None)
+                args = items if op.name == "INST" else items[1:]
+                visits += sum([v[0] for v in args])
+                refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
+            if op.name != "POP_MARK":
+                stack.append(made(fixed + items, fixed[0][1] if op.name == "READONLY_BUFFER" else None))
+        elif step == _GLOBAL:
+            stack.append((1, ("global", _dotted(arg)), False))
+        elif step == _STACK_GLOBAL:
+            module, attr = (v[1] for v in pop(2))
+            dotted = f"{module[1]}.{attr[1]}" if module and attr and module[0] == attr[0] == "str" else None
+            stack.append((1, ("global", dotted), False))
+        elif step == _DUP:
+            stack.extend(pop(1) * 2)
+        elif step == _POP:
+            pop(1, to_mark=len(stack) == (marks[-1] if marks else -1))  # a MARK with nothing above it goes
+        elif step == _STOP:
+            visits += pop(1)[0][0]  # the result, which readers walk
+        if (
+            called > max_calls
+            or objects > max_objects
+            or visits > max_visits
+            or collidable > MAX_COLLIDABLE_KEYS
+            or refused
+        ):  # fmt: skip
+            break
+    budget.objects, budget.calls, budget.visits, budget.collidable = objects, called, visits, collidable
+    budget.refused_call = refused
+
+
+# the values below its top mark an opcode fills
+_FILLED = {"APPENDS": 1, "SETITEMS": 1, "ADDITEMS": 1}
+
+
+def _hashed(name: str, fixed: list[Value], items: list[Value]) -> list[Value]:
+    """The values an opcode hashes: dict keys and set elements."""
+    if name == "SETITEM":
+        return fixed[1:2]
+    if name in ("DICT", "SETITEMS"):
+        return items[::2]
+    return items if name in ("ADDITEMS", "FROZENSET") else []
+
+
+def _dotted(module_and_name: str) -> str:
+    """A GLOBAL's ``module name`` as the unpicklers resolve it: Python 2's names (pickle protocol 2
+    writes ``__builtin__ set``) mapped to Python 3's."""
+    module, _, name = module_and_name.partition(" ")
+    module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+    return f"{module}.{name}"
+
+
+def _refused_call(calls: Mapping[str, Callable[[Kind], bool]] | None, target: Kind, args: Kind) -> str:
+    """What a call ``calls`` does not allow calls, in words, or ''."""
+    if calls is None:
+        return ""
+    dotted = target[1] if target and target[0] == "global" else None
+    if dotted is None or dotted not in calls:
+        return dotted or "a value that is not a named class or function"
+    return "" if calls[dotted](args) else f"{dotted} (given what torch.save never gives it)"
+
+
+def walk_problem(budget: PickleBudget, max_visits: int) -> str:
+    """Why the walk's budget refuses the pickle beyond its calls and objects, in words, or ''."""
+    if budget.refused_call:
+        return (
+            f"calls {budget.refused_call} in its pickle, which torch.save writes for no tensor or plain value; "
+            "ckptflow never unpickles anything else, since that could run code or allocate memory no byte of the "
+            "file holds (a tensor class given a size, a bytearray given a count)"
+        )
+    if budget.collidable > MAX_COLLIDABLE_KEYS:
+        return (
+            f"keys dicts or sets by more than {MAX_COLLIDABLE_KEYS} numbers beyond 32 bits or floats, whose hashes "
+            "can be made equal (each insertion would then compare with all before)"
+        )
+    if budget.visits > max_visits:
+        return (
+            f"builds values holding more than {max_visits} objects counted with all they reference (a value "
+            "referenced twice counts twice: 40 tuples each holding the one before twice hash as 2^40)"
+        )
+    return ""
