@@ -18,6 +18,10 @@ A pickle's bytes do not bound what unpickling it and reading the result cost:
 - numbers whose hashes can be made equal (ints beyond 32 bits, floats), as dict keys or set
   elements: each insertion compares with all before (20,000 took 2 s, a million would take
   hours), so at most ``MAX_COLLIDABLE_KEYS`` (``collidable``);
+- how deep a value nests (``depth``): hashing a dict key, comparing or printing a value recurses
+  in C, so a key nested 200,000 deep (a 200 KB file, a byte a level) killed the import process
+  with SIGSEGV; a state nests at most ``state_checks.MAX_NESTING`` levels anyway, so at most
+  ``MAX_DEPTH``;
 - calls (``calls``), and, for torch.save's pickles, only those torch.save writes, given what
   it gives them (``TORCH_SAVE_CALLS``): ``torch.load`` would also run a tensor class given a
   size (``torch.FloatTensor(2**28)``: a 1 KB file imported 1 GB of uninitialised memory), a
@@ -32,8 +36,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ckptflow.interop.state_checks import MAX_NESTING
+
 STRING_UNIT = 16  # bytes of a string or number that weigh as much as one object (~70 bytes built)
 MAX_COLLIDABLE_KEYS = 1024  # their insertions compare with each other: ~500,000 comparisons at most
+# levels a value may nest: a state's (``MAX_NESTING``) twice over, and a tensor's rebuild (~10 levels)
+MAX_DEPTH = 2 * MAX_NESTING + 32
 _SAFE_INT = 1 << 31  # ints below this, distinct, hash distinctly (and tuples of them, but for ~2^33 tries each)
 
 _CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
@@ -50,16 +58,17 @@ _NO_OBJECT_OPCODES = {
 # index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
 _MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 
-# A value on the walk's stack: (weight, what it is, whether its hash can be made to collide). What it
+# A value on the walk's stack: (weight, what it is, whether its hash can be made to collide, how deep it
+# nests: 1 for a value holding none). What it
 # is: ("global", dotted name), ("str", the string), ("bytes",), ("int",), ("tuple", its first items'
 # kinds), or None (a list, dict, call result...)
 Kind = tuple[Any, ...] | None
-Value = tuple[int, Kind, bool]
+Value = tuple[int, Kind, bool, int]
 _INT: Kind = ("int",)
 _BYTES: Kind = ("bytes",)
-_PLAIN: Value = (1, None, False)
-_EMPTY_TUPLE: Value = (1, ("tuple", ()), False)
-_SMALL_INT: Value = (1, _INT, False)
+_PLAIN: Value = (1, None, False, 1)
+_EMPTY_TUPLE: Value = (1, ("tuple", ()), False, 1)
+_SMALL_INT: Value = (1, _INT, False, 1)
 
 # how the walk takes each opcode (``_PLAN``)
 _MEMO_WRITE, _MEMOIZE, _GET, _MARK, _NOTHING, _STOP, _POP, _DUP = range(8)
@@ -102,10 +111,10 @@ _TENSOR_REBUILDS = {f"torch._utils._rebuild_{name}" for name in ("tensor", "tens
 # device, sparse, quantized: ``state_checks``)
 _REFUSED_LATER = {f"torch._utils._rebuild_{name}" for name in ("meta_tensor_no_storage", "sparse_tensor", "qtensor")}
 # the calls torch.save writes for CPU tensors and plain values (pickle protocol 2), with what it gives them:
-# a tensor rebuild views the file's storage; bytes come from latin-1 strings, bytearrays from them; sets and
-# Counters from a list or dict, not a string (a set of its characters); _rebuild_from_type_v2 calls its first
-# argument, a tensor rebuild. Not a tensor class (given a size it allocates), nor a rebuild converting a tensor
-# to another dtype or device (a stride-0 view of one element becomes gigabytes)
+# a tensor rebuild views the file's storage; bytes come from latin-1 strings, bytearrays from them (or from
+# nothing); sets and Counters from a list or dict, not a string (a set of its characters); _rebuild_from_type_v2
+# calls its first argument, a tensor rebuild. Not a tensor class (given a size it allocates), nor a rebuild
+# converting a tensor to another dtype or device (a stride-0 view of one element becomes gigabytes)
 TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
     **dict.fromkeys(_TENSOR_REBUILDS | _REFUSED_LATER | {"torch._utils._rebuild_parameter_with_state"}, _ANY),
     **dict.fromkeys(("collections.OrderedDict", "torch.Size", "torch.device", "torch.serialization._get_layout"), _ANY),
@@ -113,7 +122,7 @@ TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
     "torch._tensor._rebuild_from_type_v2": lambda args: _item(args, 0) in {("global", f) for f in _TENSOR_REBUILDS},
     "builtins.set": lambda args: not _is(_item(args, 0), "str"),
     "collections.Counter": lambda args: not _is(_item(args, 0), "str"),
-    "builtins.bytearray": lambda args: _is(_item(args, 0), "str", "bytes"),
+    "builtins.bytearray": lambda args: args == ("tuple", ()) or _is(_item(args, 0), "str", "bytes"),
     "_codecs.encode": lambda args: (
         _is(_item(args, 0), "str") and _item(args, 1) in (("str", "latin1"), ("str", "latin-1"))
     ),
@@ -129,6 +138,7 @@ class PickleBudget:
     objects: int = 0
     visits: int = 0  # values counted with all they hold, as they are hashed, called or read
     collidable: int = 0  # dict keys and set elements whose hashes can be made equal
+    depth: int = 0  # the deepest a value nests
     refused_call: str = ""  # a call torch.save does not write: what it calls
 
 
@@ -148,6 +158,7 @@ def count_built(
     The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each."""
     first = objects = budget.objects
     called, visits, collidable, refused = budget.calls, budget.visits, budget.collidable, budget.refused_call
+    deepest = budget.depth
     cap = max_visits + 1  # weights saturate: past the bound they need not be exact
     stack: list[Value] = []
     marks: list[int] = []
@@ -165,12 +176,21 @@ def count_built(
         del stack[len(stack) - n :]
         return items
 
-    def made(items: list[Value], kind: Kind = None) -> Value:
-        weight, collides = 1, False
-        for value in items:
+    def made(items: list[Value], kind: Kind = None, *, filled: bool = False) -> Value:
+        """A value holding ``items`` (``filled``: the first is a container or object they
+        fill, as deep as it was or one more than they are)."""
+        nonlocal deepest
+        weight, collides, depth = 1, False, 1
+        for value in items[1:] if filled else items:
             weight += value[0]
             collides = collides or value[2]
-        return (weight if weight < cap else cap), kind, collides
+            depth = max(depth, value[3] + 1)
+        if filled:
+            weight += items[0][0]
+            collides = collides or items[0][2]
+            depth = max(depth, items[0][3])
+        deepest = max(deepest, depth)
+        return (weight if weight < cap else cap), kind, collides, depth
 
     for op, opcode_arg, _ in pickletools.genops(f):
         arg: Any = opcode_arg
@@ -193,13 +213,13 @@ def count_built(
         elif step == _MARK:
             marks.append(len(stack))
         elif step == _NUMBER and isinstance(arg, float):
-            stack.append((1, None, True))
+            stack.append((1, None, True, 1))
         elif step == _NUMBER:
             big = not -_SAFE_INT <= arg < _SAFE_INT
-            stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap) if big else 1, _INT, big))
+            stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap) if big else 1, _INT, big, 1))
         elif step == _STRING or step == _BYTE_STRING:
             kind = ("str", arg) if step == _STRING else _BYTES
-            stack.append((min(1 + len(arg) // STRING_UNIT, cap), kind, False))
+            stack.append((min(1 + len(arg) // STRING_UNIT, cap), kind, False, 1))
         elif step == _TUPLE or step == _MARKED_TUPLE:
             items = pop(taken, to_mark=step == _MARKED_TUPLE)
             stack.append(made(items, ("tuple", tuple([v[1] for v in items[:4]]))))
@@ -223,13 +243,14 @@ def count_built(
                 visits += sum([v[0] for v in args])
                 refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
             if op.name != "POP_MARK":
-                stack.append(made(fixed + items, fixed[0][1] if op.name == "READONLY_BUFFER" else None))
+                kind = fixed[0][1] if op.name == "READONLY_BUFFER" else None
+                stack.append(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS))
         elif step == _GLOBAL:
-            stack.append((1, ("global", _dotted(arg)), False))
+            stack.append((1, ("global", _dotted(arg)), False, 1))
         elif step == _STACK_GLOBAL:
             module, attr = (v[1] for v in pop(2))
             dotted = f"{module[1]}.{attr[1]}" if module and attr and module[0] == attr[0] == "str" else None
-            stack.append((1, ("global", dotted), False))
+            stack.append((1, ("global", dotted), False, 1))
         elif step == _DUP:
             stack.extend(pop(1) * 2)
         elif step == _POP:
@@ -241,15 +262,19 @@ def count_built(
             or objects > max_objects
             or visits > max_visits
             or collidable > MAX_COLLIDABLE_KEYS
+            or deepest > MAX_DEPTH
             or refused
         ):  # fmt: skip
             break
     budget.objects, budget.calls, budget.visits, budget.collidable = objects, called, visits, collidable
+    budget.depth = deepest
     budget.refused_call = refused
 
 
 # the values below its top mark an opcode fills
 _FILLED = {"APPENDS": 1, "SETITEMS": 1, "ADDITEMS": 1}
+# the opcodes that fill the container or object below what they add (not one they make)
+_FILLS = {"APPEND", "SETITEM", "BUILD", "APPENDS", "SETITEMS", "ADDITEMS"}
 
 
 def _hashed(name: str, fixed: list[Value], items: list[Value]) -> list[Value]:
@@ -286,6 +311,11 @@ def walk_problem(budget: PickleBudget, max_visits: int) -> str:
             f"calls {budget.refused_call} in its pickle, which torch.save writes for no tensor or plain value; "
             "ckptflow never unpickles anything else, since that could run code or allocate memory no byte of the "
             "file holds (a tensor class given a size, a bytearray given a count)"
+        )
+    if budget.depth > MAX_DEPTH:
+        return (
+            f"nests values deeper than {MAX_DEPTH} levels (hashing or reading one recurses a level a level: "
+            "200,000 of them crashed the process), where a state nests a few"
         )
     if budget.collidable > MAX_COLLIDABLE_KEYS:
         return (

@@ -201,16 +201,25 @@ def _check_protocol(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, what: str,
         )
 
 
-# the lines torch.load(weights_only=True) puts around its reason for refusing any pickle
-_WEIGHTS_ONLY_BOILERPLATE = ("Weights only load failed.", "Please file an issue", "Check the documentation")
+# the lines torch.load(weights_only=True) puts around its reason for refusing any pickle: a preamble,
+# then, for a global it does not allow, two numbered options (the first is to load with
+# weights_only=False, which ckptflow never does), and the advice to allowlist it after the reason
+_WEIGHTS_ONLY_BOILERPLATE = (
+    *("Weights only load failed.", "Please file an issue", "Check the documentation"),
+    *("(1) ", "(2) "),
+)
+_UNPICKLER_REASON = "WeightsUnpickler error: "
+_ALLOWLIST_ADVICE = " Please use `torch.serialization.add_safe_globals"
 
 
 def weights_only_refusal(e: Exception) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a pickle: its reason, past the preamble it
-    puts before every one (how the default of weights_only changed in PyTorch 2.6)."""
+    """Why ``torch.load(weights_only=True)`` refused a pickle: its reason, past the preamble and
+    the options it puts around every one (how the default of weights_only changed in PyTorch
+    2.6, loading with weights_only=False, allowlisting the global)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     reasons = [line for line in lines if not line.startswith(_WEIGHTS_ONLY_BOILERPLATE)]
-    return (reasons or lines or [type(e).__name__])[0]
+    reason = (reasons or lines or [type(e).__name__])[0]
+    return reason.removeprefix(_UNPICKLER_REASON).split(_ALLOWLIST_ADVICE)[0]
 
 
 def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:

@@ -142,7 +142,7 @@ def deep(levels: int) -> dict:
     [
         ("junk.pt", b"hello world", "not a readable torch.save file"),
         ("expand.pt", {"w": torch.zeros(1).expand(20_000, 20_000)}, r"needs 1600000000 bytes, but the file stores 4"),
-        ("deep.pt", deep(200), "nests deeper than 64 levels"),
+        ("deep.pt", deep(100), "nests deeper than 64 levels"),
         (
             "views.pt",  # four storages of 256 KiB, 256 overlapping slices of each
             {f"w{i}.{j}": storage[j:] for i, storage in enumerate(STORAGES) for j in range(256)},

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import struct
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -145,7 +148,7 @@ def test_torch_save_files_of_tensors_and_plain_values_import(tmp_path, monkeypat
     parameter.tag, tensor.note = "x", 5
     model = {"w": weight, "tied": weight, "row": weight[0], "p": parameter, "t": tensor,
              "f8": torch.zeros(2, dtype=torch.float8_e4m3fn), "wide": torch.empty(300, 300, 2, 2, 2, 2)}  # fmt: skip
-    values = {"set": {1, "a"}, "bytes": b"\x00\xff", "bytearray": bytearray(b"xy"), "complex": 1 + 2j,
+    values = {"set": {1, "a"}, "bytes": b"\x00\xff", "bytearray": bytearray(b"xy"), "none": bytearray(), "complex": 1j,
               "counter": collections.Counter("aab"), "ordered": collections.OrderedDict(a=1),
               "device": torch.device("cpu"), "dtype": torch.float32, "size": torch.Size([2, 3]),
               "keys": {0: "a", 1 << 40: "b", 0.5: "c"}}  # fmt: skip
@@ -169,14 +172,21 @@ def test_a_file_saved_with_a_pickle_protocol_torch_load_cannot_read_says_so(tmp_
     assert importers.read_source(tmp_path / "p3.pt").state["model"]["w"].tolist() == [1, 1]
 
 
-def test_what_torch_load_refuses_is_named(tmp_path):
+@pytest.mark.parametrize(
+    ("value", "named"), [(os.getcwd, "posix.getcwd"), (torch.nn.Linear, "torch.nn.modules.linear.Linear")]
+)
+def test_what_torch_load_refuses_is_named(tmp_path, value, named):
     """A global torch.load does not allow, referred to but not called: the walk passes it, and
-    torch.load's refusal is quoted past its preamble."""
-    import os
-
-    torch.save({"w": torch.ones(2), "f": os.getcwd}, tmp_path / "global.pt")
-    with pytest.raises(CkptflowError, match=r"global.pt holds pickled objects .* refuses \([^)]*GLOBAL posix.getcwd"):
+    torch.load's refusal is quoted past its preamble. A global outside a blocked module (a
+    class) read as torch's preamble's "(1) In PyTorch 2.6, we changed the default value of
+    the `weights_only` argument ... Re-running `torch.load` with `weights_only` set to `False`
+    will likely succeed", naming nothing and advising what ckptflow never does."""
+    torch.save({"w": torch.ones(2), "f": value}, tmp_path / "global.pt")
+    with pytest.raises(CkptflowError) as err:
         importers.read_source(tmp_path / "global.pt")
+    message = str(err.value)
+    assert "global.pt holds pickled objects" in message and f"GLOBAL {named}" in message, message
+    assert "weights_only` set to `False`" not in message and "add_safe_globals" not in message, message
 
 
 def test_a_string_counts_by_its_length_each_time_it_is_referenced(tmp_path, monkeypatch):
@@ -196,3 +206,34 @@ def test_a_string_counts_by_its_length_each_time_it_is_referenced(tmp_path, monk
     _torch_file(tmp_path / "keys.pt", b"](" + keys[0] + keys[1] + tree + b"e")  # the keys and every level listed
     assert tmp_path.joinpath("keys.pt").stat().st_size < 140_000
     _refused(tmp_path / "keys.pt", "keys.pt builds values holding more than 1000000 objects counted with all")
+
+
+_IMPORT_IN_A_PROCESS = """
+import sys
+from ckptflow.errors import CkptflowError
+from ckptflow.interop import dcp_metadata_file, importers
+try:
+    if sys.argv[1] == "metadata":
+        dcp_metadata_file.read_metadata(sys.argv[2])
+    else:
+        importers.import_checkpoint(sys.argv[2] + "/store", "r", 1, sys.argv[2] + "/deep.pt")
+except CkptflowError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("where", ["pt", "metadata"])
+def test_a_value_nested_deeper_than_any_state_is_refused_before_hashing_it_crashes_the_process(tmp_path, where):
+    """A dict keyed by a tuple nested 200,000 deep (200 KB: a TUPLE1 a level) passed every bound
+    of the walk; hashing it recursed in C until the import process died of SIGSEGV."""
+    deep = b"})" + b"\x85" * 200_000 + b"K\x01s"
+    if where == "metadata":
+        (tmp_path / ".metadata").write_bytes(b"\x80\x02" + deep + b".")
+    else:
+        _torch_file(tmp_path / "deep.pt", deep)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_IN_A_PROCESS, where, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"nests values deeper than {pickle_walk.MAX_DEPTH} levels" in done.stdout, done.stdout
+    assert not (tmp_path / "store" / "runs").exists()
