@@ -105,9 +105,9 @@ def choose_checkpoint(
     commits that may rank (validated or not yet, in the archive only too where ``entries``
     hold the archive's), so a step an evaluator scored that is not validated yet, or whose
     hot copy retention expired, makes its evaluator's the scale, as for ``Best``, rather
-    than a promotion by training loss. A lossy copy (imported back to evaluate it) is no candidate: promotion
-    refuses it, and it shares its source's metrics, so choosing it would refuse every
-    promotion by metric."""
+    than a promotion by training loss. A lossy copy (imported back to evaluate it) is no
+    candidate: promotion refuses it, and it shares its source's metrics, so choosing it
+    would refuse every promotion by metric."""
     hot = [e for e in entries if "hot" in e.tiers]
     figures = {e.ref: e.candidate().scales.get(metric) or {} for e in entries}
     may_rank = {e.ref for e in entries if e.valid is not False and not e.lossy}

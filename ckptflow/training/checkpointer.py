@@ -318,9 +318,8 @@ class Checkpointer:
         try:
             result = restore(state, chosen)
         except CkptflowError as e:
-            record_recovery(
-                self.store, self.run, self.group, started, error=e, select=selection.describe(chosen), into_state=True
-            )
+            chosen_as = selection.describe(chosen)
+            record_recovery(self.store, self.run, self.group, started, error=e, select=chosen_as, into_state=True)
             raise
         self._restored(started, result, restore.loaded)
         if warmup is not None:
