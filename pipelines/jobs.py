@@ -172,13 +172,17 @@ def scrub_checkpoints(
     storage class reads only once thawed: a retry would not read it). What a newer
     ckptflow wrote fails the run without retries (upgrade the code location), and so does
     a hot checkpoint with an object in a cold storage class, saying how to thaw it (a
-    retry minutes later meets the same cold object: ``errors.retrying_may_help``)."""
+    retry minutes later meets the same cold object: ``errors.retrying_may_help``). A retry
+    resumes: what was given a verdict since the run began is not read again (``resumed``)."""
     hot, arc = store.open(), archive.open()
     older_than_s = config.older_than_days * DAY
+    since = _run_began(context) if context.retry_number else None
     with logged_progress(context, f"scrubbing {hot.url}") as hot_meter:
-        scrubbed_hot = lifecycle.scrub(hot, older_than_s=older_than_s, progress=hot_meter)
+        scrubbed_hot = lifecycle.scrub(hot, older_than_s=older_than_s, progress=hot_meter, verified_since=since)
     with logged_progress(context, f"scrubbing the archive-only checkpoints of {arc.url}") as arc_meter:
-        scrubbed_arc = lifecycle.scrub_archive_only(hot, arc, older_than_s=older_than_s, progress=arc_meter)
+        scrubbed_arc = lifecycle.scrub_archive_only(
+            hot, arc, older_than_s=older_than_s, progress=arc_meter, verified_since=since
+        )
     reports = {"hot": scrubbed_hot, "archive": scrubbed_arc}
     figures: dict = {}  # per tier: the bytes re-read, the time and the rate
     for tier, meter in (("hot", hot_meter), ("archive", arc_meter)):
@@ -203,6 +207,7 @@ def scrub_checkpoints(
             "checked": sum(r.checked for r in reports.values()),
             "corrupt": len(corrupt),
             **{f"{tier}_checked": r.checked for tier, r in reports.items()},
+            **{f"{tier}_resumed": r.resumed for tier, r in reports.items()},
             **figures,
             **{f"{tier}_corrupt": len(still[tier]) for tier in reports},
             **{f"{tier}_repaired_by_copy": len(r.corrupt) - len(still[tier]) for tier, r in reports.items()},
@@ -270,6 +275,12 @@ def scrub_checkpoints(
     if cold:
         raise Failure(cold, metadata=cold_listed, allow_retries=False)
     return {tier: {"checked": r.checked} for tier, r in reports.items()}
+
+
+def _run_began(context: OpExecutionContext) -> float | None:
+    """When this run began (its first attempt), to resume a retried scrub from; None if unknown."""
+    record = context.instance.get_run_record_by_id(context.run_id)
+    return None if record is None else record.start_time
 
 
 def _repairs(context: OpExecutionContext, hot: Store, arc: Store, figures: dict) -> dict[str, lifecycle.RepairReport]:

@@ -14,7 +14,12 @@ store as validation of an archive-only checkpoint does. An archive copy of the c
 the hot tier holds is scrubbed there (a verdict names the commit, whichever tier was
 read, so the hot copy's stands). An archive copy of another commit of that step (a
 lossy copy, or an earlier commit the step was saved again after) is scrubbed in the
-archive: no hot scrub reads its chunks, and retention trusts it once the hot copy goes."""
+archive: no hot scrub reads its chunks, and retention trusts it once the hot copy goes.
+
+A scrub retried after an outage resumes (``verified_since``): a checkpoint given a verdict
+since the first attempt began is not read again, its verdict counted as found. Without it
+each retry re-read every checkpoint of both tiers, hours of reads on a large store and
+archive reads billed per byte, to reach the few the outage left unread."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.listing import Problem, StepListing, listing, problem_from
+from ckptflow.catalog.verdicts import Subject, read_record
 from ckptflow.chunks import damaged
 from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
 from ckptflow.format.manifest import Manifest
@@ -34,7 +40,8 @@ from ckptflow.store.base import Store
 
 @dataclass
 class ScrubReport:
-    checked: int = 0
+    checked: int = 0  # verdicts, ``resumed`` among them
+    resumed: int = 0  # verdicts an earlier attempt of this scrub recorded (``verified_since``): not read again
     bytes_checked: int = 0  # the content of the chunks of the checkpoints given a verdict
     corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (run, step, problems)
     unreadable: list[str] = field(default_factory=list)  # checkpoints that could not be looked at: no verdict
@@ -50,13 +57,24 @@ def scrub(
     older_than_s: float = 86400.0,
     now: float | None = None,
     progress: Callable[[int], None] | None = None,
+    verified_since: float | None = None,
 ) -> ScrubReport:
     """Validate every committed checkpoint created more than ``older_than_s`` ago (young
     ones were validated when they landed); each verdict is recorded for its digest.
     ``progress`` is called with the content size of each chunk checked (``validate``): a
-    scrub re-reads a whole store, hours of it on a large one."""
+    scrub re-reads a whole store, hours of it on a large one. ``verified_since`` (the time
+    the first attempt of a retried scrub began): a checkpoint whose verdict was recorded
+    since is not read again, its verdict counted (``ScrubReport.resumed``)."""
     listed = listing(store, manifests_only=True)
-    return _scrub(store, listed, records=store, older_than_s=older_than_s, now=now, progress=progress)
+    return _scrub(
+        store,
+        listed,
+        records=store,
+        older_than_s=older_than_s,
+        now=now,
+        progress=progress,
+        verified_since=verified_since,
+    )
 
 
 def scrub_archive_only(
@@ -66,6 +84,7 @@ def scrub_archive_only(
     older_than_s: float = 86400.0,
     now: float | None = None,
     progress: Callable[[int], None] | None = None,
+    verified_since: float | None = None,
 ) -> ScrubReport:
     """``scrub`` of the commits ``archive`` holds and ``hot`` does not, verdicts recorded
     in ``hot``: checkpoints only the archive holds, and archive copies of another commit
@@ -87,7 +106,14 @@ def scrub_archive_only(
 
     listed = (e for e in listing(archive, manifests_only=True) if e.run not in unlisted_runs)
     return _scrub(
-        archive, listed, records=hot, older_than_s=older_than_s, now=now, skip=scrubbed_in_hot, progress=progress
+        archive,
+        listed,
+        records=hot,
+        older_than_s=older_than_s,
+        now=now,
+        skip=scrubbed_in_hot,
+        progress=progress,
+        verified_since=verified_since,
     )
 
 
@@ -100,6 +126,7 @@ def _scrub(
     now: float | None,
     skip: Callable[[Manifest | Problem], bool] = lambda item: False,
     progress: Callable[[int], None] | None = None,
+    verified_since: float | None = None,
 ) -> ScrubReport:
     cutoff = (time.time() if now is None else now) - older_than_s
     report = ScrubReport()
@@ -114,19 +141,34 @@ def _scrub(
             continue
         if item.created_at >= cutoff:
             continue
+        record = None if verified_since is None else _verified_since(records, item, verified_since)
         try:
-            record = validate(store, item.run, item.step, records=records, progress=progress)
+            if record is None:
+                record = validate(store, item.run, item.step, records=records, progress=progress)
+                report.bytes_checked += record["bytes_checked"]
+            else:
+                report.resumed += 1
         except (StoreUnavailableError, NewerFormatError) as e:  # newer: committed meanwhile by a newer writer
             _unread(report, problem_from(item.run, item.step, e).kind, str(e))
             continue
         report.checked += 1
-        report.bytes_checked += record["bytes_checked"]
         found = found_damage(record)  # not the verdict an import carries: its bytes verify
         if found:
             report.corrupt.append((item.run, item.step, "; ".join(found)))
     damage, report.records_error = damaged.listed(store)  # the verdicts stand without the count
     report.damaged_chunks = None if damage is None else len(damage)
     return report
+
+
+def _verified_since(records: Store, item: Manifest, since: float) -> dict | None:
+    """The verdict of ``item`` recorded at or after ``since`` (by an earlier attempt of this
+    scrub, or any validation meanwhile), or None: read it (a record that could not be read
+    is no verdict)."""
+    try:
+        record = read_record(records, Subject.of(item), "validation")
+    except (CkptflowError, OSError):
+        return None
+    return record if record is not None and record["recorded_at"] >= since else None
 
 
 def _unread(report: ScrubReport, kind: str, what: str) -> None:

@@ -6,11 +6,13 @@ import pytest
 from dagster import DagsterEventType, materialize
 
 from assets import PARTITIONED, archived, checkpoint, checkpoint_key, compressed, evaluation
+from ckptflow import lifecycle
+from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import ColdObjectError, StoreUnavailableError
 from ckptflow.format.layout import manifest_key
 from ckptflow.store import open_store
 from pipelines.jobs import scrub_job
-from resources import CheckpointStoreResource
+from resources import ArchiveResource, CheckpointStoreResource
 from support.dagster import RUN, record
 from support.faulty_store import FaultyStore
 
@@ -220,3 +222,46 @@ def test_a_scrub_meeting_an_outage_and_a_cold_object_fails_saying_how_to_thaw(
     cold_hot_tier(monkeypatch, unavailable=manifest_key(RUN, 20))
     description = failure_said(scrub_everything(instance, resources))
     assert "could not be read" in description and "cold storage class" in description and THAW in description
+
+
+def test_a_scrub_retried_after_an_outage_reads_again_only_what_it_had_not_verified(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    """Hot holds 10, 30 and 40; only the archive holds 20. Step 30's manifest does not
+    answer once: the job retries. Each retry re-read both tiers from the start (every
+    chunk of 10 and 40 again, and the archive's 20, archive reads billed per byte); the
+    retry resumes now: it reads 30 alone, and the verdicts of the first attempt stand."""
+    hot, arc = open_store(store_with_checkpoints), open_store(resources["archive"].url)
+    assert lifecycle.archive(hot, arc, RUN, 20).ok
+    lifecycle.expire(hot, RUN, 20, keep_records=True)
+    chunks = {
+        step: len(catalog.read_manifest(hot if step != 20 else arc, RUN, step).chunks) for step in (10, 20, 30, 40)
+    }
+    reads = {"hot": 0, "archive": 0}
+    outage = [manifest_key(RUN, 30)]
+
+    def counted(tier, opened):
+        def fail_if(op: str, key: str) -> bool:
+            if op == "get" and key in outage:
+                outage.remove(key)
+                raise StoreUnavailableError(f"{key}: SlowDown (simulated)")
+            reads[tier] += op == "get" and key.startswith("chunks/")
+            return False
+
+        def open_counted(resource):
+            store = FaultyStore(opened(resource))
+            store.fail_if = fail_if
+            return store
+
+        return open_counted
+
+    monkeypatch.setattr(CheckpointStoreResource, "open", counted("hot", CheckpointStoreResource.open))
+    monkeypatch.setattr(ArchiveResource, "open", counted("archive", ArchiveResource.open))
+    result = scrub_everything(instance, resources)
+    assert result.success and len(events(result, DagsterEventType.STEP_UP_FOR_RETRY)) == 1
+    assert reads == {"hot": chunks[10] + chunks[30] + chunks[40], "archive": chunks[20]}
+    [output] = events(result, DagsterEventType.STEP_OUTPUT)
+    metadata = output.event_specific_data.metadata
+    assert metadata["hot_checked"].value == 3 and metadata["hot_resumed"].value == 2
+    assert metadata["archive_checked"].value == 1 and metadata["archive_resumed"].value == 1
+    assert all(record(store_with_checkpoints, step, "validation")["ok"] is True for step in (10, 30, 40))
