@@ -130,14 +130,32 @@ def own_errors() -> Iterator[None]:
 def agree(group: Group, failure: Failure | None) -> Failure | None:
     """Every rank's verdict combined: any failure fails all ranks; any failure that is not
     damage makes the combined one not damage (one rank unable to read stops everyone)."""
-    failures = [f for f in group.all_gather(failure) if f]
+    gathered = group.all_gather(failure)
+    failures = [f for f in gathered if f]
     if not failures:
         return None
     fatal = [f for f in failures if not f.damage and not f.mismatch]
     chosen = [f for f in failures if f.partial] or fatal or [f for f in failures if f.mismatch] or failures
     message = "; ".join(dict.fromkeys(f.message for f in chosen))
+    if chosen[0].mismatch and group.world_size > 1:
+        message = _by_rank(gathered, chosen)
     return Failure(
         message, damage=chosen[0].damage, cold=any(f.cold for f in fatal), mismatch=chosen[0].mismatch,
         partial=chosen[0].partial, newer=any(f.newer for f in fatal), memory=any(f.memory for f in fatal),
         committed_again=all(f.committed_again for f in chosen),
     )  # fmt: skip
+
+
+def _by_rank(gathered: list[Failure | None], chosen: list[Failure]) -> str:
+    """Each mismatch message after the ranks whose state it describes ("rank 1 of 2: ..."):
+    a state is each rank's own, and a rank whose state fits raises it too, so the
+    message says whose state to fix."""
+    ranks: dict[str, list[int]] = {}
+    for rank, f in enumerate(gathered):
+        if f is not None and f in chosen:
+            ranks.setdefault(f.message, []).append(rank)
+    world = len(gathered)
+    return "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} of {world}: {message}"
+        for message, rs in ranks.items()
+    )

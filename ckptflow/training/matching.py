@@ -150,7 +150,10 @@ def _describe(absent: list[str], missing: set[str], unexpected: set[str], saved:
         if keys:
             more = f", … ({len(keys)} in all)" if len(keys) > SHOWN else ""
             parts.append(f"{what}: {', '.join(map(repr, keys[:SHOWN]))}{more}")
+    first = (absent or sorted(missing) or sorted(unexpected))[0]
     return (
-        "the state does not match the checkpoint (" + "; ".join(parts) + f"; the checkpoint holds {saved}). "
+        f"the state does not match the checkpoint (first mismatched key {first!r}; "
+        + "; ".join(parts)
+        + f"; the checkpoint holds {saved}). "
         "Restore a subset by passing only the entries it has, or pass strict=False to load what matches"
     )

@@ -225,3 +225,31 @@ def fsdp_to_one(rank: int, world: int, workdir: Path) -> dict:
 
 
 SCENARIOS["fsdp_to_one"] = fsdp_to_one
+
+
+def state_mismatch_on_one_rank(rank: int, world: int, workdir: Path) -> dict:
+    """Steps 1-2 saved; rank 1 restores into a state with a tensor ``extra`` the checkpoint
+    lacks, rank 0 into the state saved. Every rank raises StateMismatchError, and rank 0,
+    whose own state fits, must learn which rank's did not and at which key."""
+    import torch.distributed as dist
+
+    from ckptflow import Checkpointer
+
+    mesh = W._mesh(world)
+    root = workdir / "store"
+    with Checkpointer(str(root), run=W.RUN, chunk_bytes=W.CHUNK, threads=2) as ck:
+        for step in (1, 2):
+            ck.save(step, W._sharded_state(mesh, step), kind="full")
+    dist.barrier()
+    state = W._blank_sharded_state(mesh)
+    if rank == 1:
+        state["extra"] = torch.zeros(3)
+    with Checkpointer(str(root), run=W.RUN, chunk_bytes=W.CHUNK, threads=2) as reader:
+        try:
+            outcome = {"step": reader.restore(state).step, "error": None}
+        except Exception as e:
+            outcome = {"step": None, "error": type(e).__name__, "message": str(e)}
+    return {"rank": rank, **outcome, "untouched": bool((state["w"].to_local() == -1).all())}
+
+
+SCENARIOS["state_mismatch_on_one_rank"] = state_mismatch_on_one_rank

@@ -24,6 +24,7 @@ SCENARIOS = [
     "resharded",
     "fsdp_to_one",
     "step_committed_again_between_the_ranks_reads",
+    "state_mismatch_on_one_rank",
 ]
 
 
@@ -62,6 +63,15 @@ def test_ranks_that_keep_reading_different_commits_refuse_alike_and_load_nothing
         always = r["always"]
         assert always["error"] == "StoreUnavailableError" and always["untouched"], r
         assert "its ranks read different commits of it 3 times in a row" in always["message"], r
+
+
+def test_a_state_that_does_not_fit_on_one_rank_is_named_by_rank_and_key_on_every_rank(session):
+    """Only rank 1's state has ``extra``: rank 0 raised "the state does not match" of a state
+    that fits it, naming no rank. Every rank names rank 1 and its first mismatched key now."""
+    for r in session.results("state_mismatch_on_one_rank"):
+        assert r["error"] == "StateMismatchError" and r["untouched"], r
+        assert "rank 1 of 2: the state does not match" in r["message"], r
+        assert "first mismatched key 'extra'" in r["message"] and "rank 0" not in r["message"], r
 
 
 def test_rows_saved_restore_into_columns_and_replicas(session):
