@@ -79,11 +79,11 @@ class NoValidCheckpointError(WentPast):
 
 
 class StateMismatchError(WentPast):
-    """The state passed to ``restore`` does not have the checkpoint's structure, or a
-    tensor ``load`` must allocate does not fit this machine's memory though its chunks
-    can hold it: the caller's side, not a damaged checkpoint (restore falls back on
-    damage only). ``skipped``: newer checkpoints it fell back past first, as damaged (the
-    state may fit those: then the damage, not the state, is why nothing was restored)."""
+    """The state passed to ``restore`` does not have the checkpoint's structure: the
+    caller's side, not a damaged checkpoint (restore falls back on damage only; a tensor
+    ``load`` cannot allocate is a ``HostMemoryError``). ``skipped``: newer checkpoints it
+    fell back past first, as damaged (the state may fit those: then the damage, not the
+    state, is why nothing was restored)."""
 
 
 class UnsupportedStateError(CkptflowError, TypeError):
@@ -160,9 +160,11 @@ class PromotionError(CkptflowError):
     """A promotion that cannot be made; nothing was written."""
 
 
-class HostMemoryError(CkptflowError):
-    """This host ran out of memory while decoding or checking bytes that were read, each
-    allocation within what the manifest allows: not damage, so nothing falls back or is moved."""
+class HostMemoryError(WentPast):
+    """This host ran out of memory while decoding or checking bytes that were read, or could
+    not allocate a tensor ``load`` must create whose chunks can hold it, each allocation
+    within what the manifest allows: not damage, so nothing falls back or is moved. From a
+    restore, ``WentPast`` says what it skipped as damaged first."""
 
 
 class ExpireError(CkptflowError):

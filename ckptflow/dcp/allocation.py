@@ -16,7 +16,7 @@ import torch
 
 from ckptflow.chunks import codecs
 from ckptflow.dcp.metadata import dtype_from_name
-from ckptflow.errors import CorruptChunkError, ManifestError, ObjectNotFoundError, StateMismatchError
+from ckptflow.errors import CorruptChunkError, HostMemoryError, ManifestError, ObjectNotFoundError
 from ckptflow.format.layout import chunk_key
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
@@ -25,7 +25,8 @@ from ckptflow.store.base import Store
 def empty_tensor(store: Store, manifest: Manifest, fqn: str, where: str) -> torch.Tensor:
     """An uninitialised tensor of ``fqn``'s declared shape and dtype. ``ManifestError`` if
     the manifest does not index it or its chunks cannot hold that many bytes (damage);
-    ``StateMismatchError`` if they can and this machine cannot allocate it.
+    ``HostMemoryError`` if they can and this machine cannot allocate it (not the caller's
+    state, which ``load`` is not given, and not damage: nothing falls back).
 
     A tensor larger than this machine's memory is judged before allocating: where the kernel
     overcommits, ``torch.empty`` of terabytes succeeds and the damage would show up later, as
@@ -48,7 +49,7 @@ def empty_tensor(store: Store, manifest: Manifest, fqn: str, where: str) -> torc
             f"{where}: {declared}, and the chunks on disk that hold it can hold at most {capacity} bytes: "
             "its manifest is damaged"
         )
-    raise StateMismatchError(
+    raise HostMemoryError(
         f"{where}: {declared} ({failure}); its chunks can hold it: load it on a machine with more memory, or "
         "restore into live objects with restore(), which reads into them in place"
     )

@@ -318,8 +318,7 @@ class Checkpointer:
         try:
             result = restore(state, chosen)
         except CkptflowError as e:
-            chosen_as = selection.describe(chosen)
-            record_recovery(self.store, self.run, self.group, started, error=e, select=chosen_as, into_state=True)
+            record_recovery(self.store, self.run, self.group, started, error=e, select=selection.describe(chosen))
             raise
         self._restored(started, result, restore.loaded)
         if warmup is not None:

@@ -3,8 +3,8 @@ when it ends, loaded or not: what it loaded, or the error it raised with what it
 ``StateMismatchError`` of ``restore`` is the caller's side (the state passed, not the checkpoint),
 so its record says the restore was rejected, and the recovery figures leave it out, unless it
 fell back past damaged checkpoints first (a failed recovery with its fallback). ``load`` is
-given no state: its ``StateMismatchError`` says this machine cannot allocate a tensor of the
-checkpoint, so the job did not recover here, a failed recovery (as ``HostMemoryError`` is)."""
+given no state, so it raises none: a tensor this machine cannot allocate is a
+``HostMemoryError``, a failed recovery (the job did not recover here) with its fallback."""
 
 from __future__ import annotations
 
@@ -26,14 +26,12 @@ def record_recovery(
     result: RestoreResult | None = None,
     error: CkptflowError | None = None,
     select: str = "latest",
-    into_state: bool = False,
 ) -> None:
     """Rank 0 of ``group`` records in ``store`` a restore or load of ``run`` begun at
-    ``started``: what it loaded, or the error it raised (``ckptflow.reports.recoveries``).
-    ``into_state``: a restore into the caller's state (``restore``), not a ``load``."""
+    ``started``: what it loaded, or the error it raised (``ckptflow.reports.recoveries``)."""
     if group.rank == 0:
         # a fallback past damage first: the state may fit the newest, the damage stopped the recovery
-        rejected = into_state and isinstance(error, StateMismatchError) and not error.skipped
+        rejected = isinstance(error, StateMismatchError) and not error.skipped
         recovery_log.record(
             store,
             run,

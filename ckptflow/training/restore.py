@@ -259,7 +259,9 @@ class Restore:
             if failure.memory:
                 raise HostMemoryError(
                     f"restore of {where} ran out of host memory, so it stopped rather than fall back to an older "
-                    f"checkpoint (nothing shows that this one is damaged): {failure.message}"
+                    f"checkpoint (nothing shows that this one is damaged): {failure.message}",
+                    skipped,
+                    passed_over=list(choice.passed_over),
                 )
             if not failure.damage:
                 error = ColdObjectError if failure.cold else StoreUnavailableError

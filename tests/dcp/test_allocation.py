@@ -10,7 +10,7 @@ import torch
 
 from ckptflow import Checkpointer
 from ckptflow.dcp import allocation
-from ckptflow.errors import NoValidCheckpointError, StateMismatchError
+from ckptflow.errors import HostMemoryError, NoValidCheckpointError
 from support.corrupt import reseal_manifest
 
 RUN = "r"
@@ -74,6 +74,6 @@ def test_a_sound_tensor_larger_than_this_machines_memory_asks_for_a_larger_machi
     root = str(tmp_path / "store")
     _raw_then_zstd(root)
     monkeypatch.setattr(allocation, "_physical_memory", lambda: 1024)
-    with Checkpointer(root, RUN) as ck, pytest.raises(StateMismatchError, match="more memory") as raised:
+    with Checkpointer(root, RUN) as ck, pytest.raises(HostMemoryError, match="more memory") as raised:
         ck.load()
     assert "16384 bytes" in str(raised.value) and "restore()" in str(raised.value)

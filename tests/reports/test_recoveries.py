@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from ckptflow import Checkpointer, NoValidCheckpointError, StateMismatchError, lifecycle, open_store
+from ckptflow import Checkpointer, HostMemoryError, NoValidCheckpointError, StateMismatchError, lifecycle, open_store
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import recovery_log
 from ckptflow.cli import main as cli
@@ -203,28 +203,51 @@ def test_a_restore_into_a_wrongly_built_state_is_rejected_not_a_failed_recovery(
 
 
 def test_a_load_this_machine_cannot_hold_is_a_failed_recovery_not_a_rejected_state(tmp_path, monkeypatch):
-    """``load()`` is given no state, so its StateMismatchError says only that this machine
-    cannot allocate a tensor the checkpoint holds. It was recorded as "rejected: state
-    mismatch" and left out of the recoveries (0 recoveries, 1 rejected), while ``restore()``
-    running out of host memory (HostMemoryError) counts as a failed one: the job did not
-    recover on this machine, whatever state it built. It is a failed recovery."""
+    """``load()`` is given no state, yet a tensor this machine cannot allocate raised
+    StateMismatchError (the caller's state does not fit), and its record was kept out of
+    the rejected ones only by a flag the caller passed (``into_state``). It raises
+    HostMemoryError, as ``restore()`` running out of host memory does: a failed recovery
+    whose record names the reason, never a rejection and never a fallback."""
     from ckptflow.dcp import allocation
 
     root = str(tmp_path / "store")
     with Checkpointer(root, "r") as ck:
         ck.save(1, _state(1.0))
     monkeypatch.setattr(allocation, "_physical_memory", lambda: 128)  # a machine smaller than the 256-byte tensor
-    with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError, match="more memory"):
+    with Checkpointer(root, "r") as ck, pytest.raises(HostMemoryError, match="ran out of host memory") as raised:
         ck.load()
+    assert "more memory" in str(raised.value) and not isinstance(raised.value, StateMismatchError)
     (record,) = recovery_log.read_all(open_store(root), "r")
-    assert (record["ok"], record["rejected"]) == (False, None)
-    assert "more memory" in record["error"]
+    assert (record["ok"], record["rejected"], record["skipped"]) == (False, None, [])
+    assert "ran out of host memory" in record["error"] and "more memory" in record["error"]
     m = recoveries.run_metrics(open_store(root), "r")
-    assert (m.recoveries, m.recoveries_ok, m.rejected, m.recovery_success_rate) == (1, 0, 0, 0.0)
+    assert (m.recoveries, m.recoveries_ok, m.rejected, m.fallbacks, m.recovery_success_rate) == (1, 0, 0, 0, 0.0)
 
     with Checkpointer(root, "r") as ck, pytest.raises(StateMismatchError):  # restore into a wrong state: rejected
         ck.restore({"model": {"w": torch.zeros(65)}})
     assert recoveries.run_metrics(open_store(root), "r").rejected == 1
+
+
+def test_a_load_that_fell_back_past_damage_then_ran_out_of_memory_records_what_it_skipped(tmp_path, monkeypatch):
+    """Step 2 (a small tensor) is damaged, step 1's tensor does not fit this machine: the
+    load skipped 2 and stopped at 1. Its record is a failed recovery with that fallback;
+    HostMemoryError carried no ``skipped``, so the damage the job met was in no record."""
+    from ckptflow.dcp import allocation
+    from support.corrupt import corrupt_chunk
+
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "r") as ck:
+        ck.save(1, {"model": {"w": torch.ones(64)}})
+        ck.save(2, {"model": {"w": torch.ones(16)}})
+    corrupt_chunk(root, "r", 2)
+    monkeypatch.setattr(allocation, "_physical_memory", lambda: 128)  # holds step 2's 64 bytes, not step 1's 256
+    with Checkpointer(root, "r") as ck, pytest.raises(HostMemoryError, match="step 1") as raised:
+        ck.load()
+    assert [step for step, _ in raised.value.skipped] == [2]
+    (record,) = recovery_log.read_all(open_store(root), "r")
+    assert (record["ok"], record["rejected"]) == (False, None) and [s for s, _ in record["skipped"]] == [2]
+    m = recoveries.run_metrics(open_store(root), "r")
+    assert (m.recoveries, m.recoveries_ok, m.rejected, m.fallbacks) == (1, 0, 0, 1)
 
 
 def test_a_restore_that_fell_back_past_damage_to_a_checkpoint_of_another_structure_is_a_failed_recovery(tmp_path):
