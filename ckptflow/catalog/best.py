@@ -29,7 +29,7 @@ from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.selectors import Best, describe
 from ckptflow.catalog.verdicts import Unread
 from ckptflow.format import layout as fmt
-from ckptflow.policy.scores import is_score, no_score, one_scale, scale_of, scales, scores
+from ckptflow.policy.scores import held_figures, is_score, no_score, one_scale, scale_of, scores
 from ckptflow.store.base import Store
 
 Metadata = Mapping[str, Mapping[str, Any]]  # a commit's manifest metadata, by its digest
@@ -99,9 +99,9 @@ def choose_best(
         there = set(holding) - {NEWER_COMMIT}
         unknown = NEWER_COMMIT in holding  # a tier whose commit is not known may hold any recorded one
         for digest in set(recorded) | there:
-            kinds = recorded.get(digest, {})
-            if kinds.get("validation", {}).get("ok") is not False:
-                figures[(step, digest)] = scales(metadata.get(digest, {}), kinds).get(select.metric) or {}
+            by = held_figures(metadata.get(digest, {}), recorded.get(digest, {}), select.metric)
+            if by is not None:
+                figures[(step, digest)] = by
             if unknown or digest in there:
                 holders.add((step, digest))
     # an evaluation of a commit replaced since scores nothing a tier holds: counted, it chose

@@ -105,13 +105,16 @@ def choose_checkpoint(
     commits that may rank (validated or not yet, in the archive only too where ``entries``
     hold the archive's), so a step an evaluator scored that is not validated yet, or whose
     hot copy retention expired, makes its evaluator's the scale, as for ``Best``, rather
-    than a promotion by training loss. A lossy copy (imported back to evaluate it) is no
+    than a promotion by training loss; so does an earlier commit of a step that only the
+    archive holds, by its own records (``Entry.other_commits``). A lossy copy (imported back to evaluate it) is no
     candidate: promotion refuses it, and it shares its source's metrics, so choosing it
     would refuse every promotion by metric."""
     hot = [e for e in entries if "hot" in e.tiers]
     figures = {e.ref: e.candidate().scales.get(metric) or {} for e in entries}
     may_rank = {e.ref for e in entries if e.valid is not False and not e.lossy}
-    scale = scale_of({ref: by for ref, by in figures.items() if ref in may_rank})
+    counted: dict[tuple, dict[str, float]] = {ref: by for ref, by in figures.items() if ref in may_rank}
+    counted.update({(*e.ref, digest): by for e in entries for digest, by in e.other_commits(metric).items()})
+    scale = scale_of(counted)
     on_scale, off_scale = one_scale(figures, scale=scale)
 
     def why_not(e: inventory.Entry) -> str | None:

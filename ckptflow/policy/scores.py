@@ -78,6 +78,18 @@ def scales(metadata: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]]
     return out
 
 
+def held_figures(
+    metadata: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]], metric: str
+) -> dict[str, float] | None:
+    """The figures of ``metric`` by scale (``scales``) a commit a tier holds brings to choosing
+    the scale (``scale_of``), from its own manifest ``metadata`` and lifecycle ``records``;
+    None if its validation failed (it may not rank). ``Best`` and promotion count each commit
+    so, an earlier commit of a step only the archive holds too: one rule, one scale."""
+    if (records.get("validation") or {}).get("ok") is False:
+        return None
+    return scales(metadata, records).get(metric) or {}
+
+
 def no_score(metric: str) -> str:
     """Why a commit with no figure of ``metric`` on any scale is not ranked."""
     return f"no score of {metric!r} (evaluated, or reported by its trainer)"

@@ -16,7 +16,7 @@ from ckptflow.catalog import selection
 from ckptflow.catalog.listing import Problem
 from ckptflow.catalog.verdicts import records_by_subject
 from ckptflow.policy.retention import Candidate, RetentionPlan, RetentionPolicy, plan
-from ckptflow.policy.scores import scales, scores
+from ckptflow.policy.scores import held_figures, scales, scores
 from ckptflow.store.base import Store
 
 
@@ -41,6 +41,7 @@ class Entry:
     records: dict[str, dict] = field(default_factory=dict)  # lifecycle records by kind
     trainer_metadata: dict = field(default_factory=dict)
     commit_metadata: dict[str, dict] = field(default_factory=dict)  # the metadata of each tier's commit, by digest
+    commit_records: dict[str, dict] = field(default_factory=dict)  # each commit's lifecycle records, by digest
 
     @property
     def ref(self) -> tuple[str, int]:
@@ -76,6 +77,17 @@ class Entry:
     def archive_lossy(self) -> dict | None:
         """What the archive copy lost, if archival wrote it with a lossy codec."""
         return (self.records.get("archive") or {}).get("lossy") or None
+
+    def other_commits(self, metric: str) -> dict[str, dict[str, float]]:
+        """The figures of ``metric`` (``scores.held_figures``) of each commit a tier holds at
+        this step other than the one this entry describes (an earlier commit only the archive
+        holds, the step committed again since), by that commit's own records and metadata:
+        ``Best`` counts them in choosing its scale, so promotion counts them too."""
+        others = set(self.commits.values()) - {self.digest, selection.NEWER_COMMIT}
+        held = {
+            d: held_figures(self.commit_metadata.get(d, {}), self.commit_records.get(d, {}), metric) for d in others
+        }
+        return {digest: by for digest, by in held.items() if by is not None}
 
     def candidate(self) -> Candidate:
         return Candidate(
@@ -132,6 +144,7 @@ def collect(hot: Store, archive: Store | None = None) -> list[Entry]:
         entry = entries.get((run, step))
         if entry is None:
             continue
+        entry.commit_records[digest] = records
         if digest == entry.digest:  # the commit's own verdicts
             entry.records = {**entry.records, **records}
         elif digest == entry.source_digest:  # a lossy copy: the exact commit's, unless it has its own

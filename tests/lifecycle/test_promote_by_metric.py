@@ -11,6 +11,7 @@ from torch import nn
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog.selection import Best
 from ckptflow.errors import PromotionError
+from ckptflow.format import layout as fmt
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import SHOWN, PromotionRequest, promote
 from ckptflow.store import open_store
@@ -115,3 +116,32 @@ def test_a_refusal_names_the_first_checkpoints_it_passed_over_and_counts_the_res
     assert message.count(": not validated yet") == SHOWN and f"… {200 - SHOWN} more" in message
     assert "run 'r' step 1: not validated yet" in message and "step 200:" not in message
     assert not [o.key for o in store.list("") if o.key.startswith(("registry/", "locks/"))]  # nothing written
+
+
+def test_promotion_counts_an_earlier_commit_only_the_archive_holds_in_its_scale_as_best_does(tmp_path):
+    """Step 1 evaluated by zeta.eval (1.0); step 2's first commit A by zeta.eval (2.0),
+    archived, then step 2 committed again (B) and evaluated by alpha.eval (0.1). ``Best``
+    counts every commit a tier holds: zeta.eval scored two, so it ranks on zeta.eval's
+    figures and takes step 1. Promotion's inventory entry of step 2 carried B's records
+    only: one commit each, the tie to the first by name (alpha.eval), and it promoted B."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    store, archive = open_store(root), open_store(str(tmp_path / "archive"))
+
+    def scored(step: int, name: str, loss: float) -> None:
+        with Checkpointer(root, "r") as ck:
+            ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 0.5})
+        assert lifecycle.validate(store, "r", step)["ok"]
+        lifecycle.evaluate(store, store, "r", step, lambda t, i: {"val_loss": loss}, evaluator_name=f"{name}.eval")
+
+    scored(1, "zeta", 1.0)
+    scored(2, "zeta", 2.0)
+    assert lifecycle.archive(store, archive, "r", 2).ok
+    store.delete(fmt.manifest_key("r", 2))  # as a save of the step again after a rejected restore
+    scored(2, "alpha", 0.1)
+    with Checkpointer(root, "r", tiers=[archive]) as ck:
+        best = ck.restore({"model": nn.Linear(4, 4)}, select=Best("val_loss", "min"))
+    promotion = promote(store, Registry(store), PromotionRequest("m"), archive=archive)
+    assert (promotion.registered.step, best.step) == (1, 1)
+    why = f"scored on alpha.eval's figures and the trainer's figures only, not on zeta.eval's figures, {RANKED_ON}"
+    assert promotion.passed_over == [("r", 2, why)]
