@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -112,7 +112,7 @@ def choose_checkpoint(
     hot = [e for e in entries if "hot" in e.tiers]
     figures = {e.ref: e.candidate().scales.get(metric) or {} for e in entries}
     may_rank = {e.ref for e in entries if e.valid is not False and not e.lossy}
-    counted: dict[tuple, dict[str, float]] = {ref: by for ref, by in figures.items() if ref in may_rank}
+    counted: dict[tuple, Mapping[str, float]] = {ref: by for ref, by in figures.items() if ref in may_rank}
     counted.update({(*e.ref, digest): by for e in entries for digest, by in e.other_commits(metric).items()})
     scale = scale_of(counted)
     on_scale, off_scale = one_scale(figures, scale=scale)
