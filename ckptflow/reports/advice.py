@@ -267,7 +267,8 @@ def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None
     it holds more than its full (a cycle longer than the week retention keeps leaves no
     whole one). Else the run saves fulls alone now (a policy changed to fulls only, a
     history thinned whole): from the newest unbroken stretch of cycles holding their full
-    alone."""
+    alone. Either stretch is then cut to its newest cycles that agree (``_agreeing``): a run
+    restarted under another policy made the older ones."""
     if not full_steps:
         return (steps[0] if steps else 0), None
     cycles = [bisect_left(steps, end) - bisect_left(steps, start) for start, end in zip(full_steps, full_steps[1:])]
@@ -281,6 +282,7 @@ def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None
         if first == len(cycles) - 1:
             return full_steps[first], _cycle(steps, full_steps, first)
     if first < len(cycles):
+        first = _agreeing(steps, full_steps, first)
         made = cycles[first:]
         return full_steps[first], sum(made) / len(made)
     if len(steps) - bisect_left(steps, full_steps[-1]) > 1:
@@ -289,7 +291,32 @@ def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None
         return steps[0], len(steps) / len(full_steps)
     while first > 0 and cycles[first - 1] == 1:
         first -= 1
-    return full_steps[first], 1.0
+    return full_steps[_agreeing(steps, full_steps, first)], 1.0
+
+
+def _agreeing(steps: list[int], full_steps: list[int], first: int) -> int:
+    """Where the newest stretch of whole cycles (from ``first`` on) made alike starts. A cycle
+    is made as its fulls' distance and its longest gap say (the policy's save interval; the
+    gaps next to a full may be shorter), not its count (a full every 5 steps and a save every
+    3 hold 2 and 3 in turn, one policy); alike: over the stretch, neither varies by a factor
+    of 2 or more (saves every 2 and 3 steps in turn are one policy; every 10 then every 20 are
+    two). A run restarted under another policy, 5 checkpoints a full then 20, or saves every
+    10 steps then every 50, read an average of both (a full every 9, every 10 steps)."""
+
+    def made(i: int) -> tuple[int, int]:
+        held = steps[bisect_left(steps, full_steps[i]) : bisect_left(steps, full_steps[i + 1]) + 1]
+        return full_steps[i + 1] - full_steps[i], max(b - a for a, b in zip(held, held[1:]))
+
+    newest = len(full_steps) - 2
+    low: tuple[int, ...] = made(newest)
+    high = low
+    while newest > first:
+        older = made(newest - 1)
+        low, high = tuple(map(min, low, older)), tuple(map(max, high, older))
+        if any(h >= 2 * lo for lo, h in zip(low, high)):
+            break
+        newest -= 1
+    return newest
 
 
 def _cycle(steps: list[int], full_steps: list[int], i: int) -> float:

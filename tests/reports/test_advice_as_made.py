@@ -141,3 +141,52 @@ def test_a_run_that_now_saves_fulls_alone_reads_so(tmp_path):
     advice = advise(open_store(root), RUN)
     assert advice.current is not None and advice.current.interval_steps == 10
     assert advice.current_full_every == 1
+
+
+def _saved_under(root: str, policies: list[tuple[SavePolicy, range]]) -> None:
+    """A run checkpointing under each policy in turn, as a job restarted with a new one does."""
+    state = tiny_state()
+    for policy, steps in policies:
+        with Checkpointer(root, RUN, policy=policy) as ckpt:
+            for step in steps:
+                tiny_train(state)
+                ckpt.save(step, state)
+
+
+def test_a_run_that_changed_its_mix_is_read_by_its_newest_policy(tmp_path, capsys):
+    """Saves every 2 steps with a full every 10 (5 checkpoints a cycle) up to step 120, then a
+    full every 40 (20 a cycle) to step 280: the mix was averaged over the 12 cycles of 5 and
+    the 4 of 20, (60 + 80) / 16 = 8.75, read as a full every 9, a mix the run never made.
+    The run makes its fulls 40 steps apart now: a full every 20."""
+    root = str(tmp_path)
+    _saved_under(
+        root,
+        [
+            (SavePolicy(full_every=10, incremental_every=2), range(120)),
+            (SavePolicy(full_every=40, incremental_every=2), range(120, 281)),
+        ],
+    )
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 2
+    assert advice.current_full_every == 20, advice.current_full_every
+    code, out, err = run_cli(capsys, "advise", root, "--run", RUN)
+    (current,) = [line.split() for line in out.splitlines() if line.startswith("current")]
+    assert code == 0 and current[4] == "20", out  # FULL EVERY, after the 3 words of TIME
+
+
+def test_a_run_that_changed_its_interval_is_read_by_its_newest_policy(tmp_path):
+    """Saves every 10 steps with a full every 50 up to step 500, then every 50 with a full
+    every 250 to step 1500 (5 checkpoints a cycle throughout): the median gap over the
+    history, 45 gaps of 10 against 20 of 50, read every 10 steps. It is every 50 now."""
+    root = str(tmp_path)
+    _saved_under(
+        root,
+        [
+            (SavePolicy(full_every=50, incremental_every=10), range(500)),
+            (SavePolicy(full_every=250, incremental_every=50), range(500, 1501)),
+        ],
+    )
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None
+    assert advice.current.interval_steps == 50, advice.current.interval_steps
+    assert advice.current_full_every == 5
