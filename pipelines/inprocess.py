@@ -78,12 +78,15 @@ def tick_landing(
     cursor: str | None,
     report: DriveReport,
     run_config: dict | None = None,
-) -> str | None:
-    """One landing-sensor tick: apply its partition requests, execute its run requests."""
+) -> tuple[str | None, bool]:
+    """One landing-sensor tick: apply its partition requests, execute its run requests.
+    Returns the sensor's cursor and whether the tick landed any commit record: one that
+    landed only commits landed before (partitions held, validated for their digest: no
+    request) still moved the cursor a page on, and the next tick may land new ones."""
     with _sensor_context(defs, instance, cursor) as context:
         result = landing_sensor(context)
     if not isinstance(result, SensorResult):
-        return cursor
+        return cursor, False
     for request in result.dynamic_partitions_requests or []:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
         report.add_landed(list(request.partition_keys))
@@ -100,7 +103,7 @@ def tick_landing(
         )
         report.add_run(f"{job.name}[{key}]", outcome.success, again=f"{job.name}[{run_request.run_key}]")
         report.add_landed([key])
-    return result.cursor
+    return result.cursor, result.skip_reason is None
 
 
 def tick_failures(defs: Definitions, instance: DagsterInstance, cursor: str | None) -> str | None:
@@ -189,11 +192,11 @@ class Driver:
     def drive(self, max_rounds: int = 10) -> DriveReport:
         """Land everything new, run each automation sensor until quiet, record failures."""
         report = DriveReport()
-        while True:  # until a tick lands nothing: no new partition, no validation run
-            before = len(report.landed) + len(report.runs)  # both only grow
-            self.sensor_cursor = tick_landing(self.defs, self.instance, self.sensor_cursor, report, self.run_config)
-            if len(report.landed) + len(report.runs) == before:
-                break
+        landed = True
+        while landed:  # until a tick lands no commit record: a page of those landed before is not the end
+            self.sensor_cursor, landed = tick_landing(
+                self.defs, self.instance, self.sensor_cursor, report, self.run_config
+            )
         for _ in range(max_rounds):
             before = len(report.runs)
             for sensor in self.automation:

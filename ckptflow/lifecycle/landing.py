@@ -77,10 +77,11 @@ class Landed:
     validated: bool  # a validation record exists for this digest already
 
 
-def land(store: Store, cursor: str | None, *, limit: int = MAX_PER_TICK) -> tuple[list[Landed], str]:
+def land(store: Store, cursor: str | None, *, limit: int | None = None) -> tuple[list[Landed], str]:
     """``new_commits`` over a cursor as a sensor keeps it (JSON text, or None before the
-    first tick); a cursor of an older layout starts over (commits validated already are marked so)."""
-    landed, after = new_commits(store, _cursor_state(cursor), limit)
+    first tick), at most ``limit`` (None: ``MAX_PER_TICK`` as it is when called); a cursor
+    of an older layout starts over (commits validated already are marked so)."""
+    landed, after = new_commits(store, _cursor_state(cursor), MAX_PER_TICK if limit is None else limit)
     return landed, json.dumps(after, sort_keys=True)
 
 

@@ -8,9 +8,9 @@ from ckptflow import Checkpointer
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.store import open_store
 from pipelines import demo
-from pipelines.inprocess import QUIET, Driver, DriveReport, tick_landing
+from pipelines.inprocess import QUIET, Driver, DriveReport, dynamic_keys, tick_landing
 from support.corrupt import corrupt_chunk, only_in
-from support.dagster import RUN
+from support.dagster import RUN, write_checkpoints
 
 
 def test_a_step_committed_again_lands_in_its_partition_once_and_both_validations_are_runs(
@@ -22,7 +22,7 @@ def test_a_step_committed_again_lands_in_its_partition_once_and_both_validations
     first one's entry in ``runs``. Each partition lands once; each run is its own entry."""
     keys = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
     report = DriveReport()
-    cursor = tick_landing(defs, instance, None, report, QUIET)
+    cursor, _ = tick_landing(defs, instance, None, report, QUIET)
     assert report.landed == keys and report.runs == {f"validate_checkpoint[{k}]": True for k in keys}
 
     corrupt_chunk(store_with_checkpoints, RUN, 40, only_in(store_with_checkpoints, RUN, 40, 30)[0])
@@ -125,3 +125,28 @@ def test_a_round_that_only_runs_again_what_ran_before_does_not_end_the_automatio
         "t[None] #2": True,
     }
     assert driver.drive().runs == {}  # it was quiet
+
+
+def test_a_driver_started_without_a_cursor_lands_the_commits_after_a_page_landed_before(
+    store_with_checkpoints, resources, instance, monkeypatch
+):
+    """A tick lands at most ``MAX_PER_TICK`` commits, oldest first; the demo run again on its
+    ``DAGSTER_HOME`` starts a driver without a cursor. Its first tick met only commits landed
+    before (partitions held, validated for their digest): no new partition and no run, which
+    ``drive`` took for quiet, so it stopped with the newer commits (step 50, 60) never landed
+    while more than a page was already there (500 commits; 2 here). The drive goes on until a
+    tick lands no commit record at all."""
+    from ckptflow.lifecycle import landing
+
+    monkeypatch.setattr(landing, "MAX_PER_TICK", 2)
+    defs, _ = _toy_defs(resources)
+    before = [checkpoint_key(RUN, s) for s in (10, 20, 30, 40)]
+    assert Driver(defs, instance, quiet=True).drive().landed == before  # two pages
+    write_checkpoints(store_with_checkpoints, steps=(50, 60))
+
+    report = Driver(defs, instance, quiet=True).drive()  # the demo again: no cursor
+
+    newer = [checkpoint_key(RUN, s) for s in (50, 60)]
+    assert report.landed == newer, report.landed
+    assert report.runs == {f"validate_checkpoint[{k}]": True for k in newer}
+    assert dynamic_keys(instance) == before + newer
