@@ -21,5 +21,9 @@ from ckptflow.dcp.writer import CheckpointWriter
 
 def save_tensors(tensors: dict[str, torch.Tensor], writer: CheckpointWriter, group: Group) -> None:
     """What ``dcp.save(tensors, storage_writer=writer, ...)`` does for a dict of tensors
-    (not ``Stateful`` values: asking each is itself a slow ``isinstance`` of a protocol)."""
-    _save_state_dict(tensors, storage_writer=writer, process_group=group.pg, no_dist=not group.active)
+    (not ``Stateful`` values: asking each is itself a slow ``isinstance`` of a protocol).
+    The writer's lease goes back however the save ends (another rank's failure included)."""
+    try:
+        _save_state_dict(tensors, storage_writer=writer, process_group=group.pg, no_dist=not group.active)
+    finally:
+        writer.lease.release()

@@ -7,6 +7,7 @@ Non-tensor values DCP would pickle are refused, or kept as JSON (``json_values``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -18,13 +19,22 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckptflow.errors import ManifestError, UnsupportedStateError
 from ckptflow.format.dcp_index import DcpIndex, StorageItem
 from ckptflow.format.state_tree import flatten
 
 JSON_VALUE = "json"  # a writer's storage data for a non-tensor value kept as JSON (CheckpointWriter json_values)
+
+
+def plan_bytes(plan: SavePlan) -> int:
+    """The tensor bytes one rank's plan writes, before dedup."""
+    return sum(
+        math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        for item in plan.items
+        if item.tensor_data is not None and item.tensor_data.properties.dtype is not None
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -9,7 +9,6 @@ coordinator commits the manifest last.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -24,12 +23,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ckptflow.catalog.commit import commit_manifest
 from ckptflow.chunks import damaged
 from ckptflow.chunks.io import ChunkStore, ChunkWrite, Encoder
-from ckptflow.chunks.leases import save_lease
 from ckptflow.chunks.private_copies import PrivateCopies, private_copies
 from ckptflow.dcp import put_batches, regions
+from ckptflow.dcp.commit_lease import CommitLease
 from ckptflow.dcp.host_copies import HostCopies, copied_in_chunks
 from ckptflow.dcp.memory import bytes_view, completed_future, is_own_memory
-from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value
+from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, plan_bytes
 from ckptflow.dcp.packs import Pack, Packer
 from ckptflow.dcp.put_batches import PutBatches, Slot
 from ckptflow.dcp.regions import Region, Seen, Tracked
@@ -52,15 +51,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 def _packed(packer: Packer | None, tensor: torch.Tensor) -> bool:
     return packer is not None and packer.fits(tensor.numel() * tensor.dtype.itemsize)
-
-
-def _plan_bytes(plan: SavePlan) -> int:
-    """The tensor bytes one rank's plan writes, before dedup."""
-    return sum(
-        math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-        for item in plan.items
-        if item.tensor_data is not None and item.tensor_data.properties.dtype is not None
-    )
 
 
 class CheckpointWriter(StorageWriter):
@@ -111,6 +101,9 @@ class CheckpointWriter(StorageWriter):
         self.is_coordinator = True
         self.manifest: Manifest | None = None
         self.abandoned = False  # Ctrl-C at exit (``save_handle``): the process ends with nothing committed
+        self.lease = CommitLease(  # the coordinator's, planning to commit; a failure elsewhere: the caller releases
+            chunks.store, f"run {spec.run!r} step {spec.step}"
+        )
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -127,6 +120,7 @@ class CheckpointWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.lease.hold()  # on the coordinator, before any rank writes: kept until the manifest is committed
         return plans
 
     def storage_meta(self) -> StorageMeta | None:
@@ -213,7 +207,7 @@ class CheckpointWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         try:
-            with save_lease(self.chunks.store) as lease:
+            with self.lease.chunk_phase() as lease:
                 damaged.load(self.chunks.store)  # chunks another process proved damaged: written anew
                 with self.chunks.store.batch():  # durable when it ends: before the rank record and the commit
                     results = self._write_chunks(plan, planner)
@@ -223,8 +217,11 @@ class CheckpointWriter(StorageWriter):
                         "could not be renewed while chunks were written, so GC may have swept some; save again"
                     )
             self._write_rank_record(results)
-        except StoreFullError as e:
-            needed = _plan_bytes(plan)
+        except BaseException as e:
+            self.lease.release()  # this rank's failure: DCP calls no ``finish``
+            if not isinstance(e, StoreFullError):
+                raise
+            needed = plan_bytes(plan)
             raise StoreFullError(
                 f"saving run {self.spec.run!r} step {self.spec.step} (rank {self.rank}) needs up to {needed} bytes "
                 f"for its tensors in {self.chunks.store.url} (less where chunks are already stored): {e}",
@@ -389,7 +386,10 @@ class CheckpointWriter(StorageWriter):
         parsed = Manifest.parse(
             blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
         )  # never commit what a reader refuses
-        if self.abandoned:
-            raise CkptflowError(f"the save of run {spec.run!r} step {spec.step} was abandoned at exit: not committed")
-        commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
+        with self.lease.committing():  # refused if GC may have swept meanwhile; released either way
+            if self.abandoned:
+                raise CkptflowError(
+                    f"the save of run {spec.run!r} step {spec.step} was abandoned at exit: not committed"
+                )
+            commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
         self.manifest = parsed

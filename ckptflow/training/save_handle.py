@@ -34,6 +34,7 @@ class SaveHandle:
         self.step, self.kind = writer.spec.step, writer.spec.kind
         self.blocked_s = blocked_s  # how long the caller was held (host copy, and any wait for the previous save)
         self.error_reported = False
+        future.add_done_callback(lambda _done: writer.lease.release())  # however the save ended
         _finish_before_exit(self)
 
     def done(self) -> bool:

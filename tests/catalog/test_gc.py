@@ -1,5 +1,5 @@
 """GC safety: after retention GC deletes exactly the unreferenced chunks; the grace period
-protects (and grace=0 destroys) a save in flight; only stale temp files go; a sweep racing
+and the save's lease protect a save in flight (grace=0 included); only stale temp files go; a sweep racing
 a deduplicating save is serialised by the lease/lock handshake.
 
 Uses tests/support/faulty_store.py (FaultyStore) to pause a save just before its commit record, or
@@ -22,7 +22,10 @@ import pytest
 
 from ckptflow import Checkpointer, gc, open_store
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.chunks import leases
+from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
 from support.child_env import child_env
 from support.corrupt import rank_files
 from support.faulty_store import FaultyStore
@@ -96,13 +99,15 @@ def test_gc_after_retention_deletes_exactly_the_unreferenced_chunks(tmp_path):
     assert gc(store, grace=0, now=now).deleted == []
 
 
-def _paused_save_with_concurrent_gc(root: Path, grace) -> tuple:
-    """Save step 2 but hold it just before its commit record while GC runs; resume it."""
+def _paused_save_with_concurrent_gc(root: Path, grace, before: str) -> tuple:
+    """Save step 2 but hold it just before its rank record or its manifest (``before``), the
+    gap between the chunks and the commit, while GC runs; resume it."""
     inner = open_store(str(root))
     with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
         ck.save(1, tagged_state(1))
     fs = FaultyStore(inner)
-    pause = fs.pause_before("put_if_absent", lambda key: key == fmt.manifest_key(RUN, 2))
+    where = {"rank record": "/ranks/", "manifest": fmt.manifest_key(RUN, 2)}[before]
+    pause = fs.pause_before("put_if_absent", lambda key: key.startswith(fmt.step_prefix(RUN, 2)) and where in key)
     ck = Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4)
     outcome: list = []
 
@@ -115,53 +120,90 @@ def _paused_save_with_concurrent_gc(root: Path, grace) -> tuple:
     saver = threading.Thread(target=save)
     saver.start()
     try:
-        assert pause.reached.wait(30), "the save never reached its commit"
+        assert pause.reached.wait(30), f"the save never reached its {before}"
         assert not inner.exists(fmt.manifest_key(RUN, 2))
         # A GC that starts while the save is in flight (a moment after its chunks landed).
-        report = gc(inner, grace=grace, now=time.time() + 2)
+        report = gc(inner, grace=grace, now=time.time() + 2, wait=0)
     finally:
         pause.release()
         saver.join(30)
     assert not saver.is_alive()
     (saved,) = outcome
-    assert not isinstance(saved, BaseException), saved
     ck.close()
     return report, saved
 
 
-def test_gc_with_zero_grace_destroys_an_in_flight_save(tmp_path):
-    root = tmp_path / "store"
-    report, saved = _paused_save_with_concurrent_gc(root, grace=0)
-    new_chunks = manifest_chunks(root, 2) - manifest_chunks(root, 1)
-    assert new_chunks
-    deleted = {key for key, _ in report.deleted}
-    # The in-flight save's new chunks and rank record looked like garbage and were swept.
-    assert deleted == new_chunks | set(catalog.read_manifest(open_store(str(root)), RUN, 2).rank_keys())
-    assert saved.step == 2 and saved.info is not None  # the writer did not notice
-    ck = Checkpointer(str(root), run=RUN, restore_rng=False)
-    report2 = ck.verify(2)
-    assert not report2.ok  # grace=0 is unsafe: a committed checkpoint lost its data
-    assert sum("missing" in p for p in report2.problems) == len(new_chunks) + 1
-    assert ck.verify(1).ok
-    state = blank_state()
-    result = ck.restore(state)
-    assert result.step == 1 and [s for s, _ in result.skipped] == [2] and state_tag(state) == 1
-    ck.close()
+def assert_no_commit_misses_a_chunk(root: Path) -> None:
+    store = open_store(str(root))
+    for item in catalog.committed(store):
+        assert isinstance(item, Manifest), item
+        missing = [d for d in item.chunks if not store.exists(fmt.chunk_key(d))]
+        missing += [k for k in item.rank_keys() if not store.exists(k)]
+        assert missing == [], f"step {item.step} is committed but {missing} are gone"
 
 
-def test_gc_grace_period_protects_an_in_flight_save(tmp_path):
+@pytest.mark.parametrize("grace", [0, "1h"])
+@pytest.mark.parametrize("before", ["rank record", "manifest"])
+def test_gc_sweeps_nothing_while_a_save_is_between_its_chunks_and_its_commit(tmp_path, grace, before):
+    """The save's lease covers it from planning to commit: a GC in that gap, even with
+    grace 0, waits for it (here ``wait=0``: skips) instead of sweeping its chunks and rank
+    records. The lease used to end with the chunk phase: a GC with a grace shorter than the
+    gap (a coordinator stalled in it) swept them, and the save committed a checkpoint whose
+    chunks were gone."""
     root = tmp_path / "store"
-    chunks_seen: dict = {}
-    report, saved = _paused_save_with_concurrent_gc(root, grace="1h")
-    assert report.deleted == [] and report.bytes == 0
-    assert report.live_manifests == 1
+    report, saved = _paused_save_with_concurrent_gc(root, grace, before)
+    assert not isinstance(saved, BaseException), saved
+    assert report.deleted == [] and report.skipped and "writing chunks" in report.skipped
+    assert saved.step == 2 and saved.info is not None
+    assert_no_commit_misses_a_chunk(root)
     ck = Checkpointer(str(root), run=RUN, restore_rng=False)
     assert ck.verify(2).ok and ck.verify(1).ok
     state = blank_state()
     assert ck.restore(state).step == 2 and state_tag(state) == 2
-    chunks_seen.update(chunk_keys(root))
-    assert manifest_chunks(root, 1) | manifest_chunks(root, 2) == set(chunks_seen)
     ck.close()
+    assert gc(str(root), grace=0, now=time.time() + 5).deleted == []  # once committed, nothing is garbage
+
+
+def test_a_save_whose_lease_lapsed_before_its_commit_commits_nothing(tmp_path, monkeypatch):
+    """The coordinator's lease renewals stop (a stall, an outage) between its chunks and
+    its commit, long enough for GC to judge the save dead and sweep its chunks: the commit
+    is refused, and nothing is committed that names a chunk that is gone."""
+    monkeypatch.setattr(leases, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(leases, "DEAD_AFTER", 0.5)
+    root = tmp_path / "store"
+    inner = open_store(str(root))
+    with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+        ck.save(1, tagged_state(1))
+    fs = FaultyStore(inner)
+    pause = fs.pause_before("put_if_absent", lambda key: key.startswith(fmt.step_prefix(RUN, 2)) and "/ranks/" in key)
+    outcome: list = []
+
+    def save() -> None:
+        try:
+            with Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+                outcome.append(ck.save(2, tagged_state(2)))
+        except BaseException as e:  # reported to the test thread below
+            outcome.append(e)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    try:
+        assert pause.reached.wait(30)
+        fs.fail_if = lambda op, key: op == "touch" and key.startswith(leases.LEASES)  # renewals stop
+        time.sleep(3 * leases.DEAD_AFTER)
+        report = gc(inner, grace=0, now=time.time() + 2, wait=0)
+        assert report.deleted  # the save looked dead (or held no lease): its chunks went
+    finally:
+        pause.release()
+        saver.join(30)
+    (error,) = outcome
+    assert isinstance(error, StoreUnavailableError), error
+    assert "could not be renewed" in str(error) or "went unrenewed" in str(error)
+    assert "nothing was committed" in str(error) or "save again" in str(error)
+    assert not inner.exists(fmt.manifest_key(RUN, 2))
+    assert_no_commit_misses_a_chunk(root)
+    with Checkpointer(str(root), run=RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
 
 
 def test_gc_removes_stale_temp_files_only(tmp_path):

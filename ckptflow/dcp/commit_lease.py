@@ -1,0 +1,75 @@
+"""The coordinator's save lease, held from planning until its manifest is committed.
+
+A lease held only while chunks are written leaves a gap: between the last rank record
+and the commit, the save's chunks and rank records are referenced by nothing, and a GC
+that runs then (grace shorter than the gap, a coordinator stalled in between) sweeps
+them; the commit would then name chunks that are gone. So the coordinator takes its
+lease in ``prepare_global_plan``, which DCP calls before it hands any rank its plan, so
+before any rank writes, and keeps it through ``finish``: GC waits for (or skips past)
+every live lease, so no sweep runs while any rank of the save writes or the commit is
+pending. If the lease was lost meanwhile (not renewed for half of ``DEAD_AFTER``: a GC
+may have judged the save dead and swept), the commit is refused and nothing is committed.
+
+DCP calls no writer method on the coordinator when another rank fails, so the caller
+releases the lease when the save ends either way (``release``; the Checkpointer does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+from ckptflow.chunks.leases import DEAD_AFTER, Heartbeat, save_lease
+from ckptflow.errors import StoreUnavailableError
+from ckptflow.store.base import Store
+
+
+class CommitLease:
+    """One save's lease on ``store``: ``hold`` it until ``release``; ``chunk_phase`` yields
+    the held one, or (a rank that holds none) one for the chunk phase alone."""
+
+    def __init__(self, store: Store, what: str):
+        self.store, self.what = store, what
+        self._stack: ExitStack | None = None
+        self._held: Heartbeat | None = None
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        """Take the lease (waiting out a live GC) and keep it until ``release``."""
+        with self._lock:
+            if self._held is not None:
+                return
+            stack = ExitStack()
+            self._held = stack.enter_context(save_lease(self.store))
+            self._stack = stack
+
+    @contextmanager
+    def chunk_phase(self) -> Iterator[Heartbeat]:
+        if self._held is not None:
+            yield self._held
+            return
+        with save_lease(self.store) as beat:
+            yield beat
+
+    @contextmanager
+    def committing(self) -> Iterator[None]:
+        """The commit's block: entered only while the lease is held and was never lost (a
+        commit then is safe from GC), else refused; the lease is released when it ends."""
+        try:
+            if self._held is None or self._held.lost:
+                state = "was not held" if self._held is None else f"went unrenewed for {DEAD_AFTER / 2:.0f} s"
+                raise StoreUnavailableError(
+                    f"the save lease of {self.what} in {self.store.url} {state} before its commit, so a GC may have "
+                    "swept its chunks or rank records meanwhile; nothing was committed: save again"
+                )
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give the lease back (idempotent; from any thread)."""
+        with self._lock:
+            stack, self._stack, self._held = self._stack, None, None
+        if stack is not None:
+            stack.close()
