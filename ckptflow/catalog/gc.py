@@ -1,10 +1,11 @@
 """Garbage collection: mark from every live manifest, sweep what nothing references.
 
 A chunk is deleted only if no committed manifest references it AND it is older than
-the grace period. The grace period must exceed the slowest save: a save that has
-written (or touched) its chunks has not yet committed the manifest that marks them.
-Saves that are writing chunks right now hold leases (see ``leases``); GC takes a lock
-and waits for them, so a chunk is never deleted while a save is deciding to reuse it.
+the grace period. A save in flight has written (or touched) chunks and rank records that
+no manifest marks yet: each rank holds a lease while it writes chunks, and the coordinator
+from planning until its manifest is committed (see ``leases``, ``dcp.commit_lease``); GC
+takes a lock and waits for them, so nothing of a save in flight is swept, nor a chunk a
+save is deciding to reuse. The grace period protects what is written without a lease.
 """
 
 from __future__ import annotations

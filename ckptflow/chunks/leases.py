@@ -180,8 +180,9 @@ class Heartbeat:
 
 @contextmanager
 def save_lease(store: Store, timeout: float | None = None, *, work: str = SAVES.shared) -> Iterator[Heartbeat]:
-    """Hold a lease for the chunk phase of a save (or other ``work`` writing chunks, named
-    in the error of a wait that ran out); wait out a live GC first."""
+    """Hold a lease for a save (its chunk phase on each rank, and on the coordinator until
+    its commit: ``dcp.commit_lease``) or other ``work`` writing chunks, named in the error of
+    a wait that ran out; wait out a live GC first."""
     with shared_lease(store, SAVES, SAVE_WAIT if timeout is None else timeout, work=work) as beat:
         yield beat
 

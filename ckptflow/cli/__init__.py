@@ -191,13 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         required=True,
         type=duration_arg,
-        help="only delete objects older than this (e.g. 1h); must exceed the slowest save",
+        help="only delete objects older than this (e.g. 1h); protects what is written without a save lease",
     )
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument(
         "--force",
         action="store_true",
-        help="allow a grace period under a minute (deletes the chunks of saves still running)",
+        help="allow a grace period under a minute (deletes what writes without a save lease have under way)",
     )
     p.add_argument(
         "--wait",

@@ -249,15 +249,15 @@ def _verify_total(store: Store, run: str, steps: list[int]) -> int | None:
     return total or None
 
 
-UNSAFE_GRACE = 60.0  # seconds: below this a running save's chunks look like garbage
+UNSAFE_GRACE = 60.0  # seconds: below this, what a write without a save lease has under way looks like garbage
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     if args.grace < UNSAFE_GRACE and not args.dry_run and not args.force:
         raise CkptflowError(
-            f"--grace {args.grace:g}s would delete the chunks of any save still running (they are referenced only "
-            "once its manifest commits, and a save can take minutes); use a grace period longer than your slowest "
-            "save (e.g. --grace 1h), or pass --force if no save can be running"
+            f"--grace {args.grace:g}s would delete what writes without a save lease have under way (temp files, a "
+            "copy made by hand, an older ckptflow's save still running: referenced only once its manifest commits); "
+            "use a grace period longer than those take (e.g. --grace 1h), or pass --force if none can be running"
         )
     store = open_existing(args.root)
     with progress("gc") as report_progress:

@@ -12,17 +12,21 @@ may have judged the save dead and swept), the commit is refused and nothing is c
 
 DCP calls no writer method on the coordinator when another rank fails, so the caller
 releases the lease when the save ends either way (``release``; the Checkpointer does).
+The release is the last thing a save writes, after its manifest.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from ckptflow.chunks.leases import DEAD_AFTER, Heartbeat, save_lease
-from ckptflow.errors import StoreUnavailableError
+from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.store.base import Store
+
+log = logging.getLogger("ckptflow")
 
 
 class CommitLease:
@@ -68,8 +72,15 @@ class CommitLease:
             self.release()
 
     def release(self) -> None:
-        """Give the lease back (idempotent; from any thread)."""
+        """Give the lease back (idempotent; from any thread). A store error is logged, not
+        raised: after a commit the save stands, after a failure that failure is the one to
+        report, and a lease left behind holds GC only until it is judged dead."""
         with self._lock:
             stack, self._stack, self._held = self._stack, None, None
-        if stack is not None:
+        if stack is None:
+            return
+        try:
             stack.close()
+        except (CkptflowError, OSError) as e:
+            log.warning("could not give back the save lease of %s in %s (%s); GC takes it for dead %.0f s after "
+                        "its last renewal", self.what, self.store.url, e, DEAD_AFTER)  # fmt: skip

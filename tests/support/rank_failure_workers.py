@@ -205,8 +205,11 @@ def ranks_ask_for_different_saves(rank: int, world: int, workdir: Path) -> dict:
 
 def every_rank_fails_to_write(rank: int, world: int, workdir: Path) -> dict:
     """The store is down for every rank while a save writes its chunks (blocking, then async);
-    then rank 0 finds the store down and rank 1 finds it full; then it is back."""
+    then rank 0 finds the store down and rank 1 finds it full; then rank 1 alone finds it down
+    (blocking, then async), after which the coordinator's lease, held since planning for its
+    commit, must be given back (``leases_left``: live leases 5 s on); then it is back."""
     from ckptflow import Checkpointer, per_rank
+    from ckptflow.chunks import leases
     from ckptflow.chunks.io import ChunkStore
     from ckptflow.errors import StoreFullError, StoreUnavailableError
 
@@ -219,15 +222,18 @@ def every_rank_fails_to_write(rank: int, world: int, workdir: Path) -> dict:
     state = {"own": per_rank({"w": torch.full((4096,), float(rank))})}
     outage = StoreUnavailableError(f"rank {rank}: the store is down (after 10 attempts)")
     full = StoreFullError(f"rank {rank}: no space left on the device")
-    errors = {}
+    errors, leases_left = {}, {}
     original = ChunkStore.put
     with Checkpointer(str(workdir / "store"), run=RUN, threads=2, pack_bytes=0, chunk_bytes=1024) as ck:
         for name, error, blocking in [
             ("blocking", outage, True),
             ("async", outage, False),
             ("mixed", outage if rank == 0 else full, True),
+            ("rank 1 alone", outage if rank == 1 else None, True),
+            ("rank 1 alone, async", outage if rank == 1 else None, False),
         ]:
-            ChunkStore.put = failing(error)  # type: ignore[method-assign]
+            if error is not None:
+                ChunkStore.put = failing(error)  # type: ignore[method-assign]
             try:
                 handle = ck.save(1, state, blocking=blocking)
                 if not blocking:
@@ -238,9 +244,13 @@ def every_rank_fails_to_write(rank: int, world: int, workdir: Path) -> dict:
                 errors[name] = [type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", []))]
             finally:
                 ChunkStore.put = original  # type: ignore[method-assign]
+            deadline = time.monotonic() + 5
+            while (live := len(leases.leases(ck.store).live)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            leases_left[name] = live
         ck.save(1, state)
         steps = [info.step for info in ck.list()]
-    return {"rank": rank, "errors": errors, "steps": steps}
+    return {"rank": rank, "errors": errors, "steps": steps, "leases_left": leases_left}
 
 
 def save_waits_as_long_as_the_job(rank: int, world: int, workdir: Path) -> dict:

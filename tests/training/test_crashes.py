@@ -8,6 +8,7 @@ catalog/test_gc.py; the tagged states both files use are in tests/support/states
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from ckptflow import Checkpointer, gc, open_store
+from ckptflow.chunks import leases
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format import layout as fmt
 from support.child_env import child_env
@@ -61,8 +63,10 @@ def test_crash_at_every_store_operation(store_with_a, tmp_path, kind, when, bloc
     ops = fs.mutating_log()
     total = len(ops)
     assert total == fs.ops >= 6, ops
-    # The commit record is the last thing a save writes, and it is written create-only.
-    assert ops[-1][1:] == ("put_if_absent", fmt.manifest_key(RUN, 2)), ops[-1]
+    # The commit record is the last thing a save writes, and it is written create-only; then
+    # the save's lease goes back (held from planning until the commit, so GC sweeps nothing meanwhile).
+    assert ops[-2][1:] == ("put_if_absent", fmt.manifest_key(RUN, 2)), ops[-2]
+    assert ops[-1][1] == "delete" and ops[-1][2].startswith(leases.LEASES), ops[-1]
     records = [
         key for _, op, key in ops if op == "put_if_absent" and key.startswith(fmt.step_prefix(RUN, 2) + "ranks/0.")
     ]
@@ -77,7 +81,8 @@ def test_crash_at_every_store_operation(store_with_a, tmp_path, kind, when, bloc
         fs = FaultyStore(open_store(str(root)))
         fs.arm(n, when=when)
         ck = Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4)
-        with pytest.raises(InjectedFault):
+        released = n == total - 1  # the lease's release, after the commit: logged, and the save stands
+        with contextlib.nullcontext() if released else pytest.raises(InjectedFault):
             if blocking:
                 ck.save(2, tagged_state(2), kind=kind)
             else:
@@ -89,7 +94,7 @@ def test_crash_at_every_store_operation(store_with_a, tmp_path, kind, when, bloc
         fresh = Checkpointer(str(root), run=RUN, restore_rng=False)
         result = fresh.restore(state)
         tag = state_tag(state)  # exactly one checkpoint's tensors and JSON, never a mix
-        committed_b = when == "after" and n == total - 1
+        committed_b = released or (when == "after" and n == total - 2)
         assert (result.step, tag) == ((2, 2) if committed_b else (1, 1)), f"crash at op {n} ({ops[n][1]})"
         assert fresh.verify(result.step).ok
         assert fresh.verify(1).ok, f"crash at op {n} damaged the older checkpoint"

@@ -113,6 +113,12 @@ def test_a_save_that_fails_on_every_rank_raises_ckptflows_error_not_dcps(session
         kind, message, notes = result["errors"]["mixed"]
         assert (kind, message) == ("StoreUnavailableError", "rank 0: the store is down (after 10 attempts)")
         assert "rank 1: no space left on the device" in notes  # every rank's cause is told
+        for name in ("rank 1 alone", "rank 1 alone, async"):
+            kind, message, _notes = result["errors"][name]
+            assert (kind, message) == ("StoreUnavailableError", "rank 1: the store is down (after 10 attempts)")
+        # the coordinator holds its lease from planning to commit; DCP never calls its finish when
+        # another rank failed, so the Checkpointer gives it back: a lease left live would stall every GC
+        assert set(result["leases_left"].values()) == {0}, result["leases_left"]
         assert result["steps"] == [1]  # nothing was committed, and the group stayed in step
 
 
