@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from stat import S_ISDIR, S_ISLNK, S_ISREG
 
@@ -36,7 +37,7 @@ from ckptflow.store import page_cache
 from ckptflow.store.base import Buffers, ObjectInfo, as_buffers, validate_key
 from ckptflow.store.disk import Disk
 from ckptflow.store.local_cas import LocalCompareAndSwap
-from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter
+from ckptflow.store.local_writes import CLAIM_STALE_S, CLAIM_SUFFIX, TEMP_PREFIX, DurableWriter
 
 READ_PIECE = 256 << 10  # ``get_into`` with a consumer: a piece is checked while it is in L2
 
@@ -294,7 +295,10 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
     def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:
         """Temp files and claims, and empty directories (key ending in "/"): a writer killed
         between making a step's directory and writing its first file there leaves one, which
-        every restore would skip as an uncommitted checkpoint."""
+        every restore would skip as an uncommitted checkpoint. A claim younger than
+        ``CLAIM_STALE_S`` is live whatever ``older_than`` says: taken from its writer, a second
+        writer could claim the same key and both would rename, the second over the first."""
+        claims_before = min(older_than, time.time() - CLAIM_STALE_S)
         for dirpath, dirs, files in os.walk(self.root):
             if not dirs and not files and dirpath != self.root:
                 try:
@@ -304,13 +308,13 @@ class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_sw
                 if mtime < older_than:
                     yield ObjectInfo(os.path.relpath(dirpath, self.root) + "/", 0, mtime)
             for name in files:
-                if name.startswith(TEMP_PREFIX) or name.endswith(".claim"):
+                if name.startswith(TEMP_PREFIX) or name.endswith(CLAIM_SUFFIX):
                     path = os.path.join(dirpath, name)
                     try:
                         st = os.stat(path)
                     except FileNotFoundError:
                         continue
-                    if st.st_mtime < older_than:
+                    if st.st_mtime < (claims_before if name.endswith(CLAIM_SUFFIX) else older_than):
                         yield ObjectInfo(os.path.relpath(path, self.root), st.st_size, st.st_mtime)
 
     def delete_temp(self, name: str) -> None:

@@ -32,6 +32,9 @@ TEMP_PREFIX = ".tmp-"
 T = TypeVar("T")
 PRUNED_RETRIES = 200  # a write whose directory a concurrent delete keeps pruning makes it again, this often
 PRUNED_BACKOFF_S = 0.002  # the longest pause before making it again: a random pause in [0, this)
+CLAIM_SUFFIX = ".claim"
+# a claim lives for one look and one rename: one this old was left by a writer that died, whatever GC's grace
+CLAIM_STALE_S = 60.0
 
 
 def retrying_pruned(make: Callable[[], T]) -> T:
@@ -161,8 +164,12 @@ class DurableWriter:
         return True
 
     def _claim_and_rename(self, tmp: str, path: str) -> bool:
+        """Create-only without hard links: an ``O_EXCL`` claim beside ``path`` admits one
+        writer to look and rename. Once renamed, the object is in place: a claim gone
+        meanwhile (a GC judged it stale: ``CLAIM_STALE_S``) fails nothing."""
+        claim = path + CLAIM_SUFFIX
         try:
-            self.disk.claim(path + ".claim")
+            self.disk.claim(claim)
         except FileExistsError:
             return False
         try:
@@ -170,7 +177,8 @@ class DurableWriter:
                 return False
             self.disk.rename(tmp, path)
         finally:
-            self.disk.unlink(path + ".claim")
+            with contextlib.suppress(FileNotFoundError):
+                self.disk.unlink(claim)
         self.sync_dir(os.path.dirname(path))
         return True
 

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,55 @@ def test_a_refused_conditional_delete_never_takes_the_object_away(tmp_path):
     assert disk.renamed == [] and store.get("locks/gc.json") == b"the new holder's lock"
     assert store.delete_if("locks/gc.json", store.get_versioned("locks/gc.json")[1]) is True
     assert disk.renamed == ["locks/gc.json"] and not store.exists("locks/gc.json")
+
+
+class NoHardLinks(Disk):
+    """A filesystem without hard links (some network and FUSE filesystems): ``link`` is refused,
+    so create-only writes take the claim-and-rename path. ``before_unlink`` runs first thing in
+    the next unlink of ``target``: what another process does between a rename and that unlink."""
+
+    def __init__(self) -> None:
+        super().__init__(fsync=False)
+        self.target: str | None = None
+        self.before_unlink = lambda: None
+
+    def link(self, src: str, dst: str) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted", dst)
+
+    def unlink(self, path: str) -> None:
+        if path == self.target:
+            self.target = None
+            self.before_unlink()
+        super().unlink(path)
+
+
+@pytest.mark.parametrize("claim_age_s", [0, 120])
+def test_without_hard_links_a_gc_before_the_claim_goes_fails_no_create(tmp_path, claim_age_s):
+    """A GC with grace 0 runs once a create-only put has renamed its object into place and
+    before it removes its claim (a sweep that listed the claim as the put began): a live claim (age 0)
+    is left alone, since without it a second writer could claim and rename over the first;
+    one that outlived ``CLAIM_STALE_S`` (a writer stalled 2 minutes) is swept, and the put
+    still succeeds. GC used to sweep the live claim, and the put then raised
+    FileNotFoundError from removing it although its object was in place: a committed
+    manifest reported as a failed save."""
+    disk = NoHardLinks()
+    store = LocalStore(str(tmp_path), disk=disk)
+    key = "runs/r/records/record.json"
+    path = str(tmp_path / key)
+    swept: list = []
+
+    def gc_in_the_window() -> None:
+        claim = path + ".claim"
+        assert os.path.exists(claim) and os.path.exists(path)
+        if claim_age_s:
+            then = time.time() - claim_age_s
+            os.utime(claim, (then, then))
+        report = gc(LocalStore(str(tmp_path), disk=NoHardLinks()), grace=0, now=time.time() + 5, wait=0)
+        swept.extend(k for k, _size in report.deleted)
+
+    disk.target, disk.before_unlink = path + ".claim", gc_in_the_window
+    assert store.put_if_absent(key, b"the object") is True
+    assert store.get(key) == b"the object"
+    assert (key + ".claim" in swept) == bool(claim_age_s)
+    assert not os.path.exists(path + ".claim")
+    assert store.put_if_absent(key, b"another") is False and store.get(key) == b"the object"
