@@ -10,6 +10,7 @@ damage and SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -19,6 +20,7 @@ from urllib.parse import urlparse, urlunparse
 import pytest
 
 from ckptflow import Checkpointer, NoValidCheckpointError, StoreUnavailableError, gc, open_store
+from ckptflow.chunks import leases
 from ckptflow.errors import ObjectNotFoundError, ObjectTooLargeError
 from ckptflow.format import layout as fmt
 from support.corrupt import rank_files
@@ -208,15 +210,18 @@ def test_crash_at_every_store_operation(store_url, when):
     with Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
         ck.save(2, tagged_state(2), kind="incremental")
     ops = fs.mutating_log()
-    assert ops[-1][1:] == ("put_if_absent", fmt.manifest_key(RUN, 2))
+    assert ops[-2][1:] == ("put_if_absent", fmt.manifest_key(RUN, 2))
+    assert ops[-1][1] == "delete" and ops[-1][2].startswith(leases.LEASES)  # the lease, held until the commit
     assert any(op == "touch" for _, op, _ in ops)  # the shared tensor was deduplicated
     for n in range(len(ops)):
         inner = store_with_a(f"crash-{n}")
         fs = FaultyStore(inner)
         fs.arm(n, when=when)
-        with Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4) as ck, pytest.raises(InjectedFault):
-            ck.save(2, tagged_state(2), kind="incremental")
-        committed = when == "after" and n == len(ops) - 1
+        released = n == len(ops) - 1  # the lease's release, after the commit: logged, and the save stands
+        with Checkpointer(fs, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+            with contextlib.nullcontext() if released else pytest.raises(InjectedFault):
+                ck.save(2, tagged_state(2), kind="incremental")
+        committed = released or (when == "after" and n == len(ops) - 2)
         with Checkpointer(inner, run=RUN, restore_rng=False) as fresh:
             state = blank_state()
             result = fresh.restore(state)
@@ -274,7 +279,8 @@ def test_gc_after_retention_deletes_exactly_the_unreferenced(store_url):
             assert ck.verify(step).ok and ck.restore(state, step=step).step == step and state_tag(state) == step
 
 
-def test_gc_grace_period_protects_an_in_flight_save(store_url):
+def test_gc_sweeps_nothing_of_a_save_about_to_commit(store_url):
+    """Its lease, held until the commit, keeps even a grace-0 GC away (``wait=0``: it skips)."""
     inner = open_store(store_url)
     with Checkpointer(inner, run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
         ck.save(1, tagged_state(1))
@@ -286,12 +292,12 @@ def test_gc_grace_period_protects_an_in_flight_save(store_url):
     saver.start()
     try:
         assert pause.reached.wait(30), "the save never reached its commit"
-        report = gc(inner, grace="1h", now=time.time() + 2)
+        report = gc(inner, grace=0, now=time.time() + 2, wait=0)
     finally:
         pause.release()
         saver.join(30)
     ck.close()
-    assert report.deleted == [] and outcome and outcome[0].step == 2
+    assert report.deleted == [] and report.skipped and outcome and outcome[0].step == 2
     with Checkpointer(inner, run=RUN, restore_rng=False) as fresh:
         state = blank_state()
         assert fresh.verify(2).ok and fresh.restore(state).step == 2 and state_tag(state) == 2
