@@ -43,6 +43,7 @@ class GCReport:
     dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
     live_leases: list[str] = field(default_factory=list)  # saves writing chunks (a dry run lists what it would do)
     skipped: str | None = None  # why nothing was swept, when nothing could safely be
+    restored: list[str] = field(default_factory=list)  # objects a killed conditional delete had taken aside
 
     @property
     def bytes(self) -> int:
@@ -162,6 +163,8 @@ def gc(
                 f"{DEAD_AFTER:.0f} s); run gc again when they finish"
             )
             return report
+        if not dry_run:  # before marking: a manifest put back protects its chunks
+            report.restored = store.settle_interrupted_deletes()
         marked = _mark(store, report)
         if marked is None:  # report.skipped says why
             return report

@@ -217,6 +217,13 @@ class Store(ABC):
         """Remove one of ``stale_temp_files``."""
         return None
 
+    def settle_interrupted_deletes(self) -> list[str]:
+        """Finish what conditional deletes (``delete_if``) killed midway left: the version
+        they were to delete goes, any other version goes back under its key; the keys put
+        back. For GC, before it marks (a manifest put back protects its chunks); a backend
+        whose conditional delete is one request leaves nothing."""
+        return []
+
     def metadata_store(self) -> Store:
         """Where small records (manifests, rank records) go: this store, or for a store
         that writes cold objects a view of the same root in a readable class."""

@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
+import re
+import time
 import uuid
 from abc import abstractmethod
 from collections.abc import Iterator
@@ -21,7 +24,9 @@ from typing import BinaryIO
 from ckptflow.errors import ObjectNotFoundError, StoreError
 from ckptflow.store.base import Buffers, Store
 from ckptflow.store.disk import Disk
-from ckptflow.store.local_writes import TEMP_PREFIX, DurableWriter, retrying_pruned
+from ckptflow.store.local_writes import DurableWriter, retrying_pruned
+
+log = logging.getLogger("ckptflow")
 
 
 class LocalCompareAndSwap(Store):
@@ -86,9 +91,13 @@ class LocalCompareAndSwap(Store):
         whatever other writers do) and compare what was taken: the expected version is
         deleted; another (deleted and created again since the check) is linked back,
         create-only. So no new object is ever deleted in the old one's place, and one that
-        differs at the check stays in place (taken aside, readers would miss it a moment)."""
+        differs at the check stays in place (taken aside, readers would miss it a moment).
+
+        The aside name says which version was to go (``_aside_name``), never a temp file's:
+        a process killed between the rename and the link back leaves the other version
+        there, which ``settle_interrupted_deletes`` puts back and GC never sweeps."""
         path = self._path(key)
-        aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+        aside = os.path.join(os.path.dirname(path), _aside_name(os.path.basename(path), expected))
         try:
             if _sha256_file(path) != expected:
                 return False
@@ -104,6 +113,47 @@ class LocalCompareAndSwap(Store):
         if os.path.exists(aside):
             self.disk.unlink(aside)
         return matches
+
+    def settle_interrupted_deletes(self) -> list[str]:
+        """See ``Store.settle_interrupted_deletes``. Only files taken aside at least
+        ``ASIDE_SETTLED_S`` ago (their ctime: the rename) are settled: a younger one may be a
+        live ``delete_if``'s, between its rename and its compare. Chunks are never deleted
+        conditionally, so their directory is not walked."""
+        restored = []
+        for dirpath, dirs, files in os.walk(self.root):
+            if dirpath == self.root and "chunks" in dirs:
+                dirs.remove("chunks")
+            for name in files:
+                found = _ASIDE.fullmatch(name)
+                aside = os.path.join(dirpath, name)
+                try:
+                    if found is None or time.time() - os.stat(aside).st_ctime < ASIDE_SETTLED_S:
+                        continue
+                    original = os.path.join(dirpath, found["name"])
+                    key = os.path.relpath(original, self.root).replace(os.sep, "/")
+                    if _sha256_file(aside) != found["version"]:  # not the version to delete: it goes back
+                        if not self._writer.link_new(aside, original):
+                            log.warning(
+                                "%s/%s was taken aside by a delete that was killed, and created again since; the "
+                                "version taken is kept in %s: compare the two",
+                                self.url, key, aside,
+                            )  # fmt: skip
+                            continue
+                        restored.append(key)
+                    self.disk.unlink(aside)
+                except FileNotFoundError:  # settled meanwhile
+                    continue
+        return restored
+
+
+ASIDE_SETTLED_S = 60.0  # a live delete_if holds a file aside for a compare: microseconds
+_ASIDE = re.compile(r"\.(?P<name>.+)\.aside-(?P<version>[0-9a-f]{64})-[0-9a-f]{32}")
+
+
+def _aside_name(name: str, expected: str) -> str:
+    """Hidden (never listed) and never a temp file's name (GC sweeps those): the name, the
+    version to delete, and a unique tail (two deletes of one key never share it)."""
+    return f".{name}.aside-{expected}-{uuid.uuid4().hex}"
 
 
 def _sha256_file(path: str) -> str:

@@ -1,0 +1,79 @@
+"""A conditional delete (``LocalStore.delete_if``) killed between the rename that takes its
+key's file aside and the link back of a version it was not to delete: that version is put
+back by the next GC, never swept as a temp file.
+
+The window is real without any bug elsewhere: retention expiring a commit record races a
+save that moves the same (damaged) record into quarantine and commits the step again; the
+retention's rename can take the new commit aside. It used to be a ``.tmp-`` file, which GC
+deleted, and the new checkpoint was lost with its chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptflow import Checkpointer, gc, open_store
+from ckptflow.format import layout as fmt
+from ckptflow.store import local_cas
+from support.child_env import child_env
+from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("recommitted", [True, False])
+def test_a_delete_killed_after_its_rename_loses_no_valid_version(tmp_path, monkeypatch, recommitted):
+    root = tmp_path / "store"
+    key = fmt.manifest_key(RUN, 1)
+    path = root / key
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    expired = path.read_bytes()
+    path.unlink()
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:  # the step saved again: another commit
+        ck.save(1, tagged_state(2))
+    recommit = tmp_path / "recommit.json"
+    recommit.write_bytes(path.read_bytes())
+    path.write_bytes(expired)  # the commit retention expires, read as this version
+    args = [str(root), key, hashlib.sha256(expired).hexdigest()] + ([str(recommit)] if recommitted else [])
+    child = subprocess.run(
+        [sys.executable, str(TESTS / "support" / "killed_delete.py"), *args],
+        env=child_env(TESTS.parent),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert not path.exists()  # taken aside, and the process died before putting anything back
+
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0, raising=False)  # as if a minute had passed
+    report = gc(open_store(str(root)), grace=0, now=time.time() + 5)
+    assert not list(root.rglob(".*.aside-*"))
+    if not recommitted:  # the aside file held the version to delete: its delete is finished
+        assert not path.exists() and getattr(report, "restored", None) == []
+        return
+    assert path.exists() and path.read_bytes() == recommit.read_bytes()  # the new commit is back
+    assert getattr(report, "restored", None) == [key]
+    with Checkpointer(str(root), RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
+        state = blank_state()
+        assert ck.restore(state).step == 1 and state_tag(state) == 2
+
+
+def test_gc_leaves_a_file_a_live_delete_has_taken_aside(tmp_path):
+    """A file taken aside less than ``ASIDE_SETTLED_S`` ago may be a running delete's,
+    between its rename and its compare: GC neither puts it back nor deletes it."""
+    store = open_store(str(tmp_path))
+    store.put_if_absent("locks/gc.json", b"a holder's lock")
+    version = store.get_versioned("locks/gc.json")[1]
+    aside = tmp_path / "locks" / f".gc.json.aside-{version}-{'0' * 32}"
+    (tmp_path / "locks" / "gc.json").rename(aside)
+    assert store.settle_interrupted_deletes() == []
+    assert aside.exists() and not store.exists("locks/gc.json")
