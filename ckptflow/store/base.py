@@ -7,6 +7,7 @@ parallel filesystem) is one class; the optional capabilities have defaults. Keys
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import re
 from abc import ABC, abstractmethod
@@ -217,7 +218,7 @@ class Store(ABC):
         """Remove one of ``stale_temp_files``."""
         return None
 
-    def settle_interrupted_deletes(self) -> list[str]:
+    def settle_interrupted_deletes(self) -> builtins.list[str]:
         """Finish what conditional deletes (``delete_if``) killed midway left: the version
         they were to delete goes, any other version goes back under its key; the keys put
         back. For GC, before it marks (a manifest put back protects its chunks); a backend
