@@ -108,7 +108,7 @@ def test_gc_deletes_unreferenced_chunks(store, capsys):
     code, out, _ = run_cli(capsys, "gc", root, "--grace", "1h")
     assert code == 0 and out.startswith("deleted 0 object(s)")  # everything is younger than 1h
     before = all_files(root)
-    code, _, err = run_cli(capsys, "gc", root, "--grace", "0")  # shown unsafe: tests/catalog/test_gc.py
+    code, _, err = run_cli(capsys, "gc", root, "--grace", "0")  # unsafe for writes without a save lease
     assert code == 2 and "--force" in err and "save still running" in err
     assert all_files(root) == before
     code, out, _ = run_cli(capsys, "gc", root, "--grace", "0", "--force")
