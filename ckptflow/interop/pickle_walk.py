@@ -15,9 +15,16 @@ A pickle's bytes do not bound what unpickling it and reading the result cost:
   referenced, costs (per 64 bytes, a 132 KB file of dicts keyed by two 64 KB strings wrote
   255 MB). Each dict key and set element
   (hashed), each call's arguments and the result (which readers walk) are charged;
-- numbers whose hashes can be made equal (ints beyond 32 bits, floats), as dict keys or set
-  elements: each insertion compares with all before (20,000 took 2 s, a million would take
-  hours), so at most ``MAX_COLLIDABLE_KEYS`` (``collidable``);
+- dict keys and set elements whose hashes the file chooses: ints hash as their value modulo
+  2^61 - 1 and floats as the rational they are, so from 2^61 - 1 on ints, and floats at all,
+  can share one hash, and each insertion calls ``==`` with all before (20,000 took 2 s, a
+  million would take hours): at most ``MAX_COLLIDABLE_KEYS`` (``collidable``). Distinct
+  hashes do not save the rest: a dict probes the slots its hash picks, so ints of any size
+  (43,682 below 2^20 took 0.48 s, 87,373 took 1.8 s, a million would take minutes) can be
+  chosen to probe one run of filled slots. At most ``MAX_PROBING_KEYS`` of them, but for
+  ints a dict takes in ascending order, none past 1.5 times the count taken so far (an
+  optimizer state's 0, 1, 2...): each is below the dict's size, in a slot of its own
+  (``probing``). A set's elements are counted as the ``set(list)`` call hashes them;
 - how deep a value nests (``depth``): hashing a dict key, comparing or printing a value recurses
   in C, so a key nested 200,000 deep (a 200 KB file, a byte a level) killed the import process
   with SIGSEGV; a state nests at most ``state_checks.MAX_NESTING`` levels anyway, so at most
@@ -33,16 +40,18 @@ from __future__ import annotations
 import pickletools
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ckptflow.interop.state_checks import MAX_NESTING
 
 STRING_UNIT = 16  # bytes of a string or number that weigh as much as one object (~70 bytes built)
 MAX_COLLIDABLE_KEYS = 1024  # their insertions compare with each other: ~500,000 comparisons at most
+MAX_PROBING_KEYS = 1 << 16  # crafted to probe one run of slots: ~2 billion probes, ~1 s at most
+_HASH_MODULUS = (1 << 61) - 1  # CPython hashes an int by its value modulo this
+_HASHED_INT = 1 << 64  # an int key below this is hashed to see whether it shares a hash; above, it is counted as if
 # levels a value may nest: a state's (``MAX_NESTING``) twice over, and a tensor's rebuild (~10 levels)
 MAX_DEPTH = 2 * MAX_NESTING + 32
-_SAFE_INT = 1 << 31  # ints below this, distinct, hash distinctly (and tuples of them, but for ~2^33 tries each)
 
 _CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 # opcodes that build nothing: the singletons and cached small ints (a stack slot each), those that fill a
@@ -58,17 +67,16 @@ _NO_OBJECT_OPCODES = {
 # index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
 _MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 
-# A value on the walk's stack: (weight, what it is, whether its hash can be made to collide, how deep it
-# nests: 1 for a value holding none). What it
-# is: ("global", dotted name), ("str", the string), ("bytes",), ("int",), ("tuple", its first items'
-# kinds), or None (a list, dict, call result...)
+# A value on the walk's stack: (weight, what it is, how many values it holds (itself too) whose hash can
+# be made equal to another's, how deep it nests: 1 for a value holding none). What it is: ("global",
+# dotted name), ("str", the string), ("bytes",), ("int" or "float", the number), ("tuple", its first items'
+# kinds), ("keys", ints taken in ascending order, the last of them) for a dict or set filled, or None (a
+# list, call result...)
 Kind = tuple[Any, ...] | None
-Value = tuple[int, Kind, bool, int]
-_INT: Kind = ("int",)
+Value = tuple[int, Kind, int, int]
 _BYTES: Kind = ("bytes",)
-_PLAIN: Value = (1, None, False, 1)
-_EMPTY_TUPLE: Value = (1, ("tuple", ()), False, 1)
-_SMALL_INT: Value = (1, _INT, False, 1)
+_PLAIN: Value = (1, None, 0, 1)
+_EMPTY_TUPLE: Value = (1, ("tuple", ()), 0, 1)
 
 # how the walk takes each opcode (``_PLAN``)
 _MEMO_WRITE, _MEMOIZE, _GET, _MARK, _NOTHING, _STOP, _POP, _DUP = range(8)
@@ -137,7 +145,9 @@ class PickleBudget:
     calls: int = 0
     objects: int = 0
     visits: int = 0  # values counted with all they hold, as they are hashed, called or read
-    collidable: int = 0  # dict keys and set elements whose hashes can be made equal
+    collidable: int = 0  # dict keys and set elements whose hash is, or can be made, another's
+    probing: int = 0  # dict keys and set elements whose hashes the file chooses
+    hashes: dict[int, Any] = field(default_factory=dict)  # the number keys' hashes (``_keys_taken``)
     depth: int = 0  # the deepest a value nests
     refused_call: str = ""  # a call torch.save does not write: what it calls
 
@@ -158,6 +168,7 @@ def count_built(
     The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each."""
     first = objects = budget.objects
     called, visits, collidable, refused = budget.calls, budget.visits, budget.collidable, budget.refused_call
+    probing = budget.probing
     deepest = budget.depth
     cap = max_visits + 1  # weights saturate: past the bound they need not be exact
     stack: list[Value] = []
@@ -180,14 +191,14 @@ def count_built(
         """A value holding ``items`` (``filled``: the first is a container or object they
         fill, as deep as it was or one more than they are)."""
         nonlocal deepest
-        weight, collides, depth = 1, False, 1
+        weight, collides, depth = 1, 0, 1
         for value in items[1:] if filled else items:
             weight += value[0]
-            collides = collides or value[2]
+            collides += value[2]
             depth = max(depth, value[3] + 1)
         if filled:
             weight += items[0][0]
-            collides = collides or items[0][2]
+            collides += items[0][2]
             depth = max(depth, items[0][3])
         deepest = max(deepest, depth)
         return (weight if weight < cap else cap), kind, collides, depth
@@ -206,17 +217,15 @@ def count_built(
             if step == _MEMO_WRITE and isinstance(arg, int):  # its index
                 objects = max(objects, first + arg)
             memo[arg if step == _MEMO_WRITE else len(memo)] = stack[-1]
-        elif step == _NUMBER and not isinstance(arg, float) and -_SAFE_INT <= arg < _SAFE_INT:
-            stack.append(_SMALL_INT)
         elif step == _LEAF or step == _EMPTY:
             stack.append(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
         elif step == _MARK:
             marks.append(len(stack))
         elif step == _NUMBER and isinstance(arg, float):
-            stack.append((1, None, True, 1))
+            stack.append((1, ("float", arg), 1, 1))
         elif step == _NUMBER:
-            big = not -_SAFE_INT <= arg < _SAFE_INT
-            stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap) if big else 1, _INT, big, 1))
+            alike = int(not -_HASH_MODULUS < arg < _HASH_MODULUS)
+            stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap), ("int", arg), alike, 1))
         elif step == _STRING or step == _BYTE_STRING:
             kind = ("str", arg) if step == _STRING else _BYTES
             stack.append((min(1 + len(arg) // STRING_UNIT, cap), kind, False, 1))
@@ -229,6 +238,8 @@ def count_built(
             value = made(items, _BYTES if items[0][1] == ("global", "_codecs.encode") else None)
             visits += value[0] - 1 - items[0][0]  # its arguments
             refused = refused or _refused_call(calls, items[0][1], items[1][1])
+            if items[0][1] in _HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
+                collidable += items[1][2]
             stack.append(value)
         elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
             called += call
@@ -236,14 +247,17 @@ def count_built(
             fixed = pop(_FILLED.get(op.name, 0) if step == _MARKED_FILL else taken)
             hashed = _hashed(op.name, fixed, items)
             visits += sum([v[0] for v in hashed])
-            collidable += sum([v[2] for v in hashed])
+            taken_keys = fixed[0][1] if fixed and op.name in _FILLS and _is(fixed[0][1], "keys") else ("keys", 0, -1)
+            if hashed:
+                taken_keys, chosen, equal = _keys_taken(taken_keys, hashed, budget.hashes)
+                probing, collidable = probing + chosen, collidable + equal
             if op.name in ("INST", "OBJ"):
                 target = ("global", _dotted(arg)) if op.name == "INST" else (items[0][1] if items else None)
                 args = items if op.name == "INST" else items[1:]
                 visits += sum([v[0] for v in args])
                 refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
             if op.name != "POP_MARK":
-                kind = fixed[0][1] if op.name == "READONLY_BUFFER" else None
+                kind = fixed[0][1] if op.name == "READONLY_BUFFER" else taken_keys if hashed else None
                 stack.append(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS))
         elif step == _GLOBAL:
             stack.append((1, ("global", _dotted(arg)), False, 1))
@@ -262,12 +276,13 @@ def count_built(
             or objects > max_objects
             or visits > max_visits
             or collidable > MAX_COLLIDABLE_KEYS
+            or probing > MAX_PROBING_KEYS
             or deepest > MAX_DEPTH
             or refused
         ):  # fmt: skip
             break
     budget.objects, budget.calls, budget.visits, budget.collidable = objects, called, visits, collidable
-    budget.depth = deepest
+    budget.depth, budget.probing = deepest, probing
     budget.refused_call = refused
 
 
@@ -284,6 +299,35 @@ def _hashed(name: str, fixed: list[Value], items: list[Value]) -> list[Value]:
     if name in ("DICT", "SETITEMS"):
         return items[::2]
     return items if name in ("ADDITEMS", "FROZENSET") else []
+
+
+# calls that hash the elements of the list or dict they are given
+_HASHING_CALLS = {("global", name) for name in ("builtins.set", "builtins.frozenset", "collections.Counter")}
+
+
+def _keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tuple[Kind, int, int]:
+    """A dict's or set's ``taken`` ("keys", ints taken in ascending order, the last) once it
+    takes the ``hashed`` keys, with how many of those have hashes the file chooses and how
+    many share one with another (``hashes``: the first number of each hash the import's
+    chosen numbers have, None once another shares it). An int above the last and at most
+    1.5 times the count is below the dict's size (CPython grows it past 1.5 times its keys),
+    in a slot no other such int has. A tuple or call result counts by the numbers it holds
+    that can share a hash; one holding smaller ints is not counted."""
+    _, count, last = taken  # type: ignore[misc]
+    chosen = equal = 0
+    for _, kind, collides, _ in hashed:
+        number = kind[1] if _is(kind, "int", "float") else None  # type: ignore[index]
+        if type(number) is int and last < number <= count * 3 // 2:
+            count, last = count + 1, number
+        elif number is not None and -_HASHED_INT < number < _HASHED_INT:  # a float, or an int worth hashing
+            chosen += 1
+            first = hashes.setdefault(hash(number), number)
+            if first is None or first != number:  # the hash is shared: this key, and the first if not counted yet
+                equal += 1 if first is None else 2
+                hashes[hash(number)] = None
+        elif collides:
+            chosen, equal = chosen + 1, equal + collides
+    return ("keys", count, last), chosen, equal
 
 
 def _dotted(module_and_name: str) -> str:
@@ -319,8 +363,14 @@ def walk_problem(budget: PickleBudget, max_visits: int) -> str:
         )
     if budget.collidable > MAX_COLLIDABLE_KEYS:
         return (
-            f"keys dicts or sets by more than {MAX_COLLIDABLE_KEYS} numbers beyond 32 bits or floats, whose hashes "
-            "can be made equal (each insertion would then compare with all before)"
+            f"keys dicts or sets by more than {MAX_COLLIDABLE_KEYS} ints of 2^61 - 1 or more, or floats, whose "
+            "hashes can be made equal (each insertion would then compare with all before)"
+        )
+    if budget.probing > MAX_PROBING_KEYS:
+        return (
+            f"keys dicts or sets by more than {MAX_PROBING_KEYS} numbers (beyond ascending ints like an optimizer "
+            "state's 0, 1, 2...), whose hashes can be chosen to probe one run of slots (each insertion would then "
+            "pass all before); key such a table by strings"
         )
     if budget.visits > max_visits:
         return (

@@ -85,7 +85,10 @@ def test_dict_keys_whose_hashes_can_collide_are_bounded(tmp_path):
     _torch_file(tmp_path / "fits.pt", keys(pickle_walk.MAX_COLLIDABLE_KEYS))
     _torch_file(tmp_path / "collide.pt", keys(pickle_walk.MAX_COLLIDABLE_KEYS + 1))
     assert len(importers.read_source(tmp_path / "fits.pt").state["junk"]) == pickle_walk.MAX_COLLIDABLE_KEYS
-    _refused(tmp_path / "collide.pt", f"keys dicts or sets by more than {pickle_walk.MAX_COLLIDABLE_KEYS} numbers")
+    _refused(
+        tmp_path / "collide.pt",
+        f"keys dicts or sets by more than {pickle_walk.MAX_COLLIDABLE_KEYS} ints of 2\\^61 - 1 or more",
+    )
 
 
 _STORAGE = object()  # pickled as the persistent id of storage "0"
