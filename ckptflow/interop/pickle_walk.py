@@ -114,6 +114,7 @@ def _is(kind: Kind, *what: str) -> bool:
 
 
 _ANY: Callable[[Kind], bool] = lambda args: True
+_ORDERED_DICT: Kind = ("global", "collections.OrderedDict")  # torch.save writes an empty one for a tensor's hooks
 _TENSOR_REBUILDS = {f"torch._utils._rebuild_{name}" for name in ("tensor", "tensor_v2", "tensor_v3", "parameter")}
 # tensors that allocate nothing their storages do not hold, which the import then refuses by name (on the meta
 # device, sparse, quantized: ``state_checks``)
@@ -162,8 +163,9 @@ def count_built(
     calls: Mapping[str, Callable[[Kind], bool]] | None = None,
 ) -> None:
     """Charge ``budget`` with what the pickle in ``f`` builds (until it is over a bound):
-    each call, every other object or reference an opcode, a memo written at index i as i
-    objects, the visits and collidable keys the module docstring describes; and, with
+    each call but an empty ``OrderedDict()`` (a tensor's hooks, an object like ``{}``), every
+    other object or reference an opcode, a memo written at index i as i objects, the visits
+    and the keys whose hashes the file chooses the module docstring describes; and, with
     ``calls``, record the first call to anything else, or given anything else, than it allows.
     The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each."""
     first = objects = budget.objects
@@ -233,8 +235,8 @@ def count_built(
             items = pop(taken, to_mark=step == _MARKED_TUPLE)
             stack.append(made(items, ("tuple", tuple([v[1] for v in items[:4]]))))
         elif step == _CALL:  # REDUCE, NEWOBJ, NEWOBJ_EX: the callable, then its arguments
-            called += 1
             items = pop(taken)
+            called += items[0][1] != _ORDERED_DICT or items[1][1] != ("tuple", ())  # an empty one is an object
             value = made(items, _BYTES if items[0][1] == ("global", "_codecs.encode") else None)
             visits += value[0] - 1 - items[0][0]  # its arguments
             refused = refused or _refused_call(calls, items[0][1], items[1][1])

@@ -46,11 +46,12 @@ from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, PickleBudget, count_b
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
-# torch.save makes two calls per tensor (its rebuild, its hooks' OrderedDict) and a few per file (a
-# module's state_dict: its OrderedDict and _metadata), so a file of MAX_NAMES tensors passes; one that
-# shares the OrderedDict builds at most twice as many tensors
+# torch.save makes a call per tensor (its rebuild; its hooks' empty OrderedDict is counted as an object)
+# and two per Parameter (its rebuild and its data's: ``state_dict(keep_vars=True)``), and a few per file (a
+# module's state_dict: its OrderedDict and _metadata), so a file of MAX_NAMES Parameters passes
+CALLS_PER_TENSOR = 2
 CALLS_PER_FILE = 16
-MAX_CALLS = 2 * MAX_NAMES + CALLS_PER_FILE
+MAX_CALLS = CALLS_PER_TENSOR * MAX_NAMES + CALLS_PER_FILE
 # torch.save builds and references 17 to 22 objects per tensor (its name, storage key, sizes, strides, their
 # tuples and marks, its calls, memo reads of its globals: 21 for BERT's state dict, 22 for a 6-d tensor of
 # large sizes); each costs at most ~70 bytes
@@ -109,8 +110,8 @@ def check_plain_zip(
         )
     if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
         built = (
-            f"objects by calls (a tensor is one) than the {MAX_CALLS} a file of "
-            f"{(MAX_CALLS - CALLS_PER_FILE) // 2} tensors makes"
+            f"objects by calls (a tensor is one, a Parameter two) than the {MAX_CALLS} a file of "
+            f"{(MAX_CALLS - CALLS_PER_FILE) // CALLS_PER_TENSOR} Parameters makes"
             if budget.calls > MAX_CALLS
             else f"objects (dicts, lists, tuples, strings, numbers, tensors, references) than the {MAX_OBJECTS} a "
             f"file of {MAX_OBJECTS // OBJECTS_PER_TENSOR} tensors makes"

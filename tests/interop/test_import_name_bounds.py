@@ -107,18 +107,19 @@ def test_a_torch_file_is_counted_from_its_pickle_before_torch_load_builds_anythi
     of .pt) took torch.load 10 s and 470 MB (mmap=True the same: the cost is the tensor
     objects, not their bytes), and 2^20 of them 80 MB of file, 1.6 GB and 35 s, before the
     import refused them. The pickle's calls are counted opcode by opcode first (torch.save
-    makes two per tensor). The bound lowered to 100 tensors: writing a million takes minutes."""
+    makes one per tensor, two per Parameter). The bound lowered to 100 Parameters: writing a
+    million takes minutes."""
     from ckptflow.interop import torch_files
 
     limit = 2 * 100 + torch_files.CALLS_PER_FILE
     monkeypatch.setattr(torch_files, "MAX_CALLS", limit, raising=False)
     base = torch.zeros(1)
-    torch.save({hex(i): base[0:0] for i in range(110)}, tmp_path / "views.pt")
+    torch.save({hex(i): base[0:0] for i in range(220)}, tmp_path / "views.pt")
     torch.save({hex(i): base[0:0] for i in range(100)}, tmp_path / "fits.pt")
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load reached"))
     with pytest.raises(
-        CkptflowError, match=f"views.pt builds more objects by calls .* than the {limit} a file of 100 tensors makes"
+        CkptflowError, match=f"views.pt builds more objects by calls .* than the {limit} a file of 100 Parameters makes"
     ):
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "views.pt")
     assert not (tmp_path / "store" / "runs").exists()

@@ -13,6 +13,7 @@ Bounds lowered: a file near the real ones takes minutes to write and read.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 import zipfile
 
@@ -115,22 +116,43 @@ def test_a_compressed_pickle_is_refused_before_it_is_read(tmp_path, monkeypatch)
     assert not (tmp_path / "store" / "runs").exists()
 
 
-def test_a_file_of_as_many_tensors_as_an_import_takes_is_within_the_calls_bound(tmp_path):
-    """torch.save makes two calls per tensor and two more per file, so ``MAX_CALLS = 2 x
-    MAX_NAMES`` refused a file of exactly ``MAX_NAMES`` tensors, which the name bound admits.
-    Counted on real files of 40 and 80 tensors: each tensor adds the same calls, so the
-    count at ``MAX_NAMES`` is exact."""
+@pytest.mark.parametrize("keep_vars", [False, True], ids=["tensors", "Parameters"])
+def test_a_file_of_as_many_tensors_as_an_import_takes_is_within_the_calls_bound(tmp_path, keep_vars):
+    """torch.save made two calls per tensor and two more per file, so ``MAX_CALLS = 2 x
+    MAX_NAMES`` refused a file of exactly ``MAX_NAMES`` tensors, which the name bound admits;
+    and four per Parameter (``state_dict(keep_vars=True)``), so 524,289 were refused. A
+    tensor's hooks' empty ``OrderedDict()`` counts as an object: one call per tensor, two per
+    Parameter. Counted on real files of 40 and 80: each adds the same calls, so the count at
+    ``MAX_NAMES`` is exact."""
     from ckptflow.interop.source_files import MAX_NAMES
 
     def calls(n: int) -> int:  # a module's state_dict: an OrderedDict with its _metadata
-        torch.save(
-            torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(n // 2))).state_dict(), tmp_path / f"{n}.pt"
-        )
+        module = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(n // 2)))
+        torch.save(module.state_dict(keep_vars=keep_vars), tmp_path / f"{n}.pt")
         budget = torch_files.PickleBudget()
         torch_files.check_plain_zip(tmp_path / f"{n}.pt", "test", budget=budget)
         return budget.calls
 
     per_tensor = (calls(80) - calls(40)) / 40
-    assert per_tensor == 2
+    assert per_tensor == (torch_files.CALLS_PER_TENSOR if keep_vars else 1)
     at_the_name_bound = calls(40) + per_tensor * (MAX_NAMES - 40)
     assert at_the_name_bound <= torch_files.MAX_CALLS
+
+
+def test_a_file_of_as_many_parameters_as_the_calls_refusal_names_imports(tmp_path, monkeypatch):
+    """A Parameter made four calls, so a ``state_dict(keep_vars=True)`` of 600,000 of them,
+    within the 2^20 names an import takes, was refused as building 'more objects by calls (a
+    tensor is one) than the 2097168 a file of 1048576 tensors makes'. Bound lowered to 100."""
+    monkeypatch.setattr(torch_files, "MAX_CALLS", 2 * 100 + torch_files.CALLS_PER_FILE)
+
+    def saved(n: int):
+        module = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(1)) for _ in range(n))
+        torch.save(module.state_dict(keep_vars=True), tmp_path / f"{n}.pt")
+        return tmp_path / f"{n}.pt"
+
+    with pytest.raises(CkptflowError, match=r"builds more objects by calls .* a file of \d+ \w+ makes") as refused:
+        importers.read_source(saved(300))
+    claimed = int(re.search(r"a file of (\d+) ", str(refused.value)).group(1))
+    assert claimed == 100
+    state = importers.read_source(saved(claimed)).state
+    assert len(state["model"]) == claimed and all(t.tolist() == [1.0] for t in state["model"].values())
