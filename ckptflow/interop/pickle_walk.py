@@ -119,6 +119,8 @@ _TENSOR_REBUILDS = {f"torch._utils._rebuild_{name}" for name in ("tensor", "tens
 # tensors that allocate nothing their storages do not hold, which the import then refuses by name (on the meta
 # device, sparse, quantized: ``state_checks``)
 _REFUSED_LATER = {f"torch._utils._rebuild_{name}" for name in ("meta_tensor_no_storage", "sparse_tensor", "qtensor")}
+# what torch.save writes for a nested tensor (torch.nested: strided, jagged), refused by name where it is named
+NESTED_TENSORS = {"torch._utils._rebuild_nested_tensor", "torch.nested._internal.nested_tensor._rebuild_njt"}
 # the calls torch.save writes for CPU tensors and plain values (pickle protocol 2), with what it gives them:
 # a tensor rebuild views the file's storage; bytes come from latin-1 strings, bytearrays from them (or from
 # nothing); sets and Counters from a list or dict, not a string (a set of its characters); _rebuild_from_type_v2
@@ -150,7 +152,7 @@ class PickleBudget:
     probing: int = 0  # dict keys and set elements whose hashes the file chooses
     hashes: dict[int, Any] = field(default_factory=dict)  # the number keys' hashes (``_keys_taken``)
     depth: int = 0  # the deepest a value nests
-    refused_call: str = ""  # a call torch.save does not write: what it calls
+    refused_call: str = ""  # a call torch.save does not write, or a nested tensor's rebuild: what it calls
 
 
 def count_built(
@@ -261,12 +263,15 @@ def count_built(
             if op.name != "POP_MARK":
                 kind = fixed[0][1] if op.name == "READONLY_BUFFER" else taken_keys if hashed else None
                 stack.append(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS))
-        elif step == _GLOBAL:
-            stack.append((1, ("global", _dotted(arg)), False, 1))
-        elif step == _STACK_GLOBAL:
-            module, attr = (v[1] for v in pop(2))
-            dotted = f"{module[1]}.{attr[1]}" if module and attr and module[0] == attr[0] == "str" else None
-            stack.append((1, ("global", dotted), False, 1))
+        elif step == _GLOBAL or step == _STACK_GLOBAL:
+            if step == _GLOBAL:
+                dotted: str | None = _dotted(arg)
+            else:
+                module, attr = (v[1] for v in pop(2))
+                dotted = f"{module[1]}.{attr[1]}" if module and attr and module[0] == attr[0] == "str" else None
+            stack.append((1, ("global", dotted), 0, 1))
+            if calls is not None and dotted in NESTED_TENSORS:  # refused by name, before what it is given
+                refused = refused or dotted
         elif step == _DUP:
             stack.extend(pop(1) * 2)
         elif step == _POP:
@@ -352,6 +357,11 @@ def _refused_call(calls: Mapping[str, Callable[[Kind], bool]] | None, target: Ki
 
 def walk_problem(budget: PickleBudget, max_visits: int) -> str:
     """Why the walk's budget refuses the pickle beyond its calls and objects, in words, or ''."""
+    if budget.refused_call in NESTED_TENSORS:
+        return (
+            f"holds a nested tensor (torch.nested, rebuilt by {budget.refused_call}), which ckptflow does not "
+            "import: save its tensors instead, t.unbind() (a list of them) or t.to_padded_tensor(0.0)"
+        )
     if budget.refused_call:
         return (
             f"calls {budget.refused_call} in its pickle, which torch.save writes for no tensor or plain value; "

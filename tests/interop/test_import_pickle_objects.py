@@ -156,3 +156,20 @@ def test_a_file_of_as_many_parameters_as_the_calls_refusal_names_imports(tmp_pat
     assert claimed == 100
     state = importers.read_source(saved(claimed)).state
     assert len(state["model"]) == claimed and all(t.tolist() == [1.0] for t in state["model"].values())
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_a_nested_tensor_is_refused_by_name(tmp_path, layout):
+    """torch.save writes ``_rebuild_nested_tensor`` for a nested tensor (``_rebuild_njt`` for a
+    jagged one), which the walk refused as 'a call torch.save writes for no tensor or plain
+    value', naming neither the nested tensor nor what to save instead."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nested's prototype warning
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    torch.save({"w": torch.ones(2), "nested": nested}, tmp_path / "nested.pt")
+    with pytest.raises(CkptflowError) as refused:
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "nested.pt")
+    message = str(refused.value)
+    assert "nested.pt holds a nested tensor (torch.nested" in message, message
+    assert "t.unbind()" in message and "to_padded_tensor" in message and "writes for no tensor" not in message
+    assert not (tmp_path / "store" / "runs").exists()
