@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.tiling import tiling_problem
-from ckptflow.interop.dcp_metadata_file import METADATA_FILE, read_metadata
+from ckptflow.interop.dcp_metadata_file import IF_TRUSTED, METADATA_FILE, read_metadata
 from ckptflow.interop.pickle_walk import PickleBudget
 from ckptflow.interop.source_files import check_regular_file
 from ckptflow.interop.torch_files import check_plain_zip, weights_only_refusal
@@ -140,7 +140,8 @@ def _item_bytes(directory: str, info: _StorageInfo, fqn: str) -> bytes:
 
 
 def _torch_load(data: bytes, what: str, budget: PickleBudget) -> Any:
-    check_plain_zip(data, what, error=DcpFormatError, budget=budget)  # the items together: one file's bounds
+    # the items together within one file's bounds
+    check_plain_zip(data, what, error=DcpFormatError, budget=budget, otherwise=IF_TRUSTED)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -148,8 +149,7 @@ def _torch_load(data: bytes, what: str, budget: PickleBudget) -> Any:
         raise DcpFormatError(
             f"{what} is a pickled Python object that torch.load(weights_only=True) refuses ({first}); ckptflow "
             "never unpickles anything else, since that can run code. Store such values as JSON-able data "
-            "(numbers, strings, lists, dicts) or tensors, or, if you trust the checkpoint, dcp.load it "
-            "yourself and save the state through a Checkpointer"
+            f"(numbers, strings, lists, dicts) or tensors, or, {IF_TRUSTED}"
         ) from None
     except (RuntimeError, EOFError, ValueError) as e:
         raise DcpFormatError(f"{what} is not a readable torch.save item ({type(e).__name__}: {e})") from None

@@ -70,6 +70,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 _PATHS = {("pathlib", name): getattr(pathlib, name) for name in ("PosixPath", "PurePosixPath", "PureWindowsPath")}
 MAX_PATH_CHARS = 4096  # PATH_MAX
 MAX_FILE_BYTES = 1 << 63  # a file offset or length (off_t)
+# what to do with a DCP checkpoint an import refuses but its writer may trust
+IF_TRUSTED = "if you trust the checkpoint, dcp.load it yourself and save the state through a Checkpointer"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -185,7 +187,13 @@ def _check_metadata(md: Any, where: str) -> None:
         if not isinstance(tensor.chunks, list):
             raise bad(f"the pieces of tensor {_shown(fqn)} are not a list")
     pieces = sum(len(tensor.chunks) for tensor in tensors.values())
-    check_name_count(pieces, where, error=DcpFormatError, what="tensor pieces (a shared description's for each name)")
+    check_name_count(
+        pieces,
+        where,
+        error=DcpFormatError,
+        what="tensor pieces (shards, those of a description several names share counted for each)",
+        advice=f"Import it in parts, each a checkpoint of fewer tensors or shards, or, {IF_TRUSTED} (tensors whole)",
+    )
     for fqn, item in md.state_dict_metadata.items():
         if not isinstance(fqn, str):
             raise bad(f"the name {_shown(fqn)} is not a string")

@@ -57,10 +57,16 @@ def read_json_file(path: str | os.PathLike, *, limit: int, what: str = "") -> An
 
 
 def check_name_count(
-    count: int, where: str, *, error: type[CkptflowError] = CkptflowError, what: str = "tensors"
+    count: int,
+    where: str,
+    *,
+    error: type[CkptflowError] = CkptflowError,
+    what: str = "tensors",
+    advice: str = "Import it in parts, each a checkpoint of its own, if that many are meant",
 ) -> None:
     """Refuse a source naming more than ``MAX_NAMES`` tensors (or ``what``: the pieces of DCP's
-    tensors, each a tensor read), before anything is allocated per name. The bytes on disk do
+    tensors, each a tensor read, with what to do instead: ``advice``), before anything is
+    allocated per name. The bytes on disk do
     not bound it: an empty tensor holds no data, and its name costs about 50 bytes of a
     safetensors header, or 10 of DCP metadata that points every name at one pickled
     description, but kilobytes once imported and saved (a tensor object, a manifest entry): a
@@ -68,6 +74,5 @@ def check_name_count(
     if count > MAX_NAMES:
         raise error(
             f"{where} names {count} {what}, more than the {MAX_NAMES} one import takes (each costs the import "
-            "and its checkpoint memory whatever its size, an empty one too); refused before reading them. Import "
-            "it in parts, each a checkpoint of its own, if that many are meant"
+            f"and its checkpoint memory whatever its size, an empty one too); refused before reading them. {advice}"
         )

@@ -76,11 +76,14 @@ def check_plain_zip(
     *,
     error: type[CkptflowError] = CkptflowError,
     budget: PickleBudget | None = None,
+    otherwise: str = "",
 ) -> None:
     """Raise ``error`` unless ``source`` (a file, or the bytes of one) is torch.save's zip
     with every entry stored uncompressed and all entries together within its size, so
     ``torch.load`` allocates nothing the bytes do not hold, and its pickle builds no more
-    calls and objects than ``budget`` (the import's so far, charged with these) has left."""
+    calls and objects than ``budget`` (the import's so far, charged with these) has left.
+    ``otherwise``: what else its writer may do, after the advice a refused pickle gets."""
+    otherwise = f", or, {otherwise}" if otherwise else ""
     budget = PickleBudget() if budget is None else budget
     try:
         if isinstance(source, bytes):
@@ -106,7 +109,7 @@ def check_plain_zip(
     if problem:
         raise error(
             f"{what} {problem}: refused before torch.load runs its pickle. Save tensors and plain values "
-            "(numbers, strings, lists, dicts) with torch.save"
+            f"(numbers, strings, lists, dicts) with torch.save{otherwise}"
         )
     if budget.calls > MAX_CALLS or budget.objects > MAX_OBJECTS:
         built = (
@@ -119,7 +122,7 @@ def check_plain_zip(
         raise error(
             f"{what} builds more {built}, the most one import takes; refused before torch.load builds "
             "them (each costs memory whatever its size, an empty view or an empty dict too). Import it in parts, "
-            "each a checkpoint of its own"
+            f"each a checkpoint of its own{otherwise}"
         )
 
 

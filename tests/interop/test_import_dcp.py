@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import shutil
+import types
 from collections import OrderedDict
 
 import numpy as np
@@ -163,6 +164,20 @@ def test_hostile_byte_io_item_is_refused_without_running(tmp_path):
     # DCP's own reader would have run it: the item really is hostile
     dcp.load({"w": torch.zeros(3), "obj": None}, storage_reader=FileSystemReader(directory), no_dist=True)
     assert marker.exists()
+
+
+def test_a_byte_io_item_the_walk_refuses_says_to_load_it_with_dcp_if_trusted(tmp_path):
+    """A non-tensor value torch.load(weights_only=True) refuses was told to dcp.load the
+    checkpoint itself if trusted; refused by the pickle walk first, the advice was lost."""
+    directory = str(tmp_path / "dcp")
+    config = types.SimpleNamespace(lr=0.1)
+    dcp.save({"w": torch.ones(3), "config": config}, storage_writer=FileSystemWriter(directory), no_dist=True)
+    with pytest.raises(DcpFormatError) as refused:
+        import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+    message = str(refused.value)
+    assert "'config' in" in message and "calls types.SimpleNamespace in its pickle" in message, message
+    assert "if you trust the checkpoint, dcp.load it yourself and save the state through a Checkpointer" in message
+    assert not os.path.exists(tmp_path / "store" / "runs")
 
 
 def test_item_outside_the_directory_is_refused(tmp_path):

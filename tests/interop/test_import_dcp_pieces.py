@@ -271,3 +271,19 @@ def test_zip_entries_sharing_bytes_are_refused_with_bounded_memory(tmp_path):
     result = probe_read(directory_with_object_item(tmp_path / "dcp", bytes(raw)))
     assert result["error"] and "'obj'" in result["error"] and "bytes of entries in its" in result["error"], result
     assert result["growth"] < 64 << 20, result
+
+
+def test_more_shards_than_an_import_takes_are_refused_saying_shards_and_what_to_do(tmp_path, monkeypatch):
+    """The refusal of a checkpoint of more pieces than ``MAX_NAMES`` (bound lowered to 2)
+    ended 'Import it in parts, each a checkpoint of its own', which a sharded DCP checkpoint
+    cannot be split into; it names the shards and says to load it with DCP if trusted."""
+    from ckptflow.interop import source_files
+
+    monkeypatch.setattr(source_files, "MAX_NAMES", 2)
+    directory = pieces_directory(tmp_path / "dcp", [(0, 2), (2, 2), (4, 2)])
+    with pytest.raises(DcpFormatError) as refused:
+        import_checkpoint(str(tmp_path / "store"), "r", 1, str(directory))
+    message = str(refused.value)
+    assert "names 3 tensor pieces (shards" in message and "more than the 2 one import takes" in message, message
+    assert "fewer tensors or shards" in message and "dcp.load it yourself" in message, message
+    assert not (tmp_path / "store" / "runs").exists()
