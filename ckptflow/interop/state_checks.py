@@ -32,13 +32,13 @@ def check_state(src: str, state: Any) -> None:
     tensor: twice its bytes, well within the bound. And no more than ``MAX_NAMES`` names
     (``check_name_count``): a torch.save file can be counted only once loaded, but before
     the save allocates for each."""
-    stack: list[tuple[Any, int, str]] = [(state, 0, "")]
+    stack: list[tuple[Any, int, _Where]] = [(state, 0, None)]
     claimed, names = 0, 0  # every name's bytes, as the save and a restore will handle them
     stored: dict[tuple[int, int], int] = {}  # each storage (start, size) -> its bytes
     while stack:
         node, depth, where = stack.pop()
         if depth > MAX_NESTING:
-            raise CkptflowError(f"{src}: the state nests deeper than {MAX_NESTING} levels (at {where[:200]!r})")
+            raise CkptflowError(f"{src}: the state nests deeper than {MAX_NESTING} levels (at {_path(where)[:200]!r})")
         if isinstance(node, torch.Tensor):
             check_name_count(names + 1, src)
             _check_tensor(src, where, node)
@@ -48,9 +48,9 @@ def check_state(src: str, state: Any) -> None:
             claimed += node.numel() * node.element_size()
             names += 1
         elif isinstance(node, Mapping):
-            stack.extend((v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items())
+            stack.extend((v, depth + 1, (where, k)) for k, v in node.items())
         elif isinstance(node, (list, tuple)):
-            stack.extend((v, depth + 1, f"{where}.{i}") for i, v in enumerate(node))
+            stack.extend((v, depth + 1, (where, i)) for i, v in enumerate(node))
     held = sum(stored.values())
     if claimed > VIEW_BYTES_PER_STORED * held + VIEW_BYTES_SLACK:
         raise CkptflowError(
@@ -60,19 +60,36 @@ def check_state(src: str, state: Any) -> None:
         )
 
 
-def _check_tensor(src: str, name: str, tensor: torch.Tensor) -> None:
-    what = f"{src}: tensor {name!r} ({list(tensor.shape)}, {tensor.dtype})"
+# where a value lies in the state: (where its container lies, its key or index), None for the state itself;
+# its dotted path is built only for an error (``_path``): a state of 100,000 names would build them all
+_Where = tuple[Any, Any] | None
+
+
+def _path(where: _Where) -> str:
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(str(key))
+    return ".".join(reversed(keys))
+
+
+def _what(src: str, where: _Where, tensor: torch.Tensor) -> str:
+    return f"{src}: tensor {_path(where)!r} ({list(tensor.shape)}, {tensor.dtype})"
+
+
+def _check_tensor(src: str, where: _Where, tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu":
         raise CkptflowError(
-            f"{what} is on the {tensor.device.type} device, with no data in the file; ckptflow imports tensors with "
-            "their data: save them once they are materialized"
+            f"{_what(src, where, tensor)} is on the {tensor.device.type} device, with no data in the file; "
+            "ckptflow imports tensors with their data: save them once they are materialized"
         )
     problem = unstorable(tensor)  # what a save refuses, refused as a save would (ckptflow.format.state_tree)
     if problem:
-        raise CkptflowError(f"{what} {problem}")
+        raise CkptflowError(f"{_what(src, where, tensor)} {problem}")
     needed, stored = tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()
     if needed > stored:
         raise CkptflowError(
-            f"{what} needs {needed} bytes, but the file stores {stored} for it (a view that repeats its "
-            "elements, like expand()); refused rather than made in memory: save t.contiguous() if it is meant"
+            f"{_what(src, where, tensor)} needs {needed} bytes, but the file stores {stored} for it (a view that "
+            "repeats its elements, like expand()); refused rather than made in memory: save t.contiguous() if it is "
+            "meant"
         )
