@@ -17,7 +17,9 @@ lossy copy, or an earlier commit the step was saved again after) is scrubbed in 
 archive: no hot scrub reads its chunks, and retention trusts it once the hot copy goes.
 
 A scrub retried after an outage resumes (``verified_since``): a checkpoint given a verdict
-since the first attempt began is not read again, its verdict counted as found. Without it
+since the first attempt began is not read again, its verdict counted as found, unless one
+of its chunks is recorded damaged (``damaged``: found by a reader since, maybe after that
+verdict; or the damage records cannot be listed). Without it
 each retry re-read every checkpoint of both tiers, hours of reads on a large store and
 archive reads billed per byte, to reach the few the outage left unread."""
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.listing import Problem, StepListing, listing, problem_from
+from ckptflow.catalog.records import is_number
 from ckptflow.catalog.verdicts import Subject, read_record
 from ckptflow.chunks import damaged
 from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
@@ -130,6 +133,8 @@ def _scrub(
 ) -> ScrubReport:
     cutoff = (time.time() if now is None else now) - older_than_s
     report = ScrubReport()
+    # a chunk found damaged since a verdict was recorded (by a restore, an export) proves it stale
+    found_damaged = None if verified_since is None else damaged.listed(store)[0]
     for item in catalog.committed(store, listed=listed):
         if skip(item):
             continue
@@ -141,7 +146,9 @@ def _scrub(
             continue
         if item.created_at >= cutoff:
             continue
-        record = None if verified_since is None else _verified_since(records, item, verified_since)
+        record = None
+        if verified_since is not None and found_damaged is not None and found_damaged.keys().isdisjoint(item.chunks):
+            record = _verified_since(records, item, verified_since)
         try:
             if record is None:
                 record = validate(store, item.run, item.step, records=records, progress=progress)
@@ -162,13 +169,14 @@ def _scrub(
 
 def _verified_since(records: Store, item: Manifest, since: float) -> dict | None:
     """The verdict of ``item`` recorded at or after ``since`` (by an earlier attempt of this
-    scrub, or any validation meanwhile), or None: read it (a record that could not be read
-    is no verdict)."""
+    scrub, or any validation meanwhile), or None: read it (a record that could not be read,
+    or that says not when it was recorded, is no verdict)."""
     try:
         record = read_record(records, Subject.of(item), "validation")
     except (CkptflowError, OSError):
         return None
-    return record if record is not None and record["recorded_at"] >= since else None
+    recorded_at = None if record is None else record.get("recorded_at")
+    return record if is_number(recorded_at) and recorded_at >= since else None
 
 
 def _unread(report: ScrubReport, kind: str, what: str) -> None:

@@ -6,12 +6,17 @@ earlier commit the step was saved again after) is read by nothing else, so the a
 scrub verifies it: its rot was unseen while retention counted the copy sound.
 """
 
+import json
+import time
+
 import pytest
 import torch
 from torch import nn
 
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog import verdicts
+from ckptflow.chunks import damaged
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.retention_apply import copy_matches
@@ -134,3 +139,36 @@ def test_only_a_cold_object_is_listed_cold(tmp_path):
     assert report.cold == [] and report.checked == 1
     [unread] = report.unreadable
     assert "symbolic link" in unread
+
+
+def test_a_resumed_scrub_reads_again_a_checkpoint_whose_chunk_was_found_damaged_since_its_verdict(tmp_path):
+    """Steps 1 and 2 share every chunk. The first attempt of a scrub verified both; then a
+    verify (another process: a restore, an export) found a shared chunk rotten and recorded
+    it in the store. The retry counted both verdicts, recorded before that finding, as sound
+    and read neither: no checkpoint corrupt, where a fresh scrub finds both."""
+    root = tmp_path / "hot"
+    hot = open_store(str(root))
+    with Checkpointer(hot, "r") as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": _model()}, kind="full")
+    began = time.time()
+    assert lifecycle.scrub(hot, older_than_s=0).corrupt == []
+    _rot(root, catalog.read_manifest(hot, "r", 1))
+    assert not catalog.verify_checkpoint(hot, "r", 1).ok  # the finding, recorded in the store
+    assert damaged.records(hot)
+    resumed = lifecycle.scrub(hot, older_than_s=0, verified_since=began)
+    assert sorted(step for _, step, _ in resumed.corrupt) == [1, 2] and resumed.resumed == 0
+    assert lifecycle.scrub(hot, older_than_s=0).corrupt == resumed.corrupt  # as a fresh scrub finds
+
+
+def test_a_resumed_scrub_reads_a_verdict_without_a_time_as_none(tmp_path):
+    """A validation record without ``recorded_at`` is sound to every reader (``verdicts``):
+    the retry raised KeyError on it. It was not given since the scrub began: read again."""
+    hot = open_store(str(tmp_path / "hot"))
+    with Checkpointer(hot, "r") as ck:
+        ck.save(1, {"model": _model()})
+    subject = lifecycle.Subject.of(catalog.read_manifest(hot, "r", 1))
+    key = verdicts.record_key(subject, "validation")
+    hot.replace(key, json.dumps({"ok": True, "problems": [], "manifest_digest": subject.digest}).encode())
+    report = lifecycle.scrub(hot, older_than_s=0, verified_since=time.time() - 60)
+    assert report.checked == 1 and report.resumed == 0 and report.bytes_checked > 0
