@@ -175,8 +175,9 @@ def _verified_since(records: Store, item: Manifest, since: float) -> dict | None
         record = read_record(records, Subject.of(item), "validation")
     except (CkptflowError, OSError):
         return None
-    recorded_at = None if record is None else record.get("recorded_at")
-    return record if is_number(recorded_at) and recorded_at >= since else None
+    if record is None or not is_number(record.get("recorded_at")):
+        return None
+    return record if record["recorded_at"] >= since else None
 
 
 def _unread(report: ScrubReport, kind: str, what: str) -> None:
