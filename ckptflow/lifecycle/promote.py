@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,19 +102,17 @@ def choose_checkpoint(
     """The best checkpoint by ``metric`` (its score, as ``Best`` ranks: ``ckptflow.policy.scores``)
     among those that passed validation and are hot, and why each other hot one is not a
     candidate. Every run is ranked on one scale, chosen as ``Best`` chooses it: among the
-    commits that may rank (validated or not yet, in the archive only too where ``entries``
-    hold the archive's), so a step an evaluator scored that is not validated yet, or whose
-    hot copy retention expired, makes its evaluator's the scale, as for ``Best``, rather
-    than a promotion by training loss; so does an earlier commit of a step that only the
-    archive holds, by its own records (``Entry.other_commits``). A lossy copy (imported back to evaluate it) is no
-    candidate: promotion refuses it, and it shares its source's metrics, so choosing it
-    would refuse every promotion by metric."""
+    commits a tier may hold whose validation did not fail, each by its own records
+    (``Entry.held_commits``: validated or not yet, in the archive only too where ``entries``
+    hold the archive's), so a step an evaluator scored that is not validated yet, whose hot
+    copy retention expired or rotted, or an earlier commit of a step that only the archive
+    holds, makes its evaluator's the scale, as for ``Best``, rather than a promotion by
+    training loss. A lossy copy (imported back to evaluate it) is no candidate: promotion
+    refuses it, and it shares its source's metrics, so choosing it would refuse every
+    promotion by metric."""
     hot = [e for e in entries if "hot" in e.tiers]
     figures = {e.ref: e.candidate().scales.get(metric) or {} for e in entries}
-    may_rank = {e.ref for e in entries if e.valid is not False and not e.lossy}
-    counted: dict[tuple, Mapping[str, float]] = {ref: by for ref, by in figures.items() if ref in may_rank}
-    counted.update({(*e.ref, digest): by for e in entries for digest, by in e.other_commits(metric).items()})
-    scale = scale_of(counted)
+    scale = scale_of({(*e.ref, digest): by for e in entries for digest, by in e.held_commits(metric).items()})
     on_scale, off_scale = one_scale(figures, scale=scale)
 
     def why_not(e: inventory.Entry) -> str | None:

@@ -78,16 +78,20 @@ class Entry:
         """What the archive copy lost, if archival wrote it with a lossy codec."""
         return (self.records.get("archive") or {}).get("lossy") or None
 
-    def other_commits(self, metric: str) -> dict[str, dict[str, float]]:
-        """The figures of ``metric`` (``scores.held_figures``) of each commit a tier holds at
-        this step other than the one this entry describes (an earlier commit only the archive
-        holds, the step committed again since), by that commit's own records and metadata:
-        ``Best`` counts them in choosing its scale, so promotion counts them too."""
-        others = set(self.commits.values()) - {self.digest, selection.NEWER_COMMIT}
-        held = {
-            d: held_figures(self.commit_metadata.get(d, {}), self.commit_records.get(d, {}), metric) for d in others
+    def held_commits(self, metric: str) -> dict[str, dict[str, float]]:
+        """The figures of ``metric`` (``scores.held_figures``) of each commit a tier may hold at
+        this step, by that commit's own records and metadata: the one it describes, an earlier
+        one only the archive holds (the step committed again since), a lossy copy; where a
+        tier's commit is not known (its commit record damaged, unread, a newer format's) any
+        commit recorded at the step may be it. ``Best`` counts these in choosing its scale,
+        so promotion counts them too, whatever the entry's own ``valid`` says of its hot copy."""
+        held = set(self.commits.values()) - {selection.NEWER_COMMIT}
+        if len(self.commits) < len(self.tiers) or selection.NEWER_COMMIT in self.commits.values():
+            held |= set(self.commit_records)
+        figures = {
+            d: held_figures(self.commit_metadata.get(d, {}), self.commit_records.get(d, {}), metric) for d in held
         }
-        return {digest: by for digest, by in held.items() if by is not None}
+        return {digest: by for digest, by in figures.items() if by is not None}
 
     def candidate(self) -> Candidate:
         return Candidate(

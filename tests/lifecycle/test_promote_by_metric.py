@@ -15,6 +15,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.interop.registry import Registry
 from ckptflow.lifecycle.promote import SHOWN, PromotionRequest, promote
 from ckptflow.store import open_store
+from support.corrupt import flip_byte, manifest_path
 
 RANKED_ON = "which the others are ranked on"
 
@@ -145,3 +146,34 @@ def test_promotion_counts_an_earlier_commit_only_the_archive_holds_in_its_scale_
     assert (promotion.registered.step, best.step) == (1, 1)
     why = f"scored on alpha.eval's figures and the trainer's figures only, not on zeta.eval's figures, {RANKED_ON}"
     assert promotion.passed_over == [("r", 2, why)]
+
+
+def test_promotion_counts_the_archive_copy_of_a_step_whose_hot_commit_record_rotted_as_best_does(tmp_path):
+    """Step 1 evaluated by alpha.eval; steps 2 and 3 by zeta.eval, step 2 archived, then its
+    hot commit record rotted. ``Best`` counts the archive's sound commit of step 2 (a tier
+    holds it, its validation passed): zeta.eval scored two, so it ranks on zeta.eval's
+    figures. Promotion left step 2 out of its count for its hot copy failing (the entry's
+    ``valid``, not the commit's verdict): one each, the tie to alpha.eval, and it promoted
+    step 1, ranked on another scale than ``Best``."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    store, archive = open_store(root), open_store(str(tmp_path / "archive"))
+    for step, name, loss in ((1, "alpha", 1.0), (2, "zeta", 0.5), (3, "zeta", 2.0)):
+        with Checkpointer(root, "r") as ck:
+            ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 0.5})
+        assert lifecycle.validate(store, "r", step)["ok"]
+        lifecycle.evaluate(
+            store, store, "r", step, lambda t, i, loss=loss: {"val_loss": loss}, evaluator_name=f"{name}.eval"
+        )
+    assert lifecycle.archive(store, archive, "r", 2).ok
+    flip_byte(manifest_path(root, "r", 2), offset=10)
+    with Checkpointer(root, "r", tiers=[archive]) as ck:
+        best = ck.restore({"model": nn.Linear(4, 4)}, select=Best("val_loss", "min"))
+    assert best.step == 2 and best.tier == archive.url  # ranked on zeta.eval's figures: 0.5 is the best
+    promotion = promote(store, Registry(store), PromotionRequest("m"), archive=archive)
+    assert promotion.registered.step == 3  # the best hot one on zeta.eval's figures
+    whys = {step: why for _, step, why in promotion.passed_over}
+    assert (
+        whys[1]
+        == f"scored on alpha.eval's figures and the trainer's figures only, not on zeta.eval's figures, {RANKED_ON}"
+    )
