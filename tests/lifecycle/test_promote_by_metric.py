@@ -177,3 +177,24 @@ def test_promotion_counts_the_archive_copy_of_a_step_whose_hot_commit_record_rot
         whys[1]
         == f"scored on alpha.eval's figures and the trainer's figures only, not on zeta.eval's figures, {RANKED_ON}"
     )
+
+
+def test_promotion_counts_the_recorded_commits_of_a_step_whose_only_commit_record_rotted_as_best_does(tmp_path):
+    """As above with no archive: step 2's only commit record rotted, so no tier's commit is
+    known there. ``Best`` counts every commit recorded at that step (the tier may hold any of
+    them): zeta.eval's scale, and it restores step 3. Promotion must rank on that scale too."""
+    root = str(tmp_path / "store")
+    torch.manual_seed(0)
+    store = open_store(root)
+    for step, name, loss in ((1, "alpha", 1.0), (2, "zeta", 0.5), (3, "zeta", 2.0)):
+        with Checkpointer(root, "r") as ck:
+            ck.save(step, {"model": nn.Linear(4, 4)}, metadata={"val_loss": 0.5})
+        assert lifecycle.validate(store, "r", step)["ok"]
+        lifecycle.evaluate(
+            store, store, "r", step, lambda t, i, loss=loss: {"val_loss": loss}, evaluator_name=f"{name}.eval"
+        )
+    flip_byte(manifest_path(root, "r", 2), offset=10)
+    with Checkpointer(root, "r") as ck:
+        best = ck.restore({"model": nn.Linear(4, 4)}, select=Best("val_loss", "min"))
+    promotion = promote(store, Registry(store), PromotionRequest("m"))
+    assert (best.step, promotion.registered.step) == (3, 3)
