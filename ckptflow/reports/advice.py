@@ -301,22 +301,37 @@ def _agreeing(steps: list[int], full_steps: list[int], first: int) -> int:
     3 hold 2 and 3 in turn, one policy); alike: over the stretch, neither varies by a factor
     of 2 or more (saves every 2 and 3 steps in turn are one policy; every 10 then every 20 are
     two). A run restarted under another policy, 5 checkpoints a full then 20, or saves every
-    10 steps then every 50, read an average of both (a full every 9, every 10 steps)."""
+    10 steps then every 50, read an average of both (a full every 9, every 10 steps). One full
+    forced by hand cuts a cycle in two: a stretch of one cycle, or of two spanning less than
+    two of the cycle before them, is too short to tell from that (forced at 97 of a run with a
+    full every 10 steps and saves every 2: cycles of 7 and 3 steps, the last alone read a full
+    every 2; forced at 95: two of 5 steps, a full every 3), and is read with the stretch before it."""
 
     def made(i: int) -> tuple[int, int]:
         held = steps[bisect_left(steps, full_steps[i]) : bisect_left(steps, full_steps[i + 1]) + 1]
         return full_steps[i + 1] - full_steps[i], max(b - a for a, b in zip(held, held[1:]))
 
-    newest = len(full_steps) - 2
-    low: tuple[int, ...] = made(newest)
-    high = low
-    while newest > first:
-        older = made(newest - 1)
-        low, high = tuple(map(min, low, older)), tuple(map(max, high, older))
-        if any(h >= 2 * lo for lo, h in zip(low, high)):
-            break
-        newest -= 1
-    return newest
+    def alike_to(newest: int) -> int:
+        low: tuple[int, ...] = made(newest)
+        high = low
+        while newest > first:
+            older = made(newest - 1)
+            low, high = tuple(map(min, low, older)), tuple(map(max, high, older))
+            if any(h >= 2 * lo for lo, h in zip(low, high)):
+                break
+            newest -= 1
+        return newest
+
+    def too_short(start: int) -> bool:
+        held = len(full_steps) - 1 - start
+        return held < 2 or (
+            held == 2 and full_steps[-1] - full_steps[start] < 2 * (full_steps[start] - full_steps[start - 1])
+        )
+
+    start = alike_to(len(full_steps) - 2)
+    while start > first and too_short(start):
+        start = alike_to(start - 1)
+    return start
 
 
 def _cycle(steps: list[int], full_steps: list[int], i: int) -> float:

@@ -5,6 +5,7 @@ thinning and the run's own changes of policy."""
 import pytest
 
 from ckptflow import Checkpointer, SavePolicy, open_store
+from ckptflow.catalog.checkpoints import list_checkpoints
 from ckptflow.reports.advice import advise
 from support.cli import run_cli
 from support.retention_history import thinned_by_retention
@@ -190,3 +191,23 @@ def test_a_run_that_changed_its_interval_is_read_by_its_newest_policy(tmp_path):
     assert advice.current is not None
     assert advice.current.interval_steps == 50, advice.current.interval_steps
     assert advice.current_full_every == 5
+
+
+@pytest.mark.parametrize(("forced", "steps"), [(97, 106), (95, 102)], ids=["7 and 3", "5 and 5"])
+def test_one_full_forced_by_hand_is_not_read_as_a_new_policy(tmp_path, forced, steps):
+    """Saves every 2 steps with a full every 10 (5 checkpoints a cycle), and one full forced by
+    hand at step 97 (``ckpt.save(97, state, kind="full")``): cut to its newest cycles made
+    alike, the history read the lone cycle from 97 to 100 (97, 98: a full every 2); forced at
+    95, the two halves it made of the cycle from 90 (3 each: a full every 3). Neither spans
+    two of the run's cycles: too short to tell from one odd full, and the run makes 5 a cycle."""
+    root = str(tmp_path)
+    state = tiny_state()
+    with Checkpointer(root, RUN, policy=SavePolicy(full_every=10, incremental_every=2)) as ckpt:
+        for step in range(steps):
+            tiny_train(state)
+            ckpt.save(step, state, kind="full" if step == forced else None)
+    fulls = [c.step for c in list_checkpoints(open_store(root), RUN) if c.kind == "full"]
+    assert fulls == sorted([*range(0, steps, 10), forced])
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 2
+    assert advice.current_full_every == 5, advice.current_full_every
