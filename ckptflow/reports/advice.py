@@ -259,7 +259,8 @@ def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None
     would outnumber the run's own once the thinned part is the longer (saves every step, a
     full every 2: read as every 2 steps), and a cycle kept past that by one checkpoint
     (best-K, a pin) is not the run's mix either. So: the newest unbroken stretch of whole
-    cycles between ``full_steps`` that hold more than their full. After a thinned cycle,
+    cycles between ``full_steps`` that hold more than their full (or could not:
+    ``_could_hold_no_more``). After a thinned cycle,
     retention's cut-off by age may fall inside the oldest of them (its older incrementals
     gone: a full every 4 read for every 5), with a checkpoint kept as the best before it: the
     oldest is left out, and the next while it holds fewer than the one after it; the one
@@ -273,7 +274,7 @@ def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None
         return (steps[0] if steps else 0), None
     cycles = [bisect_left(steps, end) - bisect_left(steps, start) for start, end in zip(full_steps, full_steps[1:])]
     first = len(cycles)
-    while first > 0 and cycles[first - 1] > 1:
+    while first > 0 and (cycles[first - 1] > 1 or _could_hold_no_more(steps, full_steps, first - 1)):
         first -= 1
     if 0 < first < len(cycles):  # after a thinned cycle
         first = min(first + 1, len(cycles) - 1)
@@ -292,6 +293,17 @@ def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None
     while first > 0 and cycles[first - 1] == 1:
         first -= 1
     return full_steps[_agreeing(steps, full_steps, first)], 1.0
+
+
+def _could_hold_no_more(steps: list[int], full_steps: list[int], i: int) -> bool:
+    """Whether cycle ``i``, holding its full alone, is shorter than the longest gap of the
+    cycle before it: one full forced by hand a step before the next (99 of a run with a full
+    every 10 steps and saves every 2) leaves no step the run would have saved in between,
+    so retention thinned nothing there."""
+    if i == 0:
+        return False
+    held = steps[bisect_left(steps, full_steps[i - 1]) : bisect_left(steps, full_steps[i]) + 1]
+    return full_steps[i + 1] - full_steps[i] < max(b - a for a, b in zip(held, held[1:]))
 
 
 def _agreeing(steps: list[int], full_steps: list[int], first: int) -> int:

@@ -193,13 +193,20 @@ def test_a_run_that_changed_its_interval_is_read_by_its_newest_policy(tmp_path):
     assert advice.current_full_every == 5
 
 
-@pytest.mark.parametrize(("forced", "steps"), [(97, 106), (95, 102)], ids=["7 and 3", "5 and 5"])
+@pytest.mark.parametrize(
+    ("forced", "steps"),
+    [(97, 106), (95, 102), (99, 102), (99, 104)],
+    ids=["7 and 3", "5 and 5", "9 and 1", "9 and 1, then 100 and 102"],
+)
 def test_one_full_forced_by_hand_is_not_read_as_a_new_policy(tmp_path, forced, steps):
     """Saves every 2 steps with a full every 10 (5 checkpoints a cycle), and one full forced by
     hand at step 97 (``ckpt.save(97, state, kind="full")``): cut to its newest cycles made
     alike, the history read the lone cycle from 97 to 100 (97, 98: a full every 2); forced at
     95, the two halves it made of the cycle from 90 (3 each: a full every 3). Neither spans
-    two of the run's cycles: too short to tell from one odd full, and the run makes 5 a cycle."""
+    two of the run's cycles: too short to tell from one odd full, and the run makes 5 a cycle.
+    Forced at 99, the cycle from 99 to 100 holds its full alone, as one retention thinned
+    does, and cut the stretch: read as fulls alone every step (with 100 and 102 after it, the
+    cycle under way: a full every 2). Shorter than the run's gaps, it could hold nothing more."""
     root = str(tmp_path)
     state = tiny_state()
     with Checkpointer(root, RUN, policy=SavePolicy(full_every=10, incremental_every=2)) as ckpt:
