@@ -10,9 +10,11 @@ every live lease, so no sweep runs while any rank of the save writes or the comm
 pending. If the lease was lost meanwhile (not renewed for half of ``DEAD_AFTER``: a GC
 may have judged the save dead and swept), the commit is refused and nothing is committed.
 
-DCP calls no writer method on the coordinator when another rank fails, so the caller
-releases the lease when the save ends either way (``release``; the Checkpointer does).
-The release is the last thing a save writes, after its manifest.
+``finish`` releases it however it ends, and ``write_data`` when it fails. DCP calls no
+writer method on the coordinator when another rank fails, so the caller releases the
+lease when the save ends either way (``release``; the Checkpointer does, and code that
+calls ``dcp.save`` itself must: docs/training.md). The release is the last thing a save
+writes, after its manifest.
 """
 
 from __future__ import annotations
@@ -56,20 +58,15 @@ class CommitLease:
         with save_lease(self.store) as beat:
             yield beat
 
-    @contextmanager
-    def committing(self) -> Iterator[None]:
-        """The commit's block: entered only while the lease is held and was never lost (a
-        commit then is safe from GC), else refused; the lease is released when it ends."""
-        try:
-            if self._held is None or self._held.lost:
-                state = "was not held" if self._held is None else f"went unrenewed for {DEAD_AFTER / 2:.0f} s"
-                raise StoreUnavailableError(
-                    f"the save lease of {self.what} in {self.store.url} {state} before its commit, so a GC may have "
-                    "swept its chunks or rank records meanwhile; nothing was committed: save again"
-                )
-            yield
-        finally:
-            self.release()
+    def check_held(self) -> None:
+        """Before the commit: refused unless the lease is held and was never lost (a commit
+        then is safe from GC)."""
+        if self._held is None or self._held.lost:
+            state = "was not held" if self._held is None else f"went unrenewed for {DEAD_AFTER / 2:.0f} s"
+            raise StoreUnavailableError(
+                f"the save lease of {self.what} in {self.store.url} {state} before its commit, so a GC may have "
+                "swept its chunks or rank records meanwhile; nothing was committed: save again"
+            )
 
     def release(self) -> None:
         """Give the lease back (idempotent; from any thread). A store error is logged, not

@@ -381,15 +381,18 @@ class CheckpointWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         spec = self.spec
-        key = fmt.manifest_key(spec.run, spec.step)
-        blob = seal(manifest_record(spec, metadata, results))
-        parsed = Manifest.parse(
-            blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
-        )  # never commit what a reader refuses
-        with self.lease.committing():  # refused if GC may have swept meanwhile; released either way
+        try:  # the lease goes back however ``finish`` ends: under a plain ``dcp.save`` nothing else releases it
+            key = fmt.manifest_key(spec.run, spec.step)
+            blob = seal(manifest_record(spec, metadata, results))
+            parsed = Manifest.parse(
+                blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
+            )  # never commit what a reader refuses
+            self.lease.check_held()  # refused if GC may have swept meanwhile
             if self.abandoned:
                 raise CkptflowError(
                     f"the save of run {spec.run!r} step {spec.step} was abandoned at exit: not committed"
                 )
             commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
+        finally:
+            self.lease.release()
         self.manifest = parsed

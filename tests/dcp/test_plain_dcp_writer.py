@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptflow import Checkpointer
+from ckptflow import Checkpointer, gc
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.chunks import codecs
 from ckptflow.dcp.reader import CheckpointReader
@@ -158,3 +158,20 @@ def test_a_write_during_a_plain_dcp_save_leaves_every_chunk_as_addressed(tmp_pat
         loaded = {"w": torch.zeros(4096)}
         dcp.load(loaded, storage_reader=reader(ck, 3), no_dist=True)
         assert torch.equal(loaded["w"], before)
+
+
+def test_a_save_failing_in_finish_before_its_commit_gives_its_lease_back(tmp_path):
+    """Under a plain ``dcp.save`` nothing but the writer can release the lease its coordinator
+    took when planning: a ``finish`` that fails before the commit (here the manifest cannot
+    be sealed: metadata JSON cannot hold) left it held, renewed as long as the process
+    lived, and every GC meanwhile skipped its sweep."""
+    with Checkpointer(str(tmp_path / "s"), "plain") as ck:
+        spec = SaveSpec(
+            run=ck.run, step=1, kind="full", base_step=None, skeleton={}, rng=None, metadata={"tags": {1, 2}},
+            world_size=1, save_id=uuid.uuid4().hex,
+        )  # fmt: skip
+        with pytest.raises(CheckpointException):
+            dcp.save({"w": torch.ones(4)}, storage_writer=CheckpointWriter(ck.chunks, spec, ck.pool), no_dist=True)
+        assert ck.list() == []
+        report = gc(ck.store, grace="1h", wait=0.5)
+        assert report.skipped is None and report.live_leases == []
