@@ -164,7 +164,15 @@ def gc(
             )
             return report
         if not dry_run:  # before marking: a manifest put back protects its chunks
-            report.restored = store.settle_interrupted_deletes()
+            settled = store.settle_interrupted_deletes()
+            report.restored = settled.restored
+            if settled.pending:
+                report.skipped = (
+                    f"{store.url}/{settled.pending[0]} was taken aside by a conditional delete under way, or killed "
+                    "less than a minute ago, so GC cannot tell whether it is a commit whose data must stay; "
+                    "run gc again in a minute"
+                )
+                return report
         marked = _mark(store, report)
         if marked is None:  # report.skipped says why
             return report

@@ -3,7 +3,8 @@
 Each command is a thin wrapper over a library function (catalog, export, stats, gc),
 so scripts, the Dagster layer and humans get the same answers. Exit codes are part of
 the interface: 0 success, 1 "verify found problems" or "gc swept nothing" (saves still
-writing after ``--wait``, or a commit record whose chunks cannot be told; a dry run too),
+writing after ``--wait``, a commit record whose chunks cannot be told, or one a conditional
+delete took aside less than a minute ago; a dry run too),
 2 an error the user can act on
 (bad arguments, unknown run, unreadable checkpoint, another gc holding the store's GC lock,
 a link or an unreadable directory where gc must list), always as one line on stderr,

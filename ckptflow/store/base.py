@@ -7,12 +7,11 @@ parallel filesystem) is one class; the optional capabilities have defaults. Keys
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.errors import CkptflowError, InvalidNameError, ObjectTooLargeError
@@ -39,6 +38,16 @@ def as_buffers(data: Buffers) -> list[bytes | memoryview]:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return [data]
     return list(data)
+
+
+@dataclass(frozen=True)
+class SettledDeletes:
+    """What ``Store.settle_interrupted_deletes`` did, and what it could not do yet."""
+
+    restored: list[str] = field(default_factory=list)  # keys whose version, taken aside, was put back
+    # keys taken aside too recently to tell a delete under way from one killed: what they hold
+    # (a commit, whose chunks GC could not mark) is settled by a later GC
+    pending: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -218,12 +227,12 @@ class Store(ABC):
         """Remove one of ``stale_temp_files``."""
         return None
 
-    def settle_interrupted_deletes(self) -> builtins.list[str]:
+    def settle_interrupted_deletes(self) -> SettledDeletes:
         """Finish what conditional deletes (``delete_if``) killed midway left: the version
-        they were to delete goes, any other version goes back under its key; the keys put
-        back. For GC, before it marks (a manifest put back protects its chunks); a backend
-        whose conditional delete is one request leaves nothing."""
-        return []
+        they were to delete goes, any other version goes back under its key. For GC, before
+        it marks (a manifest put back protects its chunks); a backend whose conditional
+        delete is one request leaves nothing."""
+        return SettledDeletes()
 
     def metadata_store(self) -> Store:
         """Where small records (manifests, rank records) go: this store, or for a store

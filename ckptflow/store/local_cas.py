@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from ckptflow.errors import ObjectNotFoundError, StoreError
-from ckptflow.store.base import Buffers, Store
+from ckptflow.store.base import Buffers, SettledDeletes, Store
 from ckptflow.store.disk import Disk
 from ckptflow.store.local_writes import DurableWriter, retrying_pruned
 
@@ -115,23 +115,26 @@ class LocalCompareAndSwap(Store):
             self.disk.unlink(aside)
         return matches
 
-    def settle_interrupted_deletes(self) -> list[str]:
+    def settle_interrupted_deletes(self) -> SettledDeletes:
         """See ``Store.settle_interrupted_deletes``. Only files taken aside at least
         ``ASIDE_SETTLED_S`` ago (their ctime: the rename) are settled: a younger one may be a
-        live ``delete_if``'s, between its rename and its compare. Chunks are never deleted
-        conditionally, so their directory is not walked."""
-        restored = []
+        live ``delete_if``'s, between its rename and its compare, and is left ``pending``.
+        Chunks are never deleted conditionally, so their directory is not walked."""
+        settled = SettledDeletes()
         for dirpath, dirs, files in os.walk(self.root):
             if dirpath == self.root and "chunks" in dirs:
                 dirs.remove("chunks")
             for name in files:
                 found = _ASIDE.fullmatch(name)
+                if found is None:
+                    continue
                 aside = os.path.join(dirpath, name)
+                original = os.path.join(dirpath, found["name"])
+                key = os.path.relpath(original, self.root).replace(os.sep, "/")
                 try:
-                    if found is None or time.time() - os.stat(aside).st_ctime < ASIDE_SETTLED_S:
+                    if time.time() - os.stat(aside).st_ctime < ASIDE_SETTLED_S:
+                        settled.pending.append(key)
                         continue
-                    original = os.path.join(dirpath, found["name"])
-                    key = os.path.relpath(original, self.root).replace(os.sep, "/")
                     if _sha256_file(aside) != found["version"]:  # not the version to delete: it goes back
                         if not self._writer.link_new(aside, original):
                             log.warning(
@@ -140,11 +143,11 @@ class LocalCompareAndSwap(Store):
                                 self.url, key, aside,
                             )  # fmt: skip
                             continue
-                        restored.append(key)
+                        settled.restored.append(key)
                     self.disk.unlink(aside)
                 except FileNotFoundError:  # settled meanwhile
                     continue
-        return restored
+        return settled
 
 
 ASIDE_SETTLED_S = 60.0  # a live delete_if holds a file aside for a compare: microseconds

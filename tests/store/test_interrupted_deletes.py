@@ -69,11 +69,48 @@ def test_a_delete_killed_after_its_rename_loses_no_valid_version(tmp_path, monke
 
 def test_gc_leaves_a_file_a_live_delete_has_taken_aside(tmp_path):
     """A file taken aside less than ``ASIDE_SETTLED_S`` ago may be a running delete's,
-    between its rename and its compare: GC neither puts it back nor deletes it."""
+    between its rename and its compare: GC neither puts it back nor deletes it (pending)."""
     store = open_store(str(tmp_path))
     store.put_if_absent("locks/gc.json", b"a holder's lock")
     version = store.get_versioned("locks/gc.json")[1]
     aside = tmp_path / "locks" / f".gc.json.aside-{version}-{'0' * 32}"
     (tmp_path / "locks" / "gc.json").rename(aside)
-    assert store.settle_interrupted_deletes() == []
+    settled = store.settle_interrupted_deletes()
+    assert settled.restored == [] and settled.pending == ["locks/gc.json"]
     assert aside.exists() and not store.exists("locks/gc.json")
+
+
+def test_gc_sweeps_nothing_while_a_commit_is_taken_aside_too_recently_to_settle(tmp_path, monkeypatch):
+    """A delete killed less than ``ASIDE_SETTLED_S`` ago left another version of a commit
+    aside: GC may not settle it yet, nor can it mark that commit's chunks, so it sweeps
+    nothing. It used to sweep them (older than the grace: a save longer than the grace),
+    and the next GC put back a commit whose chunks were gone."""
+    root = tmp_path / "store"
+    key = fmt.manifest_key(RUN, 1)
+    path = root / key
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    recommit = tmp_path / "recommit.json"
+    recommit.write_bytes(path.read_bytes())
+    path.write_bytes(b"the commit retention expires")  # replaced by the re-commit between the check and the rename
+    expected = hashlib.sha256(path.read_bytes()).hexdigest()
+    child = subprocess.run(
+        [sys.executable, str(TESTS / "support" / "killed_delete.py"), str(root), key, expected, str(recommit)],
+        env=child_env(TESTS.parent),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    chunks = sorted(p.name for p in (root / "chunks").rglob("*") if p.is_file())
+
+    later = time.time() + 7200  # the chunks are older than the grace: written early in a long save
+    report = gc(open_store(str(root)), grace="1h", now=later)
+    assert report.skipped is not None and key in report.skipped and report.deleted == []
+    assert sorted(p.name for p in (root / "chunks").rglob("*") if p.is_file()) == chunks
+
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later
+    report = gc(open_store(str(root)), grace="1h", now=later)
+    assert report.skipped is None and report.restored == [key]
+    with Checkpointer(str(root), RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
