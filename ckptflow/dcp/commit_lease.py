@@ -62,7 +62,11 @@ class CommitLease:
         """Before the commit: refused unless the lease is held and was never lost (a commit
         then is safe from GC)."""
         if self._held is None or self._held.lost:
-            state = "was not held" if self._held is None else f"went unrenewed for {DEAD_AFTER / 2:.0f} s"
+            state = (
+                "was not held"
+                if self._held is None
+                else f"was lost (deleted, or unrenewed for over {DEAD_AFTER / 2:.0f} s: the store did not answer)"
+            )
             raise StoreUnavailableError(
                 f"the save lease of {self.what} in {self.store.url} {state} before its commit, so a GC may have "
                 "swept its chunks or rank records meanwhile; nothing was committed: save again"

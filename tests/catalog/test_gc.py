@@ -198,7 +198,7 @@ def test_a_save_whose_lease_lapsed_before_its_commit_commits_nothing(tmp_path, m
         saver.join(30)
     (error,) = outcome
     assert isinstance(error, StoreUnavailableError), error
-    assert "could not be renewed" in str(error) or "went unrenewed" in str(error)
+    assert "could not be renewed" in str(error) or "was lost" in str(error)
     assert "nothing was committed" in str(error) or "save again" in str(error)
     assert not inner.exists(fmt.manifest_key(RUN, 2))
     assert_no_commit_misses_a_chunk(root)
