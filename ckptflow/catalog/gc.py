@@ -2,8 +2,8 @@
 
 A chunk is deleted only if no committed manifest references it AND it is older than
 the grace period. A save in flight has written (or touched) chunks and rank records that
-no manifest marks yet: each rank holds a lease while it writes chunks, and the coordinator
-from planning until its manifest is committed (see ``leases``, ``dcp.commit_lease``); GC
+no manifest marks yet: its coordinator holds a lease from planning until its manifest is
+committed, which covers every rank's writes (see ``leases``, ``dcp.commit_lease``); GC
 takes a lock and waits for them, so nothing of a save in flight is swept, nor a chunk a
 save is deciding to reuse. The grace period protects what is written without a lease.
 """

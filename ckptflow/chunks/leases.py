@@ -5,10 +5,11 @@ publishing (``PROMOTIONS``): each pair is a ``LockFamily``.
 
 The grace period alone cannot cover that case: GC lists a chunk as old and unreferenced,
 a save then finds the same content already stored and reuses it, and GC deletes it.
-So each rank takes a lease before it looks at any chunk and GC takes a lock before it
-lists anything; each then checks for the other. On a store with read-after-write
-consistency (local disks, S3) one side always sees the other: a save waits while GC
-holds the lock, and GC waits (then gives up and says so) while a save holds a lease.
+So a save takes a lease before any of its ranks looks at a chunk (its coordinator, when
+planning: ``dcp.commit_lease``) and GC takes a lock before it lists anything; each then
+checks for the other. On a store with read-after-write consistency (local disks, S3) one
+side always sees the other: a save waits while GC holds the lock, and GC waits (then gives
+up and says so) while a save holds a lease.
 
 Both are kept alive by a heartbeat: the holder renews its object every ``HEARTBEAT``
 seconds from a background thread, and one not renewed for ``DEAD_AFTER`` seconds was
@@ -180,8 +181,8 @@ class Heartbeat:
 
 @contextmanager
 def save_lease(store: Store, timeout: float | None = None, *, work: str = SAVES.shared) -> Iterator[Heartbeat]:
-    """Hold a lease for a save (its chunk phase on each rank, and on the coordinator until
-    its commit: ``dcp.commit_lease``) or other ``work`` writing chunks, named in the error of
+    """Hold a lease for a save (on its coordinator from planning until its commit:
+    ``dcp.commit_lease``) or other ``work`` writing chunks, named in the error of
     a wait that ran out; wait out a live GC first."""
     with shared_lease(store, SAVES, SAVE_WAIT if timeout is None else timeout, work=work) as beat:
         yield beat

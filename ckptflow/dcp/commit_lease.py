@@ -7,8 +7,11 @@ them; the commit would then name chunks that are gone. So the coordinator takes 
 lease in ``prepare_global_plan``, which DCP calls before it hands any rank its plan, so
 before any rank writes, and keeps it through ``finish``: GC waits for (or skips past)
 every live lease, so no sweep runs while any rank of the save writes or the commit is
-pending. If the lease was lost meanwhile (not renewed for half of ``DEAD_AFTER``: a GC
-may have judged the save dead and swept), the commit is refused and nothing is committed.
+pending. The plans it hands out say so (``COVERED``), and the other ranks take no lease of
+their own: one would wait for a GC that took its lock since, which waits for the
+coordinator's lease in turn, until it gives up. If the lease was lost meanwhile (not
+renewed for half of ``DEAD_AFTER``: a GC may have judged the save dead and swept), the
+commit is refused and nothing is committed.
 
 ``finish`` releases it however it ends, and ``write_data`` when it fails. DCP calls no
 writer method on the coordinator when another rank fails, so the caller releases the
@@ -19,10 +22,13 @@ writes, after its manifest.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+
+from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptflow.chunks.leases import DEAD_AFTER, Heartbeat, save_lease
 from ckptflow.errors import CkptflowError, StoreUnavailableError
@@ -31,9 +37,13 @@ from ckptflow.store.base import Store
 log = logging.getLogger("ckptflow")
 
 
+# a plan's ``storage_data``: its save's coordinator held the lease before handing it out
+COVERED = "ckptflow: written under the coordinator's save lease"
+
+
 class CommitLease:
     """One save's lease on ``store``: ``hold`` it until ``release``; ``chunk_phase`` yields
-    the held one, or (a rank that holds none) one for the chunk phase alone."""
+    the held one, none where the coordinator holds it, or one for the chunk phase alone."""
 
     def __init__(self, store: Store, what: str):
         self.store, self.what = store, what
@@ -41,22 +51,29 @@ class CommitLease:
         self._held: Heartbeat | None = None
         self._lock = threading.Lock()
 
-    def hold(self) -> None:
-        """Take the lease (waiting out a live GC) and keep it until ``release``."""
+    def hold(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Take the lease (waiting out a live GC) and keep it until ``release``; ``plans``,
+        each marked for its rank's ``chunk_phase`` as written under it (``COVERED``)."""
         with self._lock:
-            if self._held is not None:
-                return
-            stack = ExitStack()
-            self._held = stack.enter_context(save_lease(self.store))
-            self._stack = stack
+            if self._held is None:
+                stack = ExitStack()
+                self._held = stack.enter_context(save_lease(self.store))
+                self._stack = stack
+        return [dataclasses.replace(plan, storage_data=COVERED) for plan in plans]
 
     @contextmanager
-    def chunk_phase(self) -> Iterator[Heartbeat]:
+    def chunk_phase(self, plan: SavePlan) -> Iterator[Heartbeat | None]:
+        """The held lease; none on a rank whose ``plan`` its coordinator marked as held (a GC
+        that took its lock since waits for the coordinator's lease, which it could never see
+        end while this rank waited for that GC: both would wait until the GC gives up); else
+        one of its own for the chunk phase (a planner that dropped the mark)."""
         if self._held is not None:
             yield self._held
-            return
-        with save_lease(self.store) as beat:
-            yield beat
+        elif plan.storage_data == COVERED:
+            yield None
+        else:
+            with save_lease(self.store) as beat:
+                yield beat
 
     def check_held(self) -> None:
         """Before the commit: refused unless the lease is held and was never lost (a commit

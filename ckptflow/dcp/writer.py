@@ -120,8 +120,7 @@ class CheckpointWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.lease.hold()  # on the coordinator, before any rank writes: kept until the manifest is committed
-        return plans
+        return self.lease.hold(plans)  # on the coordinator, before any rank writes: kept until the commit
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.spec.run}/{self.spec.step}")
@@ -207,11 +206,11 @@ class CheckpointWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         try:
-            with self.lease.chunk_phase() as lease:
+            with self.lease.chunk_phase(plan) as lease:
                 damaged.load(self.chunks.store)  # chunks another process proved damaged: written anew
                 with self.chunks.store.batch():  # durable when it ends: before the rank record and the commit
                     results = self._write_chunks(plan, planner)
-                if lease.lost:  # GC may have taken the store for dead-writer chunks meanwhile
+                if lease is not None and lease.lost:  # GC may have swept meanwhile (else: the commit checks)
                     raise StoreUnavailableError(
                         f"the save lease of run {self.spec.run!r} step {self.spec.step} in {self.chunks.store.url} "
                         "could not be renewed while chunks were written, so GC may have swept some; save again"

@@ -1,0 +1,59 @@
+"""The coordinator's save lease covers every rank's writes: another rank, handed a plan its
+coordinator planned under that lease, writes without waiting for a GC lock. A GC that took
+its lock after the coordinator's lease waits for that lease, which ends only with the
+commit, so a rank waiting for the GC stalled the save until the GC gave up (its ``wait``:
+60 s by default; a ``--wait`` over 10 min failed the save).
+
+Two ranks' planning is DCP's own (``DefaultSavePlanner``) run here in one process; the
+writers, the store and the GC are real."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ckptflow import Checkpointer, gc
+from ckptflow.chunks import leases
+from ckptflow.dcp.save_spec import SaveSpec
+from ckptflow.dcp.writer import CheckpointWriter
+
+GC_WAIT_S = 6.0
+
+
+def test_another_rank_writes_without_waiting_for_a_gc_the_coordinators_lease_holds_off(tmp_path):
+    with Checkpointer(str(tmp_path / "s"), "two") as ck:
+        save_id = uuid.uuid4().hex
+        spec = SaveSpec(
+            run=ck.run, step=1, kind="full", base_step=None, skeleton={}, rng=None, metadata={}, world_size=2,
+            save_id=save_id,
+        )  # fmt: skip
+        states = [{"a": torch.ones(256)}, {"b": torch.zeros(256)}]
+        planners = [DefaultSavePlanner(), DefaultSavePlanner()]
+        writers = [CheckpointWriter(ck.chunks, spec, ck.pool) for _ in range(2)]
+        local = []
+        for rank in range(2):
+            planners[rank].set_up_planner(states[rank], is_coordinator=rank == 0)
+            writers[rank].set_up_storage_writer(rank == 0, rank=rank)
+            local.append(writers[rank].prepare_local_plan(planners[rank].create_local_plan()))
+        plans, _metadata = planners[0].create_global_plan(local)
+        plans = writers[0].prepare_global_plan(plans)  # the coordinator takes its lease
+
+        swept: list = []
+        sweep = threading.Thread(target=lambda: swept.append(gc(ck.store, grace="1h", wait=GC_WAIT_S)))
+        sweep.start()  # a GC after the coordinator's lease: it waits for that lease
+        try:
+            deadline = time.monotonic() + 30
+            while not ck.store.exists(leases.GC_LOCK) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            started = time.monotonic()
+            writers[1].write_data(planners[1].finish_plan(plans[1]), planners[1]).wait()
+            waited = time.monotonic() - started
+        finally:
+            sweep.join(60)
+            writers[0].lease.release()
+    assert waited < GC_WAIT_S / 2, f"rank 1 waited {waited:.1f} s for a GC that waited for its coordinator"
+    assert swept[0].skipped is not None and swept[0].deleted == []  # the save in flight was never swept
