@@ -43,13 +43,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from ckptflow.interop.pickle_keys import (
+    HASHING_CALLS,
+    MAX_COLLIDABLE_KEYS,
+    MAX_PROBING_KEYS,
+    Kind,
+    Value,
+    alike_int,
+    hashed_keys,
+    is_kind,
+    keys_taken,
+)
 from ckptflow.interop.state_checks import MAX_NESTING
 
 STRING_UNIT = 16  # bytes of a string or number that weigh as much as one object (~70 bytes built)
-MAX_COLLIDABLE_KEYS = 1024  # their insertions compare with each other: ~500,000 comparisons at most
-MAX_PROBING_KEYS = 1 << 16  # crafted to probe one run of slots: ~2 billion probes, ~1 s at most
-_HASH_MODULUS = (1 << 61) - 1  # CPython hashes an int by its value modulo this
-_HASHED_INT = 1 << 64  # an int key below this is hashed to see whether it shares a hash; above, it is counted as if
 # levels a value may nest: a state's (``MAX_NESTING``) twice over, and a tensor's rebuild (~10 levels)
 MAX_DEPTH = 2 * MAX_NESTING + 32
 
@@ -67,13 +74,6 @@ _NO_OBJECT_OPCODES = {
 # index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
 _MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 
-# A value on the walk's stack: (weight, what it is, how many values it holds (itself too) whose hash can
-# be made equal to another's, how deep it nests: 1 for a value holding none). What it is: ("global",
-# dotted name), ("str", the string), ("bytes",), ("int" or "float", the number), ("tuple", its first items'
-# kinds), ("keys", ints taken in ascending order, the last of them) for a dict or set filled, or None (a
-# list, call result...)
-Kind = tuple[Any, ...] | None
-Value = tuple[int, Kind, int, int]
 _BYTES: Kind = ("bytes",)
 _PLAIN: Value = (1, None, 0, 1)
 _EMPTY_TUPLE: Value = (1, ("tuple", ()), 0, 1)
@@ -109,10 +109,6 @@ def _item(args: Kind, index: int) -> Kind:
     return items[index] if index < len(items) else None
 
 
-def _is(kind: Kind, *what: str) -> bool:
-    return bool(kind) and kind[0] in what  # type: ignore[index]
-
-
 _ANY: Callable[[Kind], bool] = lambda args: True
 _ORDERED_DICT: Kind = ("global", "collections.OrderedDict")  # torch.save writes an empty one for a tensor's hooks
 _TENSOR_REBUILDS = {f"torch._utils._rebuild_{name}" for name in ("tensor", "tensor_v2", "tensor_v3", "parameter")}
@@ -131,11 +127,11 @@ TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
     **dict.fromkeys(("collections.OrderedDict", "torch.Size", "torch.device", "torch.serialization._get_layout"), _ANY),
     "builtins.complex": _ANY,
     "torch._tensor._rebuild_from_type_v2": lambda args: _item(args, 0) in {("global", f) for f in _TENSOR_REBUILDS},
-    "builtins.set": lambda args: not _is(_item(args, 0), "str"),
-    "collections.Counter": lambda args: not _is(_item(args, 0), "str"),
-    "builtins.bytearray": lambda args: args == ("tuple", ()) or _is(_item(args, 0), "str", "bytes"),
+    "builtins.set": lambda args: not is_kind(_item(args, 0), "str"),
+    "collections.Counter": lambda args: not is_kind(_item(args, 0), "str"),
+    "builtins.bytearray": lambda args: args == ("tuple", ()) or is_kind(_item(args, 0), "str", "bytes"),
     "_codecs.encode": lambda args: (
-        _is(_item(args, 0), "str") and _item(args, 1) in (("str", "latin1"), ("str", "latin-1"))
+        is_kind(_item(args, 0), "str") and _item(args, 1) in (("str", "latin1"), ("str", "latin-1"))
     ),
 }
 
@@ -150,7 +146,7 @@ class PickleBudget:
     visits: int = 0  # values counted with all they hold, as they are hashed, called or read
     collidable: int = 0  # dict keys and set elements whose hash is, or can be made, another's
     probing: int = 0  # dict keys and set elements whose hashes the file chooses
-    hashes: dict[int, Any] = field(default_factory=dict)  # the number keys' hashes (``_keys_taken``)
+    hashes: dict[int, Any] = field(default_factory=dict)  # the number keys' hashes (``pickle_keys.keys_taken``)
     depth: int = 0  # the deepest a value nests
     refused_call: str = ""  # a call torch.save does not write, or a nested tensor's rebuild: what it calls
 
@@ -228,7 +224,7 @@ def count_built(
         elif step == _NUMBER and isinstance(arg, float):
             stack.append((1, ("float", arg), 1, 1))
         elif step == _NUMBER:
-            alike = int(not -_HASH_MODULUS < arg < _HASH_MODULUS)
+            alike = alike_int(arg)
             stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap), ("int", arg), alike, 1))
         elif step == _STRING or step == _BYTE_STRING:
             kind = ("str", arg) if step == _STRING else _BYTES
@@ -242,18 +238,20 @@ def count_built(
             value = made(items, _BYTES if items[0][1] == ("global", "_codecs.encode") else None)
             visits += value[0] - 1 - items[0][0]  # its arguments
             refused = refused or _refused_call(calls, items[0][1], items[1][1])
-            if items[0][1] in _HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
+            if items[0][1] in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
                 collidable += items[1][2]
             stack.append(value)
         elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
             called += call
             items = pop(0, to_mark=True) if step == _MARKED_FILL else []
             fixed = pop(_FILLED.get(op.name, 0) if step == _MARKED_FILL else taken)
-            hashed = _hashed(op.name, fixed, items)
+            hashed = hashed_keys(op.name, fixed, items)
             visits += sum([v[0] for v in hashed])
-            taken_keys = fixed[0][1] if fixed and op.name in _FILLS and _is(fixed[0][1], "keys") else ("keys", 0, -1)
+            taken_keys = (
+                fixed[0][1] if fixed and op.name in _FILLS and is_kind(fixed[0][1], "keys") else ("keys", 0, -1)
+            )
             if hashed:
-                taken_keys, chosen, equal = _keys_taken(taken_keys, hashed, budget.hashes)
+                taken_keys, chosen, equal = keys_taken(taken_keys, hashed, budget.hashes)
                 probing, collidable = probing + chosen, collidable + equal
             if op.name in ("INST", "OBJ"):
                 target = ("global", _dotted(arg)) if op.name == "INST" else (items[0][1] if items else None)
@@ -297,44 +295,6 @@ def count_built(
 _FILLED = {"APPENDS": 1, "SETITEMS": 1, "ADDITEMS": 1}
 # the opcodes that fill the container or object below what they add (not one they make)
 _FILLS = {"APPEND", "SETITEM", "BUILD", "APPENDS", "SETITEMS", "ADDITEMS"}
-
-
-def _hashed(name: str, fixed: list[Value], items: list[Value]) -> list[Value]:
-    """The values an opcode hashes: dict keys and set elements."""
-    if name == "SETITEM":
-        return fixed[1:2]
-    if name in ("DICT", "SETITEMS"):
-        return items[::2]
-    return items if name in ("ADDITEMS", "FROZENSET") else []
-
-
-# calls that hash the elements of the list or dict they are given
-_HASHING_CALLS = {("global", name) for name in ("builtins.set", "builtins.frozenset", "collections.Counter")}
-
-
-def _keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tuple[Kind, int, int]:
-    """A dict's or set's ``taken`` ("keys", ints taken in ascending order, the last) once it
-    takes the ``hashed`` keys, with how many of those have hashes the file chooses and how
-    many share one with another (``hashes``: the first number of each hash the import's
-    chosen numbers have, None once another shares it). An int above the last and at most
-    1.5 times the count is below the dict's size (CPython grows it past 1.5 times its keys),
-    in a slot no other such int has. A tuple or call result counts by the numbers it holds
-    that can share a hash; one holding smaller ints is not counted."""
-    _, count, last = taken  # type: ignore[misc]
-    chosen = equal = 0
-    for _, kind, collides, _ in hashed:
-        number = kind[1] if _is(kind, "int", "float") else None  # type: ignore[index]
-        if type(number) is int and last < number <= count * 3 // 2:
-            count, last = count + 1, number
-        elif number is not None and -_HASHED_INT < number < _HASHED_INT:  # a float, or an int worth hashing
-            chosen += 1
-            first = hashes.setdefault(hash(number), number)
-            if first is None or first != number:  # the hash is shared: this key, and the first if not counted yet
-                equal += 1 if first is None else 2
-                hashes[hash(number)] = None
-        elif collides:
-            chosen, equal = chosen + 1, equal + collides
-    return ("keys", count, last), chosen, equal
 
 
 def _dotted(module_and_name: str) -> str:
