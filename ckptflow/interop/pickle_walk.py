@@ -149,6 +149,7 @@ class PickleBudget:
     hashes: dict[int, Any] = field(default_factory=dict)  # the number keys' hashes (``pickle_keys.keys_taken``)
     depth: int = 0  # the deepest a value nests
     refused_call: str = ""  # a call torch.save does not write, or a nested tensor's rebuild: what it calls
+    refilled: bool = False  # a container filled after a memo read or DUP referenced it
 
 
 def count_built(
@@ -165,15 +166,28 @@ def count_built(
     other object or reference an opcode, a memo written at index i as i objects, the visits
     and the keys whose hashes the file chooses the module docstring describes; and, with
     ``calls``, record the first call to anything else, or given anything else, than it allows.
-    The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each."""
+    The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each.
+
+    A pickler memoizes a list, dict or object before it fills it, so the memo holds a cell
+    (``[value, referenced]``) that its fills update: a memo read then gives it with all it
+    holds (40 lists each holding the one before twice, 1.7 KB, were counted as 40, and the
+    import's walk of the state took 10 s at 22 levels, days at 40). A container filled
+    once a memo read or DUP referenced it would add to values already counted: refused
+    (``refilled``; a state never holds itself)."""
     first = objects = budget.objects
     called, visits, collidable, refused = budget.calls, budget.visits, budget.collidable, budget.refused_call
     probing = budget.probing
     deepest = budget.depth
     cap = max_visits + 1  # weights saturate: past the bound they need not be exact
     stack: list[Value] = []
+    cells: list[list[Any] | None] = []  # beside each stack value, its memo cell if it has one
     marks: list[int] = []
-    memo: dict[int, Value] = {}
+    memo: dict[int, list[Any]] = {}
+    refilled = budget.refilled
+
+    def push(value: Value, cell: list[Any] | None = None) -> None:
+        stack.append(value)
+        cells.append(cell)
 
     def pop(n: int, *, to_mark: bool = False) -> list[Value]:
         """The top ``n`` values (``to_mark``: those above the top mark, and the mark)."""
@@ -185,6 +199,7 @@ def count_built(
             raise ValueError("a pickle opcode found its stack too short")
         items = stack[len(stack) - n :]
         del stack[len(stack) - n :]
+        del cells[len(stack) :]
         return items
 
     def made(items: list[Value], kind: Kind = None, *, filled: bool = False) -> Value:
@@ -210,28 +225,30 @@ def count_built(
         if step == _GET:
             if arg not in memo:
                 raise ValueError(f"a pickle memo read of {arg}, never written")
-            stack.append(memo[arg])
+            memo[arg][1] = True  # referenced: filling it now would add to what that reference was counted as
+            push(memo[arg][0], memo[arg])
         elif step == _MEMOIZE or step == _MEMO_WRITE:
             if not stack:
                 raise ValueError("a pickle memo write found an empty stack")
             if step == _MEMO_WRITE and isinstance(arg, int):  # its index
                 objects = max(objects, first + arg)
-            memo[arg if step == _MEMO_WRITE else len(memo)] = stack[-1]
+            written = cells[-1] or [stack[-1], False]
+            cells[-1] = memo[arg if step == _MEMO_WRITE else len(memo)] = written
         elif step == _LEAF or step == _EMPTY:
-            stack.append(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
+            push(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
         elif step == _MARK:
             marks.append(len(stack))
         elif step == _NUMBER and isinstance(arg, float):
-            stack.append((1, ("float", arg), 1, 1))
+            push((1, ("float", arg), 1, 1))
         elif step == _NUMBER:
             alike = alike_int(arg)
-            stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap), ("int", arg), alike, 1))
+            push((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap), ("int", arg), alike, 1))
         elif step == _STRING or step == _BYTE_STRING:
             kind = ("str", arg) if step == _STRING else _BYTES
-            stack.append((min(1 + len(arg) // STRING_UNIT, cap), kind, False, 1))
+            push((min(1 + len(arg) // STRING_UNIT, cap), kind, False, 1))
         elif step == _TUPLE or step == _MARKED_TUPLE:
             items = pop(taken, to_mark=step == _MARKED_TUPLE)
-            stack.append(made(items, ("tuple", tuple([v[1] for v in items[:4]]))))
+            push(made(items, ("tuple", tuple([v[1] for v in items[:4]]))))
         elif step == _CALL:  # REDUCE, NEWOBJ, NEWOBJ_EX: the callable, then its arguments
             items = pop(taken)
             called += items[0][1] != _ORDERED_DICT or items[1][1] != ("tuple", ())  # an empty one is an object
@@ -240,11 +257,14 @@ def count_built(
             refused = refused or _refused_call(calls, items[0][1], items[1][1])
             if items[0][1] in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
                 collidable += items[1][2]
-            stack.append(value)
+            push(value)
         elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
             called += call
             items = pop(0, to_mark=True) if step == _MARKED_FILL else []
-            fixed = pop(_FILLED.get(op.name, 0) if step == _MARKED_FILL else taken)
+            below = _FILLED.get(op.name, 0) if step == _MARKED_FILL else taken  # the container, what it takes
+            cell = cells[-below] if below and op.name in _FILLS and len(cells) >= below else None
+            refilled = refilled or bool(cell and cell[1])
+            fixed = pop(below)
             hashed = hashed_keys(op.name, fixed, items)
             visits += sum([v[0] for v in hashed])
             taken_keys = (
@@ -260,18 +280,25 @@ def count_built(
                 refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
             if op.name != "POP_MARK":
                 kind = fixed[0][1] if op.name == "READONLY_BUFFER" else taken_keys if hashed else None
-                stack.append(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS))
+                push(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS), cell)
+                if cell:
+                    cell[0] = stack[-1]
         elif step == _GLOBAL or step == _STACK_GLOBAL:
             if step == _GLOBAL:
                 dotted: str | None = _dotted(arg)
             else:
                 module, attr = (v[1] for v in pop(2))
                 dotted = f"{module[1]}.{attr[1]}" if module and attr and module[0] == attr[0] == "str" else None
-            stack.append((1, ("global", dotted), 0, 1))
+            push((1, ("global", dotted), 0, 1))
             if calls is not None and dotted in NESTED_TENSORS:  # refused by name, before what it is given
                 refused = refused or dotted
         elif step == _DUP:
-            stack.extend(pop(1) * 2)
+            cell = cells[-1] if cells else None
+            (value,) = pop(1)
+            cell = cell or [value, False]
+            cell[1] = True
+            push(value, cell)
+            push(value, cell)
         elif step == _POP:
             pop(1, to_mark=len(stack) == (marks[-1] if marks else -1))  # a MARK with nothing above it goes
         elif step == _STOP:
@@ -284,11 +311,13 @@ def count_built(
             or probing > MAX_PROBING_KEYS
             or deepest > MAX_DEPTH
             or refused
+            or refilled
         ):  # fmt: skip
             break
     budget.objects, budget.calls, budget.visits, budget.collidable = objects, called, visits, collidable
     budget.depth, budget.probing = deepest, probing
     budget.refused_call = refused
+    budget.refilled = refilled
 
 
 # the values below its top mark an opcode fills
@@ -327,6 +356,11 @@ def walk_problem(budget: PickleBudget, max_visits: int) -> str:
             f"calls {budget.refused_call} in its pickle, which torch.save writes for no tensor or plain value; "
             "ckptflow never unpickles anything else, since that could run code or allocate memory no byte of the "
             "file holds (a tensor class given a size, a bytearray given a count)"
+        )
+    if budget.refilled:
+        return (
+            "fills a list, dict or object after a memo read referenced it (a value holding itself, which no state "
+            "does, or a crafted pickle): what its references hold would go uncounted"
         )
     if budget.depth > MAX_DEPTH:
         return (
