@@ -18,13 +18,16 @@ A pickle's bytes do not bound what unpickling it and reading the result cost:
 - dict keys and set elements whose hashes the file chooses: ints hash as their value modulo
   2^61 - 1 and floats as the rational they are, so from 2^61 - 1 on ints, and floats at all,
   can share one hash, and each insertion calls ``==`` with all before (20,000 took 2 s, a
-  million would take hours): at most ``MAX_COLLIDABLE_KEYS`` (``collidable``). Distinct
+  million would take hours), as can tuples (and sizes, complex numbers) of any numbers, whose
+  hash inverts for their last item (``pickle_keys``): at most ``MAX_COLLIDABLE_KEYS``
+  (``collidable``). Distinct
   hashes do not save the rest: a dict probes the slots its hash picks, so ints of any size
   (43,682 below 2^20 took 0.48 s, 87,373 took 1.8 s, a million would take minutes) can be
   chosen to probe one run of filled slots. At most ``MAX_PROBING_KEYS`` of them, but for
   ints a dict takes in ascending order, none past 1.5 times the count taken so far (an
   optimizer state's 0, 1, 2...): each is below the dict's size, in a slot of its own
-  (``probing``). A set's elements are counted as the ``set(list)`` call hashes them;
+  (``probing``). What ``set(...)`` or ``Counter(...)`` is given, but a dict (whose keys were
+  counted), counts with all it holds, its elements hashed by the call;
 - how deep a value nests (``depth``): hashing a dict key, comparing or printing a value recurses
   in C, so a key nested 200,000 deep (a 200 KB file, a byte a level) killed the import process
   with SIGSEGV; a state nests at most ``state_checks.MAX_NESTING`` levels anyway, so at most
@@ -252,11 +255,13 @@ def count_built(
         elif step == _CALL:  # REDUCE, NEWOBJ, NEWOBJ_EX: the callable, then its arguments
             items = pop(taken)
             called += items[0][1] != _ORDERED_DICT or items[1][1] != ("tuple", ())  # an empty one is an object
-            value = made(items, _BYTES if items[0][1] == ("global", "_codecs.encode") else None)
+            callee = items[0][1][1] if is_kind(items[0][1], "global") else None  # type: ignore[index]
+            value = made(items, _BYTES if callee == "_codecs.encode" else ("call", callee))
             visits += value[0] - 1 - items[0][0]  # its arguments
             refused = refused or _refused_call(calls, items[0][1], items[1][1])
             if items[0][1] in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
                 collidable += items[1][2]
+                probing += 0 if is_kind(_item(items[1][1], 0), "keys") else items[1][0]  # a dict's were counted
             push(value)
         elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
             called += call
@@ -279,7 +284,7 @@ def count_built(
                 visits += sum([v[0] for v in args])
                 refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
             if op.name != "POP_MARK":
-                kind = fixed[0][1] if op.name == "READONLY_BUFFER" else taken_keys if hashed else None
+                kind = fixed[0][1] if op.name in ("READONLY_BUFFER", "BUILD") else taken_keys if hashed else None
                 push(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS), cell)
                 if cell:
                     cell[0] = stack[-1]
@@ -369,14 +374,15 @@ def walk_problem(budget: PickleBudget, max_visits: int) -> str:
         )
     if budget.collidable > MAX_COLLIDABLE_KEYS:
         return (
-            f"keys dicts or sets by more than {MAX_COLLIDABLE_KEYS} ints of 2^61 - 1 or more, or floats, whose "
-            "hashes can be made equal (each insertion would then compare with all before)"
+            f"keys dicts or sets by more than {MAX_COLLIDABLE_KEYS} ints of 2^61 - 1 or more, floats, or tuples "
+            "(or sizes, complex numbers), whose hashes can be made equal (each insertion would then compare with "
+            "all before)"
         )
     if budget.probing > MAX_PROBING_KEYS:
         return (
             f"keys dicts or sets by more than {MAX_PROBING_KEYS} numbers (beyond ascending ints like an optimizer "
-            "state's 0, 1, 2...), whose hashes can be chosen to probe one run of slots (each insertion would then "
-            "pass all before); key such a table by strings"
+            "state's 0, 1, 2...) or values given to set() or Counter(), whose hashes can be chosen to probe one run "
+            "of slots (each insertion would then pass all before); key such a table by strings"
         )
     if budget.visits > max_visits:
         return (

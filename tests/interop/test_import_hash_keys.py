@@ -10,11 +10,14 @@ took 1.8 s to put in a dict, against 4 ms for as many random ones; a million wou
 minutes), which the old bound let through below 2^31. So keys sharing a hash stay at 1,024,
 keys whose hash is chosen are bounded by ``MAX_PROBING_KEYS`` (65,536: ~1 s at worst), and ints
 a dict takes in ascending order (an optimizer state's 0, 1, 2...) each have a slot of their own.
-A set's elements, hashed by the ``set(list)`` call torch.save writes for it, were not counted.
+A set's elements, hashed by the ``set(list)`` call torch.save writes for it, were not counted;
+then they were counted only if they could share a hash, as were a tuple's items, though a
+tuple of small ints can be given any hash (and ``Counter(list)`` was not counted at all).
 """
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -102,3 +105,88 @@ def test_a_set_of_ints_sharing_a_hash_is_counted(tmp_path):
     elements = {1 + i * _MODULUS for i in range(1, pickle_walk.MAX_COLLIDABLE_KEYS + 2)}
     torch.save({"w": torch.ones(2), "junk": elements}, tmp_path / "set.pt")
     _refused(tmp_path / "set.pt", f"set.pt keys dicts or sets by more than {pickle_walk.MAX_COLLIDABLE_KEYS} ints")
+
+
+_XXPRIME_1, _XXPRIME_2, _XXPRIME_5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+_U64 = (1 << 64) - 1
+
+
+def _pairs_sharing_a_hash(count: int) -> list[tuple[int, int]]:
+    """Pairs of ints below 2^61 that CPython hashes alike: a tuple's hash (``tupleobject.c``,
+    xxHash's rounds over its items' hashes) is inverted for the second item."""
+
+    def rotated(x: int, by: int) -> int:
+        return ((x << by) | (x >> (64 - by))) & _U64
+
+    inverse_1, inverse_2 = pow(_XXPRIME_1, -1, 1 << 64), pow(_XXPRIME_2, -1, 1 << 64)
+    before_length = (12345 - (2 ^ _XXPRIME_5 ^ 3527539)) & _U64  # the hash wanted, less the length's part
+    pairs: list[tuple[int, int]] = []
+    first = 0
+    while len(pairs) < count:
+        first += 1
+        after_first = rotated((_XXPRIME_5 + first * _XXPRIME_2) & _U64, 31) * _XXPRIME_1 & _U64
+        second = ((rotated(before_length * inverse_1 & _U64, 33) - after_first) * inverse_2) & _U64
+        if second < _MODULUS - 1:  # an int hashes as itself below 2^61 - 1
+            pairs.append((first, second))
+    return pairs
+
+
+class _ComplexOfInts:
+    """A complex number pickled as ``complex(real, imag)`` of two ints, as a crafted file would."""
+
+    def __init__(self, *parts: int):
+        self.parts = parts
+
+    def __reduce__(self):
+        return complex, self.parts
+
+
+@pytest.mark.parametrize("of", ["tuples", "complex numbers"])
+def test_tuples_or_complex_numbers_of_small_ints_sharing_a_hash_are_refused(tmp_path, of):
+    """A tuple's or complex number's hash was counted by the numbers it holds that can share
+    one, so pairs of ints below 2^61 passed uncounted, yet their hashes can be made equal:
+    40,000 pairs (847 KB) took the import 11.5 s, a million would take hours. A complex
+    number hashes as its real part plus 1000003 times its imaginary part."""
+    count = pickle_walk.MAX_COLLIDABLE_KEYS + 1
+    if of == "tuples":
+        keys: list = _pairs_sharing_a_hash(count)
+    else:
+        keys = [_ComplexOfInts(1000003 * (count - i), i) for i in range(count)]  # torch.save writes floats
+    loaded = [complex(*key.parts) if of != "tuples" else key for key in keys]
+    assert len({hash(key) for key in loaded}) == 1 and len(set(loaded)) == len(keys)
+    torch.save({"w": torch.ones(2), "junk": dict.fromkeys(keys)}, tmp_path / "pairs.pt")
+    _refused(tmp_path / "pairs.pt", f"pairs.pt keys dicts or sets by more than {pickle_walk.MAX_COLLIDABLE_KEYS}")
+
+
+class _ListGiven(list):
+    """A list torch.save writes as ``called(list)``, as a crafted file would."""
+
+    def __init__(self, called, items):
+        super().__init__(items)
+        self.called = called
+
+    def __reduce__(self):
+        return self.called, (list(self),)
+
+
+@pytest.mark.parametrize("called", [set, collections.Counter], ids=["set", "Counter"])
+def test_a_set_or_counter_of_a_list_of_probing_ints_is_refused(tmp_path, monkeypatch, called):
+    """The ``set(list)`` and ``Counter(list)`` calls hash the list's elements, which were
+    counted only if they could share a hash: 174,754 ints chosen to probe one run of slots,
+    866 KB, took the import 14 s as a Counter."""
+    monkeypatch.setattr(pickle_walk, "MAX_PROBING_KEYS", LIMIT, raising=False)
+    keys = _probing_keys(20, 12)
+    torch.save({"w": torch.ones(2), "junk": _ListGiven(called, keys)}, tmp_path / "probing.pt")
+    assert len(torch.load(tmp_path / "probing.pt", weights_only=True)["junk"]) == len(keys) > LIMIT
+    _refused(tmp_path / "probing.pt", f"probing.pt keys dicts or sets by more than {LIMIT} numbers")
+
+
+def test_tuple_keys_sets_and_counters_of_a_real_state_import(tmp_path):
+    values = {
+        "loss_at": {(epoch, step): float(step) for epoch in range(10) for step in range(50)},  # 1,024 at most
+        "head_of": {(f"layer{i}", i % 12): i for i in range(400)},
+        "seen": set(range(2000)) | {f"tag{i}" for i in range(1000)},
+        "counts": collections.Counter({i * 7: i for i in range(2000)}),
+    }
+    torch.save({"w": torch.ones(2), "values": values}, tmp_path / "real.pt")
+    assert importers.read_source(tmp_path / "real.pt").state["values"] == values
