@@ -127,9 +127,12 @@ def read_metadata(directory: str) -> dcp_metadata.Metadata:
     except DcpFormatError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, RecursionError,
-            IndexError) as e:  # fmt: skip
+            IndexError, OverflowError) as e:  # fmt: skip
         raise DcpFormatError(f"{where} is not readable DCP metadata ({type(e).__name__}: {e})") from None
-    _check_metadata(metadata, where)
+    try:
+        _check_metadata(metadata, where)
+    except AttributeError as e:  # unpickling sets the fields the file holds: one renamed is missing
+        raise DcpFormatError(f"{where}: {e}; the metadata is damaged or was not written by DCP") from None
     return metadata
 
 

@@ -246,3 +246,26 @@ def test_a_number_too_long_to_print_is_a_damaged_file_not_a_traceback(tmp_path, 
     shown = "storage entry .* names nothing" if field == "index" else "'w' has an invalid offset or length"
     with pytest.raises(DcpFormatError, match=f"{shown}.*the metadata is damaged"):
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dcp")
+
+
+@pytest.mark.parametrize("field", ["state_dict_metadata", "properties", "offsets", "relative_path", "length"])
+def test_metadata_lacking_a_field_dcp_gives_is_a_damaged_file_not_a_traceback(tmp_path, field):
+    """Unpickling sets the fields the file holds: one renamed (a flipped byte) left the object
+    without it, and the check's read of it raised AttributeError out of the import."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    path = tmp_path / "dcp" / ".metadata"
+    renamed = field[:-1] + ("X" if field[-1] != "X" else "Y")  # as long, so the pickle stays readable
+    assert path.read_bytes().count(field.encode()) == 1
+    path.write_bytes(path.read_bytes().replace(field.encode(), renamed.encode()))
+    with pytest.raises(DcpFormatError, match=f"has no attribute '{field}'; the metadata is damaged or was not"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "dcp")
+    assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_a_frame_longer_than_any_file_is_a_damaged_file_not_a_traceback(tmp_path):
+    """The unpickler raised OverflowError out of the import for a FRAME of 2^63 bytes."""
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 63) + b"N.")
+    with pytest.raises(DcpFormatError, match=r"is not readable DCP metadata \(OverflowError: FRAME length exceeds"):
+        dcp_metadata_file.read_metadata(str(tmp_path))
