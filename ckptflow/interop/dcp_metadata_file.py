@@ -127,7 +127,7 @@ def read_metadata(directory: str) -> dcp_metadata.Metadata:
     except DcpFormatError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, RecursionError,
-            IndexError, OverflowError) as e:  # fmt: skip
+            IndexError, OverflowError, RuntimeError) as e:  # fmt: skip  # RuntimeError: TensorProperties' own
         raise DcpFormatError(f"{where} is not readable DCP metadata ({type(e).__name__}: {e})") from None
     try:
         _check_metadata(metadata, where)

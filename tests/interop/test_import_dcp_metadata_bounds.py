@@ -269,3 +269,17 @@ def test_a_frame_longer_than_any_file_is_a_damaged_file_not_a_traceback(tmp_path
     (tmp_path / ".metadata").write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 63) + b"N.")
     with pytest.raises(DcpFormatError, match=r"is not readable DCP metadata \(OverflowError: FRAME length exceeds"):
         dcp_metadata_file.read_metadata(str(tmp_path))
+
+
+def test_tensor_properties_of_an_unknown_memory_format_are_a_damaged_file_not_a_traceback(tmp_path, monkeypatch):
+    """TensorProperties' __setstate__ raised RuntimeError out of the import for a memory format
+    encoding it does not know (a mutated byte made it a size)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group says so
+        dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    metadata = dcp_metadata_file.read_metadata(str(tmp_path / "dcp"))
+    with monkeypatch.context() as patched:
+        patched.setattr(dcp_metadata.TensorProperties, "__getstate__", lambda p: (p.dtype, p.layout, False, 7, False))
+        (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(DcpFormatError, match=r"not readable DCP metadata \(RuntimeError: Invalid torch.memory_format"):
+        dcp_metadata_file.read_metadata(str(tmp_path / "dcp"))
