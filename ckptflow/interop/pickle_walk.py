@@ -169,28 +169,28 @@ def count_built(
     other object or reference an opcode, a memo written at index i as i objects, the visits
     and the keys whose hashes the file chooses the module docstring describes; and, with
     ``calls``, record the first call to anything else, or given anything else, than it allows.
-    The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each.
-
-    A pickler memoizes a list, dict or object before it fills it, so the memo holds a cell
-    (``[value, referenced]``) that its fills update: a memo read then gives it with all it
-    holds (40 lists each holding the one before twice, 1.7 KB, were counted as 40, and the
-    import's walk of the state took 10 s at 22 levels, days at 40). A container filled
-    once a memo read or DUP referenced it would add to values already counted: refused
-    (``refilled``; a state never holds itself)."""
+    The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each. A
+    pickler memoizes a container before filling it: the memo holds a cell (``[value, read]``)
+    its fills update, so a memo read weighs all it holds (``l = [l, l]`` 40 times, 1.7 KB, was
+    40 values, and days for the import to walk); one filled once read is ``refilled``."""
     first = objects = budget.objects
     called, visits, collidable, refused = budget.calls, budget.visits, budget.collidable, budget.refused_call
     probing = budget.probing
     deepest = budget.depth
     cap = max_visits + 1  # weights saturate: past the bound they need not be exact
     stack: list[Value] = []
-    cells: list[list[Any] | None] = []  # beside each stack value, its memo cell if it has one
+    cells: list[list[Any] | None] = []  # the memo cell of each stack value that has one (None past its end)
     marks: list[int] = []
-    memo: dict[int, list[Any]] = {}
+    memo: dict[int, Any] = {}  # a Value, or a container's cell
     refilled = budget.refilled
 
-    def push(value: Value, cell: list[Any] | None = None) -> None:
-        stack.append(value)
-        cells.append(cell)
+    def cell_at(position: int) -> list[Any] | None:
+        return cells[position] if 0 <= position < len(cells) else None
+
+    def tie(cell: list[Any]) -> None:
+        """Tie the top value to a memo ``cell``: what fills it then updates the cell."""
+        cells.extend([None] * (len(stack) - len(cells)))
+        cells[len(stack) - 1] = cell
 
     def pop(n: int, *, to_mark: bool = False) -> list[Value]:
         """The top ``n`` values (``to_mark``: those above the top mark, and the mark)."""
@@ -228,30 +228,38 @@ def count_built(
         if step == _GET:
             if arg not in memo:
                 raise ValueError(f"a pickle memo read of {arg}, never written")
-            memo[arg][1] = True  # referenced: filling it now would add to what that reference was counted as
-            push(memo[arg][0], memo[arg])
+            entry = memo[arg]
+            if type(entry) is list:  # a container's cell: filling it now would add to what this was counted as
+                entry[1] = True
+                stack.append(entry[0])
+                tie(entry)
+            else:
+                stack.append(entry)
         elif step == _MEMOIZE or step == _MEMO_WRITE:
             if not stack:
                 raise ValueError("a pickle memo write found an empty stack")
             if step == _MEMO_WRITE and isinstance(arg, int):  # its index
                 objects = max(objects, first + arg)
-            written = cells[-1] or [stack[-1], False]
-            cells[-1] = memo[arg if step == _MEMO_WRITE else len(memo)] = written
+            written: Any = stack[-1]
+            if not is_kind(written[1], *_NEVER_FILLED):
+                written = cell_at(len(stack) - 1) or [written, False]
+                tie(written)
+            memo[arg if step == _MEMO_WRITE else len(memo)] = written
         elif step == _LEAF or step == _EMPTY:
-            push(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
+            stack.append(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
         elif step == _MARK:
             marks.append(len(stack))
         elif step == _NUMBER and isinstance(arg, float):
-            push((1, ("float", arg), 1, 1))
+            stack.append((1, ("float", arg), 1, 1))
         elif step == _NUMBER:
             alike = alike_int(arg)
-            push((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap), ("int", arg), alike, 1))
+            stack.append((min(1 + arg.bit_length() // 8 // STRING_UNIT, cap), ("int", arg), alike, 1))
         elif step == _STRING or step == _BYTE_STRING:
             kind = ("str", arg) if step == _STRING else _BYTES
-            push((min(1 + len(arg) // STRING_UNIT, cap), kind, False, 1))
+            stack.append((min(1 + len(arg) // STRING_UNIT, cap), kind, False, 1))
         elif step == _TUPLE or step == _MARKED_TUPLE:
             items = pop(taken, to_mark=step == _MARKED_TUPLE)
-            push(made(items, ("tuple", tuple([v[1] for v in items[:4]]))))
+            stack.append(made(items, ("tuple", tuple([v[1] for v in items[:4]]))))
         elif step == _CALL:  # REDUCE, NEWOBJ, NEWOBJ_EX: the callable, then its arguments
             items = pop(taken)
             called += items[0][1] != _ORDERED_DICT or items[1][1] != ("tuple", ())  # an empty one is an object
@@ -262,12 +270,12 @@ def count_built(
             if items[0][1] in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
                 collidable += items[1][2]
                 probing += 0 if is_kind(_item(items[1][1], 0), "keys") else items[1][0]  # a dict's were counted
-            push(value)
+            stack.append(value)
         elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
             called += call
             items = pop(0, to_mark=True) if step == _MARKED_FILL else []
             below = _FILLED.get(op.name, 0) if step == _MARKED_FILL else taken  # the container, what it takes
-            cell = cells[-below] if below and op.name in _FILLS and len(cells) >= below else None
+            cell = cell_at(len(stack) - below) if below and op.name in _FILLS else None
             refilled = refilled or bool(cell and cell[1])
             fixed = pop(below)
             hashed = hashed_keys(op.name, fixed, items)
@@ -285,25 +293,26 @@ def count_built(
                 refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
             if op.name != "POP_MARK":
                 kind = fixed[0][1] if op.name in ("READONLY_BUFFER", "BUILD") else taken_keys if hashed else None
-                push(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS), cell)
+                stack.append(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS))
                 if cell:
                     cell[0] = stack[-1]
+                    tie(cell)
         elif step == _GLOBAL or step == _STACK_GLOBAL:
             if step == _GLOBAL:
                 dotted: str | None = _dotted(arg)
             else:
                 module, attr = (v[1] for v in pop(2))
                 dotted = f"{module[1]}.{attr[1]}" if module and attr and module[0] == attr[0] == "str" else None
-            push((1, ("global", dotted), 0, 1))
+            stack.append((1, ("global", dotted), 0, 1))
             if calls is not None and dotted in NESTED_TENSORS:  # refused by name, before what it is given
                 refused = refused or dotted
         elif step == _DUP:
-            cell = cells[-1] if cells else None
-            (value,) = pop(1)
-            cell = cell or [value, False]
-            cell[1] = True
-            push(value, cell)
-            push(value, cell)
+            cell = cell_at(len(stack) - 1)
+            stack.extend(pop(1) * 2)
+            cell = cell or [stack[-1], False]
+            cell[1] = True  # read twice from now on
+            tie(cell)
+            cells[-2] = cell
         elif step == _POP:
             pop(1, to_mark=len(stack) == (marks[-1] if marks else -1))  # a MARK with nothing above it goes
         elif step == _STOP:
@@ -325,6 +334,8 @@ def count_built(
     budget.refilled = refilled
 
 
+# what a value of these kinds is once made stays (a container's is a cell in the memo: ``count_built``)
+_NEVER_FILLED = ("str", "bytes", "int", "float", "tuple", "global")
 # the values below its top mark an opcode fills
 _FILLED = {"APPENDS": 1, "SETITEMS": 1, "ADDITEMS": 1}
 # the opcodes that fill the container or object below what they add (not one they make)
@@ -363,10 +374,7 @@ def walk_problem(budget: PickleBudget, max_visits: int) -> str:
             "file holds (a tensor class given a size, a bytearray given a count)"
         )
     if budget.refilled:
-        return (
-            "fills a list, dict or object after a memo read referenced it (a value holding itself, which no state "
-            "does, or a crafted pickle): what its references hold would go uncounted"
-        )
+        return "fills a list, dict or object after a memo read referenced it (no state holds itself): uncounted"
     if budget.depth > MAX_DEPTH:
         return (
             f"nests values deeper than {MAX_DEPTH} levels (hashing or reading one recurses a level a level: "
