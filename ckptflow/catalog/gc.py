@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
+from ckptflow.catalog.listing import Problem
 from ckptflow.chunks import damaged
 from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, gc_lock, leases, wait_for_leases
 from ckptflow.errors import CkptflowError
@@ -30,6 +31,8 @@ from ckptflow.store import open_store
 from ckptflow.store.base import ObjectInfo, Store
 
 log = logging.getLogger("ckptflow")
+
+IGNORED_KINDS = ("bad_name", "not_a_directory")  # commit-record problems GC leaves alone: no restore reads them
 
 
 @dataclass
@@ -91,6 +94,17 @@ def _salvage_chunks(store: Store, key: str) -> set[str] | None:
     return named
 
 
+def chunks_kept_for(store: Store, problem: Problem) -> set[str] | None:
+    """The chunks GC keeps for a commit record it cannot read: none for debris no restore
+    could read (``IGNORED_KINDS``), every digest a damaged one's JSON still names (it might
+    be repaired), or None where they cannot be told, and then GC sweeps nothing."""
+    if problem.kind in IGNORED_KINDS:
+        return set()
+    if problem.kind == "corrupt" and problem.step is not None:
+        return _salvage_chunks(store, fmt.manifest_key(problem.run, problem.step))
+    return None
+
+
 def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] | None:
     """Referenced chunks, and step files no manifest owns; None if marking is unsafe (a
     commit record that cannot be read and whose chunks cannot be told: ``report.skipped``)."""
@@ -108,15 +122,11 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
             own = fmt.manifest_key(item.run, item.step)
             loose.extend(info for info in files[item.ref] if info.key != own and item.rank_of(info.key) is None)
             continue
-        if item.kind in ("bad_name", "not_a_directory"):  # nothing restore could read: leave it, say so
+        if item.kind in IGNORED_KINDS:  # nothing restore could read: leave it, say so
             report.ignored.append(str(item))
             continue
         report.unreadable_manifests.append(str(item))
-        salvaged = (
-            _salvage_chunks(store, fmt.manifest_key(item.run, item.step))
-            if item.kind == "corrupt" and item.step is not None
-            else None
-        )
+        salvaged = chunks_kept_for(store, item)
         if salvaged is None:
             then = (
                 "run gc with a ckptflow that reads it"  # what a newer format references is unknown here

@@ -67,7 +67,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(
         f"chunk files: {stats.chunk_files} ({human_bytes(stats.chunk_file_bytes)}); unreferenced: "
         f"{stats.unreferenced_chunks} ({human_bytes(stats.unreferenced_bytes)})"
-        + (f", reclaimable with `{PROG} gc` once older than the grace period" if stats.unreferenced_chunks else "")
+        + (
+            ""
+            if not stats.unreferenced_chunks
+            else ", not reclaimable while a commit record's chunks cannot be told (GC sweeps nothing)"
+            if stats.garbage_untold
+            else f", reclaimable with `{PROG} gc` once older than the grace period"
+        )
     )
     if stats.damaged_chunks:
         warn(

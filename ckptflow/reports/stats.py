@@ -23,6 +23,7 @@ from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.gc import chunks_kept_for
 from ckptflow.chunks import damaged
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
@@ -100,8 +101,9 @@ class StoreStats(_Ratios):
     stored_bytes: int  # on-disk size of all referenced chunk files
     chunk_files: int  # every chunk file in the store, referenced or not
     chunk_file_bytes: int
-    unreferenced_chunks: int  # referenced by no readable manifest (GC candidates once old)
+    unreferenced_chunks: int  # named by no commit record GC keeps chunks for (its candidates once old)
     unreferenced_bytes: int
+    garbage_untold: bool = False  # a commit record's chunks cannot be told: GC sweeps nothing until it is resolved
     unreadable_manifests: list[str] = field(default_factory=list)
     encodings: dict[str, EncodingBytes] = field(default_factory=dict)  # "plain", "delta", "lossy", "base"
     data_bytes: int = 0  # raw bytes of the distinct chunks tensors are made of (bases only deltas need excluded)
@@ -123,6 +125,7 @@ class StoreStats(_Ratios):
                 "chunk_file_bytes": self.chunk_file_bytes,
                 "unreferenced_chunks": self.unreferenced_chunks,
                 "unreferenced_bytes": self.unreferenced_bytes,
+                "garbage_untold": self.garbage_untold,
                 "unreadable_manifests": list(self.unreadable_manifests),
                 "encodings": {k: v.as_dict() for k, v in sorted(self.encodings.items())},
                 "data_bytes": self.data_bytes,
@@ -215,18 +218,21 @@ def store_stats(store: Store, *, count_damaged: bool = False) -> StoreStats:
     sizes = chunk_file_sizes(store)
     unreadable: list[str] = []
     by_run: dict[str, list[Manifest]] = {}
+    kept: set[str] | None = set()  # what GC keeps for the commit records it cannot read; None: untold
     for item in catalog.committed(store):
         if isinstance(item, Manifest):
             by_run.setdefault(item.run, []).append(item)
-        else:
-            unreadable.append(str(item))
+            continue
+        unreadable.append(str(item))
+        named = chunks_kept_for(store, item) if kept is not None else None
+        kept = None if kept is None or named is None else kept | named
     runs: list[RunStats] = []
     referenced: dict[str, int] = {}
     for run in sorted(by_run):
         stats, chunks = _run_stats(run, by_run[run], sizes)
         runs.append(stats)
         referenced.update(chunks)
-    unreferenced = [d for d in sizes if d not in referenced]
+    unreferenced = [d for d in sizes if d not in referenced and (kept is None or d not in kept)]
     every = [m for ms in by_run.values() for m in ms]
     kinds, data, missing = encodings(every, sizes)
     return StoreStats(
@@ -239,6 +245,7 @@ def store_stats(store: Store, *, count_damaged: bool = False) -> StoreStats:
         chunk_file_bytes=sum(sizes.values()),
         unreferenced_chunks=len(unreferenced),
         unreferenced_bytes=sum(sizes[d] for d in unreferenced),
+        garbage_untold=kept is None,
         unreadable_manifests=unreadable,
         encodings=kinds,
         data_bytes=data,

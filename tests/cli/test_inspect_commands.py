@@ -193,6 +193,24 @@ def test_stats_compression_and_unreferenced(tmp_path, capsys):
     assert doc["store"]["unreferenced_chunks"] == 1 and doc["store"]["unreferenced_bytes"] > 0
 
 
+def test_stats_counts_as_garbage_only_what_gc_would_sweep_past_a_damaged_commit_record(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, "z") as ckpt:
+        ckpt.save(1, {"model": {"w": torch.zeros(4096)}})
+        ckpt.save(2, {"model": {"w": torch.ones(4096)}})
+    manifest = Path(root) / fmt.manifest_key("z", 2)
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step":2', b'"step":3'))  # fails its checksum, still JSON
+    code, out, err = run_cli(capsys, "stats", root)
+    assert code == 0 and "not counted: run z step 2" in err
+    assert "unreferenced: 0 (0 B)" in out and "reclaimable" not in out  # GC keeps what the record still names
+    assert run_cli(capsys, "gc", root, "--grace", "0s", "--force", "--dry-run")[1].startswith("would delete 0 object")
+    manifest.write_bytes(b"{")  # its chunks cannot be told: GC sweeps nothing, so nothing is reclaimable
+    code, out, err = run_cli(capsys, "stats", root)
+    assert code == 0 and "unreferenced: 1 (" in out
+    assert "not reclaimable while a commit record's chunks cannot be told" in out and "reclaimable with" not in out
+    assert run_cli(capsys, "gc", root, "--grace", "0s", "--force")[0] == 1
+
+
 def test_stats_counts_the_chunks_recorded_damaged_until_a_save_writes_them_anew(store, capsys):
     root, _, _ = store
     flip_byte(chunk_path(root, tensor_chunk(root, RUN, 10, "model.0.weight")))
