@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
+from ckptflow.cli.costs import read_prices
 from ckptflow.cli.output import json_text, table
 from ckptflow.errors import CkptflowError
 from ckptflow.policy.interval import SCENARIOS, IntervalCost
 from ckptflow.reports.advice import Advice, advise
-from ckptflow.reports.costs import CostModel
 from ckptflow.reports.units import human_duration, human_period, human_steps
 
 
@@ -32,10 +31,7 @@ def add_arguments(p: argparse.ArgumentParser, duration_arg) -> None:
 
 
 def run(store, args: argparse.Namespace) -> int:
-    try:
-        costs = CostModel.from_json(Path(args.prices).read_text()) if args.prices else CostModel()
-    except (OSError, ValueError) as e:
-        raise CkptflowError(f"cost model {args.prices}: {e}") from None
+    costs = read_prices(args.prices)
     if args.gpus < 1 or not 0 <= args.gpu_hour_usd < math.inf:
         raise CkptflowError(
             f"--gpus must be at least 1 and --gpu-hour-usd a finite non-negative number, got {args.gpus}, "

@@ -18,11 +18,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--archive-class", help="storage class of the archive (default GLACIER_IR)")
 
 
+PRICES_EXAMPLE = '{"prices": {"STANDARD": 0.023, "GLACIER_IR": 0.004}, "tiers": {"hot": "STANDARD"}}'
+
+
+def read_prices(path: str | None) -> CostModel:
+    """``--prices FILE`` as a cost model, the list prices without it; an error names the file
+    and shows the format."""
+    if not path:
+        return CostModel()
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise CkptflowError(
+            f"--prices {path}: cannot read it ({e.strerror or e}); pass a JSON file such as {PRICES_EXAMPLE}"
+        ) from None
+    try:
+        return CostModel.from_json(text)
+    except ValueError as e:
+        raise CkptflowError(f"--prices {path}: {e}; pass a JSON file such as {PRICES_EXAMPLE}") from None
+
+
 def report(store: Store, args: argparse.Namespace, open_store) -> CostReport:
     try:
-        model = CostModel.from_json(Path(args.prices).read_text()) if args.prices else CostModel()
-        model = model.with_classes(hot=args.hot_class, archive=args.archive_class)
-    except (OSError, ValueError) as e:
+        model = read_prices(args.prices).with_classes(hot=args.hot_class, archive=args.archive_class)
+    except ValueError as e:
         raise CkptflowError(f"cost model {args.prices or '(defaults)'}: {e}") from None
     return storage_costs(store, open_store(args.archive) if args.archive else None, model=model)
 

@@ -171,16 +171,23 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["ls", "{root}", "--run", RUN, "--select", ""], "selector '' is not one of"),  # listed everything
         (["verify", "{root}", "--run", RUN, "--step", "1_0"], "step '1_0' is not a step number"),  # was step 10
         (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--step", "+10"], "is not a step number"),
+        (["stats", "{root}", "--prices", "{tmp}/none.json"], "--prices {tmp}/none.json: cannot read it"),
+        (["advise", "{root}", "--run", RUN, "--prices", "{tmp}"], "pass a JSON file such as"),  # was [Errno 21]
+        (
+            ["stats", "{root}", "--prices", "{root}/../{{bad"],
+            "(char 1); pass a JSON file such as",
+        ),  # the JSON's fault, and where
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(store, tmp_path, capsys, argv, expect):
     root, _, _ = store
+    (tmp_path / "{bad").write_text("{bad")
     code, out, err = run_cli(capsys, *[a.format(root=root, tmp=tmp_path) for a in argv])
     assert code == 2
     assert err.startswith("ckptflow: error: ") and err.count("\n") == 1, err
-    assert expect in err and "Traceback" not in err
+    assert expect.format(tmp=tmp_path) in err and "Traceback" not in err and "[Errno" not in err
     assert not (Path(root) / "missing").exists()  # inspecting never creates a store
 
 
