@@ -17,7 +17,7 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.cli.commands import UNAVAILABLE, no_such_step, open_existing, require_run
 from ckptflow.cli.output import PROG, progress, warn
-from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
+from ckptflow.errors import DAMAGE, CkptflowError, CorruptChunkError, NewerFormatError, StoreUnavailableError
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.reports.units import human_bytes
@@ -88,6 +88,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (StoreUnavailableError, NewerFormatError) as e:  # nothing proved damage: exit as verify does
         print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return UNAVAILABLE
+    except DAMAGE as e:
+        if args.step is None:
+            raise
+        what = f"run {run!r} step {args.step} cannot be exported: "
+        repair = (  # repair copies chunk objects, not commit records
+            f", or repair this one from another tier's copy (`{PROG} repair ROOT --from URL`)"
+            if isinstance(e, CorruptChunkError)
+            else ""
+        )
+        raise CkptflowError(
+            f"{what}{str(e).removeprefix(what)}; nothing was written: export another step (without --step: the "
+            f"newest that verifies){repair}"
+        ) from None
     for skipped_step, why in skipped:
         warn(f"run {run} step {skipped_step} does not verify, skipped: {why}")
     if result.lossy is not None:

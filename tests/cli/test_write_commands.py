@@ -87,6 +87,23 @@ def test_export_of_corrupt_step_fails_cleanly(store, tmp_path, capsys):
     assert not out_file.exists() and list(tmp_path.glob("m.safetensors*")) == []
 
 
+@pytest.mark.parametrize("damaged", ["chunk", "manifest"])
+@pytest.mark.parametrize("form", ["hf", "dcp"])
+def test_export_of_a_damaged_step_says_what_to_do(store, tmp_path, capsys, damaged, form):
+    root, _, _ = store
+    if damaged == "chunk":
+        flip_byte(chunk_path(root, tensor_chunk(root, RUN, 20, "model.0.bias")))
+    else:
+        manifest = Path(root) / fmt.manifest_key(RUN, 20)
+        manifest.write_bytes(manifest.read_bytes().replace(b'"step":20', b'"step":21'))
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "export", root, "--run", RUN, "--step", "20", "--out", out, "--format", form)
+    assert code == 2 and not out.exists()
+    assert err.startswith(f"ckptflow: error: run '{RUN}' step 20 cannot be exported: ") and err.count("\n") == 1
+    assert "nothing was written: export another step (without --step: the newest that verifies)" in err
+    assert ("ckptflow repair ROOT --from URL" in err) == (damaged == "chunk")  # repair copies chunks, not records
+
+
 # ---- gc ----------------------------------------------------------------------------------
 def test_gc_dry_run_deletes_nothing(store, capsys):
     root, _, _ = store

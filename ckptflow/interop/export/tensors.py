@@ -29,6 +29,7 @@ from ckptflow.dcp.reader import CheckpointReader
 from ckptflow.errors import (
     CkptflowError,
     ColdObjectError,
+    CorruptChunkError,
     NewerFormatError,
     NoValidCheckpointError,
     StoreUnavailableError,
@@ -118,7 +119,13 @@ def load_tensors(
         except CkptflowError as e:  # keeps "could not be read" apart from damage, as restore does
             failure = failure_of(e)
             unread = not (failure.damage or failure.partial)
-            error = (ColdObjectError if failure.cold else StoreUnavailableError) if unread else CkptflowError
+            error = (
+                (ColdObjectError if failure.cold else StoreUnavailableError)
+                if unread
+                else CorruptChunkError
+                if failure.damage
+                else CkptflowError
+            )
             raise error(f"run {run!r} step {step} cannot be exported: {e}") from None
     return {n[len(prefix) :]: t for n, t in full.items()}, manifest
 
