@@ -126,7 +126,11 @@ def cmd_import(args: argparse.Namespace) -> int:
         store = open_store(args.root)
     except ValueError as e:
         raise CkptflowError(str(e)) from None
-    result = import_checkpoint(store, args.run, args.step, args.src, format=args.format, allow_failed=args.allow_failed)
+    with progress(f"import {args.run}") as report_progress:
+        result = import_checkpoint(
+            store, args.run, args.step, args.src, format=args.format, allow_failed=args.allow_failed,
+            progress=report_progress,
+        )  # fmt: skip
     if result.failed_validation is not None:
         warn(
             f"{result.source} was exported despite a failed validation; run {result.run} step {result.step} keeps "

@@ -43,6 +43,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ckptflow.catalog.verdicts import Subject, carried_failure, describe_verdict, write_record
+from ckptflow.dcp.writer import Progress
 from ckptflow.errors import CkptflowError, FailedValidationError, UnsupportedStateError
 from ckptflow.format import layout as fmt
 from ckptflow.interop.carried import carried_failed_validation, carried_lossy
@@ -246,6 +247,7 @@ def import_checkpoint(
     chunk_bytes: int = 8 << 20,
     codec: str = "raw",
     allow_failed: bool = False,
+    progress: Progress | None = None,
 ) -> ImportResult:
     """Commit ``src`` as checkpoint ``step`` of ``run`` in ``root`` (a full save: every
     chunk written). The step must be free. ``metadata`` adds to what the source gives.
@@ -254,7 +256,9 @@ def import_checkpoint(
     ``allow_failed``; then the verdict goes into the new commit's metadata
     (``import.failed_validation``) and becomes its validation verdict, failed, so export and
     promotion refuse it and selection passes it over; validating it again keeps it
-    (``carried_failure``): it is cleared at the source, validated again and exported anew."""
+    (``carried_failure``): it is cleared at the source, validated again and exported anew.
+
+    ``progress`` is told the bytes of each chunk written (a large import takes a while)."""
     fmt.validate_run(run)
     fmt.validate_step(step)
     source = os.path.abspath(os.fspath(src))
@@ -275,7 +279,7 @@ def import_checkpoint(
     if failed is not None:
         record["failed_validation"] = failed
     meta = {**read.metadata, **(metadata or {}), "import": record}
-    with Checkpointer(root, run=run, chunk_bytes=chunk_bytes, codec=codec, local=True) as ck:
+    with Checkpointer(root, run=run, chunk_bytes=chunk_bytes, codec=codec, local=True, progress=progress) as ck:
         try:
             saved = ck.save(step, state, metadata=meta, kind="full", rng=False, lossy=lossy)
         except UnsupportedStateError as e:

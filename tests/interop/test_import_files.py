@@ -87,6 +87,14 @@ def test_safetensors_file_imports_as_model_entry(tmp_path):
         assert torch.equal(tensor, tensors[name])
 
 
+def test_an_import_tells_progress_every_byte_it_writes(tmp_path):
+    tensors = {"w": torch.randn(3, 4096), "b": torch.randn(4096)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    told: list[int] = []
+    result = import_checkpoint(str(tmp_path / "store"), "st", 1, tmp_path / "w.safetensors", progress=told.append)
+    assert told and sum(told) == result.bytes == 4 * 4 * 4096  # what `ckptflow import` shows on a terminal
+
+
 def test_torch_file_training_checkpoint_imports_its_entries(tmp_path):
     state = tiny_state(0)
     tiny_train(state, 2)
