@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from ckptflow import Checkpointer
 from ckptflow.catalog.checkpoints import read_manifest
 from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
@@ -102,6 +103,16 @@ def test_export_of_a_damaged_step_says_what_to_do(store, tmp_path, capsys, damag
     assert err.startswith(f"ckptflow: error: run '{RUN}' step 20 cannot be exported: ") and err.count("\n") == 1
     assert "nothing was written: export another step (without --step: the newest that verifies)" in err
     assert ("ckptflow repair ROOT --from URL" in err) == (damaged == "chunk")  # repair copies chunks, not records
+
+
+def test_export_of_an_entry_without_tensors_names_the_entries_that_have_them(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        ck.save(1, {"model": {"w": torch.ones(4)}, "data": {"position": 3}})  # "data": plain JSON, no tensor
+    code, _, err = run_cli(capsys, "export", root, "--run", RUN, "--key", "data", "--out", tmp_path / "m.safetensors")
+    assert code == 2 and not (tmp_path / "m.safetensors").exists()
+    assert "has no tensors under 'data.'; its tensors are under ['model']: pass one of those as --key" in err  # was
+    # "its state holds ['model']", which it does not alone
 
 
 # ---- gc ----------------------------------------------------------------------------------

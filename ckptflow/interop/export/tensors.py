@@ -107,7 +107,7 @@ def load_tensors(
     if not names:
         tops = sorted({n.split(".", 1)[0] for n in index})
         raise CkptflowError(
-            f"run {run!r} step {step} has no tensors under {prefix!r}; its state holds {tops}: "
+            f"run {run!r} step {step} has no tensors under {prefix!r}; its tensors are under {tops}: "
             "pass one of those as --key"
         )
     full = {name: empty_tensor(store, manifest, name, f"run {run!r} step {step}") for name in names}
