@@ -17,11 +17,18 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.cli.commands import UNAVAILABLE, no_such_step, open_existing, require_run
 from ckptflow.cli.output import PROG, progress, warn
-from ckptflow.errors import DAMAGE, CkptflowError, CorruptChunkError, NewerFormatError, StoreUnavailableError
+from ckptflow.errors import (
+    DAMAGE,
+    CkptflowError,
+    CorruptChunkError,
+    NewerFormatError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+)
 from ckptflow.format import layout as fmt
 from ckptflow.lifecycle.lineage import lineage_of
 from ckptflow.reports.units import human_bytes
-from ckptflow.store import open_store
+from ckptflow.store import Store, open_store
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|B|KB|MB|GB|KIB|MIB|GIB)\s*$")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -122,8 +129,11 @@ def cmd_import(args: argparse.Namespace) -> int:
     from ckptflow.chunks.lossy import describe
     from ckptflow.interop.importers import import_checkpoint  # torch, when importing
 
+    store: str | Store
     try:
-        store = open_store(args.root)
+        store = open_store(args.root, create=False)
+    except StoreNotFoundError:
+        store = args.root  # created by the commit, once the source is read and checked: a refusal leaves nothing
     except ValueError as e:
         raise CkptflowError(str(e)) from None
     with progress(f"import {args.run}") as report_progress:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ckptflow import Checkpointer
 from ckptflow.catalog.checkpoints import read_manifest
@@ -113,6 +113,22 @@ def test_export_of_an_entry_without_tensors_names_the_entries_that_have_them(tmp
     assert code == 2 and not (tmp_path / "m.safetensors").exists()
     assert "has no tensors under 'data.'; its tensors are under ['model']: pass one of those as --key" in err  # was
     # "its state holds ['model']", which it does not alone
+
+
+def test_a_refused_import_into_a_new_root_leaves_no_store_behind(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    save_file({"w": torch.ones(4)}, tmp_path / "w.safetensors")
+    root = tmp_path / "new-store"
+    for run, src, expect in (
+        ("r", tmp_path / "notes.txt", "is none of what ckptflow imports"),
+        ("r", tmp_path / "missing.pt", "does not exist"),
+        ("bad/run", tmp_path / "w.safetensors", "run name 'bad/run' is not allowed"),
+    ):
+        code, _, err = run_cli(capsys, "import", root, "--run", run, "--step", "1", src)
+        assert code == 2 and expect in err
+        assert not root.exists()  # was an empty store directory after every refusal
+    code, out, _ = run_cli(capsys, "import", root, "--run", "r", "--step", "1", tmp_path / "w.safetensors")
+    assert code == 0 and "as run r step 1" in out and (root / fmt.manifest_key("r", 1)).is_file()
 
 
 # ---- gc ----------------------------------------------------------------------------------
