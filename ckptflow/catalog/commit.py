@@ -154,8 +154,8 @@ def _damage(store: Store, run: str, step: int, digest: str, pool: ThreadPoolExec
 def _exists(store: Store, run: str, step: int, digest: str, outcome: str) -> CheckpointExistsError:
     return CheckpointExistsError(
         f"step {step} of run {run!r} is already committed in {store.url}/{fmt.manifest_key(run, step)} "
-        f"(manifest sha256 {digest}){outcome}: save under a new step, or delete that checkpoint first "
-        "(retention / `ckptflow gc`)"
+        f"(manifest sha256 {digest}){outcome}: save under a new step, or expire it first (ckptflow.lifecycle.expire, "
+        "as the retention job does; gc deletes no commit)"
     )
 
 

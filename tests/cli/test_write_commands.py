@@ -129,6 +129,9 @@ def test_a_refused_import_into_a_new_root_leaves_no_store_behind(tmp_path, capsy
         assert not root.exists()  # was an empty store directory after every refusal
     code, out, _ = run_cli(capsys, "import", root, "--run", "r", "--step", "1", tmp_path / "w.safetensors")
     assert code == 0 and "as run r step 1" in out and (root / fmt.manifest_key("r", 1)).is_file()
+    code, _, err = run_cli(capsys, "import", root, "--run", "r", "--step", "1", tmp_path / "w.safetensors")
+    assert code == 2 and "already committed" in err and "nothing was written" in err
+    assert "or expire it first (ckptflow.lifecycle.expire" in err and "ckptflow gc" not in err  # gc keeps commits
 
 
 # ---- gc ----------------------------------------------------------------------------------
