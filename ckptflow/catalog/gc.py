@@ -41,7 +41,7 @@ class GCReport:
     deleted: list[tuple[str, int]] = field(default_factory=list)  # (key, bytes)
     kept_chunks: int = 0
     live_manifests: int = 0
-    unreadable_manifests: list[str] = field(default_factory=list)
+    unreadable_manifests: list[str] = field(default_factory=list)  # read by none, chunks kept as their JSON names
     ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
     dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
     live_leases: list[str] = field(default_factory=list)  # saves writing chunks (a dry run lists what it would do)
@@ -125,7 +125,6 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
         if item.kind in IGNORED_KINDS:  # nothing restore could read: leave it, say so
             report.ignored.append(str(item))
             continue
-        report.unreadable_manifests.append(str(item))
         salvaged = chunks_kept_for(store, item)
         if salvaged is None:
             then = (
@@ -138,6 +137,7 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
                 f"garbage: {item} — {then}"
             )
             return None
+        report.unreadable_manifests.append(str(item))
         live |= salvaged  # an unverifiable manifest might still be repaired: keep its data
     return live, loose
 

@@ -165,6 +165,19 @@ def test_gc_deletes_unreferenced_chunks(store, capsys):
     assert run_cli(capsys, "verify", root, "--run", RUN, "--all")[0] == 0
 
 
+def test_gc_does_not_claim_to_keep_the_chunks_of_a_record_it_cannot_parse(store, capsys):
+    root, _, _ = store
+    (Path(root) / fmt.manifest_key(RUN, 10)).write_bytes(b"{")  # fails its checksum and is not JSON
+    before = all_files(root)
+    code, out, err = run_cli(capsys, "gc", root, "--grace", "1h")
+    assert code == 1 and out == "" and all_files(root) == before
+    assert f"run {RUN} step 10" in err and "its chunks cannot be told" in err
+    assert "GC keeps the chunks its JSON still names" not in err  # was said of this record, which has no JSON
+    (Path(root) / fmt.manifest_key(RUN, 10)).write_bytes(b'{"chunks": {}}')  # JSON: GC keeps what it names
+    code, _, err = run_cli(capsys, "gc", root, "--grace", "1h")
+    assert code == 0 and "GC keeps the chunks its JSON still names" in err
+
+
 def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
     root, _, _ = store
     doomed = set(chunks_of(root, RUN, 10)) - set(chunks_of(root, RUN, 20))
