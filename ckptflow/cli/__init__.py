@@ -33,7 +33,7 @@ from ckptflow.cli.commands import (
 )
 from ckptflow.cli.costs import add_arguments as cost_arguments
 from ckptflow.cli.export_import import cmd_export, cmd_import, size_arg
-from ckptflow.cli.output import PROG
+from ckptflow.cli.output import PROG, os_error_text
 from ckptflow.cli.report_commands import cmd_advise, cmd_stats
 from ckptflow.errors import CkptflowError, NewerFormatError, StoreUnavailableError
 from ckptflow.format.layout import IMPORT_FORMATS
@@ -258,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(e, BrokenPipeError):  # `ckptflow ls | head`
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        message = " ".join(str(e).split("\n"))
+        message = " ".join((os_error_text(e) if not isinstance(e, CkptflowError) else str(e)).split("\n"))
         print(f"{PROG}: error: {message}", file=sys.stderr)
         unread = isinstance(e, (StoreUnavailableError, NewerFormatError))
         unread = unread and getattr(args, "func", None) in (cmd_verify, cmd_export)

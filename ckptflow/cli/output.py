@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import sys
@@ -71,3 +72,15 @@ def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], No
                 bar.update(n)
 
         yield update
+
+
+def os_error_text(error: OSError) -> str:
+    """An error of the operating system's that no ckptflow message explains, as what failed
+    and where; where it was refused access, what to do."""
+    text = f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        text += (
+            "; this command needs write access there (gc, import and repair write to the store; ls, stats, verify "
+            "and export only read it): run it as a user who may write to the store, or on a writable copy"
+        )
+    return text

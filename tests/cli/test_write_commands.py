@@ -9,11 +9,13 @@ are in tests/support/.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,35 @@ def test_gc_does_not_claim_to_keep_the_chunks_of_a_record_it_cannot_parse(store,
     (Path(root) / fmt.manifest_key(RUN, 10)).write_bytes(b'{"chunks": {}}')  # JSON: GC keeps what it names
     code, _, err = run_cli(capsys, "gc", root, "--grace", "1h")
     assert code == 0 and "GC keeps the chunks its JSON still names" in err
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """``path`` read-only to this process: immutable for root (which permissions do not stop), else mode 0555."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here: root cannot be denied a write otherwise")
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    else:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+
+
+def test_a_store_it_may_not_write_to_is_named_with_what_to_do(store, capsys):
+    root, _, _ = store
+    before = all_files(root)
+    with read_only(Path(root)):
+        code, out, err = run_cli(capsys, "gc", root, "--grace", "1h")
+    assert code == 2 and out == "" and all_files(root) == before
+    assert err.startswith("ckptflow: error: ") and err.count("\n") == 1 and "[Errno" not in err  # was
+    # "ckptflow: error: [Errno 1] Operation not permitted: '.../locks'"
+    assert f"{root}/locks" in err and "this command needs write access there" in err
 
 
 def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
