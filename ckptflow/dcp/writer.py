@@ -392,6 +392,7 @@ class CheckpointWriter(StorageWriter):
                     f"the save of run {spec.run!r} step {spec.step} was abandoned at exit: not committed"
                 )
             commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
+            self.lease.confirm_commit(parsed, blob, self.pool)  # lost during the commit: GC may have swept
         finally:
             self.lease.release()
         self.manifest = parsed
