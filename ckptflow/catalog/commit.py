@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import quarantine
+from ckptflow.chunks.leases import DEAD_AFTER, save_lease
 from ckptflow.errors import (
     CheckpointExistsError,
     CkptflowError,
@@ -102,6 +103,51 @@ def commit_manifest(
             if store.put_if_absent(key, blob):
                 return
     raise _unsettled(store, run, step)
+
+
+def confirm_commit(
+    store: Store,
+    manifest: Manifest,
+    blob: bytes,
+    *,
+    lease: str,
+    again: str,
+    chunks: Store | None = None,
+    pool: ThreadPoolExecutor | None = None,
+) -> None:
+    """After the commit of ``manifest`` (sealed as ``blob``) in ``store`` by a writer whose
+    ``lease`` was lost since it was last checked before the commit (the process stalled
+    between the check and the put): a GC may have judged the writer dead and swept what the
+    manifest names before it was there to mark. Under a fresh lease (so no GC sweeps now,
+    and every later one marks the manifest) each chunk (in ``chunks``, default ``store``)
+    and rank record it names is looked for: all there, the commit stands; any gone, the
+    manifest is moved to quarantine and ``StoreUnavailableError`` says to ``again`` (the
+    work: save, archive), nothing committed."""
+    chunks = store if chunks is None else chunks
+    key = fmt.manifest_key(manifest.run, manifest.step)
+    wanted = [(chunks, fmt.chunk_key(digest)) for digest in sorted(manifest.chunks)]
+    wanted += [(store, record) for record in manifest.rank_keys()]
+    try:
+        with save_lease(store, work=f"check of the commit {store.url}/{key}"):
+            there = (pool.map if pool else map)(lambda w: w[0].exists(w[1]), wanted)
+            gone = [k for (_, k), held in zip(wanted, there) if not held]
+            if not gone:
+                log.warning("%s in %s was lost while its manifest was committed; everything it names is stored, so "
+                            "the commit stands", lease, store.url)  # fmt: skip
+                return
+            found, version = store.get_versioned(key, sealed.MAX_RECORD_BYTES)
+            moved = quarantine.move_aside(store, manifest.run, manifest.step, blob, version) if found == blob else None
+    except StoreUnavailableError as e:
+        raise StoreUnavailableError(
+            f"{lease} in {store.url} was lost while its manifest was committed, and whether a GC swept what it names "
+            f"could not be checked ({e}): run 'ckptflow verify' on it, and {again} again if it is damaged"
+        ) from e
+    where = f"moved to {store.url}/{moved}" if moved else f"changed since, and left as it is at {store.url}/{key}"
+    raise StoreUnavailableError(
+        f"{lease} in {store.url} was lost while its manifest was committed (the process stalled for over "
+        f"{DEAD_AFTER / 2:.0f} s), and a GC swept {len(gone)} object(s) it names ({gone[0]}); the manifest was "
+        f"{where}, so nothing was committed: {again} again"
+    )
 
 
 def _read(store: Store, run: str, step: int) -> tuple[bytes, str] | None:

@@ -37,12 +37,10 @@ from contextlib import ExitStack, contextmanager
 
 from torch.distributed.checkpoint.planner import SavePlan
 
-from ckptflow.catalog import quarantine
+from ckptflow.catalog.commit import confirm_commit
 from ckptflow.chunks.leases import DEAD_AFTER, Heartbeat, save_lease
 from ckptflow.errors import CkptflowError, StoreUnavailableError
-from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
-from ckptflow.format.sealed import MAX_RECORD_BYTES
 from ckptflow.store.base import Store
 
 log = logging.getLogger("ckptflow")
@@ -101,40 +99,11 @@ class CommitLease:
             )
 
     def confirm_commit(self, manifest: Manifest, blob: bytes, pool: ThreadPoolExecutor) -> None:
-        """After the commit of ``manifest`` (sealed as ``blob``): nothing to do if the lease
-        is still held. Lost since ``check_held`` (the process stalled past ``DEAD_AFTER``
-        between the check and the put), a GC may have judged the save dead and swept what
-        the manifest names before it was there to mark. Under a fresh lease (so no GC sweeps
-        now, and every later one marks the manifest) each chunk and rank record it names is
-        looked for: all there, the commit stands; any gone, the manifest is moved to
-        quarantine and the save fails, nothing committed."""
-        if self._held is not None and not self._held.lost:
-            return
-        store, key = self.store, fmt.manifest_key(manifest.run, manifest.step)
-        keys = sorted(fmt.chunk_key(digest) for digest in manifest.chunks) + sorted(manifest.rank_keys())
-        try:
-            with save_lease(store, work=f"commit of {self.what}"):
-                gone = [k for k, there in zip(keys, pool.map(store.exists, keys)) if not there]
-                if not gone:
-                    log.warning("the save lease of %s in %s was lost while its manifest was committed; everything it "
-                                "names is stored, so the commit stands", self.what, store.url)  # fmt: skip
-                    return
-                found, version = store.get_versioned(key, MAX_RECORD_BYTES)
-                moved = (
-                    quarantine.move_aside(store, manifest.run, manifest.step, blob, version) if found == blob else None
-                )
-        except StoreUnavailableError as e:
-            raise StoreUnavailableError(
-                f"the save lease of {self.what} in {store.url} was lost while its manifest was committed, and whether "
-                f"a GC swept what it names could not be checked ({e}): run 'ckptflow verify' on it, and save again "
-                "if it is damaged"
-            ) from e
-        where = f"moved to {store.url}/{moved}" if moved else f"changed since, and left as it is at {store.url}/{key}"
-        raise StoreUnavailableError(
-            f"the save lease of {self.what} in {store.url} was lost while its manifest was committed (the process "
-            f"stalled for over {DEAD_AFTER / 2:.0f} s), and a GC swept {len(gone)} object(s) it names ({gone[0]}); "
-            f"the manifest was {where}, so nothing was committed: save again"
-        )
+        """After the commit of ``manifest`` (sealed as ``blob``): if the lease was lost since
+        ``check_held`` (the process stalled between the check and the put), what the
+        manifest names is looked for (``catalog.commit.confirm_commit``)."""
+        if self._held is None or self._held.lost:
+            confirm_commit(self.store, manifest, blob, lease=f"the save lease of {self.what}", again="save", pool=pool)
 
     def release(self) -> None:
         """Give the lease back (idempotent; from any thread). A store error is logged, not

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.catalog.commit import confirm_commit
 from ckptflow.catalog.listing import Problem, problem_from
 from ckptflow.catalog.verdicts import Subject, read_record, write_record
 from ckptflow.chunks import planes
@@ -371,6 +372,9 @@ def _commit(
         if not meta.put_if_absent(key, blob) and meta.get(key) != blob:
             report.problems.append(f"{dst.url}/{key} was committed by another writer meanwhile; not overwritten")
             return
+        if lease.lost:  # stalled since the check above: the tier's GC may have swept the copy meanwhile
+            what = f"the lease of the archival of run {manifest.run!r} step {manifest.step}"
+            confirm_commit(meta, manifest, blob, lease=what, again="archive", chunks=dst)
         if catalog.read_manifest(meta, manifest.run, manifest.step).digest != manifest.digest:
             report.problems.append(f"{dst.url}/{key} does not read back as the manifest committed")
             return
