@@ -41,19 +41,24 @@ def _missing(root: Path) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("stop_at", ["rank-record", "commit"])
-def test_a_coordinator_stopped_past_its_lease_while_gc_sweeps_commits_nothing_swept(tmp_path, monkeypatch, stop_at):
+@pytest.mark.parametrize(
+    ("stop_at", "blocking"), [("rank-record", "blocking"), ("commit", "blocking"), ("commit", "async")]
+)
+def test_a_coordinator_stopped_past_its_lease_while_gc_sweeps_commits_nothing_swept(
+    tmp_path, monkeypatch, stop_at, blocking
+):
     """Stopped before its rank record (rank 1 writes meanwhile, under no lease of its own)
     or after its lease was checked, before the manifest's put: GC judges the lease dead and
     sweeps the save's chunks. The save used to commit in the second case a manifest whose
-    chunks and rank records were gone (the lease was checked only before the commit)."""
+    chunks and rank records were gone (the lease was checked only before the commit), an
+    async save's background commit as a blocking one."""
     monkeypatch.setattr(leases, "DEAD_AFTER", DEAD_AFTER)
     root = tmp_path / "store"
     port = free_port()
     script = str(TESTS / "support" / "stalled_coordinator.py")
     ranks = [
         subprocess.Popen(
-            [sys.executable, script, str(root), str(port), str(rank), stop_at, str(DEAD_AFTER)],
+            [sys.executable, script, str(root), str(port), str(rank), stop_at, str(DEAD_AFTER), blocking],
             env=child_env(TESTS.parent, TESTS),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -2,19 +2,20 @@
 step 1 whose coordinator stops itself (SIGSTOP, as a frozen VM, a cgroup freezer or a
 debugger does) at one store call; the test runs GC while it is stopped, then resumes it.
 
-usage: stalled_coordinator.py STORE PORT RANK STOP_AT DEAD_AFTER
+usage: stalled_coordinator.py STORE PORT RANK STOP_AT DEAD_AFTER BLOCKING
 
 STOP_AT: ``rank-record`` (before rank 0 puts its rank record: rank 1 writes meanwhile) or
 ``commit`` (before the put of the manifest, after the lease was checked). ``DEAD_AFTER``:
 the lease timeout (seconds) of this test's processes, so that GC judges the stopped save
-dead in seconds. Prints ``committed`` or ``failed: <error>`` last.
+dead in seconds. ``BLOCKING``: ``blocking`` or ``async`` (the commit in the background).
+Prints ``committed`` or ``failed: <error>`` last.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,14 @@ class StopsItself(FaultyStore):
         if named and not self.stopped:
             self.stopped = True
             print("stopping", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # at this thread: sent to the process, another thread may take it while this one goes on
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         return super().put_if_absent(key, data)
 
 
 def main() -> None:
     root, port, rank, stop_at, dead_after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    blocking = sys.argv[6] == "blocking"
     leases.DEAD_AFTER, leases.HEARTBEAT = float(dead_after), float(dead_after) / 20
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -56,7 +59,9 @@ def main() -> None:
     state = {f"w{rank}": torch.arange(4096, dtype=torch.float32) + rank}
     try:
         with Checkpointer(store, run=RUN, chunk_bytes=4096, threads=2) as ck:
-            ck.save(1, state)
+            saved = ck.save(1, state, blocking=blocking)
+            if not blocking:
+                saved.wait()
         print("committed", flush=True)
     except BaseException as e:  # DCP's CheckpointException is not an Exception
         print(f"failed: {type(e).__name__}: {e}", flush=True)
