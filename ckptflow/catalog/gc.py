@@ -22,7 +22,7 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.catalog.listing import Problem
 from ckptflow.chunks import damaged
-from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, gc_lock, leases, wait_for_leases
+from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, Heartbeat, gc_lock, leases, wait_for_leases
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
@@ -142,6 +142,27 @@ def _mark(store: Store, report: GCReport) -> tuple[set[str], list[ObjectInfo]] |
     return live, loose
 
 
+def _stop_if_lost(store: Store, lock: Heartbeat | None, deleted: str | None = None) -> None:
+    """Raise if ``lock`` was lost (taken over, or a save may have judged it dead): a GC that
+    lost it decides no more. Lost by the time a delete returned (``deleted``), the GC may
+    have stalled between its last check and that delete, long enough for a save to pass its
+    lock and reuse that very object: nothing can bring it back, so it is named."""
+    if lock is None or not lock.lost:
+        return
+    if deleted is not None:
+        raise CkptflowError(
+            f"garbage collection of {store.url} lost its lock ({GC_LOCK}) while it deleted {deleted}, and stopped: "
+            "it stalled so long that a save may have judged it dead and reused that object meanwhile; run "
+            "'ckptflow verify' on the checkpoints committed since this GC began (a damaged one is passed over by "
+            "restore), then run GC again"
+        )
+    raise CkptflowError(
+        f"garbage collection of {store.url} lost its lock ({GC_LOCK}) mid-sweep and stopped: another GC took it "
+        "over, or it went unrenewed so long that a save may have judged it dead; run GC again (a GC that took it "
+        "over finishes the job)"
+    )
+
+
 def gc(
     store: Store | str,
     grace: str | float = "1h",
@@ -208,13 +229,9 @@ def gc(
         if dry_run:
             return report
         for info in doomed:
-            if lock is not None and lock.lost:  # taken over, or a save may have judged it dead: it decides no more
-                raise CkptflowError(
-                    f"garbage collection of {store.url} lost its lock ({GC_LOCK}) mid-sweep and stopped: another GC "
-                    "took it over, or it went unrenewed so long that a save may have judged it dead; run GC again "
-                    "(a GC that took it over finishes the job)"
-                )
+            _stop_if_lost(store, lock)
             store.delete(info.key)
+            _stop_if_lost(store, lock, info.key)
             if progress:
                 progress(info.size)
         for info in temps:
