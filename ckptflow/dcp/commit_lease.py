@@ -13,7 +13,7 @@ coordinator's lease in turn, until it gives up. If the lease was lost meanwhile 
 renewed for half of ``DEAD_AFTER``: a GC may have judged the save dead and swept), the
 commit is refused and nothing is committed.
 
-A process stopped (a frozen VM, a debugger) between that check and the manifest's put
+A process stopped (SIGSTOP, a cgroup freezer, a debugger) between that check and the manifest's put
 is seen after it: the lease was lost meanwhile, so a GC may have swept what the manifest
 names before it was there to mark. Once no GC sweeps (a fresh lease), what it names is
 looked for, and if any of it is gone, the manifest goes to quarantine and the save fails

@@ -1,5 +1,5 @@
 """Child process of dcp/test_stalled_coordinator.py: one rank of a two-rank gloo save of
-step 1 whose coordinator stops itself (SIGSTOP, as a frozen VM, a cgroup freezer or a
+step 1 whose coordinator stops itself (SIGSTOP, as a cgroup freezer or a
 debugger does) at one store call; the test runs GC while it is stopped, then resumes it.
 
 usage: stalled_coordinator.py STORE PORT RANK STOP_AT DEAD_AFTER BLOCKING
