@@ -32,10 +32,11 @@ commits it again (``carried_lossy``), so the new checkpoint restores only with `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ckptflow.catalog.verdicts import Subject, carried_failure, describe_verdict, write_record
+from ckptflow.dcp.collectives import Group
 from ckptflow.dcp.writer import Progress
 from ckptflow.errors import CkptflowError, FailedValidationError, UnsupportedStateError
 from ckptflow.format import layout as fmt
@@ -57,6 +59,7 @@ from ckptflow.interop.state_checks import check_state
 from ckptflow.interop.torch_files import check_plain_zip, weights_only_refusal
 from ckptflow.store import Store
 from ckptflow.training.checkpointer import Checkpointer, SaveResult
+from ckptflow.training.save_preflight import flatten_on_every_rank
 
 FORMATS = fmt.IMPORT_FORMATS
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -279,11 +282,11 @@ def import_checkpoint(
     if failed is not None:
         record["failed_validation"] = failed
     meta = {**read.metadata, **(metadata or {}), "import": record}
+    with _refused_as_import(source, chosen):  # the save's own refusal, before the store is opened (or created)
+        flatten_on_every_rank(state, meta, Group(local=True))
     with Checkpointer(root, run=run, chunk_bytes=chunk_bytes, codec=codec, local=True, progress=progress) as ck:
-        try:
+        with _refused_as_import(source, chosen):
             saved = ck.save(step, state, metadata=meta, kind="full", rng=False, lossy=lossy)
-        except UnsupportedStateError as e:
-            raise UnsupportedStateError(f"importing {source} ({chosen}): {e}") from None
         assert isinstance(saved, SaveResult) and saved.info is not None  # blocking, and its own coordinator
         info = saved.info
         if failed is not None:
@@ -301,6 +304,15 @@ def import_checkpoint(
         unsaved=read.unsaved,
         failed_validation=failed,
     )
+
+
+@contextlib.contextmanager
+def _refused_as_import(source: str, chosen: str) -> Iterator[None]:
+    """A state the save refuses, said as the import of ``source`` it is."""
+    try:
+        yield
+    except UnsupportedStateError as e:
+        raise UnsupportedStateError(f"importing {source} ({chosen}): {e}") from None
 
 
 def _record_carried_verdict(store: Store, subject: Subject, metadata: dict, failed: dict) -> None:

@@ -120,11 +120,13 @@ def test_export_of_an_entry_without_tensors_names_the_entries_that_have_them(tmp
 def test_a_refused_import_into_a_new_root_leaves_no_store_behind(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     save_file({"w": torch.ones(4)}, tmp_path / "w.safetensors")
+    torch.save({"model": {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}}, tmp_path / "clash.pt")
     root = tmp_path / "new-store"
     for run, src, expect in (
         ("r", tmp_path / "notes.txt", "is none of what ckptflow imports"),
         ("r", tmp_path / "missing.pt", "does not exist"),
         ("bad/run", tmp_path / "w.safetensors", "run name 'bad/run' is not allowed"),
+        ("r", tmp_path / "clash.pt", "two tensors of the state flatten to the name 'model.a.b'"),  # the save's refusal
     ):
         code, _, err = run_cli(capsys, "import", root, "--run", run, "--step", "1", src)
         assert code == 2 and expect in err
