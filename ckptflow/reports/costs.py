@@ -20,6 +20,8 @@ The difference is split into what each mechanism saved, per month:
   lossy-copy chunks, per tier (delta net of the bases kept only for deltas; lossy
   also counts tensors a copy dropped);
 * garbage: unreferenced chunk files waiting for GC (a cost, so negative);
+* unreadable: chunk files only commit records that cannot be read name, which GC keeps
+  (they might be repaired) and the tier pays for (a cost, so negative);
 * missing: chunks referenced but absent, which the stores do not hold because they were
   lost (damage, no saving; apart from garbage, which netted with it made neither true).
 
@@ -51,12 +53,13 @@ DEFAULT_PRICES = {  # USD per GB-month, AWS S3 us-east-1 list prices, first 50 T
     "DEEP_ARCHIVE": 0.00099,
 }
 DEFAULT_TIERS = {"hot": "STANDARD", "archive": "GLACIER_IR"}
-SAVINGS = ("retention", "tiering", "dedup", "compression", "delta", "lossy", "garbage", "missing")
+SAVINGS = ("retention", "tiering", "dedup", "compression", "delta", "lossy", "garbage", "unreadable", "missing")
 COST_ITEMS = {  # an item that came out negative, said as what it is: bytes held, not a choice that costs more
     "garbage": "garbage (unreferenced chunk files, until gc)",
+    "unreadable": "chunks of unreadable commit records (gc keeps them: repair or delete each record)",
     "delta": "delta bases (kept for deltas, more than the deltas saved)",
 }
-ONLY_ADDS = frozenset({"garbage"})  # items that never save: "saved by garbage" is false even at zero
+ONLY_ADDS = frozenset({"garbage", "unreadable"})  # items that never save: "saved by garbage" is false even at zero
 NOT_SAVED = {  # an item subtracted from the baseline that saved nothing, said as what it is
     "missing": "missing chunks (referenced, absent: lost, not saved)",
 }
@@ -178,12 +181,13 @@ def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: C
             "delta": _saved(kinds, "delta") - (base.stored_bytes if base else 0),  # bases kept for deltas cost
             "lossy": exact - sum(h.logical_bytes for h in s.held.values()) + _saved(kinds, "lossy"),
             "garbage": -s.unreferenced_bytes,
+            "unreadable": -s.unreadable_record_bytes,
             "missing": s.missing_raw_bytes,
         }
         for name, n in items.items():
             usd[name] += n * unit
             nbytes[name] += n
-        stored = s.stored_bytes + s.unreferenced_bytes
+        stored = s.chunk_file_bytes
         tiers.append(
             TierCost(
                 tier=tier,

@@ -104,6 +104,7 @@ class StoreStats(_Ratios):
     unreferenced_chunks: int  # named by no commit record GC keeps chunks for (its candidates once old)
     unreferenced_bytes: int
     garbage_untold: bool = False  # a commit record's chunks cannot be told: GC sweeps nothing until it is resolved
+    unreadable_record_bytes: int = 0  # chunk files only unreadable commit records name (GC keeps them): not garbage
     unreadable_manifests: list[str] = field(default_factory=list)
     encodings: dict[str, EncodingBytes] = field(default_factory=dict)  # "plain", "delta", "lossy", "base"
     data_bytes: int = 0  # raw bytes of the distinct chunks tensors are made of (bases only deltas need excluded)
@@ -126,6 +127,7 @@ class StoreStats(_Ratios):
                 "unreferenced_chunks": self.unreferenced_chunks,
                 "unreferenced_bytes": self.unreferenced_bytes,
                 "garbage_untold": self.garbage_untold,
+                "unreadable_record_bytes": self.unreadable_record_bytes,
                 "unreadable_manifests": list(self.unreadable_manifests),
                 "encodings": {k: v.as_dict() for k, v in sorted(self.encodings.items())},
                 "data_bytes": self.data_bytes,
@@ -233,6 +235,7 @@ def store_stats(store: Store, *, count_damaged: bool = False) -> StoreStats:
         runs.append(stats)
         referenced.update(chunks)
     unreferenced = [d for d in sizes if d not in referenced and (kept is None or d not in kept)]
+    kept_only = [d for d in sizes if d not in referenced and kept is not None and d in kept]
     every = [m for ms in by_run.values() for m in ms]
     kinds, data, missing = encodings(every, sizes)
     return StoreStats(
@@ -246,6 +249,7 @@ def store_stats(store: Store, *, count_damaged: bool = False) -> StoreStats:
         unreferenced_chunks=len(unreferenced),
         unreferenced_bytes=sum(sizes[d] for d in unreferenced),
         garbage_untold=kept is None,
+        unreadable_record_bytes=sum(sizes[d] for d in kept_only),
         unreadable_manifests=unreadable,
         encodings=kinds,
         data_bytes=data,

@@ -9,6 +9,7 @@ import torch
 from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec
+from ckptflow.format import layout as fmt
 from ckptflow.reports.costs import DEFAULT_PRICES, GB, SAVINGS, CostModel, storage_costs
 from ckptflow.reports.stats import chunk_file_sizes
 from ckptflow.store import open_store
@@ -103,3 +104,22 @@ def test_a_price_file_of_the_wrong_shape_is_one_clear_error_not_a_traceback(tmp_
     prices.write_text(text)
     code, _, err = run_cli(capsys, "stats", str(tmp_path), "--prices", str(prices))
     assert code == 2 and "prices.json" in err and "Traceback" not in err
+
+
+def test_the_chunks_gc_keeps_for_a_damaged_commit_record_are_priced_not_dropped(tmp_path):
+    """A commit record failing its checksum is no checkpoint (not held) and its chunks are not
+    garbage (GC keeps what its JSON names), but the tier holds and pays for them: they were
+    left out of the tier's stored bytes and its monthly cost (16 KiB of 32 KiB here)."""
+    hot = open_store(str(tmp_path))
+    with Checkpointer(hot, RUN) as ck:
+        ck.save(1, {"model": {"w": torch.zeros(4096)}})
+        ck.save(2, {"model": {"w": torch.ones(4096)}})
+    record = tmp_path / fmt.manifest_key(RUN, 2)
+    record.write_bytes(record.read_bytes().replace(b'"step":2', b'"step":3'))  # fails its checksum, still JSON
+    sizes, held = chunk_file_sizes(hot), catalog.read_manifest(hot, RUN, 1).chunks
+    report = storage_costs(hot)
+    (tier,) = report.tiers
+    assert tier.stored_bytes == sum(sizes.values()) and tier.checkpoints == 1
+    assert report.savings_bytes["garbage"] == 0  # GC would sweep none of it
+    assert report.savings_bytes["unreadable"] == -sum(n for d, n in sizes.items() if d not in held) < 0
+    assert report.baseline_usd - sum(report.savings_usd.values()) == pytest.approx(report.monthly_usd, rel=1e-9)
