@@ -258,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(e, BrokenPipeError):  # `ckptflow ls | head`
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        message = " ".join((os_error_text(e) if not isinstance(e, CkptflowError) else str(e)).split("\n"))
+        root = getattr(args, "root", None)
+        message = " ".join((str(e) if isinstance(e, CkptflowError) else os_error_text(e, store=root)).split("\n"))
         print(f"{PROG}: error: {message}", file=sys.stderr)
         unread = isinstance(e, (StoreUnavailableError, NewerFormatError))
         unread = unread and getattr(args, "func", None) in (cmd_verify, cmd_export)

@@ -6,10 +6,12 @@ import contextlib
 import errno
 import json
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 PROG = "ckptflow"
 
@@ -74,13 +76,28 @@ def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], No
         yield update
 
 
-def os_error_text(error: OSError) -> str:
+def os_error_text(error: OSError, *, store: str | None = None) -> str:
     """An error of the operating system's that no ckptflow message explains, as what failed
-    and where; where it was refused access, what to do."""
+    and where; where it was refused access, what to do: about the store ``store`` (the
+    command's ROOT) only where the refused path is in it, or no path is named."""
     text = f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
-    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        text += (
-            "; this command needs write access there (gc, import and repair write to the store; ls, stats, verify "
-            "and export only read it): run it as a user who may write to the store, or on a writable copy"
+    if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return text
+    if error.filename and not _within(os.fsdecode(error.filename), store):
+        return text + (
+            "; this user may not access that path: give one it may use (export's --out, import's source), or fix "
+            "its permissions"
         )
-    return text
+    return text + (
+        "; this command needs write access there (gc, import and repair write to the store; ls, stats, verify "
+        "and export only read it): run it as a user who may write to the store, or on a writable copy"
+    )
+
+
+def _within(path: str, store: str | None) -> bool:
+    """Whether ``path`` is in the local store ``store`` (a path or a file:// URL); an object
+    store's paths are never local files."""
+    if not store or ("://" in store and not store.startswith("file://")):
+        return False
+    root = os.path.abspath(unquote(urlparse(store).path) if store.startswith("file://") else store)
+    return os.path.commonpath([root, os.path.abspath(path)]) == root

@@ -211,6 +211,19 @@ def test_a_store_it_may_not_write_to_is_named_with_what_to_do(store, capsys):
     assert f"{root}/locks" in err and "this command needs write access there" in err
 
 
+def test_an_export_to_a_directory_it_may_not_write_to_names_that_place_not_the_store(store, tmp_path, capsys):
+    root, _, _ = store
+    out_dir = tmp_path / "read-only"
+    out_dir.mkdir()
+    with read_only(out_dir):
+        code, out, err = run_cli(capsys, "export", root, "--run", RUN, "--out", out_dir / "m.safetensors")
+    assert code == 2 and out == "" and list(out_dir.iterdir()) == []
+    assert err.startswith(f"ckptflow: error: Operation not permitted: {out_dir}/") or "Permission denied" in err
+    assert "write access to the store" not in err and "a user who may write to the store" not in err  # was
+    # "run it as a user who may write to the store, or on a writable copy": the store was never written
+    assert "export's --out" in err
+
+
 def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
     root, _, _ = store
     doomed = set(chunks_of(root, RUN, 10)) - set(chunks_of(root, RUN, 20))
