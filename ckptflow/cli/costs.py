@@ -27,10 +27,14 @@ def read_prices(path: str | None) -> CostModel:
     if not path:
         return CostModel()
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise CkptflowError(
             f"--prices {path}: cannot read it ({e.strerror or e}); pass a JSON file such as {PRICES_EXAMPLE}"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise CkptflowError(
+            f"--prices {path}: byte {e.start} is not UTF-8 text; pass a JSON file such as {PRICES_EXAMPLE}"
         ) from None
     try:
         return CostModel.from_json(text)

@@ -283,6 +283,9 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
             ["stats", "{root}", "--prices", "{root}/../{{bad"],
             "(char 1); pass a JSON file such as",
         ),  # the JSON's fault, and where
+        (["advise", "{root}", "--run", RUN, "--prices", "{tmp}/binary.json"], "--prices {tmp}/binary.json: "),  # was
+        # a UnicodeDecodeError traceback
+        (["stats", "{root}", "--prices", "{tmp}/binary.json"], "is not UTF-8 text; pass a JSON file such as"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
@@ -290,6 +293,7 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
 def test_errors_are_one_line_and_exit_2(store, tmp_path, capsys, argv, expect):
     root, _, _ = store
     (tmp_path / "{bad").write_text("{bad")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{}")
     code, out, err = run_cli(capsys, *[a.format(root=root, tmp=tmp_path) for a in argv])
     assert code == 2
     assert err.startswith("ckptflow: error: ") and err.count("\n") == 1, err
