@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import os
+import stat
 
 from ckptflow.cli.output import table
 from ckptflow.errors import CkptflowError
@@ -18,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--archive-class", help="storage class of the archive (default GLACIER_IR)")
 
 
+MAX_PRICES_BYTES = 1 << 20  # a price list is a few hundred bytes
 PRICES_EXAMPLE = '{"prices": {"STANDARD": 0.023, "GLACIER_IR": 0.004}, "tiers": {"hot": "STANDARD"}}'
 
 
@@ -27,7 +29,7 @@ def read_prices(path: str | None) -> CostModel:
     if not path:
         return CostModel()
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = _prices_text(path)
     except OSError as e:
         raise CkptflowError(
             f"--prices {path}: cannot read it ({e.strerror or e}); pass a JSON file such as {PRICES_EXAMPLE}"
@@ -40,6 +42,21 @@ def read_prices(path: str | None) -> CostModel:
         return CostModel.from_json(text)
     except ValueError as e:
         raise CkptflowError(f"--prices {path}: {e}; pass a JSON file such as {PRICES_EXAMPLE}") from None
+
+
+def _prices_text(path: str) -> str:
+    """The file's text, refused unread unless a regular file of at most ``MAX_PRICES_BYTES``
+    (``--prices /dev/zero`` read without end)."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise CkptflowError(f"--prices {path} is not a regular file; pass a JSON file such as {PRICES_EXAMPLE}")
+    if info.st_size > MAX_PRICES_BYTES:
+        raise CkptflowError(
+            f"--prices {path} is larger than {MAX_PRICES_BYTES} bytes; refused unread: pass a JSON file such as "
+            f"{PRICES_EXAMPLE}"
+        )
+    with open(path, "rb") as f:
+        return f.read(MAX_PRICES_BYTES + 1).decode("utf-8")
 
 
 def report(store: Store, args: argparse.Namespace, open_store) -> CostReport:

@@ -286,6 +286,8 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["advise", "{root}", "--run", RUN, "--prices", "{tmp}/binary.json"], "--prices {tmp}/binary.json: "),  # was
         # a UnicodeDecodeError traceback
         (["stats", "{root}", "--prices", "{tmp}/binary.json"], "is not UTF-8 text; pass a JSON file such as"),
+        (["stats", "{root}", "--prices", "/dev/zero"], "/dev/zero is not a regular file"),  # was read without end
+        (["stats", "{root}", "--prices", "{tmp}/big.json"], "is larger than 1048576 bytes; refused unread"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
@@ -294,6 +296,7 @@ def test_errors_are_one_line_and_exit_2(store, tmp_path, capsys, argv, expect):
     root, _, _ = store
     (tmp_path / "{bad").write_text("{bad")
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe{}")
+    (tmp_path / "big.json").write_bytes(b" " * (1 << 20) + b"{}")
     code, out, err = run_cli(capsys, *[a.format(root=root, tmp=tmp_path) for a in argv])
     assert code == 2
     assert err.startswith("ckptflow: error: ") and err.count("\n") == 1, err
