@@ -258,8 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(e, BrokenPipeError):  # `ckptflow ls | head`
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        root = getattr(args, "root", None)
-        message = " ".join((str(e) if isinstance(e, CkptflowError) else os_error_text(e, store=root)).split("\n"))
+        text = (
+            str(e)
+            if isinstance(e, CkptflowError)
+            else os_error_text(e, command=getattr(args, "command", None), store=getattr(args, "root", None))
+        )
+        message = " ".join(text.split("\n"))
         print(f"{PROG}: error: {message}", file=sys.stderr)
         unread = isinstance(e, (StoreUnavailableError, NewerFormatError))
         unread = unread and getattr(args, "func", None) in (cmd_verify, cmd_export)

@@ -76,22 +76,30 @@ def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], No
         yield update
 
 
-def os_error_text(error: OSError, *, store: str | None = None) -> str:
+STORE_WRITERS = ("gc", "import", "repair")  # the commands that write to the store; the others only read it
+
+
+def os_error_text(error: OSError, *, command: str | None, store: str | None = None) -> str:
     """An error of the operating system's that no ckptflow message explains, as what failed
     and where; where it was refused access, what to do: about the store ``store`` (the
-    command's ROOT) only where the refused path is in it, or no path is named."""
+    command's ROOT) only where the refused path is in it, or no path is named, and there
+    what ``command`` needs (a command that only reads the store is not sent to find write
+    access)."""
     text = f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
-    if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+    refused = error.errno in (errno.EACCES, errno.EPERM)
+    if not refused and error.errno != errno.EROFS:
         return text
     if error.filename and not _within(os.fsdecode(error.filename), store):
         return text + (
             "; this user may not access that path: give one it may use (export's --out, import's source), or fix "
             "its permissions"
         )
-    return text + (
-        "; this command needs write access there (gc, import and repair write to the store; ls, stats, verify "
-        "and export only read it): run it as a user who may write to the store, or on a writable copy"
-    )
+    if error.errno == errno.EROFS or command in STORE_WRITERS:
+        return text + (
+            "; this command needs write access there (gc, import and repair write to the store; ls, stats, verify "
+            "and export only read it): run it as a user who may write to the store, or on a writable copy"
+        )
+    return text + f"; {command or 'this command'} only reads the store: run it as a user who may read the store"
 
 
 def _within(path: str, store: str | None) -> bool:

@@ -9,10 +9,14 @@ in tests/support/.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -259,3 +263,44 @@ def test_inspecting_commands_do_not_import_torch(store, command):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=child_env(Path(__file__).parents[2]))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@contextlib.contextmanager
+def as_another_user(path: Path) -> Iterator[None]:
+    """This process unable to read ``path`` (a directory): mode 000, and for root (which
+    permissions do not stop) its effective uid that of ``nobody`` meanwhile."""
+    path.chmod(0)
+    try:
+        if os.geteuid() != 0:
+            yield
+            return
+        os.setegid(NOBODY)
+        os.seteuid(NOBODY)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+    finally:
+        path.chmod(0o755)
+
+
+NOBODY = 65534
+
+
+def test_a_store_it_may_not_read_asks_for_read_access_not_write_access(capsys):
+    """``stats`` only reads the store: refused a read of its chunks directory, it said 'this
+    command needs write access there ... run it as a user who may write to the store, or on a
+    writable copy', which no user who may not read it can act on."""
+    where = Path(tempfile.mkdtemp(prefix="ckptflow-unreadable-"))  # not under tmp_path: ``nobody`` must reach it
+    try:
+        where.chmod(0o755)
+        root, _, _ = make_store(where)
+        assert run_cli(capsys, "stats", root)[0] == 0  # readable, it reports
+        with as_another_user(Path(root) / "chunks"):
+            code, out, err = run_cli(capsys, "stats", root)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert f"Permission denied: {root}/chunks" in err
+        assert "write" not in err and "may read the store" in err, err
+    finally:
+        shutil.rmtree(where)
