@@ -135,8 +135,8 @@ class LocalCompareAndSwap(Store):
                     if time.time() - os.stat(aside).st_ctime < ASIDE_SETTLED_S:
                         settled.pending.append(key)
                         continue
-                    if _sha256_file(aside) != found["version"]:  # not the version to delete: it goes back
-                        if not self._writer.link_new(aside, original):
+                    if _sha256_file(aside) != found["version"] and not _linked_back(aside, original):
+                        if not self._writer.link_new(aside, original):  # not the version to delete: it goes back
                             log.warning(
                                 "%s/%s was taken aside by a delete that was killed, and created again since; the "
                                 "version taken is kept in %s: compare the two",
@@ -152,6 +152,15 @@ class LocalCompareAndSwap(Store):
 
 ASIDE_SETTLED_S = 60.0  # a live delete_if holds a file aside for a compare: microseconds
 _ASIDE = re.compile(r"\.(?P<name>.+)\.aside-(?P<version>[0-9a-f]{64})-[0-9a-f]{32}")
+
+
+def _linked_back(aside: str, original: str) -> bool:
+    """Whether ``original`` is the very file taken ``aside``: the delete was killed after its
+    link back, before it removed the aside name."""
+    try:
+        return os.path.samefile(aside, original)
+    except FileNotFoundError:
+        return False
 
 
 def _aside_name(name: str, expected: str) -> str:

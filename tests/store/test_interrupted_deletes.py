@@ -114,3 +114,20 @@ def test_gc_sweeps_nothing_while_a_commit_is_taken_aside_too_recently_to_settle(
     assert report.skipped is None and report.restored == [key]
     with Checkpointer(str(root), RUN, restore_rng=False) as ck:
         assert ck.verify(1).ok
+
+
+def test_a_delete_killed_after_its_link_back_leaves_nothing_aside(tmp_path, monkeypatch, caplog):
+    """Killed after it linked the other version back and before it removed the name it had
+    taken aside: both names are the one file. GC used to find the key taken, warn at every
+    sweep that the version taken is kept aside ('compare the two': they are one file) and
+    keep the hidden name for good."""
+    store = open_store(str(tmp_path))
+    store.put_if_absent("locks/gc.json", b"the new holder's lock")
+    path = tmp_path / "locks" / "gc.json"
+    aside = tmp_path / "locks" / f".gc.json.aside-{hashlib.sha256(b'the old lock').hexdigest()}-{'0' * 32}"
+    aside.hardlink_to(path)  # what the link back leaves, until the delete removes the aside name
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later
+    with caplog.at_level("WARNING", logger="ckptflow"):
+        settled = store.settle_interrupted_deletes()
+    assert not aside.exists() and path.read_bytes() == b"the new holder's lock"
+    assert settled.restored == [] and settled.pending == [] and caplog.records == []
