@@ -44,7 +44,7 @@ class GCReport:
     unreadable_manifests: list[str] = field(default_factory=list)  # read by none, chunks kept as their JSON names
     ignored: list[str] = field(default_factory=list)  # directories ckptflow never writes, left alone
     dead_leases: list[str] = field(default_factory=list)  # leases of saves that died, cleared
-    live_leases: list[str] = field(default_factory=list)  # saves writing chunks (a dry run lists what it would do)
+    live_leases: list[str] = field(default_factory=list)  # saves in flight (a dry run lists what it would do)
     skipped: str | None = None  # why nothing was swept, when nothing could safely be
     restored: list[str] = field(default_factory=list)  # objects a killed conditional delete had taken aside
 
@@ -177,8 +177,10 @@ def gc(
     chunks no longer stored (``ckptflow.chunks.damaged``) older than ``grace``, and the
     leases of saves that died.
 
-    Waits up to ``wait`` seconds for saves in flight (live leases) to finish writing
-    chunks; if they do not, nothing is swept and ``report.skipped`` says why. ``progress`` is called
+    Waits up to ``wait`` seconds for saves in flight (live leases, held from planning until
+    the commit) to finish; if they do not, nothing is swept and ``report.skipped`` says why.
+    First, a conditional delete killed midway is settled (``Store.settle_interrupted_deletes``:
+    ``report.restored``); one too recent to settle sweeps nothing. ``progress`` is called
     with each deleted object's size (not on a dry run).
     """
     store = open_store(store)

@@ -368,7 +368,7 @@ def _take_over(store: Store, lock: str, body: bytes, version: str | None) -> boo
 
 @dataclass
 class Leases:
-    live: list[ObjectInfo] = field(default_factory=list)  # saves writing chunks now
+    live: list[ObjectInfo] = field(default_factory=list)  # saves in flight now
     dead: list[ObjectInfo] = field(default_factory=list)  # left by writers that died
 
 

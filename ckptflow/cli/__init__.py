@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait",
         type=duration_arg,
         default=60.0,
-        help="how long to wait for saves that are writing chunks (default 60s); exit 1 if they do not finish",
+        help="how long to wait for saves in flight, planning to commit (default 60s); exit 1 if they do not finish",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="list every key")
     p.set_defaults(func=cmd_gc)
