@@ -107,6 +107,8 @@ def apply_retention(
             )
     with logged_progress(context, f"GC of {hot.url} (bytes deleted)") as meter:
         gc_report = gc(hot, grace=retention.grace_s(), progress=meter)
+    for key in gc_report.restored:
+        context.log.warning(f"GC put back {key}: a conditional delete killed mid-way had taken it aside")
     context.add_output_metadata(
         {
             "expired": len(report.expired),
@@ -122,6 +124,7 @@ def apply_retention(
             "gc_deleted_bytes": MetadataValue.int(gc_report.bytes),
             "gc_seconds": MetadataValue.float(rounded(meter.seconds, 3)),
             "gc_skipped": gc_report.skipped or "",
+            "gc_restored": len(gc_report.restored),
             "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in expired) or "none"),
         }
     )

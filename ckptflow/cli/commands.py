@@ -266,6 +266,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         warn(f"{problem}; GC keeps the chunks its JSON still names")
     for problem in report.ignored:
         warn(f"left alone: {problem}")
+    for key in report.restored:
+        warn(f"put back {key}: a conditional delete killed mid-way (an expiry racing a commit) had taken it aside")
     if report.skipped:
         print(f"{PROG}: gc swept nothing: {report.skipped}", file=sys.stderr)
         return 1
