@@ -27,6 +27,13 @@ def is_kind(kind: Kind, *what: str) -> bool:
     return bool(kind) and kind[0] in what  # type: ignore[index]
 
 
+def global_name(kind: Kind) -> str | None:
+    """The dotted name of a global, or None for another value. Kinds are told apart by this and
+    ``is_kind``, never hashed whole: a tuple's holds its items' (20 levels of memo reads make 4^20
+    to hash), an int's its digits (a 1 MB int hashed at each of 20,000 calls took 12 s)."""
+    return kind[1] if is_kind(kind, "global") else None  # type: ignore[index]
+
+
 def alike_int(number: int) -> int:
     """1 for an int whose hash another int can share (from 2^61 - 1 on), else 0."""
     return int(not -_HASH_MODULUS < number < _HASH_MODULUS)
@@ -45,7 +52,7 @@ def hashed_keys(name: str, fixed: list[Value], items: list[Value]) -> list[Value
 # rounds are inverted for the last item, so 40,000 pairs of ints below 2^20 hashed alike (847 KB took 11.5 s)
 _HASHED_FROM_NUMBERS = {("call", "torch.Size"), ("call", "builtins.complex")}
 # calls that hash the elements of the list or dict they are given
-HASHING_CALLS = {("global", name) for name in ("builtins.set", "builtins.frozenset", "collections.Counter")}
+HASHING_CALLS = {"builtins.set", "builtins.frozenset", "collections.Counter"}
 
 
 def keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tuple[Kind, int, int]:
@@ -69,6 +76,6 @@ def keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tupl
             if first is None or first != number:  # the hash is shared: this key, and the first if not counted yet
                 equal += 1 if first is None else 2
                 hashes[hash(number)] = None
-        elif is_kind(kind, "tuple", "keys") or kind in _HASHED_FROM_NUMBERS or collides:
+        elif is_kind(kind, "tuple", "keys") or collides or kind in _HASHED_FROM_NUMBERS:  # a huge int unhashed
             chosen, equal = chosen + 1, equal + max(collides, 1)
     return ("keys", count, last), chosen, equal

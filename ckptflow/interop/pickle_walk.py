@@ -53,6 +53,7 @@ from ckptflow.interop.pickle_keys import (
     Kind,
     Value,
     alike_int,
+    global_name,
     hashed_keys,
     is_kind,
     keys_taken,
@@ -129,7 +130,7 @@ TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
     **dict.fromkeys(_TENSOR_REBUILDS | _REFUSED_LATER | {"torch._utils._rebuild_parameter_with_state"}, _ANY),
     **dict.fromkeys(("collections.OrderedDict", "torch.Size", "torch.device", "torch.serialization._get_layout"), _ANY),
     "builtins.complex": _ANY,
-    "torch._tensor._rebuild_from_type_v2": lambda args: _item(args, 0) in {("global", f) for f in _TENSOR_REBUILDS},
+    "torch._tensor._rebuild_from_type_v2": lambda args: global_name(_item(args, 0)) in _TENSOR_REBUILDS,
     "builtins.set": lambda args: not is_kind(_item(args, 0), "str"),
     "collections.Counter": lambda args: not is_kind(_item(args, 0), "str"),
     "builtins.bytearray": lambda args: args == ("tuple", ()) or is_kind(_item(args, 0), "str", "bytes"),
@@ -263,11 +264,11 @@ def count_built(
         elif step == _CALL:  # REDUCE, NEWOBJ, NEWOBJ_EX: the callable, then its arguments
             items = pop(taken)
             called += items[0][1] != _ORDERED_DICT or items[1][1] != ("tuple", ())  # an empty one is an object
-            callee = items[0][1][1] if is_kind(items[0][1], "global") else None  # type: ignore[index]
+            callee = global_name(items[0][1])
             value = made(items, _BYTES if callee == "_codecs.encode" else ("call", callee))
             visits += value[0] - 1 - items[0][0]  # its arguments
             refused = refused or _refused_call(calls, items[0][1], items[1][1])
-            if items[0][1] in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
+            if callee in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
                 collidable += items[1][2]
                 probing += 0 if is_kind(_item(items[1][1], 0), "keys") else items[1][0]  # a dict's were counted
             stack.append(value)
@@ -354,8 +355,7 @@ def _refused_call(calls: Mapping[str, Callable[[Kind], bool]] | None, target: Ki
     """What a call ``calls`` does not allow calls, in words, or ''."""
     if calls is None:
         return ""
-    dotted = target[1] if target and target[0] == "global" else None
-    if dotted is None or dotted not in calls:
+    if (dotted := global_name(target)) is None or dotted not in calls:
         return dotted or "a value that is not a named class or function"
     return "" if calls[dotted](args) else f"{dotted} (given what torch.save never gives it)"
 
