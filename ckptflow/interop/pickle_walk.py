@@ -74,8 +74,8 @@ _NO_OBJECT_OPCODES = {
     *("STOP", "POP", "POP_MARK", "PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "BININT1"),
     *("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"),
 }
-# a memo written at index i: CPython's unpickler first grows its memo to 2i slots (9 bytes writing
-# index 2^28 took it 4 GB); pickle writers number memo entries in order, below what was built before
+# a memo written at index i (MEMOIZE's is the memo's length): CPython's unpickler grows its memo to 2i slots
+# (9 bytes writing index 2^28 took it 4 GB); writers number entries in order, below what was built before
 _MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 
 _BYTES: Kind = ("bytes",)
@@ -239,13 +239,13 @@ def count_built(
         elif step == _MEMOIZE or step == _MEMO_WRITE:
             if not stack:
                 raise ValueError("a pickle memo write found an empty stack")
-            if step == _MEMO_WRITE and isinstance(arg, int):  # its index
-                objects = max(objects, first + arg)
+            index = arg if step == _MEMO_WRITE else len(memo)  # MEMOIZE writes at the memo's length
+            objects = max(objects, first + index)
             written: Any = stack[-1]
             if not is_kind(written[1], *_NEVER_FILLED):
                 written = cell_at(len(stack) - 1) or [written, False]
                 tie(written)
-            memo[arg if step == _MEMO_WRITE else len(memo)] = written
+            memo[index] = written
         elif step == _LEAF or step == _EMPTY:
             stack.append(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
         elif step == _MARK:

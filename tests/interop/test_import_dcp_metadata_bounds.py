@@ -101,6 +101,21 @@ def test_a_memo_written_at_a_far_index_is_refused_before_the_unpickler_makes_its
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
 
 
+def test_memo_writes_by_memoize_count_as_the_memo_they_make(tmp_path, monkeypatch):
+    """MEMOIZE writes the memo at its length, as LONG_BINPUT at the index it gives, but a byte
+    each, uncounted, they made the walk's memo and CPython's unpickler's as long as the file."""
+    monkeypatch.setattr(dcp_metadata_file, "MAX_METADATA_OBJECTS", LIMIT)
+    directory = _metadata_directory(
+        tmp_path / "memo", dcp_metadata.Metadata({"w": _empty_tensor([])}, storage_data={}), protocol=4
+    )
+    data = (directory / ".metadata").read_bytes()
+    assert data.endswith(b".")  # STOP: memoize the Metadata again and again before it
+    (directory / ".metadata").write_bytes(data[:-1] + b"\x94" * LIMIT + b".")
+    _refused_unpickled(monkeypatch)
+    with pytest.raises(DcpFormatError, match=f"builds more objects .* than the {LIMIT} the metadata of"):
+        importers.import_checkpoint(str(tmp_path / "store"), "r", 1, directory)
+
+
 @pytest.mark.parametrize(
     ("names", "pieces_each"),
     [(1, MAX_NAMES + 1), (1025, 1024)],
