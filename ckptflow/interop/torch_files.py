@@ -102,7 +102,7 @@ def check_plain_zip(
                 for entry in entries:
                     if entry.filename.rpartition("/")[2] == "data.pkl":
                         _check_protocol(archive, entry, what, error)
-                        _count(archive, entry, budget)
+                        _count(archive, entry, budget, what, error)
     except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as e:  # a zip version it lacks
         raise error(_not_zip(what, str(e))) from None
     problem = walk_problem(budget, MAX_VISITS)
@@ -226,11 +226,21 @@ def weights_only_refusal(e: Exception) -> str:
     return reason.removeprefix(_UNPICKLER_REASON).split(_ALLOWLIST_ADVICE)[0]
 
 
-def _count(archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget) -> None:
-    with archive.open(entry) as f:
-        count_built(
-            f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS, max_visits=MAX_VISITS, calls=TORCH_SAVE_CALLS
-        )
+def _count(
+    archive: zipfile.ZipFile, entry: zipfile.ZipInfo, budget: PickleBudget, what: str, error: type[CkptflowError]
+) -> None:
+    """Walk the pickle in ``entry``; one the walk cannot read is damaged (cut short, altered),
+    not a file of another format: the zip it lies in is torch.save's."""
+    try:
+        with archive.open(entry) as f:
+            count_built(
+                f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS, max_visits=MAX_VISITS, calls=TORCH_SAVE_CALLS
+            )
+    except (ValueError, EOFError, zipfile.BadZipFile) as e:  # an opcode or argument it cannot read, a bad CRC
+        raise error(
+            f"{what} is damaged: its pickle {entry.filename} cannot be read ({e}); it was cut short or altered "
+            "since torch.save wrote it. Copy or save it again from where it was written"
+        ) from None
 
 
 def _not_zip(what: str, why: str) -> str:

@@ -79,3 +79,28 @@ def test_a_plain_torch_save_file_still_imports(tmp_path):
     torch.save({"w": torch.arange(4.0)}, tmp_path / "ok.pt")
     state = read_source(tmp_path / "ok.pt").state
     assert torch.equal(state["model"]["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda pickled: pickled[:-5], "pickle exhausted before seeing STOP"),
+        (lambda pickled: pickled[:-2] + b"hc" + pickled[-2:], "a pickle memo read of 99, never written"),
+    ],
+    ids=["cut-short", "a-memo-read-never-written"],
+)
+def test_a_damaged_pickle_in_torch_saves_zip_is_told_damaged_not_a_legacy_file(tmp_path, damage, why):
+    """The zip is torch.save's, its pickle damaged: it was refused as 'not in the zip format
+    torch.save has written since PyTorch 1.6' with the advice for a legacy-format file."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4), "l": [1, 2]}, buf)
+    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    name = next(n for n in source.namelist() if n.endswith("/data.pkl"))
+    with zipfile.ZipFile(tmp_path / "damaged.pt", "w", zipfile.ZIP_STORED) as out:
+        for entry in source.namelist():
+            out.writestr(entry, damage(source.read(entry)) if entry == name else source.read(entry))
+    with pytest.raises(CkptflowError) as refused:
+        read_source(tmp_path / "damaged.pt")
+    message = str(refused.value)
+    assert f"damaged.pt is damaged: its pickle {name} cannot be read ({why})" in message, message
+    assert "zip format" not in message and "legacy" not in message, message
