@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.sealed import MAX_DEPTH
-from ckptflow.interop.pickle_walk import PickleBudget, count_built, walk_problem
+from ckptflow.interop.pickle_problems import walk_problem
+from ckptflow.interop.pickle_walk import PickleBudget, count_built
 from ckptflow.interop.source_files import MAX_NAMES, check_name_count
 
 METADATA_FILE = ".metadata"

@@ -42,7 +42,8 @@ import zipfile
 from typing import IO
 
 from ckptflow.errors import CkptflowError
-from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, PickleBudget, count_built, walk_problem
+from ckptflow.interop.pickle_problems import walk_problem
+from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, PickleBudget, count_built
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
