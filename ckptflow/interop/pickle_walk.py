@@ -154,6 +154,7 @@ class PickleBudget:
     depth: int = 0  # the deepest a value nests
     refused_call: str = ""  # a call torch.save does not write, or a nested tensor's rebuild: what it calls
     refilled: bool = False  # a container filled after a memo read or DUP referenced it
+    altered_global: str = ""  # a class or function whose attributes a BUILD sets (for the whole process)
 
 
 def count_built(
@@ -173,7 +174,8 @@ def count_built(
     The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each. A
     pickler memoizes a container before filling it: the memo holds a cell (``[value, read]``)
     its fills update, so a memo read weighs all it holds (``l = [l, l]`` 40 times, 1.7 KB, was
-    40 values, and days for the import to walk); one filled once read is ``refilled``."""
+    40 values, and days for the import to walk); one filled once read is ``refilled``, a class
+    whose attributes a BUILD sets ``altered_global``."""
     first = objects = budget.objects
     called, visits, collidable, refused = budget.calls, budget.visits, budget.collidable, budget.refused_call
     probing = budget.probing
@@ -183,7 +185,7 @@ def count_built(
     cells: list[list[Any] | None] = []  # the memo cell of each stack value that has one (None past its end)
     marks: list[int] = []
     memo: dict[int, Any] = {}  # a Value, or a container's cell
-    refilled = budget.refilled
+    refilled, altered = budget.refilled, budget.altered_global
 
     def cell_at(position: int) -> list[Any] | None:
         return cells[position] if 0 <= position < len(cells) else None
@@ -279,6 +281,8 @@ def count_built(
             cell = cell_at(len(stack) - below) if below and op.name in _FILLS else None
             refilled = refilled or bool(cell and cell[1])
             fixed = pop(below)
+            if op.name == "BUILD" and is_kind(fixed[0][1], "global"):  # a pickler builds objects, not a class
+                altered = altered or global_name(fixed[0][1]) or "a class or function"
             hashed = hashed_keys(op.name, fixed, items)
             visits += sum([v[0] for v in hashed])
             taken_keys = (
@@ -327,12 +331,13 @@ def count_built(
             or deepest > MAX_DEPTH
             or refused
             or refilled
+            or altered
         ):  # fmt: skip
             break
     budget.objects, budget.calls, budget.visits, budget.collidable = objects, called, visits, collidable
     budget.depth, budget.probing = deepest, probing
     budget.refused_call = refused
-    budget.refilled = refilled
+    budget.refilled, budget.altered_global = refilled, altered
 
 
 # what a value of these kinds is once made stays (a container's is a cell in the memo: ``count_built``)

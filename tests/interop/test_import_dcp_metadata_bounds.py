@@ -298,3 +298,23 @@ def test_tensor_properties_of_an_unknown_memory_format_are_a_damaged_file_not_a_
         (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(DcpFormatError, match=r"not readable DCP metadata \(RuntimeError: Invalid torch.memory_format"):
         dcp_metadata_file.read_metadata(str(tmp_path / "dcp"))
+
+
+def test_metadata_setting_attributes_of_a_dcp_class_is_refused_before_the_class_changes(tmp_path):
+    """A BUILD on a global sets the class's attributes (the unpickler's setattr): 90 bytes of
+    ``.metadata``, refused themselves, set ``Metadata.__setstate__ = None``, and every DCP import
+    after it in that process failed ('NoneType' object is not callable). No pickler writes it."""
+    good = _metadata_directory(tmp_path / "good", dcp_metadata.Metadata({"w": _empty_tensor([])}, storage_data={}))
+    (tmp_path / "crafted").mkdir()
+    state = b"N}X\x0c\x00\x00\x00__setstate__Ns\x86"  # (None, {"__setstate__": None}): attributes to set
+    (tmp_path / "crafted" / ".metadata").write_bytes(
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n" + state + b"b."
+    )
+    try:
+        with pytest.raises(DcpFormatError, match=r"sets attributes of torch\.distributed\.checkpoint\.metadata\.Meta"):
+            dcp_metadata_file.read_metadata(str(tmp_path / "crafted"))
+        assert "__setstate__" not in vars(dcp_metadata.Metadata)
+    finally:
+        if "__setstate__" in vars(dcp_metadata.Metadata):  # the class as it was, for the tests after this one
+            delattr(dcp_metadata.Metadata, "__setstate__")
+    assert isinstance(dcp_metadata_file.read_metadata(str(good)), dcp_metadata.Metadata)
