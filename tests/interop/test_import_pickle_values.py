@@ -26,21 +26,9 @@ import torch
 
 from ckptflow.errors import CkptflowError, DcpFormatError
 from ckptflow.interop import dcp_metadata_file, importers, pickle_walk, torch_files
+from support.pickle_files import torch_file_with
 
 LIMIT = 1000
-
-
-def _torch_file(path, junk: bytes) -> None:
-    """torch.save's zip of {"model": {"w": zeros(4)}, "junk": <junk>}, the pickle written by hand."""
-    buf = io.BytesIO()
-    torch.save({"w": torch.zeros(4)}, buf)
-    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
-    name = next(n for n in source.namelist() if n.endswith("/data.pkl"))
-    body = source.read(name)[2:-1]  # no PROTO, STOP
-    pickle_bytes = b"\x80\x02}(X\x05\x00\x00\x00model" + body + b"X\x04\x00\x00\x00junk" + junk + b"u."
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
-        for entry in source.namelist():
-            out.writestr(entry, pickle_bytes if entry == name else source.read(entry))
 
 
 def _doubling_tuples(levels: int) -> bytes:
@@ -61,7 +49,7 @@ def _refused(path, match: str) -> None:
 def test_a_value_holding_one_value_many_times_is_counted_as_often(tmp_path, monkeypatch, as_key):
     monkeypatch.setattr(torch_files, "MAX_VISITS", LIMIT, raising=False)
     junk = b"}" + _doubling_tuples(10) + b"Ns" if as_key else _doubling_tuples(10)
-    _torch_file(tmp_path / "tuples.pt", junk)
+    torch_file_with(tmp_path / "tuples.pt", junk)
     loaded = torch.load(tmp_path / "tuples.pt", weights_only=True)["junk"]
     assert len(next(iter(loaded)) if as_key else loaded) == 2  # 2^10 tuples behind 10 memo reads
     _refused(tmp_path / "tuples.pt", "tuples.pt builds values holding more than 1000 objects counted with all")
@@ -82,8 +70,8 @@ def test_dict_keys_whose_hashes_can_collide_are_bounded(tmp_path):
         ints = (1 + i * modulus for i in range(1, count + 1))
         return b"}(" + b"".join(b"\x8a\x09" + n.to_bytes(9, "little") + b"N" for n in ints) + b"u"
 
-    _torch_file(tmp_path / "fits.pt", keys(pickle_walk.MAX_COLLIDABLE_KEYS))
-    _torch_file(tmp_path / "collide.pt", keys(pickle_walk.MAX_COLLIDABLE_KEYS + 1))
+    torch_file_with(tmp_path / "fits.pt", keys(pickle_walk.MAX_COLLIDABLE_KEYS))
+    torch_file_with(tmp_path / "collide.pt", keys(pickle_walk.MAX_COLLIDABLE_KEYS + 1))
     assert len(importers.read_source(tmp_path / "fits.pt").state["junk"]) == pickle_walk.MAX_COLLIDABLE_KEYS
     _refused(
         tmp_path / "collide.pt",
@@ -110,7 +98,7 @@ def _hand_pickled(path, value) -> None:
     pickler = pickle.Pickler(out, protocol=2)
     pickler.persistent_id = lambda obj: ("storage", torch.FloatStorage, "0", "cpu", 4) if obj is _STORAGE else None
     pickler.dump({"w": value})
-    _torch_file(path, b"N")  # the zip's other entries
+    torch_file_with(path, b"N")  # the zip's other entries
     with zipfile.ZipFile(path) as source:
         entries = {name: source.read(name) for name in source.namelist()}
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
@@ -206,7 +194,7 @@ def test_a_string_counts_by_its_length_each_time_it_is_referenced(tmp_path, monk
         below = b"j" + struct.pack("<I", 8000 + level - 1)
         tree += b"}(" + b"j" + struct.pack("<I", 7000) + below + b"j" + struct.pack("<I", 7001) + below + b"u"
         tree += b"r" + struct.pack("<I", 8000 + level)
-    _torch_file(tmp_path / "keys.pt", b"](" + keys[0] + keys[1] + tree + b"e")  # the keys and every level listed
+    torch_file_with(tmp_path / "keys.pt", b"](" + keys[0] + keys[1] + tree + b"e")  # the keys and every level listed
     assert tmp_path.joinpath("keys.pt").stat().st_size < 140_000
     _refused(tmp_path / "keys.pt", "keys.pt builds values holding more than 1000000 objects counted with all")
 
@@ -233,7 +221,7 @@ def test_a_value_nested_deeper_than_any_state_is_refused_before_hashing_it_crash
     if where == "metadata":
         (tmp_path / ".metadata").write_bytes(b"\x80\x02" + deep + b".")
     else:
-        _torch_file(tmp_path / "deep.pt", deep)
+        torch_file_with(tmp_path / "deep.pt", deep)
     done = subprocess.run(
         [sys.executable, "-c", _IMPORT_IN_A_PROCESS, where, str(tmp_path)], capture_output=True, text=True, timeout=120
     )

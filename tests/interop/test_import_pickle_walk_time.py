@@ -11,12 +11,10 @@ the walk before took minutes to hours.
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
-import zipfile
 
-import torch
+from support.pickle_files import torch_file_with
 
 _GET = b"h"  # BINGET
 _PUT = b"q"  # BINPUT
@@ -41,19 +39,6 @@ def _nested_tuple(levels: int) -> bytes:
     return built
 
 
-def _torch_file(path, junk: bytes) -> None:
-    """torch.save's zip of {"model": {"w": zeros(4)}, "junk": <junk>}, the pickle written by hand."""
-    buf = io.BytesIO()
-    torch.save({"w": torch.zeros(4)}, buf)
-    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
-    name = next(n for n in source.namelist() if n.endswith("/data.pkl"))
-    body = source.read(name)[2:-1]  # no PROTO, STOP
-    pickle_bytes = b"\x80\x02}(X\x05\x00\x00\x00model" + body + b"X\x04\x00\x00\x00junk" + junk + b"u."
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
-        for entry in source.namelist():
-            out.writestr(entry, pickle_bytes if entry == name else source.read(entry))
-
-
 def _refusal(tmp_path, source) -> str:
     done = subprocess.run(
         [sys.executable, "-c", _IMPORT_IN_A_PROCESS, str(tmp_path), str(source)],
@@ -67,7 +52,7 @@ def _refusal(tmp_path, source) -> str:
 
 
 def test_a_tuple_nesting_its_kind_4_20_times_called_is_refused_at_once(tmp_path):
-    _torch_file(tmp_path / "callable.pt", _nested_tuple(20) + b")R")
+    torch_file_with(tmp_path / "callable.pt", _nested_tuple(20) + b")R")
     assert "callable.pt calls a value that is not a named class or function" in _refusal(
         tmp_path, tmp_path / "callable.pt"
     )
@@ -75,7 +60,7 @@ def test_a_tuple_nesting_its_kind_4_20_times_called_is_refused_at_once(tmp_path)
 
 def test_a_tuple_nesting_its_kind_4_20_times_given_to_rebuild_from_type_is_refused_at_once(tmp_path):
     rebuild = b"ctorch._tensor\n_rebuild_from_type_v2\n(" + _GET + bytes([20]) + b"tR"
-    _torch_file(tmp_path / "rebuild.pt", _nested_tuple(20) + rebuild)
+    torch_file_with(tmp_path / "rebuild.pt", _nested_tuple(20) + rebuild)
     assert "rebuild.pt calls torch._tensor._rebuild_from_type_v2 (given what torch.save never gives it)" in (
         _refusal(tmp_path, tmp_path / "rebuild.pt")
     )

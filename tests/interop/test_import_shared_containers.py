@@ -10,15 +10,14 @@ referenced it (the walk would have counted that reference empty) is refused.
 
 from __future__ import annotations
 
-import io
 import struct
-import zipfile
 
 import pytest
 import torch
 
 from ckptflow.errors import CkptflowError, DcpFormatError
 from ckptflow.interop import dcp_metadata_file, importers, torch_files
+from support.pickle_files import torch_file_with
 
 LIMIT = 1000
 
@@ -60,22 +59,9 @@ _FILLED_AFTER_READ = (
 ) + b"ee"
 
 
-def _torch_file(path, junk: bytes) -> None:
-    """torch.save's zip of {"model": {"w": zeros(4)}, "junk": <junk>}, the pickle written by hand."""
-    buf = io.BytesIO()
-    torch.save({"w": torch.zeros(4)}, buf)
-    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
-    name = next(n for n in source.namelist() if n.endswith("/data.pkl"))
-    body = source.read(name)[2:-1]  # no PROTO, STOP
-    pickle_bytes = b"\x80\x02}(X\x05\x00\x00\x00model" + body + b"X\x04\x00\x00\x00junk" + junk + b"u."
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
-        for entry in source.namelist():
-            out.writestr(entry, pickle_bytes if entry == name else source.read(entry))
-
-
 def test_a_list_filled_after_a_memo_read_referenced_it_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_files, "MAX_VISITS", 100 * LIMIT)
-    _torch_file(tmp_path / "refilled.pt", _FILLED_AFTER_READ)
+    torch_file_with(tmp_path / "refilled.pt", _FILLED_AFTER_READ)
     junk = torch.load(tmp_path / "refilled.pt", weights_only=True)["junk"]
     assert sum(len(inner) for inner in junk[1]) == LIMIT * LIMIT  # what readers would walk
     _refused(tmp_path / "refilled.pt", "refilled.pt fills a list, dict or object after a memo read referenced it")
