@@ -22,7 +22,8 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.catalog.listing import Problem
 from ckptflow.chunks import damaged
-from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, Heartbeat, gc_lock, leases, wait_for_leases
+from ckptflow.chunks.lease_listing import leases, wait_for_leases
+from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, Heartbeat, gc_lock
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest

@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ckptflow.chunks import owners
 from ckptflow.errors import (
@@ -97,7 +97,8 @@ def _version_if_ours(store: Store, key: str, token: str) -> str | None:
     return version if owners.token(body) == token else None
 
 
-def _age(info: ObjectInfo) -> float:
+def age(info: ObjectInfo) -> float:
+    """Seconds since ``info`` was last renewed, by this machine's clock."""
     return time.time() - info.mtime
 
 
@@ -231,7 +232,7 @@ def _live_lock(store: Store, family: LockFamily, checked: str | None = None) -> 
         info = store.stat(family.lock)
     except ObjectNotFoundError:
         return None, checked
-    if _age(info) >= DEAD_AFTER:
+    if age(info) >= DEAD_AFTER:
         return None, checked
     if info.version != checked or checked is None:
         if _lock_holder_gone(store, family):
@@ -250,7 +251,7 @@ def _wait_for_lock(store: Store, family: LockFamily, timeout: float, started: fl
             return
         if not said and time.monotonic() - started > 1.0:
             log.warning("%s waiting for %s to finish on %s (%s, renewed %.0f s ago)",
-                        family.shared, family.exclusive, store.url, family.lock, _age(info))  # fmt: skip
+                        family.shared, family.exclusive, store.url, family.lock, age(info))  # fmt: skip
             said = True
         if time.monotonic() - started > timeout:
             raise family.shared_error(
@@ -272,7 +273,7 @@ def gc_lock(store: Store) -> Iterator[Heartbeat]:
 def exclusive_lock(store: Store, family: LockFamily) -> Iterator[Heartbeat]:
     """``family``'s exclusive lock, renewed while held; a dead holder's lock is taken over
     by compare-and-swap, so of two that find it dead only one gets it. It does not wait
-    for the leases: the holder does (``wait_for_leases``), once it holds the lock."""
+    for the leases: the holder does (``lease_listing.wait_for_leases``), once it holds the lock."""
     what, lock = family.exclusive, family.lock
     token = uuid.uuid4().hex
     try:
@@ -304,9 +305,9 @@ def _acquire(store: Store, family: LockFamily, body: bytes) -> str | None:
     except ObjectNotFoundError:  # released in between: try once more
         taken = not store.put_if_absent(lock, body)
         return f"another {what} just took {store.url}/{lock}; run it again later" if taken else None
-    if _age(info) < DEAD_AFTER and not _lock_holder_gone(store, family):
+    if age(info) < DEAD_AFTER and not _lock_holder_gone(store, family):
         return (
-            f"another {what} holds {store.url}/{lock} (renewed {_age(info):.0f} s ago); "
+            f"another {what} holds {store.url}/{lock} (renewed {age(info):.0f} s ago); "
             "run it again when that one has finished"
         )
     if not _take_over(store, lock, body, version):
@@ -364,38 +365,3 @@ def _take_over(store: Store, lock: str, body: bytes, version: str | None) -> boo
         return store.replace_if(lock, body, version)
     store.delete(lock)
     return store.put_if_absent(lock, body)
-
-
-@dataclass
-class Leases:
-    live: list[ObjectInfo] = field(default_factory=list)  # saves in flight now
-    dead: list[ObjectInfo] = field(default_factory=list)  # left by writers that died
-
-
-def leases(store: Store, holders: dict[str, bytes] | None = None, *, family: LockFamily = SAVES) -> Leases:
-    """``family``'s leases in ``store``: dead if not renewed for ``DEAD_AFTER`` or if their
-    holder is gone from this machine. ``holders`` caches lease bodies (never rewritten)."""
-    found = Leases()
-    holders = {} if holders is None else holders
-    for info in store.list(family.leases):
-        if _age(info) < DEAD_AFTER:
-            try:
-                body = holders.get(info.key) or holders.setdefault(info.key, store.get_bounded(info.key, 1 << 16))
-            except ObjectNotFoundError:
-                continue  # released since the listing
-            except (CkptflowError, OSError):  # unreadable: it proves nothing, so it holds
-                body = b""
-            if not owners.gone(body):
-                found.live.append(info)
-                continue
-        found.dead.append(info)
-    return found
-
-
-def wait_for_leases(store: Store, timeout: float, *, family: LockFamily = SAVES) -> Leases:
-    """Wait up to ``timeout`` s for ``family``'s live leases to clear; what is held after it."""
-    deadline = time.monotonic() + timeout
-    holders: dict[str, bytes] = {}
-    while (found := leases(store, holders, family=family)).live and time.monotonic() < deadline:
-        time.sleep(POLL)
-    return found

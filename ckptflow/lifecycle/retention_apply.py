@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import ledger, verdicts
 from ckptflow.catalog.tiers import holds_commit
-from ckptflow.chunks.leases import DEAD_AFTER, PROMOTION_WAIT, PROMOTIONS, Heartbeat, exclusive_lock, wait_for_leases
+from ckptflow.chunks.lease_listing import wait_for_leases
+from ckptflow.chunks.leases import DEAD_AFTER, PROMOTION_WAIT, PROMOTIONS, Heartbeat, exclusive_lock
 from ckptflow.errors import CkptflowError, RetentionError
 from ckptflow.format.manifest import Manifest
 from ckptflow.interop.registry import Registry

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptflow import Checkpointer, CkptflowError, gc, open_store
-from ckptflow.chunks import leases, owners
+from ckptflow.chunks import lease_listing, leases, owners
 from ckptflow.format import layout as fmt
 from support.faulty_store import FaultyStore
 from support.states import CHUNK, RUN, tagged_state
@@ -250,7 +250,7 @@ def test_a_lease_whose_holder_exited_or_whose_pid_names_another_process_is_dead_
     }
     for name, holder in holders.items():
         store.put_if_absent(f"{leases.LEASES}{name}.json", json.dumps(holder).encode())
-    found = leases.leases(store)
+    found = lease_listing.leases(store)
     zombie.wait()
     assert [i.key.split("/")[-1] for i in found.dead] == ["exited.json", "reused.json", "zombie.json"]
     assert [i.key.split("/")[-1] for i in found.live] == ["elsewhere.json", "mine.json"]
@@ -262,7 +262,7 @@ def test_a_lease_nested_deep_is_held_not_a_recursion_error(tmp_path):
     store = open_store(str(tmp_path / "store"))
     key = f"{leases.SAVES.leases}other.json"
     store.put_if_absent(key, b"[" * 30_000 + b"]" * 30_000)
-    assert [i.key for i in leases.leases(store).live] == [key]
+    assert [i.key for i in lease_listing.leases(store).live] == [key]
 
 
 @pytest.mark.parametrize("pid", [2**70, -(2**70)])
@@ -274,4 +274,4 @@ def test_a_lease_naming_a_pid_no_process_can_have_is_held_not_an_overflow_error(
     body = {**owners.this_process(), "pid": pid}
     assert body.get("machine"), "needs Linux /proc"
     store.put_if_absent(key, json.dumps(body).encode())
-    assert [i.key for i in leases.leases(store).live] == [key]
+    assert [i.key for i in lease_listing.leases(store).live] == [key]

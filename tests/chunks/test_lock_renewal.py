@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ckptflow import open_store
-from ckptflow.chunks import leases
+from ckptflow.chunks import lease_listing, leases
 from support.faulty_store import FaultyStore
 
 LOCK = leases.GC_LOCK
@@ -185,7 +185,7 @@ def test_a_holder_that_may_have_looked_dead_stays_lost_once_renewals_succeed(tmp
 def test_one_slow_renewal_no_process_could_judge_dead_loses_nothing(tmp_path, fast):
     """One renewal of a save's lease takes 60% of DEAD_AFTER (18 s of 30: a stalled
     connection, throttling), then renewals are quick again. The lease object was never
-    older than DEAD_AFTER, so no GC could have judged it dead (as ``leases.leases`` judges):
+    older than DEAD_AFTER, so no GC could have judged it dead (as ``lease_listing.leases`` judges):
     the lease is not lost, and the save holding it commits."""
     inner = open_store(str(tmp_path / "store"))
     view = FaultyStore(inner)
@@ -201,7 +201,7 @@ def test_one_slow_renewal_no_process_could_judge_dead_loses_nothing(tmp_path, fa
     with leases.save_lease(view) as beat:
         until = time.monotonic() + 1.5 * leases.DEAD_AFTER
         while time.monotonic() < until:  # what a GC sees, the whole time
-            judged_dead += [info.key for info in leases.leases(inner).dead]
+            judged_dead += [info.key for info in lease_listing.leases(inner).dead]
             time.sleep(0.02)
         assert not slow and not judged_dead  # the slow renewal happened; no GC could have judged the lease dead
         lost = beat.lost

@@ -209,7 +209,7 @@ def every_rank_fails_to_write(rank: int, world: int, workdir: Path) -> dict:
     (blocking, then async), after which the coordinator's lease, held since planning for its
     commit, must be given back (``leases_left``: live leases 5 s on); then it is back."""
     from ckptflow import Checkpointer, per_rank
-    from ckptflow.chunks import leases
+    from ckptflow.chunks import lease_listing
     from ckptflow.chunks.io import ChunkStore
     from ckptflow.errors import StoreFullError, StoreUnavailableError
 
@@ -245,7 +245,7 @@ def every_rank_fails_to_write(rank: int, world: int, workdir: Path) -> dict:
             finally:
                 ChunkStore.put = original  # type: ignore[method-assign]
             deadline = time.monotonic() + 5
-            while (live := len(leases.leases(ck.store).live)) and time.monotonic() < deadline:
+            while (live := len(lease_listing.leases(ck.store).live)) and time.monotonic() < deadline:
                 time.sleep(0.05)
             leases_left[name] = live
         ck.save(1, state)
