@@ -135,19 +135,31 @@ def confirm_commit(
                 log.warning("%s in %s was lost while its manifest was committed; everything it names is stored, so "
                             "the commit stands", lease, store.url)  # fmt: skip
                 return
-            found, version = store.get_versioned(key, sealed.MAX_RECORD_BYTES)
-            moved = quarantine.move_aside(store, manifest.run, manifest.step, blob, version) if found == blob else None
+            where = _set_aside(store, manifest, blob)
     except StoreUnavailableError as e:
         raise StoreUnavailableError(
             f"{lease} in {store.url} was lost while its manifest was committed, and whether a GC swept what it names "
             f"could not be checked ({e}): run 'ckptflow verify' on it, and {again} again if it is damaged"
         ) from e
-    where = f"moved to {store.url}/{moved}" if moved else f"changed since, and left as it is at {store.url}/{key}"
     raise StoreUnavailableError(
         f"{lease} in {store.url} was lost while its manifest was committed (the process stalled for over "
         f"{DEAD_AFTER / 2:.0f} s), and a GC swept {len(gone)} object(s) it names ({gone[0]}); the manifest was "
         f"{where}, so nothing was committed: {again} again"
     )
+
+
+def _set_aside(store: Store, manifest: Manifest, blob: bytes) -> str:
+    """Move the manifest ``blob`` just committed to quarantine; where it is now, in words.
+    Another process may have changed it since the put (a save of the step that proved it
+    damaged committed its own), or removed it (retention expired it; such a save moved it
+    aside and has not committed yet): either way it is no longer this writer's to move."""
+    key = fmt.manifest_key(manifest.run, manifest.step)
+    try:
+        found, version = store.get_versioned(key, sealed.MAX_RECORD_BYTES)
+    except ObjectNotFoundError:
+        return f"already gone from {store.url}/{key} (expired, or moved aside by another save of the step)"
+    moved = quarantine.move_aside(store, manifest.run, manifest.step, blob, version) if found == blob else None
+    return f"moved to {store.url}/{moved}" if moved else f"changed since, and left as it is at {store.url}/{key}"
 
 
 def _read(store: Store, run: str, step: int) -> tuple[bytes, str] | None:

@@ -1,0 +1,44 @@
+"""A commit made by a writer whose lease was lost (``ckptflow.catalog.commit.confirm_commit``):
+what it names is looked for under a fresh lease; if a GC swept any of it, the manifest goes
+to quarantine and the save fails with nothing committed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ckptflow import Checkpointer, StoreUnavailableError, gc, open_store
+from ckptflow.catalog.commit import confirm_commit
+from ckptflow.format import layout as fmt
+from ckptflow.format.manifest import Manifest
+from ckptflow.lifecycle.expire import expire
+
+RUN = "r"
+
+
+def test_a_commit_removed_by_another_process_before_its_check_is_told_not_committed(tmp_path):
+    """The writer stalled past its lease; meanwhile retention expired the step it had just
+    committed and a GC swept its chunks. Confirming the commit used to let the bare
+    ``ObjectNotFoundError`` of the manifest's re-read escape ('... manifest.json does not
+    exist'), which said neither that nothing was committed nor what to do."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        ck.save(1, {"w": torch.arange(64.0)})
+    store = open_store(root)
+    key = fmt.manifest_key(RUN, 1)
+    blob = store.get(key)
+    manifest = Manifest.parse(blob, key)
+    expire(store, RUN, 1)
+    assert gc(store, grace=0, now=time.time() + 5).deleted  # its chunks are swept
+    before = sorted(i.key for i in store.list(""))
+
+    with pytest.raises(StoreUnavailableError) as raised:
+        confirm_commit(store, manifest, blob, lease=f"the save lease of run {RUN!r} step 1", again="save")
+
+    message = str(raised.value)
+    assert f"the manifest was already gone from {store.url}/{key}" in message, message
+    assert "expired, or moved aside by another save of the step" in message
+    assert message.endswith("so nothing was committed: save again")
+    assert sorted(i.key for i in store.list("")) == before  # it changed nothing, its lease released
