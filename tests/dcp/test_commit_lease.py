@@ -13,13 +13,16 @@ import threading
 import time
 import uuid
 
+import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from ckptflow import Checkpointer, gc
+from ckptflow import Checkpointer, CkptflowError, gc, open_store
 from ckptflow.chunks import leases
 from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.dcp.writer import CheckpointWriter
+from ckptflow.format import layout as fmt
+from support.faulty_store import FaultyStore
 
 GC_WAIT_S = 6.0
 
@@ -57,3 +60,27 @@ def test_another_rank_writes_without_waiting_for_a_gc_the_coordinators_lease_hol
             writers[0].lease.release()
     assert waited < GC_WAIT_S / 2, f"rank 1 waited {waited:.1f} s for a GC that waited for its coordinator"
     assert swept[0].skipped is not None and swept[0].deleted == []  # the save in flight was never swept
+
+
+def test_a_save_abandoned_at_exit_says_so_whatever_became_of_its_lease(tmp_path, monkeypatch):
+    """Ctrl-C at exit abandons an async save in flight (``save_handle``); the exit handlers
+    run meanwhile and the store stops answering its lease's renewals, so the lease is lost.
+    The save used to fail with the lease's error ('... was lost before its commit, so a GC
+    may have swept its chunks ...: save again'), which hid that it had been abandoned."""
+    monkeypatch.setattr(leases, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(leases, "DEAD_AFTER", 0.5)
+    view = FaultyStore(open_store(str(tmp_path / "s")))
+    writing = view.pause_before("put_if_absent", lambda key: "/ranks/" in key)
+    with Checkpointer(view, "run") as ck:
+        handle = ck.save(1, {"w": torch.ones(256)}, blocking=False)
+        assert writing.reached.wait(30)
+        handle._writer.abandoned = True  # what the exit's Ctrl-C handler does
+        view.fail_if = lambda op, key: op == "touch" and key.startswith(leases.LEASES)  # renewals fail
+        deadline = time.monotonic() + 30
+        while not handle._writer.lease._held.lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writing.release()
+        with pytest.raises(CkptflowError, match="was abandoned at exit: not committed") as raised:
+            handle.wait()
+    assert "lease" not in str(raised.value), raised.value
+    assert not view.exists(fmt.manifest_key("run", 1))
