@@ -138,8 +138,8 @@ def new_commits(store: Store, cursor: dict, limit: int, now: float | None = None
     if full:
         unlisted = [p for p in steps if isinstance(p, catalog_listing.Problem)]
         behind, pending = _behind_watermark(store, listed, t, set(waiting), pending)
-        landed, waiting, damaged = _read_again(store, waiting, listed, unlisted, limit)
-        pending |= damaged  # landed as damaged now: no full listing lands it again
+        landed, waiting, landed_now = _read_again(store, waiting, listed, unlisted, limit)
+        pending |= landed_now  # as the tick's own: no full listing lands them again
     order = sorted(fresh + behind, key=lambda e: (e.manifest.mtime, e.run, e.step))  # type: ignore[union-attr]
     taken = order[: max(0, limit - len(landed))]  # at most ``limit`` land a tick
     done: list[catalog_listing.StepListing] = []
@@ -240,11 +240,12 @@ def _read_again(
     limit: int,
 ) -> tuple[list[Landed], list[tuple[str, int, float]], set[tuple[str, int, float]]]:
     """Commit records landed unread, read again (at most ``limit``, in turn): those that read
-    now land under their digest, those now proved damaged land to be recorded so (and are
-    returned, to be kept ``pending`` as the tick's own damaged ones are), the others keep
-    waiting, read again last. One the listing shows gone (deleted, or committed again:
-    that commit lands as new), or unread for a reason that will not pass, is not waited for;
-    one whose run or step could not be listed keeps waiting. An outage stops the reads."""
+    now land under their digest, those now proved damaged land to be recorded so; both are
+    returned, to be kept ``pending`` as the tick's own are (one that reads, unless it has a
+    validation record already). The others keep waiting, read again last. One the listing
+    shows gone (deleted, or committed again: that commit lands as new), or unread for a
+    reason that will not pass, is not waited for; one whose run or step could not be listed
+    keeps waiting. An outage stops the reads."""
     by_id = {_commit_id(e): e for e in listed if e.committed}
     unknown = {(p.run, p.step) for p in unlisted}
     keep = [w for w in waiting if w not in by_id and ({(w[0], None), (w[0], w[1])} & unknown)]
@@ -254,11 +255,13 @@ def _read_again(
     items = list(catalog.committed(store, listed=entries))
     landed: list[Landed] = []
     retried: list[tuple[str, int, float]] = []
-    damaged: set[tuple[str, int, float]] = set()
+    pending: set[tuple[str, int, float]] = set()
     for at, (entry, item, was_validated) in enumerate(zip(entries, items, _validated(store, items))):
         key = fmt.checkpoint_name(entry.run, entry.step)
         if isinstance(item, Manifest):
             landed.append(Landed(key=key, digest=item.digest, marker=item.digest[:16], validated=was_validated))
+            if not was_validated:
+                pending.add(_commit_id(entry))
         elif item.kind == "unavailable":
             retried += [_commit_id(e) for e in entries[at:]]
             break
@@ -267,8 +270,8 @@ def _read_again(
         elif not item.could_not_read:
             marker = f"damaged-{entry.manifest.mtime:.0f}"  # type: ignore[union-attr]
             landed.append(Landed(key=key, digest="", marker=marker, validated=False))
-            damaged.add(_commit_id(entry))
-    return landed, keep + retried, damaged
+            pending.add(_commit_id(entry))
+    return landed, keep + retried, pending
 
 
 def _validated(store: Store, items: list[Manifest | catalog_listing.Problem]) -> list[bool]:

@@ -19,7 +19,7 @@ from ckptflow import Checkpointer, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.errors import StoreUnavailableError
 from ckptflow.format.layout import READABLE_FORMATS, legacy_checkpoint_name
-from ckptflow.lifecycle.landing import FULL_SCAN_S, new_commits
+from ckptflow.lifecycle.landing import FULL_SCAN_S, SLACK, new_commits
 from ckptflow.store import open_store
 from pipelines import demo
 from resources import CheckpointStoreResource
@@ -153,6 +153,36 @@ def test_a_commit_landed_unread_gets_its_validation_run_once_the_code_location_r
     assert request.partition_key == checkpoint_key(RUN, 40) and not after.dynamic_partitions_requests
     assert request.tags[DIGEST_TAG] == digest(store_with_checkpoints, RUN, 40)
     assert request.run_key == f"{checkpoint_key(RUN, 40)}@{digest(store_with_checkpoints, RUN, 40)[:16]}"
+
+
+def test_a_commit_landed_once_it_reads_is_not_landed_again_by_each_full_listing(
+    store_with_checkpoints, resources, instance
+):
+    """Step 10, committed long before the rest (behind the watermark by over ``SLACK``),
+    landed unread, then read at a full listing: it landed under its digest, but was not
+    kept ``pending`` as a commit landed at once is, so every full listing after it found
+    it behind the watermark with no validation record and landed it again (another
+    '1 new commit record(s)', another run request) until its validation recorded one."""
+    path = manifest_path(store_with_checkpoints, RUN, 10)
+    old = path.stat().st_mtime - 2 * SLACK
+    os.utime(path, (old, old))
+    sealed_as(store_with_checkpoints, 10, max(READABLE_FORMATS) + 1)
+    first = tick(instance, resources)
+    assert first.run_requests[0].run_key.startswith(f"{checkpoint_key(RUN, 10)}@unreadable-")
+    instance.add_dynamic_partitions("checkpoints", list(first.dynamic_partitions_requests[0].partition_keys))
+    sealed_as(store_with_checkpoints, 10, max(READABLE_FORMATS))
+
+    def full_tick(cursor: str):
+        state = json.loads(cursor)
+        state["full_at"] -= FULL_SCAN_S
+        return tick(instance, resources, json.dumps(state))
+
+    read = full_tick(first.cursor)
+    assert [r.run_key for r in read.run_requests] == [
+        f"{checkpoint_key(RUN, 10)}@{digest(store_with_checkpoints, RUN, 10)[:16]}"
+    ]
+    assert full_tick(read.cursor).run_requests == []  # not landed again: it waits for its validation
+    assert [RUN, 10] in [p[:2] for p in json.loads(read.cursor)["pending"]]
 
 
 def test_sensor_ignores_uncommitted_steps_and_pages_oldest_first(store_with_checkpoints):
