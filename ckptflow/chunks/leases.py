@@ -102,6 +102,14 @@ def age(info: ObjectInfo) -> float:
     return time.time() - info.mtime
 
 
+def _elapsed() -> float:
+    """Seconds on a clock that runs while this machine is suspended (Linux's CLOCK_BOOTTIME;
+    elsewhere ``time.monotonic``). Others judge a holder's object by its age in wall-clock
+    time; CLOCK_MONOTONIC, ``time.monotonic`` on Linux, stops while the machine sleeps, so a
+    holder resumed after ``DEAD_AFTER`` would still trust an object others took for dead."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 class Heartbeat:
     """Renews ``key`` every ``HEARTBEAT`` seconds until stopped. ``lost`` says whether the
     holder can no longer trust it holds ``key``: taken over, deleted, or not renewed for
@@ -110,7 +118,8 @@ class Heartbeat:
     on: a save past a GC lock, a GC sweeping a save's chunks): if the object may have grown
     older than ``DEAD_AFTER`` less a sixth of it (5 s, for clocks apart) between two
     renewals, from the start of the one before to the end of the one after. A single slow
-    renewal no process could have judged dead loses nothing.
+    renewal no process could have judged dead loses nothing. Time suspended counts
+    (``_elapsed``): the object aged meanwhile in the eyes of every other process.
 
     A lease is touched. An exclusive lock (``token``: its holder's, in every body it
     writes) is rewritten by compare-and-swap against ``version``, the one its holder last
@@ -122,7 +131,7 @@ class Heartbeat:
     def __init__(self, store: Store, key: str, *, what: str = "gc", token: str | None = None):
         self.store, self.key, self.what, self.token = store, key, what, token
         self.version: str | None = None
-        self.renewed = time.monotonic()  # when the last renewal ended
+        self.renewed = _elapsed()  # when the last renewal ended
         self._good_start = self.renewed  # when it began: the object is no older than since then
         self.taken = False
         self.lapsed = False  # it may have looked dead to another process: lost for good
@@ -137,10 +146,10 @@ class Heartbeat:
 
     @property
     def lost(self) -> bool:
-        return self.taken or self.lapsed or time.monotonic() - self.renewed > DEAD_AFTER / 2
+        return self.taken or self.lapsed or _elapsed() - self.renewed > DEAD_AFTER / 2
 
     def _renewed(self, started: float) -> None:
-        now = time.monotonic()
+        now = _elapsed()
         self.lapsed = self.lapsed or now - self._good_start > DEAD_AFTER * 5 / 6
         self._good_start, self.renewed = started, now
 
@@ -154,7 +163,7 @@ class Heartbeat:
                 log.warning("could not renew %s/%s: %s", self.store.url, self.key, e)
 
     def _renew(self) -> None:
-        started = time.monotonic()
+        started = _elapsed()
         if self.token is None:  # a lease (or a lock on a store without compare-and-swap): only its age matters
             self.store.touch(self.key)
             self._renewed(started)

@@ -6,6 +6,7 @@ is still its own; only another holder's token (or no lock) means it lost it."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -206,3 +207,32 @@ def test_one_slow_renewal_no_process_could_judge_dead_loses_nothing(tmp_path, fa
         assert not slow and not judged_dead  # the slow renewal happened; no GC could have judged the lease dead
         lost = beat.lost
     assert not lost
+
+
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="Linux's suspend-counting clock")
+def test_a_holder_resumed_from_a_suspend_past_dead_after_knows_it_lost_its_lease(tmp_path, monkeypatch):
+    """A machine suspended (a laptop's lid shut, a VM paused by its host) renews nothing, so
+    to a GC on another machine, which judges a lease by its modification time, the lease is
+    as old as the suspend: dead. The holder measured ``lost`` with ``time.monotonic``
+    (CLOCK_MONOTONIC, which stops while Linux is suspended), so it went on trusting the
+    lease, and a save committed with chunks that GC may have swept. Here a 1 h suspend:
+    CLOCK_BOOTTIME an hour on, CLOCK_MONOTONIC not, the lease's time an hour behind."""
+    monkeypatch.setattr(leases, "HEARTBEAT", 0.5)
+    suspended = 3600.0
+    store = open_store(str(tmp_path / "store"))
+    clock_gettime = time.clock_gettime
+    with leases.save_lease(store) as beat:
+        [lease] = [tmp_path / "store" / info.key for info in store.list(leases.LEASES)]
+        assert not beat.lost
+        monkeypatch.setattr(
+            time,
+            "clock_gettime",
+            lambda clock: clock_gettime(clock) + (suspended if clock == time.CLOCK_BOOTTIME else 0),
+        )
+        then = lease.stat().st_mtime - suspended
+        os.utime(lease, (then, then))
+        assert [info.key for info in lease_listing.leases(store).dead] == [f"{leases.LEASES}{lease.name}"]
+        assert beat.lost  # as the GC judges it
+        renewed = beat.renewed
+        assert _until(lambda: beat.renewed > renewed)  # the first renewal after the resume succeeds
+        assert beat.lost  # a GC may have swept meanwhile: lost for good
