@@ -261,7 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = (
             str(e)
             if isinstance(e, CkptflowError)
-            else os_error_text(e, command=getattr(args, "command", None), store=getattr(args, "root", None))
+            else os_error_text(
+                e,
+                command=getattr(args, "command", None),
+                store=getattr(args, "root", None),
+                out=getattr(args, "out", None),
+            )
         )
         message = " ".join(text.split("\n"))
         print(f"{PROG}: error: {message}", file=sys.stderr)

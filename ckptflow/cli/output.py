@@ -11,7 +11,9 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from urllib.parse import unquote, urlparse
+
+from ckptflow.store import local_root
+from ckptflow.store.local import resolved_root
 
 PROG = "ckptflow"
 
@@ -79,22 +81,38 @@ def progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], No
 STORE_WRITERS = ("gc", "import", "repair")  # the commands that write to the store; the others only read it
 
 
-def os_error_text(error: OSError, *, command: str | None, store: str | None = None) -> str:
+def os_error_text(error: OSError, *, command: str | None, store: str | None = None, out: str | None = None) -> str:
     """An error of the operating system's that no ckptflow message explains, as what failed
-    and where; where it was refused access, what to do: about the store ``store`` (the
-    command's ROOT) only where the refused path is in it, or no path is named, and there
-    what ``command`` needs (a command that only reads the store is not sent to find write
-    access)."""
+    and where; where it was refused (a read-only file system, or access), what to do, by the
+    refused path (``_refused_where``): export's output ``out`` (written, even inside the
+    store), the store ``store`` (the command's ROOT) or a directory above it that it would be
+    created in, or another path (import's source). A command that only reads the store is
+    not sent to find write access to it."""
     text = f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
-    refused = error.errno in (errno.EACCES, errno.EPERM)
-    if not refused and error.errno != errno.EROFS:
+    if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
         return text
-    if error.filename and not _within(os.fsdecode(error.filename), store):
+    root = local_root(store) if store else None
+    where = _refused_where(os.fsdecode(error.filename) if error.filename else None, root, out)
+    if error.errno == errno.EROFS:  # no user may write there: permissions are not the answer
+        todo = {
+            "out": "pass an --out on a writable one",
+            "above": f"give a ROOT on a writable one (the store root {root} would be created there)",
+            "store": "use a store on a writable one (or a writable copy of it)",
+            "other": "give a path on a writable one",
+        }[where]
+        return text + f"; the file system is mounted read-only: {todo}"
+    if where == "out":
+        return text + "; export writes its --out there: pass an --out it may write, or fix that directory's permissions"
+    if where == "above":
         return text + (
-            "; this user may not access that path: give one it may use (export's --out, import's source), or fix "
-            "its permissions"
+            f"; the store root {root} would be created there, which this user may not do: give a ROOT it may create, "
+            "or fix that directory's permissions"
         )
-    if error.errno == errno.EROFS or command in STORE_WRITERS:
+    if where == "other":
+        return text + (
+            "; this user may not access that path: give one it may use (import's source), or fix its permissions"
+        )
+    if command in STORE_WRITERS:
         return text + (
             "; this command needs write access there (gc, import and repair write to the store; ls, stats, verify "
             "and export only read it): run it as a user who may write to the store, or on a writable copy"
@@ -102,10 +120,26 @@ def os_error_text(error: OSError, *, command: str | None, store: str | None = No
     return text + f"; {command or 'this command'} only reads the store: run it as a user who may read the store"
 
 
-def _within(path: str, store: str | None) -> bool:
-    """Whether ``path`` is in the local store ``store`` (a path or a file:// URL); an object
-    store's paths are never local files."""
-    if not store or ("://" in store and not store.startswith("file://")):
-        return False
-    root = os.path.abspath(unquote(urlparse(store).path) if store.startswith("file://") else store)
-    return os.path.commonpath([root, os.path.abspath(path)]) == root
+def _refused_where(path: str | None, root: str | None, out: str | None) -> str:
+    """Whose a refused path is: "out" (export's output, in it, or its temp beside it,
+    ``out.tmp-…``: checked first, for an --out inside the store), "store" (in the local
+    store ``root``, or no path named), "above" (a directory above ``root``, which the
+    command would create), or "other"."""
+    if path is None:
+        return "store"
+    path = resolved_root(path)
+    if out is not None:
+        out = resolved_root(out)
+        beside = os.path.dirname(path) == os.path.dirname(out) and os.path.basename(path).startswith(
+            os.path.basename(out) + "."
+        )
+        if beside or _within(path, out):
+            return "out"
+    if root is not None and _within(path, root):
+        return "store"
+    return "above" if root is not None and _within(root, path) else "other"
+
+
+def _within(path: str, directory: str) -> bool:
+    """Whether the resolved ``path`` is the resolved ``directory`` or below it."""
+    return os.path.commonpath([directory, path]) == directory

@@ -6,9 +6,10 @@ import os
 from urllib.parse import parse_qs, unquote, urlparse
 
 from ckptflow.store.base import ObjectInfo, Store, validate_key
-from ckptflow.store.local import LocalStore
+from ckptflow.store.local import LocalStore, resolved_root
 
-__all__ = ["ObjectInfo", "Store", "LocalStore", "open_store", "validate_key"]  # S3Store: ckptflow.store.s3
+# S3Store: ckptflow.store.s3
+__all__ = ["ObjectInfo", "Store", "LocalStore", "local_root", "open_store", "validate_key"]
 
 
 def open_store(url: str | os.PathLike[str] | Store, *, create: bool = True) -> Store:
@@ -21,13 +22,10 @@ def open_store(url: str | os.PathLike[str] | Store, *, create: bool = True) -> S
     if isinstance(url, Store):
         return url
     url = os.fspath(url)
+    path = _local_path(url)
+    if path is not None:
+        return LocalStore(path, create=create)
     parsed = urlparse(url)
-    if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and url[1:3] == ":\\"):
-        if parsed.scheme == "file":
-            if parsed.netloc not in ("", "localhost"):
-                raise ValueError(f"file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
-            return LocalStore(unquote(parsed.path), create=create)
-        return LocalStore(url, create=create)
     if parsed.scheme == "s3":
         from ckptflow.store.s3 import S3Store  # boto3 is imported only for S3 stores
 
@@ -44,3 +42,25 @@ def open_store(url: str | os.PathLike[str] | Store, *, create: bool = True) -> S
     raise ValueError(
         f"no store backend for scheme {parsed.scheme!r} in {url!r}; supported: plain paths, file:// and s3:// URLs"
     )
+
+
+def local_root(url: str) -> str | None:
+    """The directory ``open_store(url)`` would open as a local store, resolved as the store
+    resolves it (``resolved_root``); None for an object store or a URL no store opens."""
+    try:
+        path = _local_path(url)
+    except ValueError:
+        return None
+    return None if path is None else resolved_root(path)
+
+
+def _local_path(url: str) -> str | None:
+    """The path of a plain path or ``file://`` URL as given; None for another scheme."""
+    parsed = urlparse(url)
+    if not (parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and url[1:3] == ":\\")):
+        return None
+    if parsed.scheme != "file":
+        return url
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
+    return unquote(parsed.path)

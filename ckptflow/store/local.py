@@ -48,11 +48,18 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo:
     return ObjectInfo(key, st.st_size, st.st_mtime, f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}")
 
 
+def resolved_root(root: str) -> str:
+    """The directory a local store given as ``root`` is: ``~`` expanded and every symbolic
+    link resolved, once, when the store is opened. One rule, so whatever judges a path to be
+    in the store (the CLI's error texts) judges it as the store's own paths are."""
+    return os.path.realpath(os.path.expanduser(root))
+
+
 class LocalStore(LocalCompareAndSwap):  # its conditional writes (compare_and_swap): ``local_cas``
     cheap_reread = True  # the page cache
 
     def __init__(self, root: str, *, fsync: bool = True, create: bool = True, disk: Disk | None = None):
-        self.root = os.path.realpath(os.path.expanduser(root))
+        self.root = resolved_root(root)
         self.url = "file://" + self.root
         self.disk = disk or Disk(fsync=fsync)
         # durable writes; the fsyncs of ``chunks`` and the directories below it wait for a batch's end
