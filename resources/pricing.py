@@ -12,12 +12,10 @@ location loads (a bad file stops it loading, with the reason; a changed one need
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from ckptflow.errors import CkptflowError
 from ckptflow.reports import costs
 from resources.archive import ArchiveTierResource
 
@@ -42,13 +40,7 @@ class PricingResource(ConfigurableResource):
         path = os.environ.get(PRICES_ENV)
         if not path:
             return cls()
-        try:
-            model = costs.CostModel.from_json(Path(path).read_text())
-        except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON, or not of its shape
-            raise CkptflowError(
-                f"{PRICES_ENV}={path}: {e}; it names a JSON file such as "
-                '{"prices": {"STANDARD": 0.023}, "tiers": {"hot": "STANDARD", "archive": "GLACIER_IR"}}'
-            ) from None
+        model = costs.read_cost_model(path, given_as=f"{PRICES_ENV}={path}")  # bounded: a pipe, never /dev/zero
         return cls(prices=dict(model.prices), hot_class=model.tiers["hot"], archive_class=model.tiers["archive"])
 
     def model(self, archive: ArchiveTierResource) -> costs.CostModel:

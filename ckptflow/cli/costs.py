@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 
 from ckptflow.cli.output import table
 from ckptflow.errors import CkptflowError
-from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, item, storage_costs
+from ckptflow.reports.costs import SAVINGS, CostModel, CostReport, item, read_cost_model, storage_costs
 from ckptflow.reports.units import human_bytes, human_usd
 from ckptflow.store.base import Store
 
@@ -19,44 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--archive-class", help="storage class of the archive (default GLACIER_IR)")
 
 
-MAX_PRICES_BYTES = 1 << 20  # a price list is a few hundred bytes
-PRICES_EXAMPLE = '{"prices": {"STANDARD": 0.023, "GLACIER_IR": 0.004}, "tiers": {"hot": "STANDARD"}}'
-
-
 def read_prices(path: str | None) -> CostModel:
-    """``--prices FILE`` as a cost model, the list prices without it; an error names the file
-    and shows the format."""
-    if not path:
-        return CostModel()
-    try:
-        text = _prices_text(path)
-    except OSError as e:
-        raise CkptflowError(
-            f"--prices {path}: cannot read it ({e.strerror or e}); pass a JSON file such as {PRICES_EXAMPLE}"
-        ) from None
-    except UnicodeDecodeError as e:
-        raise CkptflowError(
-            f"--prices {path}: byte {e.start} is not UTF-8 text; pass a JSON file such as {PRICES_EXAMPLE}"
-        ) from None
-    try:
-        return CostModel.from_json(text)
-    except ValueError as e:
-        raise CkptflowError(f"--prices {path}: {e}; pass a JSON file such as {PRICES_EXAMPLE}") from None
-
-
-def _prices_text(path: str) -> str:
-    """The file's text, refused unread unless a regular file of at most ``MAX_PRICES_BYTES``
-    (``--prices /dev/zero`` read without end)."""
-    info = os.stat(path)
-    if not stat.S_ISREG(info.st_mode):
-        raise CkptflowError(f"--prices {path} is not a regular file; pass a JSON file such as {PRICES_EXAMPLE}")
-    if info.st_size > MAX_PRICES_BYTES:
-        raise CkptflowError(
-            f"--prices {path} is larger than {MAX_PRICES_BYTES} bytes; refused unread: pass a JSON file such as "
-            f"{PRICES_EXAMPLE}"
-        )
-    with open(path, "rb") as f:
-        return f.read(MAX_PRICES_BYTES + 1).decode("utf-8")
+    """``--prices FILE`` as a cost model (``read_cost_model``), the list prices without it."""
+    return read_cost_model(path, given_as=f"--prices {path}") if path else CostModel()
 
 
 def report(store: Store, args: argparse.Namespace, open_store) -> CostReport:

@@ -278,16 +278,16 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["verify", "{root}", "--run", RUN, "--step", "1_0"], "step '1_0' is not a step number"),  # was step 10
         (["export", "{root}", "--run", RUN, "--out", "{tmp}/m.st", "--step", "+10"], "is not a step number"),
         (["stats", "{root}", "--prices", "{tmp}/none.json"], "--prices {tmp}/none.json: cannot read it"),
-        (["advise", "{root}", "--run", RUN, "--prices", "{tmp}"], "pass a JSON file such as"),  # was [Errno 21]
+        (["advise", "{root}", "--run", RUN, "--prices", "{tmp}"], "name a JSON file such as"),  # was [Errno 21]
         (
             ["stats", "{root}", "--prices", "{root}/../{{bad"],
-            "(char 1); pass a JSON file such as",
+            "(char 1); name a JSON file such as",
         ),  # the JSON's fault, and where
         (["advise", "{root}", "--run", RUN, "--prices", "{tmp}/binary.json"], "--prices {tmp}/binary.json: "),  # was
         # a UnicodeDecodeError traceback
-        (["stats", "{root}", "--prices", "{tmp}/binary.json"], "is not UTF-8 text; pass a JSON file such as"),
-        (["stats", "{root}", "--prices", "/dev/zero"], "/dev/zero is not a regular file"),  # was read without end
-        (["stats", "{root}", "--prices", "{tmp}/big.json"], "is larger than 1048576 bytes; refused unread"),
+        (["stats", "{root}", "--prices", "{tmp}/binary.json"], "is not UTF-8 text; name a JSON file such as"),
+        (["stats", "{root}", "--prices", "/dev/zero"], "/dev/zero: it holds more than 1048576"),  # read without end
+        (["stats", "{root}", "--prices", "{tmp}/big.json"], "it holds more than 1048576 bytes"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],

@@ -107,7 +107,7 @@ def test_the_price_list_comes_from_the_file_ckptflow_prices_names(tmp_path, monk
     pricing = PricingResource.from_env()
     assert pricing.hot_class == "ONPREM" and pricing.prices["ONPREM"] == 0.01 and pricing.archive_class == "GLACIER_IR"
     prices.write_text(json.dumps({"tiers": {"hot": "PLATINUM"}}))
-    with pytest.raises(CkptflowError, match="CKPTFLOW_PRICES=.*PLATINUM.*names a JSON file"):
+    with pytest.raises(CkptflowError, match="CKPTFLOW_PRICES=.*PLATINUM.*name a JSON file"):
         PricingResource.from_env()
     monkeypatch.delenv("CKPTFLOW_PRICES")
     assert PricingResource.from_env() == PricingResource()
