@@ -23,7 +23,8 @@ def storage_cost(
 ) -> Output[pd.DataFrame]:
     """Bytes and monthly cost per tier, and what retention, tiering, dedup, compression,
     delta and lossy archive codecs saved against keeping every checkpoint raw and hot; what
-    garbage adds and missing chunks subtract, each row saying which (``against_baseline``)."""
+    garbage and the chunks held for unreadable commit records add and missing chunks
+    subtract, each row saying which (``against_baseline``)."""
     report = costs.storage_costs(store.open(), archive.open(), model=pricing.model(archive))
     rows: list[dict] = [
         {"item": f"{t.tier} ({t.storage_class})", "bytes": t.stored_bytes, "usd_per_month": t.monthly_usd}

@@ -20,8 +20,10 @@ The difference is split into what each mechanism saved, per month:
   lossy-copy chunks, per tier (delta net of the bases kept only for deltas; lossy
   also counts tensors a copy dropped);
 * garbage: unreferenced chunk files waiting for GC (a cost, so negative);
-* unreadable: chunk files only commit records that cannot be read name, which GC keeps
-  (they might be repaired) and the tier pays for (a cost, so negative);
+* unreadable: chunk files GC keeps for commit records it cannot read (a cost, so
+  negative): those the records' JSON still names (they might be repaired), or every
+  unreferenced one where a record's chunks cannot be told (GC sweeps nothing then, so
+  none of them is garbage "until gc": each stays until the record is repaired or deleted);
 * missing: chunks referenced but absent, which the stores do not hold because they were
   lost (damage, no saving; apart from garbage, which netted with it made neither true).
 
@@ -57,7 +59,7 @@ DEFAULT_TIERS = {"hot": "STANDARD", "archive": "GLACIER_IR"}
 SAVINGS = ("retention", "tiering", "dedup", "compression", "delta", "lossy", "garbage", "unreadable", "missing")
 COST_ITEMS = {  # an item that came out negative, said as what it is: bytes held, not a choice that costs more
     "garbage": "garbage (unreferenced chunk files, until gc)",
-    "unreadable": "chunks of unreadable commit records (gc keeps them: repair or delete each record)",
+    "unreadable": "chunks held for unreadable commit records (gc keeps them until each is repaired or deleted)",
     "delta": "delta bases (kept for deltas, more than the deltas saved)",
 }
 ONLY_ADDS = frozenset({"garbage", "unreadable"})  # items that never save: "saved by garbage" is false even at zero
@@ -209,8 +211,9 @@ def price(stats: Mapping[str, StoreStats], expired_entries: list[dict], model: C
             "compression": _saved(kinds, "plain"),
             "delta": _saved(kinds, "delta") - (base.stored_bytes if base else 0),  # bases kept for deltas cost
             "lossy": exact - sum(h.logical_bytes for h in s.held.values()) + _saved(kinds, "lossy"),
-            "garbage": -s.unreferenced_bytes,
-            "unreadable": -s.unreadable_record_bytes,
+            # where a record's chunks cannot be told GC sweeps nothing: no unreferenced chunk goes "until gc"
+            "garbage": 0 if s.garbage_untold else -s.unreferenced_bytes,
+            "unreadable": -s.unreadable_record_bytes - (s.unreferenced_bytes if s.garbage_untold else 0),
             "missing": s.missing_raw_bytes,
         }
         for name, n in items.items():

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from ckptflow import Checkpointer, lifecycle
+from ckptflow import Checkpointer, gc, lifecycle
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.chunks.lossy import ArchiveCodec
 from ckptflow.format import layout as fmt
-from ckptflow.reports.costs import DEFAULT_PRICES, GB, SAVINGS, CostModel, storage_costs
+from ckptflow.reports.costs import DEFAULT_PRICES, GB, SAVINGS, CostModel, item, storage_costs
 from ckptflow.reports.stats import chunk_file_sizes
 from ckptflow.store import open_store
 from support.cli import run_cli
@@ -122,4 +122,27 @@ def test_the_chunks_gc_keeps_for_a_damaged_commit_record_are_priced_not_dropped(
     assert tier.stored_bytes == sum(sizes.values()) and tier.checkpoints == 1
     assert report.savings_bytes["garbage"] == 0  # GC would sweep none of it
     assert report.savings_bytes["unreadable"] == -sum(n for d, n in sizes.items() if d not in held) < 0
+    assert report.baseline_usd - sum(report.savings_usd.values()) == pytest.approx(report.monthly_usd, rel=1e-9)
+
+
+def test_unreferenced_chunks_are_not_garbage_while_a_commit_record_is_not_json(tmp_path):
+    """A commit record that is not JSON: GC cannot tell its chunks and sweeps nothing, yet the
+    report priced every unreferenced chunk as 'garbage (unreferenced chunk files, until gc)'
+    (16 KiB here), which no gc would ever collect until the record is repaired or deleted."""
+    hot = open_store(str(tmp_path))
+    with Checkpointer(hot, RUN) as ck:
+        ck.save(1, {"model": {"w": torch.zeros(4096)}})
+        ck.save(2, {"model": {"w": torch.ones(4096)}})
+    (tmp_path / fmt.manifest_key(RUN, 2)).write_bytes(b"\x00 not a commit record")
+    sizes, held = chunk_file_sizes(hot), catalog.read_manifest(hot, RUN, 1).chunks
+    unheld = sum(n for d, n in sizes.items() if d not in held)
+    gc_report = gc(hot, grace=0, dry_run=True)
+    assert gc_report.skipped is not None and gc_report.deleted == []  # what a gc does in this state
+    report = storage_costs(hot)
+    assert report.savings_bytes["garbage"] == 0 and report.savings_usd["garbage"] == 0
+    assert report.savings_bytes["unreadable"] == -unheld < 0
+    assert item("unreadable", report.savings_usd["unreadable"], -unheld) == (
+        "chunks held for unreadable commit records (gc keeps them until each is repaired or deleted)",
+        "adds",
+    )
     assert report.baseline_usd - sum(report.savings_usd.values()) == pytest.approx(report.monthly_usd, rel=1e-9)
