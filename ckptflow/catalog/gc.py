@@ -181,7 +181,10 @@ def gc(
     Waits up to ``wait`` seconds for saves in flight (live leases, held from planning until
     the commit) to finish; if they do not, nothing is swept and ``report.skipped`` says why.
     First, a conditional delete killed midway is settled (``Store.settle_interrupted_deletes``:
-    ``report.restored``); one too recent to settle sweeps nothing. ``progress`` is called
+    ``report.restored``); one too recent to settle sweeps nothing. A dry run settles nothing
+    but decides as a gc would: it lists nothing where a gc sweeps nothing, nor where a gc
+    would first put back what a killed delete took (it cannot mark what is not back yet).
+    ``progress`` is called
     with each deleted object's size (not on a dry run).
     """
     store = open_store(store)
@@ -197,16 +200,23 @@ def gc(
                 f"{DEAD_AFTER:.0f} s); run gc again when they finish"
             )
             return report
-        if not dry_run:  # before marking: a manifest put back protects its chunks
-            settled = store.settle_interrupted_deletes()
-            report.restored = settled.restored
-            if settled.pending:
-                report.skipped = (
-                    f"{store.url}/{settled.pending[0]} was taken aside by a conditional delete under way, or killed "
-                    "less than a minute ago, so GC cannot tell whether it is a commit whose data must stay; "
-                    "run gc again in a minute"
-                )
-                return report
+        # before marking: a manifest put back protects its chunks; a dry run decides as a gc would
+        settled = store.settle_interrupted_deletes(dry_run=dry_run)
+        if settled.pending:
+            report.skipped = (
+                f"{store.url}/{settled.pending[0]} was taken aside by a conditional delete under way, or killed "
+                "less than a minute ago, so GC cannot tell whether it is a commit whose data must stay; "
+                "run gc again in a minute"
+            )
+            return report
+        if dry_run and settled.restored:  # what it holds is marked only once it is back, which a dry run is not
+            report.skipped = (
+                f"{store.url}/{settled.restored[0]} was taken aside by a conditional delete that was killed: a gc "
+                "puts it back first and keeps what it references, which a dry run, writing nothing, cannot mark; "
+                "run gc (it puts it back), then a dry run lists the rest"
+            )
+            return report
+        report.restored = settled.restored
         marked = _mark(store, report)
         if marked is None:  # report.skipped says why
             return report

@@ -269,7 +269,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for key in report.restored:
         warn(f"put back {key}: a conditional delete killed mid-way (an expiry racing a commit) had taken it aside")
     if report.skipped:
-        print(f"{PROG}: gc swept nothing: {report.skipped}", file=sys.stderr)
+        print(
+            f"{PROG}: {'a gc now would sweep' if args.dry_run else 'gc swept'} nothing: {report.skipped}",
+            file=sys.stderr,
+        )
         return 1
     verb = "would delete" if args.dry_run else "deleted"
     print(

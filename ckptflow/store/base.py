@@ -227,11 +227,12 @@ class Store(ABC):
         """Remove one of ``stale_temp_files``."""
         return None
 
-    def settle_interrupted_deletes(self) -> SettledDeletes:
+    def settle_interrupted_deletes(self, *, dry_run: bool = False) -> SettledDeletes:
         """Finish what conditional deletes (``delete_if``) killed midway left: the version
         they were to delete goes, any other version goes back under its key. For GC, before
         it marks (a manifest put back protects its chunks); a backend whose conditional
-        delete is one request leaves nothing."""
+        delete is one request leaves nothing. ``dry_run`` changes nothing and says what it
+        would do (for GC's dry run)."""
         return SettledDeletes()
 
     def metadata_store(self) -> Store:

@@ -115,7 +115,7 @@ class LocalCompareAndSwap(Store):
             self.disk.unlink(aside)
         return matches
 
-    def settle_interrupted_deletes(self) -> SettledDeletes:
+    def settle_interrupted_deletes(self, *, dry_run: bool = False) -> SettledDeletes:
         """See ``Store.settle_interrupted_deletes``. Only files taken aside at least
         ``ASIDE_SETTLED_S`` ago (their ctime: the rename) are settled: a younger one may be a
         live ``delete_if``'s, between its rename and its compare, and is left ``pending``.
@@ -136,6 +136,10 @@ class LocalCompareAndSwap(Store):
                         settled.pending.append(key)
                         continue
                     if _sha256_file(aside) != found["version"] and not _linked_back(aside, original):
+                        if dry_run:
+                            if not os.path.lexists(original):
+                                settled.restored.append(key)
+                            continue
                         if not self._writer.link_new(aside, original):  # not the version to delete: it goes back
                             log.warning(
                                 "%s/%s was taken aside by a delete that was killed, and created again since; the "
@@ -144,7 +148,8 @@ class LocalCompareAndSwap(Store):
                             )  # fmt: skip
                             continue
                         settled.restored.append(key)
-                    self.disk.unlink(aside)
+                    if not dry_run:
+                        self.disk.unlink(aside)
                 except FileNotFoundError:  # settled meanwhile
                     continue
         return settled

@@ -133,3 +133,38 @@ def test_a_delete_killed_after_its_link_back_leaves_nothing_aside(tmp_path, monk
         settled = store.settle_interrupted_deletes()
     assert not aside.exists() and path.read_bytes() == b"the new holder's lock"
     assert settled.restored == [] and settled.pending == [] and caplog.records == []
+
+
+def test_a_dry_run_lists_what_gc_then_deletes_while_a_commit_is_taken_aside(tmp_path, monkeypatch):
+    """A commit taken aside by a conditional delete (killed, or under way): a dry run did not
+    settle asides, so it listed that commit's chunks as deletable (older than the grace)
+    while the gc after it swept nothing (pending) or put the commit back first and kept
+    them. It decides as a gc would, writing nothing."""
+    root = tmp_path / "store"
+    key = fmt.manifest_key(RUN, 1)
+    path = root / key
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    other = hashlib.sha256(b"the version retention expired").hexdigest()
+    aside = path.parent / f".{path.name}.aside-{other}-{'0' * 32}"
+    path.rename(aside)  # the re-commit, taken aside in the expired version's place
+    chunks = sorted(p.name for p in (root / "chunks").rglob("*") if p.is_file())
+    later = time.time() + 7200  # the chunks are older than the grace
+
+    dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
+    assert dry.skipped is not None and key in dry.skipped and dry.deleted == []  # listed every chunk of step 1
+    assert sorted(p.name for p in (root / "chunks").rglob("*") if p.is_file()) == chunks and aside.exists()
+    real = gc(open_store(str(root)), grace="1h", now=later)
+    assert real.skipped == dry.skipped and real.deleted == dry.deleted == []
+    assert sorted(p.name for p in (root / "chunks").rglob("*") if p.is_file()) == chunks and aside.exists()
+
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later: a gc puts it back first
+    dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
+    assert dry.skipped is not None and "puts it back first" in dry.skipped and dry.deleted == []
+    assert aside.exists() and not path.exists() and dry.restored == []  # a dry run writes nothing
+    real = gc(open_store(str(root)), grace="1h", now=later)
+    assert real.skipped is None and real.restored == [key] and real.deleted == []
+    dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
+    assert dry.skipped is None and dry.deleted == []
+    with Checkpointer(str(root), RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
