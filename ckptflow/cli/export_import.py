@@ -77,11 +77,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             steps = [e.step for e in catalog_listing.listing(store, run) if isinstance(e, catalog_listing.StepListing)]
             if fmt.validate_step(args.step) not in steps:
                 raise no_such_step(run, args.step, steps)
-        with progress(f"export {run}") as report_progress:
-            skipped: list[tuple[int, str]] = []
-            step = args.step
-            if step is None:
+        skipped: list[tuple[int, str]] = []
+        step = args.step
+        if step is None:  # a bar of its own: verifying reads the whole checkpoint, the export its tensors
+            with progress(f"verify {run}") as report_progress:
                 step, skipped = newest_verified_step(store, run, report_progress)
+        with progress(f"export {run}") as report_progress:
             if args.format == "dcp":
                 result = export_dcp(
                     store, run, args.out, step=fmt.validate_step(step), progress=report_progress, **allowed

@@ -69,14 +69,16 @@ def export_dcp(
     """Write one checkpoint (default: the newest that fully verifies, past damaged ones
     only: ``newest_verified_step``) to the new directory ``out`` as a plain DCP
     checkpoint; the directory appears whole or not at all. A lossy archive copy needs
-    ``allow_lossy``, a commit whose validation failed ``allow_failed`` (``admit``)."""
+    ``allow_lossy``, a commit whose validation failed ``allow_failed`` (``admit``).
+    ``progress`` is called with the bytes of the tensors read for it, not those the
+    verification of ``step=None`` reads."""
     store = open_store(store)
     fmt.validate_run(run)
     out = os.path.abspath(os.fspath(out))
     _check_out(out, as_dir=True)
     skipped: list[tuple[int, str]] = []
     if step is None:
-        step, skipped = newest_verified_step(store, run, progress)
+        step, skipped = newest_verified_step(store, run)
     admitted = admit(store, run, step, allow_lossy=allow_lossy, allow_failed=allow_failed)
     state, manifest, tensors = load_state(store, admitted, progress)
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"

@@ -277,6 +277,8 @@ def export_safetensors(
     checkpoint that did not record one; it must describe the tensors saved.
     ``allow_lossy`` exports a lossy archive copy, ``allow_failed`` a commit whose validation
     verdict is failed; both are refused otherwise, and marked in the files when allowed.
+    ``progress`` is called with the bytes of the saved tensors read for the files (what they
+    hold, unless ``dtype`` narrows them), not those the verification of ``step=None`` reads.
     """
     store = open_store(store)
     options = options or ExportOptions()
@@ -291,7 +293,7 @@ def export_safetensors(
         )
     skipped: list[tuple[int, str]] = []
     if step is None:
-        step, skipped = newest_verified_step(store, run, progress)
+        step, skipped = newest_verified_step(store, run)
     admitted = admit(store, run, step, allow_lossy=allow_lossy, allow_failed=allow_failed)
     prepared = prepare(store, admitted, options, progress, model_config=model_config)
     if as_dir:
