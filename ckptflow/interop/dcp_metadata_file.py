@@ -22,13 +22,15 @@ are proved a path's length (``_saved_path``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import os
 import pathlib
 import pickle
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptflow.errors import DcpFormatError
 from ckptflow.format.sealed import MAX_DEPTH
+from ckptflow.interop.pickle_keys import MAX_COLLIDABLE_KEYS
 from ckptflow.interop.pickle_problems import walk_problem
 from ckptflow.interop.pickle_walk import PickleBudget, count_built
 from ckptflow.interop.source_files import MAX_NAMES, check_name_count
@@ -75,25 +78,102 @@ MAX_FILE_BYTES = 1 << 63  # a file offset or length (off_t)
 IF_TRUSTED = "if you trust the checkpoint, dcp.load it yourself and save the state through a Checkpointer"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# the classes DCP's metadata is made of: each call to one constructs an object, the only values a BUILD may
+# set the state of (not an enum member ``_MEM_FORMAT_ENCODING(0)`` looks up, shared by the whole process)
+_CONSTRUCTED = {(module, name): cls for (module, name), cls in _ALLOWED.items() if dataclasses.is_dataclass(cls)}
+_CONSTRUCTORS = frozenset(f"{module}.{name}" for module, name in _CONSTRUCTED)
+
+_PYTHON_OPCODES: dict[int, Callable[[Any], None]] = dict(pickle._Unpickler.dispatch)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
     """Resolves only the globals DCP's ``Metadata`` is made of; everything else (a
-    function, a class with side effects) is refused before it can be called."""
+    function, a class with side effects) is refused before it can be called. Python's
+    own unpickler, not C's, so each opcode that sets a state or hashes a key is checked
+    as it runs: the walk refuses what these refuse first, and these hold if it misses one.
+
+    A BUILD may set the state only of an object of DCP's classes, which the pickle
+    constructs: on an enum member a lookup returns, it would change the member for every
+    user in the process. A ``MetadataIndex`` key hashes as its name and offset, and an
+    offset is a size whose hash the file chooses (a tuple's inverts for its last item), so
+    keys of one name can all share a hash, each insertion then comparing with all before
+    (5,000 took 4.2 s); at most ``MAX_COLLIDABLE_KEYS`` may, the bound the walk sets on
+    the keys it can see the hashes of."""
+
+    stack: list[Any]  # Python's unpickler's: what was pushed since the last MARK
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(_PYTHON_OPCODES)
 
     def __init__(self, file: Any, where: str):
         super().__init__(file)
         self.where = where
+        self.first_of_hash: dict[int, Any] = {}  # the first MetadataIndex key of each hash
+        self.colliding = 0  # MetadataIndex keys sharing a hash with another
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _PATHS:
             return functools.partial(_saved_path, _PATHS[(module, name)], self.where)
         if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)] or pickle.Unpickler.find_class(self, module, name)
+            return _ALLOWED[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise DcpFormatError(
             f"{self.where} refers to {module}.{name}, which is not part of DCP's checkpoint metadata; "
             "ckptflow does not unpickle it (that could run code). Is this a DCP checkpoint from a trusted writer?"
         )
+
+    def load_build(self) -> None:
+        target = self.stack[-2]
+        if type(target) not in _CONSTRUCTED.values():
+            raise DcpFormatError(
+                f"{self.where} sets attributes of {_shown(target)} (a BUILD on a {type(target).__name__}, not on "
+                "an object of DCP's metadata it constructs), which no pickler writes: it would change it for the "
+                "whole process; refused"
+            )
+        _PYTHON_OPCODES[pickle.BUILD[0]](self)
+
+    def _hashing(self, keys: list[Any]) -> None:
+        """Count the ``MetadataIndex`` among ``keys`` (about to be hashed) that share a hash
+        with another, and refuse the file past ``MAX_COLLIDABLE_KEYS`` of them."""
+        for key in keys:
+            if type(key) is not dcp_metadata.MetadataIndex:
+                continue
+            first = self.first_of_hash.setdefault(hash(key), key)
+            if first is not key and first != key:
+                self.colliding += 1 if first is None else 2
+                self.first_of_hash[hash(key)] = None
+        if self.colliding > MAX_COLLIDABLE_KEYS:
+            raise DcpFormatError(
+                f"{self.where} keys its storage entries by more than {MAX_COLLIDABLE_KEYS} MetadataIndex (a name "
+                "and an offset) sharing a hash with another, whose insertion then compares with all before; "
+                "DCP's keys do not share hashes: the metadata was crafted, refused"
+            )
+
+    def load_setitem(self) -> None:
+        self._hashing(self.stack[-2:-1])
+        _PYTHON_OPCODES[pickle.SETITEM[0]](self)
+
+    def load_setitems(self) -> None:
+        self._hashing(self.stack[::2])  # what was pushed since the mark
+        _PYTHON_OPCODES[pickle.SETITEMS[0]](self)
+
+    def load_dict(self) -> None:
+        self._hashing(self.stack[::2])
+        _PYTHON_OPCODES[pickle.DICT[0]](self)
+
+    def load_additems(self) -> None:
+        self._hashing(self.stack)
+        _PYTHON_OPCODES[pickle.ADDITEMS[0]](self)
+
+    def load_frozenset(self) -> None:
+        self._hashing(self.stack)
+        _PYTHON_OPCODES[pickle.FROZENSET[0]](self)
+
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.DICT[0]] = load_dict
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
 
 
 def _saved_path(path_class: type[pathlib.PurePath], where: str, *parts: Any) -> pathlib.PurePath:
@@ -143,7 +223,7 @@ def _check_built(f: Any, where: str) -> None:
     classes, each an object counted)."""
     built = PickleBudget()
     most = MAX_METADATA_OBJECTS
-    count_built(f, built, max_calls=most, max_objects=most, max_visits=MAX_METADATA_VISITS)
+    count_built(f, built, max_calls=most, max_objects=most, max_visits=MAX_METADATA_VISITS, constructors=_CONSTRUCTORS)
     problem = walk_problem(built, MAX_METADATA_VISITS)
     if problem:
         raise DcpFormatError(f"{where} {problem}: refused before it is unpickled; DCP writes nothing of the kind")

@@ -17,7 +17,8 @@ _HASHED_INT = 1 << 64  # an int key below this is hashed to see whether it share
 # A value on the walk's stack: (weight, what it is, how many values it holds (itself too) whose hash can
 # be made equal to another's, how deep it nests: 1 for a value holding none). What it is: ("global",
 # dotted name), ("str", the string), ("bytes",), ("int" or "float", the number), ("tuple", its first items'
-# kinds), ("keys", ints taken in ascending order, the last of them) for a dict or set filled, ("call", the
+# kinds), ("keys", ints taken in ascending order, the last of them, the "call" kind of what it was made by or
+# None) for a dict or set filled, ("call", the
 # dotted name called) for what a call returns, or None (a list, a singleton...)
 Kind = tuple[Any, ...] | None
 Value = tuple[int, Kind, int, int]
@@ -56,7 +57,7 @@ HASHING_CALLS = {"builtins.set", "builtins.frozenset", "collections.Counter"}
 
 
 def keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tuple[Kind, int, int]:
-    """A dict's or set's ``taken`` ("keys", ints taken in ascending order, the last) once it
+    """A dict's or set's ``taken`` ("keys", ints taken in ascending order, the last, its maker) once it
     takes the ``hashed`` keys, with how many of those have hashes the file chooses and how
     many share one with another (``hashes``: the first number of each hash the import's
     chosen numbers have, None once another shares it). An int above the last and at most
@@ -64,7 +65,7 @@ def keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tupl
     in a slot no other such int has. A tuple, frozenset, size or complex number may share
     its hash whatever numbers it holds; another call's result counts by the numbers it holds
     that can share a hash."""
-    _, count, last = taken  # type: ignore[misc]
+    _, count, last, made_by = taken  # type: ignore[misc]
     chosen = equal = 0
     for _, kind, collides, _ in hashed:
         number = kind[1] if is_kind(kind, "int", "float") else None  # type: ignore[index]
@@ -78,4 +79,4 @@ def keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tupl
                 hashes[hash(number)] = None
         elif is_kind(kind, "tuple", "keys") or collides or kind in _HASHED_FROM_NUMBERS:  # a huge int unhashed
             chosen, equal = chosen + 1, equal + max(collides, 1)
-    return ("keys", count, last), chosen, equal
+    return ("keys", count, last, made_by), chosen, equal

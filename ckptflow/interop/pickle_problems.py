@@ -21,10 +21,10 @@ def walk_problem(budget: PickleBudget, max_visits: int) -> str:
             "ckptflow never unpickles anything else, since that could run code or allocate memory no byte of the "
             "file holds (a tensor class given a size, a bytearray given a count)"
         )
-    if budget.altered_global:
+    if budget.altered:
         return (
-            f"sets attributes of {budget.altered_global} (a BUILD on a class, not on an object it made), which "
-            "no pickler writes: it would change the class for the whole process"
+            f"sets attributes of {budget.altered} (a BUILD on a class, or on what a lookup returns, not on an object "
+            "the unpickler constructs), which no pickler writes: it would change it for the whole process"
         )
     if budget.refilled:
         return "fills a list, dict or object after a memo read referenced it (no state holds itself): uncounted"

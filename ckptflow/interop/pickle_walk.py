@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import pickletools
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -139,6 +139,9 @@ TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
     ),
 }
 
+# what torch.save sets a state on (BUILD): a state_dict's OrderedDict, its ``_metadata``; a tensor's is an argument
+TORCH_SAVE_STATES = frozenset({"collections.OrderedDict"})
+
 
 @dataclass
 class PickleBudget:
@@ -154,7 +157,7 @@ class PickleBudget:
     depth: int = 0  # the deepest a value nests
     refused_call: str = ""  # a call torch.save does not write, or a nested tensor's rebuild: what it calls
     refilled: bool = False  # a container filled after a memo read or DUP referenced it
-    altered_global: str = ""  # a class or function whose attributes a BUILD sets (for the whole process)
+    altered: str = ""  # what a BUILD sets the state of that the unpickler did not construct, in words
 
 
 def count_built(
@@ -164,6 +167,7 @@ def count_built(
     max_calls: int,
     max_objects: int,
     max_visits: int,
+    constructors: Collection[str],
     calls: Mapping[str, Callable[[Kind], bool]] | None = None,
 ) -> None:
     """Charge ``budget`` with what the pickle in ``f`` builds (until it is over a bound):
@@ -174,8 +178,10 @@ def count_built(
     The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each. A
     pickler memoizes a container before filling it: the memo holds a cell (``[value, read]``)
     its fills update, so a memo read weighs all it holds (``l = [l, l]`` 40 times, 1.7 KB, was
-    40 values, and days for the import to walk); one filled once read is ``refilled``, a class
-    whose attributes a BUILD sets ``altered_global``."""
+    40 values, and days for the import to walk); one filled once read is ``refilled``. A BUILD
+    (a state set) may target only what one of the ``constructors`` returns, each call a new
+    object: on a class, or on what a lookup returns (an enum member, a layout), it would change
+    a value every user in the process shares (``altered``)."""
     first = objects = budget.objects
     called, visits, collidable, refused = budget.calls, budget.visits, budget.collidable, budget.refused_call
     probing = budget.probing
@@ -185,7 +191,7 @@ def count_built(
     cells: list[list[Any] | None] = []  # the memo cell of each stack value that has one (None past its end)
     marks: list[int] = []
     memo: dict[int, Any] = {}  # a Value, or a container's cell
-    refilled, altered = budget.refilled, budget.altered_global
+    refilled, altered = budget.refilled, budget.altered
 
     def cell_at(position: int) -> list[Any] | None:
         return cells[position] if 0 <= position < len(cells) else None
@@ -281,23 +287,24 @@ def count_built(
             cell = cell_at(len(stack) - below) if below and op.name in _FILLS else None
             refilled = refilled or bool(cell and cell[1])
             fixed = pop(below)
-            if op.name == "BUILD" and is_kind(fixed[0][1], "global"):  # a pickler builds objects, not a class
-                altered = altered or global_name(fixed[0][1]) or "a class or function"
+            if op.name == "BUILD" and not altered:
+                altered = _altered(fixed[0][1], constructors)
             hashed = hashed_keys(op.name, fixed, items)
             visits += sum([v[0] for v in hashed])
-            taken_keys = (
-                fixed[0][1] if fixed and op.name in _FILLS and is_kind(fixed[0][1], "keys") else ("keys", 0, -1)
-            )
+            filling = fixed[0][1] if fixed and op.name in _FILLS else None
+            made_by = filling if is_kind(filling, "call") else None  # an OrderedDict() filled is still its call's
+            taken_keys = filling if is_kind(filling, "keys") else ("keys", 0, -1, made_by)
             if hashed:
                 taken_keys, chosen, equal = keys_taken(taken_keys, hashed, budget.hashes)
                 probing, collidable = probing + chosen, collidable + equal
+            kind = fixed[0][1] if op.name in ("READONLY_BUFFER", "BUILD") else taken_keys if hashed else None
             if op.name in ("INST", "OBJ"):
                 target = ("global", _dotted(arg)) if op.name == "INST" else (items[0][1] if items else None)
+                kind = ("call", global_name(target))  # what it returns, as a REDUCE's
                 args = items if op.name == "INST" else items[1:]
                 visits += sum([v[0] for v in args])
                 refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
             if op.name != "POP_MARK":
-                kind = fixed[0][1] if op.name in ("READONLY_BUFFER", "BUILD") else taken_keys if hashed else None
                 stack.append(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS))
                 if cell:
                     cell[0] = stack[-1]
@@ -337,7 +344,7 @@ def count_built(
     budget.objects, budget.calls, budget.visits, budget.collidable = objects, called, visits, collidable
     budget.depth, budget.probing = deepest, probing
     budget.refused_call = refused
-    budget.refilled, budget.altered_global = refilled, altered
+    budget.refilled, budget.altered = refilled, altered
 
 
 # what a value of these kinds is once made stays (a container's is a cell in the memo: ``count_built``)
@@ -354,6 +361,18 @@ def _dotted(module_and_name: str) -> str:
     module, _, name = module_and_name.partition(" ")
     module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
     return f"{module}.{name}"
+
+
+def _altered(target: Kind, constructors: Collection[str]) -> str:
+    """What a BUILD on ``target`` would set the state of, in words, if the unpickler did not
+    construct it (a call to one of ``constructors``), or ''."""
+    if is_kind(target, "global"):
+        return global_name(target) or "a class or function"
+    target = target[3] if is_kind(target, "keys") else target  # type: ignore[index]  # a dict: what made it
+    if is_kind(target, "call") and target[1] in constructors:  # type: ignore[index]
+        return ""
+    made_by = target[1] if is_kind(target, "call") else None  # type: ignore[index]
+    return f"what {made_by} returns" if made_by else "a value it did not construct"
 
 
 def _refused_call(calls: Mapping[str, Callable[[Kind], bool]] | None, target: Kind, args: Kind) -> str:

@@ -43,7 +43,7 @@ from typing import IO
 
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.pickle_problems import walk_problem
-from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, PickleBudget, count_built
+from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, TORCH_SAVE_STATES, PickleBudget, count_built
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
@@ -235,7 +235,13 @@ def _count(
     try:
         with archive.open(entry) as f:
             count_built(
-                f, budget, max_calls=MAX_CALLS, max_objects=MAX_OBJECTS, max_visits=MAX_VISITS, calls=TORCH_SAVE_CALLS
+                f,
+                budget,
+                max_calls=MAX_CALLS,
+                max_objects=MAX_OBJECTS,
+                max_visits=MAX_VISITS,
+                constructors=TORCH_SAVE_STATES,
+                calls=TORCH_SAVE_CALLS,
             )
     except (ValueError, EOFError, zipfile.BadZipFile) as e:  # an opcode or argument it cannot read, a bad CRC
         raise error(
