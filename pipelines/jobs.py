@@ -176,7 +176,7 @@ def scrub_checkpoints(
     ckptflow wrote fails the run without retries (upgrade the code location), and so does
     a hot checkpoint with an object in a cold storage class, saying how to thaw it (a
     retry minutes later meets the same cold object: ``errors.retrying_may_help``). A retry
-    resumes: what was given a verdict since the run began is not read again (``resumed``)."""
+    resumes: what passed validation since the run began is not read again (``resumed``)."""
     hot, arc = store.open(), archive.open()
     older_than_s = config.older_than_days * DAY
     since = _run_began(context) if context.retry_number else None

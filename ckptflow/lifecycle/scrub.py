@@ -16,10 +16,11 @@ read, so the hot copy's stands). An archive copy of another commit of that step 
 lossy copy, or an earlier commit the step was saved again after) is scrubbed in the
 archive: no hot scrub reads its chunks, and retention trusts it once the hot copy goes.
 
-A scrub retried after an outage resumes (``verified_since``): a checkpoint given a verdict
-since the first attempt began is not read again, its verdict counted as found, unless one
-of its chunks is recorded damaged (``damaged``: found by a reader since, maybe after that
-verdict; or the damage records cannot be listed). Without it
+A scrub retried after an outage resumes (``verified_since``): a checkpoint that passed
+validation since the first attempt began is not read again, its verdict counted as found,
+unless one of its chunks is recorded damaged (``damaged``: found by a reader since, maybe
+after that verdict; or the damage records cannot be listed). A failed verdict is read again:
+``repair`` may have mended it since, and its damage records went with the repair. Without it
 each retry re-read every checkpoint of both tiers, hours of reads on a large store and
 archive reads billed per byte, to reach the few the outage left unread."""
 
@@ -66,8 +67,8 @@ def scrub(
     ones were validated when they landed); each verdict is recorded for its digest.
     ``progress`` is called with the content size of each chunk checked (``validate``): a
     scrub re-reads a whole store, hours of it on a large one. ``verified_since`` (the time
-    the first attempt of a retried scrub began): a checkpoint whose verdict was recorded
-    since is not read again, its verdict counted (``ScrubReport.resumed``)."""
+    the first attempt of a retried scrub began): a checkpoint that passed validation since
+    is not read again, its verdict counted (``ScrubReport.resumed``)."""
     listed = listing(store, manifests_only=True)
     return _scrub(
         store,
@@ -168,14 +169,15 @@ def _scrub(
 
 
 def _verified_since(records: Store, item: Manifest, since: float) -> dict | None:
-    """The verdict of ``item`` recorded at or after ``since`` (by an earlier attempt of this
-    scrub, or any validation meanwhile), or None: read it (a record that could not be read,
-    or that says not when it was recorded, is no verdict)."""
+    """The passing verdict of ``item`` recorded at or after ``since`` (by an earlier attempt
+    of this scrub, or any validation meanwhile), or None: read it (a record that could not be
+    read, or that says not when it was recorded, is no verdict; a failed one may be stale,
+    its chunks repaired since)."""
     try:
         record = read_record(records, Subject.of(item), "validation")
     except (CkptflowError, OSError):
         return None
-    if record is None or not is_number(record.get("recorded_at")):
+    if record is None or record["ok"] is not True or not is_number(record.get("recorded_at")):
         return None
     return record if record["recorded_at"] >= since else None
 

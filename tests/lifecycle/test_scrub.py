@@ -172,3 +172,24 @@ def test_a_resumed_scrub_reads_a_verdict_without_a_time_as_none(tmp_path):
     hot.replace(key, json.dumps({"ok": True, "problems": [], "manifest_digest": subject.digest}).encode())
     report = lifecycle.scrub(hot, older_than_s=0, verified_since=time.time() - 60)
     assert report.checked == 1 and report.resumed == 0 and report.bytes_checked > 0
+
+
+def test_a_resumed_scrub_reads_again_a_checkpoint_whose_recorded_verdict_found_damage(tmp_path):
+    """The first attempt of a scrub found step 1's chunks rotten; then ``repair`` put sound
+    copies from the archive in place (the damage records went with them), and the scrub
+    was retried. The retry counted the failed verdict without reading: step 1 stayed corrupt
+    in its report and in its record, where a fresh scrub finds it sound. Only a verdict
+    that verified the bytes may stand unread."""
+    root = tmp_path / "hot"
+    hot, arc = _stores(tmp_path)
+    with Checkpointer(hot, "r") as ck:
+        ck.save(1, {"model": _model()}, kind="full")
+    assert lifecycle.archive(hot, arc, "r", 1).ok
+    began = time.time()
+    manifest = catalog.read_manifest(hot, "r", 1)
+    _rot(root, manifest)
+    assert [step for _, step, _ in lifecycle.scrub(hot, older_than_s=0).corrupt] == [1]
+    assert lifecycle.repair(hot, [arc]).ok and not damaged.records(hot)
+    resumed = lifecycle.scrub(hot, older_than_s=0, verified_since=began)
+    assert resumed.corrupt == [] and resumed.resumed == 0 and resumed.checked == 1
+    assert lifecycle.read_record(hot, lifecycle.Subject.of(manifest), "validation")["ok"] is True
