@@ -38,7 +38,7 @@ class Advice:
     run: str
     inputs: model.IntervalInputs  # as used for the optimum (save cost averaged over its full/incremental mix)
     optimal: model.IntervalCost
-    current: model.IntervalCost | None  # the run's median interval between commits; None with one commit
+    current: model.IntervalCost | None  # the run's interval now (``_current``); None with one commit
     young_s: float  # Young's first-order optimum sqrt(2 C M), for reference
     full_every: int  # one full per this many checkpoints, from the measured size ratio
     current_full_every: int | None
@@ -155,7 +155,7 @@ def advise(
         full_days=full_days,
     )
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
-    current, current_every = _current(manifests, base, full_s, inc_s, step_time, notes)
+    current, current_every = _current(manifests, base, full_s, inc_s, step_time, notes, sources)
     optimal = model.optimum(inputs)
     notes[:0] = _never_finishes(inputs, optimal, current)  # first: it outweighs every fallback
     return Advice(
@@ -235,21 +235,45 @@ def _current(
     inc_s: float | None,
     step_time: float | None,
     notes: list[str],
+    sources: dict[str, str],
 ) -> tuple[model.IntervalCost | None, int | None]:
-    """The run's interval now: the median step gap between commits (2.5 steps, said so) over
-    the history as the run made it, and its full/incremental mix: the checkpoints per full
-    over its whole full cycles (fulls every 9 steps, saves every 2: 5 a cycle, where the
-    gaps' ratio 4.5 is neither); both from ``_as_made``."""
-    steps = sorted(m.step for m in manifests)
-    start, per_full = _as_made(sorted(set(steps)), sorted({m.step for m in manifests if m.kind == "full"}))
-    recent = [s for s in steps if s >= start]
-    gaps = [b - a for a, b in zip(recent, recent[1:]) if b > a]
-    if not gaps or step_time is None:
-        notes.append("the current interval is not known yet (needs two commits and a measured step time)")
-        return None, None
-    every = model.whole_full_every(per_full) if per_full else model.MAX_FULL_EVERY
+    """The run's interval now and its full/incremental mix. Saved last by
+    ``SavePolicy.adaptive``: what that save's decision records (``_decided``), since the
+    policy moves its interval and the gaps of any stretch of history lag behind it (every
+    100 steps then every 500, a full every 10 saves: read as every 100 for 8 saves of 500).
+    Else the median step gap between commits (2.5 steps, said so) over the history as the
+    run made it, and its checkpoints per full over its whole full cycles (fulls every 9
+    steps, saves every 2: 5 a cycle, where the gaps' ratio 4.5 is neither); both from ``_as_made``."""
+    decided = _decided(max(manifests, key=lambda m: m.committed_at))
+    if decided is not None and step_time is not None:
+        interval, every = decided
+        sources["current"] = "the newest save's decision (save_decision): the adaptive policy's interval then"
+    else:
+        steps = sorted(m.step for m in manifests)
+        start, per_full = _as_made(sorted(set(steps)), sorted({m.step for m in manifests if m.kind == "full"}))
+        recent = [s for s in steps if s >= start]
+        gaps = [b - a for a, b in zip(recent, recent[1:]) if b > a]
+        if not gaps or step_time is None:
+            notes.append("the current interval is not known yet (needs two commits and a measured step time)")
+            return None, None
+        interval = _median(gaps)
+        every = model.whole_full_every(per_full) if per_full else model.MAX_FULL_EVERY
+        sources["current"] = f"the median gap of the newest {len(gaps)} between commits made alike (manifests)"
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
-    return model.evaluate_steps(inputs, _median(gaps)), every
+    return model.evaluate_steps(inputs, interval), every
+
+
+def _decided(manifest: Manifest) -> tuple[int, int] | None:
+    """The interval in force and the saves per full that ``AdaptivePolicy`` recorded saving
+    ``manifest`` (``save_decision``), or None: another policy saved it, or the record is not
+    of the shape ckptflow writes (whole steps and saves, at least 1)."""
+    decision = manifest.extra.get("save_decision")
+    if not isinstance(decision, dict):
+        return None
+    every, per_full = decision.get("every_steps"), decision.get("full_every")
+    if type(every) is int and type(per_full) is int and every >= 1 and per_full >= 1:
+        return every, model.whole_full_every(per_full)
+    return None
 
 
 def _as_made(steps: list[int], full_steps: list[int]) -> tuple[int, float | None]:
