@@ -23,7 +23,7 @@ from ckptflow.catalog import listing as catalog_listing
 from ckptflow.catalog.listing import Problem
 from ckptflow.chunks import damaged
 from ckptflow.chunks.lease_listing import leases, wait_for_leases
-from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, Heartbeat, gc_lock
+from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, LOCKS, Heartbeat, gc_lock
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
@@ -201,7 +201,7 @@ def gc(
             )
             return report
         # before marking: a manifest put back protects its chunks; a dry run decides as a gc would
-        settled = store.settle_interrupted_deletes(dry_run=dry_run)
+        settled = store.settle_interrupted_deletes(locks=LOCKS, dry_run=dry_run)
         if settled.pending:
             report.skipped = (
                 f"{store.url}/{settled.pending[0]} was taken aside by a conditional delete under way, or killed "

@@ -77,6 +77,7 @@ PROMOTIONS = LockFamily(
 )
 LEASES = SAVES.leases
 GC_LOCK = SAVES.lock
+LOCKS = (SAVES.lock, PROMOTIONS.lock)  # a version taken aside is one its holder gave up (settle_interrupted_deletes)
 HEARTBEAT = 5.0  # seconds between renewals
 DEAD_AFTER = 30.0  # not renewed for this long: its holder died
 SAVE_WAIT = 600.0  # how long a save waits for a live GC before it gives up

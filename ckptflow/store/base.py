@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,12 +227,14 @@ class Store(ABC):
         """Remove one of ``stale_temp_files``."""
         return None
 
-    def settle_interrupted_deletes(self, *, dry_run: bool = False) -> SettledDeletes:
+    def settle_interrupted_deletes(self, *, locks: Collection[str] = (), dry_run: bool = False) -> SettledDeletes:
         """Finish what conditional deletes (``delete_if``) killed midway left: the version
-        they were to delete goes, any other version goes back under its key. For GC, before
-        it marks (a manifest put back protects its chunks); a backend whose conditional
-        delete is one request leaves nothing. ``dry_run`` changes nothing and says what it
-        would do (for GC's dry run)."""
+        they were to delete goes, any other version goes back under its key, except under
+        one of ``locks`` (exclusive locks, ``ckptflow.chunks.leases``): there it goes too,
+        since its holder gave it up once its heartbeat found it gone. For GC, before it
+        marks (a manifest put back protects its chunks); a backend whose conditional delete
+        is one request leaves nothing. ``dry_run`` changes nothing and says what it would do
+        (for GC's dry run)."""
         return SettledDeletes()
 
     def metadata_store(self) -> Store:

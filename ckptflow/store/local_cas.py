@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import BinaryIO
 
 from ckptflow.errors import ObjectNotFoundError, StoreError
@@ -115,10 +115,13 @@ class LocalCompareAndSwap(Store):
             self.disk.unlink(aside)
         return matches
 
-    def settle_interrupted_deletes(self, *, dry_run: bool = False) -> SettledDeletes:
+    def settle_interrupted_deletes(self, *, locks: Collection[str] = (), dry_run: bool = False) -> SettledDeletes:
         """See ``Store.settle_interrupted_deletes``. Only files taken aside at least
         ``ASIDE_SETTLED_S`` ago (their ctime: the rename) are settled: a younger one may be a
         live ``delete_if``'s, between its rename and its compare, and is left ``pending``.
+        A lock's holder renews it every few seconds (``leases.HEARTBEAT``), far less than
+        that, so it has found its lock gone and given it up: the lock goes, never back (the
+        GC that settles holds its own: the aside was kept, and warned of, at every GC).
         Chunks are never deleted conditionally, so their directory is not walked."""
         settled = SettledDeletes()
         for dirpath, dirs, files in os.walk(self.root):
@@ -135,7 +138,11 @@ class LocalCompareAndSwap(Store):
                     if time.time() - os.stat(aside).st_ctime < ASIDE_SETTLED_S:
                         settled.pending.append(key)
                         continue
-                    if _sha256_file(aside) != found["version"] and not _linked_back(aside, original):
+                    if (
+                        key not in locks
+                        and _sha256_file(aside) != found["version"]
+                        and not _linked_back(aside, original)
+                    ):
                         if dry_run:
                             if not os.path.lexists(original):
                                 settled.restored.append(key)

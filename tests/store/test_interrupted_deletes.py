@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from ckptflow import Checkpointer, gc, open_store
+from ckptflow.chunks import owners
+from ckptflow.chunks.leases import GC_LOCK, PROMOTIONS
 from ckptflow.format import layout as fmt
 from ckptflow.store import local_cas
 from support.child_env import child_env
@@ -168,3 +170,53 @@ def test_a_dry_run_lists_what_gc_then_deletes_while_a_commit_is_taken_aside(tmp_
     assert dry.skipped is None and dry.deleted == []
     with Checkpointer(str(root), RUN, restore_rng=False) as ck:
         assert ck.verify(1).ok
+
+
+def _release_killed_after_taking_over(root: Path, lock: str, tmp_path: Path) -> None:
+    """A holder's release of ``lock`` (``delete_if`` of its own version) killed after its
+    rename, another holder having taken the lock over between its compare and its rename:
+    the rename took the new holder's lock aside, and the link back never came."""
+    store = open_store(str(root))
+    ours = owners.body("garbage collection", "a" * 32)
+    store.put_if_absent(lock, ours)
+    taker = tmp_path / "taker.json"
+    taker.write_bytes(owners.body("garbage collection", "b" * 32))
+    child = subprocess.run(
+        [sys.executable, str(TESTS / "support" / "killed_delete.py"), str(root), lock, _sha(ours), str(taker)],
+        env=child_env(TESTS.parent),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert not store.exists(lock) and len(list(root.rglob(".*.aside-*"))) == 1
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_the_gc_lock_a_killed_release_took_aside_is_removed_by_the_next_gc(tmp_path, monkeypatch, caplog):
+    """The new holder's heartbeat found its lock gone within seconds and gave it up. Every
+    GC settles while it holds gc.json, so that lock could never go back: each GC kept it
+    aside and warned to compare the two, for good. A lock its holder gave up is no data."""
+    root = tmp_path / "store"
+    _release_killed_after_taking_over(root, GC_LOCK, tmp_path)
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later
+    with caplog.at_level("WARNING", logger="ckptflow"):
+        report = gc(open_store(str(root)), grace="0")
+    assert report.skipped is None and report.restored == []
+    assert not list(root.rglob(".*.aside-*")) and not open_store(str(root)).exists(GC_LOCK)
+    assert [r.getMessage() for r in caplog.records if "aside" in r.getMessage()] == []
+
+
+def test_the_retention_lock_a_killed_release_took_aside_is_not_put_back(tmp_path, monkeypatch):
+    """With retention.json free, GC put the given-up lock back under it, as if a commit, and
+    said so ('put back'): a lock no one held, that the next retention took over as a dead
+    holder's."""
+    root = tmp_path / "store"
+    _release_killed_after_taking_over(root, PROMOTIONS.lock, tmp_path)
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later
+    report = gc(open_store(str(root)), grace="0")
+    assert report.skipped is None and report.restored == []
+    assert not list(root.rglob(".*.aside-*")) and not open_store(str(root)).exists(PROMOTIONS.lock)
