@@ -245,6 +245,7 @@ def _current(
     run made it, and its checkpoints per full over its whole full cycles (fulls every 9
     steps, saves every 2: 5 a cycle, where the gaps' ratio 4.5 is neither); both from ``_as_made``."""
     decided = _decided(max(manifests, key=lambda m: m.committed_at))
+    interval: float
     if decided is not None and step_time is not None:
         interval, every = decided
         sources["current"] = "the newest save's decision (save_decision): the adaptive policy's interval then"
