@@ -381,15 +381,15 @@ class CheckpointWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         spec = self.spec
         try:  # the lease goes back however ``finish`` ends: under a plain ``dcp.save`` nothing else releases it
-            if self.abandoned:  # first: that is why it ends, whatever else went wrong meanwhile (its lease lost)
-                raise CkptflowError(
-                    f"the save of run {spec.run!r} step {spec.step} was abandoned at exit: not committed"
-                )
             key = fmt.manifest_key(spec.run, spec.step)
             blob = seal(manifest_record(spec, metadata, results))
             parsed = Manifest.parse(
                 blob, f"manifest {self.chunks.store.url}/{key} (before commit)"
             )  # never commit what a reader refuses
+            if self.abandoned:  # right before the commit, yet before the lease's check: why it ends, lease lost or not
+                raise CkptflowError(
+                    f"the save of run {spec.run!r} step {spec.step} was abandoned at exit: not committed"
+                )
             self.lease.check_held()  # refused if GC may have swept meanwhile
             commit_manifest(self.chunks.store, spec.run, spec.step, blob, self.pool, replaces=spec.replaces)
             self.lease.confirm_commit(parsed, blob, self.pool)  # lost during the commit: GC may have swept

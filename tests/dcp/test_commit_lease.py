@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ckptflow import Checkpointer, CkptflowError, gc, open_store
 from ckptflow.chunks import leases
+from ckptflow.dcp import writer as writer_module
 from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.dcp.writer import CheckpointWriter
 from ckptflow.format import layout as fmt
@@ -83,4 +84,28 @@ def test_a_save_abandoned_at_exit_says_so_whatever_became_of_its_lease(tmp_path,
         with pytest.raises(CkptflowError, match="was abandoned at exit: not committed") as raised:
             handle.wait()
     assert "lease" not in str(raised.value), raised.value
+    assert not view.exists(fmt.manifest_key("run", 1))
+
+
+def test_a_save_abandoned_at_exit_while_its_manifest_is_sealed_commits_nothing(tmp_path, monkeypatch):
+    """Ctrl-C at exit may land while the save's manifest is being built and sealed (a large
+    save's manifest takes a while); the exit handlers then run before the process ends, and
+    the save must not commit meanwhile: the exit said 'abandoned, not committed'. With the
+    abandoned check done before the manifest was built, the save went on to commit."""
+    view = FaultyStore(open_store(str(tmp_path / "s")))
+    writing = view.pause_before("put_if_absent", lambda key: "/ranks/" in key)
+    with Checkpointer(view, "run") as ck:
+        handle = ck.save(1, {"w": torch.ones(256)}, blocking=False)
+        assert writing.reached.wait(30)
+        sealing = writer_module.seal
+
+        def sealed_as_ctrl_c_lands(record):
+            blob = sealing(record)
+            handle._writer.abandoned = True  # what the exit's Ctrl-C handler does, at this moment
+            return blob
+
+        monkeypatch.setattr(writer_module, "seal", sealed_as_ctrl_c_lands)
+        writing.release()
+        with pytest.raises(CkptflowError, match="was abandoned at exit: not committed"):
+            handle.wait()
     assert not view.exists(fmt.manifest_key("run", 1))
