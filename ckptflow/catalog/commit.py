@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import quarantine
-from ckptflow.chunks.leases import DEAD_AFTER, save_lease
+from ckptflow.chunks import leases
+from ckptflow.chunks.leases import save_lease
 from ckptflow.errors import (
     CheckpointExistsError,
     CkptflowError,
@@ -143,7 +144,7 @@ def confirm_commit(
         ) from e
     raise StoreUnavailableError(
         f"{lease} in {store.url} was lost while its manifest was committed (the process stalled for over "
-        f"{DEAD_AFTER / 2:.0f} s), and a GC swept {len(gone)} object(s) it names ({gone[0]}); the manifest was "
+        f"{leases.DEAD_AFTER / 2:.0f} s), and a GC swept {len(gone)} object(s) it names ({gone[0]}); the manifest was "
         f"{where}, so nothing was committed: {again} again"
     )
 

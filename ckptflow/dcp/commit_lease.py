@@ -38,7 +38,8 @@ from contextlib import ExitStack, contextmanager
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptflow.catalog.commit import confirm_commit
-from ckptflow.chunks.leases import DEAD_AFTER, Heartbeat, save_lease
+from ckptflow.chunks import leases
+from ckptflow.chunks.leases import Heartbeat, save_lease
 from ckptflow.errors import CkptflowError, StoreUnavailableError
 from ckptflow.format.manifest import Manifest
 from ckptflow.store.base import Store
@@ -91,7 +92,8 @@ class CommitLease:
             state = (
                 "was not held"
                 if self._held is None
-                else f"was lost (deleted, or unrenewed for over {DEAD_AFTER / 2:.0f} s: the store did not answer)"
+                else f"was lost (deleted, or unrenewed for over {leases.DEAD_AFTER / 2:.0f} s: "
+                "the store did not answer)"
             )
             raise StoreUnavailableError(
                 f"the save lease of {self.what} in {self.store.url} {state} before its commit, so a GC may have "
@@ -117,4 +119,4 @@ class CommitLease:
             stack.close()
         except (CkptflowError, OSError) as e:
             log.warning("could not give back the save lease of %s in %s (%s); GC takes it for dead %.0f s after "
-                        "its last renewal", self.what, self.store.url, e, DEAD_AFTER)  # fmt: skip
+                        "its last renewal", self.what, self.store.url, e, leases.DEAD_AFTER)  # fmt: skip

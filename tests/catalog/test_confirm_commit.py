@@ -11,6 +11,7 @@ import torch
 
 from ckptflow import Checkpointer, StoreUnavailableError, gc, open_store
 from ckptflow.catalog.commit import confirm_commit
+from ckptflow.chunks import leases
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.expire import expire
@@ -42,3 +43,22 @@ def test_a_commit_removed_by_another_process_before_its_check_is_told_not_commit
     assert "expired, or moved aside by another save of the step" in message
     assert message.endswith("so nothing was committed: save again")
     assert sorted(i.key for i in store.list("")) == before  # it changed nothing, its lease released
+
+
+def test_a_swept_commit_says_the_lease_timing_in_force(tmp_path, monkeypatch):
+    """The stall it names is half of ``DEAD_AFTER`` as set when the check runs (a process
+    that sets a shorter one, as the stalled-save tests' children do); it used to name the
+    value imported when the module loaded (15 s)."""
+    monkeypatch.setattr(leases, "DEAD_AFTER", 8.0)
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        ck.save(1, {"w": torch.arange(64.0)})
+    store = open_store(root)
+    key = fmt.manifest_key(RUN, 1)
+    blob = store.get(key)
+    manifest = Manifest.parse(blob, key)
+    store.delete(fmt.chunk_key(sorted(manifest.chunks)[0]))  # what a GC that judged the writer dead swept
+
+    with pytest.raises(StoreUnavailableError, match=r"the process stalled for over 4 s\)") as raised:
+        confirm_commit(store, manifest, blob, lease=f"the save lease of run {RUN!r} step 1", again="save")
+    assert "moved to" in str(raised.value) and not store.exists(key)

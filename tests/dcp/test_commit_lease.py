@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from ckptflow import Checkpointer, CkptflowError, gc, open_store
+from ckptflow import Checkpointer, CkptflowError, StoreUnavailableError, gc, open_store
 from ckptflow.chunks import leases
 from ckptflow.dcp import writer as writer_module
+from ckptflow.dcp.commit_lease import CommitLease
 from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.dcp.writer import CheckpointWriter
 from ckptflow.format import layout as fmt
@@ -109,3 +110,25 @@ def test_a_save_abandoned_at_exit_while_its_manifest_is_sealed_commits_nothing(t
         with pytest.raises(CkptflowError, match="was abandoned at exit: not committed"):
             handle.wait()
     assert not view.exists(fmt.manifest_key("run", 1))
+
+
+def test_a_lost_lease_refusal_says_the_lease_timing_in_force(tmp_path, monkeypatch):
+    """The refusal names half of ``DEAD_AFTER`` as it is set when it is raised (a process
+    that sets a shorter one, as the stalled-save tests' children do); it used to name the
+    value imported when the module loaded (15 s)."""
+    monkeypatch.setattr(leases, "HEARTBEAT", 0.05)
+    monkeypatch.setattr(leases, "DEAD_AFTER", 8.0)
+    store = open_store(str(tmp_path / "s"))
+    lease = CommitLease(store, "run 'run' step 1")
+    lease.hold([])
+    try:
+        [held] = store.list(leases.LEASES)
+        store.delete(held.key)  # its next renewal finds it gone: lost
+        deadline = time.monotonic() + 30
+        while not lease._held.lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(StoreUnavailableError, match=r"unrenewed for over 4 s") as raised:
+            lease.check_held()
+        assert "15 s" not in str(raised.value)
+    finally:
+        lease.release()
