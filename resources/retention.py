@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 from dagster import ConfigurableResource
 from pydantic import Field, ValidationError
@@ -22,9 +21,11 @@ from pydantic import Field, ValidationError
 from ckptflow.catalog.gc import parse_duration
 from ckptflow.errors import CkptflowError
 from ckptflow.format.layout import parse_checkpoint_name
+from ckptflow.policy.config_files import read_config_file
 from ckptflow.policy.retention import AnyOf, default_policy
 
 RETENTION_ENV = "CKPTFLOW_RETENTION"
+MAX_POLICY_BYTES = 1 << 20  # a policy is a few hundred bytes
 
 
 class RetentionResource(ConfigurableResource):
@@ -53,7 +54,7 @@ class RetentionResource(ConfigurableResource):
         if not path:
             return cls()
         try:
-            fields = json.loads(Path(path).read_text())
+            fields = json.loads(read_config_file(path, max_bytes=MAX_POLICY_BYTES))  # never /dev/zero, nor a FIFO
             if not isinstance(fields, dict):
                 raise ValueError(f"holds a JSON {type(fields).__name__}, not an object of retention fields")
             if unknown := sorted(set(fields) - set(cls.model_fields)):

@@ -43,6 +43,7 @@ from typing import Any
 
 from ckptflow.catalog.ledger import expired
 from ckptflow.errors import CkptflowError
+from ckptflow.policy.config_files import read_config_file
 from ckptflow.reports.stats import StoreStats, store_stats
 from ckptflow.reports.units import human_saving, human_usd
 from ckptflow.store.base import Store
@@ -120,16 +121,11 @@ PRICES_EXAMPLE = '{"prices": {"STANDARD": 0.023, "GLACIER_IR": 0.004}, "tiers": 
 def read_cost_model(path: str, *, given_as: str) -> CostModel:
     """The price file ``path`` as a cost model, for ``stats --prices`` and the Dagster
     ``CKPTFLOW_PRICES`` alike. Any file that reads (a pipe, ``/dev/stdin`` or a process
-    substitution too) is read up to ``MAX_PRICES_BYTES`` and refused past it, so one that
-    never ends (``/dev/zero``) stops at once. An error says ``given_as`` (how the path was
-    given), what is wrong and where, and shows the format."""
+    substitution too), bounded (``read_config_file``): one that never ends (``/dev/zero``)
+    or a pipe no process writes stops. An error says ``given_as`` (how the path was given),
+    what is wrong and where, and shows the format."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PRICES_BYTES + 1)
-        if len(data) > MAX_PRICES_BYTES:
-            why = f"it holds more than {MAX_PRICES_BYTES} bytes (a price list is a few hundred); refused"
-        else:
-            return CostModel.from_json(data.decode("utf-8"))
+        return CostModel.from_json(read_config_file(path, max_bytes=MAX_PRICES_BYTES).decode("utf-8"))
     except OSError as e:
         why = f"cannot read it ({e.strerror or e})"
     except UnicodeDecodeError as e:

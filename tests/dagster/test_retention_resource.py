@@ -2,12 +2,17 @@
 else than a policy stops the code location loading, with what is wrong and what it takes."""
 
 import json
+import os
+import threading
 
 import pytest
 
 from ckptflow.errors import CkptflowError
+from ckptflow.policy import config_files
 from ckptflow.policy.retention import KeepBestK, KeepRecent
 from resources import RetentionResource
+from resources.retention import MAX_POLICY_BYTES
+from support.config_files import call_with_unwritten_fifo, capped_python
 
 
 def from_file(tmp_path, monkeypatch, text: str) -> RetentionResource:
@@ -50,3 +55,33 @@ def test_a_missing_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTFLOW_RETENTION", str(tmp_path / "nowhere.json"))
     with pytest.raises(CkptflowError, match="nowhere.json.*No such file"):
         RetentionResource.from_env()
+
+
+def test_ckptflow_retention_dev_zero_is_refused_at_once_with_what_to_do():
+    """``CKPTFLOW_RETENTION=/dev/zero`` was read without end when the code location loaded
+    (``CKPTFLOW_PRICES``, read the same way, was bounded; this one was not)."""
+    code = "from resources import RetentionResource; RetentionResource.from_env()"
+    done = capped_python(code, CKPTFLOW_RETENTION="/dev/zero")
+    assert done.returncode == 1 and "MemoryError" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"CKPTFLOW_RETENTION=/dev/zero: it holds more than {MAX_POLICY_BYTES} bytes" in last, last
+
+
+def test_ckptflow_retention_naming_a_fifo_no_process_writes_stops_the_load_with_why(tmp_path, monkeypatch):
+    fifo = tmp_path / "retention.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(config_files, "PIPE_WAIT_S", 0.5)
+    monkeypatch.setenv("CKPTFLOW_RETENTION", str(fifo))
+    error = call_with_unwritten_fifo(fifo, RetentionResource.from_env, within=10)
+    assert isinstance(error, CkptflowError), error
+    assert f"CKPTFLOW_RETENTION={fifo}: it was not read to its end within 0.5 s" in str(error), error
+
+
+def test_ckptflow_retention_may_name_a_pipe(tmp_path, monkeypatch):
+    fifo = tmp_path / "retention.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"best_k": 7}'), daemon=True)
+    writer.start()
+    monkeypatch.setenv("CKPTFLOW_RETENTION", str(fifo))
+    assert RetentionResource.from_env().best_k == 7
+    writer.join(10)

@@ -3,7 +3,8 @@
 was refused ('not a regular file'), and ``CKPTFLOW_PRICES=/dev/zero`` was read without end.
 
 The unbounded read is tried in a child process with its address space capped, so without
-the bound it fails (a MemoryError) rather than take the machine's memory.
+the bound it fails (a MemoryError) rather than take the machine's memory
+(``support.config_files``).
 """
 
 from __future__ import annotations
@@ -13,33 +14,17 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
+from ckptflow.errors import CkptflowError
+from ckptflow.policy import config_files
 from ckptflow.reports.costs import MAX_PRICES_BYTES
 from support.child_env import child_env
 from support.cli import make_store, run_cli
+from support.config_files import REPO, call_with_unwritten_fifo, capped_python
 
-REPO = Path(__file__).resolve().parents[2]
 PRICES = {"prices": {"ONPREM": 0.5}, "tiers": {"hot": "ONPREM"}}
-CAPPED = 4 << 30  # address space of the child: the imports fit, an endless read does not
-
-
-def capped_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    import resource
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (CAPPED, CAPPED))
-
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env=child_env(REPO, **env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=cap,
-    )
 
 
 @pytest.fixture
@@ -100,3 +85,18 @@ def test_prices_from_stdin(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "ONPREM" in done.stdout
+
+
+def test_ckptflow_prices_naming_a_fifo_no_process_writes_stops_the_load_with_why(tmp_path, monkeypatch):
+    """``open`` of a FIFO with no writer blocks until one comes: the code location's load
+    hung there, saying nothing."""
+    from resources import PricingResource
+
+    fifo = tmp_path / "prices.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(config_files, "PIPE_WAIT_S", 0.5)
+    monkeypatch.setenv("CKPTFLOW_PRICES", str(fifo))
+    error = call_with_unwritten_fifo(fifo, PricingResource.from_env, within=10)
+    assert isinstance(error, CkptflowError), error
+    assert f"CKPTFLOW_PRICES={fifo}: it was not read to its end within 0.5 s" in str(error), error
+    assert "name a JSON file such as" in str(error), error
