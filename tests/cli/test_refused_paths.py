@@ -3,16 +3,14 @@ the store (its ROOT as the store resolves it: through ``~`` or a symbolic link),
 above a root to be created, export's --out (even inside the store), or another path; and a
 read-only file system, which no permission fixes, told as such.
 
-Run as root here, which permissions do not stop: a refused write is an immutable directory
-(``chattr +i``, as in cli/test_write_commands.py), a read-only file system a read-only tmpfs.
+Run as root here, which permissions do not stop: a refused write is an immutable directory,
+a read-only file system a read-only tmpfs (``support.refused``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,24 +20,7 @@ from safetensors.torch import save_file
 
 from ckptflow.cli.output import os_error_text
 from support.cli import RUN, make_store, run_cli
-
-
-@contextlib.contextmanager
-def unwritable(path: Path) -> Iterator[None]:
-    """``path`` (a directory) refused to this process's writes: immutable for root, else 0555."""
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        try:
-            yield
-        finally:
-            path.chmod(0o755)
-        return
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
-        pytest.skip("chattr +i is not available here: root cannot be denied a write otherwise")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
+from support.refused import read_only_tmpfs, unwritable
 
 
 @pytest.fixture
@@ -47,13 +28,8 @@ def read_only_fs(tmp_path) -> Iterator[Path]:
     """An empty directory on a file system mounted read-only (a tmpfs)."""
     where = tmp_path / "read-only-fs"
     where.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)]
-    if subprocess.run(mount, capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-    try:
+    with read_only_tmpfs(where):
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def source_file(tmp_path: Path) -> Path:

@@ -9,13 +9,11 @@ are in tests/support/.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.store import open_store
 from support.cli import RUN, make_store, run_cli
 from support.corrupt import chunk_path, chunks_of, flip_byte, rank_files, tensor_chunk
+from support.refused import unwritable
 
 
 @pytest.fixture
@@ -182,28 +181,10 @@ def test_gc_does_not_claim_to_keep_the_chunks_of_a_record_it_cannot_parse(store,
     assert code == 0 and "GC keeps the chunks its JSON still names" in err
 
 
-@contextlib.contextmanager
-def read_only(path: Path) -> Iterator[None]:
-    """``path`` read-only to this process: immutable for root (which permissions do not stop), else mode 0555."""
-    if os.geteuid() == 0:
-        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
-            pytest.skip("chattr +i is not available here: root cannot be denied a write otherwise")
-        try:
-            yield
-        finally:
-            subprocess.run(["chattr", "-i", str(path)], check=True)
-    else:
-        path.chmod(0o555)
-        try:
-            yield
-        finally:
-            path.chmod(0o755)
-
-
 def test_a_store_it_may_not_write_to_is_named_with_what_to_do(store, capsys):
     root, _, _ = store
     before = all_files(root)
-    with read_only(Path(root)):
+    with unwritable(Path(root)):
         code, out, err = run_cli(capsys, "gc", root, "--grace", "1h")
     assert code == 2 and out == "" and all_files(root) == before
     assert err.startswith("ckptflow: error: ") and err.count("\n") == 1 and "[Errno" not in err  # was
@@ -215,7 +196,7 @@ def test_an_export_to_a_directory_it_may_not_write_to_names_that_place_not_the_s
     root, _, _ = store
     out_dir = tmp_path / "read-only"
     out_dir.mkdir()
-    with read_only(out_dir):
+    with unwritable(out_dir):
         code, out, err = run_cli(capsys, "export", root, "--run", RUN, "--out", out_dir / "m.safetensors")
     assert code == 2 and out == "" and list(out_dir.iterdir()) == []
     assert err.startswith(f"ckptflow: error: Operation not permitted: {out_dir}/") or "Permission denied" in err
