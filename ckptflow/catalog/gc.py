@@ -33,6 +33,7 @@ from ckptflow.store.base import ObjectInfo, Store
 
 log = logging.getLogger("ckptflow")
 
+PUT_BACK_ONLY_GRACE = "36500d"  # a gc with it settles killed deletes and sweeps nothing (but dead leases)
 IGNORED_KINDS = ("bad_name", "not_a_directory")  # commit-record problems GC leaves alone: no restore reads them
 
 
@@ -213,7 +214,9 @@ def gc(
             report.skipped = (
                 f"{store.url}/{settled.restored[0]} was taken aside by a conditional delete that was killed: a gc "
                 "puts it back first and keeps what it references, which a dry run, writing nothing, cannot mark; "
-                "run gc (it puts it back), then a dry run lists the rest"
+                "to put it back and sweep nothing, run a gc whose grace no object outlives "
+                f"(`ckptflow gc {store.url} --grace {PUT_BACK_ONLY_GRACE}`), then a dry run lists what a gc "
+                "would delete"
             )
             return report
         report.restored = settled.restored

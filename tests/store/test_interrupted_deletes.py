@@ -11,6 +11,7 @@ deleted, and the new checkpoint was lost with its chunks.
 from __future__ import annotations
 
 import hashlib
+import re
 import signal
 import subprocess
 import sys
@@ -220,3 +221,33 @@ def test_the_retention_lock_a_killed_release_took_aside_is_not_put_back(tmp_path
     report = gc(open_store(str(root)), grace="0")
     assert report.skipped is None and report.restored == []
     assert not list(root.rglob(".*.aside-*")) and not open_store(str(root)).exists(PROMOTIONS.lock)
+
+
+def test_what_a_dry_run_says_to_do_about_a_commit_to_put_back_sweeps_nothing(tmp_path, monkeypatch):
+    """The dry run that stops at a commit a gc would first put back said 'run gc (it puts it
+    back), then a dry run lists the rest': that gc swept the garbage the dry run was run to
+    preview. What it says to run puts the commit back and sweeps nothing."""
+    root = tmp_path / "store"
+    key = fmt.manifest_key(RUN, 1)
+    path = root / key
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+        ck.save(2, tagged_state(2))
+    (root / fmt.manifest_key(RUN, 2)).unlink()  # step 2's chunks: garbage
+    other = hashlib.sha256(b"the version retention expired").hexdigest()
+    path.rename(path.parent / f".{path.name}.aside-{other}-{'0' * 32}")
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".aside-" not in p.name)
+    later = time.time() + 7200  # every chunk is older than the grace
+
+    dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
+    assert dry.skipped is not None and dry.deleted == [], dry
+    told = re.search(r"`ckptflow gc (\S+) --grace (\S+)`", dry.skipped)
+    assert told is not None, dry.skipped
+    done = gc(open_store(told[1]), grace=told[2], now=later)
+    assert done.skipped is None and done.restored == [key] and done.deleted == []
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == sorted([*files, key])
+    dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
+    assert dry.skipped is None and any(k.startswith("chunks/") for k, _ in dry.deleted)  # the garbage, listed now
+    with Checkpointer(str(root), RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
