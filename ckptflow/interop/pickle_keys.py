@@ -18,8 +18,8 @@ _HASHED_INT = 1 << 64  # an int key below this is hashed to see whether it share
 # be made equal to another's, how deep it nests: 1 for a value holding none). What it is: ("global",
 # dotted name), ("str", the string), ("bytes",), ("int" or "float", the number), ("tuple", its first items'
 # kinds), ("keys", ints taken in ascending order, the last of them, the "call" kind of what it was made by or
-# None) for a dict or set filled, ("call", the
-# dotted name called) for what a call returns, or None (a list, a singleton...)
+# None) for a dict or set filled, ("list", its items whose hash is chosen whole: ``listed``), ("storage",) for
+# a persistent id's storage, ("call", the dotted name called) for what a call returns, or None (a singleton...)
 Kind = tuple[Any, ...] | None
 Value = tuple[int, Kind, int, int]
 
@@ -56,6 +56,22 @@ _HASHED_FROM_NUMBERS = {("call", "torch.Size"), ("call", "builtins.complex")}
 HASHING_CALLS = {"builtins.set", "builtins.frozenset", "collections.Counter"}
 
 
+def chosen_whole(kind: Kind) -> bool:
+    """Whether a value of ``kind`` may share its hash with another whatever numbers it holds:
+    a tuple's hash inverts for its last item, and a set's, a size's or a complex number's
+    are made from its numbers' as freely."""
+    return is_kind(kind, "tuple", "keys") or is_kind(kind, "call") and kind in _HASHED_FROM_NUMBERS
+
+
+def listed(kind: Kind, added: list[Value]) -> Kind:
+    """A list's ``kind`` once it holds ``added`` too: ("list", how many of its items hash as
+    a key that can share its hash whatever numbers it holds, and hold none that can share
+    one themselves), what ``set(list)`` or ``Counter(list)`` adds to the count of the
+    numbers the list holds that can share a hash, as ``keys_taken`` counts a dict's keys."""
+    before = kind[1] if is_kind(kind, "list") else 0  # type: ignore[index]
+    return "list", before + sum([not collides and chosen_whole(item) for _, item, collides, _ in added])
+
+
 def keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tuple[Kind, int, int]:
     """A dict's or set's ``taken`` ("keys", ints taken in ascending order, the last, its maker) once it
     takes the ``hashed`` keys, with how many of those have hashes the file chooses and how
@@ -77,6 +93,6 @@ def keys_taken(taken: Kind, hashed: list[Value], hashes: dict[int, Any]) -> tupl
             if first is None or first != number:  # the hash is shared: this key, and the first if not counted yet
                 equal += 1 if first is None else 2
                 hashes[hash(number)] = None
-        elif is_kind(kind, "tuple", "keys") or collides or kind in _HASHED_FROM_NUMBERS:  # a huge int unhashed
+        elif collides or chosen_whole(kind):  # a huge int unhashed
             chosen, equal = chosen + 1, equal + max(collides, 1)
     return ("keys", count, last, made_by), chosen, equal

@@ -57,6 +57,7 @@ from ckptflow.interop.pickle_keys import (
     hashed_keys,
     is_kind,
     keys_taken,
+    listed,
 )
 from ckptflow.interop.state_checks import MAX_NESTING
 
@@ -81,6 +82,7 @@ _MEMO_WRITES = {"PUT", "BINPUT", "LONG_BINPUT"}
 _BYTES: Kind = ("bytes",)
 _PLAIN: Value = (1, None, 0, 1)
 _EMPTY_TUPLE: Value = (1, ("tuple", ()), 0, 1)
+_EMPTY_LIST: Value = (1, ("list", 0), 0, 1)
 
 # how the walk takes each opcode (``_PLAN``)
 _MEMO_WRITE, _MEMOIZE, _GET, _MARK, _NOTHING, _STOP, _POP, _DUP = range(8)
@@ -92,7 +94,8 @@ _STEPS = {
     **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE"), _STRING),
     "BINUNICODE8": _STRING, **dict.fromkeys(("BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8"), _BYTE_STRING),
     **dict.fromkeys(("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"), _NUMBER),
-    "GLOBAL": _GLOBAL, "STACK_GLOBAL": _STACK_GLOBAL, "EMPTY_TUPLE": _EMPTY, "TUPLE": _MARKED_TUPLE,
+    "GLOBAL": _GLOBAL, "STACK_GLOBAL": _STACK_GLOBAL, **dict.fromkeys(("EMPTY_TUPLE", "EMPTY_LIST"), _EMPTY),
+    "TUPLE": _MARKED_TUPLE,
     **dict.fromkeys(("TUPLE1", "TUPLE2", "TUPLE3"), _TUPLE), **dict.fromkeys(("REDUCE", "NEWOBJ", "NEWOBJ_EX"), _CALL),
     **dict.fromkeys(("APPEND", "SETITEM", "BUILD", "READONLY_BUFFER", "BINPERSID"), _FILL),
     **dict.fromkeys(("APPENDS", "LIST", "DICT", "SETITEMS", "ADDITEMS", "FROZENSET", "POP_MARK"), _MARKED_FILL),
@@ -255,7 +258,7 @@ def count_built(
                 tie(written)
             memo[index] = written
         elif step == _LEAF or step == _EMPTY:
-            stack.append(_PLAIN if step == _LEAF else _EMPTY_TUPLE)
+            stack.append(_PLAIN if step == _LEAF else _EMPTY_LIST if op.name == "EMPTY_LIST" else _EMPTY_TUPLE)
         elif step == _MARK:
             marks.append(len(stack))
         elif step == _NUMBER and isinstance(arg, float):
@@ -277,7 +280,8 @@ def count_built(
             visits += value[0] - 1 - items[0][0]  # its arguments
             refused = refused or _refused_call(calls, items[0][1], items[1][1])
             if callee in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
-                collidable += items[1][2]
+                given = _item(items[1][1], 0)
+                collidable += items[1][2] + (given[1] if is_kind(given, "list") else 0)  # type: ignore[index]
                 probing += 0 if is_kind(_item(items[1][1], 0), "keys") else items[1][0]  # a dict's were counted
             stack.append(value)
         elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
@@ -298,6 +302,8 @@ def count_built(
                 taken_keys, chosen, equal = keys_taken(taken_keys, hashed, budget.hashes)
                 probing, collidable = probing + chosen, collidable + equal
             kind = fixed[0][1] if op.name in ("READONLY_BUFFER", "BUILD") else taken_keys if hashed else None
+            if op.name in ("APPEND", "APPENDS", "LIST"):
+                kind = listed(filling, fixed[1:] + items)
             if op.name in ("INST", "OBJ"):
                 target = ("global", _dotted(arg)) if op.name == "INST" else (items[0][1] if items else None)
                 kind = ("call", global_name(target))  # what it returns, as a REDUCE's

@@ -190,3 +190,26 @@ def test_tuple_keys_sets_and_counters_of_a_real_state_import(tmp_path):
     }
     torch.save({"w": torch.ones(2), "values": values}, tmp_path / "real.pt")
     assert importers.read_source(tmp_path / "real.pt").state["values"] == values
+
+
+@pytest.mark.parametrize("given", ["a set of tuples", "a set of complex numbers", "a Counter of a list of tuples"])
+def test_set_elements_of_small_ints_sharing_a_hash_are_refused(tmp_path, given):
+    """``set(list)`` counted the numbers its elements hold that can share a hash, not each
+    element whose own hash can be chosen: 21,800 pairs of ints below 2^61 hashing alike (442
+    KB) were bounded only by the 65,536 keys whose hash is chosen, and took the import 4.4 s."""
+    count = pickle_walk.MAX_COLLIDABLE_KEYS + 1
+    if given == "a set of complex numbers":
+        elements: list = [_ComplexOfInts(1000003 * (count - i), i) for i in range(count)]
+        assert len({hash(complex(*element.parts)) for element in elements}) == 1
+    else:
+        elements = _pairs_sharing_a_hash(count)
+    junk = set(elements) if given.startswith("a set") else _ListGiven(collections.Counter, elements)
+    torch.save({"w": torch.ones(2), "junk": junk}, tmp_path / "set.pt")
+    assert len(torch.load(tmp_path / "set.pt", weights_only=True)["junk"]) == count
+    _refused(tmp_path / "set.pt", f"set.pt keys dicts or sets by more than {pickle_walk.MAX_COLLIDABLE_KEYS} ints")
+
+
+def test_a_set_of_as_many_tuples_as_the_bound_imports(tmp_path):
+    pairs = {(i, i % 7) for i in range(pickle_walk.MAX_COLLIDABLE_KEYS)}
+    torch.save({"w": torch.ones(2), "pairs": pairs, "sizes": [torch.Size([i]) for i in range(2000)]}, tmp_path / "p.pt")
+    assert importers.read_source(tmp_path / "p.pt").state["pairs"] == pairs
