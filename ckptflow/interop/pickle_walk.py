@@ -35,7 +35,8 @@ A pickle's bytes do not bound what unpickling it and reading the result cost:
 - calls (``calls``), and, for torch.save's pickles, only those torch.save writes, given what
   it gives them (``TORCH_SAVE_CALLS``): ``torch.load`` would also run a tensor class given a
   size (``torch.FloatTensor(2**28)``: a 1 KB file imported 1 GB of uninitialised memory), a
-  bytearray given a count (3 GB), or a rebuild converting a stride-0 view to another dtype.
+  bytearray given a count (3 GB), a set given a storage to iterate (8 MB took 10 s), or a
+  rebuild converting a stride-0 view to another dtype.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ _BYTES: Kind = ("bytes",)
 _PLAIN: Value = (1, None, 0, 1)
 _EMPTY_TUPLE: Value = (1, ("tuple", ()), 0, 1)
 _EMPTY_LIST: Value = (1, ("list", 0), 0, 1)
+_STORAGE: Kind = ("storage",)
 
 # how the walk takes each opcode (``_PLAN``)
 _MEMO_WRITE, _MEMOIZE, _GET, _MARK, _NOTHING, _STOP, _POP, _DUP = range(8)
@@ -126,16 +128,18 @@ _REFUSED_LATER = {f"torch._utils._rebuild_{name}" for name in ("meta_tensor_no_s
 NESTED_TENSORS = {"torch._utils._rebuild_nested_tensor", "torch.nested._internal.nested_tensor._rebuild_njt"}
 # the calls torch.save writes for CPU tensors and plain values (pickle protocol 2), with what it gives them:
 # a tensor rebuild views the file's storage; bytes come from latin-1 strings, bytearrays from them (or from
-# nothing); sets and Counters from a list or dict, not a string (a set of its characters); _rebuild_from_type_v2
+# nothing); sets from a list, Counters from a dict (or a list), sizes from a tuple: given a storage or a tensor
+# they iterate it element by element (a million int64, 8 MB, took torch.load 10 s); _rebuild_from_type_v2
 # calls its first argument, a tensor rebuild. Not a tensor class (given a size it allocates), nor a rebuild
 # converting a tensor to another dtype or device (a stride-0 view of one element becomes gigabytes)
 TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
     **dict.fromkeys(_TENSOR_REBUILDS | _REFUSED_LATER | {"torch._utils._rebuild_parameter_with_state"}, _ANY),
-    **dict.fromkeys(("collections.OrderedDict", "torch.Size", "torch.device", "torch.serialization._get_layout"), _ANY),
+    **dict.fromkeys(("collections.OrderedDict", "torch.device", "torch.serialization._get_layout"), _ANY),
+    "torch.Size": lambda args: is_kind(_item(args, 0), "tuple"),
     "builtins.complex": _ANY,
     "torch._tensor._rebuild_from_type_v2": lambda args: global_name(_item(args, 0)) in _TENSOR_REBUILDS,
-    "builtins.set": lambda args: not is_kind(_item(args, 0), "str"),
-    "collections.Counter": lambda args: not is_kind(_item(args, 0), "str"),
+    "builtins.set": lambda args: is_kind(_item(args, 0), "list"),
+    "collections.Counter": lambda args: _item(args, 0) is None or is_kind(_item(args, 0), "keys", "list"),  # {}, ()
     "builtins.bytearray": lambda args: args == ("tuple", ()) or is_kind(_item(args, 0), "str", "bytes"),
     "_codecs.encode": lambda args: (
         is_kind(_item(args, 0), "str") and _item(args, 1) in (("str", "latin1"), ("str", "latin-1"))
@@ -304,6 +308,8 @@ def count_built(
             kind = fixed[0][1] if op.name in ("READONLY_BUFFER", "BUILD") else taken_keys if hashed else None
             if op.name in ("APPEND", "APPENDS", "LIST"):
                 kind = listed(filling, fixed[1:] + items)
+            elif op.name == "BINPERSID":
+                kind = _STORAGE
             if op.name in ("INST", "OBJ"):
                 target = ("global", _dotted(arg)) if op.name == "INST" else (items[0][1] if items else None)
                 kind = ("call", global_name(target))  # what it returns, as a REDUCE's
