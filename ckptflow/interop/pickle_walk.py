@@ -134,7 +134,8 @@ NESTED_TENSORS = {"torch._utils._rebuild_nested_tensor", "torch.nested._internal
 # converting a tensor to another dtype or device (a stride-0 view of one element becomes gigabytes)
 TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
     **dict.fromkeys(_TENSOR_REBUILDS | _REFUSED_LATER | {"torch._utils._rebuild_parameter_with_state"}, _ANY),
-    **dict.fromkeys(("collections.OrderedDict", "torch.device", "torch.serialization._get_layout"), _ANY),
+    **dict.fromkeys(("torch.device", "torch.serialization._get_layout"), _ANY),
+    "collections.OrderedDict": lambda args: args == ("tuple", ()),  # then filled: given pairs, it hashes keys unseen
     "torch.Size": lambda args: is_kind(_item(args, 0), "tuple"),
     "builtins.complex": _ANY,
     "torch._tensor._rebuild_from_type_v2": lambda args: global_name(_item(args, 0)) in _TENSOR_REBUILDS,

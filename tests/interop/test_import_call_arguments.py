@@ -4,7 +4,10 @@
 iterate what they are given element by element: given a storage (the persistent id of a zip
 entry) of a million int64, 8 MB, torch.load took 9.6 s building a set and 11 s a size, a
 second per MB; given a tensor of a million floats, 3 s. The walk saw one value. torch.save
-gives a set a list, a Counter a dict and a size a tuple.
+gives a set a list, a Counter a dict and a size a tuple. And ``OrderedDict(pairs)`` hashed its
+keys unseen by the bounds on keys: 20,000 ints of 2^61 - 1 or more sharing a hash (400 KB)
+took the import 7 s, 21,000 pairs of small ints hashing alike 13 s, and more were bounded only
+by the objects a file may build (millions: hours). torch.save writes ``OrderedDict()``, then fills it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import pytest
 import torch
 
 from ckptflow.errors import CkptflowError
-from ckptflow.interop import importers
+from ckptflow.interop import importers, pickle_walk
+
+_MODULUS = (1 << 61) - 1
 
 
 class _Call:
@@ -54,6 +59,14 @@ def test_a_call_given_a_storage_or_a_tensor_to_iterate_is_refused(tmp_path, call
                tmp_path / "iterated.pt")  # fmt: skip
     assert iterated(torch.load(tmp_path / "iterated.pt", weights_only=True)["junk"])  # what torch.load would do
     _refused(tmp_path / "iterated.pt", rf"iterated.pt calls {named} \(given what torch.save never gives it\)")
+
+
+def test_an_ordered_dict_given_its_pairs_is_refused(tmp_path):
+    keys = [5 + i * _MODULUS for i in range(1, pickle_walk.MAX_COLLIDABLE_KEYS + 2)]  # one hash
+    torch.save({"w": torch.ones(2), "junk": _Call(collections.OrderedDict, [(key, 0) for key in keys])},
+               tmp_path / "pairs.pt")  # fmt: skip
+    assert list(torch.load(tmp_path / "pairs.pt", weights_only=True)["junk"]) == keys
+    _refused(tmp_path / "pairs.pt", r"pairs.pt calls collections.OrderedDict \(given what torch.save never gives it\)")
 
 
 def test_sets_counters_sizes_and_ordered_dicts_torch_save_writes_import(tmp_path):
