@@ -104,3 +104,24 @@ def test_a_damaged_pickle_in_torch_saves_zip_is_told_damaged_not_a_legacy_file(t
     message = str(refused.value)
     assert f"damaged.pt is damaged: its pickle {name} cannot be read ({why})" in message, message
     assert "zip format" not in message and "legacy" not in message, message
+
+
+def test_state_dicts_of_nested_modules_and_their_optimizer_import(tmp_path):
+    """A module's state_dict is an OrderedDict whose ``_metadata`` (each submodule's version,
+    set by a BUILD) the walk allows only on an OrderedDict the pickle constructs: a real
+    Transformer's, a BatchNorm's (version 2) in nested Sequentials, and AdamW's state import."""
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16)
+    nested = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Sequential(torch.nn.BatchNorm2d(2)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 2, 8), torch.randn(3, 2, 8)).sum().backward()
+    optimizer.step()
+    saved = {"model": model.state_dict(), "nested": nested.state_dict(), "optim": optimizer.state_dict()}
+    assert saved["nested"]._metadata["1.0"]["version"] == 2
+    torch.save(saved, tmp_path / "modules.pt")
+    state = read_source(tmp_path / "modules.pt").state
+    for part in ("model", "nested"):
+        assert state[part].keys() == saved[part].keys()
+        assert all(torch.equal(state[part][name], tensor) for name, tensor in saved[part].items())
+    assert state["optim"]["param_groups"] == saved["optim"]["param_groups"]
+    assert torch.equal(state["optim"]["state"][0]["exp_avg"], saved["optim"]["state"][0]["exp_avg"])
