@@ -171,8 +171,12 @@ def whole_full_every(checkpoints_per_full: float) -> int:
     nearest ``checkpoints_per_full``, a tie to the larger (2.5 -> 3, 3.5 -> 4, never
     Python's half-to-even 2.5 -> 2, 3.5 -> 4): of two equally near, the model prices the
     longer mix lower (the mean save and the bytes kept fall as fulls get rarer, an
-    incremental being the smaller save), so a tie goes there, the same way every time."""
-    return min(MAX_FULL_EVERY, max(1, math.floor(checkpoints_per_full + 0.5)))
+    incremental being the smaller save), so a tie goes there, the same way every time.
+    Past ``MAX_FULL_EVERY`` it is that, compared before rounding: a whole number past any
+    float (a decision's ``full_every`` of 10**400) overflows the sum."""
+    if checkpoints_per_full >= MAX_FULL_EVERY:
+        return MAX_FULL_EVERY
+    return max(1, math.floor(checkpoints_per_full + 0.5))
 
 
 def evaluate(inputs: IntervalInputs, interval_s: float) -> IntervalCost:

@@ -23,6 +23,7 @@ from typing import Any
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog.recovery_log import read_all
 from ckptflow.errors import CkptflowError
+from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.policy import interval as model
 from ckptflow.reports.costs import CostModel
@@ -267,12 +268,13 @@ def _current(
 def _decided(manifest: Manifest) -> tuple[int, int] | None:
     """The interval in force and the saves per full that ``AdaptivePolicy`` recorded saving
     ``manifest`` (``save_decision``), or None: another policy saved it, or the record is not
-    of the shape ckptflow writes (whole steps and saves, at least 1)."""
+    of the shape ckptflow writes (whole steps and saves, at least 1; no interval past the
+    last step a run can have: 10**400 steps, which JSON holds, is no float)."""
     decision = manifest.extra.get("save_decision")
     if not isinstance(decision, dict):
         return None
     every, per_full = decision.get("every_steps"), decision.get("full_every")
-    if type(every) is int and type(per_full) is int and every >= 1 and per_full >= 1:
+    if type(every) is int and type(per_full) is int and 1 <= every < 10**fmt.STEP_DIGITS and per_full >= 1:
         return every, model.whole_full_every(per_full)
     return None
 

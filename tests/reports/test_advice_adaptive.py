@@ -2,9 +2,14 @@
 records the decision that saved its step (``save_decision``), so the interval the policy
 saves at now is read there, not guessed from the gaps of a history it may have left."""
 
+import pytest
+
 from ckptflow import Checkpointer, SavePolicy, open_store
 from ckptflow.catalog import checkpoints as catalog
+from ckptflow.format import layout as fmt
+from ckptflow.policy.interval import MAX_FULL_EVERY
 from ckptflow.reports.advice import advise
+from support.corrupt import reseal_manifest
 from support.states import RUN, tiny_state, tiny_train
 
 
@@ -50,3 +55,37 @@ def test_a_run_that_left_the_adaptive_policy_is_read_by_its_gaps(tmp_path):
     assert advice.current is not None and advice.current.interval_steps == 20
     assert advice.current_full_every == 5
     assert "gap" in advice.sources["current"]
+
+
+def _newest_decision_set(root: str, **fields) -> None:
+    """Rewrite the newest save's decision as an older or buggy writer might have (sealed again)."""
+    newest = max(catalog.committed(open_store(root), RUN), key=lambda m: m.committed_at)
+    reseal_manifest(root, RUN, newest.step, lambda record: record["save_decision"].update(fields))
+
+
+@pytest.mark.parametrize("every_steps", [10**400, 10**fmt.STEP_DIGITS], ids=["past-a-float", "past-the-last-step"])
+def test_a_decision_with_an_interval_no_run_can_save_at_is_read_by_the_gaps(tmp_path, every_steps):
+    """A decision of 10**400 steps (JSON holds any whole number) raised OverflowError
+    (int too large to convert to float) out of ``advise``: ``ckptflow advise`` printed a
+    traceback and the ``checkpoint_advice`` asset, which passes over a run's CkptflowError
+    only, failed for every run. No two saves are further apart than the largest step
+    (10**12 steps was read as the run's interval): such a decision is not of the shape
+    ckptflow writes, and the gaps say the interval."""
+    root = str(tmp_path)
+    _saved_every(root, [(100, range(1001))], full_every=4)
+    _newest_decision_set(root, every_steps=every_steps)
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 100
+    assert "gap" in advice.sources["current"]
+
+
+def test_a_decision_with_a_full_every_past_any_float_is_priced_at_the_most_the_model_prices(tmp_path):
+    """``full_every`` 10**400 (a policy that never saves a full again, as a buggy writer
+    puts it) raised OverflowError rounding it; the model prices at most a full every
+    ``MAX_FULL_EVERY`` checkpoints, as it does for any longer cycle."""
+    root = str(tmp_path)
+    _saved_every(root, [(100, range(1001))], full_every=4)
+    _newest_decision_set(root, full_every=10**400)
+    advice = advise(open_store(root), RUN)
+    assert advice.current is not None and advice.current.interval_steps == 100
+    assert advice.current_full_every == MAX_FULL_EVERY
