@@ -1,7 +1,8 @@
 """``checkpoint_advice``: how often each run should checkpoint, and a WARN check when it is far off.
 
 One row per run from ``ckptflow.reports.advice`` (the same numbers as ``ckptflow advise``):
-the current and optimal intervals in steps and minutes, the expected loss per failure,
+the current and optimal intervals in steps and minutes (``current_from``: where the current
+one was read), the expected loss per failure,
 overhead, RPO and USD/month of each, and the fallbacks taken. The metadata carries, per run,
 a text plot of the expected USD/month against the interval with the current and optimal
 intervals marked. The check ``interval_near_optimum`` warns (non-blocking) when a run's
@@ -54,6 +55,7 @@ def _row(a: Advice) -> dict:
     row["keep_current"] = a.keep_current  # the current interval costs no more than the optimum found
     if a.current is not None:
         row |= {"current_steps": a.current.interval_steps, "current_min": a.current.interval_s / 60}
+        row["current_from"] = a.sources.get("current")  # an adaptive run's decision, or the gaps between commits
         row |= {"current_usd_month": a.current.total_usd_month, "ratio": a.current.interval_s / a.optimal.interval_s}
         row |= {"loss_per_failure_s": a.current.loss_per_failure_s, "overhead": a.current.save_overhead}
         row |= {"rpo_s": a.current.rpo_s}

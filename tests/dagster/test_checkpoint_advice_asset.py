@@ -194,3 +194,23 @@ def test_intervals_the_check_cannot_read_are_named_not_a_crash(paths, resources,
     for run in ("no-keep", "text-ratio", "not-a-row", "bool-ratio"):
         assert f"{run}: not judged" in runs_off, runs_off
     assert evaluation.description is not None and "materialize checkpoint_advice again" in evaluation.description
+
+
+def test_each_runs_current_interval_says_where_it_was_read(paths, resources, instance):
+    """A run saved by ``SavePolicy.adaptive`` is read at its newest save's decision, another
+    by the gaps between its commits (``ckptflow advise`` says which in its sources); the
+    asset's rows showed the figure alone, so an operator could not tell a decision from a
+    median of gaps."""
+    from assets import checkpoint_advice
+
+    _train(paths["store"], "fixed", 4)
+    state = tiny_state()
+    policy = SavePolicy.adaptive(initial_every=2, min_every=2, max_every=2)
+    with Checkpointer(paths["store"], "adaptive", policy=policy) as ckpt:
+        for step in range(7):
+            tiny_train(state)
+            ckpt.save(step, state)
+    result = materialize([checkpoint_advice], instance=instance, resources=resources)
+    df = result.output_for_node("checkpoint_advice").set_index("run")
+    assert df.loc["adaptive", "current_steps"] == 2 and "save_decision" in df.loc["adaptive", "current_from"]
+    assert df.loc["fixed", "current_steps"] == 1 and "gap" in df.loc["fixed", "current_from"]
