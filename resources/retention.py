@@ -12,7 +12,6 @@ reason; a changed one needs a reload).
 
 from __future__ import annotations
 
-import json
 import os
 
 from dagster import ConfigurableResource
@@ -21,7 +20,7 @@ from pydantic import Field, ValidationError
 from ckptflow.catalog.gc import parse_duration
 from ckptflow.errors import CkptflowError
 from ckptflow.format.layout import parse_checkpoint_name
-from ckptflow.policy.config_files import read_config_file
+from ckptflow.policy.config_files import read_config_json
 from ckptflow.policy.retention import AnyOf, default_policy
 
 RETENTION_ENV = "CKPTFLOW_RETENTION"
@@ -54,7 +53,7 @@ class RetentionResource(ConfigurableResource):
         if not path:
             return cls()
         try:
-            fields = json.loads(read_config_file(path, max_bytes=MAX_POLICY_BYTES))  # never /dev/zero, nor a FIFO
+            fields = read_config_json(path, max_bytes=MAX_POLICY_BYTES)  # never /dev/zero, nor a FIFO
             if not isinstance(fields, dict):
                 raise ValueError(f"holds a JSON {type(fields).__name__}, not an object of retention fields")
             if unknown := sorted(set(fields) - set(cls.model_fields)):

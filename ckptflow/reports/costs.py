@@ -43,7 +43,7 @@ from typing import Any
 
 from ckptflow.catalog.ledger import expired
 from ckptflow.errors import CkptflowError
-from ckptflow.policy.config_files import read_config_file
+from ckptflow.policy.config_files import read_config_json
 from ckptflow.reports.stats import StoreStats, store_stats
 from ckptflow.reports.units import human_saving, human_usd
 from ckptflow.store.base import Store
@@ -91,7 +91,11 @@ class CostModel:
     def from_json(cls, text: str) -> CostModel:
         """``{"prices": {"STANDARD": 0.023, ...}, "tiers": {"hot": "STANDARD", "archive": ...}}``;
         either key may be left out (defaults), and given prices extend the defaults."""
-        doc = json.loads(text)
+        return cls.from_doc(json.loads(text))
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> CostModel:
+        """``from_json``'s document, parsed."""
         if not isinstance(doc, dict):
             raise ValueError("a cost model is a JSON object with 'prices' and/or 'tiers'")
         prices, tiers = doc.get("prices", {}), doc.get("tiers", {})
@@ -121,20 +125,13 @@ PRICES_EXAMPLE = '{"prices": {"STANDARD": 0.023, "GLACIER_IR": 0.004}, "tiers": 
 def read_cost_model(path: str, *, given_as: str) -> CostModel:
     """The price file ``path`` as a cost model, for ``stats --prices`` and the Dagster
     ``CKPTFLOW_PRICES`` alike. Any file that reads (a pipe, ``/dev/stdin`` or a process
-    substitution too), bounded (``read_config_file``): one that never ends (``/dev/zero``)
+    substitution too), bounded (``read_config_json``): one that never ends (``/dev/zero``)
     or a pipe no process writes stops. An error says ``given_as`` (how the path was given),
     what is wrong and where, and shows the format."""
     try:
-        return CostModel.from_json(read_config_file(path, max_bytes=MAX_PRICES_BYTES).decode("utf-8"))
-    except OSError as e:
-        why = f"cannot read it ({e.strerror or e})"
-    except UnicodeDecodeError as e:
-        why = f"byte {e.start} is not UTF-8 text"
-    except RecursionError:
-        why = "its JSON is nested too deeply"
-    except ValueError as e:  # not JSON, or not of a price list's shape
-        why = str(e)
-    raise CkptflowError(f"{given_as}: {why}; name a JSON file such as {PRICES_EXAMPLE}")
+        return CostModel.from_doc(read_config_json(path, max_bytes=MAX_PRICES_BYTES))
+    except ValueError as e:  # unreadable, past a bound, not JSON, or not of a price list's shape
+        raise CkptflowError(f"{given_as}: {e}; name a JSON file such as {PRICES_EXAMPLE}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,14 @@ def test_a_file_that_is_not_a_policy_is_refused_naming_what_is_wrong(tmp_path, m
         from_file(tmp_path, monkeypatch, text)
 
 
+def test_a_file_nested_too_deeply_for_json_is_refused_as_the_price_file_is(tmp_path, monkeypatch):
+    """100,000 '[' (100 KB, within the bound) raised RecursionError out of the code
+    location's load, a traceback from inside ``json``, where ``CKPTFLOW_PRICES`` naming the
+    same file said what is wrong: the two files are read by one rule."""
+    with pytest.raises(CkptflowError, match="CKPTFLOW_RETENTION=.*: its JSON is nested too deeply; .*JSON file of"):
+        from_file(tmp_path, monkeypatch, "[" * 100_000)
+
+
 def test_a_missing_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTFLOW_RETENTION", str(tmp_path / "nowhere.json"))
     with pytest.raises(CkptflowError, match="nowhere.json.*No such file"):
