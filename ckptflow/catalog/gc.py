@@ -22,8 +22,9 @@ from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import listing as catalog_listing
 from ckptflow.catalog.listing import Problem
 from ckptflow.chunks import damaged
+from ckptflow.chunks import leases as lease_rules
 from ckptflow.chunks.lease_listing import leases, wait_for_leases
-from ckptflow.chunks.leases import DEAD_AFTER, GC_LOCK, LOCKS, Heartbeat, gc_lock
+from ckptflow.chunks.leases import GC_LOCK, LOCKS, Heartbeat, gc_lock
 from ckptflow.errors import CkptflowError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
@@ -198,7 +199,7 @@ def gc(
         if held.live and not dry_run:
             report.skipped = (
                 f"{len(held.live)} save(s) are writing chunks ({held.live[0].key}, renewed within the last "
-                f"{DEAD_AFTER:.0f} s); run gc again when they finish"
+                f"{lease_rules.DEAD_AFTER:.0f} s); run gc again when they finish"
             )
             return report
         # before marking: a manifest put back protects its chunks; a dry run decides as a gc would

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from ckptflow.catalog import checkpoints as catalog
 from ckptflow.catalog import ledger, verdicts
 from ckptflow.catalog.tiers import holds_commit
+from ckptflow.chunks import leases
 from ckptflow.chunks.lease_listing import wait_for_leases
-from ckptflow.chunks.leases import DEAD_AFTER, PROMOTION_WAIT, PROMOTIONS, Heartbeat, exclusive_lock
+from ckptflow.chunks.leases import PROMOTION_WAIT, PROMOTIONS, Heartbeat, exclusive_lock
 from ckptflow.errors import CkptflowError, RetentionError
 from ckptflow.format.manifest import Manifest
 from ckptflow.interop.registry import Registry
@@ -102,8 +103,8 @@ def apply_retention(
         if held.live:
             raise RetentionError(
                 f"{len(held.live)} promotion(s) are publishing checkpoints of {hot.url} ({held.live[0].key}, renewed "
-                f"within the last {DEAD_AFTER:.0f} s) after {wait:.0f} s; nothing was expired: run retention again "
-                "when they finish"
+                f"within the last {leases.DEAD_AFTER:.0f} s) after {wait:.0f} s; nothing was expired: run retention "
+                "again when they finish"
             )
         for info in held.dead:
             hot.delete(info.key)

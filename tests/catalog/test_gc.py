@@ -330,3 +330,15 @@ def test_gc_after_a_save_killed_mid_write_leaves_no_empty_directory(tmp_path, wh
     assert (result.step, state_tag(state), result.skipped) == (1, 1, [])
     runs = root / "runs"
     assert [str(d.relative_to(root)) for d in runs.rglob("*") if d.is_dir() and not any(d.iterdir())] == []
+
+
+def test_a_gc_skipped_for_a_save_in_flight_says_the_lease_timing_in_force(tmp_path, monkeypatch):
+    """A lease is live if renewed within ``DEAD_AFTER`` as set when GC lists it
+    (``lease_listing`` reads it at each call); the skip named the value imported when
+    ``gc`` loaded (30 s) whatever the setting (a process that sets a shorter one, as the
+    stalled-save tests' children do)."""
+    monkeypatch.setattr(leases, "DEAD_AFTER", 8.0)
+    store = open_store(str(tmp_path / "store"))
+    with leases.save_lease(store):
+        report = gc(store, grace=0, wait=0)
+    assert report.skipped is not None and "renewed within the last 8 s" in report.skipped, report.skipped

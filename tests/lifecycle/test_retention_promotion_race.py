@@ -164,3 +164,13 @@ def test_a_promotion_whose_lease_lapsed_registers_nothing(hot, monkeypatch):
     with pytest.raises(CkptflowError, match="lease .* could not be renewed.* nothing was registered"):
         promote(hot, registry, PromotionRequest("m", ("r", 1)))
     assert registry.versions("m") == []
+
+
+def test_a_retention_refused_for_a_promotion_says_the_lease_timing_in_force(hot, monkeypatch):
+    """As GC's skip: the refusal named ``DEAD_AFTER`` as imported (30 s), not as set when
+    the leases were listed."""
+    monkeypatch.setattr(leases, "DEAD_AFTER", 8.0)
+    with leases.shared_lease(hot, leases.PROMOTIONS, 10.0):
+        with pytest.raises(RetentionError, match=r"renewed within the last 8 s\) after 0 s; nothing was expired"):
+            lifecycle.apply_retention(hot, None, a_plan(hot), registry=Registry(hot), wait=0)
+    assert {read_manifest(hot, "r", s).step for s in (1, 2)} == {1, 2}
