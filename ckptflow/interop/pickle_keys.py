@@ -35,6 +35,12 @@ def global_name(kind: Kind) -> str | None:
     return kind[1] if is_kind(kind, "global") else None  # type: ignore[index]
 
 
+def call_argument(args: Kind, index: int) -> Kind:
+    """What the ``index``-th item of a call's arguments is, if they are a tuple the walk knows."""
+    items = args[1] if args and args[0] == "tuple" else ()
+    return items[index] if index < len(items) else None
+
+
 def alike_int(number: int) -> int:
     """1 for an int whose hash another int can share (from 2^61 - 1 on), else 0."""
     return int(not -_HASH_MODULUS < number < _HASH_MODULUS)

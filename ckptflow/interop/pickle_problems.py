@@ -5,7 +5,8 @@ walk's own bounds."""
 from __future__ import annotations
 
 from ckptflow.interop import pickle_walk as walk
-from ckptflow.interop.pickle_walk import NESTED_TENSORS, PickleBudget
+from ckptflow.interop.pickle_walk import PickleBudget
+from ckptflow.interop.torch_save_calls import NESTED_TENSORS
 
 
 def walk_problem(budget: PickleBudget, max_visits: int) -> str:

@@ -33,10 +33,7 @@ A pickle's bytes do not bound what unpickling it and reading the result cost:
   with SIGSEGV; a state nests at most ``state_checks.MAX_NESTING`` levels anyway, so at most
   ``MAX_DEPTH``;
 - calls (``calls``), and, for torch.save's pickles, only those torch.save writes, given what
-  it gives them (``TORCH_SAVE_CALLS``): ``torch.load`` would also run a tensor class given a
-  size (``torch.FloatTensor(2**28)``: a 1 KB file imported 1 GB of uninitialised memory), a
-  bytearray given a count (3 GB), a set given a storage to iterate (8 MB took 10 s), or a
-  rebuild converting a stride-0 view to another dtype.
+  it gives them (``torch_save_calls``).
 """
 
 from __future__ import annotations
@@ -54,6 +51,7 @@ from ckptflow.interop.pickle_keys import (
     Kind,
     Value,
     alike_int,
+    call_argument,
     global_name,
     hashed_keys,
     is_kind,
@@ -61,6 +59,7 @@ from ckptflow.interop.pickle_keys import (
     listed,
 )
 from ckptflow.interop.state_checks import MAX_NESTING
+from ckptflow.interop.torch_save_calls import NESTED_TENSORS, refused_call
 
 STRING_UNIT = 16  # bytes of a string or number that weigh as much as one object (~70 bytes built)
 # levels a value may nest: a state's (``MAX_NESTING``) twice over, and a tensor's rebuild (~10 levels)
@@ -111,44 +110,7 @@ _PLAN = {  # an opcode's step, whether it counts as an object, as a call, and ho
 }  # fmt: skip
 assert all(not op.stack_before and len(op.stack_after) == 1 for op in pickletools.opcodes if op.name not in _STEPS)
 
-
-def _item(args: Kind, index: int) -> Kind:
-    """What the ``index``-th item of a call's arguments is, if they are a tuple the walk knows."""
-    items = args[1] if args and args[0] == "tuple" else ()
-    return items[index] if index < len(items) else None
-
-
-_ANY: Callable[[Kind], bool] = lambda args: True
 _ORDERED_DICT: Kind = ("global", "collections.OrderedDict")  # torch.save writes an empty one for a tensor's hooks
-_TENSOR_REBUILDS = {f"torch._utils._rebuild_{name}" for name in ("tensor", "tensor_v2", "tensor_v3", "parameter")}
-# tensors that allocate nothing their storages do not hold, which the import then refuses by name (on the meta
-# device, sparse, quantized: ``state_checks``)
-_REFUSED_LATER = {f"torch._utils._rebuild_{name}" for name in ("meta_tensor_no_storage", "sparse_tensor", "qtensor")}
-# what torch.save writes for a nested tensor (torch.nested: strided, jagged), refused by name where it is named
-NESTED_TENSORS = {"torch._utils._rebuild_nested_tensor", "torch.nested._internal.nested_tensor._rebuild_njt"}
-# the calls torch.save writes for CPU tensors and plain values (pickle protocol 2), with what it gives them:
-# a tensor rebuild views the file's storage; bytes come from latin-1 strings, bytearrays from them (or from
-# nothing); sets from a list, Counters from a dict (or a list), sizes from a tuple: given a storage or a tensor
-# they iterate it element by element (a million int64, 8 MB, took torch.load 10 s); _rebuild_from_type_v2
-# calls its first argument, a tensor rebuild. Not a tensor class (given a size it allocates), nor a rebuild
-# converting a tensor to another dtype or device (a stride-0 view of one element becomes gigabytes)
-TORCH_SAVE_CALLS: dict[str, Callable[[Kind], bool]] = {
-    **dict.fromkeys(_TENSOR_REBUILDS | _REFUSED_LATER | {"torch._utils._rebuild_parameter_with_state"}, _ANY),
-    **dict.fromkeys(("torch.device", "torch.serialization._get_layout"), _ANY),
-    "collections.OrderedDict": lambda args: args == ("tuple", ()),  # then filled: given pairs, it hashes keys unseen
-    "torch.Size": lambda args: is_kind(_item(args, 0), "tuple"),
-    "builtins.complex": _ANY,
-    "torch._tensor._rebuild_from_type_v2": lambda args: global_name(_item(args, 0)) in _TENSOR_REBUILDS,
-    "builtins.set": lambda args: is_kind(_item(args, 0), "list"),
-    "collections.Counter": lambda args: _item(args, 0) is None or is_kind(_item(args, 0), "keys", "list"),  # {}, ()
-    "builtins.bytearray": lambda args: args == ("tuple", ()) or is_kind(_item(args, 0), "str", "bytes"),
-    "_codecs.encode": lambda args: (
-        is_kind(_item(args, 0), "str") and _item(args, 1) in (("str", "latin1"), ("str", "latin-1"))
-    ),
-}
-
-# what torch.save sets a state on (BUILD): a state_dict's OrderedDict, its ``_metadata``; a tensor's is an argument
-TORCH_SAVE_STATES = frozenset({"collections.OrderedDict"})
 
 
 @dataclass
@@ -283,11 +245,11 @@ def count_built(
             callee = global_name(items[0][1])
             value = made(items, _BYTES if callee == "_codecs.encode" else ("call", callee))
             visits += value[0] - 1 - items[0][0]  # its arguments
-            refused = refused or _refused_call(calls, items[0][1], items[1][1])
+            refused = refused or refused_call(calls, items[0][1], items[1][1])
             if callee in HASHING_CALLS:  # set(list), frozenset(list), Counter(list): its elements hashed
-                given = _item(items[1][1], 0)
+                given = call_argument(items[1][1], 0)
                 collidable += items[1][2] + (given[1] if is_kind(given, "list") else 0)  # type: ignore[index]
-                probing += 0 if is_kind(_item(items[1][1], 0), "keys") else items[1][0]  # a dict's were counted
+                probing += 0 if is_kind(call_argument(items[1][1], 0), "keys") else items[1][0]  # a dict's were counted
             stack.append(value)
         elif step == _FILL or step == _MARKED_FILL:  # a container filled, a state set, INST and OBJ called
             called += call
@@ -316,7 +278,7 @@ def count_built(
                 kind = ("call", global_name(target))  # what it returns, as a REDUCE's
                 args = items if op.name == "INST" else items[1:]
                 visits += sum([v[0] for v in args])
-                refused = refused or _refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
+                refused = refused or refused_call(calls, target, ("tuple", tuple([v[1] for v in args[:4]])))
             if op.name != "POP_MARK":
                 stack.append(made(fixed + items, kind, filled=bool(fixed) and op.name in _FILLS))
                 if cell:
@@ -386,12 +348,3 @@ def _altered(target: Kind, constructors: Collection[str]) -> str:
         return ""
     made_by = target[1] if is_kind(target, "call") else None  # type: ignore[index]
     return f"what {made_by} returns" if made_by else "a value it did not construct"
-
-
-def _refused_call(calls: Mapping[str, Callable[[Kind], bool]] | None, target: Kind, args: Kind) -> str:
-    """What a call ``calls`` does not allow calls, in words, or ''."""
-    if calls is None:
-        return ""
-    if (dotted := global_name(target)) is None or dotted not in calls:
-        return dotted or "a value that is not a named class or function"
-    return "" if calls[dotted](args) else f"{dotted} (given what torch.save never gives it)"

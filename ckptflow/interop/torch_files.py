@@ -43,8 +43,9 @@ from typing import IO
 
 from ckptflow.errors import CkptflowError
 from ckptflow.interop.pickle_problems import walk_problem
-from ckptflow.interop.pickle_walk import TORCH_SAVE_CALLS, TORCH_SAVE_STATES, PickleBudget, count_built
+from ckptflow.interop.pickle_walk import PickleBudget, count_built
 from ckptflow.interop.source_files import MAX_NAMES, check_regular_file
+from ckptflow.interop.torch_save_calls import TORCH_SAVE_CALLS, TORCH_SAVE_STATES
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose the zip reader over the legacy one
 # torch.save makes a call per tensor (its rebuild; its hooks' empty OrderedDict is counted as an object)
