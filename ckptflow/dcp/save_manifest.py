@@ -1,18 +1,46 @@
-"""The manifest a save commits, from every rank's write results (``CheckpointWriter.finish``)."""
+"""Each rank's write results (``write_result``), and the manifest a save commits from all of
+them (``manifest_record``, ``CheckpointWriter.finish``)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptflow.dcp.metadata import JSON_VALUE, metadata_to_json
+from ckptflow.dcp import put_batches
+from ckptflow.dcp.metadata import JSON_VALUE, dtype_name, metadata_to_json
+from ckptflow.dcp.put_batches import Slot
 from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.format import layout as fmt
 from ckptflow.format.checksum import ADDRESS
 from ckptflow.format.checksum import FIELD as FAST_CHECKSUMS
 from ckptflow.format.checksum import STORED_FIELD as STORED_CHECKSUMS
+
+
+def write_result(
+    item: Any, tensor: torch.Tensor | None, value: Any, futures: list[Slot], packed_at: int | None
+) -> WriteResult:
+    """One write item's result, once its chunk writes (``futures``) are done: its chunks, and
+    what ``manifest_record`` reads of each write (``_writes``). ``value``: the tensor's size in
+    bytes, or a JSON value (``tensor`` None); ``packed_at``: where in its pack a packed tensor is."""
+    if tensor is None:  # a JSON value (json_values=True): no chunks, it travels in the manifest
+        return WriteResult(index=item.index, size_in_bytes=0, storage_data={JSON_VALUE: value})
+    writes = [put_batches.result(slot) for slot in futures]
+    data = {
+        "dtype": dtype_name(tensor.dtype),
+        "shape": list(tensor.shape),
+        "chunks": [
+            [w.digest, w.raw_bytes] if packed_at is None else [w.digest, value, packed_at] for w, _unread in writes
+        ],
+        "_writes": [
+            [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum, unread, w.raw_bytes]
+            for w, unread in writes
+        ],
+    }
+    return WriteResult(index=item.index, size_in_bytes=value, storage_data=data)
 
 
 def manifest_record(spec: SaveSpec, metadata: Metadata, results: list[list[WriteResult]]) -> dict:

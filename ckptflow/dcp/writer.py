@@ -28,11 +28,11 @@ from ckptflow.dcp import put_batches, regions
 from ckptflow.dcp.commit_lease import CommitLease
 from ckptflow.dcp.host_copies import HostCopies, copied_in_chunks
 from ckptflow.dcp.memory import bytes_view, completed_future, is_own_memory
-from ckptflow.dcp.metadata import JSON_VALUE, byte_io_refusal, dtype_name, json_value, plan_bytes
+from ckptflow.dcp.metadata import byte_io_refusal, dtype_name, json_value, plan_bytes
 from ckptflow.dcp.packs import Pack, Packer
 from ckptflow.dcp.put_batches import PutBatches, Slot
 from ckptflow.dcp.regions import Region, Seen, Tracked
-from ckptflow.dcp.save_manifest import manifest_record
+from ckptflow.dcp.save_manifest import manifest_record, write_result
 from ckptflow.dcp.save_spec import SaveSpec
 from ckptflow.dcp.written_pages import Snapshot, WriteTracker, edge_checksum, tracked_span
 from ckptflow.errors import CkptflowError, StoreFullError, StoreUnavailableError, UnsupportedStateError
@@ -295,7 +295,7 @@ class CheckpointWriter(StorageWriter):
             if last is not None:
                 self._submit_pack(last, batches)
             batches.flush()
-            return [self._result(*entry) for entry in pending]
+            return [write_result(*entry) for entry in pending]
         finally:  # on failure: no chunk write may outlive the lease
             for f in batches.submitted:
                 f.cancel()
@@ -342,27 +342,6 @@ class CheckpointWriter(StorageWriter):
             f"run {self.spec.run!r} before step {self.spec.step} that reused it may hold its older bytes "
             "(this full save holds the new ones)"
         )
-
-    @staticmethod
-    def _result(
-        item: Any, tensor: torch.Tensor | None, value: Any, futures: list[Slot], packed_at: int | None
-    ) -> WriteResult:
-        """``value``: the tensor's size in bytes, or a JSON value (``tensor`` None)."""
-        if tensor is None:  # a JSON value (json_values=True): no chunks, it travels in the manifest
-            return WriteResult(index=item.index, size_in_bytes=0, storage_data={JSON_VALUE: value})
-        writes = [put_batches.result(slot) for slot in futures]
-        data = {
-            "dtype": dtype_name(tensor.dtype),
-            "shape": list(tensor.shape),
-            "chunks": [
-                [w.digest, w.raw_bytes] if packed_at is None else [w.digest, value, packed_at] for w, _unread in writes
-            ],
-            "_writes": [
-                [w.stored_bytes, w.written, w.base, w.base_bytes, w.checksum, w.stored_checksum, unread, w.raw_bytes]
-                for w, unread in writes
-            ],
-        }
-        return WriteResult(index=item.index, size_in_bytes=value, storage_data=data)
 
     def _write_rank_record(self, results: list[WriteResult]) -> None:
         spec = self.spec
