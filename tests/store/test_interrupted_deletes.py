@@ -27,6 +27,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.store import local_cas
 from support.child_env import child_env
 from support.cli import run_cli
+from support.faulty_store import FaultyStore
 from support.states import CHUNK, RUN, blank_state, state_tag, tagged_state
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -249,5 +250,25 @@ def test_what_a_dry_run_says_to_do_about_a_commit_to_put_back_sweeps_nothing(tmp
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == sorted([*files, key])
     dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
     assert dry.skipped is None and any(k.startswith("chunks/") for k, _ in dry.deleted)  # the garbage, listed now
+    with Checkpointer(str(root), RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
+
+
+def test_gc_through_a_faulty_store_settles_what_the_store_it_wraps_took_aside(tmp_path, monkeypatch):
+    """``FaultyStore`` (tests/support) did not pass ``settle_interrupted_deletes`` to the
+    store it wraps: GC through it settled nothing, saw no commit of step 1 and swept its
+    chunks, which no GC on the store itself does."""
+    root = tmp_path / "store"
+    key = fmt.manifest_key(RUN, 1)
+    path = root / key
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+    other = hashlib.sha256(b"the version retention expired").hexdigest()
+    path.rename(path.parent / f".{path.name}.aside-{other}-{'0' * 32}")  # the commit, taken aside by a killed delete
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later
+
+    report = gc(FaultyStore(open_store(str(root))), grace="0")
+    assert report.skipped is None and report.restored == [key] and report.deleted == []
+    assert not list(root.rglob(".*.aside-*"))
     with Checkpointer(str(root), RUN, restore_rng=False) as ck:
         assert ck.verify(1).ok

@@ -11,6 +11,9 @@ it completed (the caller never learns it succeeded). ``sticky`` makes every late
 operation fail too, which is what a crashed process looks like to the store: nothing
 after the crash point happens.
 
+``locked`` and ``settle_interrupted_deletes`` go straight to ``inner``, unnumbered and never
+faulted.
+
 Pauses: ``pause_before(op, key_predicate)`` returns a ``PausePoint``; the first call
 matching it blocks until ``PausePoint.release()`` (``reached`` is set while it waits).
 """
@@ -18,9 +21,9 @@ matching it blocks until ``PausePoint.release()`` (``reached`` is set while it w
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
-from ckptflow.store.base import Buffers, ObjectInfo, Store
+from ckptflow.store.base import Buffers, ObjectInfo, SettledDeletes, Store
 
 MUTATING = ("put_if_absent", "replace", "delete", "touch")
 READS = ("get", "list", "stat", "exists")
@@ -178,6 +181,9 @@ class FaultyStore(Store):
 
     def locked(self, name: str):
         return self.inner.locked(name)
+
+    def settle_interrupted_deletes(self, *, locks: Collection[str] = (), dry_run: bool = False) -> SettledDeletes:
+        return self.inner.settle_interrupted_deletes(locks=locks, dry_run=dry_run)
 
     def replace_if(self, key: str, data: Buffers, expected: str | None) -> bool:
         return self._call("replace", key, self.inner.replace_if, key, data, expected)
