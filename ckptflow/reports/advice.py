@@ -50,7 +50,8 @@ class Advice:
     def keep_current(self) -> bool:
         """Whether the current interval costs no more than the optimum found (``cheaper``:
         at equal cost, wastes no more time), which then is no advice to change: the current
-        interval is a median gap (2.5 steps, between the optimum's whole steps) and runs its
+        interval is the run's own (``_current``: its newest save's decision, or the median of
+        the gaps between its commits, 2.5 steps between the optimum's whole steps) and runs its
         own full/incremental mix, so it can cost less."""
         return (
             self.current is not None
@@ -260,7 +261,7 @@ def _current(
             return None, None
         interval = _median(gaps)
         every = model.whole_full_every(per_full) if per_full else model.MAX_FULL_EVERY
-        sources["current"] = f"the median gap of the newest {len(gaps)} between commits made alike (manifests)"
+        sources["current"] = f"the median of the gaps between the newest {len(recent)} commits, made alike (manifests)"
     inputs = model.with_mix(base, full_s=full_s, incremental_s=inc_s, every=every)
     return model.evaluate_steps(inputs, interval), every
 
