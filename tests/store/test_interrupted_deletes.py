@@ -272,3 +272,31 @@ def test_gc_through_a_faulty_store_settles_what_the_store_it_wraps_took_aside(tm
     assert not list(root.rglob(".*.aside-*"))
     with Checkpointer(str(root), RUN, restore_rng=False) as ck:
         assert ck.verify(1).ok
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"(dir)" for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("lock", [GC_LOCK, PROMOTIONS.lock])
+def test_a_dry_run_with_a_lock_taken_aside_writes_nothing_and_lists_what_gc_then_deletes(tmp_path, monkeypatch, lock):
+    """A lock a killed release took aside: the dry run settles nothing (every file, the
+    aside one too, byte for byte as before) and lists what the gc after it deletes."""
+    root = tmp_path / "store"
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+        ck.save(2, tagged_state(2))
+    (root / fmt.manifest_key(RUN, 2)).unlink()  # step 2's chunks: garbage
+    _release_killed_after_taking_over(root, lock, tmp_path)
+    monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later
+    later = time.time() + 7200  # every chunk is older than the grace
+    before = _files(root)
+
+    dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
+    assert _files(root) == before
+    assert dry.skipped is None and dry.restored == [] and any(k.startswith("chunks/") for k, _ in dry.deleted)
+    real = gc(open_store(str(root)), grace="1h", now=later)
+    assert (real.skipped, real.restored, sorted(real.deleted)) == (dry.skipped, dry.restored, sorted(dry.deleted))
+    assert not list(root.rglob(".*.aside-*")) and not open_store(str(root)).exists(lock)
+    with Checkpointer(str(root), RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
