@@ -155,12 +155,19 @@ def _set_aside(store: Store, manifest: Manifest, blob: bytes) -> str:
     damaged committed its own), or removed it (retention expired it; such a save moved it
     aside and has not committed yet): either way it is no longer this writer's to move."""
     key = fmt.manifest_key(manifest.run, manifest.step)
-    try:
-        found, version = store.get_versioned(key, sealed.MAX_RECORD_BYTES)
-    except ObjectNotFoundError:
-        return f"already gone from {store.url}/{key} (expired, or moved aside by another save of the step)"
-    moved = quarantine.move_aside(store, manifest.run, manifest.step, blob, version) if found == blob else None
-    return f"moved to {store.url}/{moved}" if moved else f"changed since, and left as it is at {store.url}/{key}"
+    gone = f"already gone from {store.url}/{key} (expired, or moved aside by another save of the step)"
+    with store.locked(fmt.run_lock_key(manifest.run)):  # as every move is made (``commit_manifest``)
+        try:
+            found, version = store.get_versioned(key, sealed.MAX_RECORD_BYTES)
+        except ObjectNotFoundError:
+            return gone
+        if found == blob:
+            moved = quarantine.move_aside(store, manifest.run, manifest.step, blob, version, sole_mover=True)
+            if moved:
+                return f"moved to {store.url}/{moved}"
+            if not store.exists(key):  # removed between the read and the conditional delete
+                return gone
+    return f"changed since, and left as it is at {store.url}/{key}"
 
 
 def _read(store: Store, run: str, step: int) -> tuple[bytes, str] | None:

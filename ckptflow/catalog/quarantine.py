@@ -15,15 +15,25 @@ from ckptflow.format import layout as fmt
 from ckptflow.store.base import Store
 
 
-def move_aside(store: Store, run: str, step: int, blob: bytes, version: str) -> str | None:
+def move_aside(store: Store, run: str, step: int, blob: bytes, version: str, *, sole_mover: bool = False) -> str | None:
     """Copy ``blob``, the manifest of ``run`` step ``step`` read as ``version``, into
     quarantine, then delete the manifest if it is still that version: the copy's key, or
     None if the manifest changed in between (then it is left as it is). A copy already
-    there with other bytes (damaged) is replaced first; any error leaves the manifest."""
+    there with other bytes (damaged) is replaced first; any error leaves the manifest.
+    A copy this call wrote stays when the move fails: another save moving the same version
+    aside may have found it there and taken it for its own. With ``sole_mover`` (the caller
+    holds the run's lock, ``fmt.run_lock_key``, under which every move is made) it goes, and
+    the failed move leaves nothing: the version was removed otherwise (retention expired it)."""
     target = fmt.quarantine_key(run, step, fmt.digest_of(blob))
-    if not store.put_if_absent(target, blob) and not _holds(store, target, blob):
+    wrote = store.put_if_absent(target, blob)
+    if not wrote and not _holds(store, target, blob):
         store.replace(target, blob)
-    return target if store.delete_if(fmt.manifest_key(run, step), version) else None
+        wrote = True
+    if store.delete_if(fmt.manifest_key(run, step), version):
+        return target
+    if wrote and sole_mover:
+        store.delete(target)
+    return None
 
 
 def _holds(store: Store, key: str, blob: bytes) -> bool:

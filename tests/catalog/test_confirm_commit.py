@@ -15,6 +15,7 @@ from ckptflow.chunks import leases
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.expire import expire
+from support.faulty_store import FaultyStore
 
 RUN = "r"
 
@@ -62,3 +63,38 @@ def test_a_swept_commit_says_the_lease_timing_in_force(tmp_path, monkeypatch):
     with pytest.raises(StoreUnavailableError, match=r"the process stalled for over 4 s\)") as raised:
         confirm_commit(store, manifest, blob, lease=f"the save lease of run {RUN!r} step 1", again="save")
     assert "moved to" in str(raised.value) and not store.exists(key)
+
+
+@pytest.mark.parametrize("meanwhile", ["expired", "committed again"])
+def test_a_manifest_removed_while_it_is_set_aside_is_said_to_be_so_and_no_copy_stays(tmp_path, meanwhile):
+    """The manifest is removed (retention expired it; a save may have committed the step
+    again) between the read that finds it and the conditional delete that moves it aside:
+    the message said 'changed since, and left as it is' although it was gone, and the
+    quarantine copy the failed move made stayed, evidence of a quarantine that never was."""
+    root = str(tmp_path / "store")
+    with Checkpointer(root, RUN) as ck:
+        ck.save(1, {"w": torch.arange(64.0)})
+    inner = open_store(root)
+    key = fmt.manifest_key(RUN, 1)
+    blob = inner.get(key)
+    manifest = Manifest.parse(blob, key)
+    inner.delete(fmt.chunk_key(sorted(manifest.chunks)[0]))  # what a GC that judged the writer dead swept
+    store = FaultyStore(inner)
+
+    def remove_first(op: str, name: str) -> bool:
+        if op == "delete" and name == key and inner.exists(key):  # the move's conditional delete, about to run
+            inner.delete(key)
+            if meanwhile == "committed again":
+                inner.put_if_absent(key, b"another save's commit")
+        return False
+
+    store.fail_if = remove_first
+    before = sorted(i.key for i in inner.list("") if i.key != key)
+    with pytest.raises(StoreUnavailableError) as raised:
+        confirm_commit(store, manifest, blob, lease=f"the save lease of run {RUN!r} step 1", again="save")
+
+    message = str(raised.value)
+    said = "changed since, and left as it is at" if meanwhile == "committed again" else "already gone from"
+    assert f"the manifest was {said} {inner.url}/{key}" in message, message
+    assert not list(inner.list(f"runs/{RUN}/quarantine/")), "the failed move left its copy"
+    assert sorted(i.key for i in inner.list("") if i.key != key) == before
