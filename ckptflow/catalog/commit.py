@@ -162,7 +162,9 @@ def _set_aside(store: Store, manifest: Manifest, blob: bytes) -> str:
         except ObjectNotFoundError:
             return gone
         if found == blob:
-            moved = quarantine.move_aside(store, manifest.run, manifest.step, blob, version, sole_mover=True)
+            moved = quarantine.move_aside(
+                store, manifest.run, manifest.step, blob, version, sole_mover=store.locks_exclude
+            )
             if moved:
                 return f"moved to {store.url}/{moved}"
             if not store.exists(key):  # removed between the read and the conditional delete

@@ -22,8 +22,9 @@ def move_aside(store: Store, run: str, step: int, blob: bytes, version: str, *, 
     there with other bytes (damaged) is replaced first; any error leaves the manifest.
     A copy this call wrote stays when the move fails: another save moving the same version
     aside may have found it there and taken it for its own. With ``sole_mover`` (the caller
-    holds the run's lock, ``fmt.run_lock_key``, under which every move is made) it goes, and
-    the failed move leaves nothing: the version was removed otherwise (retention expired it)."""
+    holds the run's lock, ``fmt.run_lock_key``, under which every move is made, and the
+    store's locks exclude others: ``Store.locks_exclude``) it goes, and the failed move
+    leaves nothing: the version was removed otherwise (retention expired it)."""
     target = fmt.quarantine_key(run, step, fmt.digest_of(blob))
     wrote = store.put_if_absent(target, blob)
     if not wrote and not _holds(store, target, blob):

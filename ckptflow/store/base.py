@@ -80,6 +80,9 @@ class Store(ABC):
     can_thaw: bool = False
     #: Small objects can be replaced conditionally (``get_versioned`` / ``replace_if``).
     compare_and_swap: bool = False
+    #: ``locked`` excludes every other thread and process of this store (a local flock);
+    #: without it the lock holds nothing and only conditional writes keep callers right.
+    locks_exclude: bool = False
 
     @abstractmethod
     def get(self, key: str) -> bytes:

@@ -34,6 +34,7 @@ class LocalCompareAndSwap(Store):
     is its version."""
 
     compare_and_swap = True
+    locks_exclude = True
     root: str
     disk: Disk
     _writer: DurableWriter
