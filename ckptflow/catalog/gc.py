@@ -183,7 +183,8 @@ def gc(
     Waits up to ``wait`` seconds for saves in flight (live leases, held from planning until
     the commit) to finish; if they do not, nothing is swept and ``report.skipped`` says why.
     First, a conditional delete killed midway is settled (``Store.settle_interrupted_deletes``:
-    ``report.restored``); one too recent to settle sweeps nothing. A dry run settles nothing
+    ``report.restored``); one too recent to settle sweeps nothing (a lock's excepted: it is
+    never put back, so it hides no commit, and a later GC removes it). A dry run settles nothing
     but decides as a gc would: it lists nothing where a gc sweeps nothing, nor where a gc
     would first put back what a killed delete took (it cannot mark what is not back yet).
     ``progress`` is called

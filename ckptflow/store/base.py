@@ -46,7 +46,8 @@ class SettledDeletes:
 
     restored: list[str] = field(default_factory=list)  # keys whose version, taken aside, was put back
     # keys taken aside too recently to tell a delete under way from one killed: what they hold
-    # (a commit, whose chunks GC could not mark) is settled by a later GC
+    # (a commit, whose chunks GC could not mark) is settled by a later GC; a lock is never
+    # listed here (it is never put back, so it holds nothing GC must keep)
     pending: list[str] = field(default_factory=list)
 
 

@@ -119,10 +119,12 @@ class LocalCompareAndSwap(Store):
     def settle_interrupted_deletes(self, *, locks: Collection[str] = (), dry_run: bool = False) -> SettledDeletes:
         """See ``Store.settle_interrupted_deletes``. Only files taken aside at least
         ``ASIDE_SETTLED_S`` ago (their ctime: the rename) are settled: a younger one may be a
-        live ``delete_if``'s, between its rename and its compare, and is left ``pending``.
-        A lock's holder renews it every few seconds (``leases.HEARTBEAT``), far less than
-        that, so it has found its lock gone and given it up: the lock goes, never back (the
-        GC that settles holds its own: the aside was kept, and warned of, at every GC).
+        live ``delete_if``'s, between its rename and its compare, and is left ``pending``;
+        a young lock is left too, yet not ``pending``: it is never put back, so it hides no
+        commit and need stop no GC. A lock's holder renews it every few seconds
+        (``leases.HEARTBEAT``), far less than that, so it has found its lock gone and given
+        it up: the lock goes, never back (the GC that settles holds its own: the aside was
+        kept, and warned of, at every GC).
         Chunks are never deleted conditionally, so their directory is not walked."""
         settled = SettledDeletes()
         for dirpath, dirs, files in os.walk(self.root):
@@ -137,7 +139,8 @@ class LocalCompareAndSwap(Store):
                 key = os.path.relpath(original, self.root).replace(os.sep, "/")
                 try:
                     if time.time() - os.stat(aside).st_ctime < ASIDE_SETTLED_S:
-                        settled.pending.append(key)
+                        if key not in locks:  # a lock is left for a later settle: it holds no data
+                            settled.pending.append(key)
                         continue
                     if (
                         key not in locks

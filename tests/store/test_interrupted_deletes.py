@@ -300,3 +300,25 @@ def test_a_dry_run_with_a_lock_taken_aside_writes_nothing_and_lists_what_gc_then
     assert not list(root.rglob(".*.aside-*")) and not open_store(str(root)).exists(lock)
     with Checkpointer(str(root), RUN, restore_rng=False) as ck:
         assert ck.verify(1).ok
+
+
+@pytest.mark.parametrize("lock", [GC_LOCK, PROMOTIONS.lock])
+def test_a_lock_taken_aside_moments_ago_does_not_stop_gc(tmp_path, lock):
+    """A lock a killed release took aside less than a minute ago made gc (and its dry run)
+    sweep nothing: 'cannot tell whether it is a commit whose data must stay'. A lock aside
+    is never put back, so gc sweeps and leaves it to a later gc, which removes it."""
+    root = tmp_path / "store"
+    with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
+        ck.save(1, tagged_state(1))
+        ck.save(2, tagged_state(2))
+    (root / fmt.manifest_key(RUN, 2)).unlink()  # step 2's chunks: garbage
+    _release_killed_after_taking_over(root, lock, tmp_path)  # moments ago: too young to settle
+    later = time.time() + 7200  # every chunk is older than the grace
+
+    dry = gc(open_store(str(root)), grace="1h", now=later, dry_run=True)
+    assert dry.skipped is None and any(k.startswith("chunks/") for k, _ in dry.deleted), dry.skipped
+    real = gc(open_store(str(root)), grace="1h", now=later)
+    assert (real.skipped, real.restored, sorted(real.deleted)) == (None, [], sorted(dry.deleted))
+    assert len(list(root.rglob(".*.aside-*"))) == 1 and not open_store(str(root)).exists(lock)  # left as it was
+    with Checkpointer(str(root), RUN, restore_rng=False) as ck:
+        assert ck.verify(1).ok
