@@ -63,5 +63,7 @@ def read_config_json(path: str, *, max_bytes: int) -> Any:
         raise ValueError(f"cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"byte {e.start} is not UTF-8 text") from None
+    except json.JSONDecodeError as e:  # json's own words name no file kind (an empty file: 'Expecting value')
+        raise ValueError(f"it is not JSON ({e})") from None
     except RecursionError:
         raise ValueError("its JSON is nested too deeply") from None

@@ -43,7 +43,8 @@ def test_the_policy_comes_from_the_file_ckptflow_retention_names(tmp_path, monke
         ('{"best_k": -2}', "best_k: Input should be greater than or equal to 0"),
         ('{"archive_partitions": -1}', "archive_partitions: Input should be greater than or equal to 0"),
         ("[1, 2]", "holds a JSON list, not an object"),
-        ("{", "Expecting"),
+        ("{", "it is not JSON \\(Expecting"),
+        ("", "it is not JSON \\(Expecting value: line 1 column 1"),  # said only json's words: an empty file
     ],
 )
 def test_a_file_that_is_not_a_policy_is_refused_naming_what_is_wrong(tmp_path, monkeypatch, text, named):
