@@ -20,18 +20,23 @@ from support.faulty_store import FaultyStore
 RUN = "r"
 
 
-def test_a_commit_removed_by_another_process_before_its_check_is_told_not_committed(tmp_path):
-    """The writer stalled past its lease; meanwhile retention expired the step it had just
-    committed and a GC swept its chunks. Confirming the commit used to let the bare
-    ``ObjectNotFoundError`` of the manifest's re-read escape ('... manifest.json does not
-    exist'), which said neither that nothing was committed nor what to do."""
+def _step_one_committed(tmp_path):
+    """A store holding run ``RUN`` step 1, its manifest's key, bytes and parsed form."""
     root = str(tmp_path / "store")
     with Checkpointer(root, RUN) as ck:
         ck.save(1, {"w": torch.arange(64.0)})
     store = open_store(root)
     key = fmt.manifest_key(RUN, 1)
     blob = store.get(key)
-    manifest = Manifest.parse(blob, key)
+    return store, key, blob, Manifest.parse(blob, key)
+
+
+def test_a_commit_removed_by_another_process_before_its_check_is_told_not_committed(tmp_path):
+    """The writer stalled past its lease; meanwhile retention expired the step it had just
+    committed and a GC swept its chunks. Confirming the commit used to let the bare
+    ``ObjectNotFoundError`` of the manifest's re-read escape ('... manifest.json does not
+    exist'), which said neither that nothing was committed nor what to do."""
+    store, key, blob, manifest = _step_one_committed(tmp_path)
     expire(store, RUN, 1)
     assert gc(store, grace=0, now=time.time() + 5).deleted  # its chunks are swept
     before = sorted(i.key for i in store.list(""))
@@ -51,13 +56,7 @@ def test_a_swept_commit_says_the_lease_timing_in_force(tmp_path, monkeypatch):
     that sets a shorter one, as the stalled-save tests' children do); it used to name the
     value imported when the module loaded (15 s)."""
     monkeypatch.setattr(leases, "DEAD_AFTER", 8.0)
-    root = str(tmp_path / "store")
-    with Checkpointer(root, RUN) as ck:
-        ck.save(1, {"w": torch.arange(64.0)})
-    store = open_store(root)
-    key = fmt.manifest_key(RUN, 1)
-    blob = store.get(key)
-    manifest = Manifest.parse(blob, key)
+    store, key, blob, manifest = _step_one_committed(tmp_path)
     store.delete(fmt.chunk_key(sorted(manifest.chunks)[0]))  # what a GC that judged the writer dead swept
 
     with pytest.raises(StoreUnavailableError, match=r"the process stalled for over 4 s\)") as raised:
@@ -76,13 +75,7 @@ def test_a_manifest_removed_while_it_is_set_aside_is_said_to_be_so_and_no_copy_s
     quarantine copy the failed move made stayed, evidence of a quarantine that never was.
     Where the run's lock holds nothing (S3), another save moving the same version aside may
     have taken that copy for its own: it stays."""
-    root = str(tmp_path / "store")
-    with Checkpointer(root, RUN) as ck:
-        ck.save(1, {"w": torch.arange(64.0)})
-    inner = open_store(root)
-    key = fmt.manifest_key(RUN, 1)
-    blob = inner.get(key)
-    manifest = Manifest.parse(blob, key)
+    inner, key, blob, manifest = _step_one_committed(tmp_path)
     inner.delete(fmt.chunk_key(sorted(manifest.chunks)[0]))  # what a GC that judged the writer dead swept
     store = FaultyStore(inner)
     store.locks_exclude = locks_exclude  # one thread here: no other mover, whatever the lock holds

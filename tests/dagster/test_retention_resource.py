@@ -8,11 +8,10 @@ import threading
 import pytest
 
 from ckptflow.errors import CkptflowError
-from ckptflow.policy import config_files
 from ckptflow.policy.retention import KeepBestK, KeepRecent
 from resources import RetentionResource
 from resources.retention import MAX_POLICY_BYTES
-from support.config_files import call_with_unwritten_fifo, capped_python
+from support.config_files import capped_python, load_error_from_unwritten_fifo
 
 
 def from_file(tmp_path, monkeypatch, text: str) -> RetentionResource:
@@ -77,11 +76,9 @@ def test_ckptflow_retention_dev_zero_is_refused_at_once_with_what_to_do():
 
 
 def test_ckptflow_retention_naming_a_fifo_no_process_writes_stops_the_load_with_why(tmp_path, monkeypatch):
-    fifo = tmp_path / "retention.fifo"
-    os.mkfifo(fifo)
-    monkeypatch.setattr(config_files, "PIPE_WAIT_S", 0.5)
-    monkeypatch.setenv("CKPTFLOW_RETENTION", str(fifo))
-    error = call_with_unwritten_fifo(fifo, RetentionResource.from_env, within=10)
+    fifo, error = load_error_from_unwritten_fifo(
+        tmp_path, monkeypatch, "CKPTFLOW_RETENTION", RetentionResource.from_env
+    )
     assert isinstance(error, CkptflowError), error
     assert f"CKPTFLOW_RETENTION={fifo}: it was not read to its end within 0.5 s" in str(error), error
 

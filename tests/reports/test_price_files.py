@@ -18,11 +18,10 @@ import threading
 import pytest
 
 from ckptflow.errors import CkptflowError
-from ckptflow.policy import config_files
 from ckptflow.reports.costs import MAX_PRICES_BYTES
 from support.child_env import child_env
 from support.cli import make_store, run_cli
-from support.config_files import REPO, call_with_unwritten_fifo, capped_python
+from support.config_files import REPO, capped_python, load_error_from_unwritten_fifo
 
 PRICES = {"prices": {"ONPREM": 0.5}, "tiers": {"hot": "ONPREM"}}
 
@@ -92,11 +91,7 @@ def test_ckptflow_prices_naming_a_fifo_no_process_writes_stops_the_load_with_why
     hung there, saying nothing."""
     from resources import PricingResource
 
-    fifo = tmp_path / "prices.fifo"
-    os.mkfifo(fifo)
-    monkeypatch.setattr(config_files, "PIPE_WAIT_S", 0.5)
-    monkeypatch.setenv("CKPTFLOW_PRICES", str(fifo))
-    error = call_with_unwritten_fifo(fifo, PricingResource.from_env, within=10)
+    fifo, error = load_error_from_unwritten_fifo(tmp_path, monkeypatch, "CKPTFLOW_PRICES", PricingResource.from_env)
     assert isinstance(error, CkptflowError), error
     assert f"CKPTFLOW_PRICES={fifo}: it was not read to its end within 0.5 s" in str(error), error
     assert "name a JSON file such as" in str(error), error

@@ -149,9 +149,7 @@ def test_a_dry_run_lists_what_gc_then_deletes_while_a_commit_is_taken_aside(tmp_
     path = root / key
     with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
         ck.save(1, tagged_state(1))
-    other = hashlib.sha256(b"the version retention expired").hexdigest()
-    aside = path.parent / f".{path.name}.aside-{other}-{'0' * 32}"
-    path.rename(aside)  # the re-commit, taken aside in the expired version's place
+    aside = _taken_aside(path)  # the re-commit, taken aside in the expired version's place
     chunks = sorted(p.name for p in (root / "chunks").rglob("*") if p.is_file())
     later = time.time() + 7200  # the chunks are older than the grace
 
@@ -235,8 +233,7 @@ def test_what_a_dry_run_says_to_do_about_a_commit_to_put_back_sweeps_nothing(tmp
         ck.save(1, tagged_state(1))
         ck.save(2, tagged_state(2))
     (root / fmt.manifest_key(RUN, 2)).unlink()  # step 2's chunks: garbage
-    other = hashlib.sha256(b"the version retention expired").hexdigest()
-    path.rename(path.parent / f".{path.name}.aside-{other}-{'0' * 32}")
+    _taken_aside(path)
     monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".aside-" not in p.name)
     later = time.time() + 7200  # every chunk is older than the grace
@@ -263,8 +260,7 @@ def test_gc_through_a_faulty_store_settles_what_the_store_it_wraps_took_aside(tm
     path = root / key
     with Checkpointer(str(root), RUN, chunk_bytes=CHUNK) as ck:
         ck.save(1, tagged_state(1))
-    other = hashlib.sha256(b"the version retention expired").hexdigest()
-    path.rename(path.parent / f".{path.name}.aside-{other}-{'0' * 32}")  # the commit, taken aside by a killed delete
+    _taken_aside(path)  # the commit, taken aside by a killed delete
     monkeypatch.setattr(local_cas, "ASIDE_SETTLED_S", 0.0)  # a minute later
 
     report = gc(FaultyStore(open_store(str(root))), grace="0")
@@ -322,3 +318,12 @@ def test_a_lock_taken_aside_moments_ago_does_not_stop_gc(tmp_path, lock):
     assert len(list(root.rglob(".*.aside-*"))) == 1 and not open_store(str(root)).exists(lock)  # left as it was
     with Checkpointer(str(root), RUN, restore_rng=False) as ck:
         assert ck.verify(1).ok
+
+
+def _taken_aside(path: Path) -> Path:
+    """``path`` renamed as a conditional delete of another version (one retention expired)
+    leaves it when killed after its rename: the aside file."""
+    other = hashlib.sha256(b"the version retention expired").hexdigest()
+    aside = path.parent / f".{path.name}.aside-{other}-{'0' * 32}"
+    path.rename(aside)
+    return aside

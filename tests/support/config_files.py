@@ -57,3 +57,17 @@ def call_with_unwritten_fifo(fifo: Path, call: Callable[[], Any], *, within: flo
         thread.join(10)
     assert not blocked, f"still blocked on the FIFO {fifo} after {within} s"
     return outcome[0]
+
+
+def load_error_from_unwritten_fifo(
+    tmp_path: Path, monkeypatch, env: str, load: Callable[[], Any]
+) -> tuple[Path, BaseException | None]:
+    """The FIFO, no process writing it, that the setting ``env`` names, and what ``load``
+    raised (the wait for a pipe, ``config_files.PIPE_WAIT_S``, cut to 0.5 s)."""
+    from ckptflow.policy import config_files
+
+    fifo = tmp_path / f"{env.lower()}.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(config_files, "PIPE_WAIT_S", 0.5)
+    monkeypatch.setenv(env, str(fifo))
+    return fifo, call_with_unwritten_fifo(fifo, load, within=10)
