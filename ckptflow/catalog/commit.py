@@ -123,11 +123,14 @@ def confirm_commit(
     and every later one marks the manifest) each chunk (in ``chunks``, default ``store``)
     and rank record it names is looked for: all there, the commit stands; any gone, the
     manifest is moved to quarantine and ``StoreUnavailableError`` says to ``again`` (the
-    work: save, archive), nothing committed."""
+    work: save, archive), nothing committed; one that cannot be moved (its run's lock or
+    the store refused: an ``OSError`` of a local store, or an outage) stays committed, and
+    the error says so."""
     chunks = store if chunks is None else chunks
     key = fmt.manifest_key(manifest.run, manifest.step)
     wanted = [(chunks, fmt.chunk_key(digest)) for digest in sorted(manifest.chunks)]
     wanted += [(store, record) for record in manifest.rank_keys()]
+    stuck: StoreUnavailableError | OSError | None = None
     try:
         with save_lease(store, work=f"check of the commit {store.url}/{key}"):
             there = (pool.map if pool else map)(lambda w: w[0].exists(w[1]), wanted)
@@ -136,17 +139,26 @@ def confirm_commit(
                 log.warning("%s in %s was lost while its manifest was committed; everything it names is stored, so "
                             "the commit stands", lease, store.url)  # fmt: skip
                 return
-            where = _set_aside(store, manifest, blob)
+            try:
+                where = _set_aside(store, manifest, blob)
+            except (StoreUnavailableError, OSError) as e:  # checked, and found swept: not 'could not be checked'
+                stuck = e
     except StoreUnavailableError as e:
         raise StoreUnavailableError(
             f"{lease} in {store.url} was lost while its manifest was committed, and whether a GC swept what it names "
             f"could not be checked ({e}): run 'ckptflow verify' on it, and {again} again if it is damaged"
         ) from e
-    raise StoreUnavailableError(
+    swept = (
         f"{lease} in {store.url} was lost while its manifest was committed (the process stalled for over "
-        f"{leases.DEAD_AFTER / 2:.0f} s), and a GC swept {len(gone)} object(s) it names ({gone[0]}); the manifest was "
-        f"{where}, so nothing was committed: {again} again"
+        f"{leases.DEAD_AFTER / 2:.0f} s), and a GC swept {len(gone)} object(s) it names ({gone[0]})"
     )
+    if stuck is not None:
+        said = str(stuck) if isinstance(stuck, CkptflowError) else f"{type(stuck).__name__}: {stuck}"
+        raise StoreUnavailableError(
+            f"{swept}; the manifest could not be moved aside ({said}), so it stays committed at {store.url}/{key}, "
+            f"naming what is gone: run 'ckptflow verify' on it, and {again} again once the store takes writes"
+        ) from stuck
+    raise StoreUnavailableError(f"{swept}; the manifest was {where}, so nothing was committed: {again} again")
 
 
 def _set_aside(store: Store, manifest: Manifest, blob: bytes) -> str:

@@ -4,6 +4,7 @@ to quarantine and the save fails with nothing committed."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.expire import expire
 from support.faulty_store import FaultyStore
+from support.refused import unwritable
 
 RUN = "r"
 
@@ -101,3 +103,42 @@ def test_a_manifest_removed_while_it_is_set_aside_is_said_to_be_so_and_no_copy_s
         assert sorted(i.key for i in inner.list("") if i.key != key) == before
     else:
         assert len(copies) == 1, "a copy another mover may hold as its own was deleted"
+
+
+class ReReadUnavailable(FaultyStore):
+    """A store whose read of the manifest, as ``_set_aside`` reads it to move it, does not answer."""
+
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        raise StoreUnavailableError(f"{self.url}/{key}: the store did not answer")
+
+
+@pytest.mark.parametrize("refused", ["run lock denied", "re-read raises OSError", "re-read unavailable"])
+def test_a_swept_commit_that_cannot_be_moved_aside_says_it_stays_committed(tmp_path, refused):
+    """GC swept what the manifest names, and moving it aside failed: its run's lock file
+    could not be made (a raw ``PermissionError: [Errno 1] Operation not permitted: '.../locks/runs'``
+    escaped the save and the archival, told as no ckptflow error), or the store failed the
+    manifest's re-read (an outage was told 'whether a GC swept what it names could not be
+    checked', though it was checked). Either way the manifest stays committed: said so."""
+    root = tmp_path / "store"
+    with Checkpointer(str(root), RUN) as ck:
+        ck.save(1, {"w": torch.arange(64.0)})
+    inner = open_store(str(root))
+    key = fmt.manifest_key(RUN, 1)
+    blob = inner.get(key)
+    manifest = Manifest.parse(blob, key)
+    swept = fmt.chunk_key(sorted(manifest.chunks)[0])
+    inner.delete(swept)  # what a GC that judged the writer dead swept
+    store = ReReadUnavailable(inner) if refused == "re-read unavailable" else FaultyStore(inner)
+    if refused == "re-read raises OSError":
+        store.fail_if = lambda op, name: op == "get" and name == key
+    (root / "locks" / "leases").mkdir(parents=True)  # the fresh lease is written; only the run's lock is refused
+    lease = f"the save lease of run {RUN!r} step 1"
+    with unwritable(root / "locks") if refused == "run lock denied" else contextlib.nullcontext():
+        with pytest.raises(StoreUnavailableError) as raised:
+            confirm_commit(store, manifest, blob, lease=lease, again="save")
+
+    message = str(raised.value)
+    assert f"a GC swept 1 object(s) it names ({swept}); the manifest could not be moved aside (" in message, message
+    assert f"so it stays committed at {inner.url}/{key}, naming what is gone" in message, message
+    assert "could not be checked" not in message, message
+    assert inner.get(key) == blob and not list(inner.list(f"runs/{RUN}/quarantine/"))
