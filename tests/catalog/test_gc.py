@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,6 +238,32 @@ def test_gc_removes_stale_temp_files_only(tmp_path):
     assert all(p.exists() for p in fresh)  # may belong to a write in progress
     with Checkpointer(store, run=RUN) as ck:
         assert ck.verify(1).ok
+
+
+def test_gc_through_a_faulty_store_deletes_what_gc_on_the_store_itself_does(tmp_path):
+    """FaultyStore left ``stale_temp_files`` to Store's default (none), so gc through it swept no
+    dead writer's temp file, claim or empty directory that gc on the store itself sweeps."""
+    root = tmp_path / "store"
+    with Checkpointer(open_store(str(root)), run=RUN, chunk_bytes=CHUNK, threads=4) as ck:
+        ck.save(1, tagged_state(1))
+    digest = next(iter(manifest_chunks(root, 1)))
+    chunk_dir = root / os.path.dirname(digest)
+    (chunk_dir / ".tmp-deadbeef").write_bytes(b"x" * 10)
+    (chunk_dir / (os.path.basename(digest) + ".claim")).write_bytes(b"")
+    (root / os.path.dirname(fmt.manifest_key(RUN, 7))).mkdir(parents=True)  # a killed save's empty step
+    old = time.time() - 2 * 3600
+    for path in (chunk_dir / ".tmp-deadbeef", chunk_dir / (os.path.basename(digest) + ".claim")):
+        os.utime(path, (old, old))
+    os.utime(root / os.path.dirname(fmt.manifest_key(RUN, 7)), (old, old))
+    shutil.copytree(root, tmp_path / "copy")  # times kept
+
+    plain = gc(open_store(str(tmp_path / "copy")), grace="1h")
+    wrapped = gc(FaultyStore(open_store(str(root))), grace="1h")
+    assert {f"{os.path.dirname(digest)}/.tmp-deadbeef", f"{os.path.dirname(fmt.manifest_key(RUN, 7))}/"} <= {
+        key for key, _ in plain.deleted
+    }
+    assert sorted(wrapped.deleted) == sorted(plain.deleted)
+    assert sorted(all_files(root)) == sorted(all_files(tmp_path / "copy"))
 
 
 def test_gc_sweep_racing_a_deduplicating_save(tmp_path):

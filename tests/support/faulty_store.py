@@ -11,8 +11,13 @@ it completed (the caller never learns it succeeded). ``sticky`` makes every late
 operation fail too, which is what a crashed process looks like to the store: nothing
 after the crash point happens.
 
-``locked`` and ``settle_interrupted_deletes`` go straight to ``inner``, unnumbered and never
-faulted.
+``locked``, ``settle_interrupted_deletes`` and the other optional capabilities whose absence
+would change what a caller does (``batch``, ``stale_temp_files``, ``delete_temp``,
+``request_thaw``, and the flags ``cheap_reread``, ``writes_cold``, ``can_thaw``, ``locks_exclude``)
+go straight to ``inner``, unnumbered and never faulted: through the defaults, gc never swept a
+stale temp file. ``metadata_store`` is this store where ``inner``'s is ``inner`` itself, else
+``inner``'s (unfaulted). The reads the defaults build on ``get`` (``scan``, ``get_into``,
+``read_head``, ``get_bounded``) stay numbered and faultable.
 
 Pauses: ``pause_before(op, key_predicate)`` returns a ``PausePoint``; the first call
 matching it blocks until ``PausePoint.release()`` (``reached`` is set while it waits).
@@ -20,6 +25,7 @@ matching it blocks until ``PausePoint.release()`` (``reached`` is set while it w
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Collection, Iterator
 
@@ -55,6 +61,9 @@ class FaultyStore(Store):
     def __init__(self, inner: Store, *, count_reads: bool = False):
         self.inner = inner
         self.url = inner.url
+        # the flags of what inner can do, which a test may set otherwise
+        self.cheap_reread, self.writes_cold = inner.cheap_reread, inner.writes_cold
+        self.can_thaw, self.locks_exclude = inner.can_thaw, inner.locks_exclude
         self.count_reads = count_reads
         self._lock = threading.Lock()
         self.ops = 0
@@ -169,6 +178,22 @@ class FaultyStore(Store):
     @property
     def compare_and_swap(self) -> bool:  # type: ignore[override]
         return self.inner.compare_and_swap
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.batch()
+
+    def stale_temp_files(self, older_than: float) -> Iterator[ObjectInfo]:
+        return self.inner.stale_temp_files(older_than)
+
+    def delete_temp(self, name: str) -> None:
+        return self.inner.delete_temp(name)
+
+    def metadata_store(self) -> Store:
+        metadata = self.inner.metadata_store()
+        return self if metadata is self.inner else metadata
+
+    def request_thaw(self, key: str, *, days: int = 1, tier: str = "Standard") -> bool:
+        return self.inner.request_thaw(key, days=days, tier=tier)
 
     def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
         return self._call("get", key, self.inner.get_versioned, key, limit)
