@@ -1,12 +1,13 @@
 """The checkpoint-interval advice for one run: the model's inputs read from the store.
 
 ``ckptflow.policy.interval`` is the model; this module measures its inputs, so the user is
-asked for prices only: the save cost and step time from the ``save_cost`` record every
-commit carries, bytes per kind from the manifests' stats, the restore time and the failure
-rate from the run's recovery records (``ckptflow.catalog.recovery_log``), and the storage
-price from the cost model (``ckptflow.reports.costs``). Where a run has too little history
-the advice falls back (a scenario preset, a save's duration standing in for a restore) and
-says so in ``notes``, and ``sources`` names where each input came from.
+asked for prices only: the save cost and step time from the ``save_cost`` record every commit
+carries (the step time from the newest saves: the pace now), bytes per kind from the manifests'
+stats, the restore time and the failure rate from the run's recovery records
+(``ckptflow.catalog.recovery_log``), and the storage price from the cost model
+(``ckptflow.reports.costs``). Where a run has too little history the advice falls back (a
+scenario preset, a save's duration standing in for a restore) and says so in ``notes``, and
+``sources`` names where each input came from.
 
 A recovery record that loaded a checkpoint counts as a failure: the job restarted. A
 planned restart counts too, which errs toward checkpointing more often.
@@ -32,6 +33,7 @@ from ckptflow.store.base import Store
 
 MIN_FAILURES = 3  # fewer recoveries than this: the measured failure rate is noise, use a preset
 DEFAULT_SCENARIO = "unstable-network"
+RECENT_STEP_TIMES = 3  # the step time now: the newest measurements' median (outvotes one odd step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,9 +125,7 @@ def advise(
     if inc_bytes is None:
         notes.append("no incremental checkpoints yet: the split between full and incremental is not measured")
     sources["save_s"] = f"median blocked time of {len(fulls)} full / {len(incs)} incremental saves (manifests)"
-    step_times = [m.save_cost.step_time_s for m in measured if m.save_cost and m.save_cost.step_time_s]
-    step_time = _median(step_times) if step_times else None
-    sources["step_time_s"] = f"median of {len(step_times)} measurements between saves (manifests)"
+    step_time, sources["step_time_s"] = _step_time(measured)
     if step_time is None:
         notes.append("no step time measured yet (needs two saves, or a restore then a save): intervals in time only")
     recoveries = [r for r in read_all(store, run) if r.get("ok") and r.get("step") is not None]
@@ -180,6 +180,15 @@ def check_failure_rate(*, mtbf_s: float | None, scenario: str | None) -> None:
         raise CkptflowError(f"unknown scenario {scenario!r}: choose one of {sorted(model.SCENARIOS)} or give an MTBF")
     if mtbf_s is not None and not 0 < mtbf_s < math.inf:
         raise CkptflowError(f"an MTBF must be a positive duration, got {mtbf_s!r} seconds")
+
+
+def _step_time(measured: list[Manifest]) -> tuple[float | None, str]:
+    """The pace now, as the current interval is read from the newest saves: the whole history's
+    median lags a run whose steps slowed (1 s, then 3 s) while the older pace outnumbers the newer."""
+    by_commit = sorted(measured, key=lambda m: m.committed_at)
+    times = [m.save_cost.step_time_s for m in by_commit if m.save_cost and m.save_cost.step_time_s]
+    recent = times[-RECENT_STEP_TIMES:]
+    return (_median(recent) if recent else None), f"median of the newest {len(recent)} of {len(times)} (manifests)"
 
 
 def _mtbf(
