@@ -57,8 +57,9 @@ def apply_retention(
     evaluates), then GC the hot tier. The policy
     is the ``retention`` resource's, the one ``retention_plan`` and the inventory show. A
     checkpoint whose expiry failed keeps its partition; the run fails after the rest is
-    done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time; GC logs the
-    bytes it deleted as it goes, and its time is metadata."""
+    done, naming it. Partitions are dropped, and logged, ``BATCH`` at a time; GC waits
+    ``gc_wait`` for saves in flight, logs the bytes it deleted as it goes, and its time and
+    wait are metadata."""
     try:
         retention.check()  # before anything is expired: a policy the last step cannot read changes nothing
     except ValueError as e:
@@ -106,7 +107,7 @@ def apply_retention(
                 f"{retention.archive_partitions} keep one; their archive copies and records stay"
             )
     with logged_progress(context, f"GC of {hot.url} (bytes deleted)") as meter:
-        gc_report = gc(hot, grace=retention.grace_s(), progress=meter)
+        gc_report = gc(hot, grace=retention.grace_s(), wait=retention.wait_s(), progress=meter)
     for key in gc_report.restored:
         context.log.warning(f"GC put back {key}: a conditional delete killed mid-way had taken it aside")
     context.add_output_metadata(
@@ -124,6 +125,7 @@ def apply_retention(
             "gc_deleted_bytes": MetadataValue.int(gc_report.bytes),
             "gc_seconds": MetadataValue.float(rounded(meter.seconds, 3)),
             "gc_skipped": gc_report.skipped or "",
+            "gc_wait_s": MetadataValue.float(retention.wait_s()),
             "gc_restored": len(gc_report.restored),
             "expired_keys": MetadataValue.md("\n".join(f"- {k}" for k in expired) or "none"),
         }

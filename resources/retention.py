@@ -18,6 +18,7 @@ from dagster import ConfigurableResource
 from pydantic import Field, ValidationError
 
 from ckptflow.catalog.gc import parse_duration
+from ckptflow.chunks.leases import SAVE_WAIT
 from ckptflow.errors import CkptflowError
 from ckptflow.format.layout import parse_checkpoint_name
 from ckptflow.policy.config_files import read_config_json
@@ -30,7 +31,8 @@ MAX_POLICY_BYTES = 1 << 20  # a policy is a few hundred bytes
 class RetentionResource(ConfigurableResource):
     """What retention keeps (a union of rules, plus the never-delete rules every plan
     applies: pinned, published, aliased, and each run's newest valid checkpoint), how
-    long GC leaves unreferenced chunks, and which checkpoints keep only an archive copy."""
+    long GC leaves unreferenced chunks and waits for saves in flight, and which checkpoints keep
+    only an archive copy."""
 
     recent_days: float = Field(default=7, ge=0, description="keep everything younger than this")
     full_days: float = Field(default=30, ge=0, description="keep full checkpoints younger than this")
@@ -39,6 +41,10 @@ class RetentionResource(ConfigurableResource):
     mode: str = Field(default="min", description="'min' or 'max': which end of `metric` is best")
     pinned: list[str] = Field(default_factory=list, description="checkpoint partition keys kept forever")
     gc_grace: str = Field(default="1h", description="unreferenced chunks younger than this survive GC")
+    gc_wait: str = Field(
+        default="60s",
+        description="how long GC waits for saves in flight: the longest save's duration, async upload included",
+    )
     hot_days: float | None = Field(
         default=None, ge=0, description="kept, archived checkpoints older than this keep only their archive copy"
     )
@@ -73,12 +79,27 @@ class RetentionResource(ConfigurableResource):
         self.refs()
         self.policy()
         self.grace_s()
+        self.wait_s()
 
     def grace_s(self) -> float:
         try:
             return parse_duration(self.gc_grace)
         except ValueError as e:
             raise ValueError(f"gc_grace: {e}") from None
+
+    def wait_s(self) -> float:
+        """``gc_wait`` in seconds: past ``SAVE_WAIT`` a save that starts while GC waits gives up
+        before the sweep lets it in, so a wait that long is refused."""
+        try:
+            wait = parse_duration(self.gc_wait)
+        except ValueError as e:
+            raise ValueError(f"gc_wait: {e}") from None
+        if not 0 <= wait <= SAVE_WAIT:
+            raise ValueError(
+                f"gc_wait: {self.gc_wait!r} is not from 0 to {SAVE_WAIT:g}s, the longest a save that starts "
+                "meanwhile waits for GC; give the longest save's duration, under that"
+            )
+        return wait
 
     def policy(self) -> AnyOf:
         return default_policy(
