@@ -262,7 +262,8 @@ def test_gc_sweeps_nothing_while_a_save_holds_a_lease(store, capsys):
         (["advise", "{root}", "--run", RUN, "--prices", "{tmp}"], "name a JSON file such as"),  # was [Errno 21]
         (
             ["stats", "{root}", "--prices", "{root}/../{{bad"],
-            "(char 1); name a JSON file such as",
+            "it is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); name a "
+            "JSON file such as",
         ),  # the JSON's fault, and where
         (["advise", "{root}", "--run", RUN, "--prices", "{tmp}/binary.json"], "--prices {tmp}/binary.json: "),  # was
         # a UnicodeDecodeError traceback
