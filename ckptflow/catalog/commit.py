@@ -130,7 +130,7 @@ def confirm_commit(
     key = fmt.manifest_key(manifest.run, manifest.step)
     wanted = [(chunks, fmt.chunk_key(digest)) for digest in sorted(manifest.chunks)]
     wanted += [(store, record) for record in manifest.rank_keys()]
-    stuck: StoreUnavailableError | OSError | None = None
+    stuck: StoreError | OSError | None = None
     try:
         with save_lease(store, work=f"check of the commit {store.url}/{key}"):
             there = (pool.map if pool else map)(lambda w: w[0].exists(w[1]), wanted)
@@ -141,7 +141,7 @@ def confirm_commit(
                 return
             try:
                 where = _set_aside(store, manifest, blob)
-            except (StoreUnavailableError, OSError) as e:  # checked, and found swept: not 'could not be checked'
+            except (StoreError, OSError) as e:  # checked, and found swept: not 'could not be checked'
                 stuck = e
     except StoreUnavailableError as e:
         raise StoreUnavailableError(

@@ -13,6 +13,7 @@ import torch
 from ckptflow import Checkpointer, StoreUnavailableError, gc, open_store
 from ckptflow.catalog.commit import confirm_commit
 from ckptflow.chunks import leases
+from ckptflow.errors import StoreError, StoreFullError
 from ckptflow.format import layout as fmt
 from ckptflow.format.manifest import Manifest
 from ckptflow.lifecycle.expire import expire
@@ -112,7 +113,22 @@ class ReReadUnavailable(FaultyStore):
         raise StoreUnavailableError(f"{self.url}/{key}: the store did not answer")
 
 
-@pytest.mark.parametrize("refused", ["run lock denied", "re-read raises OSError", "re-read unavailable"])
+class QuarantineRefused(FaultyStore):
+    """A store that refuses the quarantine copy ``_set_aside`` writes: full (``StoreFullError``)
+    or denied (an S3 AccessDenied is a plain ``StoreError``)."""
+
+    error: StoreError = StoreError("")
+
+    def put_if_absent(self, key: str, data) -> bool:
+        if "/quarantine/" in key:
+            raise self.error
+        return super().put_if_absent(key, data)
+
+
+@pytest.mark.parametrize(
+    "refused",
+    ["run lock denied", "re-read raises OSError", "re-read unavailable", "copy: store full", "copy: access denied"],
+)
 def test_a_swept_commit_that_cannot_be_moved_aside_says_it_stays_committed(tmp_path, refused):
     """GC swept what the manifest names, and moving it aside failed: its run's lock file
     could not be made (a raw ``PermissionError: [Errno 1] Operation not permitted: '.../locks/runs'``
@@ -129,6 +145,13 @@ def test_a_swept_commit_that_cannot_be_moved_aside_says_it_stays_committed(tmp_p
     swept = fmt.chunk_key(sorted(manifest.chunks)[0])
     inner.delete(swept)  # what a GC that judged the writer dead swept
     store = ReReadUnavailable(inner) if refused == "re-read unavailable" else FaultyStore(inner)
+    if refused.startswith("copy:"):
+        store = QuarantineRefused(inner)
+        store.error = (
+            StoreFullError(f"{inner.url}: no space left on device", needed=len(blob))
+            if refused == "copy: store full"
+            else StoreError(f"{inner.url}: S3 PutObject failed: AccessDenied")
+        )
     if refused == "re-read raises OSError":
         store.fail_if = lambda op, name: op == "get" and name == key
     (root / "locks" / "leases").mkdir(parents=True)  # the fresh lease is written; only the run's lock is refused
