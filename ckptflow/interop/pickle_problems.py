@@ -46,13 +46,6 @@ def walk_problem(budget: PickleBudget, max_visits: int) -> str:
             "state's 0, 1, 2...) or values given to set() or Counter(), whose hashes can be chosen to probe one run "
             "of slots (each insertion would then pass all before); key such a table by strings"
         )
-    if budget.memo_crowded:
-        size, least = budget.memo_crowded, walk.MEMO_BYTES_PER_ENTRY
-        return (
-            f"writes more than {size // least} memo entries in a pickle of {size} bytes, more than one per {least} "
-            "bytes, where picklers write one per 8 bytes or more (each costs the walk ~84 bytes whatever its size: "
-            "a crafted file would take 21 times its size and more); it was crafted or damaged"
-        )
     if budget.visits > max_visits:
         return (
             f"builds values holding more than {max_visits} objects counted with all they reference (a value "

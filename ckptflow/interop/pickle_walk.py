@@ -33,11 +33,7 @@ A pickle's bytes do not bound what unpickling it and reading the result cost:
   with SIGSEGV; a state nests at most ``state_checks.MAX_NESTING`` levels anyway, so at most
   ``MAX_DEPTH``;
 - calls (``calls``), and, for torch.save's pickles, only those torch.save writes, given what
-  it gives them (``torch_save_calls``);
-- memo writes, by the pickle's own size (``memo_crowded``): the walk keeps ~84 bytes for each
-  (32 million one-byte MEMOIZEs within the objects bound took it 2.7 GB and 70 s), while
-  picklers write one per 8 bytes or more (torch.save ~11, DCP's metadata ~8.3), so at most one
-  per ``MEMO_BYTES_PER_ENTRY`` bytes: the walk's memory stays within ~21 times the pickle's.
+  it gives them (``torch_save_calls``).
 """
 
 from __future__ import annotations
@@ -68,7 +64,6 @@ from ckptflow.interop.torch_save_calls import NESTED_TENSORS, refused_call
 STRING_UNIT = 16  # bytes of a string or number that weigh as much as one object (~70 bytes built)
 # levels a value may nest: a state's (``MAX_NESTING``) twice over, and a tensor's rebuild (~10 levels)
 MAX_DEPTH = 2 * MAX_NESTING + 32
-MEMO_BYTES_PER_ENTRY = 4  # the fewest bytes of pickle per memo write (``memo_crowded``)
 
 _CALL_OPCODES = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"}
 # opcodes that build nothing: the singletons and cached small ints (a stack slot each), those that fill a
@@ -133,14 +128,12 @@ class PickleBudget:
     refused_call: str = ""  # a call torch.save does not write, or a nested tensor's rebuild: what it calls
     refilled: bool = False  # a container filled after a memo read or DUP referenced it
     altered: str = ""  # what a BUILD sets the state of that the unpickler did not construct, in words
-    memo_crowded: int = 0  # the size of a pickle writing more memo entries than one per MEMO_BYTES_PER_ENTRY bytes
 
 
 def count_built(
     f: IO[bytes],
     budget: PickleBudget,
     *,
-    size: int,
     max_calls: int,
     max_objects: int,
     max_visits: int,
@@ -152,7 +145,6 @@ def count_built(
     other object or reference an opcode, a memo written at index i as i objects, the visits
     and the keys whose hashes the file chooses the module docstring describes; and, with
     ``calls``, record the first call to anything else, or given anything else, than it allows.
-    ``size``: the pickle's bytes, which bound its memo writes (``memo_crowded``).
     The unpickler's stack is kept as ``Value``s, its marks as the stack's length at each. A
     pickler memoizes a container before filling it: the memo holds a cell (``[value, read]``)
     its fills update, so a memo read weighs all it holds (``l = [l, l]`` 40 times, 1.7 KB, was
@@ -170,7 +162,6 @@ def count_built(
     marks: list[int] = []
     memo: dict[int, Any] = {}  # a Value, or a container's cell
     refilled, altered = budget.refilled, budget.altered
-    memo_writes_left = size // MEMO_BYTES_PER_ENTRY
 
     def cell_at(position: int) -> list[Any] | None:
         return cells[position] if 0 <= position < len(cells) else None
@@ -227,7 +218,6 @@ def count_built(
             if not stack:
                 raise ValueError("a pickle memo write found an empty stack")
             index = arg if step == _MEMO_WRITE else len(memo)  # MEMOIZE writes at the memo's length
-            memo_writes_left -= 1
             objects = max(objects, first + index)
             written: Any = stack[-1]
             if not is_kind(written[1], *_NEVER_FILLED):
@@ -324,14 +314,12 @@ def count_built(
             or refused
             or refilled
             or altered
-            or memo_writes_left < 0
         ):  # fmt: skip
             break
     budget.objects, budget.calls, budget.visits, budget.collidable = objects, called, visits, collidable
     budget.depth, budget.probing = deepest, probing
     budget.refused_call = refused
     budget.refilled, budget.altered = refilled, altered
-    budget.memo_crowded = budget.memo_crowded or (size if memo_writes_left < 0 else 0)
 
 
 # what a value of these kinds is once made stays (a container's is a cell in the memo: ``count_built``)

@@ -238,7 +238,6 @@ def _count(
             count_built(
                 f,
                 budget,
-                size=entry.file_size,  # within the file: ``_check_stored``
                 max_calls=MAX_CALLS,
                 max_objects=MAX_OBJECTS,
                 max_visits=MAX_VISITS,

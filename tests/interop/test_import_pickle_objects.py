@@ -91,8 +91,7 @@ def test_memo_writes_by_memoize_count_as_objects(tmp_path, monkeypatch):
     torch.save({"w": torch.zeros(4)}, buf)
     archive = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
     body = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))[2:-1]  # no PROTO, STOP
-    pad = b"B" + (4 * LIMIT).to_bytes(4, "little") + bytes(4 * LIMIT) + b"0"  # BINBYTES, POP: within memo density
-    junk = pad + b"X\x04\x00\x00\x00junkN" + b"\x94" * LIMIT  # None, MEMOIZE...
+    junk = b"X\x04\x00\x00\x00junkN" + b"\x94" * LIMIT  # None, MEMOIZE...
     _with_pickle(tmp_path / "memoize.pt", b"\x80\x02}(X\x05\x00\x00\x00model" + body + junk + b"u.")
     with pytest.raises(CkptflowError, match=f"memoize.pt builds more objects .* than the {LIMIT} a file of"):
         importers.import_checkpoint(str(tmp_path / "store"), "r", 1, tmp_path / "memoize.pt")
