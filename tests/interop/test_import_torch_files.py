@@ -125,3 +125,15 @@ def test_state_dicts_of_nested_modules_and_their_optimizer_import(tmp_path):
         assert all(torch.equal(state[part][name], tensor) for name, tensor in saved[part].items())
     assert state["optim"]["param_groups"] == saved["optim"]["param_groups"]
     assert torch.equal(state["optim"]["state"][0]["exp_avg"], saved["optim"]["state"][0]["exp_avg"])
+
+
+def test_a_state_holding_many_empty_containers_imports(tmp_path):
+    """torch.save (pickle protocol 2) writes an empty list in 3 bytes with one memo entry
+    (while the memo index is under 256): a bound of one memo write per 4 pickle bytes refused
+    such a state as 'crafted or damaged' (150 empty per-worker queues beside a tensor: 667
+    bytes, more than 166 writes)."""
+    saved = {"w": torch.arange(4.0), "per_worker_queues": [[] for _ in range(150)], "seen": [{} for _ in range(3)]}
+    torch.save(saved, tmp_path / "queues.pt")
+    state = read_source(tmp_path / "queues.pt").state
+    assert torch.equal(state["w"], saved["w"])
+    assert state["per_worker_queues"] == saved["per_worker_queues"] and state["seen"] == saved["seen"]
